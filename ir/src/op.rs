@@ -1,0 +1,442 @@
+//! The operations of the IR and their typing rules.
+//!
+//! These are the *primitives* that importers emit. Each op documents its semantics; the reference
+//! interpreter (`crate::interp`) is the executable definition. Typing is strict: elementwise binary
+//! ops take operands of one shape and dtype (importers insert `Broadcast` and `Cast` explicitly), so
+//! that every later pass sees data movement as an op.
+
+use serde::{Deserialize, Serialize};
+
+use crate::dim::{numel, shape_to_string, Dim, Shape};
+use crate::dtype::{DType, TensorType};
+use crate::rope::RopeScaling;
+
+/// Elementwise unary operations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum UnaryOp {
+    /// `-x`
+    Neg,
+    /// `e^x`
+    Exp,
+    /// Hyperbolic tangent.
+    Tanh,
+    /// The Gauss error function.
+    Erf,
+    /// `1 / sqrt(x)`
+    Rsqrt,
+}
+
+/// Elementwise binary operations over operands of one shape and dtype.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum BinaryOp {
+    /// `a + b`
+    Add,
+    /// `a - b`
+    Sub,
+    /// `a * b`
+    Mul,
+    /// `a / b` (truncating for integers)
+    Div,
+    /// `max(a, b)`
+    Max,
+}
+
+/// Reductions over one axis; the reduced axis is kept with size 1.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ReduceOp {
+    /// Sum (accumulated in f64 by the interpreter).
+    Sum,
+    /// Maximum.
+    Max,
+    /// Arithmetic mean.
+    Mean,
+}
+
+/// An IR operation. Operands are the node's `args`, in the order each variant documents.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Op {
+    /// A run-time input named `name` (`input_ids`, `attention_mask`, `position_ids`, ...). No args.
+    Input(String),
+    /// A weight, named by its key in the checkpoint. No args.
+    Weight(String),
+    /// A scalar constant (shape `[]`) of the node's dtype. No args.
+    Scalar(f64),
+    /// Elementwise unary op on a float tensor (`Neg` also on integers). Args: `[x]`.
+    Unary(UnaryOp),
+    /// Elementwise binary op. Args: `[a, b]`, same shape and dtype.
+    Binary(BinaryOp),
+    /// `cond ? a : b` elementwise. Args: `[cond (bool), a, b]`, same shape; `a`, `b` same dtype.
+    Where,
+    /// Converts the element type, rounding to the target's precision. Args: `[x]`.
+    Cast(DType),
+    /// Reduction over `axis`, keeping it with size 1. Args: `[x]`.
+    Reduce {
+        /// The reduction.
+        op: ReduceOp,
+        /// The reduced axis.
+        axis: usize,
+    },
+    /// Batched matrix product `[.., M, K] x [.., K, N] -> [.., M, N]`; the right operand may also be
+    /// a plain `[K, N]` matrix shared by every batch. Args: `[a, b]`.
+    MatMul,
+    /// Same elements in row-major order, new shape. Args: `[x]`.
+    Reshape(Shape),
+    /// Axis permutation: output axis `i` is input axis `perm[i]`. Args: `[x]`.
+    Permute(Vec<usize>),
+    /// NumPy-style broadcast to `shape` (right-aligned; input dims equal or 1). Args: `[x]`.
+    Broadcast(Shape),
+    /// The half-open range `start..end` of `axis`. Args: `[x]`.
+    Slice {
+        /// Sliced axis.
+        axis: usize,
+        /// First index kept.
+        start: Dim,
+        /// One past the last index kept.
+        end: Dim,
+    },
+    /// Concatenation along `axis`. Args: one or more tensors of one rank and dtype.
+    Concat(usize),
+    /// Row gather (embedding lookup): `out[i.., j..] = table[ids[i..], j..]`. Args: `[table, ids]`.
+    /// An id outside `0..table.shape[0]` is an error.
+    Gather,
+    /// Additive causal mask `[rows, cols]` in f32: 0 where key `j` is visible to query `i`, i.e.
+    /// `j <= i + (cols - rows)` and, with a window `w`, `i + (cols - rows) - j < w`; `MASK_NEG`
+    /// elsewhere. No args.
+    CausalMask {
+        /// Query rows.
+        rows: Dim,
+        /// Key columns.
+        cols: Dim,
+        /// Sliding-window width (Mistral), if any.
+        window: Option<i64>,
+    },
+    /// Additive padding mask: `[B, L]` integer/bool mask (1 = token, 0 = padding) to f32
+    /// `[B, 1, 1, L]` holding 0 for tokens and `MASK_NEG` for padding. Args: `[mask]`.
+    PaddingMask,
+    /// Rotary position embedding, rotate-half form (as in Hugging Face Llama):
+    /// `out = x * cos(p * f) + rotate_half(x) * sin(p * f)` with `rotate_half(x) = [-x2, x1]`, the
+    /// frequency of column `c` being `inv_freq[c mod D/2]`. Args: `[x [B, H, L, D], positions [B, L]]`.
+    Rope {
+        /// Base of the frequencies (`rope_theta`).
+        theta: f64,
+        /// Frequency scaling (`rope_scaling` / `rope_parameters`).
+        scaling: RopeScaling,
+    },
+    /// Dropout with the Philox-4x32-10 mask of `crate::philox` (DESIGN.md section 2): an element
+    /// is kept with probability `1 - p` and scaled by `1 / (1 - p)`. Args: `[x, seed (i64 [])]`.
+    Dropout {
+        /// Drop probability in `[0, 1)`.
+        p: f64,
+        /// Per-dropout-op stream id, assigned in program order.
+        stream: u32,
+    },
+}
+
+/// The value that masks use for "not visible": finite, so that sums of masks stay finite and a
+/// softmax over a fully masked row is uniform rather than NaN.
+pub const MASK_NEG: f32 = -1.0e30;
+
+impl Op {
+    /// A short lowercase name for messages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Input(_) => "input",
+            Op::Weight(_) => "weight",
+            Op::Scalar(_) => "scalar",
+            Op::Unary(u) => match u {
+                UnaryOp::Neg => "neg",
+                UnaryOp::Exp => "exp",
+                UnaryOp::Tanh => "tanh",
+                UnaryOp::Erf => "erf",
+                UnaryOp::Rsqrt => "rsqrt",
+            },
+            Op::Binary(b) => match b {
+                BinaryOp::Add => "add",
+                BinaryOp::Sub => "sub",
+                BinaryOp::Mul => "mul",
+                BinaryOp::Div => "div",
+                BinaryOp::Max => "max",
+            },
+            Op::Where => "where",
+            Op::Cast(_) => "cast",
+            Op::Reduce { op, .. } => match op {
+                ReduceOp::Sum => "reduce_sum",
+                ReduceOp::Max => "reduce_max",
+                ReduceOp::Mean => "reduce_mean",
+            },
+            Op::MatMul => "matmul",
+            Op::Reshape(_) => "reshape",
+            Op::Permute(_) => "permute",
+            Op::Broadcast(_) => "broadcast",
+            Op::Slice { .. } => "slice",
+            Op::Concat(_) => "concat",
+            Op::Gather => "gather",
+            Op::CausalMask { .. } => "causal_mask",
+            Op::PaddingMask => "padding_mask",
+            Op::Rope { .. } => "rope",
+            Op::Dropout { .. } => "dropout",
+        }
+    }
+
+    /// True for the leaf ops whose type is declared rather than inferred.
+    pub fn is_leaf(&self) -> bool {
+        matches!(self, Op::Input(_) | Op::Weight(_) | Op::Scalar(_))
+    }
+
+    /// Infers the output type from the operand types, or says why the operands are invalid.
+    /// Leaf ops have declared types and are not inferred here.
+    pub fn infer(&self, args: &[&TensorType]) -> Result<TensorType, String> {
+        let arity = |n: usize| -> Result<(), String> {
+            if args.len() == n {
+                Ok(())
+            } else {
+                Err(format!("expects {n} operand(s), got {}", args.len()))
+            }
+        };
+        match self {
+            Op::Input(_) | Op::Weight(_) | Op::Scalar(_) => {
+                Err("leaf ops carry a declared type".into())
+            }
+            Op::Unary(u) => {
+                arity(1)?;
+                let x = args[0];
+                let ok = x.dtype.is_float() || (*u == UnaryOp::Neg && x.dtype.is_int());
+                if !ok {
+                    return Err(format!("needs a float operand, got {x}"));
+                }
+                Ok(x.clone())
+            }
+            Op::Binary(_) => {
+                arity(2)?;
+                same_type(args[0], args[1])?;
+                if args[0].dtype == DType::Bool {
+                    return Err("arithmetic on bool tensors".into());
+                }
+                Ok(args[0].clone())
+            }
+            Op::Where => {
+                arity(3)?;
+                let (c, a, b) = (args[0], args[1], args[2]);
+                if c.dtype != DType::Bool {
+                    return Err(format!("condition must be bool, got {c}"));
+                }
+                same_type(a, b)?;
+                if c.shape != a.shape {
+                    return Err(format!("condition {c} and values {a} differ in shape"));
+                }
+                Ok(a.clone())
+            }
+            Op::Cast(to) => {
+                arity(1)?;
+                Ok(TensorType::new(*to, args[0].shape.clone()))
+            }
+            Op::Reduce { axis, op } => {
+                arity(1)?;
+                let x = args[0];
+                check_axis(*axis, x.rank())?;
+                if *op != ReduceOp::Max && !x.dtype.is_float() {
+                    return Err(format!("sum/mean need a float operand, got {x}"));
+                }
+                let mut shape = x.shape.clone();
+                shape[*axis] = Dim::constant(1);
+                Ok(TensorType::new(x.dtype, shape))
+            }
+            Op::MatMul => {
+                arity(2)?;
+                let (a, b) = (args[0], args[1]);
+                if a.dtype != b.dtype || !a.dtype.is_float() {
+                    return Err(format!(
+                        "operands must share a float dtype, got {a} and {b}"
+                    ));
+                }
+                if a.rank() < 2 || b.rank() < 2 {
+                    return Err(format!("operands must have rank >= 2, got {a} and {b}"));
+                }
+                let (m, k) = (&a.shape[a.rank() - 2], &a.shape[a.rank() - 1]);
+                let (k2, n) = (&b.shape[b.rank() - 2], &b.shape[b.rank() - 1]);
+                if k != k2 {
+                    return Err(format!("contraction dims differ: {a} x {b}"));
+                }
+                if b.rank() != 2 && a.shape[..a.rank() - 2] != b.shape[..b.rank() - 2] {
+                    return Err(format!("batch dims differ: {a} x {b}"));
+                }
+                let mut shape = a.shape[..a.rank() - 2].to_vec();
+                shape.push(m.clone());
+                shape.push(n.clone());
+                Ok(TensorType::new(a.dtype, shape))
+            }
+            Op::Reshape(shape) => {
+                arity(1)?;
+                let x = args[0];
+                if numel(&x.shape) != numel(shape) {
+                    return Err(format!(
+                        "cannot reshape {x} to {}: element counts differ",
+                        shape_to_string(shape)
+                    ));
+                }
+                Ok(TensorType::new(x.dtype, shape.clone()))
+            }
+            Op::Permute(perm) => {
+                arity(1)?;
+                let x = args[0];
+                let mut seen = vec![false; x.rank()];
+                if perm.len() != x.rank() {
+                    return Err(format!("permutation {perm:?} does not fit {x}"));
+                }
+                for &p in perm {
+                    if p >= x.rank() || seen[p] {
+                        return Err(format!("{perm:?} is not a permutation of {x}'s axes"));
+                    }
+                    seen[p] = true;
+                }
+                let shape = perm.iter().map(|&p| x.shape[p].clone()).collect();
+                Ok(TensorType::new(x.dtype, shape))
+            }
+            Op::Broadcast(shape) => {
+                arity(1)?;
+                let x = args[0];
+                if x.rank() > shape.len() {
+                    return Err(format!(
+                        "cannot broadcast {x} to lower rank {}",
+                        shape_to_string(shape)
+                    ));
+                }
+                let offset = shape.len() - x.rank();
+                for (i, d) in x.shape.iter().enumerate() {
+                    if d != &shape[offset + i] && d.as_const() != Some(1) {
+                        return Err(format!(
+                            "cannot broadcast {x} to {}: axis {i} is {d}",
+                            shape_to_string(shape)
+                        ));
+                    }
+                }
+                Ok(TensorType::new(x.dtype, shape.clone()))
+            }
+            Op::Slice { axis, start, end } => {
+                arity(1)?;
+                let x = args[0];
+                check_axis(*axis, x.rank())?;
+                let len = end.clone() - start.clone();
+                if let (Some(s), Some(e)) = (start.as_const(), end.as_const()) {
+                    if s < 0 || e < s {
+                        return Err(format!("bad slice {start}..{end}"));
+                    }
+                }
+                if let (Some(e), Some(n)) = (end.as_const(), x.shape[*axis].as_const()) {
+                    if e > n {
+                        return Err(format!("slice end {e} exceeds axis {axis} of {x}"));
+                    }
+                }
+                let mut shape = x.shape.clone();
+                shape[*axis] = len;
+                Ok(TensorType::new(x.dtype, shape))
+            }
+            Op::Concat(axis) => {
+                let first = args.first().ok_or("concat of zero tensors")?;
+                check_axis(*axis, first.rank())?;
+                let mut total = Dim::constant(0);
+                for t in args {
+                    let compatible = t.dtype == first.dtype
+                        && t.rank() == first.rank()
+                        && (0..t.rank()).all(|i| i == *axis || t.shape[i] == first.shape[i]);
+                    if !compatible {
+                        return Err(format!("cannot concat {t} with {first} on axis {axis}"));
+                    }
+                    total = total + t.shape[*axis].clone();
+                }
+                let mut shape = first.shape.clone();
+                shape[*axis] = total;
+                Ok(TensorType::new(first.dtype, shape))
+            }
+            Op::Gather => {
+                arity(2)?;
+                let (table, ids) = (args[0], args[1]);
+                if !ids.dtype.is_int() {
+                    return Err(format!("ids must be integers, got {ids}"));
+                }
+                if table.rank() < 1 {
+                    return Err("table must have rank >= 1".into());
+                }
+                let mut shape = ids.shape.clone();
+                shape.extend_from_slice(&table.shape[1..]);
+                Ok(TensorType::new(table.dtype, shape))
+            }
+            Op::CausalMask { rows, cols, window } => {
+                arity(0)?;
+                if window.is_some_and(|w| w < 1) {
+                    return Err(format!("window must be >= 1, got {window:?}"));
+                }
+                Ok(TensorType::new(
+                    DType::F32,
+                    vec![rows.clone(), cols.clone()],
+                ))
+            }
+            Op::PaddingMask => {
+                arity(1)?;
+                let m = args[0];
+                if m.rank() != 2 || !(m.dtype.is_int() || m.dtype == DType::Bool) {
+                    return Err(format!("mask must be an integer [B, L] tensor, got {m}"));
+                }
+                let one = Dim::constant(1);
+                Ok(TensorType::new(
+                    DType::F32,
+                    vec![m.shape[0].clone(), one.clone(), one, m.shape[1].clone()],
+                ))
+            }
+            Op::Rope { theta, scaling } => {
+                arity(2)?;
+                let (x, pos) = (args[0], args[1]);
+                if !x.dtype.is_float() || x.rank() != 4 {
+                    return Err(format!("x must be a float [B, H, L, D] tensor, got {x}"));
+                }
+                if !pos.dtype.is_int()
+                    || pos.rank() != 2
+                    || pos.shape[0] != x.shape[0]
+                    || pos.shape[1] != x.shape[2]
+                {
+                    return Err(format!(
+                        "positions must be integer [B, L] for {x}, got {pos}"
+                    ));
+                }
+                if x.shape[3].as_const().is_none_or(|d| d % 2 != 0) {
+                    return Err(format!("head dim of {x} must be a known even number"));
+                }
+                if theta.is_nan() || *theta <= 0.0 {
+                    return Err(format!("theta must be positive, got {theta}"));
+                }
+                scaling.validate()?;
+                Ok(x.clone())
+            }
+            Op::Dropout { p, .. } => {
+                arity(2)?;
+                let (x, seed) = (args[0], args[1]);
+                if !x.dtype.is_float() {
+                    return Err(format!("x must be float, got {x}"));
+                }
+                if seed.dtype != DType::I64 || seed.rank() != 0 {
+                    return Err(format!("seed must be an i64 scalar, got {seed}"));
+                }
+                if !(0.0..1.0).contains(p) {
+                    return Err(format!("p must be in [0, 1), got {p}"));
+                }
+                Ok(x.clone())
+            }
+        }
+    }
+}
+
+fn same_type(a: &TensorType, b: &TensorType) -> Result<(), String> {
+    if a == b {
+        Ok(())
+    } else {
+        Err(format!("operands differ: {a} vs {b}"))
+    }
+}
+
+fn check_axis(axis: usize, rank: usize) -> Result<(), String> {
+    if axis < rank {
+        Ok(())
+    } else {
+        Err(format!("axis {axis} out of range for rank {rank}"))
+    }
+}

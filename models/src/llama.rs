@@ -1,0 +1,263 @@
+//! The Llama family: `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`. RMSNorm, RoPE
+//! (with `rope_theta` and the default / linear / llama3 scalings), grouped-query attention (GQA and
+//! MQA: K/V heads broadcast to their query groups), SwiGLU MLP, optional Q/K/V bias, tied or untied
+//! embeddings, Mistral's sliding window. Weight names mirror the Hugging Face keys
+//! (`model.layers.{i}.self_attn.q_proj`).
+
+use kiln_ir::{Op, RopeScaling};
+use serde_json::Value;
+
+use crate::config::Config;
+use crate::layers::{Activation, ModelBuilder};
+use crate::{ModelError, ModelKind};
+
+/// Which member of the family a checkpoint is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LlamaFlavor {
+    /// `LlamaForCausalLM`
+    Llama,
+    /// `MistralForCausalLM`
+    Mistral,
+    /// `Qwen2ForCausalLM`
+    Qwen2,
+}
+
+/// Llama-family hyper-parameters from `config.json`.
+#[derive(Clone, Debug)]
+pub struct LlamaConfig {
+    /// The family member.
+    pub flavor: LlamaFlavor,
+    /// `vocab_size`
+    pub vocab_size: usize,
+    /// `hidden_size`
+    pub hidden: usize,
+    /// `intermediate_size`
+    pub intermediate: usize,
+    /// `num_hidden_layers`
+    pub layers: usize,
+    /// `num_attention_heads`
+    pub heads: usize,
+    /// `num_key_value_heads` (default: `num_attention_heads`)
+    pub kv_heads: usize,
+    /// `head_dim` (default: `hidden_size / num_attention_heads`)
+    pub head_dim: usize,
+    /// `rms_norm_eps`
+    pub eps: f64,
+    /// `rope_theta` (or `rope_parameters.rope_theta`)
+    pub rope_theta: f64,
+    /// `rope_scaling` / `rope_parameters.rope_type`
+    pub rope_scaling: RopeScaling,
+    /// Bias on the Q/K/V projections (Qwen2 always; Llama with `attention_bias`).
+    pub qkv_bias: bool,
+    /// Bias on the output projection (Llama with `attention_bias`).
+    pub o_bias: bool,
+    /// `mlp_bias` (Llama)
+    pub mlp_bias: bool,
+    /// `tie_word_embeddings`
+    pub tied: bool,
+    /// `sliding_window` (Mistral)
+    pub sliding_window: Option<i64>,
+}
+
+impl LlamaConfig {
+    /// Reads and validates the fields the family uses.
+    pub fn from_config(c: &Config, flavor: LlamaFlavor) -> Result<LlamaConfig, ModelError> {
+        let hidden = c.usize("hidden_size")?;
+        let heads = c.usize("num_attention_heads")?;
+        let kv_heads = c.opt_usize("num_key_value_heads")?.unwrap_or(heads);
+        if heads % kv_heads != 0 {
+            return Err(ModelError::Config {
+                field: "num_key_value_heads".into(),
+                message: format!("= {kv_heads} does not divide num_attention_heads {heads}"),
+            });
+        }
+        let head_dim = match c.opt_usize("head_dim")? {
+            Some(d) => d,
+            None if hidden % heads == 0 => hidden / heads,
+            None => {
+                return Err(ModelError::Config {
+                    field: "num_attention_heads".into(),
+                    message: format!("= {heads} does not divide hidden_size {hidden}"),
+                })
+            }
+        };
+        if head_dim % 2 != 0 {
+            return Err(ModelError::Config {
+                field: "head_dim".into(),
+                message: format!("= {head_dim} is odd; rotary embeddings need an even head dim"),
+            });
+        }
+        if Activation::from_config(c, "hidden_act")? != Activation::Silu {
+            return Err(c.unsupported("hidden_act", "the Llama family's MLP is SwiGLU with silu"));
+        }
+        if c.f64_or("partial_rotary_factor", 1.0)? != 1.0 {
+            return Err(c.unsupported("partial_rotary_factor", "only full rotary embeddings"));
+        }
+        let (rope_theta, rope_scaling) = rope(c)?;
+        let attention_bias = c.bool_or("attention_bias", false)?;
+        let sliding_window = match flavor {
+            LlamaFlavor::Mistral => c.opt_usize("sliding_window")?.map(|w| w as i64),
+            LlamaFlavor::Qwen2 if c.bool_or("use_sliding_window", false)? => {
+                return Err(c.unsupported("use_sliding_window", "Qwen2 sliding-window layers"))
+            }
+            _ => None,
+        };
+        Ok(LlamaConfig {
+            flavor,
+            vocab_size: c.usize("vocab_size")?,
+            hidden,
+            intermediate: c.usize("intermediate_size")?,
+            layers: c.usize("num_hidden_layers")?,
+            heads,
+            kv_heads,
+            head_dim,
+            eps: c.f64_or("rms_norm_eps", 1e-6)?,
+            rope_theta,
+            rope_scaling,
+            qkv_bias: flavor == LlamaFlavor::Qwen2 || attention_bias,
+            o_bias: flavor == LlamaFlavor::Llama && attention_bias,
+            mlp_bias: flavor == LlamaFlavor::Llama && c.bool_or("mlp_bias", false)?,
+            tied: c.bool_or("tie_word_embeddings", flavor == LlamaFlavor::Qwen2)?,
+            sliding_window,
+        })
+    }
+}
+
+/// Reads the rotary base and scaling from `rope_parameters` (transformers 5) or
+/// `rope_theta` + `rope_scaling` (earlier versions).
+fn rope(c: &Config) -> Result<(f64, RopeScaling), ModelError> {
+    let (field, params) = match (c.get("rope_parameters"), c.get("rope_scaling")) {
+        (Some(p), _) => ("rope_parameters", Some(p)),
+        (None, Some(p)) => ("rope_scaling", Some(p)),
+        (None, None) => ("rope_scaling", None),
+    };
+    let num = |key: &str| -> Result<Option<f64>, ModelError> {
+        match params.and_then(|p| p.get(key)) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| ModelError::Config {
+                field: format!("{field}.{key}"),
+                message: format!("is {v}, expected a number"),
+            }),
+        }
+    };
+    let need = |key: &str| -> Result<f64, ModelError> {
+        num(key)?.ok_or_else(|| ModelError::Config {
+            field: format!("{field}.{key}"),
+            message: "is missing".into(),
+        })
+    };
+    let theta = match num("rope_theta")? {
+        Some(t) => t,
+        None => c.f64_or("rope_theta", 10000.0)?,
+    };
+    if theta.is_nan() || theta <= 0.0 {
+        return Err(ModelError::Config {
+            field: "rope_theta".into(),
+            message: format!("= {theta} must be positive"),
+        });
+    }
+    let kind = params
+        .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    let scaling = match kind {
+        "default" => RopeScaling::None,
+        "linear" => RopeScaling::Linear {
+            factor: need("factor")?,
+        },
+        "llama3" => RopeScaling::Llama3 {
+            factor: need("factor")?,
+            low_freq_factor: need("low_freq_factor")?,
+            high_freq_factor: need("high_freq_factor")?,
+            original_max_position_embeddings: need("original_max_position_embeddings")?,
+        },
+        other => {
+            return Err(ModelError::Config {
+                field: format!("{field}.rope_type"),
+                message: format!("= \"{other}\" is not supported (default, linear, llama3)"),
+            })
+        }
+    };
+    scaling.validate().map_err(|message| ModelError::Config {
+        field: field.into(),
+        message,
+    })?;
+    Ok((theta, scaling))
+}
+
+/// Builds the graph: inputs `input_ids`, `attention_mask`, `position_ids` `[B, S]`, output
+/// `logits` `[B, S, vocab]`.
+pub fn build(mb: &mut ModelBuilder, cfg: &LlamaConfig) -> Result<ModelKind, ModelError> {
+    let (e, v, d) = (cfg.hidden, cfg.vocab_size, cfg.head_dim);
+    let (h, kvh) = (cfg.heads, cfg.kv_heads);
+    let (ids, mask, pos) = mb.decoder_inputs()?;
+    let embed = mb.weight("model.embed_tokens.weight", &[v, e])?;
+    let mut x = mb.g.add(Op::Gather, &[embed, ids])?;
+    let attn_mask = mb.decoder_mask(mask, cfg.sliding_window)?;
+    let rope_op = Op::Rope {
+        theta: cfg.rope_theta,
+        scaling: cfg.rope_scaling.clone(),
+    };
+    for i in 0..cfg.layers {
+        let p = format!("model.layers.{i}");
+        let n = mb.rms_norm(x, &format!("{p}.input_layernorm.weight"), e, cfg.eps)?;
+        let q = mb.linear(n, &format!("{p}.self_attn.q_proj"), e, h * d, cfg.qkv_bias)?;
+        let k = mb.linear(
+            n,
+            &format!("{p}.self_attn.k_proj"),
+            e,
+            kvh * d,
+            cfg.qkv_bias,
+        )?;
+        let vv = mb.linear(
+            n,
+            &format!("{p}.self_attn.v_proj"),
+            e,
+            kvh * d,
+            cfg.qkv_bias,
+        )?;
+        let q = mb.split_heads(q, h, d)?;
+        let k = mb.split_heads(k, kvh, d)?;
+        let vv = mb.split_heads(vv, kvh, d)?;
+        let q = mb.g.add(rope_op.clone(), &[q, pos])?;
+        let k = mb.g.add(rope_op.clone(), &[k, pos])?;
+        let k = mb.repeat_kv(k, kvh, h, d)?;
+        let vv = mb.repeat_kv(vv, kvh, h, d)?;
+        let ctx = mb.attention(q, k, vv, attn_mask, 1.0 / (d as f64).sqrt())?;
+        let merged = mb.merge_heads(ctx, h, d)?;
+        let o = mb.linear(
+            merged,
+            &format!("{p}.self_attn.o_proj"),
+            h * d,
+            e,
+            cfg.o_bias,
+        )?;
+        x = mb.g.add_(x, o)?;
+        let n = mb.rms_norm(
+            x,
+            &format!("{p}.post_attention_layernorm.weight"),
+            e,
+            cfg.eps,
+        )?;
+        let m = cfg.intermediate;
+        let gate = mb.linear(n, &format!("{p}.mlp.gate_proj"), e, m, cfg.mlp_bias)?;
+        let up = mb.linear(n, &format!("{p}.mlp.up_proj"), e, m, cfg.mlp_bias)?;
+        let act = mb.activation(gate, Activation::Silu)?;
+        let gated = mb.g.mul(act, up)?;
+        let down = mb.linear(gated, &format!("{p}.mlp.down_proj"), m, e, cfg.mlp_bias)?;
+        x = mb.g.add_(x, down)?;
+    }
+    let n = mb.rms_norm(x, "model.norm.weight", e, cfg.eps)?;
+    let head = if cfg.tied {
+        embed
+    } else {
+        mb.weight("lm_head.weight", &[v, e])?
+    };
+    let head_t = mb.g.transpose_last(head)?;
+    let logits = mb.g.matmul(n, head_t)?;
+    mb.g.set_output("logits", logits)?;
+    Ok(ModelKind::Decoder {
+        vocab_size: v,
+        max_positions: None,
+    })
+}
