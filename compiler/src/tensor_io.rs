@@ -69,15 +69,36 @@ fn le_chunks<const N: usize>(data: &[u8]) -> impl Iterator<Item = [u8; N]> + '_ 
     })
 }
 
-/// Writes float tensors as f32 and integer tensors as i64 into a safetensors file. The file is
+/// Writes tensors into a safetensors file, each in its own dtype. The file is
 /// written beside its destination and renamed into place, so a failure leaves nothing half-written.
 pub fn write_tensors(path: &Path, tensors: &BTreeMap<String, Tensor>) -> Result<()> {
     let encoded: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = tensors
         .iter()
         .map(|(name, t)| {
-            let (dtype, bytes) = match &t.data {
-                Data::Float(v) => (Dtype::F32, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
-                Data::Int(v) => (Dtype::I64, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+            let (dtype, bytes): (Dtype, Vec<u8>) = match (&t.data, t.dtype) {
+                (Data::Float(v), DType::F16) => (
+                    Dtype::F16,
+                    v.iter()
+                        .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
+                        .collect(),
+                ),
+                (Data::Float(v), DType::BF16) => (
+                    Dtype::BF16,
+                    v.iter()
+                        .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+                        .collect(),
+                ),
+                (Data::Float(v), _) => {
+                    (Dtype::F32, v.iter().flat_map(|x| x.to_le_bytes()).collect())
+                }
+                (Data::Int(v), DType::I32) => (
+                    Dtype::I32,
+                    v.iter().flat_map(|x| (*x as i32).to_le_bytes()).collect(),
+                ),
+                (Data::Int(v), DType::Bool) => {
+                    (Dtype::BOOL, v.iter().map(|x| u8::from(*x != 0)).collect())
+                }
+                (Data::Int(v), _) => (Dtype::I64, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
             };
             (name.clone(), dtype, t.shape.clone(), bytes)
         })

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 pub enum RopeScaling {
     /// `rope_type: "default"`: `inv_freq[i] = theta^(-2i / D)`.
     #[default]
-    None,
+    Default,
     /// `rope_type: "linear"`: every frequency divided by `factor`.
     Linear {
         /// Position interpolation factor.
@@ -31,7 +31,7 @@ impl RopeScaling {
     /// Checks the parameters, saying which one is out of range.
     pub fn validate(&self) -> Result<(), String> {
         match self {
-            RopeScaling::None => Ok(()),
+            RopeScaling::Default => Ok(()),
             RopeScaling::Linear { factor } if *factor > 0.0 => Ok(()),
             RopeScaling::Linear { factor } => Err(format!("rope factor must be > 0, got {factor}")),
             RopeScaling::Llama3 {
@@ -60,7 +60,7 @@ impl RopeScaling {
             .map(|i| {
                 let base = theta.powf(-((2 * i) as f64) / head_dim as f64);
                 match self {
-                    RopeScaling::None => base,
+                    RopeScaling::Default => base,
                     RopeScaling::Linear { factor } => base / factor,
                     RopeScaling::Llama3 {
                         factor,
@@ -93,7 +93,7 @@ mod tests {
 
     #[test]
     fn default_frequencies_follow_theta() {
-        let f = RopeScaling::None.inv_freq(10000.0, 8);
+        let f = RopeScaling::Default.inv_freq(10000.0, 8);
         assert_eq!(f.len(), 4);
         assert!((f[0] - 1.0).abs() < 1e-15);
         assert!((f[1] - 10000f64.powf(-0.25)).abs() < 1e-15);
@@ -107,7 +107,7 @@ mod tests {
             high_freq_factor: 4.0,
             original_max_position_embeddings: 8192.0,
         };
-        let base = RopeScaling::None.inv_freq(500000.0, 64);
+        let base = RopeScaling::Default.inv_freq(500000.0, 64);
         let scaled = s.inv_freq(500000.0, 64);
         assert_eq!(scaled[0], base[0], "the highest frequency is kept");
         let last = base.len() - 1;

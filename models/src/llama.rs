@@ -117,7 +117,7 @@ impl LlamaConfig {
             qkv_bias: flavor == LlamaFlavor::Qwen2 || attention_bias,
             o_bias: flavor == LlamaFlavor::Llama && attention_bias,
             mlp_bias: flavor == LlamaFlavor::Llama && c.bool_or("mlp_bias", false)?,
-            tied: c.bool_or("tie_word_embeddings", flavor == LlamaFlavor::Qwen2)?,
+            tied: c.bool_or("tie_word_embeddings", false)?,
             sliding_window,
         })
     }
@@ -161,7 +161,7 @@ fn rope(c: &Config) -> Result<(f64, RopeScaling), ModelError> {
         .and_then(Value::as_str)
         .unwrap_or("default");
     let scaling = match kind {
-        "default" => RopeScaling::None,
+        "default" => RopeScaling::Default,
         "linear" => RopeScaling::Linear {
             factor: need("factor")?,
         },

@@ -110,3 +110,85 @@ pub fn argmax(v: &[f32]) -> usize {
         )
         .0
 }
+
+/// A checkpoint's tensors as `(shape, f32 values)`, by key.
+pub type TensorMap = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
+
+/// Copies checkpoint `src` into `dst`, letting `edit` change its config and tensors, and writes the
+/// tensors as `dtype` (`F32`, `F16` or `BF16`) into `shards` files (an index file when > 1).
+pub fn rewrite_checkpoint(
+    src: &Path,
+    dst: &Path,
+    dtype: safetensors::Dtype,
+    shards: usize,
+    edit: impl FnOnce(&mut serde_json::Value, &mut TensorMap),
+) {
+    let ckpt = kiln_models::Checkpoint::open(src).expect("source checkpoint opens");
+    let mut config = ckpt.config().clone();
+    let names: Vec<String> = {
+        let text = std::fs::read(src.join("model.safetensors")).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&text).unwrap();
+        st.names().into_iter().map(str::to_string).collect()
+    };
+    let mut tensors: TensorMap = names
+        .into_iter()
+        .filter(|n| ckpt.read_f32(n).is_ok())
+        .map(|n| {
+            let shape = ckpt.shape(&n).unwrap().to_vec();
+            let values = ckpt.read_f32(&n).unwrap();
+            (n, (shape, values))
+        })
+        .collect();
+    edit(&mut config, &mut tensors);
+    std::fs::create_dir_all(dst).unwrap();
+    std::fs::write(
+        dst.join("config.json"),
+        serde_json::to_string_pretty(&config).unwrap(),
+    )
+    .unwrap();
+    let encode = |values: &[f32]| -> Vec<u8> {
+        match dtype {
+            safetensors::Dtype::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            safetensors::Dtype::F16 => values
+                .iter()
+                .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+                .collect(),
+            safetensors::Dtype::BF16 => values
+                .iter()
+                .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                .collect(),
+            other => panic!("rewrite_checkpoint writes floats, not {other:?}"),
+        }
+    };
+    let keys: Vec<&String> = tensors.keys().collect();
+    let per_shard = keys.len().div_ceil(shards.max(1));
+    let mut weight_map = serde_json::Map::new();
+    for (i, chunk) in keys.chunks(per_shard).enumerate() {
+        let file = if shards > 1 {
+            format!("model-{:05}-of-{:05}.safetensors", i + 1, shards)
+        } else {
+            "model.safetensors".to_string()
+        };
+        let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = chunk
+            .iter()
+            .map(|k| ((*k).clone(), tensors[*k].0.clone(), encode(&tensors[*k].1)))
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView)> = bytes
+            .iter()
+            .map(|(k, shape, b)| {
+                (
+                    k.clone(),
+                    safetensors::tensor::TensorView::new(dtype, shape.clone(), b).unwrap(),
+                )
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, &dst.join(&file)).unwrap();
+        for k in chunk {
+            weight_map.insert((*k).clone(), serde_json::Value::String(file.clone()));
+        }
+    }
+    if shards > 1 {
+        let index = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
+        std::fs::write(dst.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    }
+}
