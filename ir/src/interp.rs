@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::dim::shape_to_string;
+use crate::dim::{shape_to_string, Dim};
 use crate::dtype::TensorType;
 use crate::graph::{Graph, Node, NodeId};
 use crate::op::{BinaryOp, Op, ReduceOp, UnaryOp, MASK_NEG};
@@ -225,6 +225,14 @@ fn eval_op(
 ) -> Result<Tensor, String> {
     Ok(match &node.op {
         Op::Input(_) | Op::Weight(_) => unreachable!("handled by evaluate"),
+        Op::Softmax
+        | Op::SoftmaxDropout { .. }
+        | Op::Activation(_)
+        | Op::RepeatKv { .. }
+        | Op::Norm(_)
+        | Op::Gemm(_)
+        | Op::Attention(_)
+        | Op::Embedding(_) => return eval_kernel(node, args),
         Op::Scalar(v) => match node.ty.dtype.is_float() {
             true => float_out(node, shape, vec![*v as f32]),
             false => Tensor::int(node.ty.dtype, vec![], vec![*v as i64]),
@@ -392,6 +400,24 @@ fn eval_op(
         Op::Rope { theta, scaling } => rope(node, args[0], args[1], *theta, scaling, shape),
         Op::Dropout { p, stream } => dropout(node, args[0], args[1], *p, *stream, shape)?,
     })
+}
+
+/// A kernel node means its decomposition: build it over the operands and evaluate it.
+fn eval_kernel(node: &Node, args: &[&Tensor]) -> Result<Tensor, String> {
+    let mut g = Graph::new();
+    let mut inputs = BTreeMap::new();
+    let mut ids = Vec::with_capacity(args.len());
+    for (i, t) in args.iter().enumerate() {
+        let name = format!("arg{i}");
+        let shape = t.shape.iter().map(|&d| Dim::from(d)).collect();
+        ids.push(g.input(&name, t.dtype, shape).map_err(|e| e.to_string())?);
+        inputs.insert(name, (*t).clone());
+    }
+    let out = node.op.decompose(&mut g, &ids).map_err(|e| e.to_string())?;
+    g.set_output("out", out).map_err(|e| e.to_string())?;
+    let mut result = evaluate(&g, &inputs, &BTreeMap::<String, Arc<Tensor>>::new())
+        .map_err(|e| format!("in its decomposition: {e}"))?;
+    Ok(result.remove("out").expect("the decomposition's output"))
 }
 
 fn concat<T: Copy>(parts: &[&[T]], args: &[&Tensor], axis: usize, outer: usize) -> Vec<T> {

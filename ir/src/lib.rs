@@ -4,6 +4,7 @@
 //! - [`dtype`]: element and tensor types;
 //! - [`op`]: the primitive ops and their typing rules;
 //! - [`graph`]: the SSA graph (petgraph), its builder and its RON text form;
+//! - [`kernel`]: the kernel ops the compiler extracts, each defined by its decomposition;
 //! - [`interp`]: the reference interpreter, the definition of every op;
 //! - [`philox`]: Philox-4x32-10 and the dropout mask every backend shares;
 //! - [`rope`]: rotary embedding frequencies.
@@ -14,6 +15,7 @@ pub mod dim;
 pub mod dtype;
 pub mod graph;
 pub mod interp;
+pub mod kernel;
 pub mod op;
 pub mod philox;
 pub mod rope;

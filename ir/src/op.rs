@@ -9,6 +9,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::dim::{numel, shape_to_string, Dim, Shape};
 use crate::dtype::{DType, TensorType};
+use crate::graph::Graph;
+use crate::kernel::{self, Activation, AttentionSpec, EmbeddingSpec, GemmSpec, NormSpec};
 use crate::rope::RopeScaling;
 
 /// Elementwise unary operations.
@@ -130,6 +132,33 @@ pub enum Op {
         /// Per-dropout-op stream id, assigned in program order.
         stream: u32,
     },
+
+    // ----- Kernel ops (`crate::kernel`): each means its decomposition into the primitives above.
+    /// Softmax over the last axis. Args: `[x]`.
+    Softmax,
+    /// Softmax over the last axis, then dropout. Args: `[x, seed]`.
+    SoftmaxDropout {
+        /// Drop probability.
+        p: f64,
+        /// Dropout stream id.
+        stream: u32,
+    },
+    /// An elementwise activation. Args: `[x]`.
+    Activation(Activation),
+    /// K/V heads repeated for their query groups, `[B, KVH, T, D] -> [B, KVH * groups, T, D]`
+    /// (a broadcast view). Args: `[x]`.
+    RepeatKv {
+        /// Query heads per K/V head.
+        groups: usize,
+    },
+    /// LayerNorm / RMSNorm, optionally of `x + residual`. See `NormSpec`.
+    Norm(NormSpec),
+    /// Matrix product with a fused epilogue. See `GemmSpec`.
+    Gemm(GemmSpec),
+    /// Fused attention. See `AttentionSpec`.
+    Attention(AttentionSpec),
+    /// Summed embedding lookups. See `EmbeddingSpec`.
+    Embedding(EmbeddingSpec),
 }
 
 /// The value that masks use for "not visible": finite, so that sums of masks stay finite and a
@@ -175,12 +204,48 @@ impl Op {
             Op::PaddingMask => "padding_mask",
             Op::Rope { .. } => "rope",
             Op::Dropout { .. } => "dropout",
+            Op::Softmax => "softmax",
+            Op::SoftmaxDropout { .. } => "softmax_dropout",
+            Op::Activation(_) => "activation",
+            Op::RepeatKv { .. } => "repeat_kv",
+            Op::Norm(_) => "norm",
+            Op::Gemm(_) => "gemm",
+            Op::Attention(_) => "attention",
+            Op::Embedding(_) => "embedding",
         }
     }
 
     /// True for the leaf ops whose type is declared rather than inferred.
     pub fn is_leaf(&self) -> bool {
         matches!(self, Op::Input(_) | Op::Weight(_) | Op::Scalar(_))
+    }
+
+    /// True for the kernel ops, which are defined by `decompose`.
+    pub fn is_kernel(&self) -> bool {
+        matches!(
+            self,
+            Op::Softmax
+                | Op::SoftmaxDropout { .. }
+                | Op::Activation(_)
+                | Op::RepeatKv { .. }
+                | Op::Norm(_)
+                | Op::Gemm(_)
+                | Op::Attention(_)
+                | Op::Embedding(_)
+        )
+    }
+
+    /// Appends the primitive decomposition of kernel op `self` applied to `args` to `g` and
+    /// returns its result. This is the definition of every kernel op.
+    ///
+    /// # Panics
+    /// If `self` is not a kernel op.
+    pub fn decompose(
+        &self,
+        g: &mut Graph,
+        args: &[crate::NodeId],
+    ) -> Result<crate::NodeId, crate::IrError> {
+        kernel::decompose(self, g, args)
     }
 
     /// Infers the output type from the operand types, or says why the operands are invalid.
@@ -196,6 +261,29 @@ impl Op {
         match self {
             Op::Input(_) | Op::Weight(_) | Op::Scalar(_) => {
                 Err("leaf ops carry a declared type".into())
+            }
+            Op::Softmax
+            | Op::SoftmaxDropout { .. }
+            | Op::Activation(_)
+            | Op::RepeatKv { .. }
+            | Op::Norm(_)
+            | Op::Gemm(_)
+            | Op::Attention(_)
+            | Op::Embedding(_) => {
+                // The type of a kernel op is the type of its decomposition.
+                let mut g = Graph::new();
+                let mut ids = Vec::with_capacity(args.len());
+                for (i, t) in args.iter().enumerate() {
+                    ids.push(
+                        g.input(&format!("arg{i}"), t.dtype, t.shape.clone())
+                            .map_err(|e| e.to_string())?,
+                    );
+                }
+                let out = self.decompose(&mut g, &ids).map_err(|e| match e {
+                    crate::IrError::Type { op, message, .. } => format!("in {op}: {message}"),
+                    other => other.to_string(),
+                })?;
+                Ok(g.ty(out).clone())
             }
             Op::Unary(u) => {
                 arity(1)?;

@@ -10,7 +10,9 @@ use serde_json::Value;
 
 use crate::checkpoint::read_json;
 use crate::config::Config;
-use crate::layers::{Activation, ModelBuilder, COMPUTE};
+use kiln_ir::kernel::Activation;
+
+use crate::layers::{activation_from_config, ModelBuilder, COMPUTE};
 use crate::{ModelError, ModelKind};
 
 /// BERT hyper-parameters from `config.json`.
@@ -63,7 +65,7 @@ impl BertConfig {
             intermediate: c.usize("intermediate_size")?,
             max_positions: c.usize("max_position_embeddings")?,
             type_vocab_size: c.usize("type_vocab_size")?,
-            activation: Activation::from_config(c, "hidden_act")?,
+            activation: activation_from_config(c, "hidden_act")?,
             eps: c.f64_or("layer_norm_eps", 1e-12)?,
         })
     }
@@ -190,12 +192,23 @@ pub fn build(mb: &mut ModelBuilder, cfg: &BertConfig) -> Result<ModelKind, Model
         e,
         cfg.eps,
     )?;
-    let attn_mask = mb.g.add(Op::PaddingMask, &[mask])?;
+    let attn_mask = mb.padding_mask(mask)?;
     for i in 0..cfg.layers {
         let l = format!("{root}encoder.layer.{i}");
-        let q = mb.linear(h, &format!("{l}.attention.self.query"), e, e, true)?;
-        let k = mb.linear(h, &format!("{l}.attention.self.key"), e, e, true)?;
-        let v = mb.linear(h, &format!("{l}.attention.self.value"), e, e, true)?;
+        let a = format!("{l}.attention.self");
+        let qkv = mb.fused_linear(
+            h,
+            &[
+                (&format!("{a}.query"), e),
+                (&format!("{a}.key"), e),
+                (&format!("{a}.value"), e),
+            ],
+            e,
+            true,
+        )?;
+        let [q, k, v] = mb.split_last(qkv, &[e, e, e])?[..] else {
+            unreachable!("three parts")
+        };
         let q = mb.split_heads(q, heads, d)?;
         let k = mb.split_heads(k, heads, d)?;
         let v = mb.split_heads(v, heads, d)?;

@@ -4,7 +4,9 @@
 use kiln_ir::{Dim, NodeId};
 
 use crate::config::Config;
-use crate::layers::{Activation, ModelBuilder};
+use kiln_ir::kernel::Activation;
+
+use crate::layers::{activation_from_config, ModelBuilder};
 use crate::{ModelError, ModelKind};
 
 /// GPT-2 hyper-parameters from `config.json`.
@@ -52,7 +54,7 @@ impl Gpt2Config {
             layers: c.usize("n_layer")?,
             max_positions: c.usize("n_positions")?,
             inner: c.opt_usize("n_inner")?.unwrap_or(4 * hidden),
-            activation: Activation::from_config(c, "activation_function")?,
+            activation: activation_from_config(c, "activation_function")?,
             eps: c.f64_or("layer_norm_epsilon", 1e-5)?,
             scale_attn_weights: c.bool_or("scale_attn_weights", true)?,
             scale_by_layer: c.bool_or("scale_attn_by_inverse_layer_idx", false)?,

@@ -3,7 +3,8 @@
 //! checks that each key exists with the expected shape.
 
 use kiln_ir::dim::{BATCH, SEQ};
-use kiln_ir::{BinaryOp, DType, Dim, Graph, NodeId, Op, ReduceOp, UnaryOp};
+use kiln_ir::kernel::{self, Activation};
+use kiln_ir::{DType, Dim, Graph, NodeId, Op};
 
 use crate::checkpoint::Checkpoint;
 use crate::config::Config;
@@ -19,32 +20,17 @@ pub struct ModelBuilder<'a> {
     ckpt: &'a Checkpoint,
 }
 
-/// The activation functions Hugging Face configs name.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Activation {
-    /// `gelu`: exact, `0.5 x (1 + erf(x / sqrt 2))`.
-    GeluErf,
-    /// `gelu_new`, `gelu_pytorch_tanh`, `gelu_fast`: the tanh approximation.
-    GeluTanh,
-    /// `relu`.
-    Relu,
-    /// `silu` / `swish`: `x * sigmoid(x)`.
-    Silu,
-}
-
-impl Activation {
-    /// Reads the activation named by config field `field`.
-    pub fn from_config(config: &Config, field: &str) -> Result<Activation, ModelError> {
-        match config.opt_str(field)? {
-            Some("gelu") => Ok(Activation::GeluErf),
-            Some("gelu_new" | "gelu_pytorch_tanh" | "gelu_fast") => Ok(Activation::GeluTanh),
-            Some("relu") => Ok(Activation::Relu),
-            Some("silu" | "swish") => Ok(Activation::Silu),
-            _ => Err(config.unsupported(
-                field,
-                "kiln knows gelu, gelu_new, gelu_pytorch_tanh, gelu_fast, relu, silu",
-            )),
-        }
+/// Reads the activation named by config field `field`.
+pub fn activation_from_config(config: &Config, field: &str) -> Result<Activation, ModelError> {
+    match config.opt_str(field)? {
+        Some("gelu") => Ok(Activation::GeluErf),
+        Some("gelu_new" | "gelu_pytorch_tanh" | "gelu_fast") => Ok(Activation::GeluTanh),
+        Some("relu") => Ok(Activation::Relu),
+        Some("silu" | "swish") => Ok(Activation::Silu),
+        _ => Err(config.unsupported(
+            field,
+            "kiln knows gelu, gelu_new, gelu_pytorch_tanh, gelu_fast, relu, silu",
+        )),
     }
 }
 
@@ -116,8 +102,7 @@ impl<'a> ModelBuilder<'a> {
         Ok(self.g.add_(y, b)?)
     }
 
-    /// LayerNorm over the last axis: `(x - mean) * rsqrt(var + eps) * weight + bias`, with the
-    /// affine parameters at `{weight_key}` / `{bias_key}`.
+    /// LayerNorm over the last axis with the affine parameters at `weight_key` / `bias_key`.
     pub fn layer_norm(
         &mut self,
         x: NodeId,
@@ -126,21 +111,12 @@ impl<'a> ModelBuilder<'a> {
         size: usize,
         eps: f64,
     ) -> Result<NodeId, ModelError> {
-        let g = &mut self.g;
-        let mean = g.reduce(ReduceOp::Mean, x, -1)?;
-        let centered = g.sub(x, mean)?;
-        let sq = g.mul(centered, centered)?;
-        let var = g.reduce(ReduceOp::Mean, sq, -1)?;
-        let var_eps = g.add_const(var, eps)?;
-        let inv = g.unary(UnaryOp::Rsqrt, var_eps)?;
-        let normed = g.mul(centered, inv)?;
         let w = self.weight(weight_key, &[size])?;
         let b = self.weight(bias_key, &[size])?;
-        let scaled = self.g.mul(normed, w)?;
-        Ok(self.g.add_(scaled, b)?)
+        Ok(kernel::layer_norm(&mut self.g, x, w, b, eps)?)
     }
 
-    /// RMSNorm over the last axis: `x * rsqrt(mean(x^2) + eps) * weight`.
+    /// RMSNorm over the last axis with the weight at `weight_key`.
     pub fn rms_norm(
         &mut self,
         x: NodeId,
@@ -148,59 +124,56 @@ impl<'a> ModelBuilder<'a> {
         size: usize,
         eps: f64,
     ) -> Result<NodeId, ModelError> {
-        let g = &mut self.g;
-        let sq = g.mul(x, x)?;
-        let ms = g.reduce(ReduceOp::Mean, sq, -1)?;
-        let ms_eps = g.add_const(ms, eps)?;
-        let inv = g.unary(UnaryOp::Rsqrt, ms_eps)?;
-        let normed = g.mul(x, inv)?;
         let w = self.weight(weight_key, &[size])?;
-        Ok(self.g.mul(normed, w)?)
+        Ok(kernel::rms_norm(&mut self.g, x, w, eps)?)
     }
 
     /// The activation `act` applied elementwise.
     pub fn activation(&mut self, x: NodeId, act: Activation) -> Result<NodeId, ModelError> {
-        let g = &mut self.g;
-        Ok(match act {
-            Activation::GeluErf => {
-                let scaled = g.mul_const(x, std::f64::consts::FRAC_1_SQRT_2)?;
-                let erf = g.unary(UnaryOp::Erf, scaled)?;
-                let one_plus = g.add_const(erf, 1.0)?;
-                let half_x = g.mul_const(x, 0.5)?;
-                g.mul(half_x, one_plus)?
-            }
-            Activation::GeluTanh => {
-                let x2 = g.mul(x, x)?;
-                let x3 = g.mul(x2, x)?;
-                let cubic = g.mul_const(x3, 0.044715)?;
-                let inner = g.add_(x, cubic)?;
-                let scaled = g.mul_const(inner, (2.0 / std::f64::consts::PI).sqrt())?;
-                let t = g.unary(UnaryOp::Tanh, scaled)?;
-                let one_plus = g.add_const(t, 1.0)?;
-                let half_x = g.mul_const(x, 0.5)?;
-                g.mul(half_x, one_plus)?
-            }
-            Activation::Relu => {
-                let zero = g.scalar(0.0, g.ty(x).dtype);
-                g.binary(BinaryOp::Max, x, zero)?
-            }
-            Activation::Silu => {
-                let neg = g.unary(UnaryOp::Neg, x)?;
-                let e = g.unary(UnaryOp::Exp, neg)?;
-                let denom = g.add_const(e, 1.0)?;
-                g.div(x, denom)?
-            }
-        })
+        Ok(kernel::activation(&mut self.g, x, act)?)
     }
 
-    /// Softmax over the last axis, max-subtracted: `exp(x - max) / sum(exp(x - max))`.
-    pub fn softmax(&mut self, x: NodeId) -> Result<NodeId, ModelError> {
-        let g = &mut self.g;
-        let m = g.reduce(ReduceOp::Max, x, -1)?;
-        let shifted = g.sub(x, m)?;
-        let e = g.unary(UnaryOp::Exp, shifted)?;
-        let s = g.reduce(ReduceOp::Sum, e, -1)?;
-        Ok(g.div(e, s)?)
+    /// Several Hugging Face `Linear`s of the same input as ONE product: their `[out_i, in]`
+    /// weights are concatenated into `[sum out_i, in]` (and their biases likewise), which is how
+    /// kiln canonicalises Q/K/V and gate/up projections at import. Returns `[.., sum out_i]`;
+    /// `split_last` takes the parts apart.
+    pub fn fused_linear(
+        &mut self,
+        x: NodeId,
+        parts: &[(&str, usize)],
+        inputs: usize,
+        bias: bool,
+    ) -> Result<NodeId, ModelError> {
+        if let [(prefix, outputs)] = parts {
+            return self.linear(x, prefix, inputs, *outputs, bias);
+        }
+        let mut ws = Vec::new();
+        let mut bs = Vec::new();
+        for (prefix, outputs) in parts {
+            ws.push(self.weight(&format!("{prefix}.weight"), &[*outputs, inputs])?);
+            if bias {
+                bs.push(self.weight(&format!("{prefix}.bias"), &[*outputs])?);
+            }
+        }
+        let w = self.g.add(Op::Concat(0), &ws)?;
+        let wt = self.g.transpose_last(w)?;
+        let y = self.g.matmul(x, wt)?;
+        if !bias {
+            return Ok(y);
+        }
+        let b = self.g.add(Op::Concat(0), &bs)?;
+        Ok(self.g.add_(y, b)?)
+    }
+
+    /// Splits the last axis of `y` into consecutive parts of the given sizes.
+    pub fn split_last(&mut self, y: NodeId, sizes: &[usize]) -> Result<Vec<NodeId>, ModelError> {
+        let mut start = 0;
+        let mut out = Vec::with_capacity(sizes.len());
+        for &n in sizes {
+            out.push(self.g.slice(y, -1, start.into(), (start + n).into())?);
+            start += n;
+        }
+        Ok(out)
     }
 
     /// `[B, S, heads * head_dim]` -> `[B, heads, S, head_dim]`.
@@ -229,42 +202,14 @@ impl<'a> ModelBuilder<'a> {
         Ok(self.g.reshape(p, vec![b, s, (heads * head_dim).into()])?)
     }
 
-    /// Repeats each of `kv_heads` K/V heads for its group of `heads / kv_heads` query heads
-    /// (`[B, KVH, S, D]` -> `[B, H, S, D]` via reshape + broadcast + reshape).
+    /// Repeats each of `kv_heads` K/V heads for its group of `heads / kv_heads` query heads.
     pub fn repeat_kv(
         &mut self,
         x: NodeId,
         kv_heads: usize,
         heads: usize,
-        head_dim: usize,
     ) -> Result<NodeId, ModelError> {
-        if kv_heads == heads {
-            return Ok(x);
-        }
-        let (b, s) = (Dim::sym(BATCH), Dim::sym(SEQ));
-        let group = heads / kv_heads;
-        let g = &mut self.g;
-        let r = g.reshape(
-            x,
-            vec![
-                b.clone(),
-                kv_heads.into(),
-                1usize.into(),
-                s.clone(),
-                head_dim.into(),
-            ],
-        )?;
-        let bc = g.broadcast_to(
-            r,
-            &[
-                b.clone(),
-                kv_heads.into(),
-                group.into(),
-                s.clone(),
-                head_dim.into(),
-            ],
-        )?;
-        Ok(g.reshape(bc, vec![b, heads.into(), s, head_dim.into()])?)
+        Ok(kernel::repeat_kv(&mut self.g, x, heads / kv_heads)?)
     }
 
     /// Scaled dot-product attention over `[B, H, S, D]` tensors with an additive `mask` that
@@ -277,31 +222,28 @@ impl<'a> ModelBuilder<'a> {
         mask: NodeId,
         scale: f64,
     ) -> Result<NodeId, ModelError> {
-        let kt = self.g.transpose_last(k)?;
-        let scores = self.g.matmul(q, kt)?;
-        let scaled = self.g.mul_const(scores, scale)?;
-        let masked = self.g.add_(scaled, mask)?;
-        let probs = self.softmax(masked)?;
-        Ok(self.g.matmul(probs, v)?)
+        Ok(kernel::sdpa(&mut self.g, q, k, v, Some(mask), scale, None)?)
     }
 
-    /// The additive mask of a decoder: causal (optionally windowed) plus padding, `[B, 1, S, S]`.
+    /// The additive mask of a decoder: padding plus causal (optionally windowed), `[B, 1, S, S]`.
     pub fn decoder_mask(
         &mut self,
         attention_mask: NodeId,
         window: Option<i64>,
     ) -> Result<NodeId, ModelError> {
         let s = Dim::sym(SEQ);
-        let causal = self.g.add(
-            Op::CausalMask {
-                rows: s.clone(),
-                cols: s,
-                window,
-            },
-            &[],
+        let mask = kernel::attention_mask(
+            &mut self.g,
+            Some(attention_mask),
+            Some((s.clone(), s, window)),
         )?;
-        let padding = self.g.add(Op::PaddingMask, &[attention_mask])?;
-        Ok(self.g.add_(padding, causal)?)
+        Ok(mask.expect("a padding mask was given"))
+    }
+
+    /// The additive padding mask of an encoder, `[B, 1, 1, S]`.
+    pub fn padding_mask(&mut self, attention_mask: NodeId) -> Result<NodeId, ModelError> {
+        let mask = kernel::attention_mask(&mut self.g, Some(attention_mask), None)?;
+        Ok(mask.expect("a padding mask was given"))
     }
 
     /// The inputs every decoder takes: `input_ids`, `attention_mask`, `position_ids`, all `[B, S]`.

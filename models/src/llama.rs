@@ -4,11 +4,12 @@
 //! embeddings, Mistral's sliding window. Weight names mirror the Hugging Face keys
 //! (`model.layers.{i}.self_attn.q_proj`).
 
+use kiln_ir::kernel::{self, Activation};
 use kiln_ir::{Op, RopeScaling};
 use serde_json::Value;
 
 use crate::config::Config;
-use crate::layers::{Activation, ModelBuilder};
+use crate::layers::{activation_from_config, ModelBuilder};
 use crate::{ModelError, ModelKind};
 
 /// Which member of the family a checkpoint is.
@@ -87,7 +88,7 @@ impl LlamaConfig {
                 message: format!("= {head_dim} is odd; rotary embeddings need an even head dim"),
             });
         }
-        if Activation::from_config(c, "hidden_act")? != Activation::Silu {
+        if activation_from_config(c, "hidden_act")? != Activation::Silu {
             return Err(c.unsupported("hidden_act", "the Llama family's MLP is SwiGLU with silu"));
         }
         if c.f64_or("partial_rotary_factor", 1.0)? != 1.0 {
@@ -201,28 +202,26 @@ pub fn build(mb: &mut ModelBuilder, cfg: &LlamaConfig) -> Result<ModelKind, Mode
     for i in 0..cfg.layers {
         let p = format!("model.layers.{i}");
         let n = mb.rms_norm(x, &format!("{p}.input_layernorm.weight"), e, cfg.eps)?;
-        let q = mb.linear(n, &format!("{p}.self_attn.q_proj"), e, h * d, cfg.qkv_bias)?;
-        let k = mb.linear(
+        let qkv = mb.fused_linear(
             n,
-            &format!("{p}.self_attn.k_proj"),
+            &[
+                (&format!("{p}.self_attn.q_proj"), h * d),
+                (&format!("{p}.self_attn.k_proj"), kvh * d),
+                (&format!("{p}.self_attn.v_proj"), kvh * d),
+            ],
             e,
-            kvh * d,
             cfg.qkv_bias,
         )?;
-        let vv = mb.linear(
-            n,
-            &format!("{p}.self_attn.v_proj"),
-            e,
-            kvh * d,
-            cfg.qkv_bias,
-        )?;
+        let [q, k, vv] = mb.split_last(qkv, &[h * d, kvh * d, kvh * d])?[..] else {
+            unreachable!("three parts")
+        };
         let q = mb.split_heads(q, h, d)?;
         let k = mb.split_heads(k, kvh, d)?;
         let vv = mb.split_heads(vv, kvh, d)?;
         let q = mb.g.add(rope_op.clone(), &[q, pos])?;
         let k = mb.g.add(rope_op.clone(), &[k, pos])?;
-        let k = mb.repeat_kv(k, kvh, h, d)?;
-        let vv = mb.repeat_kv(vv, kvh, h, d)?;
+        let k = mb.repeat_kv(k, kvh, h)?;
+        let vv = mb.repeat_kv(vv, kvh, h)?;
         let ctx = mb.attention(q, k, vv, attn_mask, 1.0 / (d as f64).sqrt())?;
         let merged = mb.merge_heads(ctx, h, d)?;
         let o = mb.linear(
@@ -240,10 +239,16 @@ pub fn build(mb: &mut ModelBuilder, cfg: &LlamaConfig) -> Result<ModelKind, Mode
             cfg.eps,
         )?;
         let m = cfg.intermediate;
-        let gate = mb.linear(n, &format!("{p}.mlp.gate_proj"), e, m, cfg.mlp_bias)?;
-        let up = mb.linear(n, &format!("{p}.mlp.up_proj"), e, m, cfg.mlp_bias)?;
-        let act = mb.activation(gate, Activation::Silu)?;
-        let gated = mb.g.mul(act, up)?;
+        let gate_up = mb.fused_linear(
+            n,
+            &[
+                (&format!("{p}.mlp.gate_proj"), m),
+                (&format!("{p}.mlp.up_proj"), m),
+            ],
+            e,
+            cfg.mlp_bias,
+        )?;
+        let gated = kernel::swiglu(&mut mb.g, gate_up)?;
         let down = mb.linear(gated, &format!("{p}.mlp.down_proj"), m, e, cfg.mlp_bias)?;
         x = mb.g.add_(x, down)?;
     }
