@@ -7,10 +7,14 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Result};
 use clap::{Parser, Subcommand};
 use kiln_ir::dim::{BATCH, SEQ};
-use kiln_ir::Tensor;
+use kiln_ir::{DType, Tensor};
 use kiln_models::inputs::TokenBatch;
 use kiln_models::ModelKind;
 
+use crate::bucket::BucketPlan;
+use crate::compile::{compile, CompileOptions, CompileReport, CompiledBucket};
+use crate::fusion::cost::CostModel;
+use crate::fusion::Limits;
 use crate::tensor_io::{read_tensors, write_tensors};
 use crate::tokenize::tokenize;
 
@@ -36,6 +40,47 @@ pub enum Command {
         /// Fix the batch size B.
         #[arg(long)]
         batch: Option<usize>,
+        /// Print the fused graph of one bucket (needs --bucket).
+        #[arg(long, requires = "bucket")]
+        fused: bool,
+        /// The bucket's sequence length (with --fused; batch from --batch, default 1).
+        #[arg(long, conflicts_with = "seq_len")]
+        bucket: Option<usize>,
+    },
+    /// Compile a checkpoint: fuse it with the e-graph rules and write one static graph per bucket.
+    Compile {
+        /// Checkpoint folder (config.json + safetensors).
+        model_dir: PathBuf,
+        /// Output folder (created; an earlier kiln output there is replaced).
+        #[arg(short = 'o', long = "output")]
+        out_dir: PathBuf,
+        /// Sequence buckets, e.g. 16,64,256.
+        #[arg(long, value_delimiter = ',', conflicts_with_all = ["bucket_policy", "max_seq"])]
+        buckets: Option<Vec<usize>>,
+        /// How to choose sequence buckets when --buckets is absent.
+        #[arg(long, value_enum, default_value_t = BucketPolicy::Pow2)]
+        bucket_policy: BucketPolicy,
+        /// The largest sequence bucket (pow2 policy).
+        #[arg(long)]
+        max_seq: Option<usize>,
+        /// How many buckets the histogram policy chooses.
+        #[arg(long, default_value_t = 8)]
+        num_buckets: usize,
+        /// Batch buckets, e.g. 1,2,4,8.
+        #[arg(long, value_delimiter = ',', default_value = "1")]
+        batch_buckets: Vec<usize>,
+        /// Compiled dtype.
+        #[arg(long, default_value = "f32")]
+        dtype: String,
+        /// Lengths seen in traffic: lines of `LENGTH COUNT` (or one length per line).
+        #[arg(long)]
+        length_histogram: Option<PathBuf>,
+        /// Write a JSON report here.
+        #[arg(long)]
+        report: Option<PathBuf>,
+        /// Plan only: build the graph from config.json without reading weights.
+        #[arg(long)]
+        no_weights: bool,
     },
     /// Run a checkpoint with the reference interpreter (f32 storage, f64 accumulation).
     Eval {
@@ -55,6 +100,15 @@ pub enum Command {
     },
 }
 
+/// How `kiln compile` chooses sequence buckets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BucketPolicy {
+    /// Powers of two from 16 up to --max-seq.
+    Pow2,
+    /// --num-buckets lengths minimising the padding of --length-histogram.
+    Histogram,
+}
+
 /// Runs one command, writing its report to `out`.
 pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
     match &cli.command {
@@ -62,8 +116,24 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
             model_dir,
             seq_len,
             batch,
+            fused,
+            bucket,
         } => {
             let model = kiln_models::import(model_dir)?;
+            if *fused {
+                let seq = positive(bucket.expect("clap requires --bucket"), "--bucket")? as usize;
+                let batch = positive(batch.unwrap_or(1), "--batch")? as usize;
+                let plan = BucketPlan::new(vec![seq], vec![batch]).map_err(anyhow::Error::msg)?;
+                let opts = CompileOptions {
+                    plan,
+                    limits: Limits::default(),
+                    cost: CostModel::default(),
+                    histogram: None,
+                };
+                let (_, buckets) = compile(&model.graph, &opts)?;
+                writeln!(out, "{}", buckets[0].graph.to_ron())?;
+                return Ok(());
+            }
             let mut bindings = BTreeMap::new();
             if let Some(s) = seq_len {
                 bindings.insert(SEQ.to_string(), positive(*s, "--seq-len")?);
@@ -77,6 +147,90 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 model.graph.specialize(&bindings)?
             };
             writeln!(out, "{}", graph.to_ron())?;
+        }
+        Command::Compile {
+            model_dir,
+            out_dir,
+            buckets,
+            bucket_policy,
+            max_seq,
+            num_buckets,
+            batch_buckets,
+            dtype,
+            length_histogram,
+            report,
+            no_weights,
+        } => {
+            if DType::parse(dtype) != Some(DType::F32) {
+                bail!("--dtype {dtype}: this build compiles f32 plans only (f16/bf16 plans need the PTX backend)");
+            }
+            let histogram = length_histogram
+                .as_deref()
+                .map(read_histogram)
+                .transpose()?;
+            let plan = match (buckets, bucket_policy) {
+                (Some(lens), _) => BucketPlan::new(lens.clone(), batch_buckets.clone()),
+                (None, BucketPolicy::Pow2) => {
+                    let Some(max) = max_seq else {
+                        bail!("--bucket-policy pow2 needs --max-seq (or give --buckets)");
+                    };
+                    BucketPlan::pow2(*max, batch_buckets.clone())
+                }
+                (None, BucketPolicy::Histogram) => {
+                    let Some(h) = &histogram else {
+                        bail!("--bucket-policy histogram needs --length-histogram");
+                    };
+                    BucketPlan::from_histogram(h, *num_buckets, batch_buckets.clone())
+                }
+            }
+            .map_err(anyhow::Error::msg)?;
+            if let Some(path) = report {
+                check_writable(path)?;
+            }
+            let total = std::time::Instant::now();
+            let start = std::time::Instant::now();
+            let model = if *no_weights {
+                kiln_models::import_config_only(model_dir)?
+            } else {
+                kiln_models::import(model_dir)?
+            };
+            let import_seconds = start.elapsed().as_secs_f64();
+            let opts = CompileOptions {
+                plan: plan.clone(),
+                limits: Limits::default(),
+                cost: CostModel::default(),
+                histogram,
+            };
+            let (mut compiled, buckets) = compile(&model.graph, &opts)?;
+            compiled
+                .stage_seconds
+                .insert("import".into(), import_seconds);
+            let start = std::time::Instant::now();
+            write_plan(out_dir, &model.architecture, &plan, &compiled, &buckets)?;
+            compiled
+                .stage_seconds
+                .insert("write".into(), start.elapsed().as_secs_f64());
+            compiled
+                .stage_seconds
+                .insert("total".into(), total.elapsed().as_secs_f64());
+            if let Some(path) = report {
+                let json = serde_json::to_vec_pretty(&compiled)?;
+                crate::tensor_io::write_atomically(path, &json)?;
+            }
+            let per_bucket: Vec<String> = compiled
+                .buckets
+                .iter()
+                .map(|b| format!("b{}-s{}: {} kernels", b.batch, b.seq, b.kernels.len()))
+                .collect();
+            writeln!(
+                out,
+                "compiled {} ({} buckets) into {} in {:.2} s: {}",
+                model.architecture,
+                buckets.len(),
+                out_dir.display(),
+                compiled.stage_seconds["total"],
+                per_bucket.join(", ")
+            )?;
         }
         Command::Eval {
             model_dir,
@@ -212,6 +366,132 @@ fn print_summary(
                 writeln!(out, "    next token (argmax): {best} (logit {value:.4})")?;
             }
         }
+    }
+    Ok(())
+}
+
+/// Reads a length histogram: lines of `LENGTH COUNT`, or a bare `LENGTH` (count 1); `#` comments.
+fn read_histogram(path: &Path) -> Result<BTreeMap<usize, u64>> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
+    let mut h = BTreeMap::new();
+    for (i, line) in text.lines().enumerate() {
+        let line = line.split('#').next().unwrap_or_default().trim();
+        if line.is_empty() {
+            continue;
+        }
+        let mut parts = line
+            .split(|c: char| c.is_whitespace() || c == ',')
+            .filter(|p| !p.is_empty());
+        let parse = |p: Option<&str>| p.map(|v| v.parse::<u64>());
+        let (len, count) = match (parse(parts.next()), parse(parts.next()), parts.next()) {
+            (Some(Ok(l)), None, None) => (l, 1),
+            (Some(Ok(l)), Some(Ok(c)), None) => (l, c),
+            _ => bail!(
+                "{}:{}: expected `LENGTH [COUNT]`, found {line:?}",
+                path.display(),
+                i + 1
+            ),
+        };
+        if len == 0 {
+            bail!("{}:{}: a length of 0", path.display(), i + 1);
+        }
+        *h.entry(len as usize).or_insert(0) += count;
+    }
+    if h.is_empty() {
+        bail!("{} holds no lengths", path.display());
+    }
+    Ok(h)
+}
+
+/// The plan file `kiln compile` writes: the bucket table and each bucket's kernels.
+#[derive(serde::Serialize)]
+struct PlanFile<'a> {
+    format: u32,
+    compiler: &'static str,
+    architecture: &'a str,
+    seq_buckets: &'a [usize],
+    batch_buckets: &'a [usize],
+    buckets: Vec<PlanBucket>,
+}
+
+#[derive(serde::Serialize)]
+struct PlanBucket {
+    batch: usize,
+    seq: usize,
+    graph: String,
+    kernels: Vec<String>,
+}
+
+/// Writes `plan.ron` and `buckets/prefill-b{B}-s{S}.ron` into a fresh folder beside `out_dir`,
+/// then moves it into place, so a failure leaves nothing half-written.
+fn write_plan(
+    out_dir: &Path,
+    architecture: &str,
+    plan: &BucketPlan,
+    report: &CompileReport,
+    buckets: &[CompiledBucket],
+) -> Result<()> {
+    if out_dir.exists() && !out_dir.join("plan.ron").is_file() {
+        let empty = out_dir
+            .read_dir()
+            .map(|mut d| d.next().is_none())
+            .unwrap_or(false);
+        if !empty {
+            bail!(
+                "{} exists and is not a kiln output folder; refusing to replace it",
+                out_dir.display()
+            );
+        }
+    }
+    let parent = match out_dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    if !parent.is_dir() {
+        bail!(
+            "cannot write {}: folder {} does not exist",
+            out_dir.display(),
+            parent.display()
+        );
+    }
+    let name = out_dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    let result = (|| -> Result<()> {
+        std::fs::create_dir_all(tmp.join("buckets"))?;
+        let mut entries = Vec::new();
+        for (b, r) in buckets.iter().zip(&report.buckets) {
+            let file = format!("buckets/prefill-{}.ron", b.bucket.label());
+            std::fs::write(tmp.join(&file), b.graph.to_ron())?;
+            entries.push(PlanBucket {
+                batch: b.bucket.batch,
+                seq: b.bucket.seq,
+                graph: file,
+                kernels: r.kernels.iter().map(|k| k.name.clone()).collect(),
+            });
+        }
+        let file = PlanFile {
+            format: 1,
+            compiler: env!("CARGO_PKG_VERSION"),
+            architecture,
+            seq_buckets: &plan.seq_lens,
+            batch_buckets: &plan.batch_sizes,
+            buckets: entries,
+        };
+        let text = ron::ser::to_string_pretty(&file, ron::ser::PrettyConfig::new())?;
+        std::fs::write(tmp.join("plan.ron"), text)?;
+        if out_dir.exists() {
+            std::fs::remove_dir_all(out_dir)?;
+        }
+        std::fs::rename(&tmp, out_dir)?;
+        Ok(())
+    })();
+    if let Err(e) = result {
+        let _ = std::fs::remove_dir_all(&tmp);
+        bail!("cannot write {}: {e}", out_dir.display());
     }
     Ok(())
 }

@@ -1,9 +1,13 @@
 //! The kiln compiler driver.
 //!
-//! Today it imports checkpoints (through `kiln-models`), prints their IR and evaluates them with the
-//! reference interpreter; e-graph fusion, buckets and code generation land here next. The
-//! command-line interface lives in [`cli`] so that tests can drive it in-process.
+//! It imports checkpoints (through `kiln-models`), fuses them with an e-graph ([`fusion`]), turns
+//! every sequence-length bucket ([`bucket`]) into a static fused graph ([`compile`]) and evaluates
+//! graphs with the reference interpreter. The command-line interface lives in [`cli`] so that
+//! tests can drive it in-process.
 
+pub mod bucket;
 pub mod cli;
+pub mod compile;
+pub mod fusion;
 pub mod tensor_io;
 pub mod tokenize;

@@ -31,6 +31,8 @@ pub struct Checkpoint {
     tensors: BTreeMap<String, TensorLocation>,
     /// Tensors already converted for the interpreter.
     cache: Mutex<BTreeMap<String, Arc<Tensor>>>,
+    /// Opened without weights (`open_config_only`): shapes are taken on trust.
+    config_only: bool,
 }
 
 impl Checkpoint {
@@ -108,7 +110,29 @@ impl Checkpoint {
             files,
             tensors,
             cache: Mutex::new(BTreeMap::new()),
+            config_only: false,
         })
+    }
+
+    /// Opens only `config.json`, for plan-only compilation: every weight the architecture needs is
+    /// assumed present with the shape the config implies, and none can be read.
+    pub fn open_config_only(dir: &Path) -> Result<Checkpoint, ModelError> {
+        if !dir.is_dir() {
+            return Err(ModelError::NotAFolder(dir.to_path_buf()));
+        }
+        Ok(Checkpoint {
+            dir: dir.to_path_buf(),
+            config: read_json(&dir.join("config.json"))?,
+            files: Vec::new(),
+            tensors: BTreeMap::new(),
+            cache: Mutex::new(BTreeMap::new()),
+            config_only: true,
+        })
+    }
+
+    /// True when the weights were read (not a plan-only checkpoint).
+    pub fn has_weights(&self) -> bool {
+        !self.config_only
     }
 
     /// The folder this checkpoint was read from.
@@ -133,6 +157,9 @@ impl Checkpoint {
 
     /// Checks that tensor `name` exists with shape `expected` and a float dtype kiln reads.
     pub fn expect(&self, name: &str, expected: &[usize]) -> Result<(), ModelError> {
+        if self.config_only {
+            return Ok(());
+        }
         let loc = self
             .tensors
             .get(name)

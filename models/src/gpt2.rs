@@ -66,7 +66,8 @@ impl Gpt2Config {
 /// Builds the GPT-2 graph: inputs `input_ids`, `attention_mask`, `position_ids` `[B, S]`,
 /// output `logits` `[B, S, vocab]`.
 pub fn build(mb: &mut ModelBuilder, cfg: &Gpt2Config) -> Result<ModelKind, ModelError> {
-    let root = if mb.checkpoint().contains("transformer.wte.weight") {
+    let ckpt = mb.checkpoint();
+    let root = if !ckpt.has_weights() || ckpt.contains("transformer.wte.weight") {
         "transformer."
     } else {
         ""

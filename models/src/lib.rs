@@ -135,7 +135,15 @@ pub const SUPPORTED_ARCHITECTURES: &[&str] = &[
 
 /// Imports the checkpoint folder `dir`.
 pub fn import(dir: &Path) -> Result<Model, ModelError> {
-    let checkpoint = Checkpoint::open(dir)?;
+    import_checkpoint(Checkpoint::open(dir)?)
+}
+
+/// Builds the graph from `dir/config.json` alone (plan-only compilation; nothing can be evaluated).
+pub fn import_config_only(dir: &Path) -> Result<Model, ModelError> {
+    import_checkpoint(Checkpoint::open_config_only(dir)?)
+}
+
+fn import_checkpoint(checkpoint: Checkpoint) -> Result<Model, ModelError> {
     let config = Config::new(checkpoint.config());
     let architecture = match config.get("architectures").and_then(|a| a.get(0)) {
         Some(a) => a.as_str().unwrap_or_default().to_string(),

@@ -1,0 +1,159 @@
+//! Rewrite rules as data: one RON file per family under `compiler/rules/`, each rule a left-hand
+//! pattern and either a right-hand pattern (with an optional named guard that checks attributes and
+//! binds computed ones) or a named builder that constructs the fused node(s) in Rust.
+
+use std::sync::Arc;
+
+use egg::{Applier, Id, Pattern, PatternAst, Rewrite, Subst, Symbol, Var};
+use serde::Deserialize;
+
+use super::analysis::{KilnGraph, TypeAnalysis};
+use super::constructors::{builder, guard, Builder, Guard};
+use super::lang::{Attr, ENode};
+
+/// The rule files, in the order they are listed in reports.
+const RULE_FILES: &[(&str, &str)] = &[
+    ("softmax", include_str!("../../rules/softmax.ron")),
+    ("activation", include_str!("../../rules/activation.ron")),
+    ("norm", include_str!("../../rules/norm.ron")),
+    ("attention", include_str!("../../rules/attention.ron")),
+    ("gemm", include_str!("../../rules/gemm.ron")),
+    ("embedding", include_str!("../../rules/embedding.ron")),
+];
+
+/// The number of rule phases: 1 idioms, 2 kernels, 3 epilogues.
+pub const PHASES: u8 = 3;
+
+/// One rule as written in a rule file.
+#[derive(Clone, Debug, Deserialize)]
+pub struct RuleSpec {
+    /// Unique name (reports count firings by it).
+    pub name: String,
+    /// One line: what the rule recognises.
+    pub doc: String,
+    /// 1 = idioms, 2 = kernels, 3 = epilogues.
+    pub phase: u8,
+    /// The pattern to find.
+    pub lhs: String,
+    /// The pattern to add, for pattern rules.
+    #[serde(default)]
+    pub rhs: Option<String>,
+    /// A named check of a pattern rule's attributes that may bind computed attributes.
+    #[serde(default)]
+    pub guard: Option<String>,
+    /// A named constructor of the fused node(s), for builder rules.
+    #[serde(default)]
+    pub build: Option<String>,
+}
+
+/// A loaded rule: its spec, family (file) and egg rewrite.
+pub struct Rule {
+    /// The rule as written.
+    pub spec: RuleSpec,
+    /// The file it came from.
+    pub family: &'static str,
+    /// The egg rewrite.
+    pub rewrite: Rewrite<ENode, TypeAnalysis>,
+}
+
+/// Loads every rule file. A malformed file is a bug in kiln, reported with the file's name.
+pub fn load_rules() -> Result<Vec<Rule>, String> {
+    let mut rules = Vec::new();
+    for (family, text) in RULE_FILES {
+        let specs: Vec<RuleSpec> =
+            ron::from_str(text).map_err(|e| format!("rules/{family}.ron: {e}"))?;
+        for spec in specs {
+            let rewrite = make_rewrite(&spec).map_err(|e| format!("rule `{}`: {e}", spec.name))?;
+            rules.push(Rule {
+                spec,
+                family,
+                rewrite,
+            });
+        }
+    }
+    Ok(rules)
+}
+
+fn make_rewrite(spec: &RuleSpec) -> Result<Rewrite<ENode, TypeAnalysis>, String> {
+    if !(1..=PHASES).contains(&spec.phase) {
+        return Err(format!("phase {} is not in 1..={PHASES}", spec.phase));
+    }
+    let lhs: Pattern<ENode> = spec.lhs.parse().map_err(|e| format!("lhs: {e}"))?;
+    let kind = match (&spec.rhs, &spec.build) {
+        (Some(rhs), None) => ApplyKind::Pattern {
+            rhs: rhs.parse().map_err(|e| format!("rhs: {e}"))?,
+            guard: spec
+                .guard
+                .as_deref()
+                .map(|g| guard(g).ok_or_else(|| format!("unknown guard `{g}`")))
+                .transpose()?,
+        },
+        (None, Some(b)) => {
+            ApplyKind::Build(builder(b).ok_or_else(|| format!("unknown builder `{b}`"))?)
+        }
+        _ => return Err("needs exactly one of `rhs` and `build`".into()),
+    };
+    Rewrite::new(
+        spec.name.clone(),
+        lhs,
+        RuleApplier {
+            kind: Arc::new(kind),
+        },
+    )
+}
+
+enum ApplyKind {
+    Pattern {
+        rhs: Pattern<ENode>,
+        guard: Option<Guard>,
+    },
+    Build(Builder),
+}
+
+struct RuleApplier {
+    kind: Arc<ApplyKind>,
+}
+
+impl Applier<ENode, TypeAnalysis> for RuleApplier {
+    fn apply_one(
+        &self,
+        egraph: &mut KilnGraph,
+        eclass: Id,
+        subst: &Subst,
+        searcher_ast: Option<&PatternAst<ENode>>,
+        rule_name: Symbol,
+    ) -> Vec<Id> {
+        match self.kind.as_ref() {
+            ApplyKind::Pattern { rhs, guard } => {
+                let mut subst = subst.clone();
+                if let Some(g) = guard {
+                    let Some(bindings) = g(egraph, &subst) else {
+                        return vec![];
+                    };
+                    for (name, attr) in bindings {
+                        let id = egraph.add(ENode::Leaf(attr));
+                        subst.insert(var(name), id);
+                    }
+                }
+                rhs.apply_one(egraph, eclass, &subst, searcher_ast, rule_name)
+            }
+            ApplyKind::Build(b) => {
+                let mut changed = Vec::new();
+                for id in b(egraph, subst) {
+                    if egraph.union(eclass, id) {
+                        changed.push(eclass);
+                    }
+                }
+                changed
+            }
+        }
+    }
+}
+
+/// The pattern variable `?name` (`name` given with its `?`).
+pub fn var(name: &str) -> Var {
+    name.parse().expect("pattern variables are written `?name`")
+}
+
+/// The attribute leaf bindings a guard returns.
+pub type Bindings = Vec<(&'static str, Attr)>;
