@@ -192,3 +192,50 @@ pub fn rewrite_checkpoint(
         std::fs::write(dst.join("model.safetensors.index.json"), index.to_string()).unwrap();
     }
 }
+
+/// Compiles `dir` for the given sequence and batch buckets (default limits and cost model).
+pub fn compile_fixture(
+    dir: &Path,
+    seq: &[usize],
+    batch: &[usize],
+) -> (
+    kiln_models::Model,
+    kiln_compiler::compile::CompileReport,
+    Vec<kiln_compiler::compile::CompiledBucket>,
+) {
+    use kiln_compiler::bucket::BucketPlan;
+    use kiln_compiler::compile::{compile, CompileOptions};
+    let model = kiln_models::import(dir).expect("fixture imports");
+    let opts = CompileOptions {
+        plan: BucketPlan::new(seq.to_vec(), batch.to_vec()).unwrap(),
+        limits: Default::default(),
+        cost: Default::default(),
+        histogram: None,
+    };
+    let (report, buckets) = compile(&model.graph, &opts).expect("fixture compiles");
+    (model, report, buckets)
+}
+
+/// Right-pads every row of `batch` to `seq` tokens (id 0, mask 0).
+pub fn pad_to(
+    batch: &kiln_models::inputs::TokenBatch,
+    seq: usize,
+) -> kiln_models::inputs::TokenBatch {
+    let mask = batch
+        .mask
+        .clone()
+        .unwrap_or_else(|| batch.ids.iter().map(|r| vec![1; r.len()]).collect());
+    let pad = |rows: &[Vec<i64>]| -> Vec<Vec<i64>> {
+        rows.iter()
+            .map(|r| {
+                let mut r = r.clone();
+                r.resize(seq, 0);
+                r
+            })
+            .collect()
+    };
+    kiln_models::inputs::TokenBatch {
+        ids: pad(&batch.ids),
+        mask: Some(pad(&mask)),
+    }
+}

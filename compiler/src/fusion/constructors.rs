@@ -74,8 +74,11 @@ fn constant(eg: &KilnGraph, id: Id) -> Option<f64> {
     eg[id].data.constant
 }
 
+/// Whether class `id` is the constant `want`, exactly: importers and decompositions compute their
+/// constants with the same expressions (`kiln_ir::kernel`), and anything else is a different op
+/// (`max(x, 1e-9)` is not a ReLU).
 fn is_const(eg: &KilnGraph, id: Id, want: f64) -> bool {
-    constant(eg, id).is_some_and(|v| (v - want).abs() <= 1e-9 * want.abs().max(1.0))
+    constant(eg, id) == Some(want)
 }
 
 fn rank(eg: &KilnGraph, id: Id) -> Option<usize> {

@@ -1,0 +1,253 @@
+//! Fused bucket graphs against the fixtures: every bucket's static graph, run by the interpreter,
+//! reproduces the reference outputs; padding never changes a result; the kernel structure is what
+//! the fusion issue promises (one attention kernel per block, at most 7 kernels per layer, no
+//! standalone softmax, dropout, mask or scale).
+
+use kiln_compiler::compile::{CompiledBucket, KernelReport};
+use kiln_compiler::fusion::cost::KernelKind;
+use kiln_ir::Tensor;
+use kiln_models::inputs::TokenBatch;
+use kiln_tests::{compile_fixture, fixture, floats, minilm_dir, pad_to, reference, rel_err};
+
+fn run(
+    bucket: &CompiledBucket,
+    model: &kiln_models::Model,
+    batch: &TokenBatch,
+) -> std::collections::BTreeMap<String, Tensor> {
+    let inputs = model.inputs(&pad_to(batch, bucket.bucket.seq)).unwrap();
+    kiln_ir::evaluate(&bucket.graph, &inputs, &model.checkpoint).unwrap()
+}
+
+fn bucket_for(buckets: &[CompiledBucket], batch: usize, len: usize) -> &CompiledBucket {
+    buckets
+        .iter()
+        .filter(|b| b.bucket.batch == batch && b.bucket.seq >= len)
+        .min_by_key(|b| b.bucket.seq)
+        .expect("a bucket holds the request")
+}
+
+#[test]
+fn fused_decoder_buckets_reproduce_reference_logits() {
+    for name in ["gpt2-tiny", "llama-tiny"] {
+        let reference = reference(name);
+        let (model, _, buckets) = compile_fixture(&fixture(name), &[16, 64, 128], &[1]);
+        for l in [1usize, 7, 16, 33, 100] {
+            let ids = reference[&format!("input_ids_{l}")]
+                .as_i64()
+                .unwrap()
+                .to_vec();
+            let bucket = bucket_for(&buckets, 1, l);
+            let out = run(
+                bucket,
+                &model,
+                &TokenBatch {
+                    ids: vec![ids],
+                    mask: None,
+                },
+            );
+            let vocab = 512;
+            let got = &floats(&out["logits"])[..l * vocab];
+            let err = rel_err(got, floats(&reference[&format!("logits_{l}")]));
+            assert!(
+                err < 1e-4,
+                "{name} L={l} in bucket {}: relative error {err:e}",
+                bucket.bucket.seq
+            );
+        }
+    }
+}
+
+fn masked_rows_err(
+    got: &Tensor,
+    want: &Tensor,
+    mask: &[i64],
+    seq_got: usize,
+    seq_want: usize,
+) -> f64 {
+    let hidden = *want.shape.last().unwrap();
+    let rows = mask.len() / seq_want;
+    let (g, w) = (floats(got), floats(want));
+    let (mut diff, mut scale) = (0f64, 0f64);
+    for b in 0..rows {
+        for t in 0..seq_want {
+            if mask[b * seq_want + t] == 0 {
+                continue;
+            }
+            for h in 0..hidden {
+                let (x, y) = (
+                    g[(b * seq_got + t) * hidden + h],
+                    w[(b * seq_want + t) * hidden + h],
+                );
+                diff = diff.max((f64::from(x) - f64::from(y)).abs());
+                scale = scale.max(f64::from(y).abs());
+            }
+        }
+    }
+    diff / scale
+}
+
+#[test]
+fn fused_encoder_buckets_reproduce_references() {
+    for (dir, name, rows) in [
+        (fixture("bert-tiny"), "bert-tiny", 3),
+        (minilm_dir(), "minilm-reference", 4),
+    ] {
+        let reference = reference(name);
+        let (model, _, buckets) = compile_fixture(&dir, &[32, 64], &[rows]);
+        let len = reference["input_ids"].shape[1];
+        let rows_of = |t: &Tensor| {
+            t.as_i64()
+                .unwrap()
+                .chunks(len)
+                .map(<[i64]>::to_vec)
+                .collect::<Vec<_>>()
+        };
+        let batch = TokenBatch {
+            ids: rows_of(&reference["input_ids"]),
+            mask: Some(rows_of(&reference["attention_mask"])),
+        };
+        for bucket in &buckets {
+            let out = run(bucket, &model, &batch);
+            let mask = reference["attention_mask"].as_i64().unwrap();
+            let err = masked_rows_err(
+                &out["last_hidden_state"],
+                &reference["last_hidden_state"],
+                mask,
+                bucket.bucket.seq,
+                len,
+            );
+            assert!(
+                err < 1e-4,
+                "{name} bucket {}: relative error {err:e}",
+                bucket.bucket.seq
+            );
+            if let Some(want) = reference.get("sentence_embedding") {
+                let got = &out["sentence_embedding"];
+                let dim = want.shape[1];
+                for i in 0..rows {
+                    let c = kiln_tests::cosine(
+                        &floats(got)[i * dim..(i + 1) * dim],
+                        &floats(want)[i * dim..(i + 1) * dim],
+                    );
+                    assert!(
+                        c >= 0.99999,
+                        "{name} bucket {} sentence {i}: cosine {c}",
+                        bucket.bucket.seq
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The same request padded to two different buckets gives bit-identical results on its tokens.
+#[test]
+fn padding_never_changes_a_result() {
+    let reference = reference("gpt2-tiny");
+    let (model, _, buckets) = compile_fixture(&fixture("gpt2-tiny"), &[16, 64], &[2]);
+    let a = reference["batch_a"].as_i64().unwrap().to_vec();
+    let b = reference["batch_b"].as_i64().unwrap().to_vec();
+    let batch = TokenBatch::padded(&[a.clone(), b], 0);
+    let small = run(&buckets[1], &model, &batch);
+    let large = run(&buckets[0], &model, &batch);
+    assert_eq!((buckets[1].bucket.seq, buckets[0].bucket.seq), (16, 64));
+    let vocab = 512;
+    for row in 0..2 {
+        let len = if row == 0 { a.len() } else { 4 };
+        for t in 0..len {
+            let s = &floats(&small["logits"])[(row * 16 + t) * vocab..(row * 16 + t + 1) * vocab];
+            let l = &floats(&large["logits"])[(row * 64 + t) * vocab..(row * 64 + t + 1) * vocab];
+            assert_eq!(s, l, "row {row} token {t}");
+        }
+    }
+}
+
+fn layers(model: &kiln_models::Model) -> usize {
+    let c = model.checkpoint.config();
+    ["n_layer", "num_hidden_layers"]
+        .iter()
+        .find_map(|k| c.get(*k).and_then(|v| v.as_u64()))
+        .unwrap() as usize
+}
+
+fn assert_kernel_structure(name: &str, kernels: &[KernelReport], layers: usize, pooling: bool) {
+    let attention = kernels
+        .iter()
+        .filter(|k| k.kind == KernelKind::Attention)
+        .count();
+    assert_eq!(attention, layers, "{name}: one attention kernel per block");
+    for k in kernels {
+        for forbidden in [
+            "softmax",
+            "dropout",
+            "causal_mask",
+            "padding_mask",
+            "softmax_dropout",
+        ] {
+            assert!(
+                !k.name.starts_with(&format!("{forbidden}_")),
+                "{name}: standalone {}",
+                k.name
+            );
+        }
+        if !pooling {
+            assert!(
+                matches!(
+                    k.kind,
+                    KernelKind::Attention
+                        | KernelKind::Gemm
+                        | KernelKind::Norm
+                        | KernelKind::Embedding
+                ),
+                "{name}: unfused kernel {} ({:?})",
+                k.name,
+                k.kind
+            );
+        }
+    }
+    // Per layer: norm, QKV GEMM, attention, output GEMM (+residual), norm, MLP GEMM (+activation
+    // or SwiGLU), down GEMM (+residual): 7. Outside the layers: the embedding, one norm and the LM head.
+    let core = kernels
+        .iter()
+        .filter(|k| {
+            matches!(
+                k.kind,
+                KernelKind::Attention | KernelKind::Gemm | KernelKind::Norm | KernelKind::Embedding
+            )
+        })
+        .count();
+    assert!(
+        core <= 7 * layers + 3,
+        "{name}: {core} kernels for {layers} layers"
+    );
+}
+
+#[test]
+fn every_fixture_fuses_to_at_most_seven_kernels_per_layer() {
+    for (dir, name) in [
+        (fixture("gpt2-tiny"), "gpt2-tiny"),
+        (fixture("llama-tiny"), "llama-tiny"),
+        (fixture("bert-tiny"), "bert-tiny"),
+        (minilm_dir(), "minilm"),
+    ] {
+        let (model, report, _) = compile_fixture(&dir, &[16, 128], &[1, 4]);
+        assert_eq!(report.buckets.len(), 4);
+        for b in &report.buckets {
+            assert_kernel_structure(name, &b.kernels, layers(&model), name == "minilm");
+        }
+    }
+}
+
+#[test]
+fn fused_graph_snapshots() {
+    for (dir, name) in [
+        (fixture("gpt2-tiny"), "gpt2-tiny"),
+        (fixture("llama-tiny"), "llama-tiny"),
+        (fixture("bert-tiny"), "bert-tiny"),
+        (minilm_dir(), "minilm"),
+    ] {
+        let text =
+            kiln_tests::kiln(&["ir", dir.to_str().unwrap(), "--fused", "--bucket", "16"]).unwrap();
+        insta::assert_snapshot!(format!("fused_{name}_s16"), text);
+    }
+}
