@@ -1,0 +1,506 @@
+//! Soundness of every fusion rule: for each rule, a small graph in the form importers produce is
+//! saturated, the rule must fire, the extracted graph must contain the fused op, and both graphs,
+//! run by the interpreter on fresh random inputs at several sequence lengths (odd ones included),
+//! must agree; dropout masks must be bit-identical.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use kiln_compiler::fusion::cost::CostModel;
+use kiln_compiler::fusion::{rules, saturate, Limits};
+use kiln_ir::kernel::{self, Activation};
+use kiln_ir::{BinaryOp, DType, Dim, Graph, NodeId, Op, RopeScaling, Tensor};
+
+/// A deterministic xorshift generator for test inputs.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn uniform(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
+    }
+    fn below(&mut self, n: u64) -> i64 {
+        (self.next() % n) as i64
+    }
+}
+
+const TABLE_ROWS: u64 = 11;
+
+fn s() -> Dim {
+    Dim::sym("S")
+}
+
+fn b() -> Dim {
+    Dim::sym("B")
+}
+
+fn d(v: usize) -> Dim {
+    Dim::from(v)
+}
+
+/// Random values for a graph's inputs, by name: `ids*` index a table, `mask*` are padding masks
+/// (row `r` keeps its first tokens, at least one), `pos*` are positions, `seed` a seed.
+fn inputs(g: &Graph, rng: &mut Rng, bindings: &BTreeMap<String, i64>) -> BTreeMap<String, Tensor> {
+    let mut out = BTreeMap::new();
+    for (_, name, ty) in g.inputs() {
+        let shape: Vec<usize> = ty
+            .shape
+            .iter()
+            .map(|d| d.eval(bindings).unwrap() as usize)
+            .collect();
+        let n: usize = shape.iter().product();
+        let t = match ty.dtype {
+            DType::F32 => Tensor::f32(shape, (0..n).map(|_| rng.uniform()).collect()),
+            _ if name == "seed" => Tensor::i64(shape, vec![rng.next() as i64]),
+            _ if name.starts_with("mask") => {
+                let cols = *shape.last().unwrap();
+                let mut v = Vec::with_capacity(n);
+                for _ in 0..n / cols {
+                    let keep = 1 + rng.below(cols as u64) as usize;
+                    v.extend((0..cols).map(|c| i64::from(c < keep)));
+                }
+                Tensor::i64(shape, v)
+            }
+            _ if name.starts_with("pos") => {
+                Tensor::i64(shape, (0..n).map(|_| rng.below(40)).collect())
+            }
+            _ => Tensor::i64(shape, (0..n).map(|_| rng.below(TABLE_ROWS)).collect()),
+        };
+        out.insert(name.to_string(), t);
+    }
+    out
+}
+
+fn weights(g: &Graph, rng: &mut Rng) -> BTreeMap<String, Arc<Tensor>> {
+    g.weights()
+        .map(|(_, name, ty)| {
+            let shape: Vec<usize> = ty
+                .shape
+                .iter()
+                .map(|d| d.as_const().unwrap() as usize)
+                .collect();
+            let n = shape.iter().product();
+            (
+                name.to_string(),
+                Arc::new(Tensor::f32(shape, (0..n).map(|_| rng.uniform()).collect())),
+            )
+        })
+        .collect()
+}
+
+/// Saturates `g`, checks that `rule` fired and that the extraction at every length holds an op
+/// `fused` accepts, and compares both graphs on random inputs.
+fn check(rule: &str, g: &Graph, fused: impl Fn(&Op) -> bool, dropout: bool) {
+    let sat = saturate(g, &Limits::default()).unwrap();
+    assert!(
+        sat.rule_counts[rule] > 0,
+        "rule {rule} did not fire: {:?}",
+        sat.rule_counts
+    );
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    for len in [1i64, 5, 17] {
+        let bindings = BTreeMap::from([("S".to_string(), len), ("B".to_string(), 2)]);
+        let (extracted, _) = sat.extract(&bindings, &CostModel::default()).unwrap();
+        assert!(
+            extracted.nodes().any(|(_, n)| fused(&n.op)),
+            "{rule}: the extraction at S={len} lacks the fused op:\n{}",
+            extracted.to_ron()
+        );
+        let before = g.specialize(&bindings).unwrap();
+        let after = extracted.specialize(&bindings).unwrap();
+        let w = weights(g, &mut rng);
+        let all = inputs(g, &mut rng, &bindings);
+        let pick = |graph: &Graph| -> BTreeMap<String, Tensor> {
+            graph
+                .inputs()
+                .map(|(_, n, _)| (n.to_string(), all[n].clone()))
+                .collect()
+        };
+        let want = kiln_ir::evaluate(&before, &pick(&before), &w).unwrap();
+        let got = kiln_ir::evaluate(&after, &pick(&after), &w).unwrap();
+        for (name, t) in &want {
+            let (a, e) = (got[name].as_f32().unwrap(), t.as_f32().unwrap());
+            let scale = e.iter().fold(1f32, |m, v| m.max(v.abs()));
+            for (i, (x, y)) in a.iter().zip(e).enumerate() {
+                assert!(
+                    (x - y).abs() <= 1e-5 * scale,
+                    "{rule} S={len} {name}[{i}]: {x} vs {y}"
+                );
+                if dropout {
+                    assert_eq!(
+                        *x == 0.0,
+                        *y == 0.0,
+                        "{rule} S={len}: dropout masks differ at {i}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+fn output(mut g: Graph, out: NodeId) -> Graph {
+    g.set_output("out", out).unwrap();
+    g
+}
+
+fn input(g: &mut Graph, name: &str, shape: Vec<Dim>) -> NodeId {
+    g.input(name, DType::F32, shape).unwrap()
+}
+
+fn is(name: &'static str) -> impl Fn(&Op) -> bool {
+    move |op| op.name() == name
+}
+
+/// Every rule in the rule files has a soundness test below.
+#[test]
+fn every_rule_is_tested() {
+    let tested = [
+        "softmax",
+        "softmax-dropout",
+        "gelu-tanh",
+        "gelu-erf",
+        "silu",
+        "relu",
+        "layer-norm",
+        "rms-norm",
+        "layer-norm-residual",
+        "rms-norm-residual",
+        "repeat-kv",
+        "attention-masked",
+        "attention-masked-dropout",
+        "attention",
+        "attention-dropout",
+        "gemm-linear",
+        "gemm",
+        "gemm-bias",
+        "gemm-activation",
+        "gemm-swiglu",
+        "gemm-residual",
+        "embedding",
+        "embedding-sum",
+    ];
+    for rule in rules().unwrap() {
+        assert!(
+            tested.contains(&rule.spec.name.as_str()),
+            "rule {} has no test",
+            rule.spec.name
+        );
+        assert!(
+            !rule.spec.doc.is_empty(),
+            "rule {} has no doc line",
+            rule.spec.name
+        );
+    }
+}
+
+#[test]
+fn softmax() {
+    let mut g = Graph::new();
+    let x = input(&mut g, "x", vec![s(), d(7)]);
+    let y = kernel::softmax(&mut g, x).unwrap();
+    check("softmax", &output(g, y), is("softmax"), false);
+}
+
+#[test]
+fn softmax_dropout() {
+    let mut g = Graph::new();
+    let x = input(&mut g, "x", vec![b(), s(), d(9)]);
+    let seed = g.input("seed", DType::I64, vec![]).unwrap();
+    let sm = kernel::softmax(&mut g, x).unwrap();
+    let y = g
+        .add(Op::Dropout { p: 0.3, stream: 1 }, &[sm, seed])
+        .unwrap();
+    check(
+        "softmax-dropout",
+        &output(g, y),
+        is("softmax_dropout"),
+        true,
+    );
+}
+
+fn activation_probe(rule: &str, a: Activation) {
+    let mut g = Graph::new();
+    let x = input(&mut g, "x", vec![s(), d(6)]);
+    let y = kernel::activation(&mut g, x, a).unwrap();
+    check(
+        rule,
+        &output(g, y),
+        move |op| *op == Op::Activation(a),
+        false,
+    );
+}
+
+#[test]
+fn activations() {
+    activation_probe("gelu-tanh", Activation::GeluTanh);
+    activation_probe("gelu-erf", Activation::GeluErf);
+    activation_probe("silu", Activation::Silu);
+    activation_probe("relu", Activation::Relu);
+}
+
+/// `max(x, eps)` is not a ReLU: constants are matched exactly.
+#[test]
+fn relu_needs_an_exact_zero() {
+    let mut g = Graph::new();
+    let x = input(&mut g, "x", vec![s(), d(3)]);
+    let eps = g.scalar(1e-9, DType::F32);
+    let y = g.binary(BinaryOp::Max, x, eps).unwrap();
+    let sat = saturate(&output(g, y), &Limits::default()).unwrap();
+    assert_eq!(sat.rule_counts["relu"], 0);
+}
+
+fn norm_probe(rule: &str, layer: bool, residual: bool) {
+    let mut g = Graph::new();
+    let mut x = input(&mut g, "x", vec![s(), d(8)]);
+    if residual {
+        let r = input(&mut g, "r", vec![s(), d(8)]);
+        x = g.add_(x, r).unwrap();
+    }
+    let w = input(&mut g, "w", vec![d(8)]);
+    let y = if layer {
+        let bias = input(&mut g, "bias", vec![d(8)]);
+        kernel::layer_norm(&mut g, x, w, bias, 1e-5).unwrap()
+    } else {
+        kernel::rms_norm(&mut g, x, w, 1e-6).unwrap()
+    };
+    check(
+        rule,
+        &output(g, y),
+        move |op| matches!(op, Op::Norm(n) if n.residual == residual),
+        false,
+    );
+}
+
+#[test]
+fn norms() {
+    norm_probe("layer-norm", true, false);
+    norm_probe("rms-norm", false, false);
+    norm_probe("layer-norm-residual", true, true);
+    norm_probe("rms-norm-residual", false, true);
+}
+
+#[test]
+fn repeat_kv() {
+    let mut g = Graph::new();
+    let x = input(&mut g, "x", vec![b(), d(2), s(), d(4)]);
+    let y = kernel::repeat_kv(&mut g, x, 3).unwrap();
+    check("repeat-kv", &output(g, y), |_| true, false);
+}
+
+/// An attention block as the Llama importer builds it: RoPE on Q and K, K/V heads repeated for
+/// their query groups, padding + causal (optionally windowed) mask, optional dropout.
+fn attention_graph(
+    heads: usize,
+    kv_heads: usize,
+    padding: bool,
+    causal: Option<Option<i64>>,
+    rope: bool,
+    dropout: bool,
+) -> Graph {
+    let mut g = Graph::new();
+    let mut q = input(&mut g, "q", vec![b(), d(heads), s(), d(8)]);
+    let mut k = input(&mut g, "k", vec![b(), d(kv_heads), s(), d(8)]);
+    let v = input(&mut g, "v", vec![b(), d(kv_heads), s(), d(8)]);
+    let mask = padding.then(|| g.input("mask", DType::I64, vec![b(), s()]).unwrap());
+    if rope {
+        let pos = g.input("pos", DType::I64, vec![b(), s()]).unwrap();
+        let op = Op::Rope {
+            theta: 500.0,
+            scaling: RopeScaling::Default,
+        };
+        q = g.add(op.clone(), &[q, pos]).unwrap();
+        k = g.add(op, &[k, pos]).unwrap();
+    }
+    let k = kernel::repeat_kv(&mut g, k, heads / kv_heads).unwrap();
+    let v = kernel::repeat_kv(&mut g, v, heads / kv_heads).unwrap();
+    let m = kernel::attention_mask(&mut g, mask, causal.map(|w| (s(), s(), w))).unwrap();
+    let drop = dropout.then(|| (0.2, 4, g.input("seed", DType::I64, vec![]).unwrap()));
+    let y = kernel::sdpa(&mut g, q, k, v, m, 0.35, drop).unwrap();
+    output(g, y)
+}
+
+fn attention_has(padding: bool, causal: bool, rope: bool, dropout: bool) -> impl Fn(&Op) -> bool {
+    move |op| {
+        matches!(op, Op::Attention(a) if a.padding == padding && a.causal == causal
+            && a.rope.is_some() == rope && a.dropout.is_some() == dropout)
+    }
+}
+
+#[test]
+fn attention_decoder_gqa_rope() {
+    let g = attention_graph(4, 2, true, Some(None), true, false);
+    check(
+        "attention-masked",
+        &g,
+        attention_has(true, true, true, false),
+        false,
+    );
+    let g = attention_graph(6, 1, true, Some(Some(3)), true, false);
+    check(
+        "attention-masked",
+        &g,
+        attention_has(true, true, true, false),
+        false,
+    );
+}
+
+#[test]
+fn attention_encoder_and_causal_only() {
+    let g = attention_graph(3, 3, true, None, false, false);
+    check(
+        "attention-masked",
+        &g,
+        attention_has(true, false, false, false),
+        false,
+    );
+    let g = attention_graph(2, 2, false, Some(None), false, false);
+    check(
+        "attention-masked",
+        &g,
+        attention_has(false, true, false, false),
+        false,
+    );
+}
+
+#[test]
+fn attention_without_mask() {
+    let g = attention_graph(2, 1, false, None, false, false);
+    check(
+        "attention",
+        &g,
+        attention_has(false, false, false, false),
+        false,
+    );
+}
+
+#[test]
+fn attention_with_dropout() {
+    let g = attention_graph(2, 2, false, None, false, true);
+    check(
+        "attention-dropout",
+        &g,
+        attention_has(false, false, false, true),
+        false,
+    );
+    let g = attention_graph(4, 2, true, Some(None), true, true);
+    check(
+        "attention-masked-dropout",
+        &g,
+        attention_has(true, true, true, true),
+        false,
+    );
+}
+
+fn weight(g: &mut Graph, name: &str, shape: &[usize]) -> NodeId {
+    g.weight(name, DType::F32, shape.iter().map(|&v| d(v)).collect())
+        .unwrap()
+}
+
+fn gemm_has(f: impl Fn(&kernel::GemmSpec) -> bool) -> impl Fn(&Op) -> bool {
+    move |op| matches!(op, Op::Gemm(spec) if f(spec))
+}
+
+#[test]
+fn gemm_plain() {
+    let mut g = Graph::new();
+    let x = input(&mut g, "x", vec![b(), s(), d(5)]);
+    let w = weight(&mut g, "w", &[7, 5]);
+    let wt = g.transpose_last(w).unwrap();
+    let y = g.matmul(x, wt).unwrap();
+    check(
+        "gemm-linear",
+        &output(g, y),
+        gemm_has(|s| s.transpose_b),
+        false,
+    );
+    let mut g = Graph::new();
+    let x = input(&mut g, "x", vec![s(), d(5)]);
+    let w = weight(&mut g, "w", &[5, 7]);
+    let y = g.matmul(x, w).unwrap();
+    check("gemm", &output(g, y), gemm_has(|s| !s.transpose_b), false);
+}
+
+#[test]
+fn gemm_epilogues() {
+    // bias + tanh GELU (GPT-2's MLP up projection).
+    let mut g = Graph::new();
+    let x = input(&mut g, "x", vec![s(), d(5)]);
+    let w = weight(&mut g, "w", &[5, 7]);
+    let bias = weight(&mut g, "b", &[7]);
+    let y = g.matmul(x, w).unwrap();
+    let y = g.add_(y, bias).unwrap();
+    let y = kernel::activation(&mut g, y, Activation::GeluTanh).unwrap();
+    let g2 = output(g, y);
+    check(
+        "gemm-bias",
+        &g2,
+        gemm_has(|s| s.bias && s.activation == Some(Activation::GeluTanh)),
+        false,
+    );
+    check(
+        "gemm-activation",
+        &g2,
+        gemm_has(|s| s.activation.is_some()),
+        false,
+    );
+
+    // SwiGLU over [gate | up] weights (the Llama MLP).
+    let mut g = Graph::new();
+    let x = input(&mut g, "x", vec![b(), s(), d(5)]);
+    let w = weight(&mut g, "w", &[12, 5]);
+    let wt = g.transpose_last(w).unwrap();
+    let y = g.matmul(x, wt).unwrap();
+    let y = kernel::swiglu(&mut g, y).unwrap();
+    check("gemm-swiglu", &output(g, y), gemm_has(|s| s.swiglu), false);
+
+    // Residual, in both operand orders.
+    for residual_first in [false, true] {
+        let mut g = Graph::new();
+        let x = input(&mut g, "x", vec![s(), d(5)]);
+        let r = input(&mut g, "r", vec![s(), d(7)]);
+        let w = weight(&mut g, "w", &[7, 5]);
+        let wt = g.transpose_last(w).unwrap();
+        let y = g.matmul(x, wt).unwrap();
+        let y = if residual_first {
+            g.add_(r, y)
+        } else {
+            g.add_(y, r)
+        }
+        .unwrap();
+        check(
+            "gemm-residual",
+            &output(g, y),
+            gemm_has(|s| s.residual),
+            false,
+        );
+    }
+}
+
+#[test]
+fn embeddings() {
+    let mut g = Graph::new();
+    let t = weight(&mut g, "tok", &[TABLE_ROWS as usize, 4]);
+    let ids = g.input("ids", DType::I64, vec![b(), s()]).unwrap();
+    let y = g.add(Op::Gather, &[t, ids]).unwrap();
+    check("embedding", &output(g, y), is("embedding"), false);
+
+    let mut g = Graph::new();
+    let t = weight(&mut g, "tok", &[TABLE_ROWS as usize, 4]);
+    let p = weight(&mut g, "pos_table", &[40, 4]);
+    let ids = g.input("ids", DType::I64, vec![b(), s()]).unwrap();
+    let pos = g.input("pos", DType::I64, vec![b(), s()]).unwrap();
+    let a = g.add(Op::Gather, &[t, ids]).unwrap();
+    let c = g.add(Op::Gather, &[p, pos]).unwrap();
+    let y = g.add_(a, c).unwrap();
+    check(
+        "embedding-sum",
+        &output(g, y),
+        |op| matches!(op, Op::Embedding(e) if e.tables == 2),
+        false,
+    );
+}
