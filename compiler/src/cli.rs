@@ -9,7 +9,7 @@ use clap::{Parser, Subcommand};
 use kiln_ir::dim::{BATCH, SEQ};
 use kiln_ir::{DType, Tensor};
 use kiln_models::inputs::TokenBatch;
-use kiln_models::ModelKind;
+use kiln_models::{ImportOptions, ModelKind};
 
 use crate::bucket::BucketPlan;
 use crate::compile::{compile, CompileOptions, CompileReport, CompiledBucket};
@@ -81,6 +81,9 @@ pub enum Command {
         /// Plan only: build the graph from config.json without reading weights.
         #[arg(long)]
         no_weights: bool,
+        /// Keep attention dropout (a training-mode forward, seeded by an i64 `seed` input).
+        #[arg(long)]
+        dropout: bool,
     },
     /// Run a checkpoint with the reference interpreter (f32 storage, f64 accumulation).
     Eval {
@@ -160,10 +163,16 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
             length_histogram,
             report,
             no_weights,
+            dropout,
         } => {
-            if DType::parse(dtype) != Some(DType::F32) {
-                bail!("--dtype {dtype}: this build compiles f32 plans only (f16/bf16 plans need the PTX backend)");
-            }
+            let dtype = match DType::parse(dtype) {
+                Some(d) if d.is_float() => d,
+                _ => bail!("--dtype must be f32, f16 or bf16, not {dtype:?}"),
+            };
+            let import = ImportOptions {
+                dtype,
+                dropout: *dropout,
+            };
             let histogram = length_histogram
                 .as_deref()
                 .map(read_histogram)
@@ -190,9 +199,9 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
             let total = std::time::Instant::now();
             let start = std::time::Instant::now();
             let model = if *no_weights {
-                kiln_models::import_config_only(model_dir)?
+                kiln_models::import_config_only(model_dir, &import)?
             } else {
-                kiln_models::import(model_dir)?
+                kiln_models::import_with(model_dir, &import)?
             };
             let import_seconds = start.elapsed().as_secs_f64();
             let opts = CompileOptions {

@@ -318,7 +318,8 @@ fn attention_graph(
     }
     let k = kernel::repeat_kv(&mut g, k, heads / kv_heads).unwrap();
     let v = kernel::repeat_kv(&mut g, v, heads / kv_heads).unwrap();
-    let m = kernel::attention_mask(&mut g, mask, causal.map(|w| (s(), s(), w))).unwrap();
+    let m =
+        kernel::attention_mask(&mut g, DType::F32, mask, causal.map(|w| (s(), s(), w))).unwrap();
     let drop = dropout.then(|| (0.2, 4, g.input("seed", DType::I64, vec![]).unwrap()));
     let y = kernel::sdpa(&mut g, q, k, v, m, 0.35, drop).unwrap();
     output(g, y)

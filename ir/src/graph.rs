@@ -383,10 +383,16 @@ impl Graph {
                     start: sub(start),
                     end: sub(end),
                 },
-                Op::CausalMask { rows, cols, window } => Op::CausalMask {
+                Op::CausalMask {
+                    rows,
+                    cols,
+                    window,
+                    dtype,
+                } => Op::CausalMask {
                     rows: sub(rows),
                     cols: sub(cols),
                     window: *window,
+                    dtype: *dtype,
                 },
                 other => other.clone(),
             };

@@ -13,7 +13,7 @@ use rayon::prelude::*;
 use crate::dim::{shape_to_string, Dim};
 use crate::dtype::TensorType;
 use crate::graph::{Graph, Node, NodeId};
-use crate::op::{BinaryOp, Op, ReduceOp, UnaryOp, MASK_NEG};
+use crate::op::{mask_value, BinaryOp, Op, ReduceOp, UnaryOp};
 use crate::philox::{dropout_keep, dropout_threshold, seed_key};
 use crate::tensor::{copy_view, round_to_dtype, strides, Data, Tensor};
 use crate::InterpError;
@@ -374,7 +374,8 @@ fn eval_op(
             }
             float_out(node, shape, out)
         }
-        Op::CausalMask { window, .. } => {
+        Op::CausalMask { window, dtype, .. } => {
+            let neg = mask_value(*dtype);
             let (rows, cols) = (shape[0] as i64, shape[1] as i64);
             let shift = cols - rows;
             let mut out = Vec::with_capacity((rows * cols) as usize);
@@ -382,19 +383,18 @@ fn eval_op(
                 for j in 0..cols {
                     let q = i + shift;
                     let visible = j <= q && window.is_none_or(|w| q - j < w);
-                    out.push(if visible { 0.0 } else { MASK_NEG });
+                    out.push(if visible { 0.0 } else { neg });
                 }
             }
             float_out(node, shape, out)
         }
-        Op::PaddingMask => {
+        Op::PaddingMask(dtype) => {
+            let neg = mask_value(*dtype);
             let m = ints(args[0]);
             float_out(
                 node,
                 shape,
-                m.iter()
-                    .map(|&v| if v != 0 { 0.0 } else { MASK_NEG })
-                    .collect(),
+                m.iter().map(|&v| if v != 0 { 0.0 } else { neg }).collect(),
             )
         }
         Op::Rope { theta, scaling } => rope(node, args[0], args[1], *theta, scaling, shape),

@@ -9,6 +9,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::dim::Dim;
+use crate::dtype::DType;
 use crate::graph::{Graph, NodeId};
 use crate::op::{BinaryOp, Op, ReduceOp, UnaryOp};
 use crate::rope::RopeScaling;
@@ -325,16 +326,29 @@ pub fn repeat_kv(g: &mut Graph, x: NodeId, groups: usize) -> Result<NodeId, IrEr
     g.reshape(bc, vec![b, kvh * gr, t, d])
 }
 
-/// The additive attention mask: padding (from an integer `[B, T]` mask) plus causal, as importers
-/// build it.
+/// The additive attention mask of float type `dtype`: padding (from an integer `[B, T]` mask) plus
+/// causal, as importers build it.
 pub fn attention_mask(
     g: &mut Graph,
+    dtype: DType,
     padding: Option<NodeId>,
     causal: Option<(Dim, Dim, Option<i64>)>,
 ) -> Result<Option<NodeId>, IrError> {
-    let pad = padding.map(|m| g.add(Op::PaddingMask, &[m])).transpose()?;
+    let pad = padding
+        .map(|m| g.add(Op::PaddingMask(dtype), &[m]))
+        .transpose()?;
     let causal = causal
-        .map(|(rows, cols, window)| g.add(Op::CausalMask { rows, cols, window }, &[]))
+        .map(|(rows, cols, window)| {
+            g.add(
+                Op::CausalMask {
+                    rows,
+                    cols,
+                    window,
+                    dtype,
+                },
+                &[],
+            )
+        })
         .transpose()?;
     Ok(match (pad, causal) {
         (Some(p), Some(c)) => Some(g.add_(p, c)?),
@@ -423,7 +437,7 @@ fn attention(g: &mut Graph, spec: &AttentionSpec, args: &[NodeId]) -> Result<Nod
     let causal = spec
         .causal
         .then(|| (qs[2].clone(), ks[2].clone(), spec.window));
-    let mask = attention_mask(g, mask, causal)?;
+    let mask = attention_mask(g, g.ty(q).dtype, mask, causal)?;
     let dropout = match (spec.dropout, seed) {
         (Some((p, stream)), Some(s)) => Some((p, stream, s)),
         _ => None,

@@ -101,9 +101,9 @@ pub enum Op {
     /// Row gather (embedding lookup): `out[i.., j..] = table[ids[i..], j..]`. Args: `[table, ids]`.
     /// An id outside `0..table.shape[0]` is an error.
     Gather,
-    /// Additive causal mask `[rows, cols]` in f32: 0 where key `j` is visible to query `i`, i.e.
-    /// `j <= i + (cols - rows)` and, with a window `w`, `i + (cols - rows) - j < w`; `MASK_NEG`
-    /// elsewhere. No args.
+    /// Additive causal mask `[rows, cols]` of float type `dtype`: 0 where key `j` is visible to
+    /// query `i`, i.e. `j <= i + (cols - rows)` and, with a window `w`, `i + (cols - rows) - j < w`;
+    /// `mask_value(dtype)` elsewhere. No args.
     CausalMask {
         /// Query rows.
         rows: Dim,
@@ -111,10 +111,13 @@ pub enum Op {
         cols: Dim,
         /// Sliding-window width (Mistral), if any.
         window: Option<i64>,
+        /// The mask's float type.
+        dtype: DType,
     },
-    /// Additive padding mask: `[B, L]` integer/bool mask (1 = token, 0 = padding) to f32
-    /// `[B, 1, 1, L]` holding 0 for tokens and `MASK_NEG` for padding. Args: `[mask]`.
-    PaddingMask,
+    /// Additive padding mask: `[B, L]` integer/bool mask (1 = token, 0 = padding) to
+    /// `[B, 1, 1, L]` of float type `.0`, holding 0 for tokens and `mask_value(.0)` for padding.
+    /// Args: `[mask]`.
+    PaddingMask(DType),
     /// Rotary position embedding, rotate-half form (as in Hugging Face Llama):
     /// `out = x * cos(p * f) + rotate_half(x) * sin(p * f)` with `rotate_half(x) = [-x2, x1]`, the
     /// frequency of column `c` being `inv_freq[c mod D/2]`. Args: `[x [B, H, L, D], positions [B, L]]`.
@@ -161,9 +164,18 @@ pub enum Op {
     Embedding(EmbeddingSpec),
 }
 
-/// The value that masks use for "not visible": finite, so that sums of masks stay finite and a
-/// softmax over a fully masked row is uniform rather than NaN.
+/// The value that f32 / bf16 masks use for "not visible": finite, so that sums of masks stay
+/// finite and a softmax over a fully masked row is uniform rather than NaN.
 pub const MASK_NEG: f32 = -1.0e30;
+
+/// The "not visible" value of a mask of float type `dtype`: `MASK_NEG`, or for f16 half of its
+/// most negative finite value (so that a padding mask plus a causal mask stays finite).
+pub fn mask_value(dtype: DType) -> f32 {
+    match dtype {
+        DType::F16 => -32752.0,
+        _ => MASK_NEG,
+    }
+}
 
 impl Op {
     /// A short lowercase name for messages.
@@ -201,7 +213,7 @@ impl Op {
             Op::Concat(_) => "concat",
             Op::Gather => "gather",
             Op::CausalMask { .. } => "causal_mask",
-            Op::PaddingMask => "padding_mask",
+            Op::PaddingMask(_) => "padding_mask",
             Op::Rope { .. } => "rope",
             Op::Dropout { .. } => "dropout",
             Op::Softmax => "softmax",
@@ -449,25 +461,33 @@ impl Op {
                 shape.extend_from_slice(&table.shape[1..]);
                 Ok(TensorType::new(table.dtype, shape))
             }
-            Op::CausalMask { rows, cols, window } => {
+            Op::CausalMask {
+                rows,
+                cols,
+                window,
+                dtype,
+            } => {
                 arity(0)?;
                 if window.is_some_and(|w| w < 1) {
                     return Err(format!("window must be >= 1, got {window:?}"));
                 }
-                Ok(TensorType::new(
-                    DType::F32,
-                    vec![rows.clone(), cols.clone()],
-                ))
+                if !dtype.is_float() {
+                    return Err(format!("a mask must be a float type, got {dtype}"));
+                }
+                Ok(TensorType::new(*dtype, vec![rows.clone(), cols.clone()]))
             }
-            Op::PaddingMask => {
+            Op::PaddingMask(dtype) => {
                 arity(1)?;
                 let m = args[0];
                 if m.rank() != 2 || !(m.dtype.is_int() || m.dtype == DType::Bool) {
                     return Err(format!("mask must be an integer [B, L] tensor, got {m}"));
                 }
+                if !dtype.is_float() {
+                    return Err(format!("a mask must be a float type, got {dtype}"));
+                }
                 let one = Dim::constant(1);
                 Ok(TensorType::new(
-                    DType::F32,
+                    *dtype,
                     vec![m.shape[0].clone(), one.clone(), one, m.shape[1].clone()],
                 ))
             }

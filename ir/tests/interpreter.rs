@@ -156,6 +156,7 @@ fn causal_mask_with_offset_and_window() {
                 rows: Dim::constant(2),
                 cols: Dim::constant(4),
                 window: Some(2),
+                dtype: DType::F32,
             },
             &[],
         )
@@ -171,7 +172,7 @@ fn causal_mask_with_offset_and_window() {
 fn padding_mask_shape_and_values() {
     let mut g = Graph::new();
     let mask = g.input("mask", DType::I64, sym(&["B", "S"])).unwrap();
-    let p = g.add(Op::PaddingMask, &[mask]).unwrap();
+    let p = g.add(Op::PaddingMask(DType::F32), &[mask]).unwrap();
     g.set_output("out", p).unwrap();
     let out = run(
         &g,

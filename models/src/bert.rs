@@ -12,7 +12,7 @@ use crate::checkpoint::read_json;
 use crate::config::Config;
 use kiln_ir::kernel::Activation;
 
-use crate::layers::{activation_from_config, ModelBuilder, COMPUTE};
+use crate::layers::{activation_from_config, ModelBuilder};
 use crate::{ModelError, ModelKind};
 
 /// BERT hyper-parameters from `config.json`.
@@ -36,6 +36,8 @@ pub struct BertConfig {
     pub activation: Activation,
     /// `layer_norm_eps`
     pub eps: f64,
+    /// `attention_probs_dropout_prob`
+    pub attention_dropout: f64,
 }
 
 impl BertConfig {
@@ -67,6 +69,7 @@ impl BertConfig {
             type_vocab_size: c.usize("type_vocab_size")?,
             activation: activation_from_config(c, "hidden_act")?,
             eps: c.f64_or("layer_norm_eps", 1e-12)?,
+            attention_dropout: c.f64_or("attention_probs_dropout_prob", 0.0)?,
         })
     }
 }
@@ -212,7 +215,14 @@ pub fn build(mb: &mut ModelBuilder, cfg: &BertConfig) -> Result<ModelKind, Model
         let q = mb.split_heads(q, heads, d)?;
         let k = mb.split_heads(k, heads, d)?;
         let v = mb.split_heads(v, heads, d)?;
-        let ctx = mb.attention(q, k, v, attn_mask, 1.0 / (d as f64).sqrt())?;
+        let ctx = mb.attention(
+            q,
+            k,
+            v,
+            attn_mask,
+            1.0 / (d as f64).sqrt(),
+            cfg.attention_dropout,
+        )?;
         let merged = mb.merge_heads(ctx, heads, d)?;
         let o = mb.linear(merged, &format!("{l}.attention.output.dense"), e, e, true)?;
         let r = mb.g.add_(o, h)?;
@@ -272,7 +282,8 @@ fn pool(
         kiln_ir::Dim::sym(kiln_ir::dim::BATCH),
         kiln_ir::Dim::sym(kiln_ir::dim::SEQ),
     );
-    let m = g.cast(mask, COMPUTE)?;
+    let dtype = mb.dtype;
+    let m = g.cast(mask, dtype)?;
     let m3 = g.reshape(m, vec![b.clone(), s, 1usize.into()])?;
     let mut parts = Vec::new();
     for mode in &head.pooling {
@@ -290,13 +301,13 @@ fn pool(
                 let kept = g.mul(h, m3)?;
                 let total = g.reduce(ReduceOp::Sum, kept, 1)?;
                 let count = g.reduce(ReduceOp::Sum, m3, 1)?;
-                let floor = g.scalar(1e-9, COMPUTE);
+                let floor = g.scalar(1e-9, dtype);
                 let count = g.binary(kiln_ir::BinaryOp::Max, count, floor)?;
                 let denom = if *mode == Pooling::Mean {
                     count
                 } else {
                     let inv = g.unary(UnaryOp::Rsqrt, count)?;
-                    let one = g.scalar(1.0, COMPUTE);
+                    let one = g.scalar(1.0, dtype);
                     g.div(one, inv)?
                 };
                 g.div(total, denom)?
@@ -312,7 +323,7 @@ fn pool(
     if head.normalize {
         let sq = g.mul(emb, emb)?;
         let norm2 = g.reduce(ReduceOp::Sum, sq, -1)?;
-        let floor = g.scalar(1e-24, COMPUTE);
+        let floor = g.scalar(1e-24, dtype);
         let clamped = g.binary(kiln_ir::BinaryOp::Max, norm2, floor)?;
         let inv = g.unary(UnaryOp::Rsqrt, clamped)?;
         emb = g.mul(emb, inv)?;

@@ -34,6 +34,8 @@ pub struct Gpt2Config {
     pub scale_by_layer: bool,
     /// `tie_word_embeddings`
     pub tied: bool,
+    /// `attn_pdrop`
+    pub attn_pdrop: f64,
 }
 
 impl Gpt2Config {
@@ -59,6 +61,7 @@ impl Gpt2Config {
             scale_attn_weights: c.bool_or("scale_attn_weights", true)?,
             scale_by_layer: c.bool_or("scale_attn_by_inverse_layer_idx", false)?,
             tied: c.bool_or("tie_word_embeddings", true)?,
+            attn_pdrop: c.f64_or("attn_pdrop", 0.1)?,
         })
     }
 }
@@ -106,7 +109,7 @@ pub fn build(mb: &mut ModelBuilder, cfg: &Gpt2Config) -> Result<ModelKind, Model
         if cfg.scale_by_layer {
             scale /= (i + 1) as f64;
         }
-        let ctx = mb.attention(q, k, vv, attn_mask, scale)?;
+        let ctx = mb.attention(q, k, vv, attn_mask, scale, cfg.attn_pdrop)?;
         let merged = mb.merge_heads(ctx, cfg.heads, d)?;
         let proj = mb.conv1d(merged, &format!("{p}.attn.c_proj"), e, e)?;
         h = mb.g.add_(h, proj)?;

@@ -10,14 +10,34 @@ use crate::checkpoint::Checkpoint;
 use crate::config::Config;
 use crate::ModelError;
 
-/// The element type of activations in imported graphs (weights are converted to it on load).
-pub const COMPUTE: DType = DType::F32;
+/// How to import a checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ImportOptions {
+    /// The float type of weights and activations (weights are converted to it on load).
+    pub dtype: DType,
+    /// Keep attention dropout (a training-mode forward): an i64 `seed` input drives it.
+    pub dropout: bool,
+}
+
+impl Default for ImportOptions {
+    fn default() -> ImportOptions {
+        ImportOptions {
+            dtype: DType::F32,
+            dropout: false,
+        }
+    }
+}
 
 /// A graph under construction together with the checkpoint its weights come from.
 pub struct ModelBuilder<'a> {
     /// The graph being built.
     pub g: Graph,
+    /// The float type of weights and activations.
+    pub dtype: DType,
     ckpt: &'a Checkpoint,
+    dropout: bool,
+    seed: Option<NodeId>,
+    streams: u32,
 }
 
 /// Reads the activation named by config field `field`.
@@ -36,10 +56,14 @@ pub fn activation_from_config(config: &Config, field: &str) -> Result<Activation
 
 impl<'a> ModelBuilder<'a> {
     /// Starts an empty graph over `ckpt`.
-    pub fn new(ckpt: &'a Checkpoint) -> ModelBuilder<'a> {
+    pub fn new(ckpt: &'a Checkpoint, options: &ImportOptions) -> ModelBuilder<'a> {
         ModelBuilder {
             g: Graph::new(),
+            dtype: options.dtype,
             ckpt,
+            dropout: options.dropout,
+            seed: None,
+            streams: 0,
         }
     }
 
@@ -52,7 +76,7 @@ impl<'a> ModelBuilder<'a> {
     pub fn weight(&mut self, name: &str, shape: &[usize]) -> Result<NodeId, ModelError> {
         self.ckpt.expect(name, shape)?;
         let dims = shape.iter().map(|&d| Dim::from(d)).collect();
-        Ok(self.g.weight(name, COMPUTE, dims)?)
+        Ok(self.g.weight(name, self.dtype, dims)?)
     }
 
     /// The symbolic `[B, S]` shape of token inputs.
@@ -213,7 +237,8 @@ impl<'a> ModelBuilder<'a> {
     }
 
     /// Scaled dot-product attention over `[B, H, S, D]` tensors with an additive `mask` that
-    /// broadcasts to `[B, H, S, S]`: `softmax(q k^T * scale + mask) v`.
+    /// broadcasts to `[B, H, S, S]`: `softmax(q k^T * scale + mask) v`. With dropout kept and
+    /// `dropout_p > 0`, the probabilities go through dropout (stream = attention blocks so far).
     pub fn attention(
         &mut self,
         q: NodeId,
@@ -221,8 +246,31 @@ impl<'a> ModelBuilder<'a> {
         v: NodeId,
         mask: NodeId,
         scale: f64,
+        dropout_p: f64,
     ) -> Result<NodeId, ModelError> {
-        Ok(kernel::sdpa(&mut self.g, q, k, v, Some(mask), scale, None)?)
+        let dropout = if self.dropout && dropout_p > 0.0 {
+            let seed = match self.seed {
+                Some(s) => s,
+                None => {
+                    let s = self.g.input("seed", DType::I64, vec![])?;
+                    self.seed = Some(s);
+                    s
+                }
+            };
+            self.streams += 1;
+            Some((dropout_p, self.streams - 1, seed))
+        } else {
+            None
+        };
+        Ok(kernel::sdpa(
+            &mut self.g,
+            q,
+            k,
+            v,
+            Some(mask),
+            scale,
+            dropout,
+        )?)
     }
 
     /// The additive mask of a decoder: padding plus causal (optionally windowed), `[B, 1, S, S]`.
@@ -234,6 +282,7 @@ impl<'a> ModelBuilder<'a> {
         let s = Dim::sym(SEQ);
         let mask = kernel::attention_mask(
             &mut self.g,
+            self.dtype,
             Some(attention_mask),
             Some((s.clone(), s, window)),
         )?;
@@ -242,7 +291,7 @@ impl<'a> ModelBuilder<'a> {
 
     /// The additive padding mask of an encoder, `[B, 1, 1, S]`.
     pub fn padding_mask(&mut self, attention_mask: NodeId) -> Result<NodeId, ModelError> {
-        let mask = kernel::attention_mask(&mut self.g, Some(attention_mask), None)?;
+        let mask = kernel::attention_mask(&mut self.g, self.dtype, Some(attention_mask), None)?;
         Ok(mask.expect("a padding mask was given"))
     }
 

@@ -19,6 +19,7 @@ use kiln_ir::{Graph, IrError};
 
 pub use checkpoint::Checkpoint;
 use config::Config;
+pub use layers::ImportOptions;
 use layers::ModelBuilder;
 
 /// Errors importing a checkpoint or preparing its inputs.
@@ -133,17 +134,22 @@ pub const SUPPORTED_ARCHITECTURES: &[&str] = &[
     "BertModel",
 ];
 
-/// Imports the checkpoint folder `dir`.
+/// Imports the checkpoint folder `dir` as an f32 inference graph.
 pub fn import(dir: &Path) -> Result<Model, ModelError> {
-    import_checkpoint(Checkpoint::open(dir)?)
+    import_with(dir, &ImportOptions::default())
+}
+
+/// Imports the checkpoint folder `dir` with `options` (dtype, dropout).
+pub fn import_with(dir: &Path, options: &ImportOptions) -> Result<Model, ModelError> {
+    import_checkpoint(Checkpoint::open(dir)?, options)
 }
 
 /// Builds the graph from `dir/config.json` alone (plan-only compilation; nothing can be evaluated).
-pub fn import_config_only(dir: &Path) -> Result<Model, ModelError> {
-    import_checkpoint(Checkpoint::open_config_only(dir)?)
+pub fn import_config_only(dir: &Path, options: &ImportOptions) -> Result<Model, ModelError> {
+    import_checkpoint(Checkpoint::open_config_only(dir)?, options)
 }
 
-fn import_checkpoint(checkpoint: Checkpoint) -> Result<Model, ModelError> {
+fn import_checkpoint(checkpoint: Checkpoint, options: &ImportOptions) -> Result<Model, ModelError> {
     let config = Config::new(checkpoint.config());
     let architecture = match config.get("architectures").and_then(|a| a.get(0)) {
         Some(a) => a.as_str().unwrap_or_default().to_string(),
@@ -156,7 +162,7 @@ fn import_checkpoint(checkpoint: Checkpoint) -> Result<Model, ModelError> {
             _ => return Err(config.unsupported("model_type", "no `architectures` either")),
         },
     };
-    let mut mb = ModelBuilder::new(&checkpoint);
+    let mut mb = ModelBuilder::new(&checkpoint, options);
     let kind = match architecture.as_str() {
         "GPT2LMHeadModel" => gpt2::build(&mut mb, &gpt2::Gpt2Config::from_config(&config)?)?,
         "LlamaForCausalLM" | "MistralForCausalLM" | "Qwen2ForCausalLM" => {

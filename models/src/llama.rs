@@ -58,6 +58,8 @@ pub struct LlamaConfig {
     pub tied: bool,
     /// `sliding_window` (Mistral)
     pub sliding_window: Option<i64>,
+    /// `attention_dropout`
+    pub attention_dropout: f64,
 }
 
 impl LlamaConfig {
@@ -120,6 +122,7 @@ impl LlamaConfig {
             mlp_bias: flavor == LlamaFlavor::Llama && c.bool_or("mlp_bias", false)?,
             tied: c.bool_or("tie_word_embeddings", false)?,
             sliding_window,
+            attention_dropout: c.f64_or("attention_dropout", 0.0)?,
         })
     }
 }
@@ -222,7 +225,14 @@ pub fn build(mb: &mut ModelBuilder, cfg: &LlamaConfig) -> Result<ModelKind, Mode
         let k = mb.g.add(rope_op.clone(), &[k, pos])?;
         let k = mb.repeat_kv(k, kvh, h)?;
         let vv = mb.repeat_kv(vv, kvh, h)?;
-        let ctx = mb.attention(q, k, vv, attn_mask, 1.0 / (d as f64).sqrt())?;
+        let ctx = mb.attention(
+            q,
+            k,
+            vv,
+            attn_mask,
+            1.0 / (d as f64).sqrt(),
+            cfg.attention_dropout,
+        )?;
         let merged = mb.merge_heads(ctx, h, d)?;
         let o = mb.linear(
             merged,

@@ -251,3 +251,100 @@ fn fused_graph_snapshots() {
         insta::assert_snapshot!(format!("fused_{name}_s16"), text);
     }
 }
+
+fn compile_with(
+    dir: &std::path::Path,
+    options: &kiln_models::ImportOptions,
+    seq: usize,
+) -> (kiln_models::Model, CompiledBucket) {
+    use kiln_compiler::bucket::BucketPlan;
+    use kiln_compiler::compile::{compile, CompileOptions};
+    let model = kiln_models::import_with(dir, options).unwrap();
+    let opts = CompileOptions {
+        plan: BucketPlan::new(vec![seq], vec![1]).unwrap(),
+        limits: Default::default(),
+        cost: Default::default(),
+        histogram: None,
+    };
+    let (_, mut buckets) = compile(&model.graph, &opts).unwrap();
+    (model, buckets.remove(0))
+}
+
+/// `--dropout` keeps attention dropout: the fused attention kernels draw exactly the unfused
+/// graph's masks (same seed, same logits); another seed draws other masks.
+#[test]
+fn dropout_plans_draw_the_unfused_masks() {
+    let options = kiln_models::ImportOptions {
+        dtype: kiln_ir::DType::F32,
+        dropout: true,
+    };
+    let (model, bucket) = compile_with(&fixture("gpt2-tiny"), &options, 16);
+    let attention: Vec<_> = bucket
+        .graph
+        .nodes()
+        .filter_map(|(_, n)| match &n.op {
+            kiln_ir::Op::Attention(a) => Some(a.dropout),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(attention, vec![Some((0.1, 0)), Some((0.1, 1))]);
+    let ids: Vec<i64> = (0..16).map(|i| (i * 37 + 5) % 512).collect();
+    let run_with = |graph: &kiln_ir::Graph, seed: i64| {
+        let mut inputs = model
+            .inputs(&TokenBatch {
+                ids: vec![ids.clone()],
+                mask: None,
+            })
+            .unwrap();
+        inputs.insert("seed".into(), Tensor::i64(vec![], vec![seed]));
+        let fixed = graph.specialize(&bucket.bucket.bindings()).unwrap();
+        floats(&kiln_ir::evaluate(&fixed, &inputs, &model.checkpoint).unwrap()["logits"]).to_vec()
+    };
+    let fused = run_with(&bucket.graph, 7);
+    let unfused = run_with(&model.graph, 7);
+    assert!(rel_err(&fused, &unfused) < 1e-5);
+    let other = run_with(&bucket.graph, 8);
+    assert!(
+        rel_err(&other, &unfused) > 1e-3,
+        "another seed draws other masks"
+    );
+}
+
+/// bf16 plans (weights and activations in bf16) stay within the fixtures' half-precision
+/// tolerance of the f32 reference.
+#[test]
+fn bf16_plans_match_the_reference_within_half_precision_tolerance() {
+    for name in ["gpt2-tiny", "llama-tiny"] {
+        let options = kiln_models::ImportOptions {
+            dtype: kiln_ir::DType::BF16,
+            dropout: false,
+        };
+        let (model, bucket) = compile_with(&fixture(name), &options, 64);
+        let reference = reference(name);
+        let ids = reference["input_ids_33"].as_i64().unwrap().to_vec();
+        let out = run(
+            &bucket,
+            &model,
+            &TokenBatch {
+                ids: vec![ids],
+                mask: None,
+            },
+        );
+        let vocab = 512;
+        let got = &floats(&out["logits"])[..33 * vocab];
+        let want = floats(&reference["logits_33"]);
+        let err = rel_err(got, want);
+        assert!(err < 2e-2, "{name} bf16: relative error {err:e}");
+        for (row, (g, w)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
+            let mut sorted = w.to_vec();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            if sorted[0] - sorted[1] > 0.05 {
+                assert_eq!(
+                    kiln_tests::argmax(g),
+                    kiln_tests::argmax(w),
+                    "{name} bf16 row {row}"
+                );
+            }
+        }
+    }
+}

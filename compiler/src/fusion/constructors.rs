@@ -317,7 +317,9 @@ fn attention(eg: &mut KilnGraph, s: &Subst) -> Vec<Id> {
             }
             for (padding, causal) in &masks {
                 let (causal_flag, window) = match causal {
-                    Some(Op::CausalMask { rows, cols, window }) => {
+                    Some(Op::CausalMask {
+                        rows, cols, window, ..
+                    }) => {
                         if *rows != qt.shape[2] || *cols != kt.shape[2] {
                             continue;
                         }

@@ -132,7 +132,7 @@ pub fn kernel_work(
         | Op::Cast(_)
         | Op::Activation(_)
         | Op::CausalMask { .. }
-        | Op::PaddingMask
+        | Op::PaddingMask(_)
         | Op::Dropout { .. } => (KernelKind::Elementwise, n),
         Op::Rope { .. } | Op::Concat(_) => (KernelKind::Other, n),
         Op::Input(_) | Op::Weight(_) | Op::Scalar(_) => return None,

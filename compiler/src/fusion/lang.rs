@@ -89,7 +89,6 @@ const ATTRIBUTE_FREE: &[(&str, MakeOp)] = &[
     ("where", || Op::Where),
     ("matmul", || Op::MatMul),
     ("gather", || Op::Gather),
-    ("padding_mask", || Op::PaddingMask),
     ("softmax", || Op::Softmax),
 ];
 
@@ -105,6 +104,7 @@ const ATTRIBUTED: &[&str] = &[
     "slice",
     "concat",
     "causal_mask",
+    "padding_mask",
     "rope",
     "dropout",
     "softmax_dropout",
