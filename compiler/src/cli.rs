@@ -12,7 +12,9 @@ use kiln_models::inputs::TokenBatch;
 use kiln_models::{ImportOptions, ModelKind};
 
 use crate::bucket::BucketPlan;
-use crate::compile::{compile, CompileOptions, CompileReport, CompiledBucket};
+use crate::compile::{
+    compile, BucketReport, CompileOptions, CompileReport, Compiled, CompiledBucket,
+};
 use crate::fusion::cost::CostModel;
 use crate::fusion::Limits;
 use crate::tensor_io::{read_tensors, write_tensors};
@@ -84,6 +86,9 @@ pub enum Command {
         /// Keep attention dropout (a training-mode forward, seeded by an i64 `seed` input).
         #[arg(long)]
         dropout: bool,
+        /// KV-cache capacity of the decode graphs (decoders; default: the largest sequence bucket).
+        #[arg(long)]
+        max_context: Option<usize>,
     },
     /// Run a checkpoint with the reference interpreter (f32 storage, f64 accumulation).
     Eval {
@@ -132,9 +137,10 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                     limits: Limits::default(),
                     cost: CostModel::default(),
                     histogram: None,
+                    max_context: None,
                 };
-                let (_, buckets) = compile(&model.graph, &opts)?;
-                writeln!(out, "{}", buckets[0].graph.to_ron())?;
+                let (_, compiled) = compile(&model.graph, None, &opts)?;
+                writeln!(out, "{}", compiled.prefill[0].graph.to_ron())?;
                 return Ok(());
             }
             let mut bindings = BTreeMap::new();
@@ -164,6 +170,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
             report,
             no_weights,
             dropout,
+            max_context,
         } => {
             let dtype = match DType::parse(dtype) {
                 Some(d) if d.is_float() => d,
@@ -172,6 +179,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
             let import = ImportOptions {
                 dtype,
                 dropout: *dropout,
+                kv_cache: false,
             };
             let histogram = length_histogram
                 .as_deref()
@@ -198,10 +206,39 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
             }
             let total = std::time::Instant::now();
             let start = std::time::Instant::now();
-            let model = if *no_weights {
-                kiln_models::import_config_only(model_dir, &import)?
-            } else {
-                kiln_models::import_with(model_dir, &import)?
+            let load = |options: &ImportOptions| {
+                if *no_weights {
+                    kiln_models::import_config_only(model_dir, options)
+                } else {
+                    kiln_models::import_with(model_dir, options)
+                }
+            };
+            let model = load(&import)?;
+            let (cached, context) = match model.kind {
+                ModelKind::Decoder { max_positions, .. } => {
+                    let context = max_context.unwrap_or(*plan.seq_lens.last().expect("buckets"));
+                    if context == 0 {
+                        bail!("--max-context must be at least 1");
+                    }
+                    if let Some(limit) = max_positions.filter(|l| context > *l) {
+                        bail!("--max-context {context} exceeds the model's {limit} positions");
+                    }
+                    let options = ImportOptions {
+                        kv_cache: true,
+                        dropout: false,
+                        ..import.clone()
+                    };
+                    (Some(load(&options)?.graph), Some(context))
+                }
+                ModelKind::Encoder { .. } => {
+                    if max_context.is_some() {
+                        bail!(
+                            "--max-context applies to decoders; {} is an encoder",
+                            model.architecture
+                        );
+                    }
+                    (None, None)
+                }
             };
             let import_seconds = start.elapsed().as_secs_f64();
             let opts = CompileOptions {
@@ -209,8 +246,9 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 limits: Limits::default(),
                 cost: CostModel::default(),
                 histogram,
+                max_context: context,
             };
-            let (mut compiled, buckets) = compile(&model.graph, &opts)?;
+            let (mut compiled, buckets) = compile(&model.graph, cached.as_ref(), &opts)?;
             compiled
                 .stage_seconds
                 .insert("import".into(), import_seconds);
@@ -230,12 +268,19 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 .buckets
                 .iter()
                 .map(|b| format!("b{}-s{}: {} kernels", b.batch, b.seq, b.kernels.len()))
+                .chain(
+                    compiled
+                        .decode_buckets
+                        .iter()
+                        .map(|b| format!("decode b{}: {} kernels", b.batch, b.kernels.len())),
+                )
                 .collect();
             writeln!(
                 out,
-                "compiled {} ({} buckets) into {} in {:.2} s: {}",
+                "compiled {} ({} prefill + {} decode buckets) into {} in {:.2} s: {}",
                 model.architecture,
-                buckets.len(),
+                buckets.prefill.len(),
+                buckets.decode.len(),
                 out_dir.display(),
                 compiled.stage_seconds["total"],
                 per_bucket.join(", ")
@@ -421,7 +466,9 @@ struct PlanFile<'a> {
     architecture: &'a str,
     seq_buckets: &'a [usize],
     batch_buckets: &'a [usize],
+    max_context: Option<usize>,
     buckets: Vec<PlanBucket>,
+    decode_buckets: Vec<PlanBucket>,
 }
 
 #[derive(serde::Serialize)]
@@ -439,7 +486,7 @@ fn write_plan(
     architecture: &str,
     plan: &BucketPlan,
     report: &CompileReport,
-    buckets: &[CompiledBucket],
+    compiled: &Compiled,
 ) -> Result<()> {
     if out_dir.exists() && !out_dir.join("plan.ron").is_file() {
         let empty = out_dir
@@ -471,24 +518,31 @@ fn write_plan(
     let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
     let result = (|| -> Result<()> {
         std::fs::create_dir_all(tmp.join("buckets"))?;
-        let mut entries = Vec::new();
-        for (b, r) in buckets.iter().zip(&report.buckets) {
-            let file = format!("buckets/prefill-{}.ron", b.bucket.label());
-            std::fs::write(tmp.join(&file), b.graph.to_ron())?;
-            entries.push(PlanBucket {
-                batch: b.bucket.batch,
-                seq: b.bucket.seq,
-                graph: file,
-                kernels: r.kernels.iter().map(|k| k.name.clone()).collect(),
-            });
-        }
+        let write = |kind: &str, buckets: &[CompiledBucket], reports: &[BucketReport]| {
+            let mut entries = Vec::new();
+            for (b, r) in buckets.iter().zip(reports) {
+                let file = format!("buckets/{kind}-{}.ron", b.bucket.label());
+                std::fs::write(tmp.join(&file), b.graph.to_ron())?;
+                entries.push(PlanBucket {
+                    batch: b.bucket.batch,
+                    seq: b.bucket.seq,
+                    graph: file,
+                    kernels: r.kernels.iter().map(|k| k.name.clone()).collect(),
+                });
+            }
+            Ok::<_, std::io::Error>(entries)
+        };
+        let entries = write("prefill", &compiled.prefill, &report.buckets)?;
+        let decode_entries = write("decode", &compiled.decode, &report.decode_buckets)?;
         let file = PlanFile {
             format: 1,
             compiler: env!("CARGO_PKG_VERSION"),
             architecture,
             seq_buckets: &plan.seq_lens,
             batch_buckets: &plan.batch_sizes,
+            max_context: compiled.decode.first().and_then(|b| b.context),
             buckets: entries,
+            decode_buckets: decode_entries,
         };
         let text = ron::ser::to_string_pretty(&file, ron::ser::PrettyConfig::new())?;
         std::fs::write(tmp.join("plan.ron"), text)?;

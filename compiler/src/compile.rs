@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
+use kiln_ir::dim::CONTEXT;
 use kiln_ir::{Graph, Op};
 use serde::Serialize;
 
@@ -22,6 +23,8 @@ pub struct CompileOptions {
     pub cost: CostModel,
     /// A length histogram to report padding waste for.
     pub histogram: Option<BTreeMap<usize, u64>>,
+    /// KV-cache capacity of the decode graphs (decoders only).
+    pub max_context: Option<usize>,
 }
 
 /// One kernel of a bucket's static graph.
@@ -44,8 +47,10 @@ pub struct KernelReport {
 pub struct BucketReport {
     /// Batch size.
     pub batch: usize,
-    /// Sequence length.
+    /// Sequence length (1 for decode).
     pub seq: usize,
+    /// KV-cache capacity, for decode buckets.
+    pub context: Option<usize>,
     /// Its kernels, in execution order.
     pub kernels: Vec<KernelReport>,
     /// The cost model's estimate, seconds.
@@ -66,9 +71,11 @@ pub struct PaddingReport {
 pub struct CompileReport {
     /// Prefill / encode buckets, largest first.
     pub buckets: Vec<BucketReport>,
+    /// Decode buckets (one token per row over the KV cache), largest batch first.
+    pub decode_buckets: Vec<BucketReport>,
     /// Rule name -> times applied.
     pub rules: BTreeMap<String, usize>,
-    /// E-graph sizes and times per phase.
+    /// E-graph sizes and times per phase (the prefill e-graph's phases, then the KV-cached one's).
     pub egraph: Vec<PhaseStats>,
     /// Seconds per stage (`saturate`, `extract`, ...).
     pub stage_seconds: BTreeMap<String, f64>,
@@ -78,20 +85,36 @@ pub struct CompileReport {
 
 /// A compiled bucket: its static graph and report.
 pub struct CompiledBucket {
-    /// The bucket.
+    /// The bucket (`seq` 1 for decode).
     pub bucket: Bucket,
+    /// KV-cache capacity, for decode buckets.
+    pub context: Option<usize>,
     /// The static fused graph.
     pub graph: Graph,
 }
 
-/// Compiles `graph` for every bucket of `opts.plan`.
+/// Everything compiled: prefill/encode buckets and decode buckets.
+pub struct Compiled {
+    /// Prefill / encode buckets, largest first.
+    pub prefill: Vec<CompiledBucket>,
+    /// Decode buckets, largest batch first.
+    pub decode: Vec<CompiledBucket>,
+}
+
+/// Compiles `graph` for every bucket of `opts.plan` and, for decoders, the KV-cached graph
+/// `cached` for every batch bucket at one token and `opts.max_context` cache entries.
 pub fn compile(
     graph: &Graph,
+    cached: Option<&Graph>,
     opts: &CompileOptions,
-) -> Result<(CompileReport, Vec<CompiledBucket>), FusionError> {
+) -> Result<(CompileReport, Compiled), FusionError> {
     let mut stage_seconds = BTreeMap::new();
     let start = Instant::now();
     let saturated = saturate(graph, &opts.limits)?;
+    let saturated_cached = match (cached, opts.max_context) {
+        (Some(g), Some(_)) => Some(saturate(g, &opts.limits)?),
+        _ => None,
+    };
     stage_seconds.insert("saturate".to_string(), start.elapsed().as_secs_f64());
 
     let start = Instant::now();
@@ -104,28 +127,65 @@ pub fn compile(
         reports.push(BucketReport {
             batch: bucket.batch,
             seq: bucket.seq,
+            context: None,
             kernels: kernels(&fixed),
             modelled_seconds: cost,
         });
         buckets.push(CompiledBucket {
             bucket,
+            context: None,
             graph: fixed,
         });
+    }
+    let mut decode = Vec::new();
+    let mut decode_reports = Vec::new();
+    if let (Some(sat), Some(context)) = (&saturated_cached, opts.max_context) {
+        for &batch in opts.plan.batch_sizes.iter().rev() {
+            let bucket = Bucket { batch, seq: 1 };
+            let mut bindings = bucket.bindings();
+            bindings.insert(CONTEXT.to_string(), context as i64);
+            let (fused, cost) = sat.extract(&bindings, &opts.cost)?;
+            let fixed = fused.specialize(&bindings)?;
+            decode_reports.push(BucketReport {
+                batch,
+                seq: 1,
+                context: Some(context),
+                kernels: kernels(&fixed),
+                modelled_seconds: cost,
+            });
+            decode.push(CompiledBucket {
+                bucket,
+                context: Some(context),
+                graph: fixed,
+            });
+        }
     }
     stage_seconds.insert("extract".to_string(), start.elapsed().as_secs_f64());
     let padding = opts.histogram.as_ref().map(|h| {
         let (waste, too_long) = opts.plan.padding_waste(h);
         PaddingReport { waste, too_long }
     });
+    let mut rules = saturated.rule_counts;
+    let mut egraph = saturated.phases;
+    if let Some(sat) = saturated_cached {
+        for (name, n) in sat.rule_counts {
+            *rules.entry(name).or_insert(0) += n;
+        }
+        egraph.extend(sat.phases);
+    }
     Ok((
         CompileReport {
             buckets: reports,
-            rules: saturated.rule_counts,
-            egraph: saturated.phases,
+            decode_buckets: decode_reports,
+            rules,
+            egraph,
             stage_seconds,
             padding,
         },
-        buckets,
+        Compiled {
+            prefill: buckets,
+            decode,
+        },
     ))
 }
 

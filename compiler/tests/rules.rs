@@ -104,7 +104,11 @@ fn check(rule: &str, g: &Graph, fused: impl Fn(&Op) -> bool, dropout: bool) {
     );
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     for len in [1i64, 5, 17] {
-        let bindings = BTreeMap::from([("S".to_string(), len), ("B".to_string(), 2)]);
+        let bindings = BTreeMap::from([
+            ("S".to_string(), len),
+            ("B".to_string(), 2),
+            ("T".to_string(), 23),
+        ]);
         let (extracted, _) = sat.extract(&bindings, &CostModel::default()).unwrap();
         assert!(
             extracted.nodes().any(|(_, n)| fused(&n.op)),
@@ -173,6 +177,7 @@ fn every_rule_is_tested() {
         "repeat-kv",
         "attention-masked",
         "attention-masked-dropout",
+        "decode-attention",
         "attention",
         "attention-dropout",
         "gemm-linear",
@@ -395,6 +400,34 @@ fn attention_with_dropout() {
         attention_has(true, true, true, true),
         false,
     );
+}
+
+/// Attention of a query chunk over a KV cache, as the cached decoder graphs build it: q rotated at
+/// its positions, the cache's K/V heads repeated, the position mask (optionally windowed).
+#[test]
+fn decode_attention() {
+    for window in [None, Some(5)] {
+        let mut g = Graph::new();
+        let q = input(&mut g, "q", vec![b(), d(4), s(), d(8)]);
+        let k = input(&mut g, "k", vec![b(), d(2), Dim::sym("T"), d(8)]);
+        let v = input(&mut g, "v", vec![b(), d(2), Dim::sym("T"), d(8)]);
+        let pos = g.input("pos", DType::I64, vec![b(), s()]).unwrap();
+        let rope = Op::Rope {
+            theta: 1e4,
+            scaling: RopeScaling::Default,
+        };
+        let q = g.add(rope, &[q, pos]).unwrap();
+        let k = kernel::repeat_kv(&mut g, k, 2).unwrap();
+        let v = kernel::repeat_kv(&mut g, v, 2).unwrap();
+        let m = kernel::position_mask(&mut g, pos, Dim::sym("T"), window, DType::F32).unwrap();
+        let y = kernel::sdpa(&mut g, q, k, v, Some(m), 0.3, None).unwrap();
+        check(
+            "decode-attention",
+            &output(g, y),
+            move |op| matches!(op, Op::DecodeAttention(a) if a.rope.is_some() && a.window == window),
+            false,
+        );
+    }
 }
 
 fn weight(g: &mut Graph, name: &str, shape: &[usize]) -> NodeId {

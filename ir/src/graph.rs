@@ -394,6 +394,15 @@ impl Graph {
                     window: *window,
                     dtype: *dtype,
                 },
+                Op::PositionMask {
+                    cols,
+                    window,
+                    dtype,
+                } => Op::PositionMask {
+                    cols: sub(cols),
+                    window: *window,
+                    dtype: *dtype,
+                },
                 other => other.clone(),
             };
             if op.is_leaf() {

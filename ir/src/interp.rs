@@ -232,7 +232,8 @@ fn eval_op(
         | Op::Norm(_)
         | Op::Gemm(_)
         | Op::Attention(_)
-        | Op::Embedding(_) => return eval_kernel(node, args),
+        | Op::Embedding(_)
+        | Op::DecodeAttention(_) => return eval_kernel(node, args),
         Op::Scalar(v) => match node.ty.dtype.is_float() {
             true => float_out(node, shape, vec![*v as f32]),
             false => Tensor::int(node.ty.dtype, vec![], vec![*v as i64]),
@@ -398,6 +399,20 @@ fn eval_op(
             )
         }
         Op::Rope { theta, scaling } => rope(node, args[0], args[1], *theta, scaling, shape),
+        Op::PositionMask { window, dtype, .. } => {
+            let neg = mask_value(*dtype);
+            let pos = ints(args[0]);
+            let cols = shape[3] as i64;
+            let mut out = Vec::with_capacity(pos.len() * cols as usize);
+            for &p in pos {
+                for j in 0..cols {
+                    let visible = j <= p && window.is_none_or(|w| p - j < w);
+                    out.push(if visible { 0.0 } else { neg });
+                }
+            }
+            float_out(node, shape, out)
+        }
+        Op::CacheWrite => cache_write(node, args, shape)?,
         Op::Dropout { p, stream } => dropout(node, args[0], args[1], *p, *stream, shape)?,
     })
 }
@@ -418,6 +433,33 @@ fn eval_kernel(node: &Node, args: &[&Tensor]) -> Result<Tensor, String> {
     let mut result = evaluate(&g, &inputs, &BTreeMap::<String, Arc<Tensor>>::new())
         .map_err(|e| format!("in its decomposition: {e}"))?;
     Ok(result.remove("out").expect("the decomposition's output"))
+}
+
+fn cache_write(node: &Node, args: &[&Tensor], shape: &[usize]) -> Result<Tensor, String> {
+    let (b, h, t, d) = (shape[0], shape[1], shape[2], shape[3]);
+    let s = args[1].shape[2];
+    let mut out = floats(args[0]).to_vec();
+    let new = floats(args[1]);
+    let (pos, mask) = (ints(args[2]), ints(args[3]));
+    for bi in 0..b {
+        for si in 0..s {
+            if mask[bi * s + si] == 0 {
+                continue;
+            }
+            let p = pos[bi * s + si];
+            if p < 0 || p as usize >= t {
+                return Err(format!(
+                    "position {p} of row {bi} is outside the cache of {t} entries"
+                ));
+            }
+            for hi in 0..h {
+                let dst = ((bi * h + hi) * t + p as usize) * d;
+                let src = ((bi * h + hi) * s + si) * d;
+                out[dst..dst + d].copy_from_slice(&new[src..src + d]);
+            }
+        }
+    }
+    Ok(float_out(node, shape, out))
 }
 
 fn concat<T: Copy>(parts: &[&[T]], args: &[&Tensor], axis: usize, outer: usize) -> Vec<T> {

@@ -99,6 +99,20 @@ pub struct AttentionSpec {
     pub dropout: Option<(f64, u32)>,
 }
 
+/// Attention of a query chunk over a KV cache (decode when the chunk is one token): per row, the
+/// query at position `p` sees cache entries `0..=p` (within the window). Operands: `[q [B, H, S, D],
+/// k_cache [B, KVH, T, D], v_cache [B, KVH, T, D], positions [B, S]]`; with `rope`, q is rotated at
+/// its positions first (the cache holds rotated keys).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DecodeAttentionSpec {
+    /// Multiplies the scores.
+    pub scale: f64,
+    /// Sliding window, if any.
+    pub window: Option<i64>,
+    /// Rotary embedding of q (theta, scaling).
+    pub rope: Option<(f64, RopeScaling)>,
+}
+
 /// Embedding lookup: the sum of `tables` gathers. Operands: `[table_0, ids_0, table_1, ids_1, ..]`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct EmbeddingSpec {
@@ -205,6 +219,23 @@ pub(crate) fn decompose(op: &Op, g: &mut Graph, args: &[NodeId]) -> Result<NodeI
                 op: "embedding",
                 message: "needs at least one table".into(),
             })
+        }
+        Op::DecodeAttention(spec) => {
+            want(4)?;
+            let (mut q, k, v, pos) = (args[0], args[1], args[2], args[3]);
+            let groups = kv_groups(g, q, k)?;
+            if let Some((theta, scaling)) = &spec.rope {
+                let rope = Op::Rope {
+                    theta: *theta,
+                    scaling: scaling.clone(),
+                };
+                q = g.add(rope, &[q, pos])?;
+            }
+            let k = repeat_kv(g, k, groups)?;
+            let v = repeat_kv(g, v, groups)?;
+            let cols = g.ty(k).shape[2].clone();
+            let mask = position_mask(g, pos, cols, spec.window, g.ty(q).dtype)?;
+            sdpa(g, q, k, v, Some(mask), spec.scale, None)
         }
         other => unreachable!("{} is not a kernel op", other.name()),
     }
@@ -384,6 +415,52 @@ pub fn sdpa(
     g.matmul(probs, v)
 }
 
+/// The additive mask of a query chunk at `positions` over a cache of `cols` entries.
+pub fn position_mask(
+    g: &mut Graph,
+    positions: NodeId,
+    cols: Dim,
+    window: Option<i64>,
+    dtype: DType,
+) -> Result<NodeId, IrError> {
+    g.add(
+        Op::PositionMask {
+            cols,
+            window,
+            dtype,
+        },
+        &[positions],
+    )
+}
+
+/// Query heads per K/V head of `[B, H, S, D]` q and `[B, KVH, T, D]` k.
+fn kv_groups(g: &Graph, q: NodeId, k: NodeId) -> Result<usize, IrError> {
+    let (qs, ks) = (&g.ty(q).shape, &g.ty(k).shape);
+    if qs.len() != 4 || ks.len() != 4 {
+        return Err(IrError::Type {
+            node: q,
+            op: "attention",
+            message: format!(
+                "q and k must be [B, H, S, D], got {} and {}",
+                g.ty(q),
+                g.ty(k)
+            ),
+        });
+    }
+    match (qs[1].as_const(), ks[1].as_const()) {
+        (Some(h), Some(kvh)) if kvh > 0 && h % kvh == 0 => Ok((h / kvh) as usize),
+        _ => Err(IrError::Type {
+            node: k,
+            op: "attention",
+            message: format!(
+                "K/V heads of {} must divide the heads of {}",
+                g.ty(k),
+                g.ty(q)
+            ),
+        }),
+    }
+}
+
 fn attention(g: &mut Graph, spec: &AttentionSpec, args: &[NodeId]) -> Result<NodeId, IrError> {
     let (mut q, mut k, mut v) = (args[0], args[1], args[2]);
     let mut rest = args[3..].iter().copied();
@@ -398,32 +475,8 @@ fn attention(g: &mut Graph, spec: &AttentionSpec, args: &[NodeId]) -> Result<Nod
     } else {
         None
     };
+    let groups = kv_groups(g, q, k)?;
     let (qs, ks) = (g.ty(q).shape.clone(), g.ty(k).shape.clone());
-    if qs.len() != 4 || ks.len() != 4 {
-        return Err(IrError::Type {
-            node: q,
-            op: "attention",
-            message: format!(
-                "q and k must be [B, H, S, D], got {} and {}",
-                g.ty(q),
-                g.ty(k)
-            ),
-        });
-    }
-    let groups = match (qs[1].as_const(), ks[1].as_const()) {
-        (Some(h), Some(kvh)) if kvh > 0 && h % kvh == 0 => (h / kvh) as usize,
-        _ => {
-            return Err(IrError::Type {
-                node: k,
-                op: "attention",
-                message: format!(
-                    "K/V heads of {} must divide the heads of {}",
-                    g.ty(k),
-                    g.ty(q)
-                ),
-            })
-        }
-    };
     if let (Some((theta, scaling)), Some(pos)) = (&spec.rope, positions) {
         let rope = Op::Rope {
             theta: *theta,

@@ -10,7 +10,9 @@ use serde::{Deserialize, Serialize};
 use crate::dim::{numel, shape_to_string, Dim, Shape};
 use crate::dtype::{DType, TensorType};
 use crate::graph::Graph;
-use crate::kernel::{self, Activation, AttentionSpec, EmbeddingSpec, GemmSpec, NormSpec};
+use crate::kernel::{
+    self, Activation, AttentionSpec, DecodeAttentionSpec, EmbeddingSpec, GemmSpec, NormSpec,
+};
 use crate::rope::RopeScaling;
 
 /// Elementwise unary operations.
@@ -118,6 +120,22 @@ pub enum Op {
     /// `[B, 1, 1, L]` of float type `.0`, holding 0 for tokens and `mask_value(.0)` for padding.
     /// Args: `[mask]`.
     PaddingMask(DType),
+    /// Additive mask of a query chunk over a KV cache, `[B, 1, S, cols]` of float type `dtype`:
+    /// key `j` is visible to the query at position `p = positions[b, s]` when `j <= p` and, with a
+    /// window `w`, `p - j < w`; `mask_value(dtype)` elsewhere. Args: `[positions [B, S]]`.
+    PositionMask {
+        /// Key columns (the cache capacity).
+        cols: Dim,
+        /// Sliding-window width, if any.
+        window: Option<i64>,
+        /// The mask's float type.
+        dtype: DType,
+    },
+    /// Writes a chunk of keys or values into a KV cache: `out = cache` except
+    /// `out[b, :, positions[b, s], :] = new[b, :, s, :]` wherever `mask[b, s]` is 1. A position
+    /// outside the cache is an error. Args: `[cache [B, KVH, T, D], new [B, KVH, S, D],
+    /// positions [B, S], mask [B, S]]`.
+    CacheWrite,
     /// Rotary position embedding, rotate-half form (as in Hugging Face Llama):
     /// `out = x * cos(p * f) + rotate_half(x) * sin(p * f)` with `rotate_half(x) = [-x2, x1]`, the
     /// frequency of column `c` being `inv_freq[c mod D/2]`. Args: `[x [B, H, L, D], positions [B, L]]`.
@@ -162,6 +180,8 @@ pub enum Op {
     Attention(AttentionSpec),
     /// Summed embedding lookups. See `EmbeddingSpec`.
     Embedding(EmbeddingSpec),
+    /// Attention of a query chunk over a KV cache. See `DecodeAttentionSpec`.
+    DecodeAttention(DecodeAttentionSpec),
 }
 
 /// The value that f32 / bf16 masks use for "not visible": finite, so that sums of masks stay
@@ -224,6 +244,9 @@ impl Op {
             Op::Gemm(_) => "gemm",
             Op::Attention(_) => "attention",
             Op::Embedding(_) => "embedding",
+            Op::DecodeAttention(_) => "decode_attention",
+            Op::PositionMask { .. } => "position_mask",
+            Op::CacheWrite => "cache_write",
         }
     }
 
@@ -244,6 +267,7 @@ impl Op {
                 | Op::Gemm(_)
                 | Op::Attention(_)
                 | Op::Embedding(_)
+                | Op::DecodeAttention(_)
         )
     }
 
@@ -281,7 +305,8 @@ impl Op {
             | Op::Norm(_)
             | Op::Gemm(_)
             | Op::Attention(_)
-            | Op::Embedding(_) => {
+            | Op::Embedding(_)
+            | Op::DecodeAttention(_) => {
                 // The type of a kernel op is the type of its decomposition.
                 let mut g = Graph::new();
                 let mut ids = Vec::with_capacity(args.len());
@@ -490,6 +515,51 @@ impl Op {
                     *dtype,
                     vec![m.shape[0].clone(), one.clone(), one, m.shape[1].clone()],
                 ))
+            }
+            Op::PositionMask {
+                cols,
+                window,
+                dtype,
+            } => {
+                arity(1)?;
+                let p = args[0];
+                if p.rank() != 2 || !p.dtype.is_int() {
+                    return Err(format!("positions must be integer [B, S], got {p}"));
+                }
+                if window.is_some_and(|w| w < 1) || !dtype.is_float() {
+                    return Err(format!("bad window {window:?} or mask type {dtype}"));
+                }
+                Ok(TensorType::new(
+                    *dtype,
+                    vec![
+                        p.shape[0].clone(),
+                        Dim::constant(1),
+                        p.shape[1].clone(),
+                        cols.clone(),
+                    ],
+                ))
+            }
+            Op::CacheWrite => {
+                arity(4)?;
+                let (cache, new, pos, mask) = (args[0], args[1], args[2], args[3]);
+                let fits = cache.rank() == 4
+                    && new.rank() == 4
+                    && cache.dtype == new.dtype
+                    && cache.shape[0] == new.shape[0]
+                    && cache.shape[1] == new.shape[1]
+                    && cache.shape[3] == new.shape[3]
+                    && pos.rank() == 2
+                    && pos.dtype.is_int()
+                    && pos.shape[0] == new.shape[0]
+                    && pos.shape[1] == new.shape[2]
+                    && mask.shape == pos.shape
+                    && (mask.dtype.is_int() || mask.dtype == DType::Bool);
+                if !fits {
+                    return Err(format!(
+                        "cannot write {new} at positions {pos} (mask {mask}) into cache {cache}"
+                    ));
+                }
+                Ok(cache.clone())
             }
             Op::Rope { theta, scaling } => {
                 arity(2)?;

@@ -77,13 +77,12 @@ pub fn build(mb: &mut ModelBuilder, cfg: &Gpt2Config) -> Result<ModelKind, Model
     };
     let (e, v) = (cfg.hidden, cfg.vocab_size);
     let d = e / cfg.heads;
-    let (ids, mask, pos) = mb.decoder_inputs()?;
+    let (ids, _, pos) = mb.decoder_inputs()?;
     let wte = mb.weight(&format!("{root}wte.weight"), &[v, e])?;
     let wpe = mb.weight(&format!("{root}wpe.weight"), &[cfg.max_positions, e])?;
     let tok = mb.g.add(kiln_ir::Op::Gather, &[wte, ids])?;
     let posv = mb.g.add(kiln_ir::Op::Gather, &[wpe, pos])?;
     let mut h = mb.g.add_(tok, posv)?;
-    let attn_mask = mb.decoder_mask(mask, None)?;
     for i in 0..cfg.layers {
         let p = format!("{root}h.{i}");
         let x = mb.layer_norm(
@@ -109,7 +108,7 @@ pub fn build(mb: &mut ModelBuilder, cfg: &Gpt2Config) -> Result<ModelKind, Model
         if cfg.scale_by_layer {
             scale /= (i + 1) as f64;
         }
-        let ctx = mb.attention(q, k, vv, attn_mask, scale, cfg.attn_pdrop)?;
+        let ctx = mb.causal_self_attention(i, q, k, vv, scale, None, cfg.attn_pdrop)?;
         let merged = mb.merge_heads(ctx, cfg.heads, d)?;
         let proj = mb.conv1d(merged, &format!("{p}.attn.c_proj"), e, e)?;
         h = mb.g.add_(h, proj)?;

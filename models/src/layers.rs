@@ -2,6 +2,7 @@
 //! activations, softmax and multi-head attention. Weights are declared through the checkpoint, which
 //! checks that each key exists with the expected shape.
 
+use kiln_ir::dim::CONTEXT;
 use kiln_ir::dim::{BATCH, SEQ};
 use kiln_ir::kernel::{self, Activation};
 use kiln_ir::{DType, Dim, Graph, NodeId, Op};
@@ -17,6 +18,9 @@ pub struct ImportOptions {
     pub dtype: DType,
     /// Keep attention dropout (a training-mode forward): an i64 `seed` input drives it.
     pub dropout: bool,
+    /// Build the KV-cached form of a decoder (`past_*` inputs, `present_*` outputs; queries at
+    /// `position_ids` see the cache up to their position): the decode step and chunked prefill.
+    pub kv_cache: bool,
 }
 
 impl Default for ImportOptions {
@@ -24,6 +28,7 @@ impl Default for ImportOptions {
         ImportOptions {
             dtype: DType::F32,
             dropout: false,
+            kv_cache: false,
         }
     }
 }
@@ -38,6 +43,11 @@ pub struct ModelBuilder<'a> {
     dropout: bool,
     seed: Option<NodeId>,
     streams: u32,
+    kv_cache: bool,
+    /// `(attention_mask, position_ids)` of a decoder, once declared.
+    decoder: Option<(NodeId, NodeId)>,
+    /// The layers' shared attention mask, once built.
+    shared_mask: Option<NodeId>,
 }
 
 /// Reads the activation named by config field `field`.
@@ -64,6 +74,9 @@ impl<'a> ModelBuilder<'a> {
             dropout: options.dropout,
             seed: None,
             streams: 0,
+            kv_cache: options.kv_cache,
+            decoder: None,
+            shared_mask: None,
         }
     }
 
@@ -295,6 +308,82 @@ impl<'a> ModelBuilder<'a> {
         Ok(mask.expect("a padding mask was given"))
     }
 
+    /// Causal self-attention of decoder layer `layer` over `[B, H, S, D]` q and `[B, KVH, S, D]`
+    /// k, v (K/V heads repeated for their query groups).
+    ///
+    /// Without a KV cache, the keys are this chunk's, under the padding + causal mask. With one,
+    /// k and v are written into the `past_key.{layer}` / `past_value.{layer}` inputs
+    /// (`[B, KVH, T, D]`) at their positions (padding tokens are not written), the updated caches
+    /// are the `present_key.{layer}` / `present_value.{layer}` outputs, and each query sees the
+    /// cache entries up to its position.
+    #[allow(clippy::too_many_arguments)]
+    pub fn causal_self_attention(
+        &mut self,
+        layer: usize,
+        q: NodeId,
+        k: NodeId,
+        v: NodeId,
+        scale: f64,
+        window: Option<i64>,
+        dropout_p: f64,
+    ) -> Result<NodeId, ModelError> {
+        let (mask, positions) = self
+            .decoder
+            .expect("decoder_inputs() is called before the layers");
+        let heads = self.g.ty(q).shape[1].as_const().unwrap_or(1) as usize;
+        let kt = self.g.ty(k).clone();
+        let kv_heads = kt.shape[1].as_const().unwrap_or(1) as usize;
+        if !self.kv_cache {
+            let attn_mask = match self.shared_mask {
+                Some(m) => m,
+                None => {
+                    let m = self.decoder_mask(mask, window)?;
+                    self.shared_mask = Some(m);
+                    m
+                }
+            };
+            let k = self.repeat_kv(k, kv_heads, heads)?;
+            let v = self.repeat_kv(v, kv_heads, heads)?;
+            return self.attention(q, k, v, attn_mask, scale, dropout_p);
+        }
+        let context = Dim::sym(CONTEXT);
+        let cache_shape = vec![
+            kt.shape[0].clone(),
+            kt.shape[1].clone(),
+            context.clone(),
+            kt.shape[3].clone(),
+        ];
+        let mut written = Vec::with_capacity(2);
+        for (name, new) in [("key", k), ("value", v)] {
+            let past = self.g.input(
+                &format!("past_{name}.{layer}"),
+                self.dtype,
+                cache_shape.clone(),
+            )?;
+            let present = self.g.add(Op::CacheWrite, &[past, new, positions, mask])?;
+            self.g
+                .set_output(&format!("present_{name}.{layer}"), present)?;
+            written.push(self.repeat_kv(present, kv_heads, heads)?);
+        }
+        let cache_mask = match self.shared_mask {
+            Some(m) => m,
+            None => {
+                let m = kernel::position_mask(&mut self.g, positions, context, window, self.dtype)?;
+                self.shared_mask = Some(m);
+                m
+            }
+        };
+        Ok(kernel::sdpa(
+            &mut self.g,
+            q,
+            written[0],
+            written[1],
+            Some(cache_mask),
+            scale,
+            None,
+        )?)
+    }
+
     /// The inputs every decoder takes: `input_ids`, `attention_mask`, `position_ids`, all `[B, S]`.
     pub fn decoder_inputs(&mut self) -> Result<(NodeId, NodeId, NodeId), ModelError> {
         let ids = self.g.input("input_ids", DType::I64, Self::token_shape())?;
@@ -304,6 +393,7 @@ impl<'a> ModelBuilder<'a> {
         let pos = self
             .g
             .input("position_ids", DType::I64, Self::token_shape())?;
+        self.decoder = Some((mask, pos));
         Ok((ids, mask, pos))
     }
 }

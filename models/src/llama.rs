@@ -194,10 +194,9 @@ fn rope(c: &Config) -> Result<(f64, RopeScaling), ModelError> {
 pub fn build(mb: &mut ModelBuilder, cfg: &LlamaConfig) -> Result<ModelKind, ModelError> {
     let (e, v, d) = (cfg.hidden, cfg.vocab_size, cfg.head_dim);
     let (h, kvh) = (cfg.heads, cfg.kv_heads);
-    let (ids, mask, pos) = mb.decoder_inputs()?;
+    let (ids, _, pos) = mb.decoder_inputs()?;
     let embed = mb.weight("model.embed_tokens.weight", &[v, e])?;
     let mut x = mb.g.add(Op::Gather, &[embed, ids])?;
-    let attn_mask = mb.decoder_mask(mask, cfg.sliding_window)?;
     let rope_op = Op::Rope {
         theta: cfg.rope_theta,
         scaling: cfg.rope_scaling.clone(),
@@ -223,14 +222,13 @@ pub fn build(mb: &mut ModelBuilder, cfg: &LlamaConfig) -> Result<ModelKind, Mode
         let vv = mb.split_heads(vv, kvh, d)?;
         let q = mb.g.add(rope_op.clone(), &[q, pos])?;
         let k = mb.g.add(rope_op.clone(), &[k, pos])?;
-        let k = mb.repeat_kv(k, kvh, h)?;
-        let vv = mb.repeat_kv(vv, kvh, h)?;
-        let ctx = mb.attention(
+        let ctx = mb.causal_self_attention(
+            i,
             q,
             k,
             vv,
-            attn_mask,
             1.0 / (d as f64).sqrt(),
+            cfg.sliding_window,
             cfg.attention_dropout,
         )?;
         let merged = mb.merge_heads(ctx, h, d)?;

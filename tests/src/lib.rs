@@ -211,9 +211,10 @@ pub fn compile_fixture(
         limits: Default::default(),
         cost: Default::default(),
         histogram: None,
+        max_context: None,
     };
-    let (report, buckets) = compile(&model.graph, &opts).expect("fixture compiles");
-    (model, report, buckets)
+    let (report, compiled) = compile(&model.graph, None, &opts).expect("fixture compiles");
+    (model, report, compiled.prefill)
 }
 
 /// Right-pads every row of `batch` to `seq` tokens (id 0, mask 0).

@@ -265,9 +265,10 @@ fn compile_with(
         limits: Default::default(),
         cost: Default::default(),
         histogram: None,
+        max_context: None,
     };
-    let (_, mut buckets) = compile(&model.graph, &opts).unwrap();
-    (model, buckets.remove(0))
+    let (_, mut compiled) = compile(&model.graph, None, &opts).unwrap();
+    (model, compiled.prefill.remove(0))
 }
 
 /// `--dropout` keeps attention dropout: the fused attention kernels draw exactly the unfused
@@ -277,6 +278,7 @@ fn dropout_plans_draw_the_unfused_masks() {
     let options = kiln_models::ImportOptions {
         dtype: kiln_ir::DType::F32,
         dropout: true,
+        kv_cache: false,
     };
     let (model, bucket) = compile_with(&fixture("gpt2-tiny"), &options, 16);
     let attention: Vec<_> = bucket
@@ -318,6 +320,7 @@ fn bf16_plans_match_the_reference_within_half_precision_tolerance() {
         let options = kiln_models::ImportOptions {
             dtype: kiln_ir::DType::BF16,
             dropout: false,
+            kv_cache: false,
         };
         let (model, bucket) = compile_with(&fixture(name), &options, 64);
         let reference = reference(name);

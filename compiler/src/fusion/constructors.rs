@@ -5,7 +5,8 @@
 
 use egg::{Id, Subst};
 use kiln_ir::kernel::{
-    Activation, AttentionSpec, EmbeddingSpec, GemmSpec, NormKind, NormSpec, GELU_CUBIC,
+    Activation, AttentionSpec, DecodeAttentionSpec, EmbeddingSpec, GemmSpec, NormKind, NormSpec,
+    GELU_CUBIC,
 };
 use kiln_ir::{Dim, Op, ReduceOp, TensorType};
 
@@ -39,6 +40,7 @@ pub fn guard(name: &str) -> Option<Guard> {
 pub fn builder(name: &str) -> Option<Builder> {
     Some(match name {
         "attention" => attention,
+        "decode_attention" => decode_attention,
         "gemm" => |g, s| gemm(g, s, false),
         "gemm_transposed" => |g, s| gemm(g, s, true),
         "gemm_bias" => gemm_bias,
@@ -356,6 +358,52 @@ fn attention(eg: &mut KilnGraph, s: &Subst) -> Vec<Id> {
                     if let Some(id) = add_op(eg, Op::Attention(spec), &args) {
                         built.push(id);
                     }
+                }
+            }
+        }
+    }
+    built
+}
+
+fn decode_attention(eg: &mut KilnGraph, s: &Subst) -> Vec<Id> {
+    let (q, k, v, mask) = (at(s, "?q"), at(s, "?k"), at(s, "?v"), at(s, "?mask"));
+    let Some(scale) = constant(eg, at(s, "?scale")) else {
+        return vec![];
+    };
+    if !matches!(attr_op(eg, at(s, "?p")), Some(Op::Permute(p)) if *p == [0, 1, 3, 2]) {
+        return vec![];
+    }
+    let mut masks = nodes_named(eg, mask, "position_mask");
+    for (_, b) in nodes_named(eg, mask, "broadcast") {
+        masks.extend(nodes_named(eg, b[0], "position_mask"));
+    }
+    let mut built = Vec::new();
+    for (mask_op, mask_args) in masks {
+        let Op::PositionMask { window, .. } = mask_op else {
+            continue;
+        };
+        let positions = mask_args[0];
+        for (k_in, kg) in unrepeat(eg, k) {
+            for (v_in, vg) in unrepeat(eg, v) {
+                if kg != vg {
+                    continue;
+                }
+                let plain = DecodeAttentionSpec {
+                    scale,
+                    window,
+                    rope: None,
+                };
+                let mut variants = vec![(plain.clone(), q)];
+                for (rope, args) in nodes_named(eg, q, "rope") {
+                    if let (Op::Rope { theta, scaling }, true) = (rope, args[1] == positions) {
+                        let mut roped = plain.clone();
+                        roped.rope = Some((theta, scaling));
+                        variants.push((roped, args[0]));
+                    }
+                }
+                for (spec, q_op) in variants {
+                    let args = [q_op, k_in, v_in, positions];
+                    built.extend(add_op(eg, Op::DecodeAttention(spec), &args));
                 }
             }
         }

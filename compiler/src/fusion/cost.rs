@@ -102,6 +102,14 @@ pub fn kernel_work(
         return None;
     }
     let n = numel(out, bindings);
+    if let Op::CacheWrite = op {
+        // Written in place: the new entries are read and stored, the cache is not copied.
+        return Some(KernelWork {
+            kind: KernelKind::Other,
+            flops: 0.0,
+            bytes: 2.0 * bytes(args[1], bindings),
+        });
+    }
     let io: f64 = args.iter().map(|a| bytes(a, bindings)).sum::<f64>() + bytes(out, bindings);
     let dim = |t: &TensorType, i: usize| t.shape[i].eval(bindings).unwrap_or(1) as f64;
     let (kind, flops) = match op {
@@ -111,6 +119,16 @@ pub fn kernel_work(
             let t = args[1].shape[2].eval(bindings).unwrap_or(1) as f64;
             let s_h_b = numel(args[0], bindings) / d;
             (KernelKind::Attention, 4.0 * s_h_b * t * d + 5.0 * s_h_b * t)
+        }
+        Op::DecodeAttention(_) => {
+            // q [B, H, S, D] over the whole cache [B, KVH, T, D].
+            let d = args[0].shape[3].eval(bindings).unwrap_or(1) as f64;
+            let t = args[1].shape[2].eval(bindings).unwrap_or(1) as f64;
+            let s_h_b = numel(args[0], bindings) / d;
+            (
+                KernelKind::DecodeAttention,
+                4.0 * s_h_b * t * d + 5.0 * s_h_b * t,
+            )
         }
         Op::Gemm(g) => {
             // x [.., M, K] times w: 2 * (M * K) * N, N read off the weight's layout.
@@ -133,8 +151,9 @@ pub fn kernel_work(
         | Op::Activation(_)
         | Op::CausalMask { .. }
         | Op::PaddingMask(_)
+        | Op::PositionMask { .. }
         | Op::Dropout { .. } => (KernelKind::Elementwise, n),
-        Op::Rope { .. } | Op::Concat(_) => (KernelKind::Other, n),
+        Op::Rope { .. } | Op::Concat(_) | Op::CacheWrite => (KernelKind::Other, n),
         Op::Input(_) | Op::Weight(_) | Op::Scalar(_) => return None,
         Op::Reshape(_)
         | Op::Permute(_)
@@ -194,6 +213,12 @@ pub fn fusions(op: &Op) -> Vec<&'static str> {
             out.push("embedding");
             if e.tables > 1 {
                 out.push("embedding-sum");
+            }
+        }
+        Op::DecodeAttention(a) => {
+            out.extend(["decode-attention", "softmax"]);
+            if a.rope.is_some() {
+                out.push("rope-prologue");
             }
         }
         Op::Softmax => out.push("softmax"),

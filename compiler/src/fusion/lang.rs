@@ -90,6 +90,7 @@ const ATTRIBUTE_FREE: &[(&str, MakeOp)] = &[
     ("matmul", || Op::MatMul),
     ("gather", || Op::Gather),
     ("softmax", || Op::Softmax),
+    ("cache_write", || Op::CacheWrite),
 ];
 
 /// Op names whose ops carry attributes (child 0 is their [`Attr`] leaf).
@@ -105,6 +106,8 @@ const ATTRIBUTED: &[&str] = &[
     "concat",
     "causal_mask",
     "padding_mask",
+    "position_mask",
+    "decode_attention",
     "rope",
     "dropout",
     "softmax_dropout",
