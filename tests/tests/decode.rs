@@ -119,7 +119,7 @@ fn cached_prefill_then_fused_decode_reproduces_greedy_tokens() {
         let logits = step(
             &d.cached.graph,
             &d.cached,
-            &[prompt.clone()],
+            std::slice::from_ref(&prompt),
             &[0],
             &mut caches,
         );
