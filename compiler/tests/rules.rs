@@ -174,6 +174,8 @@ fn every_rule_is_tested() {
         "rms-norm",
         "layer-norm-residual",
         "rms-norm-residual",
+        "norm-prologue",
+        "layer-norm-prologue",
         "repeat-kv",
         "attention-masked",
         "attention-masked-dropout",
@@ -287,6 +289,39 @@ fn norms() {
     norm_probe("rms-norm", false, false);
     norm_probe("layer-norm-residual", true, true);
     norm_probe("rms-norm-residual", false, true);
+}
+
+/// A norm whose only consumer is a GEMM moves into the GEMM's prologue (with the GEMM's own
+/// epilogues kept).
+#[test]
+fn norm_prologues() {
+    for layer in [false, true] {
+        let mut g = Graph::new();
+        let x = input(&mut g, "x", vec![b(), s(), d(8)]);
+        let w = input(&mut g, "w", vec![d(8)]);
+        let n = if layer {
+            let bias = input(&mut g, "bias", vec![d(8)]);
+            kernel::layer_norm(&mut g, x, w, bias, 1e-5).unwrap()
+        } else {
+            kernel::rms_norm(&mut g, x, w, 1e-6).unwrap()
+        };
+        let wm = weight(&mut g, "proj", &[6, 8]);
+        let wt = g.transpose_last(wm).unwrap();
+        let y = g.matmul(n, wt).unwrap();
+        let r = input(&mut g, "r", vec![b(), s(), d(6)]);
+        let y = g.add_(y, r).unwrap();
+        let rule = if layer {
+            "layer-norm-prologue"
+        } else {
+            "norm-prologue"
+        };
+        check(
+            rule,
+            &output(g, y),
+            gemm_has(|s| s.prologue.is_some() && s.residual),
+            false,
+        );
+    }
 }
 
 #[test]

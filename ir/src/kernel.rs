@@ -65,6 +65,10 @@ pub struct GemmSpec {
     pub swiglu: bool,
     /// A residual operand is added last.
     pub residual: bool,
+    /// A normalisation of `x` computed in the prologue (Mirage-style: the row statistics are
+    /// gathered while the rows stream through, and the scale is applied after the product). Its
+    /// weight (and LayerNorm bias) are the last operands.
+    pub prologue: Option<NormSpec>,
 }
 
 impl GemmSpec {
@@ -76,6 +80,7 @@ impl GemmSpec {
             activation: None,
             swiglu: false,
             residual: false,
+            prologue: None,
         }
     }
 }
@@ -173,13 +178,33 @@ pub(crate) fn decompose(op: &Op, g: &mut Graph, args: &[NodeId]) -> Result<NodeI
             }
         }
         Op::Gemm(spec) => {
-            want(2 + usize::from(spec.bias) + usize::from(spec.residual))?;
+            let norm_args = match &spec.prologue {
+                None => 0,
+                Some(n) if n.residual => {
+                    return Err(IrError::Type {
+                        node: NodeId(g.len() as u32),
+                        op: "gemm",
+                        message: "a norm prologue cannot add a residual".into(),
+                    })
+                }
+                Some(n) => 1 + usize::from(n.kind == NormKind::LayerNorm),
+            };
+            let epilogue_args = usize::from(spec.bias) + usize::from(spec.residual);
+            want(2 + epilogue_args + norm_args)?;
+            let mut x = args[0];
+            if let Some(n) = &spec.prologue {
+                let p = &args[2 + epilogue_args..];
+                x = match n.kind {
+                    NormKind::LayerNorm => layer_norm(g, x, p[0], p[1], n.eps)?,
+                    NormKind::RmsNorm => rms_norm(g, x, p[0], n.eps)?,
+                };
+            }
             let w = if spec.transpose_b {
                 g.transpose_last(args[1])?
             } else {
                 args[1]
             };
-            let mut y = g.matmul(args[0], w)?;
+            let mut y = g.matmul(x, w)?;
             let mut i = 2;
             if spec.bias {
                 y = g.add_(y, args[i])?;

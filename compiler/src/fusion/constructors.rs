@@ -17,8 +17,18 @@ use super::rules::{var, Bindings};
 /// Checks a match and returns attribute bindings for the right-hand side, or `None` to decline.
 pub type Guard = fn(&KilnGraph, &Subst) -> Option<Bindings>;
 
-/// Builds the fused alternatives of a match (each is unioned with the matched class).
-pub type Builder = fn(&mut KilnGraph, &Subst) -> Vec<Id>;
+/// How a builder adds its work.
+#[derive(Clone, Copy)]
+pub enum BuilderKind {
+    /// Returns fused alternatives of the matched class (each is unioned with it).
+    Alternatives(fn(&mut KilnGraph, &Subst) -> Vec<Id>),
+    /// Unions fused nodes into other classes (the matched class's consumers) itself; returns
+    /// the classes it changed.
+    Unions(fn(&mut KilnGraph, Id, &Subst) -> Vec<Id>),
+}
+
+/// A named builder.
+pub type Builder = BuilderKind;
 
 /// The guard named `name` in a rule file.
 pub fn guard(name: &str) -> Option<Guard> {
@@ -38,7 +48,10 @@ pub fn guard(name: &str) -> Option<Guard> {
 
 /// The builder named `name` in a rule file.
 pub fn builder(name: &str) -> Option<Builder> {
-    Some(match name {
+    if name == "gemm_norm_prologue" {
+        return Some(BuilderKind::Unions(gemm_norm_prologue));
+    }
+    let f: fn(&mut KilnGraph, &Subst) -> Vec<Id> = match name {
         "attention" => attention,
         "decode_attention" => decode_attention,
         "gemm" => |g, s| gemm(g, s, false),
@@ -51,7 +64,8 @@ pub fn builder(name: &str) -> Option<Builder> {
         "embedding" => embedding,
         "embedding_sum" => embedding_sum,
         _ => return None,
-    })
+    };
+    Some(BuilderKind::Alternatives(f))
 }
 
 // ----- e-graph queries -----
@@ -433,10 +447,64 @@ fn gemms(eg: &KilnGraph, y: Id, accepts: impl Fn(&GemmSpec) -> bool) -> Vec<(Gem
     nodes_named(eg, y, "gemm")
         .into_iter()
         .filter_map(|(op, args)| match op {
-            Op::Gemm(spec) if accepts(&spec) => Some((spec, args)),
+            Op::Gemm(spec) if spec.prologue.is_none() && accepts(&spec) => Some((spec, args)),
             _ => None,
         })
         .collect()
+}
+
+/// Every GEMM that reads the norm class `eclass` as its `x` gets a variant that computes the norm
+/// in its prologue (reading the norm's input instead), unioned into the GEMM's own class.
+fn gemm_norm_prologue(eg: &mut KilnGraph, eclass: Id, s: &Subst) -> Vec<Id> {
+    let Some(Op::Norm(norm)) = attr_op(eg, at(s, "?n")).cloned() else {
+        return vec![];
+    };
+    let expected_args = if norm.kind == NormKind::LayerNorm {
+        3
+    } else {
+        2
+    };
+    if norm.residual || get(s, "?bias").is_some() != (expected_args == 3) {
+        return vec![];
+    }
+    let mut params = vec![at(s, "?w")];
+    params.extend(get(s, "?bias"));
+    let x = at(s, "?x");
+    let eclass = eg.find(eclass);
+    let mut consumers: Vec<Id> = eg[eclass].parents().map(|p| eg.find(p)).collect();
+    consumers.sort();
+    consumers.dedup();
+    // Only when every consumer is a GEMM reading the norm as its input: a norm that is also
+    // needed elsewhere (a post-norm residual) is computed anyway, and recomputing it in a
+    // prologue would only add work.
+    let feeds_gemm = |c: Id| {
+        nodes_named(eg, c, "gemm")
+            .iter()
+            .any(|(_, args)| eg.find(args[0]) == eclass)
+    };
+    if !consumers.iter().all(|c| feeds_gemm(*c)) {
+        return vec![];
+    }
+    let mut changed = Vec::new();
+    for consumer in consumers {
+        let consumer = eg.find(consumer);
+        for (op, args) in nodes_named(eg, consumer, "gemm") {
+            let Op::Gemm(mut spec) = op else { continue };
+            if spec.prologue.is_some() || eg.find(args[0]) != eclass {
+                continue;
+            }
+            spec.prologue = Some(norm.clone());
+            let mut fused_args = args.clone();
+            fused_args[0] = x;
+            fused_args.extend(&params);
+            if let Some(id) = add_op(eg, Op::Gemm(spec), &fused_args) {
+                if eg.union(consumer, id) {
+                    changed.push(consumer);
+                }
+            }
+        }
+    }
+    changed
 }
 
 fn no_epilogue(g: &GemmSpec) -> bool {

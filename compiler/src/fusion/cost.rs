@@ -187,6 +187,12 @@ pub fn fusions(op: &Op) -> Vec<&'static str> {
         }
         Op::Gemm(g) => {
             out.push(if g.transpose_b { "gemm-linear" } else { "gemm" });
+            if let Some(n) = &g.prologue {
+                out.push(match n.kind {
+                    kiln_ir::kernel::NormKind::LayerNorm => "layer-norm-prologue",
+                    kiln_ir::kernel::NormKind::RmsNorm => "norm-prologue",
+                });
+            }
             if g.bias {
                 out.push("gemm-bias");
             }

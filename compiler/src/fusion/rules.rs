@@ -8,6 +8,7 @@ use egg::{Applier, Id, Pattern, PatternAst, Rewrite, Subst, Symbol, Var};
 use serde::Deserialize;
 
 use super::analysis::{KilnGraph, TypeAnalysis};
+pub use super::constructors::BuilderKind;
 use super::constructors::{builder, guard, Builder, Guard};
 use super::lang::{Attr, ENode};
 
@@ -21,8 +22,8 @@ const RULE_FILES: &[(&str, &str)] = &[
     ("embedding", include_str!("../../rules/embedding.ron")),
 ];
 
-/// The number of rule phases: 1 idioms, 2 kernels, 3 epilogues.
-pub const PHASES: u8 = 3;
+/// The number of rule phases: 1 idioms, 2 kernels, 3 epilogues, 4 prologues.
+pub const PHASES: u8 = 4;
 
 /// One rule as written in a rule file.
 #[derive(Clone, Debug, Deserialize)]
@@ -31,7 +32,7 @@ pub struct RuleSpec {
     pub name: String,
     /// One line: what the rule recognises.
     pub doc: String,
-    /// 1 = idioms, 2 = kernels, 3 = epilogues.
+    /// 1 = idioms, 2 = kernels, 3 = epilogues, 4 = prologues.
     pub phase: u8,
     /// The pattern to find.
     pub lhs: String,
@@ -137,7 +138,7 @@ impl Applier<ENode, TypeAnalysis> for RuleApplier {
                 }
                 rhs.apply_one(egraph, eclass, &subst, searcher_ast, rule_name)
             }
-            ApplyKind::Build(b) => {
+            ApplyKind::Build(BuilderKind::Alternatives(b)) => {
                 let mut changed = Vec::new();
                 for id in b(egraph, subst) {
                     if egraph.union(eclass, id) {
@@ -146,6 +147,7 @@ impl Applier<ENode, TypeAnalysis> for RuleApplier {
                 }
                 changed
             }
+            ApplyKind::Build(BuilderKind::Unions(b)) => b(egraph, eclass, subst),
         }
     }
 }
