@@ -1,0 +1,254 @@
+//! `kiln compile` end to end: the plan folder, the JSON report, bucket policies, and the errors
+//! bad arguments get.
+
+use kiln_tests::{fixture, kiln};
+
+fn compile(args: &[&str]) -> Result<String, String> {
+    let mut all = vec!["compile"];
+    all.extend_from_slice(args);
+    kiln(&all)
+}
+
+#[test]
+fn compile_writes_plan_buckets_and_report() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("gpt2.kiln");
+    let report = tmp.path().join("report.json");
+    let histogram = tmp.path().join("lengths.txt");
+    std::fs::write(&histogram, "# length count\n5 10\n20 3\n100 1\n300 2\n").unwrap();
+    let model = fixture("gpt2-tiny");
+    let printed = compile(&[
+        model.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "--buckets",
+        "16,64,128",
+        "--batch-buckets",
+        "1,2",
+        "--max-context",
+        "200",
+        "--report",
+        report.to_str().unwrap(),
+        "--length-histogram",
+        histogram.to_str().unwrap(),
+    ])
+    .unwrap();
+    assert!(
+        printed.contains("6 prefill + 2 decode buckets"),
+        "{printed}"
+    );
+    let plan = std::fs::read_to_string(out.join("plan.ron")).unwrap();
+    for needle in [
+        "architecture: \"GPT2LMHeadModel\"",
+        "max_context: Some(200)",
+        "graph: \"buckets/prefill-b2-s128.ron\"",
+        "graph: \"buckets/decode-b1-s1.ron\"",
+    ] {
+        assert!(plan.contains(needle), "{needle} in {plan}");
+    }
+    for file in [
+        "prefill-b2-s128",
+        "prefill-b1-s16",
+        "decode-b2-s1",
+        "decode-b1-s1",
+    ] {
+        let text = std::fs::read_to_string(out.join(format!("buckets/{file}.ron"))).unwrap();
+        let graph = kiln_ir::Graph::from_ron(&text).unwrap();
+        assert!(
+            graph
+                .nodes()
+                .all(|(_, n)| n.ty.shape.iter().all(|d| d.is_const())),
+            "{file} is static"
+        );
+    }
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(r["buckets"].as_array().unwrap().len(), 6);
+    assert_eq!(r["decode_buckets"].as_array().unwrap().len(), 2);
+    let kernel = &r["buckets"][0]["kernels"][1];
+    for field in ["name", "kind", "rules", "flops", "bytes"] {
+        assert!(!kernel[field].is_null(), "kernel field {field}: {kernel}");
+    }
+    assert!(r["rules"]["attention-masked"].as_u64().unwrap() > 0);
+    assert!(r["egraph"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|p| p["nodes"].as_u64().unwrap() > 0));
+    for stage in ["import", "saturate", "extract", "write", "total"] {
+        assert!(
+            r["stage_seconds"][stage].as_f64().is_some(),
+            "stage {stage}"
+        );
+    }
+    // 300 does not fit in 128: counted as too long; the rest pads 5->16, 20->64, 100->128.
+    let padded = 10.0 * 11.0 + 3.0 * 44.0 + 28.0;
+    let total = 10.0 * 16.0 + 3.0 * 64.0 + 128.0;
+    assert_eq!(r["padding"]["too_long"], 2);
+    assert!((r["padding"]["waste"].as_f64().unwrap() - padded / total).abs() < 1e-12);
+
+    // Compiling again replaces the earlier output.
+    compile(&[
+        model.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "--buckets",
+        "32",
+    ])
+    .unwrap();
+    assert!(out.join("buckets/prefill-b1-s32.ron").is_file());
+    assert!(!out.join("buckets/prefill-b1-s16.ron").exists());
+}
+
+#[test]
+fn histogram_policy_chooses_buckets() {
+    let tmp = tempfile::tempdir().unwrap();
+    let histogram = tmp.path().join("lengths.txt");
+    std::fs::write(&histogram, "10\n11\n12\n12\n90\n95\n").unwrap();
+    let out = tmp.path().join("bert.kiln");
+    let printed = compile(&[
+        fixture("bert-tiny").to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "--bucket-policy",
+        "histogram",
+        "--num-buckets",
+        "2",
+        "--length-histogram",
+        histogram.to_str().unwrap(),
+    ])
+    .unwrap();
+    assert!(
+        printed.contains("b1-s12") && printed.contains("b1-s95"),
+        "{printed}"
+    );
+    assert!(
+        printed.contains("2 prefill + 0 decode buckets"),
+        "{printed}"
+    );
+}
+
+#[test]
+fn bad_compile_arguments_name_the_problem() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("x.kiln");
+    let o = out.to_str().unwrap();
+    let gpt2 = fixture("gpt2-tiny");
+    let g = gpt2.to_str().unwrap();
+    let bert = fixture("bert-tiny");
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec![g, "-o", o], "--bucket-policy pow2 needs --max-seq"),
+        (
+            vec![g, "-o", o, "--buckets", "0,16"],
+            "a sequence bucket of 0",
+        ),
+        (
+            vec![g, "-o", o, "--buckets", "16", "--batch-buckets", "0"],
+            "a batch bucket of 0",
+        ),
+        (
+            vec![g, "-o", o, "--buckets", "16", "--dtype", "q8"],
+            "--dtype must be f32, f16 or bf16",
+        ),
+        (
+            vec![g, "-o", o, "--buckets", "16", "--max-context", "300"],
+            "--max-context 300 exceeds the model's 256 positions",
+        ),
+        (
+            vec![
+                bert.to_str().unwrap(),
+                "-o",
+                o,
+                "--buckets",
+                "16",
+                "--max-context",
+                "64",
+            ],
+            "applies to decoders",
+        ),
+        (
+            vec![g, "-o", o, "--bucket-policy", "histogram"],
+            "needs --length-histogram",
+        ),
+        (
+            vec!["/nonexistent/model", "-o", o, "--buckets", "16"],
+            "does not exist",
+        ),
+        (
+            vec![g, "-o", "/nonexistent/dir/x.kiln", "--buckets", "16"],
+            "folder /nonexistent/dir does not exist",
+        ),
+    ];
+    for (args, expected) in cases {
+        let err = compile(&args).unwrap_err();
+        assert!(
+            err.contains(expected),
+            "{args:?}: expected {expected:?} in {err:?}"
+        );
+        assert!(!out.exists(), "{args:?} left output behind");
+    }
+    let histogram = tmp.path().join("bad.txt");
+    std::fs::write(&histogram, "12 x\n").unwrap();
+    let err = compile(&[
+        g,
+        "-o",
+        o,
+        "--buckets",
+        "16",
+        "--length-histogram",
+        histogram.to_str().unwrap(),
+    ])
+    .unwrap_err();
+    assert!(
+        err.contains("bad.txt:1: expected `LENGTH [COUNT]`"),
+        "{err}"
+    );
+    // A folder that is not a kiln output is never replaced.
+    let other = tmp.path().join("precious");
+    std::fs::create_dir(&other).unwrap();
+    std::fs::write(other.join("keep.txt"), "data").unwrap();
+    let err = compile(&[g, "-o", other.to_str().unwrap(), "--buckets", "16"]).unwrap_err();
+    assert!(err.contains("is not a kiln output folder"), "{err}");
+    assert!(other.join("keep.txt").is_file());
+}
+
+/// Plan-only compilation of a GPT-2-small-sized model (12 layers, hidden 768, 12 heads, vocab
+/// 50257) with 8 buckets: the structure the fusion issue asks for at that size.
+#[test]
+fn gpt2_small_plan_only() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("gpt2-small");
+    std::fs::create_dir(&model).unwrap();
+    std::fs::write(
+        model.join("config.json"),
+        r#"{"architectures": ["GPT2LMHeadModel"], "n_embd": 768, "n_head": 12, "n_layer": 12,
+            "n_positions": 2048, "vocab_size": 50257, "activation_function": "gelu_new"}"#,
+    )
+    .unwrap();
+    let report = tmp.path().join("report.json");
+    let printed = compile(&[
+        model.to_str().unwrap(),
+        "--no-weights",
+        "-o",
+        tmp.path().join("out").to_str().unwrap(),
+        "--bucket-policy",
+        "pow2",
+        "--max-seq",
+        "2048",
+        "--report",
+        report.to_str().unwrap(),
+    ])
+    .unwrap();
+    assert!(
+        printed.contains("8 prefill + 1 decode buckets"),
+        "{printed}"
+    );
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    for b in r["buckets"].as_array().unwrap() {
+        let kernels = b["kernels"].as_array().unwrap();
+        assert_eq!(kernels.len(), 12 * 5 + 2, "bucket {}", b["seq"]);
+        let attention = kernels.iter().filter(|k| k["kind"] == "attention").count();
+        assert_eq!(attention, 12);
+    }
+}
