@@ -17,7 +17,7 @@ use crate::compile::{
 };
 use crate::fusion::cost::CostModel;
 use crate::fusion::Limits;
-use crate::tensor_io::{read_tensors, write_tensors};
+use crate::tensor_io::{parent_folder, read_tensors, write_tensors};
 use crate::tokenize::tokenize;
 
 /// kiln: an ahead-of-time compiler from transformer checkpoints to fused GPU kernels.
@@ -323,17 +323,7 @@ fn positive(v: usize, flag: &str) -> Result<i64> {
 }
 
 fn check_writable(path: &Path) -> Result<()> {
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    if !dir.is_dir() {
-        bail!(
-            "cannot write {}: folder {} does not exist",
-            path.display(),
-            dir.display()
-        );
-    }
+    parent_folder(path)?;
     if path.is_dir() {
         bail!("cannot write {}: it is a folder", path.display());
     }
@@ -500,17 +490,7 @@ fn write_plan(
             );
         }
     }
-    let parent = match out_dir.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    if !parent.is_dir() {
-        bail!(
-            "cannot write {}: folder {} does not exist",
-            out_dir.display(),
-            parent.display()
-        );
-    }
+    let parent = parent_folder(out_dir)?;
     let name = out_dir
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())

@@ -116,8 +116,8 @@ pub fn write_tensors(path: &Path, tensors: &BTreeMap<String, Tensor>) -> Result<
     write_atomically(path, &bytes)
 }
 
-/// Writes `bytes` to `path` through a temporary file in the same folder and a rename.
-pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+/// The existing folder `path` will be written in (an error naming both if it is missing).
+pub fn parent_folder(path: &Path) -> Result<&Path> {
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
@@ -129,6 +129,12 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
             dir.display()
         );
     }
+    Ok(dir)
+}
+
+/// Writes `bytes` to `path` through a temporary file in the same folder and a rename.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = parent_folder(path)?;
     let file_name = path
         .file_name()
         .with_context(|| format!("{} is not a file path", path.display()))?;

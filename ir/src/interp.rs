@@ -16,7 +16,7 @@ use crate::graph::{Graph, Node, NodeId};
 use crate::op::{mask_value, BinaryOp, Op, ReduceOp, UnaryOp};
 use crate::philox::{dropout_keep, dropout_threshold, seed_key};
 use crate::tensor::{copy_view, round_to_dtype, strides, Data, Tensor};
-use crate::InterpError;
+use crate::{kernel_ops, InterpError};
 
 /// Where the interpreter gets weights: by checkpoint key, in the declared type.
 pub trait WeightSource {
@@ -225,15 +225,7 @@ fn eval_op(
 ) -> Result<Tensor, String> {
     Ok(match &node.op {
         Op::Input(_) | Op::Weight(_) => unreachable!("handled by evaluate"),
-        Op::Softmax
-        | Op::SoftmaxDropout { .. }
-        | Op::Activation(_)
-        | Op::RepeatKv { .. }
-        | Op::Norm(_)
-        | Op::Gemm(_)
-        | Op::Attention(_)
-        | Op::Embedding(_)
-        | Op::DecodeAttention(_) => return eval_kernel(node, args),
+        kernel_ops!() => return eval_kernel(node, args),
         Op::Scalar(v) => match node.ty.dtype.is_float() {
             true => float_out(node, shape, vec![*v as f32]),
             false => Tensor::int(node.ty.dtype, vec![], vec![*v as i64]),

@@ -184,6 +184,23 @@ pub enum Op {
     DecodeAttention(DecodeAttentionSpec),
 }
 
+/// The pattern matching every kernel op (the ops `crate::kernel::decompose` defines), so that the
+/// list is written once.
+#[macro_export]
+macro_rules! kernel_ops {
+    () => {
+        $crate::Op::Softmax
+            | $crate::Op::SoftmaxDropout { .. }
+            | $crate::Op::Activation(_)
+            | $crate::Op::RepeatKv { .. }
+            | $crate::Op::Norm(_)
+            | $crate::Op::Gemm(_)
+            | $crate::Op::Attention(_)
+            | $crate::Op::Embedding(_)
+            | $crate::Op::DecodeAttention(_)
+    };
+}
+
 /// The value that f32 / bf16 masks use for "not visible": finite, so that sums of masks stay
 /// finite and a softmax over a fully masked row is uniform rather than NaN.
 pub const MASK_NEG: f32 = -1.0e30;
@@ -257,18 +274,7 @@ impl Op {
 
     /// True for the kernel ops, which are defined by `decompose`.
     pub fn is_kernel(&self) -> bool {
-        matches!(
-            self,
-            Op::Softmax
-                | Op::SoftmaxDropout { .. }
-                | Op::Activation(_)
-                | Op::RepeatKv { .. }
-                | Op::Norm(_)
-                | Op::Gemm(_)
-                | Op::Attention(_)
-                | Op::Embedding(_)
-                | Op::DecodeAttention(_)
-        )
+        matches!(self, kernel_ops!())
     }
 
     /// Appends the primitive decomposition of kernel op `self` applied to `args` to `g` and
@@ -298,15 +304,7 @@ impl Op {
             Op::Input(_) | Op::Weight(_) | Op::Scalar(_) => {
                 Err("leaf ops carry a declared type".into())
             }
-            Op::Softmax
-            | Op::SoftmaxDropout { .. }
-            | Op::Activation(_)
-            | Op::RepeatKv { .. }
-            | Op::Norm(_)
-            | Op::Gemm(_)
-            | Op::Attention(_)
-            | Op::Embedding(_)
-            | Op::DecodeAttention(_) => {
+            kernel_ops!() => {
                 // The type of a kernel op is the type of its decomposition.
                 let mut g = Graph::new();
                 let mut ids = Vec::with_capacity(args.len());

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use kiln_ir::{Graph, Tensor};
 use kiln_models::inputs::TokenBatch;
 use kiln_tests::{
-    argmax, fixture, floats, kiln, minilm_dir, reference, rel_err, rewrite_checkpoint,
+    assert_half_precision_close, fixture, floats, kiln, minilm_dir, reference, rewrite_checkpoint,
 };
 use safetensors::Dtype;
 
@@ -17,20 +17,6 @@ fn logits_for(dir: &std::path::Path, ids: &Tensor) -> Vec<f32> {
         mask: None,
     };
     floats(&model.evaluate(&batch).unwrap()["logits"]).to_vec()
-}
-
-/// The half-precision tolerance of the fixtures' README: relative error below 2e-2 and the same
-/// argmax wherever the reference's top-1/top-2 margin exceeds 0.05.
-fn assert_half_precision_close(got: &[f32], want: &[f32], vocab: usize, what: &str) {
-    let err = rel_err(got, want);
-    assert!(err < 2e-2, "{what}: relative error {err:e}");
-    for (row, (g, w)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
-        let mut sorted = w.to_vec();
-        sorted.sort_by(|a, b| b.total_cmp(a));
-        if sorted[0] - sorted[1] > 0.05 {
-            assert_eq!(argmax(g), argmax(w), "{what}: argmax of row {row}");
-        }
-    }
 }
 
 #[test]
