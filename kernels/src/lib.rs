@@ -1,7 +1,62 @@
-//! kiln's kernel generators (filled by the PTX code-generation issue and the CPU backend issue).
+//! kiln's kernel generators: PTX text for every kernel kind, parameterised by the static shapes and
+//! dtypes of a bucket, with the typed signature and launch configuration the runtime checks.
 //!
-//! This crate will hold one module per kernel kind (attention, decode attention, GEMM with its
-//! epilogues, norms, embedding, elementwise chains, sampling), each returning PTX text plus its
-//! typed `KernelSignature` and launch configuration, and the Cranelift generators of the CPU
-//! backend. It depends on `kiln-ir` only. Nothing is generated yet: the compiler does not extract
-//! kernel ops until the fusion issue lands.
+//! - [`ptx`] — the typed PTX builder;
+//! - [`reduce`] — block-wide reductions the row kernels share;
+//! - [`norm`] — LayerNorm / RMSNorm (with the residual add);
+//! - [`elementwise`] — activations;
+//! - [`embedding`] — summed embedding lookups;
+//! - [`gemm`] — matrix products with their fused epilogues;
+//! - [`sampling`] — greedy (argmax) token choice;
+//! - [`catalog`] — the configurations the snapshot, assembler and GPU tests cover.
+//!
+//! Values that vary per request (token ids, lengths, positions) are read through pointers, so a
+//! captured CUDA graph stays valid for every request of its bucket. Depends on `kiln-ir` only.
+
+pub mod catalog;
+pub mod elementwise;
+pub mod embedding;
+pub mod gemm;
+pub mod norm;
+pub mod ptx;
+pub mod reduce;
+pub mod sampling;
+
+use serde::{Deserialize, Serialize};
+
+pub use ptx::{Elem, ParamType};
+
+/// Grid, block and dynamic shared memory of a launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Launch {
+    /// Blocks per grid (x, y, z).
+    pub grid: [u32; 3],
+    /// Threads per block (x, y, z).
+    pub block: [u32; 3],
+    /// Dynamic shared memory, bytes.
+    pub shared_bytes: u32,
+}
+
+/// One generated kernel: its entry name, PTX text (an `.entry`, without the module header), the
+/// ordered parameter list the runtime must pass, and its launch configuration.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GeneratedKernel {
+    /// The `.entry` name.
+    pub name: String,
+    /// The `.entry` text.
+    pub ptx: String,
+    /// Parameters in order: name and how it is passed.
+    pub signature: Vec<(String, ParamType)>,
+    /// How to launch it.
+    pub launch: Launch,
+}
+
+impl GeneratedKernel {
+    /// A complete PTX module holding only this kernel.
+    pub fn module(&self) -> String {
+        ptx::module(std::slice::from_ref(&self.ptx))
+    }
+}
+
+/// Threads per block of the row kernels (norms, sampling, embedding).
+pub const ROW_THREADS: u32 = 256;

@@ -1,0 +1,74 @@
+//! A catalog of kernel configurations covering every kernel kind, dtype and epilogue: what the
+//! snapshot and assembler tests (and the GPU suite) run over.
+
+use kiln_ir::kernel::{Activation, NormKind};
+
+use crate::elementwise::activation_kernel;
+use crate::embedding::{embedding, EmbeddingConfig};
+use crate::gemm::{gemm, GemmConfig};
+use crate::norm::{norm, NormConfig};
+use crate::ptx::Elem;
+use crate::sampling::argmax;
+use crate::GeneratedKernel;
+
+/// Every configuration the tests assemble: `(kind, kernel)`.
+pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
+    let mut out = Vec::new();
+    for elem in [Elem::F32, Elem::F16, Elem::BF16] {
+        for (kind, residual) in [
+            (NormKind::LayerNorm, false),
+            (NormKind::RmsNorm, false),
+            (NormKind::LayerNorm, true),
+            (NormKind::RmsNorm, true),
+        ] {
+            let cfg = NormConfig {
+                kind,
+                residual,
+                elem,
+                rows: 17,
+                cols: 4096,
+                eps: 1e-5,
+            };
+            out.push(("norm", norm(&cfg)));
+        }
+        for act in [
+            Activation::GeluTanh,
+            Activation::GeluErf,
+            Activation::Silu,
+            Activation::Relu,
+        ] {
+            out.push(("elementwise", activation_kernel(act, elem, 4097)));
+        }
+        for tables in [1usize, 2, 3] {
+            let cfg = EmbeddingConfig {
+                table_rows: vec![512; tables],
+                hidden: 768,
+                tokens: 127,
+                elem,
+            };
+            out.push(("embedding", embedding(&cfg)));
+        }
+        out.push(("sampling", argmax(elem, 4, 50257)));
+        for (transpose_b, bias, act, swiglu, residual) in [
+            (true, false, None, false, false),
+            (false, true, Some(Activation::GeluTanh), false, false),
+            (true, true, None, false, true),
+            (true, false, None, true, false),
+            (true, true, Some(Activation::GeluErf), false, true),
+        ] {
+            let cfg = GemmConfig {
+                m: 127,
+                k: 768,
+                n: 2304,
+                transpose_b,
+                bias,
+                activation: act,
+                swiglu,
+                residual,
+                elem,
+            };
+            out.push(("gemm", gemm(&cfg)));
+        }
+    }
+    out
+}

@@ -1,0 +1,120 @@
+//! Elementwise activations over a flat tensor (grid-stride loop, f32 arithmetic).
+
+use kiln_ir::kernel::{Activation, GELU_CUBIC};
+
+use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
+use crate::{GeneratedKernel, Launch};
+
+/// Threads per block of elementwise kernels.
+pub const THREADS: u32 = 256;
+
+/// `act(x)` for f32 `x`, as PTX.
+pub fn activation(k: &mut Kernel, x: Reg, act: Activation) -> Reg {
+    match act {
+        Activation::Relu => k.max_f32(&x, &F32(0.0)),
+        Activation::Silu => {
+            // x / (1 + e^-x)
+            let neg = k.op1("neg.f32", RegClass::F32, &x);
+            let e = k.exp_f32(&neg);
+            let d = k.add_f32(&e, &F32(1.0));
+            k.div_f32(&x, &d)
+        }
+        Activation::GeluTanh => {
+            // 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), tanh(u) = 1 - 2 / (e^(2u) + 1)
+            let x2 = k.mul_f32(&x, &x);
+            let x3 = k.mul_f32(&x2, &x);
+            let inner = k.fma_f32(&x3, &F32(GELU_CUBIC as f32), &x);
+            let u = k.mul_f32(&inner, &F32((2.0 / std::f64::consts::PI).sqrt() as f32));
+            let t = tanh(k, u);
+            gelu_tail(k, x, t)
+        }
+        Activation::GeluErf => {
+            let scaled = k.mul_f32(&x, &F32(std::f32::consts::FRAC_1_SQRT_2));
+            let e = erf(k, scaled);
+            gelu_tail(k, x, e)
+        }
+    }
+}
+
+/// `0.5 x (1 + t)`.
+fn gelu_tail(k: &mut Kernel, x: Reg, t: Reg) -> Reg {
+    let one_plus = k.add_f32(&t, &F32(1.0));
+    let half = k.mul_f32(&x, &F32(0.5));
+    k.mul_f32(&half, &one_plus)
+}
+
+/// `tanh(u) = 1 - 2 / (e^(2u) + 1)`: exact limits at both ends, no cancellation to worry about
+/// at the accuracy GELU needs.
+pub fn tanh(k: &mut Kernel, u: Reg) -> Reg {
+    let two_u = k.add_f32(&u, &u);
+    let e = k.exp_f32(&two_u);
+    let d = k.add_f32(&e, &F32(1.0));
+    let q = k.div_f32(&F32(2.0), &d);
+    k.sub_f32(&F32(1.0), &q)
+}
+
+/// `erf(x)` by Abramowitz and Stegun 7.1.26 (absolute error below 1.5e-7), odd-extended.
+pub fn erf(k: &mut Kernel, x: Reg) -> Reg {
+    const P: f32 = 0.327_591_1;
+    const A: [f32; 5] = [
+        0.254_829_6,
+        -0.284_496_74,
+        1.421_413_8,
+        -1.453_152,
+        1.061_405_4,
+    ];
+    let ax = k.op1("abs.f32", RegClass::F32, &x);
+    let d = k.fma_f32(&ax, &F32(P), &F32(1.0));
+    let t = k.rcp_f32(&d);
+    // Horner: ((((a5 t + a4) t + a3) t + a2) t + a1) t
+    let mut poly = k.mov(RegClass::F32, &F32(A[4]));
+    for a in A[..4].iter().rev() {
+        poly = k.fma_f32(&poly, &t, &F32(*a));
+    }
+    poly = k.mul_f32(&poly, &t);
+    let sq = k.mul_f32(&ax, &ax);
+    let neg = k.op1("neg.f32", RegClass::F32, &sq);
+    let e = k.exp_f32(&neg);
+    let tail = k.mul_f32(&poly, &e);
+    let positive = k.sub_f32(&F32(1.0), &tail);
+    // copysign(positive, x)
+    k.op2("copysign.f32", RegClass::F32, &x, &positive)
+}
+
+/// Generates `out[i] = act(x[i])` for `n` elements. Parameters: `x, out, n`.
+pub fn activation_kernel(act: Activation, elem: Elem, n: u32) -> GeneratedKernel {
+    let name = format!("{}_{}", format!("{act:?}").to_lowercase(), elem.name());
+    let mut k = Kernel::new(&name);
+    let x = k.param_ptr("x");
+    let out = k.param_ptr("out");
+    let count = k.param_u32("n");
+    let tid = k.special("tid.x");
+    let block = k.special("ctaid.x");
+    let blocks = k.special("nctaid.x");
+    let i = k.mad_u32(&block, &THREADS, &tid);
+    let stride = k.mul_u32(&blocks, &THREADS);
+    let top = k.label("loop");
+    let done = k.label("done");
+    k.place(&top);
+    let past = k.setp("ge.u32", &i, &count);
+    k.bra(Some((past, true)), &done);
+    let xa = k.address(x, &i, elem.bytes());
+    let v = k.ld_global(elem, xa);
+    let y = activation(&mut k, v, act);
+    let oa = k.address(out, &i, elem.bytes());
+    k.st_global(elem, oa, y);
+    k.emit(format!("add.u32 {i}, {i}, {stride}"));
+    k.bra(None, &top);
+    k.place(&done);
+    let signature = k.params().to_vec();
+    GeneratedKernel {
+        name,
+        ptx: k.finish(),
+        signature,
+        launch: Launch {
+            grid: [n.div_ceil(THREADS).clamp(1, 65_535), 1, 1],
+            block: [THREADS, 1, 1],
+            shared_bytes: 0,
+        },
+    }
+}

@@ -1,0 +1,294 @@
+//! Matrix products `x [M, K] @ w` with the epilogues the compiler fuses (bias, activation, SwiGLU,
+//! residual), f32 accumulation for every operand type.
+//!
+//! This is the portable SIMT path: 64 x 64 output tiles, K in steps of 16 staged through shared
+//! memory (A transposed so that both operands are read as 16-byte vectors), 256 threads each
+//! holding a 4 x 4 block of accumulators (two with SwiGLU: gate and up). Tensor-core tiles
+//! (`mma.sync`, `ldmatrix`, `cp.async`) are the next step for f16/bf16.
+
+use kiln_ir::kernel::Activation;
+
+use crate::elementwise::activation;
+use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
+use crate::{GeneratedKernel, Launch};
+
+const BM: u32 = 64;
+const BN: u32 = 64;
+const BK: u32 = 16;
+const THREADS: u32 = 256;
+
+/// A GEMM kernel's static configuration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GemmConfig {
+    /// Rows of x (all leading axes flattened).
+    pub m: u32,
+    /// The contraction size.
+    pub k: u32,
+    /// Columns of the product (before SwiGLU halves them).
+    pub n: u32,
+    /// The weight is stored `[N, K]`.
+    pub transpose_b: bool,
+    /// Add a bias `[N]`.
+    pub bias: bool,
+    /// Apply an activation.
+    pub activation: Option<Activation>,
+    /// `silu(y[:, :N/2]) * y[:, N/2:]`.
+    pub swiglu: bool,
+    /// Add a residual `[M, N_out]`.
+    pub residual: bool,
+    /// Element type of every operand and the output.
+    pub elem: Elem,
+}
+
+impl GemmConfig {
+    /// Columns of the output.
+    pub fn n_out(&self) -> u32 {
+        if self.swiglu {
+            self.n / 2
+        } else {
+            self.n
+        }
+    }
+
+    fn name(&self) -> String {
+        let mut name = format!("gemm_{}_{}x{}x{}", self.elem.name(), self.m, self.n, self.k);
+        if self.transpose_b {
+            name.push_str("_bt");
+        }
+        if self.bias {
+            name.push_str("_bias");
+        }
+        if let Some(a) = self.activation {
+            name.push_str(&format!("_{}", format!("{a:?}").to_lowercase()));
+        }
+        if self.swiglu {
+            name.push_str("_swiglu");
+        }
+        if self.residual {
+            name.push_str("_residual");
+        }
+        name
+    }
+}
+
+/// Generates the kernel. Parameters: `x, w, [bias], [residual], out`.
+pub fn gemm(cfg: &GemmConfig) -> GeneratedKernel {
+    assert!(!cfg.swiglu || cfg.n.is_multiple_of(2), "SwiGLU needs an even N");
+    let name = cfg.name();
+    let mut k = Kernel::new(&name);
+    let x = k.param_ptr("x");
+    let w = k.param_ptr("w");
+    let bias = cfg.bias.then(|| k.param_ptr("bias"));
+    let residual = cfg.residual.then(|| k.param_ptr("residual"));
+    let out = k.param_ptr("out");
+    let a_tile = k.shared("a_tile", BK * BM * 4);
+    let b_tile = k.shared("b_tile", BK * BN * 4);
+    let b_up_tile = cfg.swiglu.then(|| k.shared("b_up_tile", BK * BN * 4));
+    let n_out = cfg.n_out();
+    let e = cfg.elem;
+
+    let tid = k.special("tid.x");
+    let tx = k.op2("and.b32", RegClass::B32, &tid, &15u32);
+    let ty = k.op2("shr.u32", RegClass::B32, &tid, &4u32);
+    let bx = k.special("ctaid.x");
+    let by = k.special("ctaid.y");
+    let m0 = k.mul_u32(&by, &BM);
+    let n0 = k.mul_u32(&bx, &BN);
+    let a_base = k.reg(RegClass::B32);
+    k.emit(format!("mov.u32 {a_base}, {a_tile}"));
+    let b_base = k.reg(RegClass::B32);
+    k.emit(format!("mov.u32 {b_base}, {b_tile}"));
+    let b_up_base = b_up_tile.map(|t| {
+        let r = k.reg(RegClass::B32);
+        k.emit(format!("mov.u32 {r}, {t}"));
+        r
+    });
+
+    let zero = F32(0.0);
+    let acc: Vec<Reg> = (0..16).map(|_| k.mov(RegClass::F32, &zero)).collect();
+    let acc_up: Vec<Reg> = if cfg.swiglu {
+        (0..16).map(|_| k.mov(RegClass::F32, &zero)).collect()
+    } else {
+        Vec::new()
+    };
+
+    let k0 = k.mov(RegClass::B32, &0u32);
+    let top = k.label("k_loop");
+    let done = k.label("k_done");
+    k.place(&top);
+    let past = k.setp("ge.u32", &k0, &cfg.k);
+    k.bra(Some((past, true)), &done);
+
+    k.comment("stage A[m0.., k0..] transposed into a_tile[kk][row]");
+    for r in 0..(BM * BK / THREADS) {
+        let e_idx = k.add_u32(&tid, &(r * THREADS));
+        let row = k.op2("shr.u32", RegClass::B32, &e_idx, &4u32);
+        let kk = k.op2("and.b32", RegClass::B32, &e_idx, &(BK - 1));
+        let gr = k.add_u32(&m0, &row);
+        let gk = k.add_u32(&k0, &kk);
+        let v = load_bounded(&mut k, x, e, &gr, cfg.m, &gk, cfg.k, cfg.k);
+        let slot = k.mad_u32(&kk, &BM, &row);
+        let addr = k.mad_u32(&slot, &4u32, &a_base);
+        k.emit(format!("st.shared.f32 [{addr}], {v}"));
+    }
+    let stage_b = |k: &mut Kernel, base: Reg, col_offset: u32| {
+        for r in 0..(BN * BK / THREADS) {
+            let e_idx = k.add_u32(&tid, &(r * THREADS));
+            // Coalesce along the weight's contiguous axis.
+            let (kk, col) = if cfg.transpose_b {
+                let col = k.op2("shr.u32", RegClass::B32, &e_idx, &4u32);
+                let kk = k.op2("and.b32", RegClass::B32, &e_idx, &(BK - 1));
+                (kk, col)
+            } else {
+                let kk = k.op2("shr.u32", RegClass::B32, &e_idx, &6u32);
+                let col = k.op2("and.b32", RegClass::B32, &e_idx, &(BN - 1));
+                (kk, col)
+            };
+            let gk = k.add_u32(&k0, &kk);
+            let gc0 = k.add_u32(&n0, &col);
+            let gc = k.add_u32(&gc0, &col_offset);
+            // Columns past this half of the product read zeros.
+            let limit = col_offset + n_out;
+            let v = if cfg.transpose_b {
+                load_bounded(k, w, e, &gc, limit, &gk, cfg.k, cfg.k)
+            } else {
+                load_bounded(k, w, e, &gk, cfg.k, &gc, limit, cfg.n)
+            };
+            let slot = k.mad_u32(&kk, &BN, &col);
+            let addr = k.mad_u32(&slot, &4u32, &base);
+            k.emit(format!("st.shared.f32 [{addr}], {v}"));
+        }
+    };
+    k.comment("stage B[k0.., n0..] into b_tile[kk][col]");
+    stage_b(&mut k, b_base, 0);
+    if let Some(up) = b_up_base {
+        k.comment("SwiGLU: the matching up columns into b_up_tile");
+        stage_b(&mut k, up, n_out);
+    }
+    k.barrier();
+
+    k.comment("16 rank-1 updates of the 4 x 4 accumulator block");
+    let a_off = k.mul_u32(&ty, &16u32);
+    let a_ptr = k.add_u32(&a_base, &a_off);
+    let b_off = k.mul_u32(&tx, &16u32);
+    let b_ptr = k.add_u32(&b_base, &b_off);
+    let b_up_ptr = b_up_base.map(|u| k.add_u32(&u, &b_off));
+    for kk in 0..BK {
+        let a = load_v4(&mut k, a_ptr, kk * BM * 4);
+        let b = load_v4(&mut k, b_ptr, kk * BN * 4);
+        for i in 0..4 {
+            for j in 0..4 {
+                k.fma_into(acc[i * 4 + j], &a[i], &b[j]);
+            }
+        }
+        if let Some(p) = b_up_ptr {
+            let bu = load_v4(&mut k, p, kk * BN * 4);
+            for i in 0..4 {
+                for j in 0..4 {
+                    k.fma_into(acc_up[i * 4 + j], &a[i], &bu[j]);
+                }
+            }
+        }
+    }
+    k.barrier();
+    k.emit(format!("add.u32 {k0}, {k0}, {BK}"));
+    k.bra(None, &top);
+    k.place(&done);
+
+    k.comment("epilogue");
+    for i in 0..4u32 {
+        for j in 0..4u32 {
+            let skip = k.label("skip");
+            let r0 = k.mad_u32(&ty, &4u32, &m0);
+            let row = k.add_u32(&r0, &i);
+            let c0 = k.mad_u32(&tx, &4u32, &n0);
+            let col = k.add_u32(&c0, &j);
+            let out_row = k.setp("ge.u32", &row, &cfg.m);
+            k.bra(Some((out_row, true)), &skip);
+            let out_col = k.setp("ge.u32", &col, &n_out);
+            k.bra(Some((out_col, true)), &skip);
+            let idx = (i * 4 + j) as usize;
+            let mut v = acc[idx];
+            let mut up = acc_up.get(idx).copied();
+            if let Some(b) = bias {
+                let ba = k.address(b, &col, e.bytes());
+                let bv = k.ld_global(e, ba);
+                v = k.add_f32(&v, &bv);
+                if let Some(u) = up {
+                    let uc = k.add_u32(&col, &n_out);
+                    let ua = k.address(b, &uc, e.bytes());
+                    let uv = k.ld_global(e, ua);
+                    up = Some(k.add_f32(&u, &uv));
+                }
+            }
+            if let Some(a) = cfg.activation {
+                v = activation(&mut k, v, a);
+            }
+            if let Some(u) = up {
+                let g = activation(&mut k, v, Activation::Silu);
+                v = k.mul_f32(&g, &u);
+            }
+            let oi = k.mad_u32(&row, &n_out, &col);
+            if let Some(r) = residual {
+                let ra = k.address(r, &oi, e.bytes());
+                let rv = k.ld_global(e, ra);
+                v = k.add_f32(&v, &rv);
+            }
+            let oa = k.address(out, &oi, e.bytes());
+            k.st_global(e, oa, v);
+            k.place(&skip);
+        }
+    }
+    let signature = k.params().to_vec();
+    GeneratedKernel {
+        name,
+        ptx: k.finish(),
+        signature,
+        launch: Launch {
+            grid: [n_out.div_ceil(BN), cfg.m.div_ceil(BM), 1],
+            block: [THREADS, 1, 1],
+            shared_bytes: 0,
+        },
+    }
+}
+
+/// `base[r * stride + c]` as f32 when `r < rows` and `c < cols`, else 0.
+#[allow(clippy::too_many_arguments)]
+fn load_bounded(
+    k: &mut Kernel,
+    base: Reg,
+    elem: Elem,
+    r: &Reg,
+    rows: u32,
+    c: &Reg,
+    cols: u32,
+    stride: u32,
+) -> Reg {
+    let v = k.mov(RegClass::F32, &F32(0.0));
+    let skip = k.label("oob");
+    let r_out = k.setp("ge.u32", r, &rows);
+    k.bra(Some((r_out, true)), &skip);
+    let c_out = k.setp("ge.u32", c, &cols);
+    k.bra(Some((c_out, true)), &skip);
+    let idx = k.mad_u32(r, &stride, c);
+    let addr = k.address(base, &idx, elem.bytes());
+    let loaded = k.ld_global(elem, addr);
+    k.emit(format!("mov.f32 {v}, {loaded}"));
+    k.place(&skip);
+    v
+}
+
+/// Four consecutive f32 from shared memory at `ptr + offset` (16-byte aligned).
+fn load_v4(k: &mut Kernel, ptr: Reg, offset: u32) -> [Reg; 4] {
+    let r = [
+        k.reg(RegClass::F32),
+        k.reg(RegClass::F32),
+        k.reg(RegClass::F32),
+        k.reg(RegClass::F32),
+    ];
+    k.emit(format!(
+        "ld.shared.v4.f32 {{{}, {}, {}, {}}}, [{ptr}+{offset}]",
+        r[0], r[1], r[2], r[3]
+    ));
+    r
+}

@@ -1,0 +1,140 @@
+//! LayerNorm / RMSNorm over the last axis, optionally of `x + residual`: one block of
+//! `ROW_THREADS` threads per row, f32 statistics (two passes for LayerNorm's variance, so a large
+//! mean does not cancel), output in the tensor's dtype.
+
+use kiln_ir::kernel::NormKind;
+
+use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
+use crate::reduce::{block_sum, scratch};
+use crate::{GeneratedKernel, Launch, ROW_THREADS};
+
+/// A norm kernel's static configuration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NormConfig {
+    /// LayerNorm or RMSNorm.
+    pub kind: NormKind,
+    /// Whether a residual operand is added to `x` first.
+    pub residual: bool,
+    /// Element type of x, residual, weight, bias and output.
+    pub elem: Elem,
+    /// Rows (tokens of the bucket).
+    pub rows: u32,
+    /// Columns (hidden size).
+    pub cols: u32,
+    /// Epsilon.
+    pub eps: f32,
+}
+
+/// Generates the kernel. Parameters: `x, [residual], weight, [bias], out`.
+pub fn norm(cfg: &NormConfig) -> GeneratedKernel {
+    let layer = cfg.kind == NormKind::LayerNorm;
+    let name = format!(
+        "{}{}_{}_c{}",
+        if layer { "layer_norm" } else { "rms_norm" },
+        if cfg.residual { "_residual" } else { "" },
+        cfg.elem.name(),
+        cfg.cols
+    );
+    let mut k = Kernel::new(&name);
+    let x = k.param_ptr("x");
+    let residual = cfg.residual.then(|| k.param_ptr("residual"));
+    let weight = k.param_ptr("weight");
+    let bias = layer.then(|| k.param_ptr("bias"));
+    let out = k.param_ptr("out");
+    let red = scratch(&mut k);
+    let tid = k.special("tid.x");
+    let row = k.special("ctaid.x");
+    let row_base = k.mul_u32(&row, &cfg.cols);
+    let elem = cfg.elem;
+    let cols = cfg.cols;
+
+    // The value of column `col` of this row: x (+ residual), as f32.
+    let load = |k: &mut Kernel, col: Reg| -> Reg {
+        let idx = k.add_u32(&row_base, &col);
+        let addr = k.address(x, &idx, elem.bytes());
+        let v = k.ld_global(elem, addr);
+        match residual {
+            Some(r) => {
+                let ra = k.address(r, &idx, elem.bytes());
+                let rv = k.ld_global(elem, ra);
+                k.add_f32(&v, &rv)
+            }
+            None => v,
+        }
+    };
+    // for col in tid..cols step ROW_THREADS { body(col) }
+    let strided = |k: &mut Kernel, what: &str, body: &mut dyn FnMut(&mut Kernel, Reg)| {
+        let col = k.mov(RegClass::B32, &tid);
+        let top = k.label(what);
+        let done = k.label(&format!("{what}_done"));
+        k.place(&top);
+        let past = k.setp("ge.u32", &col, &cols);
+        k.bra(Some((past, true)), &done);
+        body(k, col);
+        k.emit(format!("add.u32 {col}, {col}, {ROW_THREADS}"));
+        k.bra(None, &top);
+        k.place(&done);
+    };
+
+    let mean = if layer {
+        k.comment("pass 1: mean");
+        let sum = k.mov(RegClass::F32, &F32(0.0));
+        strided(&mut k, "mean", &mut |k, col| {
+            let v = load(k, col);
+            k.emit(format!("add.f32 {sum}, {sum}, {v}"));
+        });
+        let total = block_sum(&mut k, sum, &red, tid);
+        Some(k.mul_f32(&total, &F32(1.0 / cols as f32)))
+    } else {
+        None
+    };
+    k.comment(if layer {
+        "pass 2: variance"
+    } else {
+        "pass 1: mean square"
+    });
+    let sq = k.mov(RegClass::F32, &F32(0.0));
+    strided(&mut k, "var", &mut |k, col| {
+        let v = load(k, col);
+        let c = match mean {
+            Some(m) => k.sub_f32(&v, &m),
+            None => v,
+        };
+        k.fma_into(sq, &c, &c);
+    });
+    let total = block_sum(&mut k, sq, &red, tid);
+    let var = k.mul_f32(&total, &F32(1.0 / cols as f32));
+    let var_eps = k.add_f32(&var, &F32(cfg.eps));
+    let rstd = k.rsqrt_f32(&var_eps);
+    k.comment("last pass: normalise, scale, shift, store");
+    strided(&mut k, "write", &mut |k, col| {
+        let v = load(k, col);
+        let c = match mean {
+            Some(m) => k.sub_f32(&v, &m),
+            None => v,
+        };
+        let n = k.mul_f32(&c, &rstd);
+        let wa = k.address(weight, &col, elem.bytes());
+        let w = k.ld_global(elem, wa);
+        let mut y = k.mul_f32(&n, &w);
+        if let Some(b) = bias {
+            let ba = k.address(b, &col, elem.bytes());
+            let bv = k.ld_global(elem, ba);
+            y = k.add_f32(&y, &bv);
+        }
+        let idx = k.add_u32(&row_base, &col);
+        let oa = k.address(out, &idx, elem.bytes());
+        k.st_global(elem, oa, y);
+    });
+    let signature = k.params().to_vec();
+    GeneratedKernel {
+        name,
+        ptx: k.finish(),
+        signature,
+        launch: Launch {
+            grid: [cfg.rows, 1, 1],
+            block: [ROW_THREADS, 1, 1],
+            shared_bytes: 0,
+        },
+    }
+}

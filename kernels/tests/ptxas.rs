@@ -1,0 +1,65 @@
+//! Every kernel of the catalog assembles for sm_90 with ptxas (`-v`), without spills, and the
+//! GEMM kernels without a stack frame. ptxas comes from `$KILN_PTXAS`, PATH, or
+//! `scripts/fetch-ptxas` (the PyPI wheel of CUDA 13.0); CI installs it. Without one the test says
+//! so and passes, as a GPU test without a GPU does.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use kiln_kernels::catalog::catalog;
+
+fn ptxas() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("KILN_PTXAS") {
+        return Some(PathBuf::from(p));
+    }
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/fetch-ptxas");
+    let out = Command::new("bash").arg(script).output().ok()?;
+    out.status
+        .success()
+        .then(|| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim().to_string()))
+}
+
+/// The number after `prefix` in ptxas's `-v` report, if present.
+fn figure(report: &str, suffix: &str) -> Option<u64> {
+    report.lines().find_map(|line| {
+        let at = line.find(suffix)?;
+        line[..at].split_whitespace().last()?.parse().ok()
+    })
+}
+
+#[test]
+fn every_kernel_assembles_without_spills() {
+    let Some(ptxas) = ptxas() else {
+        println!("SKIPPED: no ptxas (set KILN_PTXAS, put ptxas on PATH, or let scripts/fetch-ptxas download it)");
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let mut table = Vec::new();
+    for (i, (kind, kernel)) in catalog().into_iter().enumerate() {
+        let src = tmp.path().join(format!("k{i}.ptx"));
+        std::fs::write(&src, kernel.module()).unwrap();
+        let out = Command::new(&ptxas)
+            .args(["-arch=sm_90", "-v"])
+            .arg(&src)
+            .arg("-o")
+            .arg(tmp.path().join(format!("k{i}.cubin")))
+            .output()
+            .expect("ptxas runs");
+        let report = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(
+            out.status.success(),
+            "{}: ptxas failed:\n{report}",
+            kernel.name
+        );
+        let spills = figure(&report, "bytes spill stores").unwrap_or(0)
+            + figure(&report, "bytes spill loads").unwrap_or(0);
+        let stack = figure(&report, "bytes stack frame").unwrap_or(0);
+        let registers = figure(&report, "registers").unwrap_or(0);
+        assert_eq!(spills, 0, "{}: spills\n{report}", kernel.name);
+        if kind == "gemm" || kind == "attention" {
+            assert_eq!(stack, 0, "{}: stack frame\n{report}", kernel.name);
+        }
+        table.push(format!("{:<48} {registers:>4} registers", kernel.name));
+    }
+    println!("{}", table.join("\n"));
+}

@@ -1,0 +1,73 @@
+//! Snapshots of the emitted PTX for a small, reviewable set of configurations: a change to a
+//! kernel generator shows up as a diff to review (`cargo insta review`), never accepted blindly.
+
+use kiln_ir::kernel::{Activation, NormKind};
+use kiln_kernels::elementwise::activation_kernel;
+use kiln_kernels::embedding::{embedding, EmbeddingConfig};
+use kiln_kernels::gemm::{gemm, GemmConfig};
+use kiln_kernels::norm::{norm, NormConfig};
+use kiln_kernels::sampling::argmax;
+use kiln_kernels::Elem;
+
+#[test]
+fn rms_norm_residual_bf16() {
+    let k = norm(&NormConfig {
+        kind: NormKind::RmsNorm,
+        residual: true,
+        elem: Elem::BF16,
+        rows: 16,
+        cols: 64,
+        eps: 1e-6,
+    });
+    insta::assert_snapshot!(k.module());
+}
+
+#[test]
+fn layer_norm_f32() {
+    let k = norm(&NormConfig {
+        kind: NormKind::LayerNorm,
+        residual: false,
+        elem: Elem::F32,
+        rows: 16,
+        cols: 64,
+        eps: 1e-5,
+    });
+    insta::assert_snapshot!(k.module());
+}
+
+#[test]
+fn gelu_erf_f16() {
+    insta::assert_snapshot!(activation_kernel(Activation::GeluErf, Elem::F16, 1000).module());
+}
+
+#[test]
+fn embedding_two_tables_f32() {
+    let k = embedding(&EmbeddingConfig {
+        table_rows: vec![512, 256],
+        hidden: 64,
+        tokens: 16,
+        elem: Elem::F32,
+    });
+    insta::assert_snapshot!(k.module());
+}
+
+#[test]
+fn argmax_bf16() {
+    insta::assert_snapshot!(argmax(Elem::BF16, 2, 512).module());
+}
+
+#[test]
+fn gemm_swiglu_bf16() {
+    let k = gemm(&GemmConfig {
+        m: 16,
+        k: 64,
+        n: 320,
+        transpose_b: true,
+        bias: false,
+        activation: None,
+        swiglu: true,
+        residual: false,
+        elem: Elem::BF16,
+    });
+    insta::assert_snapshot!(k.module());
+}
