@@ -21,15 +21,17 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
             (NormKind::LayerNorm, true),
             (NormKind::RmsNorm, true),
         ] {
-            let cfg = NormConfig {
-                kind,
-                residual,
-                elem,
-                rows: 17,
-                cols: 4096,
-                eps: 1e-5,
-            };
-            out.push(("norm", norm(&cfg)));
+            for cols in [4096, 8192, 8193] {
+                let cfg = NormConfig {
+                    kind,
+                    residual,
+                    elem,
+                    rows: 17,
+                    cols,
+                    eps: 1e-5,
+                };
+                out.push(("norm", norm(&cfg)));
+            }
         }
         for act in [
             Activation::GeluTanh,

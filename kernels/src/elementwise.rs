@@ -20,41 +20,33 @@ pub fn activation(k: &mut Kernel, x: Reg, act: Activation) -> Reg {
             k.div_f32(&x, &d)
         }
         Activation::GeluTanh => {
-            // 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), tanh(u) = 1 - 2 / (e^(2u) + 1)
+            // 0.5 x (1 + tanh(u)) = x / (1 + e^(-2u)), u = sqrt(2/pi) (x + 0.044715 x^3): the
+            // sigmoid form has no cancellation in the negative tail, where 1 + tanh(u) -> 0.
             let x2 = k.mul_f32(&x, &x);
             let x3 = k.mul_f32(&x2, &x);
             let inner = k.fma_f32(&x3, &F32(GELU_CUBIC as f32), &x);
-            let u = k.mul_f32(&inner, &F32((2.0 / std::f64::consts::PI).sqrt() as f32));
-            let t = tanh(k, u);
-            gelu_tail(k, x, t)
+            let minus_2u = k.mul_f32(
+                &inner,
+                &F32(-2.0 * (2.0 / std::f64::consts::PI).sqrt() as f32),
+            );
+            let e = k.exp_f32(&minus_2u);
+            let d = k.add_f32(&e, &F32(1.0));
+            k.div_f32(&x, &d)
         }
         Activation::GeluErf => {
-            let scaled = k.mul_f32(&x, &F32(std::f32::consts::FRAC_1_SQRT_2));
-            let e = erf(k, scaled);
-            gelu_tail(k, x, e)
+            // 0.5 x (1 + erf(x / sqrt 2)), with 1 + erf computed without cancellation.
+            let z = k.mul_f32(&x, &F32(std::f32::consts::FRAC_1_SQRT_2));
+            let one_plus = one_plus_erf(k, z);
+            let half = k.mul_f32(&x, &F32(0.5));
+            k.mul_f32(&half, &one_plus)
         }
     }
 }
 
-/// `0.5 x (1 + t)`.
-fn gelu_tail(k: &mut Kernel, x: Reg, t: Reg) -> Reg {
-    let one_plus = k.add_f32(&t, &F32(1.0));
-    let half = k.mul_f32(&x, &F32(0.5));
-    k.mul_f32(&half, &one_plus)
-}
-
-/// `tanh(u) = 1 - 2 / (e^(2u) + 1)`: exact limits at both ends, no cancellation to worry about
-/// at the accuracy GELU needs.
-pub fn tanh(k: &mut Kernel, u: Reg) -> Reg {
-    let two_u = k.add_f32(&u, &u);
-    let e = k.exp_f32(&two_u);
-    let d = k.add_f32(&e, &F32(1.0));
-    let q = k.div_f32(&F32(2.0), &d);
-    k.sub_f32(&F32(1.0), &q)
-}
-
-/// `erf(x)` by Abramowitz and Stegun 7.1.26 (absolute error below 1.5e-7), odd-extended.
-pub fn erf(k: &mut Kernel, x: Reg) -> Reg {
+/// `1 + erf(z)` by Abramowitz and Stegun 7.1.26 (absolute error of erf below 1.5e-7): with
+/// `tail = erfc(|z|)`, it is `tail` for negative `z` (no cancellation in the negative tail) and
+/// `2 - tail` otherwise.
+pub fn one_plus_erf(k: &mut Kernel, z: Reg) -> Reg {
     const P: f32 = 0.327_591_1;
     const A: [f32; 5] = [
         0.254_829_6,
@@ -63,8 +55,8 @@ pub fn erf(k: &mut Kernel, x: Reg) -> Reg {
         -1.453_152,
         1.061_405_4,
     ];
-    let ax = k.op1("abs.f32", RegClass::F32, &x);
-    let d = k.fma_f32(&ax, &F32(P), &F32(1.0));
+    let az = k.op1("abs.f32", RegClass::F32, &z);
+    let d = k.fma_f32(&az, &F32(P), &F32(1.0));
     let t = k.rcp_f32(&d);
     // Horner: ((((a5 t + a4) t + a3) t + a2) t + a1) t
     let mut poly = k.mov(RegClass::F32, &F32(A[4]));
@@ -72,13 +64,13 @@ pub fn erf(k: &mut Kernel, x: Reg) -> Reg {
         poly = k.fma_f32(&poly, &t, &F32(*a));
     }
     poly = k.mul_f32(&poly, &t);
-    let sq = k.mul_f32(&ax, &ax);
+    let sq = k.mul_f32(&az, &az);
     let neg = k.op1("neg.f32", RegClass::F32, &sq);
     let e = k.exp_f32(&neg);
     let tail = k.mul_f32(&poly, &e);
-    let positive = k.sub_f32(&F32(1.0), &tail);
-    // copysign(positive, x)
-    k.op2("copysign.f32", RegClass::F32, &x, &positive)
+    let upper = k.sub_f32(&F32(2.0), &tail);
+    let negative = k.setp("lt.f32", &z, &F32(0.0));
+    k.selp(RegClass::F32, "f32", &tail, &upper, negative)
 }
 
 /// Generates `out[i] = act(x[i])` for `n` elements. Parameters: `x, out, n`.

@@ -73,7 +73,10 @@ impl GemmConfig {
 
 /// Generates the kernel. Parameters: `x, w, [bias], [residual], out`.
 pub fn gemm(cfg: &GemmConfig) -> GeneratedKernel {
-    assert!(!cfg.swiglu || cfg.n.is_multiple_of(2), "SwiGLU needs an even N");
+    assert!(
+        !cfg.swiglu || cfg.n.is_multiple_of(2),
+        "SwiGLU needs an even N"
+    );
     let name = cfg.name();
     let mut k = Kernel::new(&name);
     let x = k.param_ptr("x");

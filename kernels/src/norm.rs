@@ -1,6 +1,8 @@
 //! LayerNorm / RMSNorm over the last axis, optionally of `x + residual`: one block of
-//! `ROW_THREADS` threads per row, f32 statistics (two passes for LayerNorm's variance, so a large
-//! mean does not cancel), output in the tensor's dtype.
+//! `ROW_THREADS` threads per row, f32 statistics (the variance from centred values, so a large mean
+//! does not cancel), output in the tensor's dtype. Rows of up to `CACHED_COLS` columns are read
+//! once and kept in registers (one read and one write of the row); longer rows are read again for
+//! each statistic.
 
 use kiln_ir::kernel::NormKind;
 
@@ -24,6 +26,9 @@ pub struct NormConfig {
     /// Epsilon.
     pub eps: f32,
 }
+
+/// The longest row kept in registers (32 values per thread).
+pub const CACHED_COLS: u32 = 32 * ROW_THREADS;
 
 /// Generates the kernel. Parameters: `x, [residual], weight, [bias], out`.
 pub fn norm(cfg: &NormConfig) -> GeneratedKernel {
@@ -76,56 +81,60 @@ pub fn norm(cfg: &NormConfig) -> GeneratedKernel {
         k.place(&done);
     };
 
-    let mean = if layer {
-        k.comment("pass 1: mean");
-        let sum = k.mov(RegClass::F32, &F32(0.0));
-        strided(&mut k, "mean", &mut |k, col| {
-            let v = load(k, col);
-            k.emit(format!("add.f32 {sum}, {sum}, {v}"));
+    if cols <= CACHED_COLS {
+        cached_row(&mut k, cfg, &red, tid, &load, row_base, (weight, bias, out));
+    } else {
+        let mean = if layer {
+            k.comment("pass 1: mean");
+            let sum = k.mov(RegClass::F32, &F32(0.0));
+            strided(&mut k, "mean", &mut |k, col| {
+                let v = load(k, col);
+                k.emit(format!("add.f32 {sum}, {sum}, {v}"));
+            });
+            let total = block_sum(&mut k, sum, &red, tid);
+            Some(k.mul_f32(&total, &F32(1.0 / cols as f32)))
+        } else {
+            None
+        };
+        k.comment(if layer {
+            "pass 2: variance"
+        } else {
+            "pass 1: mean square"
         });
-        let total = block_sum(&mut k, sum, &red, tid);
-        Some(k.mul_f32(&total, &F32(1.0 / cols as f32)))
-    } else {
-        None
-    };
-    k.comment(if layer {
-        "pass 2: variance"
-    } else {
-        "pass 1: mean square"
-    });
-    let sq = k.mov(RegClass::F32, &F32(0.0));
-    strided(&mut k, "var", &mut |k, col| {
-        let v = load(k, col);
-        let c = match mean {
-            Some(m) => k.sub_f32(&v, &m),
-            None => v,
-        };
-        k.fma_into(sq, &c, &c);
-    });
-    let total = block_sum(&mut k, sq, &red, tid);
-    let var = k.mul_f32(&total, &F32(1.0 / cols as f32));
-    let var_eps = k.add_f32(&var, &F32(cfg.eps));
-    let rstd = k.rsqrt_f32(&var_eps);
-    k.comment("last pass: normalise, scale, shift, store");
-    strided(&mut k, "write", &mut |k, col| {
-        let v = load(k, col);
-        let c = match mean {
-            Some(m) => k.sub_f32(&v, &m),
-            None => v,
-        };
-        let n = k.mul_f32(&c, &rstd);
-        let wa = k.address(weight, &col, elem.bytes());
-        let w = k.ld_global(elem, wa);
-        let mut y = k.mul_f32(&n, &w);
-        if let Some(b) = bias {
-            let ba = k.address(b, &col, elem.bytes());
-            let bv = k.ld_global(elem, ba);
-            y = k.add_f32(&y, &bv);
-        }
-        let idx = k.add_u32(&row_base, &col);
-        let oa = k.address(out, &idx, elem.bytes());
-        k.st_global(elem, oa, y);
-    });
+        let sq = k.mov(RegClass::F32, &F32(0.0));
+        strided(&mut k, "var", &mut |k, col| {
+            let v = load(k, col);
+            let c = match mean {
+                Some(m) => k.sub_f32(&v, &m),
+                None => v,
+            };
+            k.fma_into(sq, &c, &c);
+        });
+        let total = block_sum(&mut k, sq, &red, tid);
+        let var = k.mul_f32(&total, &F32(1.0 / cols as f32));
+        let var_eps = k.add_f32(&var, &F32(cfg.eps));
+        let rstd = k.rsqrt_f32(&var_eps);
+        k.comment("last pass: normalise, scale, shift, store");
+        strided(&mut k, "write", &mut |k, col| {
+            let v = load(k, col);
+            let c = match mean {
+                Some(m) => k.sub_f32(&v, &m),
+                None => v,
+            };
+            let n = k.mul_f32(&c, &rstd);
+            let wa = k.address(weight, &col, elem.bytes());
+            let w = k.ld_global(elem, wa);
+            let mut y = k.mul_f32(&n, &w);
+            if let Some(b) = bias {
+                let ba = k.address(b, &col, elem.bytes());
+                let bv = k.ld_global(elem, ba);
+                y = k.add_f32(&y, &bv);
+            }
+            let idx = k.add_u32(&row_base, &col);
+            let oa = k.address(out, &idx, elem.bytes());
+            k.st_global(elem, oa, y);
+        });
+    }
     let signature = k.params().to_vec();
     GeneratedKernel {
         name,
@@ -136,5 +145,80 @@ pub fn norm(cfg: &NormConfig) -> GeneratedKernel {
             block: [ROW_THREADS, 1, 1],
             shared_bytes: 0,
         },
+    }
+}
+
+/// The register-cached form: each thread loads its `ceil(cols / ROW_THREADS)` columns once.
+fn cached_row(
+    k: &mut Kernel,
+    cfg: &NormConfig,
+    red: &str,
+    tid: Reg,
+    load: &dyn Fn(&mut Kernel, Reg) -> Reg,
+    row_base: Reg,
+    (weight, bias, out): (Reg, Option<Reg>, Reg),
+) {
+    let layer = cfg.kind == NormKind::LayerNorm;
+    let per_thread = cfg.cols.div_ceil(ROW_THREADS);
+    let elem = cfg.elem;
+    k.comment("read the row once into registers");
+    let mut cols = Vec::new();
+    let mut valid = Vec::new();
+    let mut vals = Vec::new();
+    let sum = k.mov(RegClass::F32, &F32(0.0));
+    for i in 0..per_thread {
+        let col = k.add_u32(&tid, &(i * ROW_THREADS));
+        let inside = k.setp("lt.u32", &col, &cfg.cols);
+        let v = k.mov(RegClass::F32, &F32(0.0));
+        let skip = k.label("skip_load");
+        k.bra(Some((inside, false)), &skip);
+        let loaded = load(k, col);
+        k.emit(format!("mov.f32 {v}, {loaded}"));
+        k.place(&skip);
+        if layer {
+            k.emit(format!("add.f32 {sum}, {sum}, {v}"));
+        }
+        cols.push(col);
+        valid.push(inside);
+        vals.push(v);
+    }
+    let inv_cols = F32(1.0 / cfg.cols as f32);
+    let mean = if layer {
+        let total = block_sum(k, sum, red, tid);
+        Some(k.mul_f32(&total, &inv_cols))
+    } else {
+        None
+    };
+    let sq = k.mov(RegClass::F32, &F32(0.0));
+    let mut centred = Vec::new();
+    for (v, inside) in vals.iter().zip(&valid) {
+        let c = match mean {
+            Some(m) => k.sub_f32(v, &m),
+            None => *v,
+        };
+        k.emit(format!("@{inside} fma.rn.f32 {sq}, {c}, {c}, {sq}"));
+        centred.push(c);
+    }
+    let total = block_sum(k, sq, red, tid);
+    let var = k.mul_f32(&total, &inv_cols);
+    let var_eps = k.add_f32(&var, &F32(cfg.eps));
+    let rstd = k.rsqrt_f32(&var_eps);
+    k.comment("normalise, scale, shift, store");
+    for ((c, col), inside) in centred.iter().zip(&cols).zip(&valid) {
+        let skip = k.label("skip_store");
+        k.bra(Some((*inside, false)), &skip);
+        let n = k.mul_f32(c, &rstd);
+        let wa = k.address(weight, col, elem.bytes());
+        let w = k.ld_global(elem, wa);
+        let mut y = k.mul_f32(&n, &w);
+        if let Some(b) = bias {
+            let ba = k.address(b, col, elem.bytes());
+            let bv = k.ld_global(elem, ba);
+            y = k.add_f32(&y, &bv);
+        }
+        let idx = k.add_u32(&row_base, col);
+        let oa = k.address(out, &idx, elem.bytes());
+        k.st_global(elem, oa, y);
+        k.place(&skip);
     }
 }

@@ -1,0 +1,128 @@
+//! Times kiln's generated kernels on the GPU (a benchmark, not a test): LayerNorm / RMSNorm bf16
+//! [16384, 4096] against the copy bandwidth, and the bf16 GEMM 4096^3 against its FLOPs. Prints one
+//! JSON object per line; run `shared/gpu/peers.py` in the same script for the peers.
+//!
+//! `cargo run --release -p kiln-kernels --example bench_kernels`
+
+use std::time::Instant;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::Ptx;
+use kiln_ir::kernel::NormKind;
+use kiln_kernels::gemm::{gemm, GemmConfig};
+use kiln_kernels::norm::{norm, NormConfig};
+use kiln_kernels::{Elem, GeneratedKernel};
+
+fn time_ms(stream: &CudaStream, mut run: impl FnMut()) -> f64 {
+    for _ in 0..3 {
+        run();
+    }
+    stream.synchronize().unwrap();
+    let mut times = Vec::new();
+    for _ in 0..20 {
+        let start = Instant::now();
+        run();
+        stream.synchronize().unwrap();
+        times.push(start.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
+}
+
+fn launch(
+    stream: &std::sync::Arc<CudaStream>,
+    ctx: &std::sync::Arc<CudaContext>,
+    k: &GeneratedKernel,
+    bufs: &[&CudaSlice<u16>],
+) -> impl FnMut() {
+    let module = ctx.load_module(Ptx::from_src(k.module())).unwrap();
+    let f = module.load_function(&k.name).unwrap();
+    let l = k.launch;
+    let cfg = LaunchConfig {
+        grid_dim: (l.grid[0], l.grid[1], l.grid[2]),
+        block_dim: (l.block[0], l.block[1], l.block[2]),
+        shared_mem_bytes: l.shared_bytes,
+    };
+    let bufs: Vec<CudaSlice<u16>> = bufs.iter().map(|b| (*b).clone()).collect();
+    let stream = stream.clone();
+    move || {
+        let mut b = stream.launch_builder(&f);
+        for buf in &bufs {
+            b.arg(buf);
+        }
+        // SAFETY: the buffers are sized for the kernel's shapes and passed in signature order.
+        unsafe { b.launch(cfg) }.unwrap();
+    }
+}
+
+fn main() {
+    // SAFETY: only probes whether libcuda can be opened.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        println!("no GPU driver: nothing to time");
+        return;
+    }
+    let ctx = CudaContext::new(0).unwrap();
+    let stream = ctx.default_stream();
+    let random = |n: usize, seed: u64| -> Vec<u16> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                half::bf16::from_f32(((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).to_bits()
+            })
+            .collect()
+    };
+
+    let (rows, cols) = (16384u32, 4096u32);
+    let n = (rows * cols) as usize;
+    let x = stream.clone_htod(&random(n, 1)).unwrap();
+    let w = stream.clone_htod(&random(cols as usize, 2)).unwrap();
+    let b = stream.clone_htod(&random(cols as usize, 3)).unwrap();
+    let out = stream.clone_htod(&vec![0u16; n]).unwrap();
+    for kind in [NormKind::LayerNorm, NormKind::RmsNorm] {
+        let k = norm(&NormConfig {
+            kind,
+            residual: false,
+            elem: Elem::BF16,
+            rows,
+            cols,
+            eps: 1e-5,
+        });
+        let bufs: Vec<&CudaSlice<u16>> = if kind == NormKind::LayerNorm {
+            vec![&x, &w, &b, &out]
+        } else {
+            vec![&x, &w, &out]
+        };
+        let ms = time_ms(&stream, launch(&stream, &ctx, &k, &bufs));
+        let bytes = 2.0 * n as f64 * 2.0;
+        println!(
+            "{{\"kernel\": \"{}\", \"rows\": {rows}, \"cols\": {cols}, \"ms\": {ms:.4}, \"TBps\": {:.3}}}",
+            k.name,
+            bytes / ms / 1e9
+        );
+    }
+
+    let s = 4096u32;
+    let a = stream.clone_htod(&random((s * s) as usize, 4)).unwrap();
+    let bm = stream.clone_htod(&random((s * s) as usize, 5)).unwrap();
+    let c = stream.clone_htod(&vec![0u16; (s * s) as usize]).unwrap();
+    let k = gemm(&GemmConfig {
+        m: s,
+        k: s,
+        n: s,
+        transpose_b: true,
+        bias: false,
+        activation: None,
+        swiglu: false,
+        residual: false,
+        elem: Elem::BF16,
+    });
+    let ms = time_ms(&stream, launch(&stream, &ctx, &k, &[&a, &bm, &c]));
+    println!(
+        "{{\"kernel\": \"{}\", \"m\": {s}, \"n\": {s}, \"k\": {s}, \"ms\": {ms:.4}, \"TFLOPs\": {:.2}}}",
+        k.name,
+        2.0 * f64::from(s).powi(3) / ms / 1e9
+    );
+}

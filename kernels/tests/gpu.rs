@@ -1,0 +1,529 @@
+//! GPU correctness suite: every kernel kind, launched on the device, against the reference
+//! interpreter on fresh random inputs at several shapes (lengths 1, 17, 127 and 4097 among them),
+//! with the output poisoned (NaN) before each launch. Skips, saying why, when no GPU is present.
+//!
+//! Tolerances are the fixtures README's: max |a - b| / max |ref| below 1e-4 for f32, 2e-2 for
+//! f16 / bf16 (whose inputs are rounded to that type before the reference sees them).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::Ptx;
+use kiln_ir::kernel::{Activation, EmbeddingSpec, GemmSpec, NormKind, NormSpec};
+use kiln_ir::{DType, Dim, Graph, Op, Tensor};
+use kiln_kernels::elementwise::activation_kernel;
+use kiln_kernels::embedding::{embedding, EmbeddingConfig};
+use kiln_kernels::gemm::{gemm, GemmConfig};
+use kiln_kernels::norm::{norm, NormConfig};
+use kiln_kernels::sampling::argmax;
+use kiln_kernels::{Elem, GeneratedKernel, ParamType};
+
+struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+}
+
+fn gpu() -> Option<Gpu> {
+    // SAFETY: only probes whether libcuda can be opened; no driver call is made without it.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        println!("SKIPPED: libcuda is not present (no GPU driver on this machine)");
+        return None;
+    }
+    match CudaContext::device_count() {
+        Ok(n) if n > 0 => {}
+        other => {
+            println!("SKIPPED: no CUDA device ({other:?})");
+            return None;
+        }
+    }
+    let ctx = CudaContext::new(0).expect("a context on device 0");
+    let stream = ctx.default_stream();
+    Some(Gpu { ctx, stream })
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn uniform(&mut self, scale: f32) -> f32 {
+        ((self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+    }
+    fn values(&mut self, n: usize, scale: f32, elem: Elem) -> Vec<f32> {
+        (0..n).map(|_| round(elem, self.uniform(scale))).collect()
+    }
+}
+
+fn round(elem: Elem, v: f32) -> f32 {
+    match elem {
+        Elem::F32 => v,
+        Elem::F16 => half::f16::from_f32(v).to_f32(),
+        Elem::BF16 => half::bf16::from_f32(v).to_f32(),
+    }
+}
+
+enum Buf {
+    F32(CudaSlice<f32>),
+    U16(CudaSlice<u16>),
+    I64(CudaSlice<i64>),
+}
+
+enum Arg<'a> {
+    Buf(&'a Buf),
+    U32(u32),
+}
+
+impl Gpu {
+    fn upload(&self, elem: Elem, values: &[f32]) -> Buf {
+        match elem {
+            Elem::F32 => Buf::F32(self.stream.clone_htod(values).unwrap()),
+            Elem::F16 => Buf::U16(
+                self.stream
+                    .clone_htod(
+                        &values
+                            .iter()
+                            .map(|v| half::f16::from_f32(*v).to_bits())
+                            .collect::<Vec<_>>(),
+                    )
+                    .unwrap(),
+            ),
+            Elem::BF16 => Buf::U16(
+                self.stream
+                    .clone_htod(
+                        &values
+                            .iter()
+                            .map(|v| half::bf16::from_f32(*v).to_bits())
+                            .collect::<Vec<_>>(),
+                    )
+                    .unwrap(),
+            ),
+        }
+    }
+
+    fn upload_i64(&self, values: &[i64]) -> Buf {
+        Buf::I64(self.stream.clone_htod(values).unwrap())
+    }
+
+    /// An output buffer filled with NaN (or -1 for integers), so unwritten elements show.
+    fn poisoned(&self, elem: Elem, n: usize) -> Buf {
+        self.upload(elem, &vec![f32::NAN; n])
+    }
+
+    fn download(&self, elem: Elem, buf: &Buf) -> Vec<f32> {
+        self.stream.synchronize().unwrap();
+        match buf {
+            Buf::F32(b) => self.stream.clone_dtoh(b).unwrap(),
+            Buf::U16(b) => self
+                .stream
+                .clone_dtoh(b)
+                .unwrap()
+                .into_iter()
+                .map(|bits| match elem {
+                    Elem::F16 => half::f16::from_bits(bits).to_f32(),
+                    _ => half::bf16::from_bits(bits).to_f32(),
+                })
+                .collect(),
+            Buf::I64(_) => panic!("not a float buffer"),
+        }
+    }
+
+    fn download_i64(&self, buf: &Buf) -> Vec<i64> {
+        self.stream.synchronize().unwrap();
+        match buf {
+            Buf::I64(b) => self.stream.clone_dtoh(b).unwrap(),
+            _ => panic!("not an i64 buffer"),
+        }
+    }
+
+    /// Loads the kernel's module and launches it with `args` bound by parameter name.
+    fn launch(&self, kernel: &GeneratedKernel, args: &BTreeMap<&str, Arg>) {
+        let module = self
+            .ctx
+            .load_module(Ptx::from_src(kernel.module()))
+            .unwrap();
+        let f = module.load_function(&kernel.name).unwrap();
+        let mut builder = self.stream.launch_builder(&f);
+        for (name, ty) in &kernel.signature {
+            let arg = args
+                .get(name.as_str())
+                .unwrap_or_else(|| panic!("no argument `{name}`"));
+            match (arg, ty) {
+                (Arg::Buf(Buf::F32(b)), ParamType::Ptr) => builder.arg(b),
+                (Arg::Buf(Buf::U16(b)), ParamType::Ptr) => builder.arg(b),
+                (Arg::Buf(Buf::I64(b)), ParamType::Ptr) => builder.arg(b),
+                (Arg::U32(v), ParamType::U32) => builder.arg(v),
+                _ => panic!("argument `{name}` does not match {ty:?}"),
+            };
+        }
+        let l = kernel.launch;
+        let cfg = LaunchConfig {
+            grid_dim: (l.grid[0], l.grid[1], l.grid[2]),
+            block_dim: (l.block[0], l.block[1], l.block[2]),
+            shared_mem_bytes: l.shared_bytes,
+        };
+        // SAFETY: the arguments follow the kernel's signature (checked above, by name and kind),
+        // and every buffer is sized for the launch's shapes by the caller.
+        unsafe { builder.launch(cfg) }.unwrap();
+        self.stream.synchronize().unwrap();
+    }
+}
+
+/// Runs `op` on `inputs` with the reference interpreter (f32 graph).
+fn reference(op: Op, inputs: Vec<(Vec<usize>, Vec<f32>)>, int_inputs: &[usize]) -> Tensor {
+    let mut g = Graph::new();
+    let mut ids = Vec::new();
+    let mut values = BTreeMap::new();
+    for (i, (shape, data)) in inputs.into_iter().enumerate() {
+        let name = format!("a{i}");
+        let dims = shape.iter().map(|&d| Dim::from(d)).collect();
+        let t = if int_inputs.contains(&i) {
+            ids.push(g.input(&name, DType::I64, dims).unwrap());
+            Tensor::i64(shape, data.iter().map(|v| *v as i64).collect())
+        } else {
+            ids.push(g.input(&name, DType::F32, dims).unwrap());
+            Tensor::f32(shape, data)
+        };
+        values.insert(name, t);
+    }
+    let out = g.add(op, &ids).unwrap();
+    g.set_output("out", out).unwrap();
+    let weights = BTreeMap::<String, Arc<Tensor>>::new();
+    kiln_ir::evaluate(&g, &values, &weights)
+        .unwrap()
+        .remove("out")
+        .unwrap()
+}
+
+fn check(what: &str, elem: Elem, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let tol = if elem == Elem::F32 { 1e-4 } else { 2e-2 };
+    let mut diff = 0f64;
+    let mut scale = 0f64;
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(!g.is_nan(), "{what}: element {i} was not written (NaN)");
+        diff = diff.max((f64::from(*g) - f64::from(*w)).abs());
+        scale = scale.max(f64::from(*w).abs());
+    }
+    let err = diff / scale.max(1e-30);
+    assert!(
+        err < tol,
+        "{what}: relative error {err:e} (tolerance {tol:e})"
+    );
+    println!("ok  {what:<60} rel err {err:.2e}");
+}
+
+const ELEMS: [Elem; 3] = [Elem::F32, Elem::F16, Elem::BF16];
+
+#[test]
+fn norms_match_the_interpreter() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(0x1234_5678_9abc_def1);
+    for elem in ELEMS {
+        for (kind, residual) in [
+            (NormKind::LayerNorm, false),
+            (NormKind::RmsNorm, false),
+            (NormKind::LayerNorm, true),
+            (NormKind::RmsNorm, true),
+        ] {
+            for (rows, cols) in [(1u32, 64u32), (17, 4097), (127, 768), (2, 8193)] {
+                let n = (rows * cols) as usize;
+                let eps = 1e-5f32;
+                // An offset mean, so that a one-pass variance would show its cancellation.
+                let x: Vec<f32> = rng
+                    .values(n, 2.0, elem)
+                    .iter()
+                    .map(|v| round(elem, v + 3.0))
+                    .collect();
+                let r = rng.values(n, 1.0, elem);
+                let w = rng.values(cols as usize, 1.5, elem);
+                let b = rng.values(cols as usize, 0.5, elem);
+                let cfg = NormConfig {
+                    kind,
+                    residual,
+                    elem,
+                    rows,
+                    cols,
+                    eps,
+                };
+                let kernel = norm(&cfg);
+                let (bx, br, bw, bb) = (
+                    gpu.upload(elem, &x),
+                    gpu.upload(elem, &r),
+                    gpu.upload(elem, &w),
+                    gpu.upload(elem, &b),
+                );
+                let out = gpu.poisoned(elem, n);
+                let args = BTreeMap::from([
+                    ("x", Arg::Buf(&bx)),
+                    ("residual", Arg::Buf(&br)),
+                    ("weight", Arg::Buf(&bw)),
+                    ("bias", Arg::Buf(&bb)),
+                    ("out", Arg::Buf(&out)),
+                ]);
+                gpu.launch(&kernel, &args);
+                let shape = vec![rows as usize, cols as usize];
+                let mut inputs = vec![(shape.clone(), x)];
+                if residual {
+                    inputs.push((shape.clone(), r));
+                }
+                inputs.push((vec![cols as usize], w));
+                if kind == NormKind::LayerNorm {
+                    inputs.push((vec![cols as usize], b));
+                }
+                let spec = NormSpec {
+                    kind,
+                    eps: f64::from(eps),
+                    residual,
+                };
+                let want: Vec<f32> = reference(Op::Norm(spec), inputs, &[])
+                    .as_f32()
+                    .unwrap()
+                    .iter()
+                    .map(|v| round(elem, *v))
+                    .collect();
+                check(
+                    &format!("{} {rows}x{cols}", kernel.name),
+                    elem,
+                    &gpu.download(elem, &out),
+                    &want,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn activations_match_the_interpreter() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(0x0bad_cafe_1234_5678);
+    for elem in ELEMS {
+        for act in [
+            Activation::GeluTanh,
+            Activation::GeluErf,
+            Activation::Silu,
+            Activation::Relu,
+        ] {
+            for n in [1u32, 17, 127, 4097, 300_001] {
+                // The metric is relative to the largest reference value; a lone element far in
+                // GELU's negative tail (|value| ~ 1e-7, where the f32 oracle itself has no
+                // relative precision left) would make it meaningless, so n = 1 draws from [-2, 2].
+                let scale = if n == 1 { 2.0 } else { 6.0 };
+                let x = rng.values(n as usize, scale, elem);
+                let kernel = activation_kernel(act, elem, n);
+                let bx = gpu.upload(elem, &x);
+                let out = gpu.poisoned(elem, n as usize);
+                let args = BTreeMap::from([
+                    ("x", Arg::Buf(&bx)),
+                    ("out", Arg::Buf(&out)),
+                    ("n", Arg::U32(n)),
+                ]);
+                gpu.launch(&kernel, &args);
+                let want: Vec<f32> =
+                    reference(Op::Activation(act), vec![(vec![n as usize], x)], &[])
+                        .as_f32()
+                        .unwrap()
+                        .iter()
+                        .map(|v| round(elem, *v))
+                        .collect();
+                check(
+                    &format!("{} n={n}", kernel.name),
+                    elem,
+                    &gpu.download(elem, &out),
+                    &want,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn embeddings_match_the_interpreter() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(0x5151_7777_2222_9999);
+    for elem in ELEMS {
+        for (tokens, hidden) in [(1u32, 64u32), (17, 768), (127, 4097)] {
+            let rows = [512u32, 127];
+            let tables: Vec<Vec<f32>> = rows
+                .iter()
+                .map(|r| rng.values((r * hidden) as usize, 1.0, elem))
+                .collect();
+            let ids: Vec<Vec<i64>> = rows
+                .iter()
+                .map(|r| {
+                    (0..tokens)
+                        .map(|_| (rng.next() % u64::from(*r)) as i64)
+                        .collect()
+                })
+                .collect();
+            let cfg = EmbeddingConfig {
+                table_rows: rows.to_vec(),
+                hidden,
+                tokens,
+                elem,
+            };
+            let kernel = embedding(&cfg);
+            let (t0, t1) = (gpu.upload(elem, &tables[0]), gpu.upload(elem, &tables[1]));
+            let (i0, i1) = (gpu.upload_i64(&ids[0]), gpu.upload_i64(&ids[1]));
+            let out = gpu.poisoned(elem, (tokens * hidden) as usize);
+            let args = BTreeMap::from([
+                ("table_0", Arg::Buf(&t0)),
+                ("ids_0", Arg::Buf(&i0)),
+                ("table_1", Arg::Buf(&t1)),
+                ("ids_1", Arg::Buf(&i1)),
+                ("out", Arg::Buf(&out)),
+            ]);
+            gpu.launch(&kernel, &args);
+            let inputs = vec![
+                (vec![rows[0] as usize, hidden as usize], tables[0].clone()),
+                (
+                    vec![tokens as usize],
+                    ids[0].iter().map(|v| *v as f32).collect(),
+                ),
+                (vec![rows[1] as usize, hidden as usize], tables[1].clone()),
+                (
+                    vec![tokens as usize],
+                    ids[1].iter().map(|v| *v as f32).collect(),
+                ),
+            ];
+            let want: Vec<f32> =
+                reference(Op::Embedding(EmbeddingSpec { tables: 2 }), inputs, &[1, 3])
+                    .as_f32()
+                    .unwrap()
+                    .iter()
+                    .map(|v| round(elem, *v))
+                    .collect();
+            check(
+                &format!("{} tokens={tokens}", kernel.name),
+                elem,
+                &gpu.download(elem, &out),
+                &want,
+            );
+        }
+    }
+}
+
+#[test]
+fn argmax_picks_the_first_largest() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(0x7777_1111_3333_5555);
+    for elem in ELEMS {
+        for (rows, vocab) in [(1u32, 1u32), (3, 17), (4, 4097), (2, 50257)] {
+            let logits = rng.values((rows * vocab) as usize, 8.0, elem);
+            let kernel = argmax(elem, rows, vocab);
+            let bl = gpu.upload(elem, &logits);
+            let out = gpu.upload_i64(&vec![-1; rows as usize]);
+            let args = BTreeMap::from([("logits", Arg::Buf(&bl)), ("out", Arg::Buf(&out))]);
+            gpu.launch(&kernel, &args);
+            let want: Vec<i64> = logits
+                .chunks(vocab as usize)
+                .map(|row| {
+                    row.iter()
+                        .enumerate()
+                        .fold((0usize, f32::NEG_INFINITY), |best, (i, &v)| {
+                            if v > best.1 {
+                                (i, v)
+                            } else {
+                                best
+                            }
+                        })
+                        .0 as i64
+                })
+                .collect();
+            assert_eq!(gpu.download_i64(&out), want, "{} rows={rows}", kernel.name);
+            println!("ok  {} rows={rows} vocab={vocab}", kernel.name);
+        }
+    }
+}
+
+#[test]
+fn gemms_match_the_interpreter() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(0x2468_ace0_1357_9bdf);
+    let variants: [(bool, bool, Option<Activation>, bool, bool); 5] = [
+        (true, false, None, false, false),
+        (false, true, Some(Activation::GeluTanh), false, false),
+        (true, true, None, false, true),
+        (true, false, None, true, false),
+        (false, true, Some(Activation::GeluErf), false, true),
+    ];
+    for elem in ELEMS {
+        for (transpose_b, bias, activation, swiglu, residual) in variants {
+            for (m, k, n) in [
+                (1u32, 64u32, 96u32),
+                (17, 127, 130),
+                (127, 768, 258),
+                (4097, 64, 64),
+            ] {
+                let cfg = GemmConfig {
+                    m,
+                    k,
+                    n,
+                    transpose_b,
+                    bias,
+                    activation,
+                    swiglu,
+                    residual,
+                    elem,
+                };
+                let n_out = cfg.n_out();
+                let x = rng.values((m * k) as usize, 1.0, elem);
+                let w = rng.values((k * n) as usize, 1.0 / (k as f32).sqrt(), elem);
+                let b = rng.values(n as usize, 0.5, elem);
+                let r = rng.values((m * n_out) as usize, 1.0, elem);
+                let kernel = gemm(&cfg);
+                let (bx, bw, bb, br) = (
+                    gpu.upload(elem, &x),
+                    gpu.upload(elem, &w),
+                    gpu.upload(elem, &b),
+                    gpu.upload(elem, &r),
+                );
+                let out = gpu.poisoned(elem, (m * n_out) as usize);
+                let args = BTreeMap::from([
+                    ("x", Arg::Buf(&bx)),
+                    ("w", Arg::Buf(&bw)),
+                    ("bias", Arg::Buf(&bb)),
+                    ("residual", Arg::Buf(&br)),
+                    ("out", Arg::Buf(&out)),
+                ]);
+                gpu.launch(&kernel, &args);
+                let w_shape = if transpose_b {
+                    vec![n as usize, k as usize]
+                } else {
+                    vec![k as usize, n as usize]
+                };
+                let mut inputs = vec![(vec![m as usize, k as usize], x), (w_shape, w)];
+                if bias {
+                    inputs.push((vec![n as usize], b));
+                }
+                if residual {
+                    inputs.push((vec![m as usize, n_out as usize], r));
+                }
+                let spec = GemmSpec {
+                    transpose_b,
+                    bias,
+                    activation,
+                    swiglu,
+                    residual,
+                    prologue: None,
+                };
+                let want: Vec<f32> = reference(Op::Gemm(spec), inputs, &[])
+                    .as_f32()
+                    .unwrap()
+                    .iter()
+                    .map(|v| round(elem, *v))
+                    .collect();
+                check(
+                    &format!("{} {m}x{n}x{k}", kernel.name),
+                    elem,
+                    &gpu.download(elem, &out),
+                    &want,
+                );
+            }
+        }
+    }
+}
