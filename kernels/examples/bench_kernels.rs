@@ -9,6 +9,7 @@ use std::time::Instant;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 use kiln_ir::kernel::NormKind;
+use kiln_kernels::attention::{attention, AttentionConfig, KeyRule};
 use kiln_kernels::gemm::{gemm, GemmConfig};
 use kiln_kernels::norm::{norm, NormConfig};
 use kiln_kernels::{Elem, GeneratedKernel};
@@ -124,5 +125,40 @@ fn main() {
         "{{\"kernel\": \"{}\", \"m\": {s}, \"n\": {s}, \"k\": {s}, \"ms\": {ms:.4}, \"TFLOPs\": {:.2}}}",
         k.name,
         2.0 * f64::from(s).powi(3) / ms / 1e9
+    );
+
+    // Attention bf16, head dim 128, seq 4096, causal, 16 heads, batch 4 (the point).
+    let (b, h, sq, d) = (4u32, 16u32, 4096u32, 128u32);
+    let mut cfg = AttentionConfig {
+        batch: b,
+        heads: h,
+        kv_heads: h,
+        q_len: sq,
+        kv_len: sq,
+        head_dim: d,
+        scale: 1.0 / (d as f32).sqrt(),
+        keys: KeyRule::Causal { window: None },
+        padding: false,
+        rope: false,
+        rope_k: false,
+        dropout: None,
+        elem: Elem::BF16,
+        strides: [[0; 3]; 4],
+    };
+    cfg.strides = cfg.contiguous_strides();
+    let n = (b * h * sq * d) as usize;
+    let (q, kk, v) = (
+        stream.clone_htod(&random(n, 6)).unwrap(),
+        stream.clone_htod(&random(n, 7)).unwrap(),
+        stream.clone_htod(&random(n, 8)).unwrap(),
+    );
+    let o = stream.clone_htod(&vec![0u16; n]).unwrap();
+    let k = attention(&cfg);
+    let ms = time_ms(&stream, launch(&stream, &ctx, &k, &[&q, &kk, &v, &o]));
+    let flops = 4.0 * f64::from(b * h) * f64::from(sq).powi(2) * f64::from(d) / 2.0;
+    println!(
+        "{{\"kernel\": \"{}\", \"b\": {b}, \"h\": {h}, \"s\": {sq}, \"d\": {d}, \"causal\": true, \"ms\": {ms:.3}, \"TFLOPs\": {:.2}}}",
+        k.name,
+        flops / ms / 1e9
     );
 }

@@ -3,6 +3,7 @@
 
 use kiln_ir::kernel::{Activation, NormKind};
 
+use crate::attention::{attention, AttentionConfig, KeyRule};
 use crate::elementwise::activation_kernel;
 use crate::embedding::{embedding, EmbeddingConfig};
 use crate::gemm::{gemm, GemmConfig};
@@ -51,6 +52,55 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
             out.push(("embedding", embedding(&cfg)));
         }
         out.push(("sampling", argmax(elem, 4, 50257)));
+        for (head_dim, keys, padding, rope, dropout, q_len, kv_len) in [
+            (
+                64,
+                KeyRule::Causal { window: None },
+                true,
+                false,
+                None,
+                127,
+                127,
+            ),
+            (
+                128,
+                KeyRule::Causal { window: Some(64) },
+                false,
+                true,
+                Some((0.1, 3)),
+                128,
+                128,
+            ),
+            (128, KeyRule::All, true, false, None, 17, 17),
+            (
+                64,
+                KeyRule::Position { window: None },
+                false,
+                true,
+                None,
+                1,
+                4097,
+            ),
+        ] {
+            let mut cfg = AttentionConfig {
+                batch: 2,
+                heads: 16,
+                kv_heads: 4,
+                q_len,
+                kv_len,
+                head_dim,
+                scale: 1.0 / (head_dim as f32).sqrt(),
+                keys,
+                padding,
+                rope,
+                rope_k: rope && !matches!(keys, KeyRule::Position { .. }),
+                dropout,
+                elem,
+                strides: [[0; 3]; 4],
+            };
+            cfg.strides = cfg.contiguous_strides();
+            out.push(("attention", attention(&cfg)));
+        }
         for (transpose_b, bias, act, swiglu, residual) in [
             (true, false, None, false, false),
             (false, true, Some(Activation::GeluTanh), false, false),

@@ -2,6 +2,7 @@
 //! dtypes of a bucket, with the typed signature and launch configuration the runtime checks.
 //!
 //! - [`ptx`] — the typed PTX builder;
+//! - [`attention`] — fused attention, prefill and decode (GQA, masks, RoPE, dropout);
 //! - [`reduce`] — block-wide reductions the row kernels share;
 //! - [`norm`] — LayerNorm / RMSNorm (with the residual add);
 //! - [`elementwise`] — activations;
@@ -13,6 +14,7 @@
 //! Values that vary per request (token ids, lengths, positions) are read through pointers, so a
 //! captured CUDA graph stays valid for every request of its bucket. Depends on `kiln-ir` only.
 
+pub mod attention;
 pub mod catalog;
 pub mod elementwise;
 pub mod embedding;

@@ -323,6 +323,11 @@ impl Kernel {
         self.op2("add.u32", RegClass::B32, a, b)
     }
 
+    /// `d = a - b` (u32, wrapping).
+    pub fn sub_u32(&mut self, a: &dyn Operand, b: &dyn Operand) -> Reg {
+        self.op2("sub.u32", RegClass::B32, a, b)
+    }
+
     /// `d = a * b` (u32, low half).
     pub fn mul_u32(&mut self, a: &dyn Operand, b: &dyn Operand) -> Reg {
         self.op2("mul.lo.u32", RegClass::B32, a, b)

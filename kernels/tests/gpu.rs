@@ -527,3 +527,298 @@ fn gemms_match_the_interpreter() {
         }
     }
 }
+
+/// RoPE cos/sin tables `[positions, D/2]` in f64 rounded to f32, as the artifact will carry them.
+fn rope_tables(theta: f64, head_dim: usize, positions: usize) -> (Vec<f32>, Vec<f32>) {
+    let inv = kiln_ir::RopeScaling::Default.inv_freq(theta, head_dim);
+    let (mut cos, mut sin) = (Vec::new(), Vec::new());
+    for p in 0..positions {
+        for f in &inv {
+            let (s, c) = (p as f64 * f).sin_cos();
+            cos.push(c as f32);
+            sin.push(s as f32);
+        }
+    }
+    (cos, sin)
+}
+
+struct AttentionCase {
+    heads: u32,
+    kv_heads: u32,
+    q_len: u32,
+    kv_len: u32,
+    head_dim: u32,
+    keys: kiln_kernels::attention::KeyRule,
+    padding: bool,
+    rope: bool,
+    dropout: Option<(f32, u32)>,
+}
+
+#[test]
+fn attention_matches_the_interpreter() {
+    use kiln_ir::kernel::{AttentionSpec, DecodeAttentionSpec};
+    use kiln_kernels::attention::{attention, AttentionConfig, KeyRule};
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(0x0f0f_1e1e_2d2d_3c3c);
+    let theta = 10000.0;
+    let cases = [
+        // Prefill: GPT-2-like (MHA, causal + padding).
+        AttentionCase {
+            heads: 4,
+            kv_heads: 4,
+            q_len: 17,
+            kv_len: 17,
+            head_dim: 16,
+            keys: KeyRule::Causal { window: None },
+            padding: true,
+            rope: false,
+            dropout: None,
+        },
+        // Llama-like: GQA, causal + padding, RoPE on q and k.
+        AttentionCase {
+            heads: 8,
+            kv_heads: 2,
+            q_len: 127,
+            kv_len: 127,
+            head_dim: 64,
+            keys: KeyRule::Causal { window: None },
+            padding: true,
+            rope: true,
+            dropout: None,
+        },
+        // Mistral-like sliding window, MQA, head dim 128.
+        AttentionCase {
+            heads: 4,
+            kv_heads: 1,
+            q_len: 33,
+            kv_len: 33,
+            head_dim: 128,
+            keys: KeyRule::Causal { window: Some(7) },
+            padding: false,
+            rope: true,
+            dropout: None,
+        },
+        // BERT-like: padding only, one query row.
+        AttentionCase {
+            heads: 2,
+            kv_heads: 2,
+            q_len: 1,
+            kv_len: 1,
+            head_dim: 32,
+            keys: KeyRule::All,
+            padding: true,
+            rope: false,
+            dropout: None,
+        },
+        // Training-mode dropout.
+        AttentionCase {
+            heads: 4,
+            kv_heads: 2,
+            q_len: 40,
+            kv_len: 40,
+            head_dim: 64,
+            keys: KeyRule::Causal { window: None },
+            padding: true,
+            rope: false,
+            dropout: Some((0.2, 5)),
+        },
+        // Decode over a KV cache of 4097 entries (positions from device memory), GQA, RoPE on q.
+        AttentionCase {
+            heads: 8,
+            kv_heads: 2,
+            q_len: 1,
+            kv_len: 4097,
+            head_dim: 64,
+            keys: KeyRule::Position { window: None },
+            padding: false,
+            rope: true,
+            dropout: None,
+        },
+        // Chunked prefill over a cache with a window.
+        AttentionCase {
+            heads: 4,
+            kv_heads: 4,
+            q_len: 5,
+            kv_len: 300,
+            head_dim: 16,
+            keys: KeyRule::Position { window: Some(50) },
+            padding: false,
+            rope: false,
+            dropout: None,
+        },
+    ];
+    let batch = 2u32;
+    for elem in ELEMS {
+        for case in &cases {
+            let cached = matches!(case.keys, KeyRule::Position { .. });
+            let mut cfg = AttentionConfig {
+                batch,
+                heads: case.heads,
+                kv_heads: case.kv_heads,
+                q_len: case.q_len,
+                kv_len: case.kv_len,
+                head_dim: case.head_dim,
+                scale: 1.0 / (case.head_dim as f32).sqrt(),
+                keys: case.keys,
+                padding: case.padding,
+                rope: case.rope,
+                rope_k: case.rope && !cached,
+                dropout: case.dropout,
+                elem,
+                strides: [[0; 3]; 4],
+            };
+            cfg.strides = cfg.contiguous_strides();
+            let kernel = attention(&cfg);
+            let (b, h, kvh, s, t, d) = (
+                batch as usize,
+                case.heads as usize,
+                case.kv_heads as usize,
+                case.q_len as usize,
+                case.kv_len as usize,
+                case.head_dim as usize,
+            );
+            let q = rng.values(b * h * s * d, 1.5, elem);
+            let kk = rng.values(b * kvh * t * d, 1.5, elem);
+            let v = rng.values(b * kvh * t * d, 1.0, elem);
+            // Right padding: row r keeps its first tokens (at least one).
+            let mask: Vec<i64> = (0..b)
+                .flat_map(|_| {
+                    let keep = 1 + (rng.next() % t as u64) as usize;
+                    (0..t).map(move |j| i64::from(j < keep))
+                })
+                .collect();
+            let positions: Vec<i64> = if cached {
+                (0..b)
+                    .flat_map(|_| {
+                        let first = s as u64 - 1 + rng.next() % (t as u64 - s as u64 + 1);
+                        (0..s as i64).map(move |x| first as i64 + 1 - s as i64 + x)
+                    })
+                    .collect()
+            } else {
+                (0..b).flat_map(|_| 0..s as i64).collect()
+            };
+            let seed: i64 = rng.next() as i64;
+            let (cos, sin) = rope_tables(theta, d, t.max(s) + 1);
+            let (bq, bk, bv) = (
+                gpu.upload(elem, &q),
+                gpu.upload(elem, &kk),
+                gpu.upload(elem, &v),
+            );
+            let (bm, bp, bs) = (
+                gpu.upload_i64(&mask),
+                gpu.upload_i64(&positions),
+                gpu.upload_i64(&[seed]),
+            );
+            let (bc, bn) = (gpu.upload(Elem::F32, &cos), gpu.upload(Elem::F32, &sin));
+            let out = gpu.poisoned(elem, b * h * s * d);
+            let args = BTreeMap::from([
+                ("q", Arg::Buf(&bq)),
+                ("k", Arg::Buf(&bk)),
+                ("v", Arg::Buf(&bv)),
+                ("out", Arg::Buf(&out)),
+                ("mask", Arg::Buf(&bm)),
+                ("positions", Arg::Buf(&bp)),
+                ("cos", Arg::Buf(&bc)),
+                ("sin", Arg::Buf(&bn)),
+                ("seed", Arg::Buf(&bs)),
+            ]);
+            gpu.launch(&kernel, &args);
+            let as_f = |x: &[i64]| x.iter().map(|v| *v as f32).collect::<Vec<f32>>();
+            let rope = case.rope.then_some((theta, kiln_ir::RopeScaling::Default));
+            let mut inputs = vec![
+                (vec![b, h, s, d], q),
+                (vec![b, kvh, t, d], kk),
+                (vec![b, kvh, t, d], v),
+            ];
+            let (op, ints) = if cached {
+                let window = match case.keys {
+                    KeyRule::Position { window } => window.map(i64::from),
+                    _ => None,
+                };
+                inputs.push((vec![b, s], as_f(&positions)));
+                let spec = DecodeAttentionSpec {
+                    scale: f64::from(cfg.scale),
+                    window,
+                    rope,
+                };
+                (Op::DecodeAttention(spec), vec![3])
+            } else {
+                let mut ints = Vec::new();
+                if case.padding {
+                    ints.push(inputs.len());
+                    inputs.push((vec![b, t], as_f(&mask)));
+                }
+                if case.rope {
+                    ints.push(inputs.len());
+                    inputs.push((vec![b, s], as_f(&positions)));
+                }
+                if case.dropout.is_some() {
+                    ints.push(inputs.len());
+                    inputs.push((vec![], vec![seed as f32]));
+                }
+                let (causal, window) = match case.keys {
+                    KeyRule::Causal { window } => (true, window.map(i64::from)),
+                    _ => (false, None),
+                };
+                let spec = AttentionSpec {
+                    scale: f64::from(cfg.scale),
+                    causal,
+                    window,
+                    padding: case.padding,
+                    rope,
+                    dropout: case.dropout.map(|(p, st)| (f64::from(p), st)),
+                };
+                (Op::Attention(spec), ints)
+            };
+            let mut reference_out =
+                reference_with_seed(op, inputs, &ints, case.dropout.map(|_| seed));
+            for v in reference_out.iter_mut() {
+                *v = round(elem, *v);
+            }
+            check(
+                &format!("{} b={b}", kernel.name),
+                elem,
+                &gpu.download(elem, &out),
+                &reference_out,
+            );
+        }
+    }
+}
+
+/// Like `reference`, but an integer input given as `vec![]` shape is the i64 seed (exact).
+fn reference_with_seed(
+    op: Op,
+    inputs: Vec<(Vec<usize>, Vec<f32>)>,
+    ints: &[usize],
+    seed: Option<i64>,
+) -> Vec<f32> {
+    let mut g = Graph::new();
+    let mut ids = Vec::new();
+    let mut values = BTreeMap::new();
+    for (i, (shape, data)) in inputs.into_iter().enumerate() {
+        let name = format!("a{i}");
+        let dims = shape.iter().map(|&d| Dim::from(d)).collect();
+        let t = if ints.contains(&i) {
+            ids.push(g.input(&name, DType::I64, dims).unwrap());
+            if shape.is_empty() {
+                Tensor::i64(shape, vec![seed.expect("a seed")])
+            } else {
+                Tensor::i64(shape, data.iter().map(|v| *v as i64).collect())
+            }
+        } else {
+            ids.push(g.input(&name, DType::F32, dims).unwrap());
+            Tensor::f32(shape, data)
+        };
+        values.insert(name, t);
+    }
+    let out = g.add(op, &ids).unwrap();
+    g.set_output("out", out).unwrap();
+    let weights = BTreeMap::<String, Arc<Tensor>>::new();
+    kiln_ir::evaluate(&g, &values, &weights)
+        .unwrap()
+        .remove("out")
+        .unwrap()
+        .as_f32()
+        .unwrap()
+        .to_vec()
+}

@@ -71,3 +71,26 @@ fn gemm_swiglu_bf16() {
     });
     insta::assert_snapshot!(k.module());
 }
+
+#[test]
+fn attention_gqa_causal_rope_dropout_bf16() {
+    use kiln_kernels::attention::{attention, AttentionConfig, KeyRule};
+    let mut cfg = AttentionConfig {
+        batch: 1,
+        heads: 4,
+        kv_heads: 2,
+        q_len: 16,
+        kv_len: 16,
+        head_dim: 16,
+        scale: 0.25,
+        keys: KeyRule::Causal { window: None },
+        padding: true,
+        rope: true,
+        rope_k: true,
+        dropout: Some((0.1, 0)),
+        elem: Elem::BF16,
+        strides: [[0; 3]; 4],
+    };
+    cfg.strides = cfg.contiguous_strides();
+    insta::assert_snapshot!(attention(&cfg).module());
+}

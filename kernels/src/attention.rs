@@ -1,0 +1,409 @@
+//! Fused attention, prefill and decode: `softmax(q k^T * scale + masks) v` with online softmax in
+//! f32 registers (exp2 with log2(e) folded into the scale), never an S x T matrix in memory.
+//!
+//! This is the portable SIMT form: one warp per query row, the head dimension spread over the
+//! lanes, keys visited one by one with a warp-wide dot product. It covers every feature the
+//! compiler fuses: GQA/MQA (a K/V head serves its query group, read in place), causal and
+//! sliding-window masks, padding masks and positions read from device memory, RoPE as a prologue
+//! (cos/sin tables in device memory), and Philox-4x32-10 dropout with exactly the IR's mask. Tiles
+//! on tensor cores (FlashAttention-2 style) are the next step.
+
+use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
+use crate::{GeneratedKernel, Launch};
+
+/// Query rows (warps) per block.
+const WARPS: u32 = 4;
+
+/// Which keys a query sees.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyRule {
+    /// Every key.
+    All,
+    /// Prefill: query `i` sees keys `j <= i + (T - S)` (within the window).
+    Causal {
+        /// Sliding window, if any.
+        window: Option<u32>,
+    },
+    /// Over a KV cache: the query at position `p = positions[b, i]` sees keys `j <= p` (within the
+    /// window).
+    Position {
+        /// Sliding window, if any.
+        window: Option<u32>,
+    },
+}
+
+/// An attention kernel's static configuration. Tensors are indexed with element strides
+/// `[batch, head, row]` (the head dimension is contiguous), so q, k and v can be read in place
+/// from a fused QKV product or a KV cache.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AttentionConfig {
+    /// Batch size.
+    pub batch: u32,
+    /// Query heads.
+    pub heads: u32,
+    /// K/V heads (dividing `heads`).
+    pub kv_heads: u32,
+    /// Query rows per sequence (S).
+    pub q_len: u32,
+    /// Keys per sequence (T).
+    pub kv_len: u32,
+    /// Head dimension (D).
+    pub head_dim: u32,
+    /// Multiplies the scores.
+    pub scale: f32,
+    /// Which keys each query sees.
+    pub keys: KeyRule,
+    /// A padding mask operand `[B, T]` (i64, 1 = key present).
+    pub padding: bool,
+    /// RoPE on q (and on k when `rope_k`) from `cos`/`sin` tables `[P, D/2]` (f32) at the
+    /// `positions` operand `[B, S]` (i64).
+    pub rope: bool,
+    /// Rotate k too (prefill; a KV cache already holds rotated keys).
+    pub rope_k: bool,
+    /// Dropout on the probabilities: (p, stream), with a `seed` operand (i64 `[1]`).
+    pub dropout: Option<(f32, u32)>,
+    /// Element type of q, k, v and the output.
+    pub elem: Elem,
+    /// Strides of q, k, v and out, in elements: `[batch, head, row]`.
+    pub strides: [[u32; 3]; 4],
+}
+
+impl AttentionConfig {
+    /// Contiguous `[B, H, S, D]` / `[B, KVH, T, D]` strides.
+    pub fn contiguous_strides(&self) -> [[u32; 3]; 4] {
+        let (h, kvh, s, t, d) = (
+            self.heads,
+            self.kv_heads,
+            self.q_len,
+            self.kv_len,
+            self.head_dim,
+        );
+        let q = [h * s * d, s * d, d];
+        let kv = [kvh * t * d, t * d, d];
+        [q, kv, kv, q]
+    }
+
+    fn name(&self) -> String {
+        let mut n = format!(
+            "attention_{}_h{}kv{}_d{}_s{}_t{}",
+            self.elem.name(),
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            self.q_len,
+            self.kv_len
+        );
+        match self.keys {
+            KeyRule::All => {}
+            KeyRule::Causal { window } => {
+                n.push_str("_causal");
+                if let Some(w) = window {
+                    n.push_str(&format!("_w{w}"));
+                }
+            }
+            KeyRule::Position { window } => {
+                n.push_str("_cached");
+                if let Some(w) = window {
+                    n.push_str(&format!("_w{w}"));
+                }
+            }
+        }
+        if self.padding {
+            n.push_str("_padded");
+        }
+        if self.rope {
+            n.push_str(if self.rope_k { "_rope" } else { "_rope_q" });
+        }
+        if self.dropout.is_some() {
+            n.push_str("_dropout");
+        }
+        n
+    }
+}
+
+/// Generates the kernel. Parameters: `q, k, v, out, [mask], [positions], [cos, sin], [seed]`.
+pub fn attention(cfg: &AttentionConfig) -> GeneratedKernel {
+    assert!(
+        cfg.heads.is_multiple_of(cfg.kv_heads),
+        "K/V heads must divide the heads"
+    );
+    let name = cfg.name();
+    let mut k = Kernel::new(&name);
+    let q = k.param_ptr("q");
+    let kp = k.param_ptr("k");
+    let v = k.param_ptr("v");
+    let out = k.param_ptr("out");
+    let mask = cfg.padding.then(|| k.param_ptr("mask"));
+    let needs_positions = cfg.rope || matches!(cfg.keys, KeyRule::Position { .. });
+    let positions = needs_positions.then(|| k.param_ptr("positions"));
+    let tables = cfg.rope.then(|| (k.param_ptr("cos"), k.param_ptr("sin")));
+    let seed = cfg.dropout.map(|_| k.param_ptr("seed"));
+    let e = cfg.elem;
+    let d = cfg.head_dim;
+    let half = d / 2;
+    let per_lane = d.div_ceil(32);
+    let [qs, ks, vs, os] = cfg.strides;
+
+    let tid = k.special("tid.x");
+    let lane = k.op2("and.b32", RegClass::B32, &tid, &31u32);
+    let warp = k.op2("shr.u32", RegClass::B32, &tid, &5u32);
+    let qblock = k.special("ctaid.x");
+    let h = k.special("ctaid.y");
+    let b = k.special("ctaid.z");
+    let i = k.mad_u32(&qblock, &WARPS, &warp);
+    let exit = k.label("exit");
+    let past = k.setp("ge.u32", &i, &cfg.q_len);
+    k.bra(Some((past, true)), &exit);
+    let kvh = k.op2("div.u32", RegClass::B32, &h, &(cfg.heads / cfg.kv_heads));
+
+    // Row bases (elements) of this query's q/out row and of this head's K/V.
+    let row_base = |k: &mut Kernel, strides: [u32; 3], head: Reg, row: Reg| -> Reg {
+        let t0 = k.mul_u32(&b, &strides[0]);
+        let t1 = k.mad_u32(&head, &strides[1], &t0);
+        k.mad_u32(&row, &strides[2], &t1)
+    };
+    let q_row = row_base(&mut k, qs, h, i);
+    let o_row = row_base(&mut k, os, h, i);
+    let zero = k.mov(RegClass::B32, &0u32);
+    let k_head = row_base(&mut k, ks, kvh, zero);
+    let v_head = row_base(&mut k, vs, kvh, zero);
+
+    // This lane's columns of the head dimension.
+    let cols: Vec<Reg> = (0..per_lane).map(|c| k.add_u32(&lane, &(c * 32))).collect();
+    let valid: Vec<Reg> = cols.iter().map(|c| k.setp("lt.u32", c, &d)).collect();
+
+    // Element `col` of a row, RoPE-rotated at `pos` when asked.
+    let load_rotated =
+        |k: &mut Kernel, base: Reg, row: Reg, col: Reg, ok: Reg, pos: Option<Reg>| -> Reg {
+            let value = k.mov(RegClass::F32, &F32(0.0));
+            let skip = k.label("skip_elem");
+            k.bra(Some((ok, false)), &skip);
+            let idx = k.add_u32(&row, &col);
+            let a = k.address(base, &idx, e.bytes());
+            let x = k.ld_global(e, a);
+            match (pos, tables) {
+                (Some(p), Some((cos, sin))) => {
+                    let upper = k.setp("ge.u32", &col, &half);
+                    let c_low = k.sub_u32(&col, &half);
+                    let c = k.selp(RegClass::B32, "u32", &c_low, &col, upper);
+                    let partner_hi = k.add_u32(&col, &half);
+                    let partner = k.selp(RegClass::B32, "u32", &c_low, &partner_hi, upper);
+                    let pidx = k.add_u32(&row, &partner);
+                    let pa = k.address(base, &pidx, e.bytes());
+                    let px = k.ld_global(e, pa);
+                    let t = k.mad_u32(&p, &half, &c);
+                    let ca = k.address(cos, &t, 4);
+                    let sa = k.address(sin, &t, 4);
+                    let cv = k.ld_global(Elem::F32, ca);
+                    let sv = k.ld_global(Elem::F32, sa);
+                    // rotate_half: [-x2, x1]
+                    let neg = k.op1("neg.f32", RegClass::F32, &px);
+                    let signed = k.selp(RegClass::F32, "f32", &px, &neg, upper);
+                    let xc = k.mul_f32(&x, &cv);
+                    let r = k.fma_f32(&signed, &sv, &xc);
+                    k.emit(format!("mov.f32 {value}, {r}"));
+                }
+                _ => k.emit(format!("mov.f32 {value}, {x}")),
+            }
+            k.place(&skip);
+            value
+        };
+
+    let pos_i = positions.map(|p| {
+        let idx = k.mad_u32(&b, &cfg.q_len, &i);
+        let a = k.address(p, &idx, 8);
+        let wide = k.ld_global_i64(a);
+        k.op1("cvt.u32.u64", RegClass::B32, &wide)
+    });
+    k.comment("q, rotated and pre-scaled by scale * log2(e)");
+    let q_scale = F32(cfg.scale * std::f32::consts::LOG2_E);
+    let mut qv = Vec::new();
+    for (c, ok) in cols.iter().zip(&valid) {
+        let x = load_rotated(
+            &mut k,
+            q,
+            q_row,
+            *c,
+            *ok,
+            if cfg.rope { pos_i } else { None },
+        );
+        qv.push(k.mul_f32(&x, &q_scale));
+    }
+
+    k.comment("the keys this query sees: [start, end)");
+    let (start, end) = match cfg.keys {
+        KeyRule::All => (
+            k.mov(RegClass::B32, &0u32),
+            k.mov(RegClass::B32, &cfg.kv_len),
+        ),
+        KeyRule::Causal { window } => {
+            let last = k.add_u32(&i, &(cfg.kv_len - cfg.q_len));
+            window_range(&mut k, last, window, cfg.kv_len)
+        }
+        KeyRule::Position { window } => {
+            let last = pos_i.expect("positions are loaded for the position rule");
+            window_range(&mut k, last, window, cfg.kv_len)
+        }
+    };
+
+    let m = k.mov(RegClass::F32, &F32(f32::NEG_INFINITY));
+    let l = k.mov(RegClass::F32, &F32(0.0));
+    let acc: Vec<Reg> = (0..per_lane)
+        .map(|_| k.mov(RegClass::F32, &F32(0.0)))
+        .collect();
+    let dropout_state = cfg.dropout.map(|(p, stream)| {
+        let sa = seed.expect("a seed operand");
+        let s = k.ld_global_i64(sa);
+        let lo = k.op1("cvt.u32.u64", RegClass::B32, &s);
+        let shifted = k.op2("shr.u64", RegClass::B64, &s, &32u32);
+        let hi = k.op1("cvt.u32.u64", RegClass::B32, &shifted);
+        let plane = k.mad_u32(&b, &cfg.heads, &h);
+        let threshold = kiln_ir::philox::dropout_threshold(f64::from(p));
+        let keep_scale = 1.0f32 / (1.0f32 - p);
+        (lo, hi, plane, stream, threshold, keep_scale)
+    });
+
+    let j = k.mov(RegClass::B32, &start);
+    let top = k.label("keys");
+    let done = k.label("keys_done");
+    let next = k.label("next_key");
+    k.place(&top);
+    let finished = k.setp("ge.u32", &j, &end);
+    k.bra(Some((finished, true)), &done);
+    if let Some(mk) = mask {
+        let idx = k.mad_u32(&b, &cfg.kv_len, &j);
+        let a = k.address(mk, &idx, 8);
+        let present = k.ld_global_i64(a);
+        let absent = k.setp("eq.s64", &present, &0u64);
+        k.bra(Some((absent, true)), &next);
+    }
+    let k_row = k.mad_u32(&j, &ks[2], &k_head);
+    let v_row = k.mad_u32(&j, &vs[2], &v_head);
+    let pos_j = match (cfg.rope && cfg.rope_k, positions) {
+        (true, Some(p)) => {
+            let idx = k.mad_u32(&b, &cfg.kv_len, &j);
+            let a = k.address(p, &idx, 8);
+            let wide = k.ld_global_i64(a);
+            Some(k.op1("cvt.u32.u64", RegClass::B32, &wide))
+        }
+        _ => None,
+    };
+    let partial = k.mov(RegClass::F32, &F32(0.0));
+    for ((c, ok), qe) in cols.iter().zip(&valid).zip(&qv) {
+        let kv = load_rotated(&mut k, kp, k_row, *c, *ok, pos_j);
+        k.fma_into(partial, qe, &kv);
+    }
+    let s = k.warp_sum(partial);
+    k.comment("online softmax in base 2");
+    let m_new = k.max_f32(&m, &s);
+    let dm = k.sub_f32(&m, &m_new);
+    let corr = k.op1("ex2.approx.ftz.f32", RegClass::F32, &dm);
+    let ds = k.sub_f32(&s, &m_new);
+    let p = k.op1("ex2.approx.ftz.f32", RegClass::F32, &ds);
+    k.emit(format!("fma.rn.f32 {l}, {l}, {corr}, {p}"));
+    k.emit(format!("mov.f32 {m}, {m_new}"));
+    let weight = match dropout_state {
+        None => p,
+        Some((lo, hi, plane, stream, threshold, keep_scale)) => {
+            let keep = philox_keep(&mut k, [lo, hi], stream, plane, i, j, threshold);
+            let scaled = k.mul_f32(&p, &F32(keep_scale));
+            k.selp(RegClass::F32, "f32", &scaled, &F32(0.0), keep)
+        }
+    };
+    for ((c, ok), a) in cols.iter().zip(&valid).zip(&acc) {
+        let vv = load_rotated(&mut k, v, v_row, *c, *ok, None);
+        k.emit(format!("mul.rn.f32 {a}, {a}, {corr}"));
+        k.fma_into(*a, &weight, &vv);
+    }
+    k.place(&next);
+    k.emit(format!("add.u32 {j}, {j}, 1"));
+    k.bra(None, &top);
+    k.place(&done);
+
+    k.comment("normalise once and store (a row that sees no key stores zeros)");
+    let none = k.setp("eq.f32", &l, &F32(0.0));
+    let inv = k.rcp_f32(&l);
+    let inv = k.selp(RegClass::F32, "f32", &F32(0.0), &inv, none);
+    for ((c, ok), a) in cols.iter().zip(&valid).zip(&acc) {
+        let skip = k.label("skip_out");
+        k.bra(Some((*ok, false)), &skip);
+        let y = k.mul_f32(a, &inv);
+        let idx = k.add_u32(&o_row, c);
+        let oa = k.address(out, &idx, e.bytes());
+        k.st_global(e, oa, y);
+        k.place(&skip);
+    }
+    k.place(&exit);
+    let signature = k.params().to_vec();
+    GeneratedKernel {
+        name,
+        ptx: k.finish(),
+        signature,
+        launch: Launch {
+            grid: [cfg.q_len.div_ceil(WARPS), cfg.heads, cfg.batch],
+            block: [32 * WARPS, 1, 1],
+            shared_bytes: 0,
+        },
+    }
+}
+
+/// `[start, end)` for a query whose last visible key is `last`: `end = min(last + 1, T)`, and with
+/// a window `w`, `start = max(last + 1 - w, 0)`.
+fn window_range(k: &mut Kernel, last: Reg, window: Option<u32>, kv_len: u32) -> (Reg, Reg) {
+    let after = k.add_u32(&last, &1u32);
+    let end = k.op2("min.u32", RegClass::B32, &after, &kv_len);
+    let start = match window {
+        None => k.mov(RegClass::B32, &0u32),
+        Some(w) => {
+            let before = k.setp("lt.u32", &after, &w);
+            let from = k.sub_u32(&after, &w);
+            k.selp(RegClass::B32, "u32", &0u32, &from, before)
+        }
+    };
+    (start, end)
+}
+
+/// Whether Philox-4x32-10 keeps element `(plane, row, col)` of stream `stream` (DESIGN.md section
+/// 2): counter `(col >> 2, row, plane, stream)`, word `col & 3`, kept when `>= threshold`.
+#[allow(clippy::too_many_arguments)]
+fn philox_keep(
+    k: &mut Kernel,
+    key: [Reg; 2],
+    stream: u32,
+    plane: Reg,
+    row: Reg,
+    col: Reg,
+    threshold: u32,
+) -> Reg {
+    let c0 = k.op2("shr.u32", RegClass::B32, &col, &2u32);
+    let mut c = [
+        c0,
+        k.mov(RegClass::B32, &row),
+        k.mov(RegClass::B32, &plane),
+        k.mov(RegClass::B32, &stream),
+    ];
+    let mut key = [k.mov(RegClass::B32, &key[0]), k.mov(RegClass::B32, &key[1])];
+    for round in 0..10 {
+        if round > 0 {
+            key[0] = k.add_u32(&key[0], &0x9E37_79B9u32);
+            key[1] = k.add_u32(&key[1], &0xBB67_AE85u32);
+        }
+        let hi0 = k.op2("mul.hi.u32", RegClass::B32, &c[0], &0xD251_1F53u32);
+        let lo0 = k.op2("mul.lo.u32", RegClass::B32, &c[0], &0xD251_1F53u32);
+        let hi1 = k.op2("mul.hi.u32", RegClass::B32, &c[2], &0xCD9E_8D57u32);
+        let lo1 = k.op2("mul.lo.u32", RegClass::B32, &c[2], &0xCD9E_8D57u32);
+        let x0 = k.op2("xor.b32", RegClass::B32, &hi1, &c[1]);
+        let n0 = k.op2("xor.b32", RegClass::B32, &x0, &key[0]);
+        let x2 = k.op2("xor.b32", RegClass::B32, &hi0, &c[3]);
+        let n2 = k.op2("xor.b32", RegClass::B32, &x2, &key[1]);
+        c = [n0, lo1, n2, lo0];
+    }
+    let which = k.op2("and.b32", RegClass::B32, &col, &3u32);
+    let is1 = k.setp("eq.u32", &which, &1u32);
+    let is2 = k.setp("eq.u32", &which, &2u32);
+    let is3 = k.setp("eq.u32", &which, &3u32);
+    let w01 = k.selp(RegClass::B32, "b32", &c[1], &c[0], is1);
+    let w012 = k.selp(RegClass::B32, "b32", &c[2], &w01, is2);
+    let word = k.selp(RegClass::B32, "b32", &c[3], &w012, is3);
+    k.setp("ge.u32", &word, &threshold)
+}
