@@ -38,6 +38,13 @@ fn launch(
 ) -> impl FnMut() {
     let module = ctx.load_module(Ptx::from_src(k.module())).unwrap();
     let f = module.load_function(&k.name).unwrap();
+    if k.launch.shared_bytes > 48 * 1024 {
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            k.launch.shared_bytes as i32,
+        )
+        .unwrap();
+    }
     let l = k.launch;
     let cfg = LaunchConfig {
         grid_dim: (l.grid[0], l.grid[1], l.grid[2]),

@@ -71,8 +71,18 @@ impl GemmConfig {
     }
 }
 
-/// Generates the kernel. Parameters: `x, w, [bias], [residual], out`.
+/// Generates the kernel: the tensor-core kernel (`crate::gemm_tc`) where it applies (f16/bf16,
+/// `[N, K]` weights, no SwiGLU, K a multiple of 8), the SIMT kernel otherwise. Parameters:
+/// `x, w, [bias], [residual], out`.
 pub fn gemm(cfg: &GemmConfig) -> GeneratedKernel {
+    if crate::gemm_tc::supports(cfg) {
+        return crate::gemm_tc::gemm_tc(cfg, format!("{}_tc", cfg.name()));
+    }
+    gemm_simt(cfg)
+}
+
+/// The SIMT kernel, for every configuration.
+pub fn gemm_simt(cfg: &GemmConfig) -> GeneratedKernel {
     assert!(
         !cfg.swiglu || cfg.n.is_multiple_of(2),
         "SwiGLU needs an even N"

@@ -7,7 +7,8 @@
 //! - [`norm`] — LayerNorm / RMSNorm (with the residual add);
 //! - [`elementwise`] — activations;
 //! - [`embedding`] — summed embedding lookups;
-//! - [`gemm`] — matrix products with their fused epilogues;
+//! - [`gemm`] — matrix products with their fused epilogues (SIMT, every configuration);
+//! - [`gemm_tc`] — the tensor-core GEMM (f16/bf16, `mma.sync`, `ldmatrix`, `cp.async`);
 //! - [`sampling`] — greedy (argmax) token choice;
 //! - [`catalog`] — the configurations the snapshot, assembler and GPU tests cover.
 //!
@@ -19,6 +20,7 @@ pub mod catalog;
 pub mod elementwise;
 pub mod embedding;
 pub mod gemm;
+pub mod gemm_tc;
 pub mod norm;
 pub mod ptx;
 pub mod reduce;

@@ -190,6 +190,7 @@ pub struct Kernel {
     params: Vec<(String, ParamType)>,
     counts: [u32; 5],
     shared: Vec<String>,
+    preamble: Vec<String>,
     body: String,
     labels: u32,
 }
@@ -202,6 +203,7 @@ impl Kernel {
             params: Vec::new(),
             counts: [0; 5],
             shared: Vec::new(),
+            preamble: Vec::new(),
             body: String::new(),
             labels: 0,
         }
@@ -244,6 +246,14 @@ impl Kernel {
     pub fn shared(&mut self, name: &str, bytes: u32) -> String {
         self.shared
             .push(format!("\t.shared .align 16 .b8 {name}[{bytes}];"));
+        name.to_string()
+    }
+
+    /// Declares the dynamic shared memory (sized at launch, `Launch::shared_bytes`) under `name`;
+    /// returns the name. Launches over 48 KB need the function's dynamic-shared-memory limit raised.
+    pub fn dynamic_shared(&mut self, name: &str) -> String {
+        self.preamble
+            .push(format!(".extern .shared .align 16 .b8 {name}[];"));
         name.to_string()
     }
 
@@ -498,6 +508,9 @@ impl Kernel {
     /// The kernel's text.
     pub fn finish(self) -> String {
         let mut out = String::new();
+        for line in &self.preamble {
+            writeln!(out, "{line}").expect("writing to a String");
+        }
         let params: Vec<String> = self
             .params
             .iter()

@@ -147,6 +147,13 @@ impl Gpu {
             .load_module(Ptx::from_src(kernel.module()))
             .unwrap();
         let f = module.load_function(&kernel.name).unwrap();
+        if kernel.launch.shared_bytes > 48 * 1024 {
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                kernel.launch.shared_bytes as i32,
+            )
+            .unwrap();
+        }
         let mut builder = self.stream.launch_builder(&f);
         for (name, ty) in &kernel.signature {
             let arg = args

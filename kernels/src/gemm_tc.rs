@@ -1,0 +1,235 @@
+//! The tensor-core GEMM for f16 / bf16 with weights stored `[N, K]` (a `Linear`; the compiler can
+//! store any other weight transposed, weights being constants): `mma.sync.m16n8k16` with f32
+//! accumulators, operands staged through dynamic shared memory by `cp.async` (`STAGES` deep,
+//! 16-byte chunks, zero-filled past the matrix edges) and read with `ldmatrix`, rows padded by 16
+//! bytes so that `ldmatrix` is free of bank conflicts.
+//!
+//! Block tile 128 x 128 x 64, 8 warps as 2 x 4, each warp 64 x 32 (4 x 4 m16n8 tiles). The
+//! epilogue (bias, activation, residual) runs on the accumulators in registers.
+
+use crate::elementwise::activation;
+use crate::gemm::GemmConfig;
+use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
+use crate::{GeneratedKernel, Launch};
+
+const BM: u32 = 128;
+const BN: u32 = 128;
+const BK: u32 = 64;
+const THREADS: u32 = 256;
+/// Bytes per staged row: BK halves plus 16 bytes of padding.
+const ROW_BYTES: u32 = BK * 2 + 16;
+const TILE_BYTES: u32 = BM * ROW_BYTES;
+/// Pipeline depth: tiles in flight while one is multiplied.
+pub const STAGES: u32 = 3;
+
+/// Whether `cfg` can use the tensor-core kernel.
+pub fn supports(cfg: &GemmConfig) -> bool {
+    cfg.elem != Elem::F32 && cfg.transpose_b && !cfg.swiglu && cfg.k % 8 == 0
+}
+
+/// Generates the kernel. Parameters: `x, w, [bias], [residual], out`.
+pub fn gemm_tc(cfg: &GemmConfig, name: String) -> GeneratedKernel {
+    assert!(supports(cfg), "the tensor-core GEMM needs f16/bf16, [N, K] weights, K % 8 == 0");
+    let e = cfg.elem;
+    let ty = e.name();
+    let mut k = Kernel::new(&name);
+    let x = k.param_ptr("x");
+    let w = k.param_ptr("w");
+    let bias = cfg.bias.then(|| k.param_ptr("bias"));
+    let residual = cfg.residual.then(|| k.param_ptr("residual"));
+    let out = k.param_ptr("out");
+    let smem = k.dynamic_shared("gemm_tiles");
+
+    let tid = k.special("tid.x");
+    let lane = k.op2("and.b32", RegClass::B32, &tid, &31u32);
+    let warp = k.op2("shr.u32", RegClass::B32, &tid, &5u32);
+    let wm = k.op2("shr.u32", RegClass::B32, &warp, &2u32); // 0..2
+    let wn = k.op2("and.b32", RegClass::B32, &warp, &3u32); // 0..4
+    let bx = k.special("ctaid.x");
+    let by = k.special("ctaid.y");
+    let m0 = k.mul_u32(&by, &BM);
+    let n0 = k.mul_u32(&bx, &BN);
+    let base = k.reg(RegClass::B32);
+    k.emit(format!("mov.u32 {base}, {smem}"));
+
+    // Copy one BM x BK tile of rows (`rows_total` rows of K halves at `src`, starting at row
+    // `r0`, column `k0`) into shared memory at `dst`, in 16-byte chunks of 8 halves.
+    const CHUNKS_PER_ROW: u32 = BK / 8;
+    let stage = |k: &mut Kernel, src: Reg, r0: Reg, rows_total: u32, k0: Reg, dst: Reg| {
+        for c in 0..(BM * CHUNKS_PER_ROW / THREADS) {
+            let chunk = k.add_u32(&tid, &(c * THREADS));
+            let row = k.op2("shr.u32", RegClass::B32, &chunk, &CHUNKS_PER_ROW.trailing_zeros());
+            let kc = k.op2("and.b32", RegClass::B32, &chunk, &(CHUNKS_PER_ROW - 1));
+            let grow = k.add_u32(&r0, &row);
+            let kofs = k.mul_u32(&kc, &8u32);
+            let gk = k.add_u32(&k0, &kofs);
+            let row_ok = k.setp("lt.u32", &grow, &rows_total);
+            let k_ok = k.setp("lt.u32", &gk, &cfg.k);
+            let ok = k.reg(RegClass::Pred);
+            k.emit(format!("and.pred {ok}, {row_ok}, {k_ok}"));
+            let bytes = k.selp(RegClass::B32, "u32", &16u32, &0u32, ok);
+            // Out-of-range chunks read nothing (zero-filled) from a clamped, valid address.
+            let safe_row = k.selp(RegClass::B32, "u32", &grow, &0u32, ok);
+            let safe_k = k.selp(RegClass::B32, "u32", &gk, &0u32, ok);
+            let idx = k.mad_u32(&safe_row, &cfg.k, &safe_k);
+            let gaddr = k.address(src, &idx, 2);
+            let srow = k.mul_u32(&row, &ROW_BYTES);
+            let scol = k.mul_u32(&kc, &16u32);
+            let s0 = k.add_u32(&dst, &srow);
+            let saddr = k.add_u32(&s0, &scol);
+            k.emit(format!("cp.async.cg.shared.global [{saddr}], [{gaddr}], 16, {bytes}"));
+        }
+    };
+
+    let zero = F32(0.0);
+    // acc[i][j][r]: m-tile i (of 4), n-tile j (of 4), register r (of 4).
+    let acc: Vec<Reg> = (0..64).map(|_| k.mov(RegClass::F32, &zero)).collect();
+
+    let k_tiles = cfg.k.div_ceil(BK);
+    let a_stage = |k: &mut Kernel, s: &Reg| -> (Reg, Reg) {
+        let off = k.mul_u32(s, &(2 * TILE_BYTES));
+        let a = k.add_u32(&base, &off);
+        let b = k.add_u32(&a, &TILE_BYTES);
+        (a, b)
+    };
+    k.comment("prologue: stage the first STAGES - 1 tiles (empty groups past the end)");
+    for s in 0..STAGES - 1 {
+        let idx = k.mov(RegClass::B32, &s);
+        if s < k_tiles {
+            let (a0, b0) = a_stage(&mut k, &idx);
+            let k_start = k.mov(RegClass::B32, &(s * BK));
+            stage(&mut k, x, m0, cfg.m, k_start, a0);
+            stage(&mut k, w, n0, cfg.n, k_start, b0);
+        }
+        k.emit("cp.async.commit_group");
+    }
+
+    // ldmatrix lane addresses (relative to a stage's A / B tile).
+    let l15 = k.op2("and.b32", RegClass::B32, &lane, &15u32);
+    let lhi = k.op2("shr.u32", RegClass::B32, &lane, &4u32);
+    let a_row = k.mad_u32(&wm, &64u32, &l15);
+    let a_lane_row = k.mul_u32(&a_row, &ROW_BYTES);
+    let a_lane_k = k.mul_u32(&lhi, &16u32);
+    let a_lane = k.add_u32(&a_lane_row, &a_lane_k);
+    let l7 = k.op2("and.b32", RegClass::B32, &lane, &7u32);
+    let l3 = k.op2("shr.u32", RegClass::B32, &lane, &3u32);
+    let l3b = k.op2("and.b32", RegClass::B32, &l3, &1u32);
+    let b_n = k.mad_u32(&lhi, &8u32, &l7);
+    let b_row = k.mad_u32(&wn, &32u32, &b_n);
+    let b_lane_row = k.mul_u32(&b_row, &ROW_BYTES);
+    let b_lane_k = k.mul_u32(&l3b, &16u32);
+    let b_lane = k.add_u32(&b_lane_row, &b_lane_k);
+
+    let kt = k.mov(RegClass::B32, &0u32);
+    let top = k.label("k_tiles");
+    let done = k.label("k_tiles_done");
+    k.place(&top);
+    let past = k.setp("ge.u32", &kt, &k_tiles);
+    k.bra(Some((past, true)), &done);
+    k.comment("stage tile kt + STAGES - 1 (an empty group past the end), then wait for tile kt");
+    let next = k.add_u32(&kt, &(STAGES - 1));
+    let has_next = k.setp("lt.u32", &next, &k_tiles);
+    let skip_stage = k.label("skip_stage");
+    k.bra(Some((has_next, false)), &skip_stage);
+    let nstage = k.op2("rem.u32", RegClass::B32, &next, &STAGES);
+    let (an, bn) = a_stage(&mut k, &nstage);
+    let k_next = k.mul_u32(&next, &BK);
+    stage(&mut k, x, m0, cfg.m, k_next, an);
+    stage(&mut k, w, n0, cfg.n, k_next, bn);
+    k.place(&skip_stage);
+    k.emit("cp.async.commit_group");
+    k.emit(format!("cp.async.wait_group {}", STAGES - 1));
+    k.barrier();
+    let cur = k.op2("rem.u32", RegClass::B32, &kt, &STAGES);
+    let (ac, bc) = a_stage(&mut k, &cur);
+    let a_base = k.add_u32(&ac, &a_lane);
+    let b_base = k.add_u32(&bc, &b_lane);
+    for kk in 0..BK / 16 {
+        let mut a_frag = Vec::new();
+        for i in 0..4u32 {
+            let r: Vec<Reg> = (0..4).map(|_| k.reg(RegClass::B32)).collect();
+            let off = i * 16 * ROW_BYTES + kk * 32;
+            k.emit(format!(
+                "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{{}, {}, {}, {}}}, [{a_base}+{off}]",
+                r[0], r[1], r[2], r[3]
+            ));
+            a_frag.push(r);
+        }
+        let mut b_frag = Vec::new();
+        for jj in 0..2u32 {
+            let r: Vec<Reg> = (0..4).map(|_| k.reg(RegClass::B32)).collect();
+            let off = jj * 16 * ROW_BYTES + kk * 32;
+            k.emit(format!(
+                "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{{}, {}, {}, {}}}, [{b_base}+{off}]",
+                r[0], r[1], r[2], r[3]
+            ));
+            // n-tile 2jj: (r0, r1); n-tile 2jj+1: (r2, r3).
+            b_frag.push([r[0], r[1]]);
+            b_frag.push([r[2], r[3]]);
+        }
+        for (i, a) in a_frag.iter().enumerate() {
+            for (j, b) in b_frag.iter().enumerate() {
+                let c = &acc[(i * 4 + j) * 4..(i * 4 + j) * 4 + 4];
+                k.emit(format!(
+                    "mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{{}, {}, {}, {}}}, {{{}, {}, {}, {}}}, {{{}, {}}}, {{{}, {}, {}, {}}}",
+                    c[0], c[1], c[2], c[3], a[0], a[1], a[2], a[3], b[0], b[1], c[0], c[1], c[2], c[3]
+                ));
+            }
+        }
+    }
+    k.barrier();
+    k.emit(format!("add.u32 {kt}, {kt}, 1"));
+    k.bra(None, &top);
+    k.place(&done);
+    k.emit("cp.async.wait_group 0");
+
+    k.comment("epilogue on the accumulators");
+    let g = k.op2("shr.u32", RegClass::B32, &lane, &2u32);
+    let t = k.op2("and.b32", RegClass::B32, &lane, &3u32);
+    let wrow = k.mad_u32(&wm, &64u32, &m0);
+    let row_base = k.add_u32(&wrow, &g);
+    let wcol = k.mad_u32(&wn, &32u32, &n0);
+    let col_base = k.mad_u32(&t, &2u32, &wcol);
+    for i in 0..4u32 {
+        for j in 0..4u32 {
+            for r in 0..4u32 {
+                let skip = k.label("skip");
+                let row = k.add_u32(&row_base, &(i * 16 + (r / 2) * 8));
+                let col = k.add_u32(&col_base, &(j * 8 + r % 2));
+                let out_row = k.setp("ge.u32", &row, &cfg.m);
+                k.bra(Some((out_row, true)), &skip);
+                let out_col = k.setp("ge.u32", &col, &cfg.n);
+                k.bra(Some((out_col, true)), &skip);
+                let mut v = acc[((i * 4 + j) * 4 + r) as usize];
+                if let Some(b) = bias {
+                    let ba = k.address(b, &col, 2);
+                    let bv = k.ld_global(e, ba);
+                    v = k.add_f32(&v, &bv);
+                }
+                if let Some(a) = cfg.activation {
+                    v = activation(&mut k, v, a);
+                }
+                let oi = k.mad_u32(&row, &cfg.n, &col);
+                if let Some(res) = residual {
+                    let ra = k.address(res, &oi, 2);
+                    let rv = k.ld_global(e, ra);
+                    v = k.add_f32(&v, &rv);
+                }
+                let oa = k.address(out, &oi, 2);
+                k.st_global(e, oa, v);
+                k.place(&skip);
+            }
+        }
+    }
+    let signature = k.params().to_vec();
+    GeneratedKernel {
+        name,
+        ptx: k.finish(),
+        signature,
+        launch: Launch {
+            grid: [cfg.n.div_ceil(BN), cfg.m.div_ceil(BM), 1],
+            block: [THREADS, 1, 1],
+            shared_bytes: STAGES * 2 * TILE_BYTES,
+        },
+    }
+}
