@@ -29,7 +29,10 @@ pub fn supports(cfg: &GemmConfig) -> bool {
 
 /// Generates the kernel. Parameters: `x, w, [bias], [residual], out`.
 pub fn gemm_tc(cfg: &GemmConfig, name: String) -> GeneratedKernel {
-    assert!(supports(cfg), "the tensor-core GEMM needs f16/bf16, [N, K] weights, K % 8 == 0");
+    assert!(
+        supports(cfg),
+        "the tensor-core GEMM needs f16/bf16, [N, K] weights, K % 8 == 0"
+    );
     let e = cfg.elem;
     let ty = e.name();
     let mut k = Kernel::new(&name);
@@ -58,7 +61,12 @@ pub fn gemm_tc(cfg: &GemmConfig, name: String) -> GeneratedKernel {
     let stage = |k: &mut Kernel, src: Reg, r0: Reg, rows_total: u32, k0: Reg, dst: Reg| {
         for c in 0..(BM * CHUNKS_PER_ROW / THREADS) {
             let chunk = k.add_u32(&tid, &(c * THREADS));
-            let row = k.op2("shr.u32", RegClass::B32, &chunk, &CHUNKS_PER_ROW.trailing_zeros());
+            let row = k.op2(
+                "shr.u32",
+                RegClass::B32,
+                &chunk,
+                &CHUNKS_PER_ROW.trailing_zeros(),
+            );
             let kc = k.op2("and.b32", RegClass::B32, &chunk, &(CHUNKS_PER_ROW - 1));
             let grow = k.add_u32(&r0, &row);
             let kofs = k.mul_u32(&kc, &8u32);
@@ -77,7 +85,9 @@ pub fn gemm_tc(cfg: &GemmConfig, name: String) -> GeneratedKernel {
             let scol = k.mul_u32(&kc, &16u32);
             let s0 = k.add_u32(&dst, &srow);
             let saddr = k.add_u32(&s0, &scol);
-            k.emit(format!("cp.async.cg.shared.global [{saddr}], [{gaddr}], 16, {bytes}"));
+            k.emit(format!(
+                "cp.async.cg.shared.global [{saddr}], [{gaddr}], 16, {bytes}"
+            ));
         }
     };
 

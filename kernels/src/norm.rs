@@ -81,7 +81,18 @@ pub fn norm(cfg: &NormConfig) -> GeneratedKernel {
         k.place(&done);
     };
 
-    if cols <= CACHED_COLS {
+    let lanes = 16 / elem.bytes();
+    if cols <= CACHED_COLS && cols.is_multiple_of(lanes) {
+        vector_row(
+            &mut k,
+            cfg,
+            &red,
+            tid,
+            (x, residual),
+            row_base,
+            (weight, bias, out),
+        );
+    } else if cols <= CACHED_COLS {
         cached_row(&mut k, cfg, &red, tid, &load, row_base, (weight, bias, out));
     } else {
         let mean = if layer {
@@ -219,6 +230,113 @@ fn cached_row(
         let idx = k.add_u32(&row_base, col);
         let oa = k.address(out, &idx, elem.bytes());
         k.st_global(elem, oa, y);
+        k.place(&skip);
+    }
+}
+
+/// The register-cached form with 16-byte loads and stores (rows whose length is a multiple of
+/// 16 bytes): each thread reads its chunks of `16 / elem.bytes()` columns once.
+#[allow(clippy::too_many_arguments)]
+fn vector_row(
+    k: &mut Kernel,
+    cfg: &NormConfig,
+    red: &str,
+    tid: Reg,
+    (x, residual): (Reg, Option<Reg>),
+    row_base: Reg,
+    (weight, bias, out): (Reg, Option<Reg>, Reg),
+) {
+    let layer = cfg.kind == NormKind::LayerNorm;
+    let elem = cfg.elem;
+    let lanes = 16 / elem.bytes();
+    let chunks = cfg.cols / lanes;
+    let per_thread = chunks.div_ceil(ROW_THREADS);
+    k.comment("read the row once into registers, 16 bytes at a time");
+    let mut firsts = Vec::new();
+    let mut valid = Vec::new();
+    let mut vals: Vec<Vec<Reg>> = Vec::new();
+    let sum = k.mov(RegClass::F32, &F32(0.0));
+    for i in 0..per_thread {
+        let chunk = k.add_u32(&tid, &(i * ROW_THREADS));
+        let inside = k.setp("lt.u32", &chunk, &chunks);
+        let first = k.mul_u32(&chunk, &lanes);
+        let v: Vec<Reg> = (0..lanes)
+            .map(|_| k.mov(RegClass::F32, &F32(0.0)))
+            .collect();
+        let skip = k.label("skip_load");
+        k.bra(Some((inside, false)), &skip);
+        let idx = k.add_u32(&row_base, &first);
+        let xa = k.address(x, &idx, elem.bytes());
+        let mut loaded = k.ld_global_vec16(elem, xa);
+        if let Some(r) = residual {
+            let ra = k.address(r, &idx, elem.bytes());
+            let rv = k.ld_global_vec16(elem, ra);
+            loaded = loaded
+                .iter()
+                .zip(&rv)
+                .map(|(a, b)| k.add_f32(a, b))
+                .collect();
+        }
+        for (dst, src) in v.iter().zip(&loaded) {
+            k.emit(format!("mov.f32 {dst}, {src}"));
+        }
+        k.place(&skip);
+        if layer {
+            for value in &v {
+                k.emit(format!("add.f32 {sum}, {sum}, {value}"));
+            }
+        }
+        firsts.push(first);
+        valid.push(inside);
+        vals.push(v);
+    }
+    let inv_cols = F32(1.0 / cfg.cols as f32);
+    let mean = if layer {
+        let total = block_sum(k, sum, red, tid);
+        Some(k.mul_f32(&total, &inv_cols))
+    } else {
+        None
+    };
+    let sq = k.mov(RegClass::F32, &F32(0.0));
+    let mut centred = Vec::new();
+    for (v, inside) in vals.iter().zip(&valid) {
+        let mut row = Vec::new();
+        for value in v {
+            let c = match mean {
+                Some(m) => k.sub_f32(value, &m),
+                None => *value,
+            };
+            k.emit(format!("@{inside} fma.rn.f32 {sq}, {c}, {c}, {sq}"));
+            row.push(c);
+        }
+        centred.push(row);
+    }
+    let total = block_sum(k, sq, red, tid);
+    let var = k.mul_f32(&total, &inv_cols);
+    let var_eps = k.add_f32(&var, &F32(cfg.eps));
+    let rstd = k.rsqrt_f32(&var_eps);
+    k.comment("normalise, scale, shift, store, 16 bytes at a time");
+    for ((c, first), inside) in centred.iter().zip(&firsts).zip(&valid) {
+        let skip = k.label("skip_store");
+        k.bra(Some((*inside, false)), &skip);
+        let wa = k.address(weight, first, elem.bytes());
+        let w = k.ld_global_vec16(elem, wa);
+        let b = bias.map(|b| {
+            let ba = k.address(b, first, elem.bytes());
+            k.ld_global_vec16(elem, ba)
+        });
+        let mut y = Vec::with_capacity(c.len());
+        for (j, value) in c.iter().enumerate() {
+            let n = k.mul_f32(value, &rstd);
+            let mut r = k.mul_f32(&n, &w[j]);
+            if let Some(b) = &b {
+                r = k.add_f32(&r, &b[j]);
+            }
+            y.push(r);
+        }
+        let idx = k.add_u32(&row_base, first);
+        let oa = k.address(out, &idx, elem.bytes());
+        k.st_global_vec16(elem, oa, &y);
         k.place(&skip);
     }
 }

@@ -487,6 +487,66 @@ impl Kernel {
         }
     }
 
+    /// Loads the 16 bytes at global `addr` (16-byte aligned) as `16 / elem.bytes()` f32 values.
+    pub fn ld_global_vec16(&mut self, elem: Elem, addr: Reg) -> Vec<Reg> {
+        match elem {
+            Elem::F32 => {
+                let r: Vec<Reg> = (0..4).map(|_| self.reg(RegClass::F32)).collect();
+                self.emit(format!(
+                    "ld.global.v4.f32 {{{}, {}, {}, {}}}, [{addr}]",
+                    r[0], r[1], r[2], r[3]
+                ));
+                r
+            }
+            Elem::F16 | Elem::BF16 => {
+                let w: Vec<Reg> = (0..4).map(|_| self.reg(RegClass::B32)).collect();
+                self.emit(format!(
+                    "ld.global.v4.b32 {{{}, {}, {}, {}}}, [{addr}]",
+                    w[0], w[1], w[2], w[3]
+                ));
+                let mut out = Vec::with_capacity(8);
+                for word in w {
+                    let (lo, hi) = (self.reg(RegClass::B16), self.reg(RegClass::B16));
+                    self.emit(format!("mov.b32 {{{lo}, {hi}}}, {word}"));
+                    for h in [lo, hi] {
+                        out.push(self.op1(&format!("cvt.f32.{}", elem.name()), RegClass::F32, &h));
+                    }
+                }
+                out
+            }
+        }
+    }
+
+    /// Stores `16 / elem.bytes()` f32 values to global `addr` (16-byte aligned) as `elem`.
+    pub fn st_global_vec16(&mut self, elem: Elem, addr: Reg, values: &[Reg]) {
+        match elem {
+            Elem::F32 => self.emit(format!(
+                "st.global.v4.f32 [{addr}], {{{}, {}, {}, {}}}",
+                values[0], values[1], values[2], values[3]
+            )),
+            Elem::F16 | Elem::BF16 => {
+                let words: Vec<Reg> = values
+                    .chunks(2)
+                    .map(|pair| {
+                        let w = self.reg(RegClass::B32);
+                        // The first operand goes to the upper half.
+                        self.emit(format!(
+                            "cvt.rn.{}x2.f32 {w}, {}, {}",
+                            elem.name(),
+                            pair[1],
+                            pair[0]
+                        ));
+                        w
+                    })
+                    .collect();
+                self.emit(format!(
+                    "st.global.v4.b32 [{addr}], {{{}, {}, {}, {}}}",
+                    words[0], words[1], words[2], words[3]
+                ));
+            }
+        }
+    }
+
     /// Loads an i64 from global `addr`.
     pub fn ld_global_i64(&mut self, addr: Reg) -> Reg {
         self.op1("ld.global.s64", RegClass::B64, &Bracket(addr))
