@@ -24,7 +24,7 @@ pub const STAGES: u32 = 3;
 
 /// Whether `cfg` can use the tensor-core kernel.
 pub fn supports(cfg: &GemmConfig) -> bool {
-    cfg.elem != Elem::F32 && cfg.transpose_b && !cfg.swiglu && cfg.k % 8 == 0
+    cfg.elem != Elem::F32 && cfg.transpose_b && !cfg.swiglu && cfg.k.is_multiple_of(8)
 }
 
 /// Generates the kernel. Parameters: `x, w, [bias], [residual], out`.
