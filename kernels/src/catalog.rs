@@ -9,7 +9,7 @@ use crate::embedding::{embedding, EmbeddingConfig};
 use crate::gemm::{gemm, GemmConfig};
 use crate::norm::{norm, NormConfig};
 use crate::ptx::Elem;
-use crate::sampling::argmax;
+use crate::sampling::{argmax, top_k_top_p};
 use crate::GeneratedKernel;
 
 /// Every configuration the tests assemble: `(kind, kernel)`.
@@ -52,6 +52,7 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
             out.push(("embedding", embedding(&cfg)));
         }
         out.push(("sampling", argmax(elem, 4, 50257)));
+        out.push(("sampling", top_k_top_p(elem, 4, 50257)));
         for (head_dim, keys, padding, rope, dropout, q_len, kv_len) in [
             (
                 64,

@@ -9,7 +9,7 @@
 //! - [`embedding`] — summed embedding lookups;
 //! - [`gemm`] — matrix products with their fused epilogues (SIMT, every configuration);
 //! - [`gemm_tc`] — the tensor-core GEMM (f16/bf16, `mma.sync`, `ldmatrix`, `cp.async`);
-//! - [`sampling`] — greedy (argmax) token choice;
+//! - [`sampling`] — token choice: greedy (argmax) and top-k / top-p with temperature;
 //! - [`catalog`] — the configurations the snapshot, assembler and GPU tests cover.
 //!
 //! Values that vary per request (token ids, lengths, positions) are read through pointers, so a

@@ -32,3 +32,40 @@ pub fn block_sum(k: &mut Kernel, value: Reg, scratch: &str, tid: Reg) -> Reg {
     k.barrier();
     total
 }
+
+/// Reduces `value` over the block with the binary op `op` (`max.f32`, `max.u32`, `add.f32`, ...)
+/// whose registers are of `class`; every thread gets the result. Ends with a barrier.
+pub fn block_reduce(
+    k: &mut Kernel,
+    value: Reg,
+    op: &str,
+    class: RegClass,
+    scratch: &str,
+    tid: Reg,
+) -> Reg {
+    let mut acc = value;
+    for offset in [16u32, 8, 4, 2, 1] {
+        let other = k.reg(class);
+        k.emit(format!(
+            "shfl.sync.bfly.b32 {other}, {acc}, {offset}, 31, -1"
+        ));
+        acc = k.op2(op, class, &acc, &other);
+    }
+    let lane = k.op2("and.b32", RegClass::B32, &tid, &31u32);
+    let warp = k.op2("shr.u32", RegClass::B32, &tid, &5u32);
+    let is_first = k.setp("eq.u32", &lane, &0u32);
+    let base = k.reg(RegClass::B32);
+    k.emit(format!("mov.u32 {base}, {scratch}"));
+    let slot = k.mad_u32(&warp, &4u32, &base);
+    k.emit(format!("@{is_first} st.shared.b32 [{slot}], {acc}"));
+    k.barrier();
+    let total = k.reg(class);
+    k.emit(format!("ld.shared.b32 {total}, [{base}]"));
+    for w in 1..WARPS {
+        let v = k.reg(class);
+        k.emit(format!("ld.shared.b32 {v}, [{base}+{}]", w * 4));
+        k.emit(format!("{op} {total}, {total}, {v}"));
+    }
+    k.barrier();
+    total
+}

@@ -2,7 +2,7 @@
 //! i64. One block per row; each thread scans a strided slice, then a butterfly over the warp and a
 //! pass over the warps' winners.
 
-use crate::ptx::{Elem, Kernel, RegClass, F32};
+use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
 use crate::reduce::WARPS;
 use crate::{GeneratedKernel, Launch, ROW_THREADS};
 
@@ -100,4 +100,236 @@ pub fn argmax(elem: Elem, rows: u32, vocab: u32) -> GeneratedKernel {
             shared_bytes: 0,
         },
     }
+}
+
+/// Generates top-k / top-p sampling with temperature: one block per row. Parameters:
+/// `logits [rows, vocab]`, `params [rows, 4]` (f32: temperature, top_k, top_p, u), `out [rows]`
+/// (i64). Per-request values live in device memory, so one captured graph serves every request.
+///
+/// Semantics (the reference the GPU tests check): with `m` the row's largest logit and
+/// `w_i = exp((x_i - m) / temperature)`, top-k keeps every logit `>=` the k-th largest (ties kept;
+/// `top_k` 0 keeps all); top-p then keeps the logits `>= t` for the largest `t` whose kept mass is
+/// at least `top_p` times the top-k mass (`top_p` >= 1 keeps all); the sample is the smallest index
+/// whose running kept mass (in index order) exceeds `u` times the kept mass, or the last kept index
+/// when rounding leaves none. Thresholds are found by bisection over the logits' ordered bit
+/// patterns, so they are exact logit values.
+pub fn top_k_top_p(elem: Elem, rows: u32, vocab: u32) -> GeneratedKernel {
+    use crate::reduce::{block_reduce, scratch};
+    let name = format!("sample_top_k_top_p_{}_v{vocab}", elem.name());
+    let mut k = Kernel::new(&name);
+    let logits = k.param_ptr("logits");
+    let params = k.param_ptr("params");
+    let out = k.param_ptr("out");
+    let red = scratch(&mut k);
+    let prefix = k.shared("prefix", ROW_THREADS * 4);
+    let tid = k.special("tid.x");
+    let row = k.special("ctaid.x");
+    let base = k.mul_u32(&row, &vocab);
+    let pi = k.mul_u32(&row, &4u32);
+    let pa = k.address(params, &pi, 4);
+    let temperature = k.ld_global(Elem::F32, pa);
+    let pa1 = k.op2("add.u64", RegClass::B64, &pa, &4u64);
+    let top_k_f = k.ld_global(Elem::F32, pa1);
+    let pa2 = k.op2("add.u64", RegClass::B64, &pa, &8u64);
+    let top_p = k.ld_global(Elem::F32, pa2);
+    let pa3 = k.op2("add.u64", RegClass::B64, &pa, &12u64);
+    let u = k.ld_global(Elem::F32, pa3);
+    let top_k = k.op1("cvt.rzi.u32.f32", RegClass::B32, &top_k_f);
+    let inv_t = k.rcp_f32(&temperature);
+    let chunk = vocab.div_ceil(ROW_THREADS);
+
+    // for col in tid..vocab step ROW_THREADS { body(col, x, key) }
+    let strided = |k: &mut Kernel, what: &str, body: &mut dyn FnMut(&mut Kernel, Reg, Reg, Reg)| {
+        let col = k.mov(RegClass::B32, &tid);
+        let top = k.label(what);
+        let done = k.label(&format!("{what}_done"));
+        k.place(&top);
+        let past = k.setp("ge.u32", &col, &vocab);
+        k.bra(Some((past, true)), &done);
+        let i = k.add_u32(&base, &col);
+        let a = k.address(logits, &i, elem.bytes());
+        let x = k.ld_global(elem, a);
+        let key = ordered_key(k, x);
+        body(k, col, x, key);
+        k.emit(format!("add.u32 {col}, {col}, {ROW_THREADS}"));
+        k.bra(None, &top);
+        k.place(&done);
+    };
+
+    k.comment("the row's largest logit");
+    let local_max = k.mov(RegClass::F32, &F32(f32::NEG_INFINITY));
+    strided(&mut k, "max", &mut |k, _, x, _| {
+        k.emit(format!("max.f32 {local_max}, {local_max}, {x}"));
+    });
+    let m = block_reduce(&mut k, local_max, "max.f32", RegClass::F32, &red, tid);
+
+    // Bisection for the largest key t with measure(key >= t) >= target, t in [lo, 2^32 - 1].
+    let bisect = |k: &mut Kernel, what: &str, lo_init: Reg, target: Reg, mass: bool| -> Reg {
+        let lo = k.mov(RegClass::B32, &lo_init);
+        let hi = k.mov(RegClass::B32, &u32::MAX);
+        let top = k.label(what);
+        let done = k.label(&format!("{what}_done"));
+        k.place(&top);
+        let converged = k.setp("ge.u32", &lo, &hi);
+        k.bra(Some((converged, true)), &done);
+        let span = k.sub_u32(&hi, &lo);
+        let half = k.op2("shr.u32", RegClass::B32, &span, &1u32);
+        let step = k.add_u32(&half, &1u32);
+        let mid = k.add_u32(&lo, &step);
+        let local = k.mov(RegClass::F32, &F32(0.0));
+        strided(k, &format!("{what}_pass"), &mut |k, _, x, key| {
+            let kept = k.setp("ge.u32", &key, &mid);
+            let w = if mass {
+                weight(k, x, m, inv_t)
+            } else {
+                k.mov(RegClass::F32, &F32(1.0))
+            };
+            k.emit(format!("@{kept} add.f32 {local}, {local}, {w}"));
+        });
+        let total = block_reduce(k, local, "add.f32", RegClass::F32, &red, tid);
+        let enough = k.setp("ge.f32", &total, &target);
+        let below = k.sub_u32(&mid, &1u32);
+        k.emit(format!("@{enough} mov.u32 {lo}, {mid}"));
+        k.emit(format!("@!{enough} mov.u32 {hi}, {below}"));
+        k.bra(None, &top);
+        k.place(&done);
+        lo
+    };
+
+    k.comment("top-k threshold (0 keeps everything)");
+    let zero = k.mov(RegClass::B32, &0u32);
+    let k_target = k.op1("cvt.rn.f32.u32", RegClass::F32, &top_k);
+    let use_k = k.setp("ne.u32", &top_k, &0u32);
+    let t_k_found = bisect(&mut k, "top_k", zero, k_target, false);
+    let t_k = k.selp(RegClass::B32, "u32", &t_k_found, &0u32, use_k);
+
+    let kept_mass = |k: &mut Kernel, what: &str, t: Reg| -> Reg {
+        let local = k.mov(RegClass::F32, &F32(0.0));
+        strided(k, what, &mut |k, _, x, key| {
+            let kept = k.setp("ge.u32", &key, &t);
+            let w = weight(k, x, m, inv_t);
+            k.emit(format!("@{kept} add.f32 {local}, {local}, {w}"));
+        });
+        block_reduce(k, local, "add.f32", RegClass::F32, &red, tid)
+    };
+    k.comment("top-p threshold within the top-k set (top_p >= 1 keeps it all)");
+    let z_k = kept_mass(&mut k, "mass_k", t_k);
+    let p_target = k.mul_f32(&z_k, &top_p);
+    let use_p = k.setp("lt.f32", &top_p, &F32(1.0));
+    let t_p_found = bisect(&mut k, "top_p", t_k, p_target, true);
+    let t = k.selp(RegClass::B32, "u32", &t_p_found, &t_k, use_p);
+    let z = kept_mass(&mut k, "mass_p", t);
+
+    k.comment("the last kept index (the answer when rounding leaves the target past the end)");
+    let last = k.mov(RegClass::B32, &0u32);
+    strided(&mut k, "last", &mut |k, col, _, key| {
+        let kept = k.setp("ge.u32", &key, &t);
+        k.emit(format!("@{kept} max.u32 {last}, {last}, {col}"));
+    });
+    let last_kept = block_reduce(&mut k, last, "max.u32", RegClass::B32, &red, tid);
+
+    k.comment("kept mass of this thread's contiguous chunk, then an exclusive scan over threads");
+    let first = k.mul_u32(&tid, &chunk);
+    let chunk_end = k.add_u32(&first, &chunk);
+    let end = k.op2("min.u32", RegClass::B32, &chunk_end, &vocab);
+    let walk = |k: &mut Kernel, what: &str, body: &mut dyn FnMut(&mut Kernel, Reg, Reg)| {
+        let col = k.mov(RegClass::B32, &first);
+        let top = k.label(what);
+        let done = k.label(&format!("{what}_done"));
+        k.place(&top);
+        let past = k.setp("ge.u32", &col, &end);
+        k.bra(Some((past, true)), &done);
+        let i = k.add_u32(&base, &col);
+        let a = k.address(logits, &i, elem.bytes());
+        let x = k.ld_global(elem, a);
+        let key = ordered_key(k, x);
+        let kept = k.setp("ge.u32", &key, &t);
+        let w = weight(k, x, m, inv_t);
+        let wk = k.selp(RegClass::F32, "f32", &w, &F32(0.0), kept);
+        body(k, col, wk);
+        k.emit(format!("add.u32 {col}, {col}, 1"));
+        k.bra(None, &top);
+        k.place(&done);
+    };
+    let mine = k.mov(RegClass::F32, &F32(0.0));
+    walk(&mut k, "chunk_mass", &mut |k, _, w| {
+        k.emit(format!("add.f32 {mine}, {mine}, {w}"));
+    });
+    let pbase = k.reg(RegClass::B32);
+    k.emit(format!("mov.u32 {pbase}, {prefix}"));
+    let slot = k.mad_u32(&tid, &4u32, &pbase);
+    k.emit(format!("st.shared.f32 [{slot}], {mine}"));
+    k.barrier();
+    let leader = k.setp("eq.u32", &tid, &0u32);
+    let no_scan = k.label("no_scan");
+    k.bra(Some((leader, false)), &no_scan);
+    let running = k.mov(RegClass::F32, &F32(0.0));
+    for t_i in 0..ROW_THREADS {
+        let v = k.reg(RegClass::F32);
+        k.emit(format!("ld.shared.f32 {v}, [{pbase}+{}]", t_i * 4));
+        k.emit(format!("st.shared.f32 [{pbase}+{}], {running}", t_i * 4));
+        k.emit(format!("add.f32 {running}, {running}, {v}"));
+    }
+    k.place(&no_scan);
+    k.barrier();
+    let before = k.reg(RegClass::F32);
+    k.emit(format!("ld.shared.f32 {before}, [{slot}]"));
+    let target = k.mul_f32(&u, &z);
+    k.comment("the thread whose chunk holds the target walks it");
+    let choice = k.mov(RegClass::B32, &u32::MAX);
+    let after = k.add_f32(&before, &mine);
+    let starts_before = k.setp("le.f32", &before, &target);
+    let ends_after = k.setp("gt.f32", &after, &target);
+    let owner = k.reg(RegClass::Pred);
+    k.emit(format!("and.pred {owner}, {starts_before}, {ends_after}"));
+    let not_owner = k.label("not_owner");
+    k.bra(Some((owner, false)), &not_owner);
+    let acc = k.mov(RegClass::F32, &before);
+    walk(&mut k, "find", &mut |k, col, w| {
+        k.emit(format!("add.f32 {acc}, {acc}, {w}"));
+        let crossed = k.setp("gt.f32", &acc, &target);
+        let unset = k.setp("eq.u32", &choice, &u32::MAX);
+        let take = k.reg(RegClass::Pred);
+        k.emit(format!("and.pred {take}, {crossed}, {unset}"));
+        k.emit(format!("@{take} mov.u32 {choice}, {col}"));
+    });
+    k.place(&not_owner);
+    let picked = block_reduce(&mut k, choice, "min.u32", RegClass::B32, &red, tid);
+    let none = k.setp("eq.u32", &picked, &u32::MAX);
+    let token = k.selp(RegClass::B32, "u32", &last_kept, &picked, none);
+    let write = k.setp("eq.u32", &tid, &0u32);
+    let skip = k.label("skip_write");
+    k.bra(Some((write, false)), &skip);
+    let wide = k.op1("cvt.u64.u32", RegClass::B64, &token);
+    let oa = k.address(out, &row, 8);
+    k.emit(format!("st.global.u64 [{oa}], {wide}"));
+    k.place(&skip);
+    let signature = k.params().to_vec();
+    GeneratedKernel {
+        name,
+        ptx: k.finish(),
+        signature,
+        launch: Launch {
+            grid: [rows, 1, 1],
+            block: [ROW_THREADS, 1, 1],
+            shared_bytes: 0,
+        },
+    }
+}
+
+/// An order-preserving u32 key of an f32: larger floats get larger keys.
+fn ordered_key(k: &mut Kernel, x: Reg) -> Reg {
+    let bits = k.reg(RegClass::B32);
+    k.emit(format!("mov.b32 {bits}, {x}"));
+    let negative = k.setp("lt.s32", &bits, &0i32);
+    let flipped = k.op1("not.b32", RegClass::B32, &bits);
+    let marked = k.op2("or.b32", RegClass::B32, &bits, &0x8000_0000u32);
+    k.selp(RegClass::B32, "b32", &flipped, &marked, negative)
+}
+
+/// `exp((x - m) / temperature)` with `inv_t = 1 / temperature`.
+fn weight(k: &mut Kernel, x: Reg, m: Reg, inv_t: Reg) -> Reg {
+    let d = k.sub_f32(&x, &m);
+    let s = k.mul_f32(&d, &inv_t);
+    k.exp_f32(&s)
 }
