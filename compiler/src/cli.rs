@@ -398,7 +398,13 @@ fn print_summary(
             ModelKind::Decoder { vocab_size, .. } => {
                 let logits = outputs["logits"].as_f32().unwrap_or_default();
                 let l = row.len();
-                let start = (i * l + len - 1) * vocab_size;
+                // The last real token (left or right padding).
+                let last = batch
+                    .mask
+                    .as_ref()
+                    .and_then(|m| m[i].iter().rposition(|&v| v != 0))
+                    .unwrap_or(l - 1);
+                let start = (i * l + last) * vocab_size;
                 let last = &logits[start..start + vocab_size];
                 let (best, value) =
                     last.iter()
@@ -478,6 +484,19 @@ fn write_plan(
     report: &CompileReport,
     compiled: &Compiled,
 ) -> Result<()> {
+    // A path without a final name (`.`, `..`, `dir/..`) is resolved first, so that the temporary
+    // and backup folders are siblings of the output, never inside it.
+    let resolved;
+    let out_dir = if out_dir.file_name().is_none() {
+        resolved = std::fs::canonicalize(out_dir)
+            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", out_dir.display()))?;
+        if resolved.file_name().is_none() {
+            bail!("cannot write {}: it is the root folder", out_dir.display());
+        }
+        resolved.as_path()
+    } else {
+        out_dir
+    };
     if out_dir.exists() && !out_dir.join("plan.ron").is_file() {
         let empty = out_dir
             .read_dir()
@@ -496,8 +515,17 @@ fn write_plan(
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    let backup = parent.join(format!(".{name}.old-{}", std::process::id()));
+    // A leftover from a crashed run with the same process id must not leak into this output.
+    for stale in [&tmp, &backup] {
+        if stale.exists() {
+            std::fs::remove_dir_all(stale)
+                .map_err(|e| anyhow::anyhow!("cannot remove {}: {e}", stale.display()))?;
+        }
+    }
     let result = (|| -> Result<()> {
-        std::fs::create_dir_all(tmp.join("buckets"))?;
+        std::fs::create_dir(&tmp)?;
+        std::fs::create_dir(tmp.join("buckets"))?;
         let write = |kind: &str, buckets: &[CompiledBucket], reports: &[BucketReport]| {
             let mut entries = Vec::new();
             for (b, r) in buckets.iter().zip(reports) {
@@ -526,15 +554,27 @@ fn write_plan(
         };
         let text = ron::ser::to_string_pretty(&file, ron::ser::PrettyConfig::new())?;
         std::fs::write(tmp.join("plan.ron"), text)?;
-        if out_dir.exists() {
-            std::fs::remove_dir_all(out_dir)?;
+        // Swap by renames: the old output stays whole until the new one is in place.
+        let had_old = out_dir.exists();
+        if had_old {
+            std::fs::rename(out_dir, &backup)?;
         }
-        std::fs::rename(&tmp, out_dir)?;
+        if let Err(e) = std::fs::rename(&tmp, out_dir) {
+            if had_old {
+                let _ = std::fs::rename(&backup, out_dir);
+            }
+            return Err(e.into());
+        }
         Ok(())
     })();
     if let Err(e) = result {
         let _ = std::fs::remove_dir_all(&tmp);
         bail!("cannot write {}: {e}", out_dir.display());
+    }
+    if backup.exists() {
+        std::fs::remove_dir_all(&backup).map_err(|e| {
+            anyhow::anyhow!("cannot remove the old output {}: {e}", backup.display())
+        })?;
     }
     Ok(())
 }

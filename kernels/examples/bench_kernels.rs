@@ -151,6 +151,7 @@ fn main() {
         dropout: None,
         elem: Elem::BF16,
         strides: [[0; 3]; 4],
+        splits: 1,
     };
     cfg.strides = cfg.contiguous_strides();
     let n = (b * h * sq * d) as usize;
@@ -168,4 +169,72 @@ fn main() {
         k.name,
         flops / ms / 1e9
     );
+
+    // Decode attention over a 4096-entry bf16 KV cache (Llama-3-8B shape: 32 heads, 8 KV heads,
+    // d 128, batch 1), one launch without splits, and 32 fixed key ranges plus the combine.
+    let (heads, kv_heads, t, d) = (32u32, 8u32, 4096u32, 128u32);
+    let q = stream.clone_htod(&random((heads * d) as usize, 9)).unwrap();
+    let kc = stream
+        .clone_htod(&random((kv_heads * t * d) as usize, 10))
+        .unwrap();
+    let vc = stream
+        .clone_htod(&random((kv_heads * t * d) as usize, 11))
+        .unwrap();
+    let o = stream
+        .clone_htod(&vec![0u16; (heads * d) as usize])
+        .unwrap();
+    // positions: one i64 (t - 1), passed as four u16 words.
+    let last = (t - 1) as u64;
+    let pos: Vec<u16> = (0..4).map(|w| (last >> (16 * w)) as u16).collect();
+    let positions = stream.clone_htod(&pos).unwrap();
+    let cache_bytes = 2.0 * f64::from(kv_heads * t * d) * 2.0;
+    for splits in [1u32, 32] {
+        let mut cfg = AttentionConfig {
+            batch: 1,
+            heads,
+            kv_heads,
+            q_len: 1,
+            kv_len: t,
+            head_dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+            keys: KeyRule::Position { window: None },
+            padding: false,
+            rope: false,
+            rope_k: false,
+            dropout: None,
+            elem: Elem::BF16,
+            strides: [[0; 3]; 4],
+            splits,
+        };
+        cfg.strides = cfg.contiguous_strides();
+        let ms = if splits == 1 {
+            let k = attention(&cfg);
+            time_ms(
+                &stream,
+                launch(&stream, &ctx, &k, &[&q, &kc, &vc, &o, &positions]),
+            )
+        } else {
+            let rows = (heads * splits) as usize;
+            let pacc = stream
+                .clone_htod(&vec![0u16; rows * d as usize * 2])
+                .unwrap();
+            let pml = stream.clone_htod(&vec![0u16; rows * 4]).unwrap();
+            let mut part = launch(
+                &stream,
+                &ctx,
+                &attention(&cfg),
+                &[&q, &kc, &vc, &pacc, &pml, &positions],
+            );
+            let combine = kiln_kernels::attention::attention_combine(&cfg);
+            let mut comb = launch(&stream, &ctx, &combine, &[&pacc, &pml, &o]);
+            time_ms(&stream, || {
+                part();
+                comb();
+            })
+        };
+        println!(
+            "{{\"kernel\": \"decode_attention_bf16\", \"heads\": {heads}, \"kv_heads\": {kv_heads}, \"context\": {t}, \"splits\": {splits}, \"ms\": {ms:.4}, \"cache_TBps\": {:.3}}}",
+            cache_bytes / ms / 1e9
+        );
+    }
 }

@@ -7,6 +7,10 @@
 //! sliding-window masks, padding masks and positions read from device memory, RoPE as a prologue
 //! (cos/sin tables in device memory), and Philox-4x32-10 dropout with exactly the IR's mask. Tiles
 //! on tensor cores (FlashAttention-2 style) are the next step.
+//!
+//! One difference from the IR is deliberate: a query that sees no key at all (only a padding
+//! query of a left-padded batch can) stores zeros, where the IR's finite masks give the mean of the
+//! masked values. Such rows belong to padding tokens and carry no meaning.
 
 use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
 use crate::{GeneratedKernel, Launch};
@@ -66,6 +70,10 @@ pub struct AttentionConfig {
     pub elem: Elem,
     /// Strides of q, k, v and out, in elements: `[batch, head, row]`.
     pub strides: [[u32; 3]; 4],
+    /// Split the keys into this many fixed ranges (flash-decoding): each block writes partial
+    /// results (`partial_acc`, `partial_ml`) that `attention_combine` merges. 1 writes `out`
+    /// directly. The grid depends only on the configuration, never on a request's length.
+    pub splits: u32,
 }
 
 impl AttentionConfig {
@@ -117,12 +125,17 @@ impl AttentionConfig {
         if self.dropout.is_some() {
             n.push_str("_dropout");
         }
+        if self.splits > 1 {
+            n.push_str(&format!("_split{}", self.splits));
+        }
         n
     }
 }
 
-/// Generates the kernel. Parameters: `q, k, v, out, [mask], [positions], [cos, sin], [seed]`.
+/// Generates the kernel. Parameters: `q, k, v, out` (or `partial_acc, partial_ml` when split),
+/// `[mask], [positions], [cos, sin], [seed]`.
 pub fn attention(cfg: &AttentionConfig) -> GeneratedKernel {
+    assert!(cfg.splits >= 1, "at least one key range");
     assert!(
         cfg.heads.is_multiple_of(cfg.kv_heads),
         "K/V heads must divide the heads"
@@ -132,7 +145,12 @@ pub fn attention(cfg: &AttentionConfig) -> GeneratedKernel {
     let q = k.param_ptr("q");
     let kp = k.param_ptr("k");
     let v = k.param_ptr("v");
-    let out = k.param_ptr("out");
+    let split = cfg.splits > 1;
+    let (out, partial_ml) = if split {
+        (k.param_ptr("partial_acc"), Some(k.param_ptr("partial_ml")))
+    } else {
+        (k.param_ptr("out"), None)
+    };
     let mask = cfg.padding.then(|| k.param_ptr("mask"));
     let needs_positions = cfg.rope || matches!(cfg.keys, KeyRule::Position { .. });
     let positions = needs_positions.then(|| k.param_ptr("positions"));
@@ -147,7 +165,9 @@ pub fn attention(cfg: &AttentionConfig) -> GeneratedKernel {
     let tid = k.special("tid.x");
     let lane = k.op2("and.b32", RegClass::B32, &tid, &31u32);
     let warp = k.op2("shr.u32", RegClass::B32, &tid, &5u32);
-    let qblock = k.special("ctaid.x");
+    let bx = k.special("ctaid.x");
+    let qblock = k.op2("div.u32", RegClass::B32, &bx, &cfg.splits);
+    let split_index = k.op2("rem.u32", RegClass::B32, &bx, &cfg.splits);
     let h = k.special("ctaid.y");
     let b = k.special("ctaid.z");
     let i = k.mad_u32(&qblock, &WARPS, &warp);
@@ -246,6 +266,17 @@ pub fn attention(cfg: &AttentionConfig) -> GeneratedKernel {
         }
     };
 
+    let (start, end) = if split {
+        k.comment("this block's fixed range of keys");
+        let chunk = cfg.kv_len.div_ceil(cfg.splits);
+        let s0 = k.mul_u32(&split_index, &chunk);
+        let s1 = k.add_u32(&s0, &chunk);
+        let from = k.op2("max.u32", RegClass::B32, &start, &s0);
+        let to = k.op2("min.u32", RegClass::B32, &end, &s1);
+        (from, to)
+    } else {
+        (start, end)
+    };
     let m = k.mov(RegClass::F32, &F32(f32::NEG_INFINITY));
     let l = k.mov(RegClass::F32, &F32(0.0));
     let acc: Vec<Reg> = (0..per_lane)
@@ -320,6 +351,42 @@ pub fn attention(cfg: &AttentionConfig) -> GeneratedKernel {
     k.bra(None, &top);
     k.place(&done);
 
+    if let Some(ml) = partial_ml {
+        k.comment("partial results: unnormalised accumulators, running max (base 2) and sum");
+        let row_id = k.mad_u32(&b, &cfg.heads, &h);
+        let q_row_id = k.mad_u32(&row_id, &cfg.q_len, &i);
+        let p = k.mad_u32(&q_row_id, &cfg.splits, &split_index);
+        let p_base = k.mul_u32(&p, &d);
+        for ((c, ok), a) in cols.iter().zip(&valid).zip(&acc) {
+            let skip = k.label("skip_partial");
+            k.bra(Some((*ok, false)), &skip);
+            let idx = k.add_u32(&p_base, c);
+            let pa = k.address(out, &idx, 4);
+            k.st_global(Elem::F32, pa, *a);
+            k.place(&skip);
+        }
+        let first_lane = k.setp("eq.u32", &lane, &0u32);
+        let skip = k.label("skip_ml");
+        k.bra(Some((first_lane, false)), &skip);
+        let mi = k.mul_u32(&p, &2u32);
+        let ma = k.address(ml, &mi, 4);
+        k.st_global(Elem::F32, ma, m);
+        let la = k.op2("add.u64", RegClass::B64, &ma, &4u64);
+        k.st_global(Elem::F32, la, l);
+        k.place(&skip);
+        k.place(&exit);
+        let signature = k.params().to_vec();
+        return GeneratedKernel {
+            name,
+            ptx: k.finish(),
+            signature,
+            launch: Launch {
+                grid: [cfg.q_len.div_ceil(WARPS) * cfg.splits, cfg.heads, cfg.batch],
+                block: [32 * WARPS, 1, 1],
+                shared_bytes: 0,
+            },
+        };
+    }
     k.comment("normalise once and store (a row that sees no key stores zeros)");
     let none = k.setp("eq.f32", &l, &F32(0.0));
     let inv = k.rcp_f32(&l);
@@ -342,6 +409,88 @@ pub fn attention(cfg: &AttentionConfig) -> GeneratedKernel {
         launch: Launch {
             grid: [cfg.q_len.div_ceil(WARPS), cfg.heads, cfg.batch],
             block: [32 * WARPS, 1, 1],
+            shared_bytes: 0,
+        },
+    }
+}
+
+/// Merges the partial results of a split attention (`cfg.splits > 1`): one warp per (batch, head,
+/// query row), lanes over the head dimension. Parameters: `partial_acc, partial_ml, out`.
+pub fn attention_combine(cfg: &AttentionConfig) -> GeneratedKernel {
+    let name = format!("{}_combine", cfg.name());
+    let mut k = Kernel::new(&name);
+    let acc = k.param_ptr("partial_acc");
+    let ml = k.param_ptr("partial_ml");
+    let out = k.param_ptr("out");
+    let e = cfg.elem;
+    let d = cfg.head_dim;
+    let lane = k.special("tid.x");
+    let i = k.special("ctaid.x");
+    let h = k.special("ctaid.y");
+    let b = k.special("ctaid.z");
+    let row_id = k.mad_u32(&b, &cfg.heads, &h);
+    let q_row_id = k.mad_u32(&row_id, &cfg.q_len, &i);
+    let p0 = k.mul_u32(&q_row_id, &cfg.splits);
+    let mut ms = Vec::new();
+    let mut ls = Vec::new();
+    let m_max = k.mov(RegClass::F32, &F32(f32::NEG_INFINITY));
+    for s_i in 0..cfg.splits {
+        let p = k.add_u32(&p0, &s_i);
+        let mi = k.mul_u32(&p, &2u32);
+        let ma = k.address(ml, &mi, 4);
+        let m = k.ld_global(Elem::F32, ma);
+        let la = k.op2("add.u64", RegClass::B64, &ma, &4u64);
+        let l = k.ld_global(Elem::F32, la);
+        k.emit(format!("max.f32 {m_max}, {m_max}, {m}"));
+        ms.push(m);
+        ls.push(l);
+    }
+    // Splits that saw no key have m = -inf; if no split saw one, the row stores zeros.
+    let none = k.setp("eq.f32", &m_max, &F32(f32::NEG_INFINITY));
+    let safe_max = k.selp(RegClass::F32, "f32", &F32(0.0), &m_max, none);
+    let total = k.mov(RegClass::F32, &F32(0.0));
+    let mut scales = Vec::new();
+    for (m, l) in ms.iter().zip(&ls) {
+        let dm = k.sub_f32(m, &safe_max);
+        let scale = k.op1("ex2.approx.ftz.f32", RegClass::F32, &dm);
+        k.fma_into(total, &scale, l);
+        scales.push(scale);
+    }
+    let empty = k.setp("eq.f32", &total, &F32(0.0));
+    let inv = k.rcp_f32(&total);
+    let inv = k.selp(RegClass::F32, "f32", &F32(0.0), &inv, empty);
+    let o_stride = cfg.strides[3];
+    let t0 = k.mul_u32(&b, &o_stride[0]);
+    let t1 = k.mad_u32(&h, &o_stride[1], &t0);
+    let o_row = k.mad_u32(&i, &o_stride[2], &t1);
+    for c in 0..d.div_ceil(32) {
+        let col = k.add_u32(&lane, &(c * 32));
+        let ok = k.setp("lt.u32", &col, &d);
+        let skip = k.label("skip_col");
+        k.bra(Some((ok, false)), &skip);
+        let sum = k.mov(RegClass::F32, &F32(0.0));
+        for (s_i, scale) in scales.iter().enumerate() {
+            let p = k.add_u32(&p0, &(s_i as u32));
+            let pb = k.mul_u32(&p, &d);
+            let idx = k.add_u32(&pb, &col);
+            let a = k.address(acc, &idx, 4);
+            let v = k.ld_global(Elem::F32, a);
+            k.fma_into(sum, scale, &v);
+        }
+        let y = k.mul_f32(&sum, &inv);
+        let oi = k.add_u32(&o_row, &col);
+        let oa = k.address(out, &oi, e.bytes());
+        k.st_global(e, oa, y);
+        k.place(&skip);
+    }
+    let signature = k.params().to_vec();
+    GeneratedKernel {
+        name,
+        ptx: k.finish(),
+        signature,
+        launch: Launch {
+            grid: [cfg.q_len, cfg.heads, cfg.batch],
+            block: [32, 1, 1],
             shared_bytes: 0,
         },
     }

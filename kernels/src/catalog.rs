@@ -98,9 +98,15 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
                 dropout,
                 elem,
                 strides: [[0; 3]; 4],
+                splits: 1,
             };
             cfg.strides = cfg.contiguous_strides();
             out.push(("attention", attention(&cfg)));
+            if matches!(keys, KeyRule::Position { .. }) {
+                cfg.splits = 16;
+                out.push(("attention", attention(&cfg)));
+                out.push(("attention", crate::attention::attention_combine(&cfg)));
+            }
         }
         for (transpose_b, bias, act, swiglu, residual) in [
             (true, false, None, false, false),

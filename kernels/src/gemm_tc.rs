@@ -24,7 +24,12 @@ pub const STAGES: u32 = 3;
 
 /// Whether `cfg` can use the tensor-core kernel.
 pub fn supports(cfg: &GemmConfig) -> bool {
-    cfg.elem != Elem::F32 && cfg.transpose_b && !cfg.swiglu && cfg.k.is_multiple_of(8)
+    let (m, n, k) = (u64::from(cfg.m), u64::from(cfg.n), u64::from(cfg.k));
+    cfg.elem != Elem::F32
+        && cfg.transpose_b
+        && !cfg.swiglu
+        && cfg.k.is_multiple_of(8)
+        && crate::check_index_range(&[m * n, m * k, n * k])
 }
 
 /// Generates the kernel. Parameters: `x, w, [bias], [residual], out`.

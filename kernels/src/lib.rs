@@ -13,7 +13,9 @@
 //! - [`catalog`] — the configurations the snapshot, assembler and GPU tests cover.
 //!
 //! Values that vary per request (token ids, lengths, positions) are read through pointers, so a
-//! captured CUDA graph stays valid for every request of its bucket. Depends on `kiln-ir` only.
+//! captured CUDA graph stays valid for every request of its bucket. Element indices are 32-bit:
+//! every tensor a kernel addresses must have fewer than 2^32 elements (`check_index_range`).
+//! Depends on `kiln-ir` only.
 
 pub mod attention;
 pub mod catalog;
@@ -60,6 +62,12 @@ impl GeneratedKernel {
     pub fn module(&self) -> String {
         ptx::module(std::slice::from_ref(&self.ptx))
     }
+}
+
+/// Whether tensors of `counts` elements can be addressed by the kernels' 32-bit element indices;
+/// a lowering that gets `false` must split the work (for example an LM head over a huge batch).
+pub fn check_index_range(counts: &[u64]) -> bool {
+    counts.iter().all(|&c| c < 1 << 32)
 }
 
 /// Threads per block of the row kernels (norms, sampling, embedding).

@@ -673,6 +673,7 @@ fn attention_matches_the_interpreter() {
                 dropout: case.dropout,
                 elem,
                 strides: [[0; 3]; 4],
+                splits: 1,
             };
             cfg.strides = cfg.contiguous_strides();
             let kernel = attention(&cfg);
@@ -788,6 +789,39 @@ fn attention_matches_the_interpreter() {
                 &gpu.download(elem, &out),
                 &reference_out,
             );
+            if cached {
+                // The same through fixed key ranges (flash-decoding) and the combine kernel.
+                let splits = if t > 1000 { 16 } else { 4 };
+                let mut split_cfg = cfg.clone();
+                split_cfg.splits = splits;
+                let partial = attention(&split_cfg);
+                let combine = kiln_kernels::attention::attention_combine(&split_cfg);
+                let rows = b * h * s * splits as usize;
+                let pacc = gpu.upload(Elem::F32, &vec![f32::NAN; rows * d]);
+                let pml = gpu.upload(Elem::F32, &vec![f32::NAN; rows * 2]);
+                let out2 = gpu.poisoned(elem, b * h * s * d);
+                let mut args2 = BTreeMap::from([
+                    ("q", Arg::Buf(&bq)),
+                    ("k", Arg::Buf(&bk)),
+                    ("v", Arg::Buf(&bv)),
+                    ("partial_acc", Arg::Buf(&pacc)),
+                    ("partial_ml", Arg::Buf(&pml)),
+                    ("mask", Arg::Buf(&bm)),
+                    ("positions", Arg::Buf(&bp)),
+                    ("cos", Arg::Buf(&bc)),
+                    ("sin", Arg::Buf(&bn)),
+                    ("seed", Arg::Buf(&bs)),
+                ]);
+                gpu.launch(&partial, &args2);
+                args2.insert("out", Arg::Buf(&out2));
+                gpu.launch(&combine, &args2);
+                check(
+                    &format!("{} b={b}", partial.name),
+                    elem,
+                    &gpu.download(elem, &out2),
+                    &reference_out,
+                );
+            }
         }
     }
 }

@@ -90,6 +90,7 @@ fn attention_gqa_causal_rope_dropout_bf16() {
         dropout: Some((0.1, 0)),
         elem: Elem::BF16,
         strides: [[0; 3]; 4],
+        splits: 1,
     };
     cfg.strides = cfg.contiguous_strides();
     insta::assert_snapshot!(attention(&cfg).module());
