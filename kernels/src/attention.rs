@@ -166,8 +166,14 @@ pub fn attention(cfg: &AttentionConfig) -> GeneratedKernel {
     let lane = k.op2("and.b32", RegClass::B32, &tid, &31u32);
     let warp = k.op2("shr.u32", RegClass::B32, &tid, &5u32);
     let bx = k.special("ctaid.x");
-    let qblock = k.op2("div.u32", RegClass::B32, &bx, &cfg.splits);
-    let split_index = k.op2("rem.u32", RegClass::B32, &bx, &cfg.splits);
+    // With splits, block x enumerates (query block, key range) pairs.
+    let (qblock, split_index) = if split {
+        let q = k.op2("div.u32", RegClass::B32, &bx, &cfg.splits);
+        let r = k.op2("rem.u32", RegClass::B32, &bx, &cfg.splits);
+        (q, Some(r))
+    } else {
+        (bx, None)
+    };
     let h = k.special("ctaid.y");
     let b = k.special("ctaid.z");
     let i = k.mad_u32(&qblock, &WARPS, &warp);
@@ -269,7 +275,7 @@ pub fn attention(cfg: &AttentionConfig) -> GeneratedKernel {
     let (start, end) = if split {
         k.comment("this block's fixed range of keys");
         let chunk = cfg.kv_len.div_ceil(cfg.splits);
-        let s0 = k.mul_u32(&split_index, &chunk);
+        let s0 = k.mul_u32(&split_index.expect("split"), &chunk);
         let s1 = k.add_u32(&s0, &chunk);
         let from = k.op2("max.u32", RegClass::B32, &start, &s0);
         let to = k.op2("min.u32", RegClass::B32, &end, &s1);
@@ -355,7 +361,7 @@ pub fn attention(cfg: &AttentionConfig) -> GeneratedKernel {
         k.comment("partial results: unnormalised accumulators, running max (base 2) and sum");
         let row_id = k.mad_u32(&b, &cfg.heads, &h);
         let q_row_id = k.mad_u32(&row_id, &cfg.q_len, &i);
-        let p = k.mad_u32(&q_row_id, &cfg.splits, &split_index);
+        let p = k.mad_u32(&q_row_id, &cfg.splits, &split_index.expect("split"));
         let p_base = k.mul_u32(&p, &d);
         for ((c, ok), a) in cols.iter().zip(&valid).zip(&acc) {
             let skip = k.label("skip_partial");
