@@ -1,0 +1,161 @@
+//! Family variants no fixture covers, built from the tiny fixtures with edited configs and random
+//! extra tensors (Qwen2 with Q/K/V bias and tied embeddings, Mistral's sliding window, Llama with
+//! llama3 RoPE scaling and attention/MLP biases, GPT-2 with ReLU and per-layer attention scaling):
+//! each imports, and its fused bucket graph computes exactly what its unfused graph computes.
+
+use kiln_models::inputs::TokenBatch;
+use kiln_tests::{
+    compile_fixture, fixture, floats, pad_to, rel_err, rewrite_checkpoint, TensorMap,
+};
+use safetensors::Dtype;
+
+fn random(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
+        })
+        .collect()
+}
+
+fn add_bias(t: &mut TensorMap, key: &str, n: usize, seed: u64) {
+    t.insert(key.to_string(), (vec![n], random(n, seed)));
+}
+
+/// Runs the unfused and the fused (bucket 16, batch 2) graphs on a padded batch and compares the
+/// logits of the real tokens.
+fn fused_equals_unfused(dir: &std::path::Path, what: &str) {
+    let (model, report, buckets) = compile_fixture(dir, &[16], &[2]);
+    let layers = model.checkpoint.config()["num_hidden_layers"]
+        .as_u64()
+        .or(model.checkpoint.config()["n_layer"].as_u64())
+        .unwrap() as usize;
+    let attention = report.buckets[0]
+        .kernels
+        .iter()
+        .filter(|k| k.kind == kiln_compiler::fusion::cost::KernelKind::Attention)
+        .count();
+    assert_eq!(attention, layers, "{what}: one attention kernel per layer");
+    let rows = vec![
+        (0..13).map(|i| (i * 31 + 7) % 500).collect::<Vec<i64>>(),
+        vec![3, 1, 4, 1, 5, 9],
+    ];
+    let batch = TokenBatch::padded(&rows, 0);
+    let unfused = model.evaluate(&batch).unwrap();
+    let inputs = model.inputs(&pad_to(&batch, 16)).unwrap();
+    let fused = kiln_ir::evaluate(&buckets[0].graph, &inputs, &model.checkpoint).unwrap();
+    let vocab = 512;
+    let (u, f) = (floats(&unfused["logits"]), floats(&fused["logits"]));
+    for (r, row) in rows.iter().enumerate() {
+        for t in 0..row.len() {
+            let a = &u[(r * 13 + t) * vocab..(r * 13 + t + 1) * vocab];
+            let b = &f[(r * 16 + t) * vocab..(r * 16 + t + 1) * vocab];
+            let err = rel_err(b, a);
+            assert!(
+                err < 1e-5,
+                "{what}: row {r} token {t}: relative error {err:e}"
+            );
+        }
+    }
+}
+
+#[test]
+fn qwen2_with_qkv_bias_and_tied_embeddings() {
+    let tmp = tempfile::tempdir().unwrap();
+    rewrite_checkpoint(&fixture("llama-tiny"), tmp.path(), Dtype::F32, 1, |c, t| {
+        c["architectures"] = serde_json::json!(["Qwen2ForCausalLM"]);
+        c["model_type"] = "qwen2".into();
+        c["tie_word_embeddings"] = true.into();
+        c["use_sliding_window"] = false.into();
+        t.remove("lm_head.weight");
+        for l in 0..2 {
+            add_bias(
+                t,
+                &format!("model.layers.{l}.self_attn.q_proj.bias"),
+                64,
+                11 + l,
+            );
+            add_bias(
+                t,
+                &format!("model.layers.{l}.self_attn.k_proj.bias"),
+                32,
+                21 + l,
+            );
+            add_bias(
+                t,
+                &format!("model.layers.{l}.self_attn.v_proj.bias"),
+                32,
+                31 + l,
+            );
+        }
+    });
+    fused_equals_unfused(tmp.path(), "qwen2");
+}
+
+#[test]
+fn mistral_with_a_sliding_window() {
+    let tmp = tempfile::tempdir().unwrap();
+    rewrite_checkpoint(&fixture("llama-tiny"), tmp.path(), Dtype::F32, 1, |c, _| {
+        c["architectures"] = serde_json::json!(["MistralForCausalLM"]);
+        c["model_type"] = "mistral".into();
+        c["sliding_window"] = 5.into();
+    });
+    fused_equals_unfused(tmp.path(), "mistral");
+    // The window reaches the fused attention kernel.
+    let model = kiln_models::import(tmp.path()).unwrap();
+    let has_window = model.graph.nodes().any(|(_, n)| {
+        matches!(
+            &n.op,
+            kiln_ir::Op::CausalMask {
+                window: Some(5),
+                ..
+            }
+        )
+    });
+    assert!(has_window);
+}
+
+#[test]
+fn llama_with_llama3_rope_and_biases() {
+    let tmp = tempfile::tempdir().unwrap();
+    rewrite_checkpoint(&fixture("llama-tiny"), tmp.path(), Dtype::F32, 1, |c, t| {
+        c["rope_parameters"] = serde_json::json!({
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64
+        });
+        c["attention_bias"] = true.into();
+        c["mlp_bias"] = true.into();
+        for l in 0..2u64 {
+            for (name, n) in [
+                ("self_attn.q_proj", 64),
+                ("self_attn.k_proj", 32),
+                ("self_attn.v_proj", 32),
+                ("self_attn.o_proj", 64),
+                ("mlp.gate_proj", 160),
+                ("mlp.up_proj", 160),
+                ("mlp.down_proj", 64),
+            ] {
+                add_bias(
+                    t,
+                    &format!("model.layers.{l}.{name}.bias"),
+                    n,
+                    100 + l * 10 + n as u64,
+                );
+            }
+        }
+    });
+    fused_equals_unfused(tmp.path(), "llama3 + biases");
+}
+
+#[test]
+fn gpt2_with_relu_and_layer_scaled_attention() {
+    let tmp = tempfile::tempdir().unwrap();
+    rewrite_checkpoint(&fixture("gpt2-tiny"), tmp.path(), Dtype::F32, 1, |c, _| {
+        c["activation_function"] = "relu".into();
+        c["scale_attn_by_inverse_layer_idx"] = true.into();
+    });
+    fused_equals_unfused(tmp.path(), "gpt2 relu");
+}
