@@ -381,17 +381,14 @@ pub fn attention(cfg: &AttentionConfig) -> GeneratedKernel {
         k.st_global(Elem::F32, la, l);
         k.place(&skip);
         k.place(&exit);
-        let signature = k.params().to_vec();
-        return GeneratedKernel {
-            name,
-            ptx: k.finish(),
-            signature,
-            launch: Launch {
+        return GeneratedKernel::new(
+            k,
+            Launch {
                 grid: [cfg.q_len.div_ceil(WARPS) * cfg.splits, cfg.heads, cfg.batch],
                 block: [32 * WARPS, 1, 1],
                 shared_bytes: 0,
             },
-        };
+        );
     }
     k.comment("normalise once and store (a row that sees no key stores zeros)");
     let none = k.setp("eq.f32", &l, &F32(0.0));
@@ -407,17 +404,14 @@ pub fn attention(cfg: &AttentionConfig) -> GeneratedKernel {
         k.place(&skip);
     }
     k.place(&exit);
-    let signature = k.params().to_vec();
-    GeneratedKernel {
-        name,
-        ptx: k.finish(),
-        signature,
-        launch: Launch {
+    GeneratedKernel::new(
+        k,
+        Launch {
             grid: [cfg.q_len.div_ceil(WARPS), cfg.heads, cfg.batch],
             block: [32 * WARPS, 1, 1],
             shared_bytes: 0,
         },
-    }
+    )
 }
 
 /// Merges the partial results of a split attention (`cfg.splits > 1`): one warp per (batch, head,
@@ -489,17 +483,14 @@ pub fn attention_combine(cfg: &AttentionConfig) -> GeneratedKernel {
         k.st_global(e, oa, y);
         k.place(&skip);
     }
-    let signature = k.params().to_vec();
-    GeneratedKernel {
-        name,
-        ptx: k.finish(),
-        signature,
-        launch: Launch {
+    GeneratedKernel::new(
+        k,
+        Launch {
             grid: [cfg.q_len, cfg.heads, cfg.batch],
             block: [32, 1, 1],
             shared_bytes: 0,
         },
-    }
+    )
 }
 
 /// `[start, end)` for a query whose last visible key is `last`: `end = min(last + 1, T)`, and with

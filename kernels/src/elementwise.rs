@@ -98,15 +98,12 @@ pub fn activation_kernel(act: Activation, elem: Elem, n: u32) -> GeneratedKernel
     k.emit(format!("add.u32 {i}, {i}, {stride}"));
     k.bra(None, &top);
     k.place(&done);
-    let signature = k.params().to_vec();
-    GeneratedKernel {
-        name,
-        ptx: k.finish(),
-        signature,
-        launch: Launch {
+    GeneratedKernel::new(
+        k,
+        Launch {
             grid: [n.div_ceil(THREADS).clamp(1, 65_535), 1, 1],
             block: [THREADS, 1, 1],
             shared_bytes: 0,
         },
-    }
+    )
 }

@@ -66,15 +66,12 @@ pub fn embedding(cfg: &EmbeddingConfig) -> GeneratedKernel {
     k.emit(format!("add.u32 {col}, {col}, {ROW_THREADS}"));
     k.bra(None, &top);
     k.place(&done);
-    let signature = k.params().to_vec();
-    GeneratedKernel {
-        name,
-        ptx: k.finish(),
-        signature,
-        launch: Launch {
+    GeneratedKernel::new(
+        k,
+        Launch {
             grid: [cfg.tokens, 1, 1],
             block: [ROW_THREADS, 1, 1],
             shared_bytes: 0,
         },
-    }
+    )
 }

@@ -252,17 +252,14 @@ pub fn gemm_simt(cfg: &GemmConfig) -> GeneratedKernel {
             k.place(&skip);
         }
     }
-    let signature = k.params().to_vec();
-    GeneratedKernel {
-        name,
-        ptx: k.finish(),
-        signature,
-        launch: Launch {
+    GeneratedKernel::new(
+        k,
+        Launch {
             grid: [n_out.div_ceil(BN), cfg.m.div_ceil(BM), 1],
             block: [THREADS, 1, 1],
             shared_bytes: 0,
         },
-    }
+    )
 }
 
 /// `base[r * stride + c]` as f32 when `r < rows` and `c < cols`, else 0.

@@ -236,15 +236,12 @@ pub fn gemm_tc(cfg: &GemmConfig, name: String) -> GeneratedKernel {
             }
         }
     }
-    let signature = k.params().to_vec();
-    GeneratedKernel {
-        name,
-        ptx: k.finish(),
-        signature,
-        launch: Launch {
+    GeneratedKernel::new(
+        k,
+        Launch {
             grid: [cfg.n.div_ceil(BN), cfg.m.div_ceil(BM), 1],
             block: [THREADS, 1, 1],
             shared_bytes: STAGES * 2 * TILE_BYTES,
         },
-    }
+    )
 }

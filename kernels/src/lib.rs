@@ -58,6 +58,16 @@ pub struct GeneratedKernel {
 }
 
 impl GeneratedKernel {
+    /// Finishes `kernel` with its launch configuration.
+    pub fn new(kernel: ptx::Kernel, launch: Launch) -> GeneratedKernel {
+        GeneratedKernel {
+            name: kernel.name().to_string(),
+            signature: kernel.params().to_vec(),
+            ptx: kernel.finish(),
+            launch,
+        }
+    }
+
     /// A complete PTX module holding only this kernel.
     pub fn module(&self) -> String {
         ptx::module(std::slice::from_ref(&self.ptx))

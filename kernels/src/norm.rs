@@ -146,17 +146,14 @@ pub fn norm(cfg: &NormConfig) -> GeneratedKernel {
             k.st_global(elem, oa, y);
         });
     }
-    let signature = k.params().to_vec();
-    GeneratedKernel {
-        name,
-        ptx: k.finish(),
-        signature,
-        launch: Launch {
+    GeneratedKernel::new(
+        k,
+        Launch {
             grid: [cfg.rows, 1, 1],
             block: [ROW_THREADS, 1, 1],
             shared_bytes: 0,
         },
-    }
+    )
 }
 
 /// The register-cached form: each thread loads its `ceil(cols / ROW_THREADS)` columns once.

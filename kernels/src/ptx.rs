@@ -209,6 +209,11 @@ impl Kernel {
         }
     }
 
+    /// The entry name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
     /// The kernel's parameters, in order.
     pub fn params(&self) -> &[(String, ParamType)] {
         &self.params

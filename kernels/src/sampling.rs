@@ -89,17 +89,14 @@ pub fn argmax(elem: Elem, rows: u32, vocab: u32) -> GeneratedKernel {
     let oa = k.address(out, &row, 8);
     k.emit(format!("st.global.u64 [{oa}], {wide}"));
     k.place(&end);
-    let signature = k.params().to_vec();
-    GeneratedKernel {
-        name,
-        ptx: k.finish(),
-        signature,
-        launch: Launch {
+    GeneratedKernel::new(
+        k,
+        Launch {
             grid: [rows, 1, 1],
             block: [ROW_THREADS, 1, 1],
             shared_bytes: 0,
         },
-    }
+    )
 }
 
 /// Generates top-k / top-p sampling with temperature: one block per row. Parameters:
@@ -304,17 +301,14 @@ pub fn top_k_top_p(elem: Elem, rows: u32, vocab: u32) -> GeneratedKernel {
     let oa = k.address(out, &row, 8);
     k.emit(format!("st.global.u64 [{oa}], {wide}"));
     k.place(&skip);
-    let signature = k.params().to_vec();
-    GeneratedKernel {
-        name,
-        ptx: k.finish(),
-        signature,
-        launch: Launch {
+    GeneratedKernel::new(
+        k,
+        Launch {
             grid: [rows, 1, 1],
             block: [ROW_THREADS, 1, 1],
             shared_bytes: 0,
         },
-    }
+    )
 }
 
 /// An order-preserving u32 key of an f32: larger floats get larger keys.
