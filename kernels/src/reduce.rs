@@ -14,23 +14,7 @@ pub fn scratch(k: &mut Kernel) -> String {
 /// Sums `value` over the block: every thread gets the total. `scratch` is the array from
 /// [`scratch`]; `tid` the thread index. Ends with a barrier, so the scratch can be reused.
 pub fn block_sum(k: &mut Kernel, value: Reg, scratch: &str, tid: Reg) -> Reg {
-    let warp_total = k.warp_sum(value);
-    let lane = k.op2("and.b32", RegClass::B32, &tid, &31u32);
-    let warp = k.op2("shr.u32", RegClass::B32, &tid, &5u32);
-    let is_first = k.setp("eq.u32", &lane, &0u32);
-    let base = k.reg(RegClass::B32);
-    k.emit(format!("mov.u32 {base}, {scratch}"));
-    let slot = k.mad_u32(&warp, &4u32, &base);
-    k.emit(format!("@{is_first} st.shared.f32 [{slot}], {warp_total}"));
-    k.barrier();
-    let total = k.mov(RegClass::F32, &crate::ptx::F32(0.0));
-    for w in 0..WARPS {
-        let v = k.reg(RegClass::F32);
-        k.emit(format!("ld.shared.f32 {v}, [{base}+{}]", w * 4));
-        k.emit(format!("add.f32 {total}, {total}, {v}"));
-    }
-    k.barrier();
-    total
+    block_reduce(k, value, "add.f32", RegClass::F32, scratch, tid)
 }
 
 /// Reduces `value` over the block with the binary op `op` (`max.f32`, `max.u32`, `add.f32`, ...)
