@@ -91,7 +91,7 @@ impl AttentionConfig {
         [q, kv, kv, q]
     }
 
-    fn name(&self) -> String {
+    pub(crate) fn name(&self) -> String {
         let mut n = format!(
             "attention_{}_h{}kv{}_d{}_s{}_t{}",
             self.elem.name(),
@@ -135,6 +135,14 @@ impl AttentionConfig {
 /// Generates the kernel. Parameters: `q, k, v, out` (or `partial_acc, partial_ml` when split),
 /// `[mask], [positions], [cos, sin], [seed]`.
 pub fn attention(cfg: &AttentionConfig) -> GeneratedKernel {
+    if crate::attention_tc::supports(cfg) {
+        return crate::attention_tc::attention_tc(cfg, format!("{}_tc", cfg.name()));
+    }
+    attention_simt(cfg)
+}
+
+/// The SIMT kernel, for every configuration.
+pub fn attention_simt(cfg: &AttentionConfig) -> GeneratedKernel {
     assert!(cfg.splits >= 1, "at least one key range");
     assert!(
         cfg.heads.is_multiple_of(cfg.kv_heads),

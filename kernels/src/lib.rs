@@ -2,7 +2,8 @@
 //! dtypes of a bucket, with the typed signature and launch configuration the runtime checks.
 //!
 //! - [`ptx`] — the typed PTX builder;
-//! - [`attention`] — fused attention, prefill and decode (GQA, masks, RoPE, dropout);
+//! - [`attention`] — fused attention, prefill and decode (GQA, masks, RoPE, dropout), SIMT;
+//! - [`attention_tc`] — FlashAttention-2 style prefill attention on tensor cores;
 //! - [`reduce`] — block-wide reductions the row kernels share;
 //! - [`norm`] — LayerNorm / RMSNorm (with the residual add);
 //! - [`elementwise`] — activations;
@@ -18,6 +19,7 @@
 //! Depends on `kiln-ir` only.
 
 pub mod attention;
+pub mod attention_tc;
 pub mod catalog;
 pub mod elementwise;
 pub mod embedding;
