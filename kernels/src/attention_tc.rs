@@ -1,7 +1,7 @@
 //! FlashAttention-2 style prefill attention on tensor cores, f16 / bf16: a block of 4 warps takes
 //! 64 query rows (16 per warp) and walks the keys in tiles of 64; `S = Q K^T` and `O += P V` are
 //! `mma.sync.m16n8k16` with f32 accumulators, Q/K/V tiles staged by `cp.async` and read with
-//! `ldmatrix` (`.trans` for V), the online softmax kept in registers (base 2, quad shuffles for
+//! `ldmatrix` (`.trans` for V; K/V double-buffered), the online softmax kept in registers (base 2, quad shuffles for
 //! the row max), P re-packed from the score accumulators as the A operand of the second product,
 //! and key tiles past the causal diagonal skipped.
 //!
@@ -30,7 +30,10 @@ pub fn supports(cfg: &AttentionConfig) -> bool {
 
 /// Generates the kernel. Parameters: `q, k, v, out, [mask]`.
 pub fn attention_tc(cfg: &AttentionConfig, name: String) -> GeneratedKernel {
-    assert!(supports(cfg), "configuration needs the SIMT attention kernel");
+    assert!(
+        supports(cfg),
+        "configuration needs the SIMT attention kernel"
+    );
     let e = cfg.elem;
     let ty = e.name();
     let d = cfg.head_dim;
@@ -57,8 +60,15 @@ pub fn attention_tc(cfg: &AttentionConfig, name: String) -> GeneratedKernel {
     let base = k.reg(RegClass::B32);
     k.emit(format!("mov.u32 {base}, {smem}"));
     let q_tile = base;
-    let k_tile = k.add_u32(&base, &(BQ * row_bytes));
-    let v_tile = k.add_u32(&k_tile, &tile_bytes);
+    // Two K/V buffers: the next tile streams in while this one is multiplied.
+    let kv_base = k.add_u32(&base, &(BQ * row_bytes));
+    let buffer = |k: &mut Kernel, index: Reg| -> (Reg, Reg) {
+        let kt = k.mad_u32(&index, &(2 * tile_bytes), &kv_base);
+        let vt = k.add_u32(&kt, &tile_bytes);
+        (kt, vt)
+    };
+    let k_tile = kv_base;
+    let v_tile = k.add_u32(&kv_base, &tile_bytes);
     let head_base = |k: &mut Kernel, strides: [u32; 3], head: Reg| -> Reg {
         let t0 = k.mul_u32(&b, &strides[0]);
         k.mad_u32(&head, &strides[1], &t0)
@@ -88,7 +98,9 @@ pub fn attention_tc(cfg: &AttentionConfig, name: String) -> GeneratedKernel {
             let g = k.address(src, &idx, 2);
             let s_row = k.mad_u32(&row, &row_bytes, &dst);
             let s = k.mad_u32(&kc, &16u32, &s_row);
-            k.emit(format!("cp.async.cg.shared.global [{s}], [{g}], 16, {bytes}"));
+            k.emit(format!(
+                "cp.async.cg.shared.global [{s}], [{g}], 16, {bytes}"
+            ));
             k.place(&skip);
         }
     };
@@ -108,7 +120,11 @@ pub fn attention_tc(cfg: &AttentionConfig, name: String) -> GeneratedKernel {
         let r: Vec<Reg> = (0..4).map(|_| k.reg(RegClass::B32)).collect();
         k.emit(format!(
             "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{{}, {}, {}, {}}}, [{a_addr}+{}]",
-            r[0], r[1], r[2], r[3], kk * 32
+            r[0],
+            r[1],
+            r[2],
+            r[3],
+            kk * 32
         ));
         q_frag.push(r);
     }
@@ -119,10 +135,18 @@ pub fn attention_tc(cfg: &AttentionConfig, name: String) -> GeneratedKernel {
     let wrow = k.mad_u32(&warp, &16u32, &q0);
     let row0 = k.add_u32(&wrow, &g);
     let row1 = k.add_u32(&row0, &8u32);
-    let m = [k.mov(RegClass::F32, &F32(f32::NEG_INFINITY)), k.mov(RegClass::F32, &F32(f32::NEG_INFINITY))];
-    let l = [k.mov(RegClass::F32, &F32(0.0)), k.mov(RegClass::F32, &F32(0.0))];
+    let m = [
+        k.mov(RegClass::F32, &F32(f32::NEG_INFINITY)),
+        k.mov(RegClass::F32, &F32(f32::NEG_INFINITY)),
+    ];
+    let l = [
+        k.mov(RegClass::F32, &F32(0.0)),
+        k.mov(RegClass::F32, &F32(0.0)),
+    ];
     let d_tiles = d / 8;
-    let o: Vec<Reg> = (0..d_tiles * 4).map(|_| k.mov(RegClass::F32, &F32(0.0))).collect();
+    let o: Vec<Reg> = (0..d_tiles * 4)
+        .map(|_| k.mov(RegClass::F32, &F32(0.0)))
+        .collect();
 
     // Keys [0, end): causal blocks stop at the block's last query row.
     let end = if causal {
@@ -144,25 +168,45 @@ pub fn attention_tc(cfg: &AttentionConfig, name: String) -> GeneratedKernel {
     let scale = F32(cfg.scale * std::f32::consts::LOG2_E);
 
     let j0 = k.mov(RegClass::B32, &0u32);
+    let it = k.mov(RegClass::B32, &0u32);
+    k.comment("prologue: the first K/V tile into buffer 0");
+    stage(&mut k, kp, k_head, ks[2], j0, cfg.kv_len, k_tile);
+    stage(&mut k, v, v_head, vs[2], j0, cfg.kv_len, v_tile);
+    k.emit("cp.async.commit_group");
     let top = k.label("kv_tiles");
     let done = k.label("kv_tiles_done");
     k.place(&top);
     let finished = k.setp("ge.u32", &j0, &end);
     k.bra(Some((finished, true)), &done);
-    stage(&mut k, kp, k_head, ks[2], j0, cfg.kv_len, k_tile);
-    stage(&mut k, v, v_head, vs[2], j0, cfg.kv_len, v_tile);
+    k.comment("stream the next tile into the other buffer (an empty group past the end)");
+    let j_next = k.add_u32(&j0, &BKV);
+    let has_next = k.setp("lt.u32", &j_next, &end);
+    let skip_next = k.label("skip_next");
+    k.bra(Some((has_next, false)), &skip_next);
+    let it_next = k.add_u32(&it, &1u32);
+    let next_buf = k.op2("and.b32", RegClass::B32, &it_next, &1u32);
+    let (kn_tile, vn_tile) = buffer(&mut k, next_buf);
+    stage(&mut k, kp, k_head, ks[2], j_next, cfg.kv_len, kn_tile);
+    stage(&mut k, v, v_head, vs[2], j_next, cfg.kv_len, vn_tile);
+    k.place(&skip_next);
     k.emit("cp.async.commit_group");
-    k.emit("cp.async.wait_group 0");
+    k.emit("cp.async.wait_group 1");
     k.barrier();
+    let cur_buf = k.op2("and.b32", RegClass::B32, &it, &1u32);
+    let buf_off = k.mul_u32(&cur_buf, &(2 * tile_bytes));
+    let k_lane_cur = k.add_u32(&k_lane, &buf_off);
+    let v_lane_cur = k.add_u32(&v_lane, &buf_off);
 
     k.comment("S = Q K^T (16 x 64 per warp)");
-    let s: Vec<Reg> = (0..(BKV / 8) * 4).map(|_| k.mov(RegClass::F32, &F32(0.0))).collect();
+    let s: Vec<Reg> = (0..(BKV / 8) * 4)
+        .map(|_| k.mov(RegClass::F32, &F32(0.0)))
+        .collect();
     for (kk, a) in q_frag.iter().enumerate() {
         for jj in 0..BKV / 16 {
             let r: Vec<Reg> = (0..4).map(|_| k.reg(RegClass::B32)).collect();
             let off = jj * 16 * row_bytes + kk as u32 * 32;
             k.emit(format!(
-                "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{{}, {}, {}, {}}}, [{k_lane}+{off}]",
+                "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{{}, {}, {}, {}}}, [{k_lane_cur}+{off}]",
                 r[0], r[1], r[2], r[3]
             ));
             for (half, bf) in [[r[0], r[1]], [r[2], r[3]]].iter().enumerate() {
@@ -180,16 +224,25 @@ pub fn attention_tc(cfg: &AttentionConfig, name: String) -> GeneratedKernel {
     for nt in 0..BKV / 8 {
         for r in 0..4u32 {
             let reg = s[(nt * 4 + r) as usize];
-            k.emit(format!("mul.rn.f32 {reg}, {reg}, {}", crate::ptx::Operand::text(&scale)));
+            k.emit(format!(
+                "mul.rn.f32 {reg}, {reg}, {}",
+                crate::ptx::Operand::text(&scale)
+            ));
             let col0 = k.mad_u32(&t, &2u32, &j0);
             let col = k.add_u32(&col0, &(nt * 8 + r % 2));
             let out_of_range = k.setp("ge.u32", &col, &cfg.kv_len);
-            k.emit(format!("@{out_of_range} mov.f32 {reg}, {}", crate::ptx::Operand::text(&neg_inf)));
+            k.emit(format!(
+                "@{out_of_range} mov.f32 {reg}, {}",
+                crate::ptx::Operand::text(&neg_inf)
+            ));
             if causal {
                 let row = if r < 2 { row0 } else { row1 };
                 let last = k.add_u32(&row, &(cfg.kv_len - cfg.q_len));
                 let future = k.setp("gt.u32", &col, &last);
-                k.emit(format!("@{future} mov.f32 {reg}, {}", crate::ptx::Operand::text(&neg_inf)));
+                k.emit(format!(
+                    "@{future} mov.f32 {reg}, {}",
+                    crate::ptx::Operand::text(&neg_inf)
+                ));
             }
             if let Some(mk) = mask {
                 let skip = k.label("skip_mask");
@@ -198,7 +251,10 @@ pub fn attention_tc(cfg: &AttentionConfig, name: String) -> GeneratedKernel {
                 let ma = k.address(mk, &mi, 8);
                 let present = k.ld_global_i64(ma);
                 let absent = k.setp("eq.s64", &present, &0u64);
-                k.emit(format!("@{absent} mov.f32 {reg}, {}", crate::ptx::Operand::text(&neg_inf)));
+                k.emit(format!(
+                    "@{absent} mov.f32 {reg}, {}",
+                    crate::ptx::Operand::text(&neg_inf)
+                ));
                 k.place(&skip);
             }
         }
@@ -262,7 +318,7 @@ pub fn attention_tc(cfg: &AttentionConfig, name: String) -> GeneratedKernel {
             let r: Vec<Reg> = (0..4).map(|_| k.reg(RegClass::B32)).collect();
             let off = kb * 16 * row_bytes + dd * 32;
             k.emit(format!(
-                "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{{}, {}, {}, {}}}, [{v_lane}+{off}]",
+                "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{{}, {}, {}, {}}}, [{v_lane_cur}+{off}]",
                 r[0], r[1], r[2], r[3]
             ));
             for (half, bf) in [[r[0], r[1]], [r[2], r[3]]].iter().enumerate() {
@@ -277,15 +333,19 @@ pub fn attention_tc(cfg: &AttentionConfig, name: String) -> GeneratedKernel {
     }
     k.barrier();
     k.emit(format!("add.u32 {j0}, {j0}, {BKV}"));
+    k.emit(format!("add.u32 {it}, {it}, 1"));
     k.bra(None, &top);
     k.place(&done);
+    k.emit("cp.async.wait_group 0");
 
     k.comment("normalise by the quad-summed row sums and store");
     for (half, li) in l.iter().enumerate() {
         let mut total = *li;
         for off in [1u32, 2] {
             let other = k.reg(RegClass::F32);
-            k.emit(format!("shfl.sync.bfly.b32 {other}, {total}, {off}, 31, -1"));
+            k.emit(format!(
+                "shfl.sync.bfly.b32 {other}, {total}, {off}, 31, -1"
+            ));
             total = k.add_f32(&total, &other);
         }
         let empty = k.setp("eq.f32", &total, &F32(0.0));
@@ -313,7 +373,7 @@ pub fn attention_tc(cfg: &AttentionConfig, name: String) -> GeneratedKernel {
         Launch {
             grid: [cfg.q_len.div_ceil(BQ), cfg.heads, cfg.batch],
             block: [32 * WARPS, 1, 1],
-            shared_bytes: BQ * row_bytes + 2 * tile_bytes,
+            shared_bytes: BQ * row_bytes + 4 * tile_bytes,
         },
     )
 }

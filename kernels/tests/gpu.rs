@@ -618,9 +618,29 @@ fn attention_matches_the_interpreter() {
             dropout: None,
         },
         // Tensor-core path: GQA, head dim 128, causal + padding, more than one tile of rows/keys.
-        AttentionCase { heads: 8, kv_heads: 2, q_len: 130, kv_len: 130, head_dim: 128, keys: KeyRule::Causal { window: None }, padding: true, rope: false, dropout: None },
+        AttentionCase {
+            heads: 8,
+            kv_heads: 2,
+            q_len: 130,
+            kv_len: 130,
+            head_dim: 128,
+            keys: KeyRule::Causal { window: None },
+            padding: true,
+            rope: false,
+            dropout: None,
+        },
         // Tensor-core path: all keys, head dim 64, no mask.
-        AttentionCase { heads: 4, kv_heads: 4, q_len: 65, kv_len: 65, head_dim: 64, keys: KeyRule::All, padding: false, rope: false, dropout: None },
+        AttentionCase {
+            heads: 4,
+            kv_heads: 4,
+            q_len: 65,
+            kv_len: 65,
+            head_dim: 64,
+            keys: KeyRule::All,
+            padding: false,
+            rope: false,
+            dropout: None,
+        },
         // Training-mode dropout.
         AttentionCase {
             heads: 4,
