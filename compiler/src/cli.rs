@@ -554,6 +554,7 @@ fn write_plan(
         };
         let text = ron::ser::to_string_pretty(&file, ron::ser::PrettyConfig::new())?;
         std::fs::write(tmp.join("plan.ron"), text)?;
+        write_kernels(&tmp, compiled)?;
         // Swap by renames: the old output stays whole until the new one is in place.
         let had_old = out_dir.exists();
         if had_old {
@@ -577,4 +578,47 @@ fn write_plan(
         })?;
     }
     Ok(())
+}
+
+/// Writes `kernels.ptx` (every generated kernel) and, when a ptxas is found (`$KILN_PTXAS` or
+/// PATH), `kernels.sm_90.cubin` assembled from it.
+fn write_kernels(dir: &Path, compiled: &Compiled) -> Result<()> {
+    let texts: Vec<String> = compiled
+        .kernels
+        .kernels
+        .values()
+        .map(|k| k.ptx.clone())
+        .collect();
+    let ptx = dir.join("kernels.ptx");
+    std::fs::write(&ptx, kiln_kernels::ptx::module(&texts))?;
+    if let Some(ptxas) = find_ptxas() {
+        let cubin = dir.join("kernels.sm_90.cubin");
+        let out = std::process::Command::new(&ptxas)
+            .arg("-arch=sm_90")
+            .arg(&ptx)
+            .arg("-o")
+            .arg(&cubin)
+            .output()
+            .map_err(|e| anyhow::anyhow!("cannot run {}: {e}", ptxas.display()))?;
+        if !out.status.success() {
+            let first = String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .next()
+                .unwrap_or("no message")
+                .to_string();
+            bail!("ptxas rejected kernels.ptx: {first}");
+        }
+    }
+    Ok(())
+}
+
+/// `$KILN_PTXAS`, else a `ptxas` on PATH.
+pub fn find_ptxas() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("KILN_PTXAS") {
+        let p = PathBuf::from(p);
+        return p.is_file().then_some(p);
+    }
+    std::env::split_paths(&std::env::var_os("PATH")?)
+        .map(|dir| dir.join("ptxas"))
+        .find(|p| p.is_file())
 }

@@ -55,6 +55,8 @@ pub struct BucketReport {
     pub kernels: Vec<KernelReport>,
     /// The cost model's estimate, seconds.
     pub modelled_seconds: f64,
+    /// Kernel nodes with no PTX generator yet (`{op}_{node}`).
+    pub no_ptx: Vec<String>,
 }
 
 /// Padding waste of the bucket plan for a length histogram.
@@ -81,6 +83,8 @@ pub struct CompileReport {
     pub stage_seconds: BTreeMap<String, f64>,
     /// Padding waste for `--length-histogram`.
     pub padding: Option<PaddingReport>,
+    /// Distinct PTX kernels generated for all buckets.
+    pub ptx_kernels: usize,
 }
 
 /// A compiled bucket: its static graph and report.
@@ -93,12 +97,14 @@ pub struct CompiledBucket {
     pub graph: Graph,
 }
 
-/// Everything compiled: prefill/encode buckets and decode buckets.
+/// Everything compiled: prefill/encode buckets, decode buckets, and their PTX kernels.
 pub struct Compiled {
     /// Prefill / encode buckets, largest first.
     pub prefill: Vec<CompiledBucket>,
     /// Decode buckets, largest batch first.
     pub decode: Vec<CompiledBucket>,
+    /// The generated kernels of every bucket, deduplicated.
+    pub kernels: crate::lower::Lowered,
 }
 
 /// Compiles `graph` for every bucket of `opts.plan` and, for decoders, the KV-cached graph
@@ -120,16 +126,19 @@ pub fn compile(
     let start = Instant::now();
     let mut buckets = Vec::new();
     let mut reports = Vec::new();
+    let mut generated = crate::lower::Lowered::default();
     for bucket in opts.plan.prefill() {
         let bindings = bucket.bindings();
         let (fused, cost) = saturated.extract(&bindings, &opts.cost)?;
         let fixed = fused.specialize(&bindings)?;
+        let no_ptx = lower_into(&fixed, &mut generated);
         reports.push(BucketReport {
             batch: bucket.batch,
             seq: bucket.seq,
             context: None,
             kernels: kernels(&fixed),
             modelled_seconds: cost,
+            no_ptx,
         });
         buckets.push(CompiledBucket {
             bucket,
@@ -146,12 +155,14 @@ pub fn compile(
             bindings.insert(CONTEXT.to_string(), context as i64);
             let (fused, cost) = sat.extract(&bindings, &opts.cost)?;
             let fixed = fused.specialize(&bindings)?;
+            let no_ptx = lower_into(&fixed, &mut generated);
             decode_reports.push(BucketReport {
                 batch,
                 seq: 1,
                 context: Some(context),
                 kernels: kernels(&fixed),
                 modelled_seconds: cost,
+                no_ptx,
             });
             decode.push(CompiledBucket {
                 bucket,
@@ -181,12 +192,23 @@ pub fn compile(
             egraph,
             stage_seconds,
             padding,
+            ptx_kernels: generated.kernels.len(),
         },
         Compiled {
             prefill: buckets,
             decode,
+            kernels: generated,
         },
     ))
+}
+
+/// Lowers `graph` into `all`; returns the kernel nodes left without a generator.
+fn lower_into(graph: &Graph, all: &mut crate::lower::Lowered) -> Vec<String> {
+    let lowered = crate::lower::lower(graph);
+    for kernel in lowered.kernels.into_values() {
+        all.add(kernel);
+    }
+    lowered.unsupported
 }
 
 /// The kernels of a static graph: every node that is not a leaf, a view, or a value computed from

@@ -9,5 +9,6 @@ pub mod bucket;
 pub mod cli;
 pub mod compile;
 pub mod fusion;
+pub mod lower;
 pub mod tensor_io;
 pub mod tokenize;

@@ -53,6 +53,19 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
         }
         out.push(("sampling", argmax(elem, 4, 50257)));
         out.push(("sampling", top_k_top_p(elem, 4, 50257)));
+        for rope in [false, true] {
+            let cfg = crate::kv_cache::KvWriteConfig {
+                batch: 2,
+                kv_heads: 8,
+                new_len: 1,
+                capacity: 4096,
+                head_dim: 128,
+                new_strides: [6144, 128, 6144],
+                rope,
+                elem,
+            };
+            out.push(("kv_cache", crate::kv_cache::kv_write(&cfg)));
+        }
         for (head_dim, keys, padding, rope, dropout, q_len, kv_len) in [
             (
                 64,

@@ -10,6 +10,7 @@
 //! - [`embedding`] — summed embedding lookups;
 //! - [`gemm`] — matrix products with their fused epilogues (SIMT, every configuration);
 //! - [`gemm_tc`] — the tensor-core GEMM (f16/bf16, `mma.sync`, `ldmatrix`, `cp.async`);
+//! - [`kv_cache`] — writing new keys/values into a KV cache in place (RoPE on the way);
 //! - [`sampling`] — token choice: greedy (argmax) and top-k / top-p with temperature;
 //! - [`catalog`] — the configurations the snapshot, assembler and GPU tests cover.
 //!
@@ -25,6 +26,7 @@ pub mod elementwise;
 pub mod embedding;
 pub mod gemm;
 pub mod gemm_tc;
+pub mod kv_cache;
 pub mod norm;
 pub mod ptx;
 pub mod reduce;

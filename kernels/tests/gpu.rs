@@ -1026,3 +1026,80 @@ fn top_k_top_p_sampling_follows_the_reference() {
         }
     }
 }
+
+/// KV-cache writes (with and without RoPE on the way) against the interpreter's `CacheWrite`
+/// (of a `Rope`): written slots hold the new values, every other slot keeps its old value, and
+/// padding tokens write nothing.
+#[test]
+fn kv_cache_writes_match_the_interpreter() {
+    use kiln_kernels::kv_cache::{kv_write, KvWriteConfig};
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(0x1111_2222_3333_4444);
+    for elem in ELEMS {
+        for (new_len, capacity, head_dim, rope) in [(1u32, 4097u32, 64u32, true), (5, 300, 16, false), (17, 64, 128, true)] {
+            let (b, kvh) = (2usize, 2usize);
+            let (s, t, d) = (new_len as usize, capacity as usize, head_dim as usize);
+            let cache = rng.values(b * kvh * t * d, 1.0, elem);
+            let new = rng.values(b * kvh * s * d, 1.0, elem);
+            let positions: Vec<i64> = (0..b)
+                .flat_map(|_| {
+                    let first = rng.next() % (t - s + 1) as u64;
+                    (0..s as i64).map(move |x| first as i64 + x)
+                })
+                .collect();
+            let mask: Vec<i64> = (0..b * s).map(|i| i64::from(i % 7 != 3)).collect();
+            let (cos, sin) = rope_tables(10000.0, d, t + 1);
+            let cfg = KvWriteConfig {
+                batch: b as u32,
+                kv_heads: kvh as u32,
+                new_len,
+                capacity,
+                head_dim,
+                new_strides: [(kvh * s * d) as u32, (s * d) as u32, d as u32],
+                rope,
+                elem,
+            };
+            let kernel = kv_write(&cfg);
+            let bc = gpu.upload(elem, &cache);
+            let (bn, bp, bm) = (gpu.upload(elem, &new), gpu.upload_i64(&positions), gpu.upload_i64(&mask));
+            let (tc, ts) = (gpu.upload(Elem::F32, &cos), gpu.upload(Elem::F32, &sin));
+            let args = BTreeMap::from([
+                ("cache", Arg::Buf(&bc)),
+                ("new", Arg::Buf(&bn)),
+                ("positions", Arg::Buf(&bp)),
+                ("mask", Arg::Buf(&bm)),
+                ("cos", Arg::Buf(&tc)),
+                ("sin", Arg::Buf(&ts)),
+            ]);
+            gpu.launch(&kernel, &args);
+            // Reference: CacheWrite(cache, [Rope](new, positions), positions, mask).
+            let mut g = Graph::new();
+            let ci = g.input("cache", DType::F32, [b, kvh, t, d].iter().map(|&v| Dim::from(v)).collect()).unwrap();
+            let ni = g.input("new", DType::F32, [b, kvh, s, d].iter().map(|&v| Dim::from(v)).collect()).unwrap();
+            let pi = g.input("pos", DType::I64, vec![Dim::from(b), Dim::from(s)]).unwrap();
+            let mi = g.input("mask", DType::I64, vec![Dim::from(b), Dim::from(s)]).unwrap();
+            let values = if rope {
+                let op = Op::Rope { theta: 10000.0, scaling: kiln_ir::RopeScaling::Default };
+                g.add(op, &[ni, pi]).unwrap()
+            } else {
+                ni
+            };
+            let w = g.add(Op::CacheWrite, &[ci, values, pi, mi]).unwrap();
+            g.set_output("out", w).unwrap();
+            let inputs = BTreeMap::from([
+                ("cache".to_string(), Tensor::f32(vec![b, kvh, t, d], cache.clone())),
+                ("new".to_string(), Tensor::f32(vec![b, kvh, s, d], new.clone())),
+                ("pos".to_string(), Tensor::i64(vec![b, s], positions.clone())),
+                ("mask".to_string(), Tensor::i64(vec![b, s], mask.clone())),
+            ]);
+            let weights = BTreeMap::<String, Arc<Tensor>>::new();
+            let want: Vec<f32> = kiln_ir::evaluate(&g, &inputs, &weights).unwrap()["out"]
+                .as_f32()
+                .unwrap()
+                .iter()
+                .map(|v| round(elem, *v))
+                .collect();
+            check(&format!("{} b={b}", kernel.name), elem, &gpu.download(elem, &bc), &want);
+        }
+    }
+}

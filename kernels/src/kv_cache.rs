@@ -1,0 +1,115 @@
+//! Writing a chunk of keys or values into a KV cache, in place: `cache[b, h, pos[b, s], :] =
+//! new[b, h, s, :]` for every token whose mask is 1, with RoPE applied on the way when the IR
+//! rotates the keys just before the write. One warp per (token, head), lanes over the head dim.
+
+use crate::ptx::{Elem, Kernel, RegClass};
+use crate::{GeneratedKernel, Launch};
+
+/// A cache-write kernel's static configuration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KvWriteConfig {
+    /// Batch size.
+    pub batch: u32,
+    /// K/V heads.
+    pub kv_heads: u32,
+    /// New tokens per row (S).
+    pub new_len: u32,
+    /// Cache capacity (T).
+    pub capacity: u32,
+    /// Head dimension.
+    pub head_dim: u32,
+    /// `[batch, head, row]` strides of the new values (elements; the head dim is contiguous).
+    pub new_strides: [u32; 3],
+    /// Rotate the new values (RoPE) with `cos`/`sin` tables `[P, D/2]` at their positions.
+    pub rope: bool,
+    /// Element type of cache and values.
+    pub elem: Elem,
+}
+
+/// Generates the kernel. Parameters: `cache, new, positions, mask, [cos, sin]`.
+pub fn kv_write(cfg: &KvWriteConfig) -> GeneratedKernel {
+    let name = format!(
+        "kv_write_{}_kv{}_d{}_s{}_t{}{}",
+        cfg.elem.name(),
+        cfg.kv_heads,
+        cfg.head_dim,
+        cfg.new_len,
+        cfg.capacity,
+        if cfg.rope { "_rope" } else { "" }
+    );
+    let mut k = Kernel::new(&name);
+    let cache = k.param_ptr("cache");
+    let new = k.param_ptr("new");
+    let positions = k.param_ptr("positions");
+    let mask = k.param_ptr("mask");
+    let tables = cfg.rope.then(|| (k.param_ptr("cos"), k.param_ptr("sin")));
+    let e = cfg.elem;
+    let d = cfg.head_dim;
+    let half = d / 2;
+    let lane = k.special("tid.x");
+    let s = k.special("ctaid.x");
+    let h = k.special("ctaid.y");
+    let b = k.special("ctaid.z");
+    let token = k.mad_u32(&b, &cfg.new_len, &s);
+    let ma = k.address(mask, &token, 8);
+    let present = k.ld_global_i64(ma);
+    let exit = k.label("exit");
+    let absent = k.setp("eq.s64", &present, &0u64);
+    k.bra(Some((absent, true)), &exit);
+    let pa = k.address(positions, &token, 8);
+    let pos64 = k.ld_global_i64(pa);
+    let outside = k.setp("ge.u64", &pos64, &u64::from(cfg.capacity));
+    k.bra(Some((outside, true)), &exit);
+    let pos = k.op1("cvt.u32.u64", RegClass::B32, &pos64);
+    let [sb, sh, ss] = cfg.new_strides;
+    let n0 = k.mul_u32(&b, &sb);
+    let n1 = k.mad_u32(&h, &sh, &n0);
+    let src_row = k.mad_u32(&s, &ss, &n1);
+    let c0 = k.mad_u32(&b, &cfg.kv_heads, &h);
+    let c1 = k.mad_u32(&c0, &cfg.capacity, &pos);
+    let dst_row = k.mul_u32(&c1, &d);
+    for c in 0..d.div_ceil(32) {
+        let col = k.add_u32(&lane, &(c * 32));
+        let skip = k.label("skip_col");
+        let past = k.setp("ge.u32", &col, &d);
+        k.bra(Some((past, true)), &skip);
+        let si = k.add_u32(&src_row, &col);
+        let sa = k.address(new, &si, e.bytes());
+        let x = k.ld_global(e, sa);
+        let value = match tables {
+            None => x,
+            Some((cos, sin)) => {
+                let upper = k.setp("ge.u32", &col, &half);
+                let c_low = k.sub_u32(&col, &half);
+                let ci = k.selp(RegClass::B32, "u32", &c_low, &col, upper);
+                let partner_hi = k.add_u32(&col, &half);
+                let partner = k.selp(RegClass::B32, "u32", &c_low, &partner_hi, upper);
+                let pi = k.add_u32(&src_row, &partner);
+                let pa = k.address(new, &pi, e.bytes());
+                let px = k.ld_global(e, pa);
+                let t = k.mad_u32(&pos, &half, &ci);
+                let cv = k.address(cos, &t, 4);
+                let sv = k.address(sin, &t, 4);
+                let cosv = k.ld_global(Elem::F32, cv);
+                let sinv = k.ld_global(Elem::F32, sv);
+                let neg = k.op1("neg.f32", RegClass::F32, &px);
+                let signed = k.selp(RegClass::F32, "f32", &px, &neg, upper);
+                let xc = k.mul_f32(&x, &cosv);
+                k.fma_f32(&signed, &sinv, &xc)
+            }
+        };
+        let di = k.add_u32(&dst_row, &col);
+        let da = k.address(cache, &di, e.bytes());
+        k.st_global(e, da, value);
+        k.place(&skip);
+    }
+    k.place(&exit);
+    GeneratedKernel::new(
+        k,
+        Launch {
+            grid: [cfg.new_len, cfg.kv_heads, cfg.batch],
+            block: [32, 1, 1],
+            shared_bytes: 0,
+        },
+    )
+}
