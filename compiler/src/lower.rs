@@ -12,7 +12,9 @@ use std::collections::BTreeMap;
 
 use kiln_ir::kernel::{AttentionSpec, DecodeAttentionSpec};
 use kiln_ir::{Graph, NodeId, Op, TensorType};
-use kiln_kernels::attention::{attention, attention_combine, attention_simt, AttentionConfig, KeyRule};
+use kiln_kernels::attention::{
+    attention, attention_combine, attention_simt, AttentionConfig, KeyRule,
+};
 use kiln_kernels::elementwise::activation_kernel;
 use kiln_kernels::embedding::{embedding, EmbeddingConfig};
 use kiln_kernels::gemm::{gemm, GemmConfig};
@@ -79,7 +81,9 @@ fn head_strides(g: &Graph, id: NodeId) -> Option<([u32; 3], u32)> {
     match &node.op {
         Op::Permute(p) if p == &[0, 2, 1, 3] => {
             let reshape = g.node(node.args[0]);
-            let Op::Reshape(_) = reshape.op else { return None };
+            let Op::Reshape(_) = reshape.op else {
+                return None;
+            };
             let src = g.node(reshape.args[0]);
             match &src.op {
                 Op::Slice { axis, start, .. } if *axis == src.ty.rank() - 1 => {
@@ -110,7 +114,8 @@ pub fn lower(g: &Graph) -> Lowered {
     let rope_in_write = |id: NodeId| {
         matches!(g.node(id).op, Op::Rope { .. })
             && users.get(&id).is_some_and(|u| {
-                u.iter().all(|c| matches!(g.node(*c).op, Op::CacheWrite) && g.node(*c).args[1] == id)
+                u.iter()
+                    .all(|c| matches!(g.node(*c).op, Op::CacheWrite) && g.node(*c).args[1] == id)
             })
     };
     let mut weight_only = vec![false; g.len()];
@@ -141,13 +146,25 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered) -> Option<()> {
                 .map(|i| dims(arg(2 * i)).map(|d| d[0]))
                 .collect::<Option<Vec<u32>>>()?;
             let tokens = numel(arg(1))?;
-            out.add(embedding(&EmbeddingConfig { table_rows, hidden, tokens, elem }));
+            out.add(embedding(&EmbeddingConfig {
+                table_rows,
+                hidden,
+                tokens,
+                elem,
+            }));
         }
         Op::Norm(spec) => {
             let cols = *dims(&node.ty)?.last()?;
             let rows = numel(&node.ty)? / cols;
             let eps = spec.eps as f32;
-            out.add(norm(&NormConfig { kind: spec.kind, residual: spec.residual, elem, rows, cols, eps }));
+            out.add(norm(&NormConfig {
+                kind: spec.kind,
+                residual: spec.residual,
+                elem,
+                rows,
+                cols,
+                eps,
+            }));
         }
         Op::Gemm(spec) => {
             let x = dims(arg(0))?;
@@ -160,7 +177,14 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered) -> Option<()> {
             }
             if let Some(p) = &spec.prologue {
                 // The tensor-core prologue is future work: the norm runs as its own kernel.
-                let cfg = NormConfig { kind: p.kind, residual: false, elem, rows: m, cols: k, eps: p.eps as f32 };
+                let cfg = NormConfig {
+                    kind: p.kind,
+                    residual: false,
+                    elem,
+                    rows: m,
+                    cols: k,
+                    eps: p.eps as f32,
+                };
                 out.add(norm(&cfg));
             }
             out.add(gemm(&GemmConfig {
@@ -215,7 +239,12 @@ fn attention_shape(g: &Graph, id: NodeId) -> Option<(u32, u32, u32, u32, u32, u3
     Some((q[0], q[1], k[1], q[2], k[2], q[3]))
 }
 
-fn lower_attention(g: &Graph, id: NodeId, spec: &AttentionSpec, elem: Elem) -> Option<GeneratedKernel> {
+fn lower_attention(
+    g: &Graph,
+    id: NodeId,
+    spec: &AttentionSpec,
+    elem: Elem,
+) -> Option<GeneratedKernel> {
     let node = g.node(id);
     let (batch, heads, kv_heads, q_len, kv_len, head_dim) = attention_shape(g, id)?;
     let (qs, qo) = head_strides(g, node.args[0])?;
@@ -224,7 +253,9 @@ fn lower_attention(g: &Graph, id: NodeId, spec: &AttentionSpec, elem: Elem) -> O
     // The element offsets are applied to the pointers at launch; the tensor-core kernel's 16-byte
     // copies need them to be multiples of 8 elements.
     let keys = if spec.causal {
-        KeyRule::Causal { window: spec.window.map(|w| w as u32) }
+        KeyRule::Causal {
+            window: spec.window.map(|w| w as u32),
+        }
     } else {
         KeyRule::All
     };
@@ -261,7 +292,11 @@ fn lower_decode(
     let (qs, _) = head_strides(g, node.args[0])?;
     let (ks, _) = head_strides(g, node.args[1])?;
     let (vs, _) = head_strides(g, node.args[2])?;
-    let splits = if kv_len >= SPLIT_CONTEXT { DECODE_SPLITS } else { 1 };
+    let splits = if kv_len >= SPLIT_CONTEXT {
+        DECODE_SPLITS
+    } else {
+        1
+    };
     let cfg = AttentionConfig {
         batch,
         heads,
@@ -270,13 +305,20 @@ fn lower_decode(
         kv_len,
         head_dim,
         scale: spec.scale as f32,
-        keys: KeyRule::Position { window: spec.window.map(|w| w as u32) },
+        keys: KeyRule::Position {
+            window: spec.window.map(|w| w as u32),
+        },
         padding: false,
         rope: spec.rope.is_some(),
         rope_k: false,
         dropout: None,
         elem,
-        strides: [qs, ks, vs, [q_len * heads * head_dim, head_dim, heads * head_dim]],
+        strides: [
+            qs,
+            ks,
+            vs,
+            [q_len * heads * head_dim, head_dim, heads * head_dim],
+        ],
         splits,
     };
     Some((cfg, splits > 1))

@@ -11,7 +11,7 @@ use kiln_ir::DType;
 
 /// The PTX ISA version kiln emits.
 pub const PTX_VERSION: &str = "8.5";
-/// The GPU kiln targets.
+/// The GPU kiln targets (Hopper); `module_for` also writes `sm_80` modules.
 pub const TARGET: &str = "sm_90";
 
 /// A register class.
@@ -622,7 +622,13 @@ impl Operand for Bracket {
 
 /// A PTX module: the header and its kernels.
 pub fn module(kernels: &[String]) -> String {
-    let mut out = format!(".version {PTX_VERSION}\n.target {TARGET}\n.address_size 64\n\n");
+    module_for(TARGET, kernels)
+}
+
+/// A PTX module for another target. The generated kernels use nothing newer than sm_80 (Ampere:
+/// `cp.async`, `ldmatrix`, `mma.sync` with bf16), so `sm_80` modules assemble too.
+pub fn module_for(target: &str, kernels: &[String]) -> String {
+    let mut out = format!(".version {PTX_VERSION}\n.target {target}\n.address_size 64\n\n");
     for k in kernels {
         out.push_str(k);
         out.push('\n');

@@ -1036,7 +1036,11 @@ fn kv_cache_writes_match_the_interpreter() {
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng(0x1111_2222_3333_4444);
     for elem in ELEMS {
-        for (new_len, capacity, head_dim, rope) in [(1u32, 4097u32, 64u32, true), (5, 300, 16, false), (17, 64, 128, true)] {
+        for (new_len, capacity, head_dim, rope) in [
+            (1u32, 4097u32, 64u32, true),
+            (5, 300, 16, false),
+            (17, 64, 128, true),
+        ] {
             let (b, kvh) = (2usize, 2usize);
             let (s, t, d) = (new_len as usize, capacity as usize, head_dim as usize);
             let cache = rng.values(b * kvh * t * d, 1.0, elem);
@@ -1061,7 +1065,11 @@ fn kv_cache_writes_match_the_interpreter() {
             };
             let kernel = kv_write(&cfg);
             let bc = gpu.upload(elem, &cache);
-            let (bn, bp, bm) = (gpu.upload(elem, &new), gpu.upload_i64(&positions), gpu.upload_i64(&mask));
+            let (bn, bp, bm) = (
+                gpu.upload(elem, &new),
+                gpu.upload_i64(&positions),
+                gpu.upload_i64(&mask),
+            );
             let (tc, ts) = (gpu.upload(Elem::F32, &cos), gpu.upload(Elem::F32, &sin));
             let args = BTreeMap::from([
                 ("cache", Arg::Buf(&bc)),
@@ -1074,12 +1082,31 @@ fn kv_cache_writes_match_the_interpreter() {
             gpu.launch(&kernel, &args);
             // Reference: CacheWrite(cache, [Rope](new, positions), positions, mask).
             let mut g = Graph::new();
-            let ci = g.input("cache", DType::F32, [b, kvh, t, d].iter().map(|&v| Dim::from(v)).collect()).unwrap();
-            let ni = g.input("new", DType::F32, [b, kvh, s, d].iter().map(|&v| Dim::from(v)).collect()).unwrap();
-            let pi = g.input("pos", DType::I64, vec![Dim::from(b), Dim::from(s)]).unwrap();
-            let mi = g.input("mask", DType::I64, vec![Dim::from(b), Dim::from(s)]).unwrap();
+            let ci = g
+                .input(
+                    "cache",
+                    DType::F32,
+                    [b, kvh, t, d].iter().map(|&v| Dim::from(v)).collect(),
+                )
+                .unwrap();
+            let ni = g
+                .input(
+                    "new",
+                    DType::F32,
+                    [b, kvh, s, d].iter().map(|&v| Dim::from(v)).collect(),
+                )
+                .unwrap();
+            let pi = g
+                .input("pos", DType::I64, vec![Dim::from(b), Dim::from(s)])
+                .unwrap();
+            let mi = g
+                .input("mask", DType::I64, vec![Dim::from(b), Dim::from(s)])
+                .unwrap();
             let values = if rope {
-                let op = Op::Rope { theta: 10000.0, scaling: kiln_ir::RopeScaling::Default };
+                let op = Op::Rope {
+                    theta: 10000.0,
+                    scaling: kiln_ir::RopeScaling::Default,
+                };
                 g.add(op, &[ni, pi]).unwrap()
             } else {
                 ni
@@ -1087,9 +1114,18 @@ fn kv_cache_writes_match_the_interpreter() {
             let w = g.add(Op::CacheWrite, &[ci, values, pi, mi]).unwrap();
             g.set_output("out", w).unwrap();
             let inputs = BTreeMap::from([
-                ("cache".to_string(), Tensor::f32(vec![b, kvh, t, d], cache.clone())),
-                ("new".to_string(), Tensor::f32(vec![b, kvh, s, d], new.clone())),
-                ("pos".to_string(), Tensor::i64(vec![b, s], positions.clone())),
+                (
+                    "cache".to_string(),
+                    Tensor::f32(vec![b, kvh, t, d], cache.clone()),
+                ),
+                (
+                    "new".to_string(),
+                    Tensor::f32(vec![b, kvh, s, d], new.clone()),
+                ),
+                (
+                    "pos".to_string(),
+                    Tensor::i64(vec![b, s], positions.clone()),
+                ),
                 ("mask".to_string(), Tensor::i64(vec![b, s], mask.clone())),
             ]);
             let weights = BTreeMap::<String, Arc<Tensor>>::new();
@@ -1099,7 +1135,12 @@ fn kv_cache_writes_match_the_interpreter() {
                 .iter()
                 .map(|v| round(elem, *v))
                 .collect();
-            check(&format!("{} b={b}", kernel.name), elem, &gpu.download(elem, &bc), &want);
+            check(
+                &format!("{} b={b}", kernel.name),
+                elem,
+                &gpu.download(elem, &bc),
+                &want,
+            );
         }
     }
 }

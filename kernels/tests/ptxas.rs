@@ -1,5 +1,5 @@
 //! Every kernel of the catalog assembles for sm_90 with ptxas (`-v`), without spills, and the
-//! GEMM kernels without a stack frame. ptxas comes from `$KILN_PTXAS`, PATH, or
+//! GEMM and attention kernels without a stack frame; the whole catalog also assembles for sm_80. ptxas comes from `$KILN_PTXAS`, PATH, or
 //! `scripts/fetch-ptxas` (the PyPI wheel of CUDA 13.0); CI installs it. Without one the test says
 //! so and passes, as a GPU test without a GPU does.
 
@@ -62,4 +62,29 @@ fn every_kernel_assembles_without_spills() {
         table.push(format!("{:<48} {registers:>4} registers", kernel.name));
     }
     println!("{}", table.join("\n"));
+}
+
+/// The same kernels as one sm_80 (Ampere) module: nothing in them needs Hopper.
+#[test]
+fn every_kernel_assembles_for_sm_80() {
+    let Some(ptxas) = ptxas() else {
+        println!("SKIPPED: no ptxas");
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let texts: Vec<String> = catalog().into_iter().map(|(_, k)| k.ptx).collect();
+    let src = tmp.path().join("all.ptx");
+    std::fs::write(&src, kiln_kernels::ptx::module_for("sm_80", &texts)).unwrap();
+    let out = Command::new(&ptxas)
+        .arg("-arch=sm_80")
+        .arg(&src)
+        .arg("-o")
+        .arg(tmp.path().join("all.cubin"))
+        .output()
+        .expect("ptxas runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

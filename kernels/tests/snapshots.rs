@@ -95,3 +95,29 @@ fn attention_gqa_causal_rope_dropout_bf16() {
     cfg.strides = cfg.contiguous_strides();
     insta::assert_snapshot!(attention(&cfg).module());
 }
+
+#[test]
+fn attention_tensor_cores_bf16_d64_causal() {
+    use kiln_kernels::attention::{attention, AttentionConfig, KeyRule};
+    let mut cfg = AttentionConfig {
+        batch: 1,
+        heads: 2,
+        kv_heads: 1,
+        q_len: 64,
+        kv_len: 64,
+        head_dim: 64,
+        scale: 0.125,
+        keys: KeyRule::Causal { window: None },
+        padding: false,
+        rope: false,
+        rope_k: false,
+        dropout: None,
+        elem: Elem::BF16,
+        strides: [[0; 3]; 4],
+        splits: 1,
+    };
+    cfg.strides = cfg.contiguous_strides();
+    let k = attention(&cfg);
+    assert!(k.name.ends_with("_tc"), "the tensor-core path: {}", k.name);
+    insta::assert_snapshot!(k.module());
+}

@@ -37,6 +37,13 @@ fn compile_writes_plan_buckets_and_report() {
         printed.contains("6 prefill + 2 decode buckets"),
         "{printed}"
     );
+    // Every kernel node of every bucket lowers to a generated kernel, and kernels.ptx holds them
+    // (assembled to kernels.sm_90.cubin when a ptxas is found).
+    let ptx = std::fs::read_to_string(out.join("kernels.ptx")).unwrap();
+    assert!(ptx.starts_with(".version") && ptx.matches(".visible .entry").count() > 10);
+    if kiln_compiler::cli::find_ptxas().is_some() {
+        assert!(out.join("kernels.sm_90.cubin").is_file());
+    }
     let plan = std::fs::read_to_string(out.join("plan.ron")).unwrap();
     for needle in [
         "architecture: \"GPT2LMHeadModel\"",
@@ -70,6 +77,15 @@ fn compile_writes_plan_buckets_and_report() {
         assert!(!kernel[field].is_null(), "kernel field {field}: {kernel}");
     }
     assert!(r["rules"]["attention-masked"].as_u64().unwrap() > 0);
+    assert!(r["ptx_kernels"].as_u64().unwrap() > 10);
+    for b in r["buckets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(r["decode_buckets"].as_array().unwrap())
+    {
+        assert_eq!(b["no_ptx"].as_array().unwrap().len(), 0, "{b}");
+    }
     assert!(r["egraph"]
         .as_array()
         .unwrap()
