@@ -232,71 +232,22 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered) -> Option<()> {
     Some(())
 }
 
-fn attention_shape(g: &Graph, id: NodeId) -> Option<(u32, u32, u32, u32, u32, u32)> {
+/// The configuration every attention kernel of node `id` shares: shapes, the q/k/v layouts read
+/// in place, the `[B, S, H, D]` output layout, and the q/k/v element offsets. The caller sets the
+/// key rule and the features.
+fn base_config(
+    g: &Graph,
+    id: NodeId,
+    scale: f64,
+    elem: Elem,
+) -> Option<(AttentionConfig, [u32; 3])> {
     let node = g.node(id);
     let q = dims(g.ty(node.args[0]))?;
     let k = dims(g.ty(node.args[1]))?;
-    Some((q[0], q[1], k[1], q[2], k[2], q[3]))
-}
-
-fn lower_attention(
-    g: &Graph,
-    id: NodeId,
-    spec: &AttentionSpec,
-    elem: Elem,
-) -> Option<GeneratedKernel> {
-    let node = g.node(id);
-    let (batch, heads, kv_heads, q_len, kv_len, head_dim) = attention_shape(g, id)?;
+    let (batch, heads, kv_heads, q_len, kv_len, head_dim) = (q[0], q[1], k[1], q[2], k[2], q[3]);
     let (qs, qo) = head_strides(g, node.args[0])?;
     let (ks, ko) = head_strides(g, node.args[1])?;
     let (vs, vo) = head_strides(g, node.args[2])?;
-    // The element offsets are applied to the pointers at launch; the tensor-core kernel's 16-byte
-    // copies need them to be multiples of 8 elements.
-    let keys = if spec.causal {
-        KeyRule::Causal {
-            window: spec.window.map(|w| w as u32),
-        }
-    } else {
-        KeyRule::All
-    };
-    let out_strides = [q_len * heads * head_dim, head_dim, heads * head_dim];
-    let aligned = [qo, ko, vo].iter().all(|o| o % 8 == 0);
-    let generate = if aligned { attention } else { attention_simt };
-    Some(generate(&AttentionConfig {
-        batch,
-        heads,
-        kv_heads,
-        q_len,
-        kv_len,
-        head_dim,
-        scale: spec.scale as f32,
-        keys,
-        padding: spec.padding,
-        rope: spec.rope.is_some(),
-        rope_k: spec.rope.is_some(),
-        dropout: spec.dropout.map(|(p, s)| (p as f32, s)),
-        elem,
-        strides: [qs, ks, vs, out_strides],
-        splits: 1,
-    }))
-}
-
-fn lower_decode(
-    g: &Graph,
-    id: NodeId,
-    spec: &DecodeAttentionSpec,
-    elem: Elem,
-) -> Option<(AttentionConfig, bool)> {
-    let node = g.node(id);
-    let (batch, heads, kv_heads, q_len, kv_len, head_dim) = attention_shape(g, id)?;
-    let (qs, _) = head_strides(g, node.args[0])?;
-    let (ks, _) = head_strides(g, node.args[1])?;
-    let (vs, _) = head_strides(g, node.args[2])?;
-    let splits = if kv_len >= SPLIT_CONTEXT {
-        DECODE_SPLITS
-    } else {
-        1
-    };
     let cfg = AttentionConfig {
         batch,
         heads,
@@ -304,12 +255,10 @@ fn lower_decode(
         q_len,
         kv_len,
         head_dim,
-        scale: spec.scale as f32,
-        keys: KeyRule::Position {
-            window: spec.window.map(|w| w as u32),
-        },
+        scale: scale as f32,
+        keys: KeyRule::All,
         padding: false,
-        rope: spec.rope.is_some(),
+        rope: false,
         rope_k: false,
         dropout: None,
         elem,
@@ -319,7 +268,51 @@ fn lower_decode(
             vs,
             [q_len * heads * head_dim, head_dim, heads * head_dim],
         ],
-        splits,
+        splits: 1,
     };
-    Some((cfg, splits > 1))
+    Some((cfg, [qo, ko, vo]))
+}
+
+fn lower_attention(
+    g: &Graph,
+    id: NodeId,
+    spec: &AttentionSpec,
+    elem: Elem,
+) -> Option<GeneratedKernel> {
+    let (mut cfg, offsets) = base_config(g, id, spec.scale, elem)?;
+    if spec.causal {
+        cfg.keys = KeyRule::Causal {
+            window: spec.window.map(|w| w as u32),
+        };
+    }
+    cfg.padding = spec.padding;
+    cfg.rope = spec.rope.is_some();
+    cfg.rope_k = spec.rope.is_some();
+    cfg.dropout = spec.dropout.map(|(p, s)| (p as f32, s));
+    // The element offsets are applied to the pointers at launch; the tensor-core kernel's 16-byte
+    // copies need them to be multiples of 8 elements.
+    if offsets.iter().all(|o| o % 8 == 0) {
+        Some(attention(&cfg))
+    } else {
+        Some(attention_simt(&cfg))
+    }
+}
+
+fn lower_decode(
+    g: &Graph,
+    id: NodeId,
+    spec: &DecodeAttentionSpec,
+    elem: Elem,
+) -> Option<(AttentionConfig, bool)> {
+    let (mut cfg, _) = base_config(g, id, spec.scale, elem)?;
+    cfg.keys = KeyRule::Position {
+        window: spec.window.map(|w| w as u32),
+    };
+    cfg.rope = spec.rope.is_some();
+    cfg.splits = if cfg.kv_len >= SPLIT_CONTEXT {
+        DECODE_SPLITS
+    } else {
+        1
+    };
+    Some((cfg.clone(), cfg.splits > 1))
 }
