@@ -7,7 +7,8 @@
 //! - [`kernel`]: the kernel ops the compiler extracts, each defined by its decomposition;
 //! - [`interp`]: the reference interpreter, the definition of every op;
 //! - [`philox`]: Philox-4x32-10 and the dropout mask every backend shares;
-//! - [`rope`]: rotary embedding frequencies.
+//! - [`rope`]: rotary embedding frequencies;
+//! - [`io`]: tensors to and from safetensors files, written beside their destination and renamed.
 //!
 //! This crate depends on nothing else of kiln's.
 
@@ -15,6 +16,7 @@ pub mod dim;
 pub mod dtype;
 pub mod graph;
 pub mod interp;
+pub mod io;
 pub mod kernel;
 pub mod op;
 pub mod philox;
