@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Result};
 use clap::{Parser, Subcommand};
 use kiln_ir::dim::{BATCH, SEQ};
-use kiln_ir::{DType, Tensor};
+use kiln_ir::{artifact, DType, Tensor};
 use kiln_models::inputs::TokenBatch;
 use kiln_models::{ImportOptions, ModelKind};
 
@@ -253,7 +253,15 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 .stage_seconds
                 .insert("import".into(), import_seconds);
             let start = std::time::Instant::now();
-            write_plan(out_dir, &model.architecture, &plan, &compiled, &buckets)?;
+            write_artifact(
+                out_dir,
+                &model,
+                &plan,
+                &compiled,
+                &buckets,
+                !*no_weights,
+                dtype,
+            )?;
             compiled
                 .stage_seconds
                 .insert("write".into(), start.elapsed().as_secs_f64());
@@ -454,35 +462,17 @@ fn read_histogram(path: &Path) -> Result<BTreeMap<usize, u64>> {
     Ok(h)
 }
 
-/// The plan file `kiln compile` writes: the bucket table and each bucket's kernels.
-#[derive(serde::Serialize)]
-struct PlanFile<'a> {
-    format: u32,
-    compiler: &'static str,
-    architecture: &'a str,
-    seq_buckets: &'a [usize],
-    batch_buckets: &'a [usize],
-    max_context: Option<usize>,
-    buckets: Vec<PlanBucket>,
-    decode_buckets: Vec<PlanBucket>,
-}
-
-#[derive(serde::Serialize)]
-struct PlanBucket {
-    batch: usize,
-    seq: usize,
-    graph: String,
-    kernels: Vec<String>,
-}
-
-/// Writes `plan.ron` and `buckets/prefill-b{B}-s{S}.ron` into a fresh folder beside `out_dir`,
-/// then moves it into place, so a failure leaves nothing half-written.
-fn write_plan(
+/// Writes the artifact (`manifest.ron`, `buckets/*.ron`, `kernels.ptx` and the cubin,
+/// `weights.safetensors`, `tokenizer.json`, `checksums`) into a fresh folder beside `out_dir`,
+/// then swaps it into place, so a failure leaves nothing half-written.
+fn write_artifact(
     out_dir: &Path,
-    architecture: &str,
+    model: &kiln_models::Model,
     plan: &BucketPlan,
     report: &CompileReport,
     compiled: &Compiled,
+    with_weights: bool,
+    dtype: DType,
 ) -> Result<()> {
     // A path without a final name (`.`, `..`, `dir/..`) is resolved first, so that the temporary
     // and backup folders are siblings of the output, never inside it.
@@ -497,7 +487,7 @@ fn write_plan(
     } else {
         out_dir
     };
-    if out_dir.exists() && !out_dir.join("plan.ron").is_file() {
+    if out_dir.exists() && !out_dir.join(artifact::MANIFEST).is_file() {
         let empty = out_dir
             .read_dir()
             .map(|mut d| d.next().is_none())
@@ -531,9 +521,10 @@ fn write_plan(
             for (b, r) in buckets.iter().zip(reports) {
                 let file = format!("buckets/{kind}-{}.ron", b.bucket.label());
                 std::fs::write(tmp.join(&file), b.graph.to_ron())?;
-                entries.push(PlanBucket {
+                entries.push(artifact::BucketEntry {
                     batch: b.bucket.batch,
                     seq: b.bucket.seq,
+                    context: b.context,
                     graph: file,
                     kernels: r.kernels.iter().map(|k| k.name.clone()).collect(),
                 });
@@ -542,19 +533,75 @@ fn write_plan(
         };
         let entries = write("prefill", &compiled.prefill, &report.buckets)?;
         let decode_entries = write("decode", &compiled.decode, &report.decode_buckets)?;
-        let file = PlanFile {
-            format: 1,
-            compiler: env!("CARGO_PKG_VERSION"),
-            architecture,
-            seq_buckets: &plan.seq_lens,
-            batch_buckets: &plan.batch_sizes,
-            max_context: compiled.decode.first().and_then(|b| b.context),
-            buckets: entries,
-            decode_buckets: decode_entries,
+        let cubin = write_kernels(&tmp, compiled)?;
+        let weights = if with_weights {
+            write_weights(&tmp, model, compiled)?;
+            Some(WEIGHTS.to_string())
+        } else {
+            None
         };
-        let text = ron::ser::to_string_pretty(&file, ron::ser::PrettyConfig::new())?;
-        std::fs::write(tmp.join("plan.ron"), text)?;
-        write_kernels(&tmp, compiled)?;
+        let tokenizer_src = model.checkpoint.dir().join(TOKENIZER);
+        let tokenizer = if tokenizer_src.is_file() {
+            std::fs::copy(&tokenizer_src, tmp.join(TOKENIZER))?;
+            Some(TOKENIZER.to_string())
+        } else {
+            None
+        };
+        let (decoder, vocab_size, max_positions) = match model.kind {
+            ModelKind::Decoder {
+                vocab_size,
+                max_positions,
+            } => (true, vocab_size, max_positions),
+            ModelKind::Encoder {
+                vocab_size,
+                max_positions,
+                ..
+            } => (false, vocab_size, Some(max_positions)),
+        };
+        let manifest = artifact::Manifest {
+            format_version: artifact::FORMAT_VERSION,
+            compiler_version: env!("CARGO_PKG_VERSION").to_string(),
+            architecture: model.architecture.clone(),
+            model: artifact::ModelSummary {
+                decoder,
+                vocab_size,
+                max_positions,
+                outputs: model
+                    .graph
+                    .outputs()
+                    .iter()
+                    .map(|o| o.name.clone())
+                    .collect(),
+            },
+            dtype,
+            weights,
+            tokenizer,
+            kernels_ptx: KERNELS_PTX.to_string(),
+            kernels_cubin: cubin,
+            seq_buckets: plan.seq_lens.clone(),
+            batch_buckets: plan.batch_sizes.clone(),
+            max_context: compiled.decode.first().and_then(|b| b.context),
+            prefill: entries,
+            decode: decode_entries,
+        };
+        let text = ron::ser::to_string_pretty(&manifest, ron::ser::PrettyConfig::new())?;
+        std::fs::write(tmp.join(artifact::MANIFEST), text)?;
+        // Every file, the manifest included, gets a checksum.
+        let mut files: Vec<String> = vec![artifact::MANIFEST.to_string(), KERNELS_PTX.to_string()];
+        files.extend(manifest.kernels_cubin.iter().cloned());
+        files.extend(manifest.weights.iter().cloned());
+        files.extend(manifest.tokenizer.iter().cloned());
+        files.extend(
+            manifest
+                .prefill
+                .iter()
+                .chain(&manifest.decode)
+                .map(|b| b.graph.clone()),
+        );
+        std::fs::write(
+            tmp.join(artifact::CHECKSUMS),
+            artifact::checksums(&tmp, &files)?,
+        )?;
         // Swap by renames: the old output stays whole until the new one is in place.
         let had_old = out_dir.exists();
         if had_old {
@@ -580,19 +627,44 @@ fn write_plan(
     Ok(())
 }
 
+const KERNELS_PTX: &str = "kernels.ptx";
+const KERNELS_CUBIN: &str = "kernels.sm_90.cubin";
+const WEIGHTS: &str = "weights.safetensors";
+const TOKENIZER: &str = "tokenizer.json";
+
+/// Writes every weight the bucket graphs read, in the compiled dtype, under the checkpoint's names.
+fn write_weights(dir: &Path, model: &kiln_models::Model, compiled: &Compiled) -> Result<()> {
+    use kiln_ir::WeightSource;
+    let mut tensors = BTreeMap::new();
+    for bucket in compiled.prefill.iter().chain(&compiled.decode) {
+        for (_, name, ty) in bucket.graph.weights() {
+            if tensors.contains_key(name) {
+                continue;
+            }
+            let t = model
+                .checkpoint
+                .load(name, ty)
+                .map_err(|e| anyhow::anyhow!("weight `{name}`: {e}"))?;
+            tensors.insert(name.to_string(), t.as_ref().clone());
+        }
+    }
+    write_tensors(&dir.join(WEIGHTS), &tensors)?;
+    Ok(())
+}
+
 /// Writes `kernels.ptx` (every generated kernel) and, when a ptxas is found (`$KILN_PTXAS` or
-/// PATH), `kernels.sm_90.cubin` assembled from it.
-fn write_kernels(dir: &Path, compiled: &Compiled) -> Result<()> {
+/// PATH), `kernels.sm_90.cubin` assembled from it; returns the cubin's name if written.
+fn write_kernels(dir: &Path, compiled: &Compiled) -> Result<Option<String>> {
     let texts: Vec<String> = compiled
         .kernels
         .kernels
         .values()
         .map(|k| k.ptx.clone())
         .collect();
-    let ptx = dir.join("kernels.ptx");
+    let ptx = dir.join(KERNELS_PTX);
     std::fs::write(&ptx, kiln_kernels::ptx::module(&texts))?;
     if let Some(ptxas) = find_ptxas() {
-        let cubin = dir.join("kernels.sm_90.cubin");
+        let cubin = dir.join(KERNELS_CUBIN);
         let out = std::process::Command::new(&ptxas)
             .arg("-arch=sm_90")
             .arg(&ptx)
@@ -608,8 +680,9 @@ fn write_kernels(dir: &Path, compiled: &Compiled) -> Result<()> {
                 .to_string();
             bail!("ptxas rejected kernels.ptx: {first}");
         }
+        return Ok(Some(KERNELS_CUBIN.to_string()));
     }
-    Ok(())
+    Ok(None)
 }
 
 /// `$KILN_PTXAS`, else a `ptxas` on PATH.

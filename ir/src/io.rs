@@ -23,10 +23,14 @@ macro_rules! bail {
 
 /// Reads every tensor of a safetensors file into host tensors.
 pub fn read_tensors(path: &Path) -> Result<BTreeMap<String, Tensor>> {
-    let bytes = std::fs::read(path)
-        .map_err(|e| IoError(format!("cannot read {}: {e}", path.display())))?;
-    let st = SafeTensors::deserialize(&bytes)
-        .map_err(|e| IoError(format!("{} is not a valid safetensors file: {e}", path.display())))?;
+    let bytes =
+        std::fs::read(path).map_err(|e| IoError(format!("cannot read {}: {e}", path.display())))?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| {
+        IoError(format!(
+            "{} is not a valid safetensors file: {e}",
+            path.display()
+        ))
+    })?;
     let mut out = BTreeMap::new();
     for (name, view) in st.tensors() {
         let shape = view.shape().to_vec();

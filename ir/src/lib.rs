@@ -8,10 +8,12 @@
 //! - [`interp`]: the reference interpreter, the definition of every op;
 //! - [`philox`]: Philox-4x32-10 and the dropout mask every backend shares;
 //! - [`rope`]: rotary embedding frequencies;
+//! - [`artifact`]: the compiled artifact's schema (manifest, checksums);
 //! - [`io`]: tensors to and from safetensors files, written beside their destination and renamed.
 //!
 //! This crate depends on nothing else of kiln's.
 
+pub mod artifact;
 pub mod dim;
 pub mod dtype;
 pub mod graph;

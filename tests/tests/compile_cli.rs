@@ -44,7 +44,7 @@ fn compile_writes_plan_buckets_and_report() {
     if kiln_compiler::cli::find_ptxas().is_some() {
         assert!(out.join("kernels.sm_90.cubin").is_file());
     }
-    let plan = std::fs::read_to_string(out.join("plan.ron")).unwrap();
+    let plan = std::fs::read_to_string(out.join("manifest.ron")).unwrap();
     for needle in [
         "architecture: \"GPT2LMHeadModel\"",
         "max_context: Some(200)",
