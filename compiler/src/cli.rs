@@ -366,7 +366,7 @@ fn read_token_batch(path: &Path) -> Result<(TokenBatch, bool)> {
             );
         }
     }
-    Ok(TokenBatch::from_tensors(ids, mask)?)
+    TokenBatch::from_tensors(ids, mask).map_err(anyhow::Error::msg)
 }
 
 fn print_summary(

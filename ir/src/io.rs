@@ -33,48 +33,8 @@ pub fn read_tensors(path: &Path) -> Result<BTreeMap<String, Tensor>> {
     })?;
     let mut out = BTreeMap::new();
     for (name, view) in st.tensors() {
-        let shape = view.shape().to_vec();
-        let data = view.data();
-        let t = match view.dtype() {
-            Dtype::F32 => Tensor::f32(
-                shape,
-                le_chunks::<4>(data).map(f32::from_le_bytes).collect(),
-            ),
-            Dtype::F16 => Tensor::float(
-                DType::F16,
-                shape,
-                le_chunks::<2>(data)
-                    .map(|b| half::f16::from_le_bytes(b).to_f32())
-                    .collect(),
-            ),
-            Dtype::BF16 => Tensor::float(
-                DType::BF16,
-                shape,
-                le_chunks::<2>(data)
-                    .map(|b| half::bf16::from_le_bytes(b).to_f32())
-                    .collect(),
-            ),
-            Dtype::I64 => Tensor::i64(
-                shape,
-                le_chunks::<8>(data).map(i64::from_le_bytes).collect(),
-            ),
-            Dtype::I32 => Tensor::int(
-                DType::I32,
-                shape,
-                le_chunks::<4>(data)
-                    .map(|b| i64::from(i32::from_le_bytes(b)))
-                    .collect(),
-            ),
-            Dtype::BOOL => Tensor::int(
-                DType::Bool,
-                shape,
-                data.iter().map(|&b| i64::from(b != 0)).collect(),
-            ),
-            other => bail!(
-                "{}: tensor `{name}` has dtype {other:?}, which kiln does not read",
-                path.display()
-            ),
-        };
+        let t = view_to_tensor(&name, &view)
+            .map_err(|e| IoError(format!("{}: {e}", path.display())))?;
         out.insert(name, t);
     }
     Ok(out)
@@ -168,4 +128,48 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
         bail!("cannot write {}: {e}", path.display());
     }
     Ok(())
+}
+
+/// One safetensors tensor as a host tensor (f32/f16/bf16 as floats; i64/i32/bool as integers).
+pub fn view_to_tensor(name: &str, view: &safetensors::tensor::TensorView<'_>) -> Result<Tensor> {
+    let shape = view.shape().to_vec();
+    let data = view.data();
+    let t = match view.dtype() {
+        Dtype::F32 => Tensor::f32(
+            shape,
+            le_chunks::<4>(data).map(f32::from_le_bytes).collect(),
+        ),
+        Dtype::F16 => Tensor::float(
+            DType::F16,
+            shape,
+            le_chunks::<2>(data)
+                .map(|b| half::f16::from_le_bytes(b).to_f32())
+                .collect(),
+        ),
+        Dtype::BF16 => Tensor::float(
+            DType::BF16,
+            shape,
+            le_chunks::<2>(data)
+                .map(|b| half::bf16::from_le_bytes(b).to_f32())
+                .collect(),
+        ),
+        Dtype::I64 => Tensor::i64(
+            shape,
+            le_chunks::<8>(data).map(i64::from_le_bytes).collect(),
+        ),
+        Dtype::I32 => Tensor::int(
+            DType::I32,
+            shape,
+            le_chunks::<4>(data)
+                .map(|b| i64::from(i32::from_le_bytes(b)))
+                .collect(),
+        ),
+        Dtype::BOOL => Tensor::int(
+            DType::Bool,
+            shape,
+            data.iter().map(|&b| i64::from(b != 0)).collect(),
+        ),
+        other => bail!("tensor `{name}` has dtype {other:?}, which kiln does not read"),
+    };
+    Ok(t)
 }

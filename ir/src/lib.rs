@@ -8,6 +8,7 @@
 //! - [`interp`]: the reference interpreter, the definition of every op;
 //! - [`philox`]: Philox-4x32-10 and the dropout mask every backend shares;
 //! - [`rope`]: rotary embedding frequencies;
+//! - [`inputs`]: model inputs from token ids (validation, positions), shared by every executor;
 //! - [`artifact`]: the compiled artifact's schema (manifest, checksums);
 //! - [`io`]: tensors to and from safetensors files, written beside their destination and renamed.
 //!
@@ -17,6 +18,7 @@ pub mod artifact;
 pub mod dim;
 pub mod dtype;
 pub mod graph;
+pub mod inputs;
 pub mod interp;
 pub mod io;
 pub mod kernel;

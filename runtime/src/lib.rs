@@ -1,6 +1,33 @@
-//! kiln's runtime (filled by the artifact/runtime issue): it will load and verify a compiled
-//! artifact, allocate one device arena, capture one CUDA graph per bucket at load and replay them,
-//! and provide the `kiln-run` binary.
+//! kiln's runtime: loads and verifies a compiled artifact and runs requests on it; the `kiln-run`
+//! binary.
 //!
-//! Invariant, kept from the first commit: this crate depends on `kiln-ir` (for the artifact schema)
-//! and never on the compiler, egg or cranelift, so that a deployment links the runtime alone.
+//! - [`artifact`]: opening an artifact (checksums and format version verified first);
+//! - [`weights`]: the memory-mapped weights;
+//! - [`forward`]: a request through the smallest prefill bucket that holds it.
+//!
+//! Invariant: this crate depends on `kiln-ir` (for the artifact schema, the input contract and,
+//! until the CPU backend lands, the reference interpreter) and never on the compiler, egg or
+//! cranelift, so that a deployment links the runtime alone. The CUDA executor (graphs captured at
+//! load) is the next step; today requests run on the CPU through the interpreter.
+
+pub mod artifact;
+pub mod forward;
+pub mod weights;
+
+pub use artifact::Artifact;
+
+/// Errors of the runtime, each one line.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    /// An artifact file is missing, corrupt, or of another format.
+    #[error("{file}: {message}")]
+    Artifact {
+        /// The file.
+        file: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// A request does not fit the artifact.
+    #[error("{0}")]
+    Request(String),
+}

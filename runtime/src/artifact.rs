@@ -1,0 +1,99 @@
+//! Opening an artifact: every file's checksum and the format version are verified before anything
+//! else is read, and every error names the file.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use kiln_ir::artifact::{self, Manifest, FORMAT_VERSION};
+use kiln_ir::Graph;
+
+use crate::weights::WeightStore;
+use crate::RuntimeError;
+
+/// A verified artifact: its manifest, its bucket graphs and its weights.
+pub struct Artifact {
+    /// The folder.
+    pub dir: PathBuf,
+    /// The manifest.
+    pub manifest: Manifest,
+    /// Static graphs by file name (relative to the artifact).
+    pub graphs: BTreeMap<String, Graph>,
+    /// The weights, when the artifact has them.
+    pub weights: Option<WeightStore>,
+}
+
+impl Artifact {
+    /// Opens and verifies `dir`.
+    pub fn open(dir: &Path) -> Result<Artifact, RuntimeError> {
+        let bad = |file: &str, message: String| RuntimeError::Artifact {
+            file: dir.join(file).display().to_string(),
+            message,
+        };
+        if !dir.is_dir() {
+            return Err(bad("", "is not an artifact folder".into()));
+        }
+        let sums_text = std::fs::read_to_string(dir.join(artifact::CHECKSUMS))
+            .map_err(|e| bad(artifact::CHECKSUMS, format!("cannot be read: {e}")))?;
+        let sums = artifact::parse_checksums(&sums_text)
+            .ok_or_else(|| bad(artifact::CHECKSUMS, "is malformed".into()))?;
+        for (hash, file) in &sums {
+            let bytes = std::fs::read(dir.join(file))
+                .map_err(|e| bad(file, format!("cannot be read: {e}")))?;
+            if artifact::sha256_hex(&bytes) != *hash {
+                return Err(bad(
+                    file,
+                    "does not match its checksum (corrupt or modified)".into(),
+                ));
+            }
+        }
+        let listed = |f: &str| sums.iter().any(|(_, p)| p == f);
+        let text = std::fs::read_to_string(dir.join(artifact::MANIFEST))
+            .map_err(|e| bad(artifact::MANIFEST, format!("cannot be read: {e}")))?;
+        if !listed(artifact::MANIFEST) {
+            return Err(bad(artifact::MANIFEST, "has no checksum".into()));
+        }
+        // The version first, so that another format is named as such rather than as malformed.
+        #[derive(serde::Deserialize)]
+        struct Version {
+            format_version: u32,
+        }
+        match ron::from_str::<Version>(&text) {
+            Ok(v) if v.format_version == FORMAT_VERSION => {}
+            Ok(v) => {
+                return Err(bad(
+                    artifact::MANIFEST,
+                    format!(
+                        "has format version {}; this runtime reads version {FORMAT_VERSION}",
+                        v.format_version
+                    ),
+                ))
+            }
+            Err(e) => return Err(bad(artifact::MANIFEST, format!("is malformed: {e}"))),
+        }
+        let manifest: Manifest = ron::from_str(&text)
+            .map_err(|e| bad(artifact::MANIFEST, format!("is malformed: {e}")))?;
+        let mut graphs = BTreeMap::new();
+        for entry in manifest.prefill.iter().chain(&manifest.decode) {
+            if !listed(&entry.graph) {
+                return Err(bad(&entry.graph, "has no checksum".into()));
+            }
+            let text = std::fs::read_to_string(dir.join(&entry.graph))
+                .map_err(|e| bad(&entry.graph, format!("cannot be read: {e}")))?;
+            let graph = Graph::from_ron(&text).map_err(|e| bad(&entry.graph, e.to_string()))?;
+            graphs.insert(entry.graph.clone(), graph);
+        }
+        let weights = match &manifest.weights {
+            Some(file) if listed(file) => {
+                Some(WeightStore::open(&dir.join(file)).map_err(|e| bad(file, e))?)
+            }
+            Some(file) => return Err(bad(file, "has no checksum".into())),
+            None => None,
+        };
+        Ok(Artifact {
+            dir: dir.to_path_buf(),
+            manifest,
+            graphs,
+            weights,
+        })
+    }
+}

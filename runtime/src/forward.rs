@@ -1,0 +1,113 @@
+//! A forward request: validated against the model's input contract, padded to the smallest
+//! prefill bucket that holds it (extra batch rows are one-token dummies), run, and cut back to the
+//! request's own rows and tokens. Padding never changes a result (the compiler's tests show it).
+
+use std::collections::BTreeMap;
+
+use kiln_ir::inputs::{model_inputs, InputContract, TokenBatch};
+use kiln_ir::{Data, Tensor};
+
+use crate::{Artifact, RuntimeError};
+
+/// Runs `batch` through the artifact's prefill buckets on the CPU (reference interpreter).
+pub fn forward(
+    art: &Artifact,
+    batch: &TokenBatch,
+) -> Result<BTreeMap<String, Tensor>, RuntimeError> {
+    let weights = art.weights.as_ref().ok_or_else(|| {
+        RuntimeError::Request("the artifact was compiled with --no-weights".into())
+    })?;
+    let m = &art.manifest.model;
+    let contract = InputContract {
+        decoder: m.decoder,
+        vocab_size: m.vocab_size,
+        max_positions: m.max_positions,
+    };
+    // Validate the request as it is, before padding.
+    model_inputs(&contract, batch).map_err(RuntimeError::Request)?;
+    let (b, l) = (batch.ids.len(), batch.ids[0].len());
+    let bucket = art
+        .manifest
+        .prefill
+        .iter()
+        .filter(|e| e.batch >= b && e.seq >= l)
+        .min_by_key(|e| (e.seq, e.batch))
+        .ok_or_else(|| {
+            RuntimeError::Request(format!(
+                "no bucket holds {b} x {l} tokens (sequence buckets {:?}, batch buckets {:?})",
+                art.manifest.seq_buckets, art.manifest.batch_buckets
+            ))
+        })?;
+    let mask = batch.mask.clone().unwrap_or_else(|| vec![vec![1; l]; b]);
+    let pad = |rows: &[Vec<i64>], fill_first: i64| -> Vec<Vec<i64>> {
+        let mut out: Vec<Vec<i64>> = rows
+            .iter()
+            .map(|r| {
+                let mut r = r.clone();
+                r.resize(bucket.seq, 0);
+                r
+            })
+            .collect();
+        while out.len() < bucket.batch {
+            let mut dummy = vec![0; bucket.seq];
+            dummy[0] = fill_first;
+            out.push(dummy);
+        }
+        out
+    };
+    let padded = TokenBatch {
+        ids: pad(&batch.ids, 0),
+        mask: Some(pad(&mask, 1)),
+    };
+    let inputs = model_inputs(&contract, &padded).map_err(RuntimeError::Request)?;
+    let graph = &art.graphs[&bucket.graph];
+    let inputs: BTreeMap<String, Tensor> = graph
+        .inputs()
+        .filter_map(|(_, name, _)| inputs.get(name).map(|t| (name.to_string(), t.clone())))
+        .collect();
+    let outputs = kiln_ir::evaluate(graph, &inputs, weights)
+        .map_err(|e| RuntimeError::Request(format!("evaluation failed: {e}")))?;
+    Ok(outputs
+        .into_iter()
+        .map(|(name, t)| (name, cut(&t, b, l, bucket.seq)))
+        .collect())
+}
+
+/// Keeps the first `b` rows (and, for `[B, S, ..]` tensors, the first `l` tokens).
+fn cut(t: &Tensor, b: usize, l: usize, seq: usize) -> Tensor {
+    let per_row: usize = t.shape[1..].iter().product();
+    let per_token = if t.shape.len() >= 3 && t.shape[1] == seq {
+        per_row / seq
+    } else {
+        0
+    };
+    let mut keep = Vec::new();
+    for r in 0..b {
+        let row = r * per_row;
+        if per_token > 0 {
+            keep.push((row, l * per_token));
+        } else {
+            keep.push((row, per_row));
+        }
+    }
+    let pick = |v: &[f32]| -> Vec<f32> {
+        keep.iter()
+            .flat_map(|&(s, n)| v[s..s + n].to_vec())
+            .collect()
+    };
+    let mut shape = t.shape.clone();
+    shape[0] = b;
+    if per_token > 0 {
+        shape[1] = l;
+    }
+    match &t.data {
+        Data::Float(v) => Tensor::f32(shape, pick(v)).cast(t.dtype),
+        Data::Int(v) => Tensor::int(
+            t.dtype,
+            shape,
+            keep.iter()
+                .flat_map(|&(s, n)| v[s..s + n].to_vec())
+                .collect(),
+        ),
+    }
+}

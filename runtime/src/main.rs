@@ -1,0 +1,92 @@
+//! `kiln-run`: runs compiled kiln artifacts.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use clap::{Parser, Subcommand, ValueEnum};
+use kiln_ir::inputs::TokenBatch;
+use kiln_runtime::{forward::forward, Artifact};
+
+/// kiln-run: runs an artifact compiled by `kiln compile`.
+#[derive(Parser)]
+#[command(name = "kiln-run", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Where requests run.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Device {
+    /// The CPU, through the reference interpreter until the CPU backend lands.
+    Cpu,
+    /// The GPU (the CUDA executor is not in this build yet).
+    Cuda,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// One forward pass: IN holds `input_ids` (i64 [L] or [B, L]) and optionally
+    /// `attention_mask` (i64 [B, L]); OUT gets the model's outputs (`logits`, or
+    /// `last_hidden_state` and `sentence_embedding`).
+    Forward {
+        /// The artifact folder.
+        artifact: PathBuf,
+        /// Input safetensors file.
+        #[arg(long)]
+        input: PathBuf,
+        /// Output safetensors file.
+        #[arg(long)]
+        output: PathBuf,
+        /// Where to run (cpu runs the reference interpreter until the CPU backend lands).
+        #[arg(long, value_enum, default_value_t = Device::Cpu)]
+        device: Device,
+    },
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Forward {
+            artifact,
+            input,
+            output,
+            device,
+        } => {
+            if device == Device::Cuda {
+                bail!("--device cuda: this build has no CUDA executor yet; use --device cpu");
+            }
+            kiln_ir::io::parent_folder(&output)?;
+            let art = Artifact::open(&artifact)?;
+            let tensors = kiln_ir::io::read_tensors(&input)?;
+            if let Some(extra) = tensors
+                .keys()
+                .find(|k| *k != "input_ids" && *k != "attention_mask")
+            {
+                bail!(
+                    "{}: unexpected tensor `{extra}` (expected `input_ids`, `attention_mask`)",
+                    input.display()
+                );
+            }
+            let Some(ids) = tensors.get("input_ids") else {
+                bail!("{} has no `input_ids` tensor", input.display());
+            };
+            let (batch, unbatched) = TokenBatch::from_tensors(ids, tensors.get("attention_mask"))
+                .map_err(anyhow::Error::msg)?;
+            let mut outputs = forward(&art, &batch)?;
+            if unbatched {
+                for t in outputs.values_mut() {
+                    t.shape.remove(0);
+                }
+            }
+            kiln_ir::io::write_tensors(&output, &outputs)?;
+        }
+    }
+    Ok(())
+}
+
+fn main() {
+    if let Err(e) = run(Cli::parse()) {
+        eprintln!("error: {}", format!("{e:#}").replace('\n', " "));
+        std::process::exit(2);
+    }
+}

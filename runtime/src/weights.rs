@@ -1,0 +1,55 @@
+//! The artifact's `weights.safetensors`, memory-mapped and read by name into host tensors.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use kiln_ir::{Tensor, TensorType, WeightSource};
+use memmap2::Mmap;
+use safetensors::SafeTensors;
+
+/// Memory-mapped weights.
+pub struct WeightStore {
+    mmap: Mmap,
+    cache: Mutex<BTreeMap<String, Arc<Tensor>>>,
+}
+
+impl WeightStore {
+    /// Maps `path` and checks that it parses as safetensors.
+    pub fn open(path: &Path) -> Result<WeightStore, String> {
+        let file = std::fs::File::open(path).map_err(|e| format!("cannot be opened: {e}"))?;
+        // SAFETY: read-only mapping of a file whose checksum was just verified; kiln never writes
+        // to an artifact it runs.
+        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| format!("cannot be mapped: {e}"))?;
+        SafeTensors::deserialize(&mmap).map_err(|e| format!("is not valid safetensors: {e}"))?;
+        Ok(WeightStore {
+            mmap,
+            cache: Mutex::new(BTreeMap::new()),
+        })
+    }
+}
+
+impl WeightSource for WeightStore {
+    fn load(&self, name: &str, ty: &TensorType) -> Result<Arc<Tensor>, String> {
+        if let Some(t) = self.cache.lock().map_err(|e| e.to_string())?.get(name) {
+            return Ok(t.clone());
+        }
+        let st = SafeTensors::deserialize(&self.mmap).map_err(|e| e.to_string())?;
+        let view = st
+            .tensor(name)
+            .map_err(|_| format!("no weight `{name}` in the artifact"))?;
+        let values = kiln_ir::io::view_to_tensor(name, &view).map_err(|e| e.to_string())?;
+        if values.dtype != ty.dtype {
+            return Err(format!(
+                "`{name}` is {} in the artifact, the graph reads {}",
+                values.dtype, ty.dtype
+            ));
+        }
+        let t = Arc::new(values);
+        self.cache
+            .lock()
+            .map_err(|e| e.to_string())?
+            .insert(name.to_string(), t.clone());
+        Ok(t)
+    }
+}

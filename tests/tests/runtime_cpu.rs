@@ -1,0 +1,228 @@
+//! Compile -> artifact -> runtime, on the CPU (the reference interpreter until the CPU backend
+//! lands): a verified artifact reproduces the fixtures through its padded buckets, and corrupt or
+//! mismatched artifacts are refused with the file named.
+
+use std::path::Path;
+
+use kiln_ir::inputs::TokenBatch;
+use kiln_runtime::{forward::forward, Artifact};
+use kiln_tests::{cosine, fixture, floats, kiln, minilm_dir, reference, rel_err};
+
+fn compile(model: &Path, out: &Path, extra: &[&str]) {
+    let mut args = vec![
+        "compile",
+        model.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    kiln(&args).unwrap();
+}
+
+#[test]
+fn decoder_artifact_reproduces_reference_logits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("gpt2.kiln");
+    compile(
+        &fixture("gpt2-tiny"),
+        &out,
+        &["--buckets", "16,64,128", "--batch-buckets", "1,4"],
+    );
+    let art = Artifact::open(&out).unwrap();
+    let reference = reference("gpt2-tiny");
+    for l in [1usize, 33, 100] {
+        let ids = reference[&format!("input_ids_{l}")]
+            .as_i64()
+            .unwrap()
+            .to_vec();
+        let out = forward(
+            &art,
+            &TokenBatch {
+                ids: vec![ids],
+                mask: None,
+            },
+        )
+        .unwrap();
+        assert_eq!(out["logits"].shape, vec![1, l, 512]);
+        let err = rel_err(
+            floats(&out["logits"]),
+            floats(&reference[&format!("logits_{l}")]),
+        );
+        assert!(err < 1e-4, "L={l}: relative error {err:e}");
+    }
+    // Two prompts of different lengths in a batch bucket of 4 (two dummy rows).
+    let a = reference["batch_a"].as_i64().unwrap().to_vec();
+    let b = reference["batch_b"].as_i64().unwrap().to_vec();
+    let out = forward(&art, &TokenBatch::padded(&[a.clone(), b.clone()], 0)).unwrap();
+    let logits = floats(&out["logits"]);
+    for (row, (len, key)) in [
+        (a.len(), "batch_a_last_logits"),
+        (b.len(), "batch_b_last_logits"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let at = (row * a.len() + len - 1) * 512;
+        let err = rel_err(&logits[at..at + 512], floats(&reference[key]));
+        assert!(err < 1e-4, "{key}: relative error {err:e}");
+    }
+    let err = forward(
+        &art,
+        &TokenBatch {
+            ids: vec![vec![1; 129]],
+            mask: None,
+        },
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(err.contains("no bucket holds 1 x 129 tokens"), "{err}");
+}
+
+#[test]
+fn encoder_artifacts_reproduce_references() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (dir, name) in [
+        (fixture("bert-tiny"), "bert-tiny"),
+        (minilm_dir(), "minilm-reference"),
+    ] {
+        let out = tmp.path().join(format!("{name}.kiln"));
+        compile(&dir, &out, &["--buckets", "32", "--batch-buckets", "4"]);
+        let art = Artifact::open(&out).unwrap();
+        let reference = reference(name);
+        let len = reference["input_ids"].shape[1];
+        let rows = |t: &kiln_ir::Tensor| {
+            t.as_i64()
+                .unwrap()
+                .chunks(len)
+                .map(<[i64]>::to_vec)
+                .collect::<Vec<_>>()
+        };
+        let batch = TokenBatch {
+            ids: rows(&reference["input_ids"]),
+            mask: Some(rows(&reference["attention_mask"])),
+        };
+        let out = forward(&art, &batch).unwrap();
+        let (got, want) = (&out["last_hidden_state"], &reference["last_hidden_state"]);
+        assert_eq!(got.shape, want.shape);
+        let mask = reference["attention_mask"].as_i64().unwrap();
+        let hidden = want.shape[2];
+        let (mut diff, mut scale) = (0f64, 0f64);
+        for (i, &m) in mask.iter().enumerate() {
+            if m == 1 {
+                for j in i * hidden..(i + 1) * hidden {
+                    diff = diff.max(f64::from((floats(got)[j] - floats(want)[j]).abs()));
+                    scale = scale.max(f64::from(floats(want)[j].abs()));
+                }
+            }
+        }
+        assert!(
+            diff / scale < 1e-4,
+            "{name}: relative error {:e}",
+            diff / scale
+        );
+        if let Some(want) = reference.get("sentence_embedding") {
+            let got = &out["sentence_embedding"];
+            let dim = want.shape[1];
+            for i in 0..want.shape[0] {
+                let c = cosine(
+                    &floats(got)[i * dim..(i + 1) * dim],
+                    &floats(want)[i * dim..(i + 1) * dim],
+                );
+                assert!(c >= 0.99999, "{name} sentence {i}: cosine {c}");
+            }
+        }
+    }
+}
+
+#[test]
+fn corrupt_artifacts_are_refused_naming_the_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let good = tmp.path().join("good.kiln");
+    compile(&fixture("llama-tiny"), &good, &["--buckets", "16"]);
+    let copy = |name: &str| {
+        let dst = tmp.path().join(name);
+        std::fs::create_dir_all(dst.join("buckets")).unwrap();
+        for entry in walk(&good) {
+            let rel = entry.strip_prefix(&good).unwrap();
+            std::fs::copy(&entry, dst.join(rel)).unwrap();
+        }
+        dst
+    };
+    let refuse = |dir: &Path, needle: &str| {
+        let err = Artifact::open(dir).err().expect("refused").to_string();
+        assert!(err.contains(needle), "expected {needle:?} in {err:?}");
+    };
+
+    let flipped = copy("flipped.kiln");
+    let weights = flipped.join("weights.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 0x40;
+    std::fs::write(&weights, bytes).unwrap();
+    refuse(&flipped, "weights.safetensors: does not match its checksum");
+
+    let truncated = copy("truncated.kiln");
+    let graph = truncated.join("buckets/prefill-b1-s16.ron");
+    let text = std::fs::read(&graph).unwrap();
+    std::fs::write(&graph, &text[..text.len() / 2]).unwrap();
+    refuse(
+        &truncated,
+        "prefill-b1-s16.ron: does not match its checksum",
+    );
+
+    let missing = copy("missing.kiln");
+    std::fs::remove_file(missing.join("kernels.ptx")).unwrap();
+    refuse(&missing, "kernels.ptx: cannot be read");
+
+    // Another format version, with the checksums updated so that only the version differs.
+    let version = copy("version.kiln");
+    let manifest = version.join("manifest.ron");
+    let text = std::fs::read_to_string(&manifest).unwrap().replacen(
+        "format_version: 1",
+        "format_version: 99",
+        1,
+    );
+    std::fs::write(&manifest, &text).unwrap();
+    let sums = std::fs::read_to_string(version.join("checksums")).unwrap();
+    let fixed: String = sums
+        .lines()
+        .map(|l| {
+            if l.ends_with("  manifest.ron") {
+                format!(
+                    "{}  manifest.ron\n",
+                    kiln_ir::artifact::sha256_hex(text.as_bytes())
+                )
+            } else {
+                format!("{l}\n")
+            }
+        })
+        .collect();
+    std::fs::write(version.join("checksums"), fixed).unwrap();
+    refuse(
+        &version,
+        "manifest.ron: has format version 99; this runtime reads version 1",
+    );
+
+    let no_sums = copy("nosums.kiln");
+    std::fs::remove_file(no_sums.join("checksums")).unwrap();
+    refuse(&no_sums, "checksums: cannot be read");
+
+    assert!(
+        Artifact::open(&good).is_ok(),
+        "the untouched artifact still opens"
+    );
+}
+
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let p = entry.unwrap().path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
