@@ -30,7 +30,10 @@ impl Artifact {
             message,
         };
         if !dir.is_dir() {
-            return Err(bad("", "is not an artifact folder".into()));
+            return Err(RuntimeError::Artifact {
+                file: dir.display().to_string(),
+                message: "is not an artifact folder".into(),
+            });
         }
         let sums_text = std::fs::read_to_string(dir.join(artifact::CHECKSUMS))
             .map_err(|e| bad(artifact::CHECKSUMS, format!("cannot be read: {e}")))?;

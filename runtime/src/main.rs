@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use kiln_ir::inputs::TokenBatch;
+use kiln_runtime::generate::{generate, Sampling};
 use kiln_runtime::{forward::forward, Artifact};
 
 /// kiln-run: runs an artifact compiled by `kiln compile`.
@@ -38,6 +39,35 @@ enum Command {
         /// Output safetensors file.
         #[arg(long)]
         output: PathBuf,
+        /// Where to run (cpu runs the reference interpreter until the CPU backend lands).
+        #[arg(long, value_enum, default_value_t = Device::Cpu)]
+        device: Device,
+    },
+    /// Generate tokens after a prompt through the decode graph and its KV cache (batch 1).
+    Generate {
+        /// The artifact folder.
+        artifact: PathBuf,
+        /// The prompt's token ids, comma-separated.
+        #[arg(long, value_delimiter = ',', required = true)]
+        prompt_ids: Vec<i64>,
+        /// How many tokens to generate.
+        #[arg(long)]
+        max_new_tokens: usize,
+        /// 0 (the default) is greedy; otherwise logits are divided by it before sampling.
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f32,
+        /// Keep the k largest logits (0 keeps all).
+        #[arg(long, default_value_t = 0)]
+        top_k: usize,
+        /// Keep the smallest set of largest logits with this much of the mass (1 keeps all).
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f32,
+        /// Seed of the sampling stream.
+        #[arg(long, default_value_t = 0)]
+        seed: i64,
+        /// Print JSON (`{"tokens": [...]}`) instead of space-separated ids.
+        #[arg(long)]
+        json: bool,
         /// Where to run (cpu runs the reference interpreter until the CPU backend lands).
         #[arg(long, value_enum, default_value_t = Device::Cpu)]
         device: Device,
@@ -79,6 +109,43 @@ fn run(cli: Cli) -> Result<()> {
                 }
             }
             kiln_ir::io::write_tensors(&output, &outputs)?;
+        }
+        Command::Generate {
+            artifact,
+            prompt_ids,
+            max_new_tokens,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            json,
+            device,
+        } => {
+            if device == Device::Cuda {
+                bail!("--device cuda: this build has no CUDA executor yet; use --device cpu");
+            }
+            if temperature.is_nan()
+                || temperature < 0.0
+                || top_p.is_nan()
+                || top_p <= 0.0
+                || top_p > 1.0
+            {
+                bail!("--temperature must be >= 0 and --top-p in (0, 1]");
+            }
+            let art = Artifact::open(&artifact)?;
+            let sampling = Sampling {
+                temperature,
+                top_k,
+                top_p,
+                seed,
+            };
+            let tokens = generate(&art, &prompt_ids, max_new_tokens, &sampling)?;
+            let ids: Vec<String> = tokens.iter().map(i64::to_string).collect();
+            if json {
+                println!("{{\"tokens\": [{}]}}", ids.join(", "));
+            } else {
+                println!("{}", ids.join(" "));
+            }
         }
     }
     Ok(())
