@@ -90,6 +90,12 @@ pub enum Command {
         #[arg(long)]
         max_context: Option<usize>,
     },
+    /// Print a readable summary of a compiled artifact (verified first): buckets, kernels per
+    /// bucket, files.
+    Inspect {
+        /// The artifact folder written by `kiln compile`.
+        artifact: PathBuf,
+    },
     /// Run a checkpoint with the reference interpreter (f32 storage, f64 accumulation).
     Eval {
         /// Checkpoint folder (config.json + safetensors).
@@ -293,6 +299,59 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 compiled.stage_seconds["total"],
                 per_bucket.join(", ")
             )?;
+        }
+        Command::Inspect { artifact } => {
+            let art = kiln_runtime::Artifact::open(artifact)?;
+            let m = &art.manifest;
+            writeln!(
+                out,
+                "{}: {} ({}), {}, format {}, compiled by kiln {}",
+                artifact.display(),
+                m.architecture,
+                if m.model.decoder {
+                    "decoder"
+                } else {
+                    "encoder"
+                },
+                m.dtype,
+                m.format_version,
+                m.compiler_version
+            )?;
+            writeln!(
+                out,
+                "  vocab {}, outputs {}, weights: {}, tokenizer: {}, kernels: {}{}",
+                m.model.vocab_size,
+                m.model.outputs.join(", "),
+                m.weights.as_deref().unwrap_or("none (plan only)"),
+                m.tokenizer.as_deref().unwrap_or("none"),
+                m.kernels_ptx,
+                m.kernels_cubin
+                    .as_deref()
+                    .map(|c| format!(" + {c}"))
+                    .unwrap_or_default()
+            )?;
+            writeln!(
+                out,
+                "  sequence buckets {:?}, batch buckets {:?}, max context {}",
+                m.seq_buckets,
+                m.batch_buckets,
+                m.max_context.map_or("-".to_string(), |c| c.to_string())
+            )?;
+            for (kind, entries) in [("prefill", &m.prefill), ("decode", &m.decode)] {
+                for e in entries {
+                    writeln!(
+                        out,
+                        "  {kind} b{} s{}{}: {} kernels ({})",
+                        e.batch,
+                        e.seq,
+                        e.context
+                            .map(|c| format!(" (context {c})"))
+                            .unwrap_or_default(),
+                        e.kernels.len(),
+                        e.kernels.join(" ")
+                    )?;
+                }
+            }
         }
         Command::Eval {
             model_dir,

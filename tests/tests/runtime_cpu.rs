@@ -29,6 +29,14 @@ fn decoder_artifact_reproduces_reference_logits() {
         &["--buckets", "16,64,128", "--batch-buckets", "1,4"],
     );
     let art = Artifact::open(&out).unwrap();
+    let summary = kiln(&["inspect", out.to_str().unwrap()]).unwrap();
+    for needle in [
+        "GPT2LMHeadModel (decoder)",
+        "prefill b4 s128: 12 kernels",
+        "decode b1 s1 (context 128)",
+    ] {
+        assert!(summary.contains(needle), "{needle} in {summary}");
+    }
     let reference = reference("gpt2-tiny");
     for l in [1usize, 33, 100] {
         let ids = reference[&format!("input_ids_{l}")]
