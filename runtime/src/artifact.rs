@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use kiln_ir::artifact::{self, Manifest, FORMAT_VERSION};
 use kiln_ir::Graph;
 
+use crate::tokenizer::TextTokenizer;
 use crate::weights::WeightStore;
 use crate::RuntimeError;
 
@@ -85,6 +86,9 @@ impl Artifact {
             let graph = Graph::from_ron(&text).map_err(|e| bad(&entry.graph, e.to_string()))?;
             graphs.insert(entry.graph.clone(), graph);
         }
+        if let Some(file) = manifest.tokenizer.as_ref().filter(|f| !listed(f)) {
+            return Err(bad(file, "has no checksum".into()));
+        }
         let weights = match &manifest.weights {
             Some(file) if listed(file) => {
                 Some(WeightStore::open(&dir.join(file)).map_err(|e| bad(file, e))?)
@@ -98,5 +102,16 @@ impl Artifact {
             graphs,
             weights,
         })
+    }
+
+    /// The artifact's tokenizer (`tokenizer.json`, verified with the other files at open).
+    pub fn tokenizer(&self) -> Result<TextTokenizer, RuntimeError> {
+        match &self.manifest.tokenizer {
+            Some(file) => TextTokenizer::from_file(&self.dir.join(file)),
+            None => Err(RuntimeError::Request(format!(
+                "{} has no tokenizer.json; give token ids instead of text",
+                self.dir.display()
+            ))),
+        }
     }
 }

@@ -4,7 +4,8 @@
 //! - [`artifact`]: opening an artifact (checksums and format version verified first);
 //! - [`weights`]: the memory-mapped weights;
 //! - [`forward`]: a request through the smallest prefill bucket that holds it;
-//! - [`generate`]: token generation through the decode graph and its KV cache.
+//! - [`generate`]: token generation through the decode graph and its KV cache;
+//! - [`tokenizer`]: text to ids and back with the artifact's `tokenizer.json`.
 //!
 //! Invariant: this crate depends on `kiln-ir` (for the artifact schema, the input contract and,
 //! until the CPU backend lands, the reference interpreter) and never on the compiler, egg or
@@ -14,6 +15,7 @@
 pub mod artifact;
 pub mod forward;
 pub mod generate;
+pub mod tokenizer;
 pub mod weights;
 
 pub use artifact::Artifact;

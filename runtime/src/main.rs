@@ -48,8 +48,17 @@ enum Command {
         /// The artifact folder.
         artifact: PathBuf,
         /// The prompt's token ids, comma-separated.
-        #[arg(long, value_delimiter = ',', required = true)]
+        #[arg(
+            long,
+            value_delimiter = ',',
+            conflicts_with = "prompt",
+            required_unless_present = "prompt"
+        )]
         prompt_ids: Vec<i64>,
+        /// The prompt as text, tokenised with the artifact's tokenizer.json; the output then
+        /// also has the generated text.
+        #[arg(long)]
+        prompt: Option<String>,
         /// How many tokens to generate.
         #[arg(long)]
         max_new_tokens: usize,
@@ -65,13 +74,37 @@ enum Command {
         /// Seed of the sampling stream.
         #[arg(long, default_value_t = 0)]
         seed: i64,
-        /// Print JSON (`{"tokens": [...]}`) instead of space-separated ids.
+        /// Print JSON (`{"tokens": [...]}`, with `"text"` for a text prompt) instead of
+        /// space-separated ids.
         #[arg(long)]
         json: bool,
         /// Where to run (cpu runs the reference interpreter until the CPU backend lands).
         #[arg(long, value_enum, default_value_t = Device::Cpu)]
         device: Device,
     },
+    /// Sentence embeddings of texts (encoders compiled from a sentence-transformers folder),
+    /// one line of numbers per text.
+    Embed {
+        /// The artifact folder.
+        artifact: PathBuf,
+        /// A text to embed (repeat for a batch).
+        #[arg(long, required = true)]
+        text: Vec<String>,
+        /// Print JSON (`{"embeddings": [[...], ...]}`).
+        #[arg(long)]
+        json: bool,
+        /// Where to run (cpu runs the reference interpreter until the CPU backend lands).
+        #[arg(long, value_enum, default_value_t = Device::Cpu)]
+        device: Device,
+    },
+}
+
+/// The one error `--device cuda` gives until the CUDA executor lands.
+fn require_cpu(device: Device) -> Result<()> {
+    if device == Device::Cuda {
+        bail!("--device cuda: this build has no CUDA executor yet; use --device cpu");
+    }
+    Ok(())
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -82,9 +115,7 @@ fn run(cli: Cli) -> Result<()> {
             output,
             device,
         } => {
-            if device == Device::Cuda {
-                bail!("--device cuda: this build has no CUDA executor yet; use --device cpu");
-            }
+            require_cpu(device)?;
             kiln_ir::io::parent_folder(&output)?;
             let art = Artifact::open(&artifact)?;
             let tensors = kiln_ir::io::read_tensors(&input)?;
@@ -113,6 +144,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Generate {
             artifact,
             prompt_ids,
+            prompt,
             max_new_tokens,
             temperature,
             top_k,
@@ -121,9 +153,7 @@ fn run(cli: Cli) -> Result<()> {
             json,
             device,
         } => {
-            if device == Device::Cuda {
-                bail!("--device cuda: this build has no CUDA executor yet; use --device cpu");
-            }
+            require_cpu(device)?;
             if temperature.is_nan()
                 || temperature < 0.0
                 || top_p.is_nan()
@@ -139,12 +169,68 @@ fn run(cli: Cli) -> Result<()> {
                 top_p,
                 seed,
             };
+            let tokenizer = prompt.as_ref().map(|_| art.tokenizer()).transpose()?;
+            let prompt_ids = match (&tokenizer, &prompt) {
+                (Some(t), Some(text)) => t.encode(text)?,
+                _ => prompt_ids,
+            };
             let tokens = generate(&art, &prompt_ids, max_new_tokens, &sampling)?;
+            let text = tokenizer.map(|t| t.decode(&tokens)).transpose()?;
             let ids: Vec<String> = tokens.iter().map(i64::to_string).collect();
+            match (json, text) {
+                (true, Some(text)) => println!(
+                    "{{\"tokens\": [{}], \"text\": {}}}",
+                    ids.join(", "),
+                    serde_json::to_string(&text)?
+                ),
+                (true, None) => println!("{{\"tokens\": [{}]}}", ids.join(", ")),
+                (false, Some(text)) => println!("{}\n{text}", ids.join(" ")),
+                (false, None) => println!("{}", ids.join(" ")),
+            }
+        }
+        Command::Embed {
+            artifact,
+            text,
+            json,
+            device,
+        } => {
+            require_cpu(device)?;
+            let art = Artifact::open(&artifact)?;
+            if art.manifest.model.decoder {
+                bail!(
+                    "{} is a decoder; embed needs an encoder",
+                    art.manifest.architecture
+                );
+            }
+            if !art
+                .manifest
+                .model
+                .outputs
+                .iter()
+                .any(|o| o == "sentence_embedding")
+            {
+                bail!(
+                    "{} has no sentence_embedding output (compile a sentence-transformers folder)",
+                    artifact.display()
+                );
+            }
+            let batch = art.tokenizer()?.encode_batch(&text)?;
+            let outputs = forward(&art, &batch)?;
+            let emb = &outputs["sentence_embedding"];
+            let Some(values) = emb.as_f32() else {
+                bail!("sentence_embedding is not a float tensor");
+            };
+            let rows: Vec<Vec<f32>> = values
+                .chunks(emb.shape[1].max(1))
+                .map(<[f32]>::to_vec)
+                .collect();
             if json {
-                println!("{{\"tokens\": [{}]}}", ids.join(", "));
+                println!("{}", serde_json::json!({ "embeddings": rows }));
             } else {
-                println!("{}", ids.join(" "));
+                for row in rows {
+                    let nums: Vec<String> = row.iter().map(f32::to_string).collect();
+                    println!("{}", nums.join(" "));
+                }
             }
         }
     }

@@ -100,6 +100,33 @@ pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
     dot / (na * nb)
 }
 
+/// Asserts that the first `rows` sentence embeddings of `got` point where the reference's do:
+/// cosine similarity at least 0.99999 (the fixtures' README tolerance). `what` names the case.
+pub fn assert_embeddings_close(got: &Tensor, want: &Tensor, rows: usize, what: &str) {
+    let dim = want.shape[1];
+    assert_eq!(got.shape[1], dim, "{what}: embedding width");
+    for i in 0..rows {
+        let c = cosine(
+            &floats(got)[i * dim..(i + 1) * dim],
+            &floats(want)[i * dim..(i + 1) * dim],
+        );
+        assert!(c >= 0.99999, "{what} sentence {i}: cosine {c}");
+    }
+}
+
+/// The sentences of the MiniLM reference (`minilm-reference/reference.json`), in order.
+pub fn minilm_sentences() -> Vec<String> {
+    let path = fixture("minilm-reference").join("reference.json");
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    meta["sentences"]
+        .as_array()
+        .expect("reference.json lists sentences")
+        .iter()
+        .map(|s| s.as_str().unwrap().to_string())
+        .collect()
+}
+
 /// Index of the largest value.
 pub fn argmax(v: &[f32]) -> usize {
     v.iter()

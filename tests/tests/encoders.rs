@@ -4,7 +4,9 @@ use std::collections::BTreeMap;
 
 use kiln_compiler::tensor_io::{read_tensors, write_tensors};
 use kiln_ir::Tensor;
-use kiln_tests::{cosine, fixture, floats, kiln, minilm_dir, reference};
+use kiln_tests::{
+    assert_embeddings_close, fixture, floats, kiln, minilm_dir, minilm_sentences, reference,
+};
 
 /// `max |a - b| / max |ref|` over the rows the mask keeps (padded rows carry no meaning).
 fn masked_rel_err(actual: &Tensor, reference: &Tensor, mask: &Tensor) -> f64 {
@@ -79,29 +81,13 @@ fn minilm_embeddings_match_sentence_transformers() {
     assert!(err < 1e-4, "last_hidden_state relative error {err:e}");
     let (got, want) = (&out["sentence_embedding"], &reference["sentence_embedding"]);
     assert_eq!(got.shape, want.shape);
-    let dim = want.shape[1];
-    for i in 0..want.shape[0] {
-        let c = cosine(
-            &floats(got)[i * dim..(i + 1) * dim],
-            &floats(want)[i * dim..(i + 1) * dim],
-        );
-        assert!(c >= 0.99999, "sentence {i}: cosine {c}");
-    }
+    assert_embeddings_close(got, want, want.shape[0], "minilm");
 }
 
 #[test]
 fn minilm_text_is_tokenised_like_the_reference() {
     let dir = minilm_dir();
-    let meta: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(fixture("minilm-reference").join("reference.json")).unwrap(),
-    )
-    .unwrap();
-    let sentences: Vec<String> = meta["sentences"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s.as_str().unwrap().to_string())
-        .collect();
+    let sentences = minilm_sentences();
     let batch = kiln_compiler::tokenize::tokenize(&dir, &sentences).unwrap();
     let reference = reference("minilm-reference");
     let flat: Vec<i64> = batch.ids.iter().flatten().copied().collect();

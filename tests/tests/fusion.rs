@@ -122,19 +122,12 @@ fn fused_encoder_buckets_reproduce_references() {
                 bucket.bucket.seq
             );
             if let Some(want) = reference.get("sentence_embedding") {
-                let got = &out["sentence_embedding"];
-                let dim = want.shape[1];
-                for i in 0..rows {
-                    let c = kiln_tests::cosine(
-                        &floats(got)[i * dim..(i + 1) * dim],
-                        &floats(want)[i * dim..(i + 1) * dim],
-                    );
-                    assert!(
-                        c >= 0.99999,
-                        "{name} bucket {} sentence {i}: cosine {c}",
-                        bucket.bucket.seq
-                    );
-                }
+                kiln_tests::assert_embeddings_close(
+                    &out["sentence_embedding"],
+                    want,
+                    rows,
+                    &format!("{name} bucket {}", bucket.bucket.seq),
+                );
             }
         }
     }

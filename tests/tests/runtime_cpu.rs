@@ -6,7 +6,10 @@ use std::path::Path;
 
 use kiln_ir::inputs::TokenBatch;
 use kiln_runtime::{forward::forward, Artifact};
-use kiln_tests::{cosine, fixture, floats, kiln, minilm_dir, reference, rel_err};
+use kiln_tests::{
+    assert_embeddings_close, fixture, floats, kiln, minilm_dir, minilm_sentences, reference,
+    rel_err,
+};
 
 fn compile(model: &Path, out: &Path, extra: &[&str]) {
     let mut args = vec![
@@ -130,15 +133,7 @@ fn encoder_artifacts_reproduce_references() {
             diff / scale
         );
         if let Some(want) = reference.get("sentence_embedding") {
-            let got = &out["sentence_embedding"];
-            let dim = want.shape[1];
-            for i in 0..want.shape[0] {
-                let c = cosine(
-                    &floats(got)[i * dim..(i + 1) * dim],
-                    &floats(want)[i * dim..(i + 1) * dim],
-                );
-                assert!(c >= 0.99999, "{name} sentence {i}: cosine {c}");
-            }
+            assert_embeddings_close(&out["sentence_embedding"], want, want.shape[0], name);
         }
     }
 }
@@ -273,4 +268,44 @@ fn generate_reproduces_greedy_tokens() {
             .to_string();
         assert!(err.contains("exceed the compiled context of 64"), "{err}");
     }
+}
+
+/// The artifact's own tokenizer gives the reference's ids for the reference sentences, and the
+/// embeddings of those texts (the `kiln-run embed` path) match the reference; an artifact without
+/// a tokenizer says so.
+#[test]
+fn artifact_tokenizer_embeds_texts_like_the_reference() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("minilm.kiln");
+    compile(
+        &minilm_dir(),
+        &out,
+        &["--buckets", "32", "--batch-buckets", "4"],
+    );
+    let art = Artifact::open(&out).unwrap();
+    let sentences = minilm_sentences();
+    let reference = reference("minilm-reference");
+    let batch = art.tokenizer().unwrap().encode_batch(&sentences).unwrap();
+    let len = reference["input_ids"].shape[1];
+    assert_eq!(batch.ids[0].len(), len);
+    let flat: Vec<i64> = batch.ids.concat();
+    assert_eq!(flat, reference["input_ids"].as_i64().unwrap());
+    let got = forward(&art, &batch).unwrap();
+    let want = &reference["sentence_embedding"];
+    assert_embeddings_close(
+        &got["sentence_embedding"],
+        want,
+        want.shape[0],
+        "minilm artifact",
+    );
+
+    let gpt2 = tmp.path().join("gpt2.kiln");
+    compile(&fixture("gpt2-tiny"), &gpt2, &["--buckets", "16"]);
+    let err = Artifact::open(&gpt2)
+        .unwrap()
+        .tokenizer()
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("has no tokenizer.json"), "{err}");
 }
