@@ -104,6 +104,16 @@ impl Artifact {
         })
     }
 
+    /// The sequence length of the largest prefill bucket (0 when there is none).
+    pub fn longest_prefill(&self) -> usize {
+        self.manifest
+            .prefill
+            .iter()
+            .map(|e| e.seq)
+            .max()
+            .unwrap_or(0)
+    }
+
     /// The artifact's tokenizer (`tokenizer.json`, verified with the other files at open).
     pub fn tokenizer(&self) -> Result<TextTokenizer, RuntimeError> {
         match &self.manifest.tokenizer {

@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 
+use kiln_ir::artifact::BucketEntry;
 use kiln_ir::inputs::{model_inputs, InputContract, TokenBatch};
 use kiln_ir::{Data, Tensor};
 
@@ -26,18 +27,7 @@ pub fn forward(
     // Validate the request as it is, before padding.
     model_inputs(&contract, batch).map_err(RuntimeError::Request)?;
     let (b, l) = (batch.ids.len(), batch.ids[0].len());
-    let bucket = art
-        .manifest
-        .prefill
-        .iter()
-        .filter(|e| e.batch >= b && e.seq >= l)
-        .min_by_key(|e| (e.seq, e.batch))
-        .ok_or_else(|| {
-            RuntimeError::Request(format!(
-                "no bucket holds {b} x {l} tokens (sequence buckets {:?}, batch buckets {:?})",
-                art.manifest.seq_buckets, art.manifest.batch_buckets
-            ))
-        })?;
+    let bucket = prefill_bucket(art, b, l)?;
     let mask = batch.mask.clone().unwrap_or_else(|| vec![vec![1; l]; b]);
     let pad = |rows: &[Vec<i64>], fill_first: i64| -> Vec<Vec<i64>> {
         let mut out: Vec<Vec<i64>> = rows
@@ -71,6 +61,21 @@ pub fn forward(
         .into_iter()
         .map(|(name, t)| (name, cut(&t, b, l, bucket.seq)))
         .collect())
+}
+
+/// The smallest prefill bucket (by sequence, then batch) that holds `b` rows of `l` tokens.
+pub fn prefill_bucket(art: &Artifact, b: usize, l: usize) -> Result<&BucketEntry, RuntimeError> {
+    art.manifest
+        .prefill
+        .iter()
+        .filter(|e| e.batch >= b && e.seq >= l)
+        .min_by_key(|e| (e.seq, e.batch))
+        .ok_or_else(|| {
+            RuntimeError::Request(format!(
+                "no bucket holds {b} x {l} tokens (sequence buckets {:?}, batch buckets {:?})",
+                art.manifest.seq_buckets, art.manifest.batch_buckets
+            ))
+        })
 }
 
 /// Keeps the first `b` rows (and, for `[B, S, ..]` tensors, the first `l` tokens).

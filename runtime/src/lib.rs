@@ -5,6 +5,7 @@
 //! - [`weights`]: the memory-mapped weights;
 //! - [`forward`]: a request through the smallest prefill bucket that holds it;
 //! - [`generate`]: token generation through the decode graph and its KV cache;
+//! - [`bench`]: latency percentiles, throughput and memory over a stream of requests;
 //! - [`tokenizer`]: text to ids and back with the artifact's `tokenizer.json`.
 //!
 //! Invariant: this crate depends on `kiln-ir` (for the artifact schema, the input contract and,
@@ -13,6 +14,7 @@
 //! load) is the next step; today requests run on the CPU through the interpreter.
 
 pub mod artifact;
+pub mod bench;
 pub mod forward;
 pub mod generate;
 pub mod tokenizer;

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use kiln_ir::inputs::TokenBatch;
+use kiln_runtime::bench::{bench, BenchOptions, BenchReport};
 use kiln_runtime::generate::{generate, Sampling};
 use kiln_runtime::{forward::forward, Artifact};
 
@@ -97,6 +98,44 @@ enum Command {
         #[arg(long, value_enum, default_value_t = Device::Cpu)]
         device: Device,
     },
+    /// Serve a stream of seeded random requests and report latency percentiles per bucket and
+    /// overall, tokens/s, padding waste, replays per bucket and host memory before and after.
+    Bench {
+        /// The artifact folder.
+        artifact: PathBuf,
+        /// How many requests.
+        #[arg(long, default_value_t = 100)]
+        requests: usize,
+        /// Request lengths, drawn uniformly from MIN..MAX (inclusive); default 1 to the largest
+        /// prefill bucket.
+        #[arg(long, value_parser = parse_range)]
+        lengths: Option<(usize, usize)>,
+        /// Tokens to generate for the decode latency per token (decoders; 0 skips).
+        #[arg(long, default_value_t = 0)]
+        decode_tokens: usize,
+        /// Seed of the lengths and token ids.
+        #[arg(long, default_value_t = 0)]
+        seed: i64,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+        /// Where to run (cpu runs the reference interpreter until the CPU backend lands).
+        #[arg(long, value_enum, default_value_t = Device::Cpu)]
+        device: Device,
+    },
+}
+
+/// Parses `MIN..MAX`.
+fn parse_range(text: &str) -> Result<(usize, usize), String> {
+    let (lo, hi) = text
+        .split_once("..")
+        .ok_or_else(|| format!("`{text}` is not MIN..MAX"))?;
+    let num = |s: &str| {
+        s.trim()
+            .parse::<usize>()
+            .map_err(|_| format!("`{s}` in `{text}` is not a count"))
+    };
+    Ok((num(lo)?, num(hi)?))
 }
 
 /// The one error `--device cuda` gives until the CUDA executor lands.
@@ -233,8 +272,71 @@ fn run(cli: Cli) -> Result<()> {
                 }
             }
         }
+        Command::Bench {
+            artifact,
+            requests,
+            lengths,
+            decode_tokens,
+            seed,
+            json,
+            device,
+        } => {
+            require_cpu(device)?;
+            let art = Artifact::open(&artifact)?;
+            let largest = art.longest_prefill();
+            let (min_len, max_len) = lengths.unwrap_or((1, largest));
+            let report = bench(
+                &art,
+                &BenchOptions {
+                    requests,
+                    min_len,
+                    max_len,
+                    decode_tokens,
+                    seed,
+                },
+            )?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print_bench(&report);
+            }
+        }
     }
     Ok(())
+}
+
+/// The bench report as a table.
+fn print_bench(r: &BenchReport) {
+    println!("device: {}", r.device);
+    println!(
+        "{:<14} {:>8} {:>10} {:>10} {:>10}",
+        "bucket", "requests", "p50 ms", "p95 ms", "p99 ms"
+    );
+    let rows = r
+        .per_bucket
+        .iter()
+        .map(|(k, l)| (k.as_str(), l))
+        .chain(std::iter::once(("overall", &r.overall)));
+    for (name, l) in rows {
+        println!(
+            "{name:<14} {:>8} {:>10.3} {:>10.3} {:>10.3}",
+            l.count, l.p50_ms, l.p95_ms, l.p99_ms
+        );
+    }
+    println!(
+        "tokens/s {:.0}, padding waste {:.1}%",
+        r.tokens_per_s,
+        r.padding_waste * 100.0
+    );
+    let kib = |v: Option<u64>| v.map_or("-".to_string(), |k| format!("{k} KiB"));
+    println!(
+        "host RSS before {}, after {}",
+        kib(r.rss_before_kib),
+        kib(r.rss_after_kib)
+    );
+    if let Some(ms) = r.decode_ms_per_token {
+        println!("decode {ms:.3} ms/token (batch 1)");
+    }
 }
 
 fn main() {

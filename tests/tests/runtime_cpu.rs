@@ -309,3 +309,56 @@ fn artifact_tokenizer_embeds_texts_like_the_reference() {
         .to_string();
     assert!(err.contains("has no tokenizer.json"), "{err}");
 }
+
+/// `bench` serves every request through the bucket that holds it: the replays per bucket add up to
+/// the requests, the percentiles are ordered, the padding waste is what the lengths imply, and
+/// lengths past the largest bucket are refused before anything runs.
+#[test]
+fn bench_accounts_for_every_request() {
+    use kiln_runtime::bench::{bench, BenchOptions};
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("gpt2.kiln");
+    compile(
+        &fixture("gpt2-tiny"),
+        &out,
+        &["--buckets", "8,32", "--max-context", "32"],
+    );
+    let art = Artifact::open(&out).unwrap();
+    let opts = BenchOptions {
+        requests: 40,
+        min_len: 1,
+        max_len: 32,
+        decode_tokens: 4,
+        seed: 3,
+    };
+    let report = bench(&art, &opts).unwrap();
+    assert_eq!(report.overall.count, 40);
+    assert_eq!(report.replays.values().sum::<u64>(), 40);
+    for (bucket, latency) in &report.per_bucket {
+        assert_eq!(report.replays[bucket], latency.count as u64, "{bucket}");
+        assert!(latency.p50_ms <= latency.p95_ms && latency.p95_ms <= latency.p99_ms);
+    }
+    assert!(report
+        .per_bucket
+        .keys()
+        .all(|k| k == "b1-s8" || k == "b1-s32"));
+    // Every request fills at least 1 of at most 32 slots, and lengths 1..32 leave some padding.
+    assert!(report.padding_waste > 0.0 && report.padding_waste < 1.0);
+    assert!(report.decode_ms_per_token.is_some_and(|ms| ms > 0.0));
+    let again = bench(&art, &opts).unwrap();
+    assert_eq!(again.replays, report.replays, "the seed fixes the lengths");
+    let err = bench(
+        &art,
+        &BenchOptions {
+            max_len: 33,
+            ..opts.clone()
+        },
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        err.contains("exceed the largest prefill bucket (32)"),
+        "{err}"
+    );
+}

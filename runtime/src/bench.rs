@@ -1,0 +1,162 @@
+//! `kiln-run bench`: a stream of single-sequence requests of seeded random lengths and random
+//! token ids, each served like any request (smallest bucket that holds it), with latency
+//! percentiles per bucket and overall, throughput, padding waste, replays per bucket and the
+//! process's resident memory before and after. For decoders, optionally, decode latency per token
+//! through the KV-cached decode graph.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use kiln_ir::inputs::TokenBatch;
+use kiln_ir::philox::{philox4x32_10, seed_key};
+use serde::Serialize;
+
+use crate::forward::{forward, prefill_bucket};
+use crate::generate::{generate, Sampling};
+use crate::{Artifact, RuntimeError};
+
+/// What the benchmark sends.
+#[derive(Clone, Debug)]
+pub struct BenchOptions {
+    /// How many requests.
+    pub requests: usize,
+    /// Shortest request, in tokens (at least 1).
+    pub min_len: usize,
+    /// Longest request, in tokens (at most the largest prefill bucket).
+    pub max_len: usize,
+    /// Tokens to generate after a one-token prompt for the decode measurement (decoders; 0 skips).
+    pub decode_tokens: usize,
+    /// Seed of the lengths and token ids.
+    pub seed: i64,
+}
+
+/// Latency percentiles of a set of requests, in milliseconds (nearest rank).
+#[derive(Clone, Debug, Serialize)]
+pub struct Latency {
+    /// How many requests.
+    pub count: usize,
+    /// Median.
+    pub p50_ms: f64,
+    /// 95th percentile.
+    pub p95_ms: f64,
+    /// 99th percentile.
+    pub p99_ms: f64,
+}
+
+impl Latency {
+    fn of(mut ms: Vec<f64>) -> Latency {
+        ms.sort_by(f64::total_cmp);
+        let rank = |p: f64| {
+            let i = ((p * ms.len() as f64).ceil() as usize).clamp(1, ms.len());
+            ms[i - 1]
+        };
+        Latency {
+            count: ms.len(),
+            p50_ms: rank(0.50),
+            p95_ms: rank(0.95),
+            p99_ms: rank(0.99),
+        }
+    }
+}
+
+/// What the benchmark measured.
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchReport {
+    /// Where the requests ran.
+    pub device: String,
+    /// Latency per prefill bucket (`b{batch}-s{seq}`).
+    pub per_bucket: BTreeMap<String, Latency>,
+    /// Latency over all requests.
+    pub overall: Latency,
+    /// Request tokens per second of wall time.
+    pub tokens_per_s: f64,
+    /// Fraction of the buckets' token slots that were padding.
+    pub padding_waste: f64,
+    /// Bucket runs (replays) per bucket.
+    pub replays: BTreeMap<String, u64>,
+    /// Resident set size of this process before the first request, in KiB (Linux only).
+    pub rss_before_kib: Option<u64>,
+    /// Resident set size after the last request, in KiB (Linux only).
+    pub rss_after_kib: Option<u64>,
+    /// Decode latency per token at batch 1, in milliseconds, when measured.
+    pub decode_ms_per_token: Option<f64>,
+}
+
+/// Runs the benchmark on the CPU path.
+pub fn bench(art: &Artifact, opts: &BenchOptions) -> Result<BenchReport, RuntimeError> {
+    let largest = art.longest_prefill();
+    if opts.requests == 0 || opts.min_len == 0 || opts.min_len > opts.max_len {
+        return Err(RuntimeError::Request(
+            "bench needs --requests >= 1 and --lengths MIN..MAX with 1 <= MIN <= MAX".into(),
+        ));
+    }
+    if opts.max_len > largest {
+        return Err(RuntimeError::Request(format!(
+            "--lengths up to {} exceed the largest prefill bucket ({largest})",
+            opts.max_len
+        )));
+    }
+    let vocab = art.manifest.model.vocab_size as u32;
+    let key = seed_key(opts.seed);
+    let span = (opts.max_len - opts.min_len + 1) as u32;
+    let rss_before_kib = resident_kib();
+    let mut latencies: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    let mut replays: BTreeMap<String, u64> = BTreeMap::new();
+    let (mut tokens, mut slots) = (0usize, 0usize);
+    let start = Instant::now();
+    for r in 0..opts.requests {
+        let draw = philox4x32_10([r as u32, 0, 0, 0], key);
+        let len = opts.min_len + (draw[0] % span) as usize;
+        let ids: Vec<i64> = (0..len)
+            .map(|t| {
+                let w = philox4x32_10([r as u32, t as u32 + 1, 0, 0], key);
+                i64::from(w[0] % vocab)
+            })
+            .collect();
+        let bucket = prefill_bucket(art, 1, len)?;
+        let label = format!("b{}-s{}", bucket.batch, bucket.seq);
+        tokens += len;
+        slots += bucket.batch * bucket.seq;
+        let batch = TokenBatch {
+            ids: vec![ids],
+            mask: None,
+        };
+        let t0 = Instant::now();
+        forward(art, &batch)?;
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        latencies.entry(label.clone()).or_default().push(ms);
+        *replays.entry(label).or_default() += 1;
+    }
+    let wall = start.elapsed().as_secs_f64();
+    let rss_after_kib = resident_kib();
+    let decode_ms_per_token = if opts.decode_tokens > 0 && art.manifest.model.decoder {
+        let t0 = Instant::now();
+        generate(art, &[0], opts.decode_tokens, &Sampling::greedy())?;
+        // One step per prompt token plus one per generated token.
+        Some(t0.elapsed().as_secs_f64() * 1e3 / (opts.decode_tokens + 1) as f64)
+    } else {
+        None
+    };
+    let overall = Latency::of(latencies.values().flatten().copied().collect());
+    Ok(BenchReport {
+        device: "cpu (reference interpreter)".into(),
+        per_bucket: latencies
+            .into_iter()
+            .map(|(k, v)| (k, Latency::of(v)))
+            .collect(),
+        overall,
+        tokens_per_s: tokens as f64 / wall,
+        padding_waste: 1.0 - tokens as f64 / slots as f64,
+        replays,
+        rss_before_kib,
+        rss_after_kib,
+        decode_ms_per_token,
+    })
+}
+
+/// This process's resident set size from `/proc/self/status` (`VmRSS`), in KiB.
+fn resident_kib() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
