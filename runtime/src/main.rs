@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Result};
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use kiln_ir::inputs::TokenBatch;
 use kiln_runtime::bench::{bench, BenchOptions, BenchReport};
 use kiln_runtime::generate::{generate, Sampling};
@@ -26,6 +26,14 @@ enum Device {
     Cuda,
 }
 
+/// Where a command runs (shared by every subcommand).
+#[derive(Args)]
+struct Placement {
+    /// Where to run (cpu runs the reference interpreter until the CPU backend lands).
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    device: Device,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// One forward pass: IN holds `input_ids` (i64 [L] or [B, L]) and optionally
@@ -40,9 +48,8 @@ enum Command {
         /// Output safetensors file.
         #[arg(long)]
         output: PathBuf,
-        /// Where to run (cpu runs the reference interpreter until the CPU backend lands).
-        #[arg(long, value_enum, default_value_t = Device::Cpu)]
-        device: Device,
+        #[command(flatten)]
+        placement: Placement,
     },
     /// Generate tokens after a prompt through the decode graph and its KV cache (batch 1).
     Generate {
@@ -79,9 +86,8 @@ enum Command {
         /// space-separated ids.
         #[arg(long)]
         json: bool,
-        /// Where to run (cpu runs the reference interpreter until the CPU backend lands).
-        #[arg(long, value_enum, default_value_t = Device::Cpu)]
-        device: Device,
+        #[command(flatten)]
+        placement: Placement,
     },
     /// Sentence embeddings of texts (encoders compiled from a sentence-transformers folder),
     /// one line of numbers per text.
@@ -94,9 +100,8 @@ enum Command {
         /// Print JSON (`{"embeddings": [[...], ...]}`).
         #[arg(long)]
         json: bool,
-        /// Where to run (cpu runs the reference interpreter until the CPU backend lands).
-        #[arg(long, value_enum, default_value_t = Device::Cpu)]
-        device: Device,
+        #[command(flatten)]
+        placement: Placement,
     },
     /// Serve a stream of seeded random requests and report latency percentiles per bucket and
     /// overall, tokens/s, padding waste, replays per bucket and host memory before and after.
@@ -119,9 +124,8 @@ enum Command {
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
-        /// Where to run (cpu runs the reference interpreter until the CPU backend lands).
-        #[arg(long, value_enum, default_value_t = Device::Cpu)]
-        device: Device,
+        #[command(flatten)]
+        placement: Placement,
     },
 }
 
@@ -152,9 +156,9 @@ fn run(cli: Cli) -> Result<()> {
             artifact,
             input,
             output,
-            device,
+            placement,
         } => {
-            require_cpu(device)?;
+            require_cpu(placement.device)?;
             kiln_ir::io::parent_folder(&output)?;
             let art = Artifact::open(&artifact)?;
             let tensors = kiln_ir::io::read_tensors(&input)?;
@@ -190,9 +194,9 @@ fn run(cli: Cli) -> Result<()> {
             top_p,
             seed,
             json,
-            device,
+            placement,
         } => {
-            require_cpu(device)?;
+            require_cpu(placement.device)?;
             if temperature.is_nan()
                 || temperature < 0.0
                 || top_p.is_nan()
@@ -231,9 +235,9 @@ fn run(cli: Cli) -> Result<()> {
             artifact,
             text,
             json,
-            device,
+            placement,
         } => {
-            require_cpu(device)?;
+            require_cpu(placement.device)?;
             let art = Artifact::open(&artifact)?;
             if art.manifest.model.decoder {
                 bail!(
@@ -279,9 +283,9 @@ fn run(cli: Cli) -> Result<()> {
             decode_tokens,
             seed,
             json,
-            device,
+            placement,
         } => {
-            require_cpu(device)?;
+            require_cpu(placement.device)?;
             let art = Artifact::open(&artifact)?;
             let largest = art.longest_prefill();
             let (min_len, max_len) = lengths.unwrap_or((1, largest));
