@@ -95,17 +95,9 @@ fn fused_encoder_buckets_reproduce_references() {
         let reference = reference(name);
         let (model, _, buckets) = compile_fixture(&dir, &[32, 64], &[rows]);
         let len = reference["input_ids"].shape[1];
-        let rows_of = |t: &Tensor| {
-            t.as_i64()
-                .unwrap()
-                .chunks(len)
-                .map(<[i64]>::to_vec)
-                .collect::<Vec<_>>()
-        };
-        let batch = TokenBatch {
-            ids: rows_of(&reference["input_ids"]),
-            mask: Some(rows_of(&reference["attention_mask"])),
-        };
+        let (batch, _) =
+            TokenBatch::from_tensors(&reference["input_ids"], Some(&reference["attention_mask"]))
+                .unwrap();
         for bucket in &buckets {
             let out = run(bucket, &model, &batch);
             let mask = reference["attention_mask"].as_i64().unwrap();

@@ -101,18 +101,9 @@ fn encoder_artifacts_reproduce_references() {
         compile(&dir, &out, &["--buckets", "32", "--batch-buckets", "4"]);
         let art = Artifact::open(&out).unwrap();
         let reference = reference(name);
-        let len = reference["input_ids"].shape[1];
-        let rows = |t: &kiln_ir::Tensor| {
-            t.as_i64()
-                .unwrap()
-                .chunks(len)
-                .map(<[i64]>::to_vec)
-                .collect::<Vec<_>>()
-        };
-        let batch = TokenBatch {
-            ids: rows(&reference["input_ids"]),
-            mask: Some(rows(&reference["attention_mask"])),
-        };
+        let (batch, _) =
+            TokenBatch::from_tensors(&reference["input_ids"], Some(&reference["attention_mask"]))
+                .unwrap();
         let out = forward(&art, &batch).unwrap();
         let (got, want) = (&out["last_hidden_state"], &reference["last_hidden_state"]);
         assert_eq!(got.shape, want.shape);
