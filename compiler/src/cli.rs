@@ -12,11 +12,10 @@ use kiln_models::inputs::TokenBatch;
 use kiln_models::{ImportOptions, ModelKind};
 
 use crate::bucket::BucketPlan;
-use crate::compile::{
-    compile, BucketReport, CompileOptions, CompileReport, Compiled, CompiledBucket,
-};
+use crate::compile::{compile, CompileOptions, Compiled, CompiledBucket};
 use crate::fusion::cost::CostModel;
 use crate::fusion::Limits;
+use crate::plan::ArtifactPlan;
 use crate::tensor_io::{parent_folder, read_tensors, write_tensors};
 use crate::tokenize::tokenize;
 
@@ -259,15 +258,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 .stage_seconds
                 .insert("import".into(), import_seconds);
             let start = std::time::Instant::now();
-            write_artifact(
-                out_dir,
-                &model,
-                &plan,
-                &compiled,
-                &buckets,
-                !*no_weights,
-                dtype,
-            )?;
+            write_artifact(out_dir, &model, &plan, &buckets, !*no_weights, dtype)?;
             compiled
                 .stage_seconds
                 .insert("write".into(), start.elapsed().as_secs_f64());
@@ -337,11 +328,31 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 m.batch_buckets,
                 m.max_context.map_or("-".to_string(), |c| c.to_string())
             )?;
+            let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+            let mem = &m.memory;
+            writeln!(
+                out,
+                "  memory plan: {:.2} MiB in one allocation = weights {:.2} MiB ({} tensors) + KV cache {:.2} MiB ({} slots) + arena {:.2} MiB",
+                mib(mem.total_bytes()),
+                mib(mem.weights_bytes),
+                mem.weights.len(),
+                mib(mem.cache_bytes),
+                mem.cache.len(),
+                mib(mem.arena_bytes)
+            )?;
             for (kind, entries) in [("prefill", &m.prefill), ("decode", &m.decode)] {
                 for e in entries {
+                    let gpu = match &e.plan {
+                        Some(p) => format!(
+                            "{} launches, arena {:.2} MiB",
+                            p.steps.len(),
+                            mib(p.arena_bytes)
+                        ),
+                        None => format!("no GPU plan: {}", e.no_gpu.join(", ")),
+                    };
                     writeln!(
                         out,
-                        "  {kind} b{} s{}{}: {} kernels ({})",
+                        "  {kind} b{} s{}{}: {} kernels, {gpu} ({})",
                         e.batch,
                         e.seq,
                         e.context
@@ -528,7 +539,6 @@ fn write_artifact(
     out_dir: &Path,
     model: &kiln_models::Model,
     plan: &BucketPlan,
-    report: &CompileReport,
     compiled: &Compiled,
     with_weights: bool,
     dtype: DType,
@@ -575,26 +585,44 @@ fn write_artifact(
     let result = (|| -> Result<()> {
         std::fs::create_dir(&tmp)?;
         std::fs::create_dir(tmp.join("buckets"))?;
-        let write = |kind: &str, buckets: &[CompiledBucket], reports: &[BucketReport]| {
+        let graphs: Vec<&kiln_ir::Graph> = compiled
+            .prefill
+            .iter()
+            .chain(&compiled.decode)
+            .map(|b| &b.graph)
+            .collect();
+        let planned_artifact = crate::plan::plan_artifact(&graphs)?;
+        let art = &planned_artifact;
+        let mut planned = art.buckets.iter();
+        let mut write = |kind: &str, buckets: &[CompiledBucket]| {
             let mut entries = Vec::new();
-            for (b, r) in buckets.iter().zip(reports) {
+            for b in buckets {
+                let p = planned.next().expect("one planned bucket per bucket");
                 let file = format!("buckets/{kind}-{}.ron", b.bucket.label());
-                std::fs::write(tmp.join(&file), b.graph.to_ron())?;
+                std::fs::write(tmp.join(&file), p.graph.to_ron())?;
+                let mut kernels: Vec<String> = Vec::new();
+                for step in p.plan.iter().flat_map(|p| &p.steps) {
+                    if kernels.last() != Some(&step.node) {
+                        kernels.push(step.node.clone());
+                    }
+                }
                 entries.push(artifact::BucketEntry {
                     batch: b.bucket.batch,
                     seq: b.bucket.seq,
                     context: b.context,
                     graph: file,
-                    kernels: r.kernels.iter().map(|k| k.name.clone()).collect(),
+                    kernels,
+                    plan: p.plan.clone(),
+                    no_gpu: p.unsupported.clone(),
                 });
             }
             Ok::<_, std::io::Error>(entries)
         };
-        let entries = write("prefill", &compiled.prefill, &report.buckets)?;
-        let decode_entries = write("decode", &compiled.decode, &report.decode_buckets)?;
-        let cubin = write_kernels(&tmp, compiled)?;
+        let entries = write("prefill", &compiled.prefill)?;
+        let decode_entries = write("decode", &compiled.decode)?;
+        let cubin = write_kernels(&tmp, &art.kernels)?;
         let weights = if with_weights {
-            write_weights(&tmp, model, compiled)?;
+            write_weights(&tmp, model, art)?;
             Some(WEIGHTS.to_string())
         } else {
             None
@@ -636,12 +664,15 @@ fn write_artifact(
             weights,
             tokenizer,
             kernels_ptx: KERNELS_PTX.to_string(),
+            targets: if cubin.is_some() { vec![90] } else { vec![] },
             kernels_cubin: cubin,
             seq_buckets: plan.seq_lens.clone(),
             batch_buckets: plan.batch_sizes.clone(),
             max_context: compiled.decode.first().and_then(|b| b.context),
             prefill: entries,
             decode: decode_entries,
+            memory: art.memory.clone(),
+            kernel_table: art.kernel_table(),
         };
         let text = ron::ser::to_string_pretty(&manifest, ron::ser::PrettyConfig::new())?;
         std::fs::write(tmp.join(artifact::MANIFEST), text)?;
@@ -691,35 +722,51 @@ const KERNELS_CUBIN: &str = "kernels.sm_90.cubin";
 const WEIGHTS: &str = "weights.safetensors";
 const TOKENIZER: &str = "tokenizer.json";
 
-/// Writes every weight the bucket graphs read, in the compiled dtype, under the checkpoint's names.
-fn write_weights(dir: &Path, model: &kiln_models::Model, compiled: &Compiled) -> Result<()> {
+/// Writes `weights.safetensors` in the memory plan's layout: every weight the bucket graphs read,
+/// in the compiled dtype (checkpoint names; folded weights computed from their definitions) and
+/// the RoPE tables, each at its planned, aligned offset.
+fn write_weights(dir: &Path, model: &kiln_models::Model, plan: &ArtifactPlan) -> Result<()> {
     use kiln_ir::WeightSource;
     let mut tensors = BTreeMap::new();
-    for bucket in compiled.prefill.iter().chain(&compiled.decode) {
-        for (_, name, ty) in bucket.graph.weights() {
-            if tensors.contains_key(name) {
-                continue;
-            }
-            let t = model
+    for slot in &plan.memory.weights {
+        let name = &slot.name;
+        let t = if let Some(t) = plan.tables.get(name) {
+            t.clone()
+        } else if let Some(def) = plan.folded.get(name) {
+            let mut out = kiln_ir::evaluate(def, &BTreeMap::new(), &model.checkpoint)
+                .map_err(|e| anyhow::anyhow!("folded weight `{name}`: {e}"))?;
+            out.remove(crate::fold::VALUE)
+                .ok_or_else(|| anyhow::anyhow!("folded weight `{name}` has no value"))?
+        } else {
+            let ty = kiln_ir::TensorType::new(
+                slot.dtype,
+                slot.shape
+                    .iter()
+                    .map(|&d| kiln_ir::Dim::from(d as i64))
+                    .collect(),
+            );
+            model
                 .checkpoint
-                .load(name, ty)
-                .map_err(|e| anyhow::anyhow!("weight `{name}`: {e}"))?;
-            tensors.insert(name.to_string(), t.as_ref().clone());
-        }
+                .load(name, &ty)
+                .map_err(|e| anyhow::anyhow!("weight `{name}`: {e}"))?
+                .as_ref()
+                .clone()
+        };
+        tensors.insert(name.clone(), t);
     }
-    write_tensors(&dir.join(WEIGHTS), &tensors)?;
+    kiln_ir::io::write_aligned_tensors(
+        &dir.join(WEIGHTS),
+        &plan.memory.weights,
+        &tensors,
+        artifact::ALIGN,
+    )?;
     Ok(())
 }
 
 /// Writes `kernels.ptx` (every generated kernel) and, when a ptxas is found (`$KILN_PTXAS` or
 /// PATH), `kernels.sm_90.cubin` assembled from it; returns the cubin's name if written.
-fn write_kernels(dir: &Path, compiled: &Compiled) -> Result<Option<String>> {
-    let texts: Vec<String> = compiled
-        .kernels
-        .kernels
-        .values()
-        .map(|k| k.ptx.clone())
-        .collect();
+fn write_kernels(dir: &Path, kernels: &crate::lower::Lowered) -> Result<Option<String>> {
+    let texts: Vec<String> = kernels.kernels.values().map(|k| k.ptx.clone()).collect();
     let ptx = dir.join(KERNELS_PTX);
     std::fs::write(&ptx, kiln_kernels::ptx::module(&texts))?;
     if let Some(ptxas) = find_ptxas() {

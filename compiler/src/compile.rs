@@ -204,11 +204,7 @@ pub fn compile(
 
 /// Lowers `graph` into `all`; returns the kernel nodes left without a generator.
 fn lower_into(graph: &Graph, all: &mut crate::lower::Lowered) -> Vec<String> {
-    let lowered = crate::lower::lower(graph);
-    for kernel in lowered.kernels.into_values() {
-        all.add(kernel);
-    }
-    lowered.unsupported
+    crate::lower::lower(graph, all).unsupported
 }
 
 /// The kernels of a static graph: every node that is not a leaf, a view, or a value computed from

@@ -8,7 +8,10 @@
 pub mod bucket;
 pub mod cli;
 pub mod compile;
+pub mod fold;
 pub mod fusion;
 pub mod lower;
+pub mod memory;
+pub mod plan;
 pub mod tensor_io;
 pub mod tokenize;

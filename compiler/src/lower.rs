@@ -4,14 +4,15 @@
 //! product (strides and an element offset), and attention writes its output in the `[B, S, H, D]`
 //! layout that the following head merge reads as a contiguous matrix.
 //!
-//! What has no generator yet (sentence-transformers pooling, a RoPE that is not part of a KV-cache
-//! write) is listed, not guessed at. The launch plan that binds buffers to these kernels is the runtime
-//! issue's; this module decides which kernels a bucket needs.
+//! Each kernel node becomes one or more launches whose parameters are bound to [`Operand`]s: graph
+//! values (resolved through views by the plan, `plan.rs`), scratch buffers of the node, RoPE tables
+//! or constants. What has no generator yet (sentence-transformers pooling, a RoPE that is not part
+//! of a KV-cache write) is listed, not guessed at.
 
 use std::collections::BTreeMap;
 
 use kiln_ir::kernel::{AttentionSpec, DecodeAttentionSpec};
-use kiln_ir::{Graph, NodeId, Op, TensorType};
+use kiln_ir::{Graph, NodeId, Op, RopeScaling, TensorType};
 use kiln_kernels::attention::{
     attention, attention_combine, attention_simt, AttentionConfig, KeyRule,
 };
@@ -29,24 +30,83 @@ const SPLIT_CONTEXT: u32 = 1024;
 /// Fixed key ranges (flash-decoding) for long caches.
 const DECODE_SPLITS: u32 = 16;
 
-/// The kernels a graph needs, and the ops that have no generator yet.
+/// The RoPE cos/sin tables a kernel reads: `[positions, head_dim / 2]` f32.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopeTable {
+    /// Base frequency.
+    pub theta: f64,
+    /// Frequency scaling.
+    pub scaling: RopeScaling,
+    /// Head dimension.
+    pub head_dim: u32,
+}
+
+/// What a kernel parameter is bound to, before the memory plan gives it an address.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Operand {
+    /// The storage of a graph value (views resolved to the value they read, with its offset).
+    Value(NodeId),
+    /// The node's `i`-th scratch buffer (a norm prologue's output, split-attention partials).
+    Scratch(usize),
+    /// A RoPE table: cos, or sin when `sin`.
+    Rope {
+        /// Which table.
+        table: RopeTable,
+        /// The sin table rather than the cos one.
+        sin: bool,
+    },
+    /// A 32-bit constant (element counts).
+    U32(u32),
+}
+
+/// One kernel launch of a node: the kernel's (deduplicated) entry name and an operand per
+/// pointer parameter, in the kernel's parameter order.
+#[derive(Clone, Debug)]
+pub struct KernelLaunch {
+    /// Entry name in [`Lowered::kernels`].
+    pub kernel: String,
+    /// Parameter name and what it is bound to.
+    pub args: Vec<(String, Operand)>,
+    /// The launch configuration for this node's shapes (deduplicated kernels may share code
+    /// across shapes, never launch configurations).
+    pub launch: kiln_kernels::Launch,
+}
+
+/// How one node runs: its launches in order, and the bytes of each scratch buffer they share.
+#[derive(Clone, Debug, Default)]
+pub struct NodeLaunches {
+    /// Launches, in order.
+    pub launches: Vec<KernelLaunch>,
+    /// Scratch buffer sizes, bytes.
+    pub scratch: Vec<u64>,
+}
+
+/// The kernels of one or more graphs, deduplicated by entry name.
 #[derive(Default)]
 pub struct Lowered {
-    /// Kernels by entry name (deduplicated).
+    /// Kernels by entry name.
     pub kernels: BTreeMap<String, GeneratedKernel>,
+}
+
+/// How one graph runs: the launches of each lowered node, and the ops that have no generator yet.
+#[derive(Default)]
+pub struct GraphLaunches {
+    /// The launches of every lowered node, in graph order.
+    pub nodes: Vec<(NodeId, NodeLaunches)>,
     /// `{op}_{node}` of every op left without a kernel.
     pub unsupported: Vec<String>,
 }
 
 impl Lowered {
-    /// Adds `kernel`, once; another kernel under the same name is kept under a new name.
-    pub fn add(&mut self, kernel: GeneratedKernel) {
+    /// Adds `kernel`, once, and returns the name it is kept under: another kernel under the same
+    /// name is kept under a new name.
+    pub fn add(&mut self, kernel: GeneratedKernel) -> String {
         let mut name = kernel.name.clone();
         let mut n = 1;
         // Same name, other code (for example other strides): keep both under distinct names.
         while let Some(existing) = self.kernels.get(&name) {
             if existing.ptx == kernel.ptx {
-                return;
+                return name;
             }
             n += 1;
             name = format!("{}_v{n}", kernel.name);
@@ -56,7 +116,31 @@ impl Lowered {
             kernel.ptx = kernel.ptx.replacen(&kernel.name, &name, 1);
             kernel.name = name.clone();
         }
-        self.kernels.insert(name, kernel);
+        self.kernels.insert(name.clone(), kernel);
+        name
+    }
+
+    /// Adds `kernel` and a launch of it with its parameters bound by name from `bind`, which
+    /// must bind every parameter the kernel declares (`None` otherwise).
+    fn launch(
+        &mut self,
+        node: &mut NodeLaunches,
+        kernel: GeneratedKernel,
+        bind: &[(&str, Operand)],
+    ) -> Option<()> {
+        let mut args = Vec::new();
+        for (param, _) in &kernel.signature {
+            let (_, op) = bind.iter().find(|(name, _)| name == param)?;
+            args.push((param.clone(), op.clone()));
+        }
+        let launch = kernel.launch;
+        let kernel = self.add(kernel);
+        node.launches.push(KernelLaunch {
+            kernel,
+            args,
+            launch,
+        });
+        Some(())
     }
 }
 
@@ -101,9 +185,9 @@ fn head_strides(g: &Graph, id: NodeId) -> Option<([u32; 3], u32)> {
     }
 }
 
-/// Lowers every kernel node of the static graph `g`.
-pub fn lower(g: &Graph) -> Lowered {
-    let mut out = Lowered::default();
+/// Lowers every kernel node of the static graph `g`, adding its kernels to `kernels`.
+pub fn lower(g: &Graph, kernels: &mut Lowered) -> GraphLaunches {
+    let mut out = GraphLaunches::default();
     // A RoPE whose only consumers are KV-cache writes is done by the writes themselves.
     let mut users: BTreeMap<NodeId, Vec<NodeId>> = BTreeMap::new();
     for (id, node) in g.nodes() {
@@ -128,17 +212,23 @@ pub fn lower(g: &Graph) -> Lowered {
         if weight_only[id.index()] || node.op.is_leaf() || is_view(&node.op) || rope_in_write(id) {
             continue;
         }
-        if lower_node(g, id, &mut out).is_none() {
+        let mut launches = NodeLaunches::default();
+        if lower_node(g, id, kernels, &mut launches).is_some() {
+            out.nodes.push((id, launches));
+        } else {
             out.unsupported.push(format!("{}_{}", node.op.name(), id.0));
         }
     }
     out
 }
 
-fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered) -> Option<()> {
+fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) -> Option<()> {
+    use Operand::Value;
     let node = g.node(id);
     let elem = Elem::of(node.ty.dtype)?;
     let arg = |i: usize| g.ty(node.args[i]);
+    let a = |i: usize| Value(node.args[i]);
+    let this = Value(id);
     match &node.op {
         Op::Embedding(spec) => {
             let hidden = *dims(&node.ty)?.last()?;
@@ -146,37 +236,66 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered) -> Option<()> {
                 .map(|i| dims(arg(2 * i)).map(|d| d[0]))
                 .collect::<Option<Vec<u32>>>()?;
             let tokens = numel(arg(1))?;
-            out.add(embedding(&EmbeddingConfig {
+            let kernel = embedding(&EmbeddingConfig {
                 table_rows,
                 hidden,
                 tokens,
                 elem,
-            }));
+            });
+            let names: Vec<(String, String)> = (0..spec.tables)
+                .map(|i| (format!("table_{i}"), format!("ids_{i}")))
+                .collect();
+            let mut bind: Vec<(&str, Operand)> = vec![("out", this)];
+            for (i, (t, ids)) in names.iter().enumerate() {
+                bind.push((t, a(2 * i)));
+                bind.push((ids, a(2 * i + 1)));
+            }
+            out.launch(n, kernel, &bind)?;
         }
         Op::Norm(spec) => {
             let cols = *dims(&node.ty)?.last()?;
             let rows = numel(&node.ty)? / cols;
             let eps = spec.eps as f32;
-            out.add(norm(&NormConfig {
+            let kernel = norm(&NormConfig {
                 kind: spec.kind,
                 residual: spec.residual,
                 elem,
                 rows,
                 cols,
                 eps,
-            }));
+            });
+            // Operands: x, [residual], weight, [bias].
+            let mut rest = 1;
+            let mut bind = vec![("x", a(0)), ("out", this)];
+            if spec.residual {
+                bind.push(("residual", a(rest)));
+                rest += 1;
+            }
+            bind.push(("weight", a(rest)));
+            if rest + 1 < node.args.len() {
+                bind.push(("bias", a(rest + 1)));
+            }
+            out.launch(n, kernel, &bind)?;
         }
         Op::Gemm(spec) => {
             let x = dims(arg(0))?;
             let k = *x.last()?;
             let m = x.iter().product::<u32>() / k;
             let w = dims(arg(1))?;
-            let n = if spec.transpose_b { w[0] } else { w[1] };
-            if spec.swiglu && n % 2 != 0 {
+            let cols = if spec.transpose_b { w[0] } else { w[1] };
+            if spec.swiglu && cols % 2 != 0 {
                 return None;
             }
+            // Operands: x, w, [bias], [residual], [prologue weight, [prologue bias]].
+            let mut rest = 2..node.args.len();
+            let bias = spec.bias.then(|| rest.next()).flatten().map(a);
+            let residual = spec.residual.then(|| rest.next()).flatten().map(a);
+            let mut x_operand = a(0);
             if let Some(p) = &spec.prologue {
-                // The tensor-core prologue is future work: the norm runs as its own kernel.
+                // The tensor-core prologue is future work: the norm runs as its own kernel into
+                // a scratch buffer the product reads.
+                let weight = a(rest.next()?);
+                let norm_bias = rest.next().map(a);
                 let cfg = NormConfig {
                     kind: p.kind,
                     residual: false,
@@ -185,51 +304,150 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered) -> Option<()> {
                     cols: k,
                     eps: p.eps as f32,
                 };
-                out.add(norm(&cfg));
+                n.scratch
+                    .push(u64::from(m) * u64::from(k) * u64::from(elem.bytes()));
+                let mut bind = vec![
+                    ("x", a(0)),
+                    ("weight", weight),
+                    ("out", Operand::Scratch(0)),
+                ];
+                if let Some(b) = norm_bias {
+                    bind.push(("bias", b));
+                }
+                out.launch(n, norm(&cfg), &bind)?;
+                x_operand = Operand::Scratch(0);
             }
-            out.add(gemm(&GemmConfig {
+            let kernel = gemm(&GemmConfig {
                 m,
                 k,
-                n,
+                n: cols,
                 transpose_b: spec.transpose_b,
                 bias: spec.bias,
                 activation: spec.activation,
                 swiglu: spec.swiglu,
                 residual: spec.residual,
                 elem,
-            }));
+            });
+            let mut bind = vec![("x", x_operand), ("w", a(1)), ("out", this)];
+            if let Some(b) = bias {
+                bind.push(("bias", b));
+            }
+            if let Some(r) = residual {
+                bind.push(("residual", r));
+            }
+            out.launch(n, kernel, &bind)?;
         }
-        Op::Attention(spec) => out.add(lower_attention(g, id, spec, elem)?),
+        Op::Attention(spec) => {
+            let kernel = lower_attention(g, id, spec, elem)?;
+            // Operands: q, k, v, [attention_mask], [positions], [seed].
+            let mut rest = 3;
+            let mut bind = vec![("q", a(0)), ("k", a(1)), ("v", a(2)), ("out", this)];
+            if spec.padding {
+                bind.push(("mask", a(rest)));
+                rest += 1;
+            }
+            if let Some((theta, scaling)) = &spec.rope {
+                bind.push(("positions", a(rest)));
+                rest += 1;
+                let table = rope_table(*theta, scaling, arg(0))?;
+                bind.extend(rope_tables(table));
+            }
+            if spec.dropout.is_some() {
+                bind.push(("seed", a(rest)));
+            }
+            out.launch(n, kernel, &bind)?;
+        }
         Op::DecodeAttention(spec) => {
             let (cfg, combine) = lower_decode(g, id, spec, elem)?;
-            out.add(attention(&cfg));
+            // Operands: q, k cache, v cache, positions.
+            let mut bind = vec![("q", a(0)), ("k", a(1)), ("v", a(2)), ("positions", a(3))];
+            if let Some((theta, scaling)) = &spec.rope {
+                bind.extend(rope_tables(rope_table(*theta, scaling, arg(0))?));
+            }
             if combine {
-                out.add(attention_combine(&cfg));
+                let rows = u64::from(cfg.batch * cfg.heads * cfg.q_len * cfg.splits);
+                n.scratch.push(rows * u64::from(cfg.head_dim) * 4);
+                n.scratch.push(rows * 2 * 4);
+                bind.push(("partial_acc", Operand::Scratch(0)));
+                bind.push(("partial_ml", Operand::Scratch(1)));
+                out.launch(n, attention(&cfg), &bind)?;
+                let bind = [
+                    ("partial_acc", Operand::Scratch(0)),
+                    ("partial_ml", Operand::Scratch(1)),
+                    ("out", this),
+                ];
+                out.launch(n, attention_combine(&cfg), &bind)?;
+            } else {
+                bind.push(("out", this));
+                out.launch(n, attention(&cfg), &bind)?;
             }
         }
-        Op::Activation(a) => out.add(activation_kernel(*a, elem, numel(&node.ty)?)),
+        Op::Activation(act) => {
+            let count = numel(&node.ty)?;
+            let kernel = activation_kernel(*act, elem, count);
+            let bind = [("x", a(0)), ("out", this), ("n", Operand::U32(count))];
+            out.launch(n, kernel, &bind)?;
+        }
         Op::CacheWrite => {
+            // Operands: cache, new (possibly its RoPE), positions, mask. The cache is updated in
+            // place: this node's value is its first operand's storage.
             let cache = dims(&node.ty)?;
             let new_id = node.args[1];
-            let (values, rope) = match g.node(new_id).op {
-                Op::Rope { .. } => (g.node(new_id).args[0], true),
-                _ => (new_id, false),
+            let (values, rope) = match &g.node(new_id).op {
+                Op::Rope { theta, scaling } => {
+                    let values = g.node(new_id).args[0];
+                    (values, Some(rope_table(*theta, scaling, g.ty(values))?))
+                }
+                _ => (new_id, None),
             };
             let (new_strides, _) = head_strides(g, values)?;
-            out.add(kv_write(&KvWriteConfig {
+            let kernel = kv_write(&KvWriteConfig {
                 batch: cache[0],
                 kv_heads: cache[1],
                 new_len: dims(arg(1))?[2],
                 capacity: cache[2],
                 head_dim: cache[3],
                 new_strides,
-                rope,
+                rope: rope.is_some(),
                 elem,
-            }));
+            });
+            let mut bind = vec![
+                ("cache", a(0)),
+                ("new", Value(values)),
+                ("positions", a(2)),
+                ("mask", a(3)),
+            ];
+            if let Some(table) = rope {
+                bind.extend(rope_tables(table));
+            }
+            out.launch(n, kernel, &bind)?;
         }
         _ => return None,
     }
     Some(())
+}
+
+/// The RoPE table of a rotation over the last axis of values of type `ty`.
+fn rope_table(theta: f64, scaling: &RopeScaling, ty: &TensorType) -> Option<RopeTable> {
+    Some(RopeTable {
+        theta,
+        scaling: scaling.clone(),
+        head_dim: *dims(ty)?.last()?,
+    })
+}
+
+/// The `cos` and `sin` bindings of `table`.
+fn rope_tables(table: RopeTable) -> [(&'static str, Operand); 2] {
+    [
+        (
+            "cos",
+            Operand::Rope {
+                table: table.clone(),
+                sin: false,
+            },
+        ),
+        ("sin", Operand::Rope { table, sin: true }),
+    ]
 }
 
 /// The configuration every attention kernel of node `id` shares: shapes, the q/k/v layouts read

@@ -6,6 +6,11 @@
 //! `weights.safetensors` in the compiled dtype with the checkpoint's names, `tokenizer.json` when
 //! the checkpoint had one, and `checksums`: one `sha256  path` line per file, verified before
 //! anything runs.
+//!
+//! Every bucket carries its [`ExecPlan`]: the kernel launches in order, each argument a place in
+//! the one device allocation the [`MemoryPlan`] lays out (weights, KV cache, activation arena) or
+//! a constant. A GPU executor needs nothing else: it allocates once, uploads the weights, and
+//! captures each plan as a CUDA graph.
 
 use std::path::Path;
 
@@ -15,7 +20,9 @@ use sha2::{Digest, Sha256};
 use crate::DType;
 
 /// The artifact format this build writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
+/// Every region and every tensor in the device allocation starts at a multiple of this many bytes.
+pub const ALIGN: u64 = 256;
 /// The manifest's file name.
 pub const MANIFEST: &str = "manifest.ron";
 /// The checksum list's file name.
@@ -52,6 +59,158 @@ pub struct Manifest {
     pub prefill: Vec<BucketEntry>,
     /// Decode buckets, largest batch first.
     pub decode: Vec<BucketEntry>,
+    /// Streaming multiprocessor versions the cubin was assembled for (`[90]`); empty without one.
+    pub targets: Vec<u32>,
+    /// The device allocation's layout.
+    pub memory: MemoryPlan,
+    /// Every kernel the plans launch: entry name, parameters, launch configuration.
+    pub kernel_table: Vec<KernelEntry>,
+}
+
+/// The one device allocation every plan of an artifact runs in: `[weights | cache | arena]`, each
+/// region and tensor aligned to [`ALIGN`] bytes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MemoryPlan {
+    /// The weights region: `weights.safetensors`' data section, byte for byte.
+    pub weights_bytes: u64,
+    /// Each weight's place in that region (derived tensors such as RoPE tables included).
+    pub weights: Vec<TensorSlot>,
+    /// The KV-cache region (decoders): one slot per cache input (`past_key.0`, ...), sized for
+    /// the largest decode batch; a smaller batch uses the leading rows.
+    pub cache_bytes: u64,
+    /// The cache slots.
+    pub cache: Vec<TensorSlot>,
+    /// The activation arena: the largest of the buckets' footprints (buckets never run at once).
+    pub arena_bytes: u64,
+}
+
+impl MemoryPlan {
+    /// Byte offset of `region` in the allocation.
+    pub fn base(&self, region: Region) -> u64 {
+        match region {
+            Region::Weights => 0,
+            Region::Cache => align(self.weights_bytes),
+            Region::Arena => align(self.weights_bytes) + align(self.cache_bytes),
+        }
+    }
+
+    /// The whole allocation, bytes.
+    pub fn total_bytes(&self) -> u64 {
+        self.base(Region::Arena) + align(self.arena_bytes)
+    }
+}
+
+/// `n` rounded up to [`ALIGN`].
+pub fn align(n: u64) -> u64 {
+    n.div_ceil(ALIGN) * ALIGN
+}
+
+/// A named tensor at a byte offset of a region.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TensorSlot {
+    /// Weight, input or output name.
+    pub name: String,
+    /// Byte offset in its region.
+    pub offset: u64,
+    /// Element type.
+    pub dtype: DType,
+    /// Static shape.
+    pub shape: Vec<usize>,
+}
+
+impl TensorSlot {
+    /// Bytes of its data.
+    pub fn bytes(&self) -> u64 {
+        self.shape.iter().product::<usize>() as u64 * self.dtype.size_bytes() as u64
+    }
+}
+
+/// A region of the device allocation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Region {
+    /// Weights and derived constant tables, read only.
+    Weights,
+    /// The KV cache, kept across requests of a generation.
+    Cache,
+    /// Activations, inputs and outputs of one bucket's run.
+    Arena,
+}
+
+/// How a kernel parameter is passed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ParamType {
+    /// A device pointer (`.u64`).
+    Ptr,
+    /// A 32-bit unsigned integer.
+    U32,
+    /// A 32-bit float.
+    F32,
+}
+
+/// Grid, block and dynamic shared memory of a launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Launch {
+    /// Blocks per grid (x, y, z).
+    pub grid: [u32; 3],
+    /// Threads per block (x, y, z).
+    pub block: [u32; 3],
+    /// Dynamic shared memory, bytes.
+    pub shared_bytes: u32,
+}
+
+/// One kernel of the module: how it is called. A kernel whose code is the same for several
+/// shapes (row kernels take their row count from the grid) is launched by each step with that
+/// step's own configuration.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KernelEntry {
+    /// The `.entry` name.
+    pub name: String,
+    /// Parameters in order.
+    pub params: Vec<(String, ParamType)>,
+    /// The most dynamic shared memory any launch of it asks for, bytes.
+    pub max_shared_bytes: u32,
+}
+
+/// A kernel argument.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Arg {
+    /// The address `base(region) + offset` of the device allocation.
+    Ptr(Region, u64),
+    /// A 32-bit unsigned constant.
+    U32(u32),
+    /// A 32-bit float constant.
+    F32(f32),
+}
+
+/// One launch of a plan.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Step {
+    /// The kernel's entry name (in [`Manifest::kernel_table`]).
+    pub kernel: String,
+    /// One argument per parameter, in order.
+    pub args: Vec<Arg>,
+    /// This launch's grid, block and dynamic shared memory.
+    pub launch: Launch,
+    /// The graph node it computes (`{op}_{node}`), for `kiln inspect` and error messages.
+    pub node: String,
+}
+
+/// A bucket's execution plan: copy the inputs into their arena slots, run the steps in order,
+/// read the outputs from theirs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ExecPlan {
+    /// Arena bytes this bucket uses.
+    pub arena_bytes: u64,
+    /// Graph inputs held in the arena (token ids, masks, positions), as i64.
+    pub inputs: Vec<TensorSlot>,
+    /// Graph inputs that are KV-cache slots (`past_*`), by input name.
+    pub cache_inputs: Vec<String>,
+    /// Graph outputs in the arena.
+    pub outputs: Vec<TensorSlot>,
+    /// Graph outputs that are the KV cache updated in place (`present_*`).
+    pub cache_outputs: Vec<String>,
+    /// The launches, in order.
+    pub steps: Vec<Step>,
 }
 
 /// The model facts inputs are validated and outputs shaped by.
@@ -80,6 +239,10 @@ pub struct BucketEntry {
     pub graph: String,
     /// Its kernels, in execution order.
     pub kernels: Vec<String>,
+    /// How it runs on a GPU; `None` when some of its ops have no GPU kernel (`no_gpu`).
+    pub plan: Option<ExecPlan>,
+    /// `{op}_{node}` of the ops without a GPU kernel.
+    pub no_gpu: Vec<String>,
 }
 
 /// The SHA-256 of `bytes`, lowercase hex.

@@ -6,6 +6,7 @@ use std::path::Path;
 
 use safetensors::{Dtype, SafeTensors};
 
+use crate::artifact::TensorSlot;
 use crate::{DType, Data, Tensor};
 
 /// An I/O failure, as one line naming the file.
@@ -33,6 +34,9 @@ pub fn read_tensors(path: &Path) -> Result<BTreeMap<String, Tensor>> {
     })?;
     let mut out = BTreeMap::new();
     for (name, view) in st.tensors() {
+        if name.starts_with(PAD_PREFIX) {
+            continue;
+        }
         let t = view_to_tensor(&name, &view)
             .map_err(|e| IoError(format!("{}: {e}", path.display())))?;
         out.insert(name, t);
@@ -48,37 +52,38 @@ fn le_chunks<const N: usize>(data: &[u8]) -> impl Iterator<Item = [u8; N]> + '_ 
     })
 }
 
+/// A tensor's safetensors dtype and little-endian bytes, in its own dtype.
+fn encode(t: &Tensor) -> (Dtype, Vec<u8>) {
+    match (&t.data, t.dtype) {
+        (Data::Float(v), DType::F16) => (
+            Dtype::F16,
+            v.iter()
+                .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
+                .collect(),
+        ),
+        (Data::Float(v), DType::BF16) => (
+            Dtype::BF16,
+            v.iter()
+                .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+                .collect(),
+        ),
+        (Data::Float(v), _) => (Dtype::F32, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+        (Data::Int(v), DType::I32) => (
+            Dtype::I32,
+            v.iter().flat_map(|x| (*x as i32).to_le_bytes()).collect(),
+        ),
+        (Data::Int(v), DType::Bool) => (Dtype::BOOL, v.iter().map(|x| u8::from(*x != 0)).collect()),
+        (Data::Int(v), _) => (Dtype::I64, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+    }
+}
+
 /// Writes tensors into a safetensors file, each in its own dtype. The file is
 /// written beside its destination and renamed into place, so a failure leaves nothing half-written.
 pub fn write_tensors(path: &Path, tensors: &BTreeMap<String, Tensor>) -> Result<()> {
     let encoded: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = tensors
         .iter()
         .map(|(name, t)| {
-            let (dtype, bytes): (Dtype, Vec<u8>) = match (&t.data, t.dtype) {
-                (Data::Float(v), DType::F16) => (
-                    Dtype::F16,
-                    v.iter()
-                        .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
-                        .collect(),
-                ),
-                (Data::Float(v), DType::BF16) => (
-                    Dtype::BF16,
-                    v.iter()
-                        .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
-                        .collect(),
-                ),
-                (Data::Float(v), _) => {
-                    (Dtype::F32, v.iter().flat_map(|x| x.to_le_bytes()).collect())
-                }
-                (Data::Int(v), DType::I32) => (
-                    Dtype::I32,
-                    v.iter().flat_map(|x| (*x as i32).to_le_bytes()).collect(),
-                ),
-                (Data::Int(v), DType::Bool) => {
-                    (Dtype::BOOL, v.iter().map(|x| u8::from(*x != 0)).collect())
-                }
-                (Data::Int(v), _) => (Dtype::I64, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
-            };
+            let (dtype, bytes) = encode(t);
             (name.clone(), dtype, t.shape.clone(), bytes)
         })
         .collect();
@@ -92,6 +97,85 @@ pub fn write_tensors(path: &Path, tensors: &BTreeMap<String, Tensor>) -> Result<
         .collect::<Result<Vec<_>>>()?;
     let bytes = safetensors::serialize(views, None)
         .map_err(|e| IoError(format!("cannot encode {}: {e}", path.display())))?;
+    write_atomically(path, &bytes)
+}
+
+/// The prefix of the padding tensors an aligned file carries between real ones.
+pub const PAD_PREFIX: &str = "__kiln_pad.";
+
+/// Places `tensors` (name, dtype, shape; in the given order) at offsets that are multiples of
+/// `align`, as [`write_aligned_tensors`] will write them.
+pub fn aligned_layout(tensors: &[(String, DType, Vec<usize>)], align: u64) -> Vec<TensorSlot> {
+    let mut offset = 0u64;
+    tensors
+        .iter()
+        .map(|(name, dtype, shape)| {
+            let slot = TensorSlot {
+                name: name.clone(),
+                offset,
+                dtype: *dtype,
+                shape: shape.clone(),
+            };
+            offset = (offset + slot.bytes()).div_ceil(align) * align;
+            slot
+        })
+        .collect()
+}
+
+/// Writes `tensors` at the offsets of `layout` (from [`aligned_layout`]): a valid safetensors
+/// file whose data section starts at a multiple of `align` bytes and has every tensor at its
+/// planned offset, the gaps filled by `u8` tensors named `__kiln_pad.N`. Memory-mapped, the data
+/// section can be copied to the device as it is. Written beside `path` and renamed into place.
+pub fn write_aligned_tensors(
+    path: &Path,
+    layout: &[TensorSlot],
+    tensors: &BTreeMap<String, Tensor>,
+    align: u64,
+) -> Result<()> {
+    let mut header = serde_json::Map::new();
+    let mut data: Vec<u8> = Vec::new();
+    for slot in layout {
+        let Some(t) = tensors.get(&slot.name) else {
+            bail!("cannot write {}: no tensor `{}`", path.display(), slot.name);
+        };
+        if t.shape != slot.shape || t.dtype != slot.dtype {
+            bail!(
+                "cannot write {}: `{}` is {:?} {:?}, planned {:?} {:?}",
+                path.display(),
+                slot.name,
+                t.dtype,
+                t.shape,
+                slot.dtype,
+                slot.shape
+            );
+        }
+        let gap = slot.offset as usize - data.len();
+        if gap > 0 {
+            header.insert(
+                format!("{PAD_PREFIX}{}", header.len()),
+                serde_json::json!({"dtype": "U8", "shape": [gap], "data_offsets": [data.len(), slot.offset]}),
+            );
+            data.resize(slot.offset as usize, 0);
+        }
+        let (dtype, bytes) = encode(t);
+        header.insert(
+            slot.name.clone(),
+            serde_json::json!({
+                "dtype": format!("{dtype:?}"),
+                "shape": slot.shape,
+                "data_offsets": [data.len(), data.len() + bytes.len()],
+            }),
+        );
+        data.extend_from_slice(&bytes);
+    }
+    let mut json = serde_json::Value::Object(header).to_string().into_bytes();
+    // Spaces after the JSON (allowed by the format) put the data section on an aligned offset.
+    let start = (8 + json.len() as u64).div_ceil(align) * align;
+    json.resize(start as usize - 8, b' ');
+    let mut bytes = Vec::with_capacity(start as usize + data.len());
+    bytes.extend_from_slice(&(json.len() as u64).to_le_bytes());
+    bytes.extend_from_slice(&json);
+    bytes.extend_from_slice(&data);
     write_atomically(path, &bytes)
 }
 
@@ -128,6 +212,19 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
         bail!("cannot write {}: {e}", path.display());
     }
     Ok(())
+}
+
+/// The kiln dtype of a safetensors dtype, if kiln reads it.
+pub fn view_dtype(dtype: Dtype) -> Option<DType> {
+    Some(match dtype {
+        Dtype::F32 => DType::F32,
+        Dtype::F16 => DType::F16,
+        Dtype::BF16 => DType::BF16,
+        Dtype::I64 => DType::I64,
+        Dtype::I32 => DType::I32,
+        Dtype::BOOL => DType::Bool,
+        _ => return None,
+    })
 }
 
 /// One safetensors tensor as a host tensor (f32/f16/bf16 as floats; i64/i32/bool as integers).
@@ -172,4 +269,39 @@ pub fn view_to_tensor(name: &str, view: &safetensors::tensor::TensorView<'_>) ->
         other => bail!("tensor `{name}` has dtype {other:?}, which kiln does not read"),
     };
     Ok(t)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aligned_files_are_valid_safetensors_with_tensors_where_planned() {
+        let dir = std::env::temp_dir().join(format!("kiln-aligned-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("w.safetensors");
+        let tensors = BTreeMap::from([
+            ("a".to_string(), Tensor::f32(vec![3], vec![1.0, 2.0, 3.0])),
+            (
+                "b".to_string(),
+                Tensor::float(DType::BF16, vec![2, 2], vec![0.5, -1.0, 2.0, 4.0]),
+            ),
+        ]);
+        let entries: Vec<_> = tensors
+            .iter()
+            .map(|(n, t)| (n.clone(), t.dtype, t.shape.clone()))
+            .collect();
+        let layout = aligned_layout(&entries, 256);
+        assert_eq!(layout[1].offset, 256);
+        write_aligned_tensors(&path, &layout, &tensors, 256).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap());
+        assert_eq!((8 + n) % 256, 0, "the data section is aligned");
+        let back = read_tensors(&path).unwrap();
+        assert_eq!(back["a"], tensors["a"]);
+        assert_eq!(back["b"], tensors["b"]);
+        let data = &bytes[8 + n as usize..];
+        assert_eq!(&data[256..258], &half::bf16::from_f32(0.5).to_le_bytes());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

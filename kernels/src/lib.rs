@@ -36,16 +36,8 @@ use serde::{Deserialize, Serialize};
 
 pub use ptx::{Elem, ParamType};
 
-/// Grid, block and dynamic shared memory of a launch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Launch {
-    /// Blocks per grid (x, y, z).
-    pub grid: [u32; 3],
-    /// Threads per block (x, y, z).
-    pub block: [u32; 3],
-    /// Dynamic shared memory, bytes.
-    pub shared_bytes: u32,
-}
+/// Grid, block and dynamic shared memory of a launch (the artifact's schema owns the type).
+pub use kiln_ir::artifact::Launch;
 
 /// One generated kernel: its entry name, PTX text (an `.entry`, without the module header), the
 /// ordered parameter list the runtime must pass, and its launch configuration.

@@ -133,16 +133,8 @@ impl fmt::Display for Label {
     }
 }
 
-/// How a kernel parameter is passed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub enum ParamType {
-    /// A device pointer (`.u64`).
-    Ptr,
-    /// A 32-bit unsigned integer.
-    U32,
-    /// A 32-bit float.
-    F32,
-}
+/// How a kernel parameter is passed (the artifact's schema owns the type).
+pub use kiln_ir::artifact::ParamType;
 
 /// The element storage of a tensor in device memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

@@ -11,9 +11,9 @@ use kiln_ir::inputs::TokenBatch;
 use kiln_ir::philox::{philox4x32_10, seed_key};
 use serde::Serialize;
 
-use crate::forward::{forward, prefill_bucket};
+use crate::forward::{forward, prefill_bucket, prepare};
 use crate::generate::{generate, Sampling};
-use crate::{Artifact, RuntimeError};
+use crate::{Artifact, Executor, RuntimeError};
 
 /// What the benchmark sends.
 #[derive(Clone, Debug)]
@@ -80,10 +80,23 @@ pub struct BenchReport {
     pub rss_after_kib: Option<u64>,
     /// Decode latency per token at batch 1, in milliseconds, when measured.
     pub decode_ms_per_token: Option<f64>,
+    /// GPU memory in use (device-wide) before the first request, bytes (CUDA only).
+    pub gpu_used_before_bytes: Option<u64>,
+    /// GPU memory in use after the last request, bytes (CUDA only).
+    pub gpu_used_after_bytes: Option<u64>,
+    /// Replays, captures and compilations since load (CUDA only; the replays above are the
+    /// requests per bucket, these the graph launches the executor counted).
+    pub counters: Option<crate::cuda::Counters>,
+    /// Seconds from opening the artifact on the GPU to every graph captured (CUDA only).
+    pub load_seconds: Option<f64>,
 }
 
-/// Runs the benchmark on the CPU path.
-pub fn bench(art: &Artifact, opts: &BenchOptions) -> Result<BenchReport, RuntimeError> {
+/// Runs the benchmark on `exec`.
+pub fn bench(
+    art: &Artifact,
+    exec: &mut Executor,
+    opts: &BenchOptions,
+) -> Result<BenchReport, RuntimeError> {
     let largest = art.longest_prefill();
     if opts.requests == 0 || opts.min_len == 0 || opts.min_len > opts.max_len {
         return Err(RuntimeError::Request(
@@ -100,6 +113,7 @@ pub fn bench(art: &Artifact, opts: &BenchOptions) -> Result<BenchReport, Runtime
     let key = seed_key(opts.seed);
     let span = (opts.max_len - opts.min_len + 1) as u32;
     let rss_before_kib = resident_kib();
+    let gpu_before = gpu_used(exec)?;
     let mut latencies: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     let mut replays: BTreeMap<String, u64> = BTreeMap::new();
     let (mut tokens, mut slots) = (0usize, 0usize);
@@ -122,24 +136,42 @@ pub fn bench(art: &Artifact, opts: &BenchOptions) -> Result<BenchReport, Runtime
             mask: None,
         };
         let t0 = Instant::now();
-        forward(art, &batch)?;
+        match exec {
+            // A server hands the output bytes on: no conversion to host floats is timed.
+            Executor::Cuda(c) => {
+                let (bucket, inputs) = prepare(art, &batch)?;
+                c.replay(&bucket.graph, &inputs)?;
+            }
+            Executor::Interpreter => {
+                forward(art, exec, &batch)?;
+            }
+        }
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         latencies.entry(label.clone()).or_default().push(ms);
         *replays.entry(label).or_default() += 1;
     }
     let wall = start.elapsed().as_secs_f64();
     let rss_after_kib = resident_kib();
+    let gpu_after = gpu_used(exec)?;
     let decode_ms_per_token = if opts.decode_tokens > 0 && art.manifest.model.decoder {
         let t0 = Instant::now();
-        generate(art, &[0], opts.decode_tokens, &Sampling::greedy())?;
+        generate(art, exec, &[0], opts.decode_tokens, &Sampling::greedy())?;
         // One step per prompt token plus one per generated token.
         Some(t0.elapsed().as_secs_f64() * 1e3 / (opts.decode_tokens + 1) as f64)
     } else {
         None
     };
     let overall = Latency::of(latencies.values().flatten().copied().collect());
+    let (counters, load_seconds) = match exec {
+        Executor::Cuda(c) => (Some(c.counters()), Some(c.load_seconds)),
+        Executor::Interpreter => (None, None),
+    };
     Ok(BenchReport {
-        device: "cpu (reference interpreter)".into(),
+        device: exec.describe(),
+        gpu_used_before_bytes: gpu_before,
+        gpu_used_after_bytes: gpu_after,
+        counters,
+        load_seconds,
         per_bucket: latencies
             .into_iter()
             .map(|(k, v)| (k, Latency::of(v)))
@@ -152,6 +184,14 @@ pub fn bench(art: &Artifact, opts: &BenchOptions) -> Result<BenchReport, Runtime
         rss_after_kib,
         decode_ms_per_token,
     })
+}
+
+/// Device-wide GPU memory in use, for the CUDA executor.
+fn gpu_used(exec: &Executor) -> Result<Option<u64>, RuntimeError> {
+    match exec {
+        Executor::Cuda(c) => c.device_memory_used().map(Some),
+        Executor::Interpreter => Ok(None),
+    }
 }
 
 /// This process's resident set size from `/proc/self/status` (`VmRSS`), in KiB.

@@ -8,21 +8,34 @@ use kiln_ir::artifact::BucketEntry;
 use kiln_ir::inputs::{model_inputs, InputContract, TokenBatch};
 use kiln_ir::{Data, Tensor};
 
-use crate::{Artifact, RuntimeError};
+use crate::{Artifact, Executor, RuntimeError};
 
-/// Runs `batch` through the artifact's prefill buckets on the CPU (reference interpreter).
+/// Runs `batch` through the artifact's prefill buckets on `exec`.
 pub fn forward(
     art: &Artifact,
+    exec: &mut Executor,
     batch: &TokenBatch,
 ) -> Result<BTreeMap<String, Tensor>, RuntimeError> {
-    let weights = art.weights.as_ref().ok_or_else(|| {
-        RuntimeError::Request("the artifact was compiled with --no-weights".into())
-    })?;
-    let m = &art.manifest.model;
+    let (bucket, inputs) = prepare(art, batch)?;
+    let outputs = exec.run(art, bucket, &inputs)?;
+    let (b, l) = (batch.ids.len(), batch.ids[0].len());
+    Ok(outputs
+        .into_iter()
+        .map(|(name, t)| (name, cut(&t, b, l, bucket.seq)))
+        .collect())
+}
+
+/// Validates `batch`, picks the smallest prefill bucket that holds it and pads it to that
+/// bucket: the bucket and its graph's inputs by name.
+pub fn prepare<'a>(
+    art: &'a Artifact,
+    batch: &TokenBatch,
+) -> Result<(&'a BucketEntry, BTreeMap<String, Tensor>), RuntimeError> {
+    let m = &art.manifest;
     let contract = InputContract {
-        decoder: m.decoder,
-        vocab_size: m.vocab_size,
-        max_positions: m.max_positions,
+        decoder: m.model.decoder,
+        vocab_size: m.model.vocab_size,
+        max_positions: m.model.max_positions,
     };
     // Validate the request as it is, before padding.
     model_inputs(&contract, batch).map_err(RuntimeError::Request)?;
@@ -55,12 +68,7 @@ pub fn forward(
         .inputs()
         .filter_map(|(_, name, _)| inputs.get(name).map(|t| (name.to_string(), t.clone())))
         .collect();
-    let outputs = kiln_ir::evaluate(graph, &inputs, weights)
-        .map_err(|e| RuntimeError::Request(format!("evaluation failed: {e}")))?;
-    Ok(outputs
-        .into_iter()
-        .map(|(name, t)| (name, cut(&t, b, l, bucket.seq)))
-        .collect())
+    Ok((bucket, inputs))
 }
 
 /// The smallest prefill bucket (by sequence, then batch) that holds `b` rows of `l` tokens.

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use kiln_ir::philox::{philox4x32_10, seed_key};
 use kiln_ir::{Graph, Tensor};
 
-use crate::{Artifact, RuntimeError};
+use crate::{Artifact, Executor, RuntimeError};
 
 /// How the next token is chosen.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -35,9 +35,10 @@ impl Sampling {
     }
 }
 
-/// Generates `max_new` tokens after `prompt` (batch 1).
+/// Generates `max_new` tokens after `prompt` (batch 1) on `exec`.
 pub fn generate(
     art: &Artifact,
+    exec: &mut Executor,
     prompt: &[i64],
     max_new: usize,
     sampling: &Sampling,
@@ -49,9 +50,6 @@ pub fn generate(
             m.architecture
         )));
     }
-    let weights = art.weights.as_ref().ok_or_else(|| {
-        RuntimeError::Request("the artifact was compiled with --no-weights".into())
-    })?;
     let bucket = m
         .decode
         .iter()
@@ -78,9 +76,12 @@ pub fn generate(
     }
     let graph: &Graph = &art.graphs[&bucket.graph];
     let b = bucket.batch;
+    // The executor keeps its own cache (on the device), or the cache is passed along here.
+    exec.reset_cache()?;
+    let keep = exec.keeps_cache();
     let mut caches: BTreeMap<String, Tensor> = graph
         .inputs()
-        .filter(|(_, n, _)| n.starts_with("past_"))
+        .filter(|(_, n, _)| n.starts_with("past_") && !keep)
         .map(|(_, n, ty)| {
             let shape: Vec<usize> = ty
                 .shape
@@ -113,8 +114,7 @@ pub fn generate(
             ),
         ]);
         inputs.extend(caches.clone());
-        let mut outputs = kiln_ir::evaluate(graph, &inputs, weights)
-            .map_err(|e| RuntimeError::Request(format!("evaluation failed: {e}")))?;
+        let mut outputs = exec.run(art, bucket, &inputs)?;
         for (name, cache) in caches.iter_mut() {
             *cache = outputs
                 .remove(&name.replacen("past_", "present_", 1))

@@ -2,7 +2,10 @@
 //! binary.
 //!
 //! - [`artifact`]: opening an artifact (checksums and format version verified first);
-//! - [`weights`]: the memory-mapped weights;
+//! - [`weights`]: the memory-mapped weights (and, checked against the memory plan, the region a
+//!   GPU executor uploads as it is);
+//! - [`cuda`]: the CUDA executor: one allocation, graphs captured at load, replayed per request;
+//! - [`executor`]: the executor a command runs on (CUDA, or the interpreter without a GPU);
 //! - [`forward`]: a request through the smallest prefill bucket that holds it;
 //! - [`generate`]: token generation through the decode graph and its KV cache;
 //! - [`bench`]: latency percentiles, throughput and memory over a stream of requests;
@@ -10,17 +13,19 @@
 //!
 //! Invariant: this crate depends on `kiln-ir` (for the artifact schema, the input contract and,
 //! until the CPU backend lands, the reference interpreter) and never on the compiler, egg or
-//! cranelift, so that a deployment links the runtime alone. The CUDA executor (graphs captured at
-//! load) is the next step; today requests run on the CPU through the interpreter.
+//! cranelift, so that a deployment links the runtime alone.
 
 pub mod artifact;
 pub mod bench;
+pub mod cuda;
+pub mod executor;
 pub mod forward;
 pub mod generate;
 pub mod tokenizer;
 pub mod weights;
 
 pub use artifact::Artifact;
+pub use executor::{Device, Executor};
 
 /// Errors of the runtime, each one line.
 #[derive(Debug, thiserror::Error)]
@@ -36,4 +41,7 @@ pub enum RuntimeError {
     /// A request does not fit the artifact.
     #[error("{0}")]
     Request(String),
+    /// The GPU is missing, too small, or failed.
+    #[error("{0}")]
+    Device(String),
 }

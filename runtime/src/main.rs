@@ -7,7 +7,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use kiln_ir::inputs::TokenBatch;
 use kiln_runtime::bench::{bench, BenchOptions, BenchReport};
 use kiln_runtime::generate::{generate, Sampling};
-use kiln_runtime::{forward::forward, Artifact};
+use kiln_runtime::{forward::forward, Artifact, Device, Executor};
 
 /// kiln-run: runs an artifact compiled by `kiln compile`.
 #[derive(Parser)]
@@ -19,10 +19,12 @@ struct Cli {
 
 /// Where requests run.
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum Device {
+enum DeviceArg {
+    /// CUDA when a GPU is present, the CPU otherwise.
+    Auto,
     /// The CPU, through the reference interpreter until the CPU backend lands.
     Cpu,
-    /// The GPU (the CUDA executor is not in this build yet).
+    /// The GPU: CUDA graphs captured at load and replayed per request.
     Cuda,
 }
 
@@ -30,8 +32,20 @@ enum Device {
 #[derive(Args)]
 struct Placement {
     /// Where to run (cpu runs the reference interpreter until the CPU backend lands).
-    #[arg(long, value_enum, default_value_t = Device::Cpu)]
-    device: Device,
+    #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
+    device: DeviceArg,
+}
+
+impl Placement {
+    /// Loads `art` on the chosen executor.
+    fn open(&self, art: &Artifact) -> Result<Executor> {
+        let device = match self.device {
+            DeviceArg::Auto => Device::Auto,
+            DeviceArg::Cpu => Device::Cpu,
+            DeviceArg::Cuda => Device::Cuda,
+        };
+        Ok(Executor::open(art, device)?)
+    }
 }
 
 #[derive(Subcommand)]
@@ -142,14 +156,6 @@ fn parse_range(text: &str) -> Result<(usize, usize), String> {
     Ok((num(lo)?, num(hi)?))
 }
 
-/// The one error `--device cuda` gives until the CUDA executor lands.
-fn require_cpu(device: Device) -> Result<()> {
-    if device == Device::Cuda {
-        bail!("--device cuda: this build has no CUDA executor yet; use --device cpu");
-    }
-    Ok(())
-}
-
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Forward {
@@ -158,7 +164,6 @@ fn run(cli: Cli) -> Result<()> {
             output,
             placement,
         } => {
-            require_cpu(placement.device)?;
             kiln_ir::io::parent_folder(&output)?;
             let art = Artifact::open(&artifact)?;
             let tensors = kiln_ir::io::read_tensors(&input)?;
@@ -176,7 +181,8 @@ fn run(cli: Cli) -> Result<()> {
             };
             let (batch, unbatched) = TokenBatch::from_tensors(ids, tensors.get("attention_mask"))
                 .map_err(anyhow::Error::msg)?;
-            let mut outputs = forward(&art, &batch)?;
+            let mut exec = placement.open(&art)?;
+            let mut outputs = forward(&art, &mut exec, &batch)?;
             if unbatched {
                 for t in outputs.values_mut() {
                     t.shape.remove(0);
@@ -196,7 +202,6 @@ fn run(cli: Cli) -> Result<()> {
             json,
             placement,
         } => {
-            require_cpu(placement.device)?;
             if temperature.is_nan()
                 || temperature < 0.0
                 || top_p.is_nan()
@@ -217,7 +222,8 @@ fn run(cli: Cli) -> Result<()> {
                 (Some(t), Some(text)) => t.encode(text)?,
                 _ => prompt_ids,
             };
-            let tokens = generate(&art, &prompt_ids, max_new_tokens, &sampling)?;
+            let mut exec = placement.open(&art)?;
+            let tokens = generate(&art, &mut exec, &prompt_ids, max_new_tokens, &sampling)?;
             let text = tokenizer.map(|t| t.decode(&tokens)).transpose()?;
             let ids: Vec<String> = tokens.iter().map(i64::to_string).collect();
             match (json, text) {
@@ -237,7 +243,6 @@ fn run(cli: Cli) -> Result<()> {
             json,
             placement,
         } => {
-            require_cpu(placement.device)?;
             let art = Artifact::open(&artifact)?;
             if art.manifest.model.decoder {
                 bail!(
@@ -258,7 +263,8 @@ fn run(cli: Cli) -> Result<()> {
                 );
             }
             let batch = art.tokenizer()?.encode_batch(&text)?;
-            let outputs = forward(&art, &batch)?;
+            let mut exec = placement.open(&art)?;
+            let outputs = forward(&art, &mut exec, &batch)?;
             let emb = &outputs["sentence_embedding"];
             let Some(values) = emb.as_f32() else {
                 bail!("sentence_embedding is not a float tensor");
@@ -285,12 +291,13 @@ fn run(cli: Cli) -> Result<()> {
             json,
             placement,
         } => {
-            require_cpu(placement.device)?;
             let art = Artifact::open(&artifact)?;
             let largest = art.longest_prefill();
             let (min_len, max_len) = lengths.unwrap_or((1, largest));
+            let mut exec = placement.open(&art)?;
             let report = bench(
                 &art,
+                &mut exec,
                 &BenchOptions {
                     requests,
                     min_len,
@@ -340,6 +347,23 @@ fn print_bench(r: &BenchReport) {
     );
     if let Some(ms) = r.decode_ms_per_token {
         println!("decode {ms:.3} ms/token (batch 1)");
+    }
+    let mib = |v: Option<u64>| v.map_or("-".to_string(), |b| format!("{} MiB", b >> 20));
+    if r.gpu_used_before_bytes.is_some() {
+        println!(
+            "GPU memory in use before {}, after {}",
+            mib(r.gpu_used_before_bytes),
+            mib(r.gpu_used_after_bytes)
+        );
+    }
+    if let Some(s) = r.load_seconds {
+        println!("load to ready (all graphs captured) {:.3} s", s);
+    }
+    if let Some(c) = &r.counters {
+        println!(
+            "captures after load {}, compilations after load {}",
+            c.captures_after_load, c.compilations_after_load
+        );
     }
 }
 

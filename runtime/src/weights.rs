@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
+use kiln_ir::artifact::MemoryPlan;
 use kiln_ir::{Tensor, TensorType, WeightSource};
 use memmap2::Mmap;
 use safetensors::SafeTensors;
@@ -26,6 +27,44 @@ impl WeightStore {
             mmap,
             cache: Mutex::new(BTreeMap::new()),
         })
+    }
+
+    /// The data section, after checking that every tensor of the memory plan's weights region is
+    /// in it at its planned offset with its planned type: the bytes a GPU executor uploads as the
+    /// weights region, as they are.
+    pub fn region(&self, plan: &MemoryPlan) -> Result<&[u8], String> {
+        let st = SafeTensors::deserialize(&self.mmap).map_err(|e| e.to_string())?;
+        let header = u64::from_le_bytes(self.mmap[..8].try_into().map_err(|_| "is truncated")?);
+        let data = &self.mmap[8 + header as usize..];
+        if data.len() as u64 != plan.weights_bytes {
+            return Err(format!(
+                "holds {} bytes of tensors; the memory plan expects {}",
+                data.len(),
+                plan.weights_bytes
+            ));
+        }
+        for slot in &plan.weights {
+            let view = st
+                .tensor(&slot.name)
+                .map_err(|_| format!("lacks the planned weight `{}`", slot.name))?;
+            let offset = view.data().as_ptr() as usize - data.as_ptr() as usize;
+            let dtype = kiln_ir::io::view_dtype(view.dtype());
+            if offset as u64 != slot.offset
+                || view.shape() != slot.shape.as_slice()
+                || dtype != Some(slot.dtype)
+            {
+                return Err(format!(
+                    "holds `{}` as {:?} {:?} at byte {offset}; the memory plan expects {} {:?} at byte {}",
+                    slot.name,
+                    view.dtype(),
+                    view.shape(),
+                    slot.dtype,
+                    slot.shape,
+                    slot.offset
+                ));
+            }
+        }
+        Ok(data)
     }
 }
 

@@ -281,3 +281,21 @@ pub fn assert_half_precision_close(got: &[f32], want: &[f32], vocab: usize, what
         }
     }
 }
+
+/// max |got - want| / max |want| over the rows of `[B, L, H]` hidden states whose attention mask
+/// (`[B, L]`) is 1: padded rows carry no meaning.
+pub fn masked_rel_err(got: &Tensor, want: &Tensor, mask: &Tensor) -> f64 {
+    assert_eq!(got.shape, want.shape);
+    let mask = mask.as_i64().expect("an i64 mask");
+    let hidden = want.shape[2];
+    let (mut diff, mut scale) = (0f64, 0f64);
+    for (i, &m) in mask.iter().enumerate() {
+        if m == 1 {
+            for j in i * hidden..(i + 1) * hidden {
+                diff = diff.max(f64::from((floats(got)[j] - floats(want)[j]).abs()));
+                scale = scale.max(f64::from(floats(want)[j].abs()));
+            }
+        }
+    }
+    diff / scale
+}

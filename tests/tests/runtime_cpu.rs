@@ -5,10 +5,10 @@
 use std::path::Path;
 
 use kiln_ir::inputs::TokenBatch;
-use kiln_runtime::{forward::forward, Artifact};
+use kiln_runtime::{forward::forward, Artifact, Executor};
 use kiln_tests::{
-    assert_embeddings_close, fixture, floats, kiln, minilm_dir, minilm_sentences, reference,
-    rel_err,
+    assert_embeddings_close, fixture, floats, kiln, masked_rel_err, minilm_dir, minilm_sentences,
+    reference, rel_err,
 };
 
 fn compile(model: &Path, out: &Path, extra: &[&str]) {
@@ -36,6 +36,7 @@ fn decoder_artifact_reproduces_reference_logits() {
     for needle in [
         "GPT2LMHeadModel (decoder)",
         "prefill b4 s128: 12 kernels",
+        "memory plan:",
         "decode b1 s1 (context 128)",
     ] {
         assert!(summary.contains(needle), "{needle} in {summary}");
@@ -48,6 +49,7 @@ fn decoder_artifact_reproduces_reference_logits() {
             .to_vec();
         let out = forward(
             &art,
+            &mut Executor::Interpreter,
             &TokenBatch {
                 ids: vec![ids],
                 mask: None,
@@ -64,7 +66,12 @@ fn decoder_artifact_reproduces_reference_logits() {
     // Two prompts of different lengths in a batch bucket of 4 (two dummy rows).
     let a = reference["batch_a"].as_i64().unwrap().to_vec();
     let b = reference["batch_b"].as_i64().unwrap().to_vec();
-    let out = forward(&art, &TokenBatch::padded(&[a.clone(), b.clone()], 0)).unwrap();
+    let out = forward(
+        &art,
+        &mut Executor::Interpreter,
+        &TokenBatch::padded(&[a.clone(), b.clone()], 0),
+    )
+    .unwrap();
     let logits = floats(&out["logits"]);
     for (row, (len, key)) in [
         (a.len(), "batch_a_last_logits"),
@@ -79,6 +86,7 @@ fn decoder_artifact_reproduces_reference_logits() {
     }
     let err = forward(
         &art,
+        &mut Executor::Interpreter,
         &TokenBatch {
             ids: vec![vec![1; 129]],
             mask: None,
@@ -104,25 +112,10 @@ fn encoder_artifacts_reproduce_references() {
         let (batch, _) =
             TokenBatch::from_tensors(&reference["input_ids"], Some(&reference["attention_mask"]))
                 .unwrap();
-        let out = forward(&art, &batch).unwrap();
+        let out = forward(&art, &mut Executor::Interpreter, &batch).unwrap();
         let (got, want) = (&out["last_hidden_state"], &reference["last_hidden_state"]);
-        assert_eq!(got.shape, want.shape);
-        let mask = reference["attention_mask"].as_i64().unwrap();
-        let hidden = want.shape[2];
-        let (mut diff, mut scale) = (0f64, 0f64);
-        for (i, &m) in mask.iter().enumerate() {
-            if m == 1 {
-                for j in i * hidden..(i + 1) * hidden {
-                    diff = diff.max(f64::from((floats(got)[j] - floats(want)[j]).abs()));
-                    scale = scale.max(f64::from(floats(want)[j].abs()));
-                }
-            }
-        }
-        assert!(
-            diff / scale < 1e-4,
-            "{name}: relative error {:e}",
-            diff / scale
-        );
+        let err = masked_rel_err(got, want, &reference["attention_mask"]);
+        assert!(err < 1e-4, "{name}: relative error {:e}", err);
         if let Some(want) = reference.get("sentence_embedding") {
             assert_embeddings_close(&out["sentence_embedding"], want, want.shape[0], name);
         }
@@ -173,7 +166,7 @@ fn corrupt_artifacts_are_refused_naming_the_file() {
     let version = copy("version.kiln");
     let manifest = version.join("manifest.ron");
     let text = std::fs::read_to_string(&manifest).unwrap().replacen(
-        "format_version: 1",
+        &format!("format_version: {}", kiln_ir::artifact::FORMAT_VERSION),
         "format_version: 99",
         1,
     );
@@ -195,7 +188,10 @@ fn corrupt_artifacts_are_refused_naming_the_file() {
     std::fs::write(version.join("checksums"), fixed).unwrap();
     refuse(
         &version,
-        "manifest.ron: has format version 99; this runtime reads version 1",
+        &format!(
+            "manifest.ron: has format version 99; this runtime reads version {}",
+            kiln_ir::artifact::FORMAT_VERSION
+        ),
     );
 
     let no_sums = copy("nosums.kiln");
@@ -205,6 +201,118 @@ fn corrupt_artifacts_are_refused_naming_the_file() {
     assert!(
         Artifact::open(&good).is_ok(),
         "the untouched artifact still opens"
+    );
+}
+
+/// Every bucket's GPU plan passes the loader's checks (a known kernel per step, one argument of
+/// the declared kind per parameter, every pointer inside its region, inputs and outputs inside the
+/// arena); a kernel shared by buckets of different sizes is launched with each bucket's own grid;
+/// the weights file is laid out exactly as the memory plan says.
+#[test]
+fn plans_are_consistent_with_the_kernel_table_and_the_allocation() {
+    use kiln_runtime::cuda::check_plan;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("gpt2.kiln");
+    compile(
+        &fixture("gpt2-tiny"),
+        &dir,
+        &[
+            "--buckets",
+            "16,64",
+            "--batch-buckets",
+            "1,4",
+            "--max-context",
+            "64",
+        ],
+    );
+    let art = Artifact::open(&dir).unwrap();
+    let m = &art.manifest;
+    let table = m
+        .kernel_table
+        .iter()
+        .map(|k| (k.name.as_str(), k))
+        .collect();
+    let mut grids: std::collections::BTreeMap<&str, std::collections::BTreeSet<[u32; 3]>> =
+        Default::default();
+    for e in m.prefill.iter().chain(&m.decode) {
+        let plan = e.plan.as_ref().expect("every gpt2 bucket has a GPU plan");
+        check_plan(&art, e, plan, &table).unwrap();
+        assert!(plan.arena_bytes <= m.memory.arena_bytes);
+        for step in &plan.steps {
+            grids
+                .entry(&step.kernel)
+                .or_default()
+                .insert(step.launch.grid);
+        }
+    }
+    let norm = grids
+        .iter()
+        .find(|(k, _)| k.starts_with("layer_norm"))
+        .expect("a layer norm kernel");
+    assert!(norm.1.len() >= 3, "one grid per row count: {:?}", norm.1);
+    let region = art.weights.as_ref().unwrap().region(&m.memory).unwrap();
+    assert_eq!(region.len() as u64, m.memory.weights_bytes);
+    assert!(m
+        .memory
+        .weights
+        .iter()
+        .all(|w| w.offset % kiln_ir::artifact::ALIGN == 0));
+}
+
+/// A cubin for another SM is refused before anything is loaded, naming the file; so is a cubin
+/// whose ELF header contradicts the manifest's targets (checksums updated, so only the SM differs).
+#[test]
+fn a_cubin_for_another_sm_is_refused() {
+    use kiln_runtime::cuda::choose_image;
+    let Some(ptxas) = kiln_compiler::cli::find_ptxas() else {
+        println!("SKIPPED: no ptxas (set KILN_PTXAS or put ptxas on PATH) to assemble cubins");
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("llama.kiln");
+    compile(&fixture("llama-tiny"), &dir, &["--buckets", "16"]);
+    let art = Artifact::open(&dir).unwrap();
+    assert_eq!(art.manifest.targets, [90]);
+    assert!(
+        choose_image(&art, 90).is_ok(),
+        "the sm_90 cubin serves sm_90"
+    );
+    let err = choose_image(&art, 80).err().expect("refused").to_string();
+    assert!(
+        err.contains("kernels.sm_90.cubin: is built for sm_90; this GPU is sm_80"),
+        "{err}"
+    );
+
+    // Swap in an sm_80 cubin under the same name and fix its checksum.
+    let cubin = dir.join("kernels.sm_90.cubin");
+    let status = std::process::Command::new(ptxas)
+        .arg("-arch=sm_80")
+        .arg(dir.join("kernels.ptx"))
+        .arg("-o")
+        .arg(&cubin)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let bytes = std::fs::read(&cubin).unwrap();
+    let sums: String = std::fs::read_to_string(dir.join("checksums"))
+        .unwrap()
+        .lines()
+        .map(|l| match l.split_once("  ") {
+            Some((_, "kernels.sm_90.cubin")) => format!(
+                "{}  kernels.sm_90.cubin\n",
+                kiln_ir::artifact::sha256_hex(&bytes)
+            ),
+            _ => format!("{l}\n"),
+        })
+        .collect();
+    std::fs::write(dir.join("checksums"), sums).unwrap();
+    let art = Artifact::open(&dir).unwrap();
+    let err = choose_image(&art, 90).err().expect("refused").to_string();
+    assert!(
+        err.contains(
+            "kernels.sm_90.cubin: is built for sm_80, but the manifest lists targets [90]"
+        ),
+        "{err}"
     );
 }
 
@@ -239,7 +347,14 @@ fn generate_reproduces_greedy_tokens() {
         let reference = reference(name);
         let prompt = reference["greedy_prompt"].as_i64().unwrap().to_vec();
         let want = reference["greedy_tokens"].as_i64().unwrap().to_vec();
-        let got = generate(&art, &prompt, want.len(), &Sampling::greedy()).unwrap();
+        let got = generate(
+            &art,
+            &mut Executor::Interpreter,
+            &prompt,
+            want.len(),
+            &Sampling::greedy(),
+        )
+        .unwrap();
         assert_eq!(got, want, "{name}");
         let sampling = Sampling {
             temperature: 0.8,
@@ -247,16 +362,22 @@ fn generate_reproduces_greedy_tokens() {
             top_p: 0.9,
             seed: 7,
         };
-        let a = generate(&art, &prompt, 8, &sampling).unwrap();
+        let a = generate(&art, &mut Executor::Interpreter, &prompt, 8, &sampling).unwrap();
         assert_eq!(
             a,
-            generate(&art, &prompt, 8, &sampling).unwrap(),
+            generate(&art, &mut Executor::Interpreter, &prompt, 8, &sampling).unwrap(),
             "{name}: same seed, same tokens"
         );
-        let err = generate(&art, &prompt, 60, &Sampling::greedy())
-            .err()
-            .unwrap()
-            .to_string();
+        let err = generate(
+            &art,
+            &mut Executor::Interpreter,
+            &prompt,
+            60,
+            &Sampling::greedy(),
+        )
+        .err()
+        .unwrap()
+        .to_string();
         assert!(err.contains("exceed the compiled context of 64"), "{err}");
     }
 }
@@ -281,7 +402,7 @@ fn artifact_tokenizer_embeds_texts_like_the_reference() {
     assert_eq!(batch.ids[0].len(), len);
     let flat: Vec<i64> = batch.ids.concat();
     assert_eq!(flat, reference["input_ids"].as_i64().unwrap());
-    let got = forward(&art, &batch).unwrap();
+    let got = forward(&art, &mut Executor::Interpreter, &batch).unwrap();
     let want = &reference["sentence_embedding"];
     assert_embeddings_close(
         &got["sentence_embedding"],
@@ -322,7 +443,7 @@ fn bench_accounts_for_every_request() {
         decode_tokens: 4,
         seed: 3,
     };
-    let report = bench(&art, &opts).unwrap();
+    let report = bench(&art, &mut Executor::Interpreter, &opts).unwrap();
     assert_eq!(report.overall.count, 40);
     assert_eq!(report.replays.values().sum::<u64>(), 40);
     for (bucket, latency) in &report.per_bucket {
@@ -336,10 +457,11 @@ fn bench_accounts_for_every_request() {
     // Every request fills at least 1 of at most 32 slots, and lengths 1..32 leave some padding.
     assert!(report.padding_waste > 0.0 && report.padding_waste < 1.0);
     assert!(report.decode_ms_per_token.is_some_and(|ms| ms > 0.0));
-    let again = bench(&art, &opts).unwrap();
+    let again = bench(&art, &mut Executor::Interpreter, &opts).unwrap();
     assert_eq!(again.replays, report.replays, "the seed fixes the lengths");
     let err = bench(
         &art,
+        &mut Executor::Interpreter,
         &BenchOptions {
             max_len: 33,
             ..opts.clone()

@@ -1,0 +1,160 @@
+//! Weight folding: every value computed from weights alone (the concatenated Q/K/V or gate/up
+//! weights that let a layer be one product) becomes a weight of its own, computed once when the
+//! artifact is written, so no executor ever computes it at load or per request.
+//!
+//! A folded weight is named after what it computes (`Concat(0)[a,b,c]`), so buckets that fold the
+//! same value share one tensor; its definition is kept as a small graph with one output,
+//! `value`, that the artifact writer evaluates with the reference interpreter.
+
+use std::collections::BTreeMap;
+
+use kiln_ir::{Graph, IrError, NodeId, Op};
+
+/// The output name of a folded weight's definition graph.
+pub const VALUE: &str = "value";
+
+/// A graph with its weight-only values folded, and the definition of each folded weight.
+pub struct Folded {
+    /// The graph, reading folded values as weights; unused weights are gone.
+    pub graph: Graph,
+    /// Folded weight name -> a graph computing it (output [`VALUE`]) from checkpoint weights.
+    pub definitions: BTreeMap<String, Graph>,
+}
+
+/// Folds the weight-only values of `g` that a run-time value (or an output) reads.
+pub fn fold_weights(g: &Graph) -> Result<Folded, IrError> {
+    let n = g.len();
+    let mut weight_only = vec![false; n];
+    for (id, node) in g.nodes() {
+        weight_only[id.index()] = match &node.op {
+            Op::Weight(_) | Op::Scalar(_) => true,
+            Op::Input(_) => false,
+            _ => node.args.iter().all(|a| weight_only[a.index()]),
+        };
+    }
+    // A weight-only value is needed as such when something computed at run time reads it.
+    let mut needed = vec![false; n];
+    for (_, node) in g.nodes().filter(|(id, _)| !weight_only[id.index()]) {
+        for a in &node.args {
+            needed[a.index()] = true;
+        }
+    }
+    for o in g.outputs() {
+        needed[o.node.index()] = true;
+    }
+    let mut out = Graph::new();
+    let mut definitions = BTreeMap::new();
+    let mut map: Vec<Option<NodeId>> = vec![None; n];
+    for (id, node) in g.nodes() {
+        let i = id.index();
+        if weight_only[i] && !needed[i] {
+            continue;
+        }
+        let new = if weight_only[i] && !node.op.is_leaf() {
+            let name = describe(g, id);
+            if !definitions.contains_key(&name) {
+                let mut def = Graph::new();
+                let value = copy_subgraph(g, id, &mut def, &mut BTreeMap::new())?;
+                def.set_output(VALUE, value)?;
+                definitions.insert(name.clone(), def);
+            }
+            out.weight(&name, node.ty.dtype, node.ty.shape.clone())?
+        } else if node.op.is_leaf() {
+            copy_leaf(&node.op, &node.ty, &mut out)?
+        } else {
+            let args: Vec<NodeId> = node
+                .args
+                .iter()
+                .map(|a| map[a.index()].expect("operands of run-time values are kept"))
+                .collect();
+            out.add(node.op.clone(), &args)?
+        };
+        map[i] = Some(new);
+    }
+    for o in g.outputs() {
+        out.set_output(&o.name, map[o.node.index()].expect("outputs are kept"))?;
+    }
+    Ok(Folded {
+        graph: out,
+        definitions,
+    })
+}
+
+/// A leaf of another graph, added to `out`.
+fn copy_leaf(op: &Op, ty: &kiln_ir::TensorType, out: &mut Graph) -> Result<NodeId, IrError> {
+    match op {
+        Op::Input(name) => out.input(name, ty.dtype, ty.shape.clone()),
+        Op::Weight(name) => out.weight(name, ty.dtype, ty.shape.clone()),
+        Op::Scalar(v) => Ok(out.scalar(*v, ty.dtype)),
+        other => out.add(other.clone(), &[]),
+    }
+}
+
+/// Copies the subgraph computing `id` into `out`.
+fn copy_subgraph(
+    g: &Graph,
+    id: NodeId,
+    out: &mut Graph,
+    done: &mut BTreeMap<NodeId, NodeId>,
+) -> Result<NodeId, IrError> {
+    if let Some(&d) = done.get(&id) {
+        return Ok(d);
+    }
+    let node = g.node(id);
+    let new = if node.op.is_leaf() {
+        copy_leaf(&node.op, &node.ty, out)?
+    } else {
+        let args = node
+            .args
+            .iter()
+            .map(|a| copy_subgraph(g, *a, out, done))
+            .collect::<Result<Vec<_>, _>>()?;
+        out.add(node.op.clone(), &args)?
+    };
+    done.insert(id, new);
+    Ok(new)
+}
+
+/// The name of a weight-only value: its op and, in brackets, its operands' names.
+fn describe(g: &Graph, id: NodeId) -> String {
+    let node = g.node(id);
+    match &node.op {
+        Op::Weight(name) => name.clone(),
+        Op::Scalar(v) => format!("{v}"),
+        op => {
+            let args: Vec<String> = node.args.iter().map(|a| describe(g, *a)).collect();
+            format!("{op:?}[{}]", args.join(","))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_ir::{DType, Dim};
+
+    #[test]
+    fn concatenated_weights_become_one_weight_and_the_parts_disappear() {
+        let mut g = Graph::new();
+        let x = g
+            .input("x", DType::F32, vec![Dim::from(2i64), Dim::from(4i64)])
+            .unwrap();
+        let a = g
+            .weight("a", DType::F32, vec![Dim::from(3i64), Dim::from(4i64)])
+            .unwrap();
+        let b = g
+            .weight("b", DType::F32, vec![Dim::from(5i64), Dim::from(4i64)])
+            .unwrap();
+        let w = g.add(Op::Concat(0), &[a, b]).unwrap();
+        let wt = g.transpose_last(w).unwrap();
+        let y = g.matmul(x, wt).unwrap();
+        g.set_output("y", y).unwrap();
+        let folded = fold_weights(&g).unwrap();
+        let names: Vec<&str> = folded.graph.weights().map(|(_, n, _)| n).collect();
+        assert_eq!(names, ["Permute([1, 0])[Concat(0)[a,b]]"]);
+        let def = &folded.definitions[names[0]];
+        let parts: Vec<&str> = def.weights().map(|(_, n, _)| n).collect();
+        assert_eq!(parts, ["a", "b"]);
+        assert_eq!(def.outputs()[0].name, VALUE);
+    }
+}

@@ -1,0 +1,434 @@
+//! The artifact's execution plans and static memory plan: every bucket's kernel launches with
+//! each argument an address in one device allocation `[weights | KV cache | arena]`.
+//!
+//! - Weights (folded, see `fold.rs`) and the RoPE tables the kernels read are laid out once, in
+//!   name order, each at a multiple of `ALIGN` bytes; `weights.safetensors` is written in exactly
+//!   that layout, so its data section is the weights region byte for byte.
+//! - The KV cache has one slot per `past_*` input, sized for the largest decode batch; a
+//!   `CacheWrite` updates its slot in place and its `present_*` output is that slot.
+//! - Activations, scratch buffers and the graph's inputs and outputs share the arena: each lives
+//!   from the node that writes it to the last node that reads it (through views), and
+//!   `memory::place` gives buffers alive at once disjoint offsets. Buckets never run at once, so
+//!   the arena is the largest bucket's footprint.
+//!
+//! Views are not copies: a value read through reshapes, head splits and slices is its source's
+//! storage at an element offset, which is how `lower.rs` configured the kernels that read it.
+
+use std::collections::BTreeMap;
+
+use kiln_ir::artifact::{
+    align, Arg, ExecPlan, KernelEntry, MemoryPlan, Region, Step, TensorSlot, ALIGN,
+};
+use kiln_ir::io::aligned_layout;
+use kiln_ir::{DType, Graph, NodeId, Op, Tensor};
+
+use crate::fold::{fold_weights, Folded};
+use crate::fusion::cost::is_view;
+use crate::lower::{lower, Lowered, Operand, RopeTable};
+
+/// Why an artifact cannot be planned.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    /// The graph could not be rebuilt with its weights folded.
+    #[error("weight folding failed: {0}")]
+    Fold(#[from] kiln_ir::IrError),
+    /// A value the plan cannot place.
+    #[error("{0}")]
+    Layout(String),
+}
+
+/// One bucket's graph as the artifact stores it (weights folded) and how it runs.
+pub struct PlannedBucket {
+    /// The static graph with its weight-only values folded.
+    pub graph: Graph,
+    /// Its launches and buffers; `None` when some op has no GPU kernel (listed in `unsupported`).
+    pub plan: Option<ExecPlan>,
+    /// `{op}_{node}` of the ops without a kernel.
+    pub unsupported: Vec<String>,
+}
+
+/// Everything the artifact writer needs beyond the bucket graphs.
+pub struct ArtifactPlan {
+    /// The buckets, in the order given.
+    pub buckets: Vec<PlannedBucket>,
+    /// Every kernel the plans launch.
+    pub kernels: Lowered,
+    /// The device allocation's layout.
+    pub memory: MemoryPlan,
+    /// Folded weight name -> its definition (output `value`), evaluated when weights are written.
+    pub folded: BTreeMap<String, Graph>,
+    /// RoPE table name -> its contents (`[positions, head_dim / 2]`, f32).
+    pub tables: BTreeMap<String, Tensor>,
+}
+
+impl ArtifactPlan {
+    /// The kernel table of the manifest.
+    pub fn kernel_table(&self) -> Vec<KernelEntry> {
+        let mut shared: BTreeMap<&str, u32> = BTreeMap::new();
+        for step in self
+            .buckets
+            .iter()
+            .flat_map(|b| b.plan.iter().flat_map(|p| &p.steps))
+        {
+            let s = shared.entry(&step.kernel).or_default();
+            *s = (*s).max(step.launch.shared_bytes);
+        }
+        self.kernels
+            .kernels
+            .values()
+            .map(|k| KernelEntry {
+                name: k.name.clone(),
+                params: k.signature.clone(),
+                max_shared_bytes: shared.get(k.name.as_str()).copied().unwrap_or(0),
+            })
+            .collect()
+    }
+}
+
+/// Plans `graphs` (static bucket graphs, prefill and decode alike) as one artifact.
+pub fn plan_artifact(graphs: &[&Graph]) -> Result<ArtifactPlan, PlanError> {
+    let mut kernels = Lowered::default();
+    let mut folded = BTreeMap::new();
+    let mut lowered = Vec::new();
+    for g in graphs {
+        let Folded { graph, definitions } = fold_weights(g)?;
+        folded.extend(definitions);
+        let launches = lower(&graph, &mut kernels);
+        lowered.push((graph, launches));
+    }
+
+    // RoPE tables long enough for every position a bucket can see: a prefill bucket's
+    // positions are below its length (the last axis of its `[B, S]` inputs), a decode bucket's
+    // below its cache capacity.
+    let dim = |ty: &kiln_ir::TensorType, axis: usize| {
+        ty.shape
+            .get(axis)
+            .and_then(|d| d.as_const())
+            .map_or(0, |v| v.max(0) as usize)
+    };
+    let positions = graphs
+        .iter()
+        .flat_map(|g| g.nodes().map(|(_, n)| n))
+        .map(|n| match n.op {
+            Op::Input(_) if n.ty.rank() == 2 => dim(&n.ty, 1),
+            Op::CacheWrite => dim(&n.ty, 2),
+            _ => 0,
+        })
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let mut tables = BTreeMap::new();
+    for (_, launches) in &lowered {
+        for (_, node) in &launches.nodes {
+            for launch in &node.launches {
+                for (_, op) in &launch.args {
+                    if let Operand::Rope { table, sin } = op {
+                        tables
+                            .entry(table_name(table, *sin))
+                            .or_insert_with(|| rope_table(table, positions, *sin));
+                    }
+                }
+            }
+        }
+    }
+
+    // Weights region: every weight of every bucket, then the tables, in name order.
+    let mut entries: BTreeMap<String, (DType, Vec<usize>)> = BTreeMap::new();
+    for (graph, _) in &lowered {
+        for (_, name, ty) in graph.weights() {
+            entries.insert(name.to_string(), (ty.dtype, static_shape(ty, name)?));
+        }
+    }
+    for (name, t) in &tables {
+        entries.insert(name.clone(), (DType::F32, t.shape.clone()));
+    }
+    let list: Vec<(String, DType, Vec<usize>)> =
+        entries.into_iter().map(|(n, (d, s))| (n, d, s)).collect();
+    let weights = aligned_layout(&list, ALIGN);
+    let weights_bytes = weights.last().map_or(0, |s| s.offset + s.bytes());
+
+    // Cache region: one slot per `past_*` input, the largest shape any bucket declares.
+    let mut cache_shapes: BTreeMap<String, (DType, Vec<usize>)> = BTreeMap::new();
+    for (graph, _) in &lowered {
+        for (_, name, ty) in graph.inputs().filter(|(_, n, _)| is_cache(n)) {
+            let shape = static_shape(ty, name)?;
+            let slot = cache_shapes
+                .entry(name.to_string())
+                .or_insert((ty.dtype, shape.clone()));
+            if shape.iter().product::<usize>() > slot.1.iter().product::<usize>() {
+                slot.1 = shape;
+            }
+        }
+    }
+    let list: Vec<(String, DType, Vec<usize>)> = cache_shapes
+        .into_iter()
+        .map(|(n, (d, s))| (n, d, s))
+        .collect();
+    let cache = aligned_layout(&list, ALIGN);
+    let cache_bytes = cache.last().map_or(0, |s| s.offset + s.bytes());
+
+    let mut memory = MemoryPlan {
+        weights_bytes,
+        weights,
+        cache_bytes,
+        cache,
+        arena_bytes: 0,
+    };
+    let mut buckets = Vec::new();
+    for (graph, launches) in lowered {
+        let plan = if launches.unsupported.is_empty() {
+            let plan = plan_bucket(&graph, &launches, &memory, &kernels)?;
+            memory.arena_bytes = memory.arena_bytes.max(plan.arena_bytes);
+            Some(plan)
+        } else {
+            None
+        };
+        buckets.push(PlannedBucket {
+            graph,
+            plan,
+            unsupported: launches.unsupported,
+        });
+    }
+    memory.arena_bytes = align(memory.arena_bytes);
+    Ok(ArtifactPlan {
+        buckets,
+        kernels,
+        memory,
+        folded,
+        tables,
+    })
+}
+
+/// Whether an input is a KV-cache slot.
+fn is_cache(name: &str) -> bool {
+    name.starts_with("past_")
+}
+
+fn static_shape(ty: &kiln_ir::TensorType, name: &str) -> Result<Vec<usize>, PlanError> {
+    ty.shape
+        .iter()
+        .map(|d| d.as_const().and_then(|v| usize::try_from(v).ok()))
+        .collect::<Option<Vec<usize>>>()
+        .ok_or_else(|| PlanError::Layout(format!("`{name}` has a symbolic shape {ty}")))
+}
+
+/// The weights-region name of a RoPE table.
+fn table_name(t: &RopeTable, sin: bool) -> String {
+    format!(
+        "kiln.rope_{}(theta={}, head_dim={}, {:?})",
+        if sin { "sin" } else { "cos" },
+        t.theta,
+        t.head_dim,
+        t.scaling
+    )
+}
+
+/// `cos` or `sin` of `position * inv_freq[i]`, in f64 rounded to f32, `[positions, head_dim / 2]`.
+fn rope_table(t: &RopeTable, positions: usize, sin: bool) -> Tensor {
+    let inv = t.scaling.inv_freq(t.theta, t.head_dim as usize);
+    let mut values = Vec::with_capacity(positions * inv.len());
+    for p in 0..positions {
+        for f in &inv {
+            let (s, c) = (p as f64 * f).sin_cos();
+            values.push(if sin { s } else { c } as f32);
+        }
+    }
+    Tensor::f32(vec![positions, inv.len()], values)
+}
+
+/// Where a value lives before the arena is placed.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Home {
+    /// A weight or table: its byte offset in the weights region.
+    Weight(u64),
+    /// A KV-cache slot: its byte offset in the cache region.
+    Cache(u64),
+    /// Arena buffer `i` (a node's value or an input).
+    Buffer(usize),
+}
+
+fn plan_bucket(
+    g: &Graph,
+    launches: &crate::lower::GraphLaunches,
+    memory: &MemoryPlan,
+    kernels: &Lowered,
+) -> Result<ExecPlan, PlanError> {
+    let weight_at: BTreeMap<&str, u64> = memory
+        .weights
+        .iter()
+        .map(|s| (s.name.as_str(), s.offset))
+        .collect();
+    let cache_at: BTreeMap<&str, u64> = memory
+        .cache
+        .iter()
+        .map(|s| (s.name.as_str(), s.offset))
+        .collect();
+    let end = g.len();
+    // Storage of every value: its root value and element offset (views and in-place writes
+    // resolved), and the arena buffers with their lifetimes.
+    let mut root: Vec<(NodeId, u64)> = Vec::with_capacity(end);
+    let mut homes: BTreeMap<NodeId, Home> = BTreeMap::new();
+    let mut buffers: Vec<crate::memory::Lifetime> = Vec::new();
+    let mut buffer_node: Vec<Option<NodeId>> = Vec::new();
+    for (id, node) in g.nodes() {
+        let r = match &node.op {
+            Op::Slice { axis, start, .. } => {
+                let (base, offset) = root[node.args[0].index()];
+                let src = static_shape(g.ty(node.args[0]), "a slice operand")?;
+                let inner: usize = src[axis + 1..].iter().product();
+                let start = start.as_const().unwrap_or(0) as u64;
+                (base, offset + start * inner as u64)
+            }
+            op if is_view(op) => root[node.args[0].index()],
+            Op::CacheWrite => root[node.args[0].index()],
+            _ => (id, 0),
+        };
+        root.push(r);
+        if r.0 != id {
+            continue;
+        }
+        let bytes = static_shape(&node.ty, "a value")?.iter().product::<usize>() as u64
+            * node.ty.dtype.size_bytes() as u64;
+        let home = match &node.op {
+            Op::Weight(name) => Home::Weight(*weight_at.get(name.as_str()).ok_or_else(|| {
+                PlanError::Layout(format!(
+                    "weight `{name}` has no place in the weights region"
+                ))
+            })?),
+            Op::Input(name) if is_cache(name) => Home::Cache(cache_at[name.as_str()]),
+            op => {
+                // Inputs are written before the first step; values when their node runs.
+                let first = if matches!(op, Op::Input(_)) {
+                    0
+                } else {
+                    id.index()
+                };
+                buffers.push(crate::memory::Lifetime {
+                    bytes,
+                    first,
+                    last: first,
+                });
+                buffer_node.push(Some(id));
+                Home::Buffer(buffers.len() - 1)
+            }
+        };
+        homes.insert(id, home);
+    }
+    // A value is alive until the last node that reads it or any view of it; outputs to the end.
+    let extend = |buffers: &mut Vec<crate::memory::Lifetime>, id: NodeId, at: usize| {
+        if let Some(Home::Buffer(b)) = homes.get(&root[id.index()].0) {
+            buffers[*b].last = buffers[*b].last.max(at);
+        }
+    };
+    for (id, node) in g.nodes() {
+        for a in &node.args {
+            extend(&mut buffers, *a, id.index());
+        }
+    }
+    for o in g.outputs() {
+        extend(&mut buffers, o.node, end);
+    }
+    for (id, node) in g.nodes() {
+        if matches!(node.op, Op::Input(_)) {
+            extend(&mut buffers, id, end);
+        }
+    }
+    // Scratch buffers live while their node runs.
+    let mut scratch_of: BTreeMap<NodeId, Vec<usize>> = BTreeMap::new();
+    for (id, node) in &launches.nodes {
+        for bytes in &node.scratch {
+            buffers.push(crate::memory::Lifetime {
+                bytes: *bytes,
+                first: id.index(),
+                last: id.index(),
+            });
+            buffer_node.push(None);
+            scratch_of.entry(*id).or_default().push(buffers.len() - 1);
+        }
+    }
+    let (offsets, arena_bytes) = crate::memory::place(&buffers);
+
+    let address = |id: NodeId| -> Result<Arg, PlanError> {
+        let (base, elems) = root[id.index()];
+        let offset = elems * g.ty(base).dtype.size_bytes() as u64;
+        Ok(match homes[&base] {
+            Home::Weight(at) => Arg::Ptr(Region::Weights, at + offset),
+            Home::Cache(at) => Arg::Ptr(Region::Cache, at + offset),
+            Home::Buffer(b) => Arg::Ptr(Region::Arena, offsets[b] + offset),
+        })
+    };
+    let mut steps = Vec::new();
+    for (id, node) in &launches.nodes {
+        for launch in &node.launches {
+            let args = launch
+                .args
+                .iter()
+                .map(|(_, op)| match op {
+                    Operand::Value(v) => address(*v),
+                    Operand::Scratch(i) => Ok(Arg::Ptr(Region::Arena, offsets[scratch_of[id][*i]])),
+                    Operand::Rope { table, sin } => {
+                        let name = table_name(table, *sin);
+                        Ok(Arg::Ptr(Region::Weights, weight_at[name.as_str()]))
+                    }
+                    Operand::U32(v) => Ok(Arg::U32(*v)),
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            debug_assert_eq!(args.len(), kernels.kernels[&launch.kernel].signature.len());
+            steps.push(Step {
+                kernel: launch.kernel.clone(),
+                args,
+                launch: launch.launch,
+                node: format!("{}_{}", g.node(*id).op.name(), id.0),
+            });
+        }
+    }
+    let slot = |name: &str, id: NodeId| -> Result<TensorSlot, PlanError> {
+        let Arg::Ptr(Region::Arena, offset) = address(id)? else {
+            return Err(PlanError::Layout(format!("`{name}` is not in the arena")));
+        };
+        let ty = g.ty(id);
+        Ok(TensorSlot {
+            name: name.to_string(),
+            offset,
+            dtype: ty.dtype,
+            shape: static_shape(ty, name)?,
+        })
+    };
+    let mut inputs = Vec::new();
+    let mut cache_inputs = Vec::new();
+    for (id, name, _) in g.inputs() {
+        if is_cache(name) {
+            cache_inputs.push(name.to_string());
+        } else {
+            inputs.push(slot(name, id)?);
+        }
+    }
+    let mut outputs = Vec::new();
+    let mut cache_outputs = Vec::new();
+    for o in g.outputs() {
+        // An output read through a view must still be one contiguous block (reshapes only).
+        let mut v = o.node;
+        while let Op::Reshape(_) = g.node(v).op {
+            v = g.node(v).args[0];
+        }
+        match g.node(v).op {
+            Op::CacheWrite => cache_outputs.push(o.name.clone()),
+            ref op if is_view(op) => {
+                return Err(PlanError::Layout(format!(
+                    "output `{}` is a strided view ({})",
+                    o.name,
+                    op.name()
+                )))
+            }
+            _ => outputs.push(slot(&o.name, o.node)?),
+        }
+    }
+    Ok(ExecPlan {
+        arena_bytes,
+        inputs,
+        cache_inputs,
+        outputs,
+        cache_outputs,
+        steps,
+    })
+}

@@ -1,0 +1,581 @@
+//! The CUDA executor: one device allocation for the whole memory plan, the weights uploaded once,
+//! the kernel module loaded once (the cubin when it matches the GPU, else the PTX), and one CUDA
+//! graph per bucket captured at load, largest first. A request copies its inputs into their arena
+//! slots, replays its bucket's graph, and copies the outputs back: nothing is compiled, captured
+//! or allocated after load, and the counters say so.
+//!
+//! cudarc loads libcuda dynamically, so this builds (and the rest of the runtime runs) on machines
+//! without a CUDA toolkit or driver; [`CudaExecutor::load`] says why it cannot run there.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+use cudarc::driver::sys::CUgraphInstantiate_flags;
+use cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
+    PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+use kiln_ir::artifact::{Arg, BucketEntry, ExecPlan, KernelEntry, ParamType, Region, TensorSlot};
+use kiln_ir::{DType, Data, Tensor};
+
+use crate::{Artifact, RuntimeError};
+
+/// What the executor has done since load.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct Counters {
+    /// Graph replays per bucket graph file.
+    pub replays: BTreeMap<String, u64>,
+    /// CUDA graphs captured after load (by construction 0: capture happens only in `load`).
+    pub captures_after_load: u64,
+    /// Modules loaded (compiled by the driver) after load (by construction 0).
+    pub compilations_after_load: u64,
+}
+
+/// A loaded artifact on a GPU, ready to replay.
+pub struct CudaExecutor {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    memory: CudaSlice<u8>,
+    graphs: BTreeMap<String, CudaGraph>,
+    plans: BTreeMap<String, ExecPlan>,
+    arena: u64,
+    cache: u64,
+    cache_bytes: u64,
+    captures: u64,
+    compilations: u64,
+    at_load: (u64, u64),
+    replays: BTreeMap<String, u64>,
+    /// Seconds from the start of `load` until every graph was captured and uploaded.
+    pub load_seconds: f64,
+    /// The GPU's name and compute capability.
+    pub device: String,
+}
+
+/// `Err` with a one-line message when this machine has no usable CUDA GPU.
+pub fn probe() -> Result<(), RuntimeError> {
+    // SAFETY: only checks whether libcuda can be opened; no driver call is made without it.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(RuntimeError::Device(
+            "no CUDA driver on this machine (libcuda not found); use --device cpu".into(),
+        ));
+    }
+    match CudaContext::device_count() {
+        Ok(n) if n > 0 => Ok(()),
+        Ok(_) => Err(RuntimeError::Device(
+            "no CUDA device found; use --device cpu".into(),
+        )),
+        Err(e) => Err(RuntimeError::Device(format!(
+            "the CUDA driver reports no device ({e}); use --device cpu"
+        ))),
+    }
+}
+
+/// The SM version a cubin was assembled for (from its ELF `e_flags`, CUDA ELF ABI 8 and later),
+/// or `None` if the bytes are not such a cubin.
+pub fn cubin_sm(bytes: &[u8]) -> Option<u32> {
+    const ELFOSABI_CUDA: u8 = 0x41;
+    if bytes.len() < 0x34 || &bytes[..4] != b"\x7fELF" || bytes[4] != 2 {
+        return None;
+    }
+    if bytes[7] != ELFOSABI_CUDA || bytes[8] < 8 {
+        return None;
+    }
+    let flags = u32::from_le_bytes(bytes[0x30..0x34].try_into().ok()?);
+    Some((flags >> 8) & 0xff)
+}
+
+/// Which kernel image to load for a GPU of SM version `sm`: the cubin when it was assembled for
+/// it, the PTX (JIT-compiled by the driver) when the artifact has no cubin; a cubin for another SM
+/// is refused, naming the file.
+pub fn choose_image(art: &Artifact, sm: u32) -> Result<KernelImage, RuntimeError> {
+    let m = &art.manifest;
+    let bad = |file: &str, message: String| RuntimeError::Artifact {
+        file: art.dir.join(file).display().to_string(),
+        message,
+    };
+    match &m.kernels_cubin {
+        Some(file) => {
+            let bytes = std::fs::read(art.dir.join(file))
+                .map_err(|e| bad(file, format!("cannot be read: {e}")))?;
+            let built = cubin_sm(&bytes)
+                .ok_or_else(|| bad(file, "is not a CUDA cubin (ELF ABI 8+)".into()))?;
+            if !m.targets.contains(&built) {
+                return Err(bad(
+                    file,
+                    format!(
+                        "is built for sm_{built}, but the manifest lists targets {:?}",
+                        m.targets
+                    ),
+                ));
+            }
+            if built != sm {
+                return Err(bad(
+                    file,
+                    format!("is built for sm_{built}; this GPU is sm_{sm} (recompile the artifact on a machine whose ptxas targets it)"),
+                ));
+            }
+            Ok(KernelImage::Cubin(bytes))
+        }
+        None => {
+            let text = std::fs::read_to_string(art.dir.join(&m.kernels_ptx))
+                .map_err(|e| bad(&m.kernels_ptx, format!("cannot be read: {e}")))?;
+            Ok(KernelImage::Ptx(text))
+        }
+    }
+}
+
+/// A kernel module image.
+pub enum KernelImage {
+    /// SASS for this GPU.
+    Cubin(Vec<u8>),
+    /// PTX text, compiled by the driver at load.
+    Ptx(String),
+}
+
+/// Checks a plan against the kernel table and the allocation before anything is launched: every
+/// step names a known kernel, passes one argument of the right kind per parameter, and every
+/// pointer lies inside its region.
+pub fn check_plan(
+    art: &Artifact,
+    entry: &BucketEntry,
+    plan: &ExecPlan,
+    table: &BTreeMap<&str, &KernelEntry>,
+) -> Result<(), RuntimeError> {
+    let m = &art.manifest;
+    let bad = |message: String| RuntimeError::Artifact {
+        file: art
+            .dir
+            .join(kiln_ir::artifact::MANIFEST)
+            .display()
+            .to_string(),
+        message: format!("bucket {}: {message}", entry.graph),
+    };
+    let size = |r: Region| match r {
+        Region::Weights => m.memory.weights_bytes,
+        Region::Cache => m.memory.cache_bytes,
+        Region::Arena => m.memory.arena_bytes,
+    };
+    if plan.arena_bytes > m.memory.arena_bytes {
+        return Err(bad(format!(
+            "needs {} arena bytes, the memory plan has {}",
+            plan.arena_bytes, m.memory.arena_bytes
+        )));
+    }
+    for step in &plan.steps {
+        let kernel = table.get(step.kernel.as_str()).ok_or_else(|| {
+            bad(format!(
+                "step {} launches unknown kernel `{}`",
+                step.node, step.kernel
+            ))
+        })?;
+        if kernel.params.len() != step.args.len() {
+            return Err(bad(format!(
+                "step {} passes {} arguments to `{}`, which takes {}",
+                step.node,
+                step.args.len(),
+                step.kernel,
+                kernel.params.len()
+            )));
+        }
+        if step.launch.shared_bytes > kernel.max_shared_bytes {
+            return Err(bad(format!(
+                "step {} asks `{}` for {} bytes of shared memory; the kernel table allows {}",
+                step.node, step.kernel, step.launch.shared_bytes, kernel.max_shared_bytes
+            )));
+        }
+        for ((name, ty), arg) in kernel.params.iter().zip(&step.args) {
+            let ok = match (ty, arg) {
+                (ParamType::Ptr, Arg::Ptr(region, offset)) => *offset < size(*region).max(1),
+                (ParamType::U32, Arg::U32(_)) | (ParamType::F32, Arg::F32(_)) => true,
+                _ => false,
+            };
+            if !ok {
+                return Err(bad(format!(
+                    "step {} binds `{name}` of `{}` to {arg:?}, which is not a {ty:?} inside the plan",
+                    step.node, step.kernel
+                )));
+            }
+        }
+    }
+    for slot in plan.inputs.iter().chain(&plan.outputs) {
+        if slot.offset + slot.bytes() > m.memory.arena_bytes {
+            return Err(bad(format!("`{}` lies outside the arena", slot.name)));
+        }
+    }
+    Ok(())
+}
+
+impl CudaExecutor {
+    /// Loads `art` on GPU 0: checks the GPU (compute capability against the cubin, free memory),
+    /// allocates the plan, uploads the weights, loads the kernels and captures every bucket's
+    /// graph, largest first.
+    pub fn load(art: &Artifact) -> Result<CudaExecutor, RuntimeError> {
+        let start = Instant::now();
+        let m = &art.manifest;
+        let weights = art.weights.as_ref().ok_or_else(|| {
+            RuntimeError::Request("the artifact was compiled with --no-weights".into())
+        })?;
+        let weights_file = m.weights.as_deref().unwrap_or("weights.safetensors");
+        let region = weights
+            .region(&m.memory)
+            .map_err(|message| RuntimeError::Artifact {
+                file: art.dir.join(weights_file).display().to_string(),
+                message,
+            })?;
+        let table: BTreeMap<&str, &KernelEntry> = m
+            .kernel_table
+            .iter()
+            .map(|k| (k.name.as_str(), k))
+            .collect();
+        let buckets: Vec<(&BucketEntry, &ExecPlan)> = m
+            .prefill
+            .iter()
+            .chain(&m.decode)
+            .filter_map(|e| e.plan.as_ref().map(|p| (e, p)))
+            .collect();
+        if buckets.is_empty() {
+            let missing = m.prefill.iter().chain(&m.decode).flat_map(|e| &e.no_gpu);
+            return Err(RuntimeError::Device(format!(
+                "no bucket of this artifact runs on a GPU (ops without a GPU kernel: {})",
+                missing.cloned().collect::<Vec<_>>().join(", ")
+            )));
+        }
+        for (entry, plan) in &buckets {
+            check_plan(art, entry, plan, &table)?;
+        }
+
+        probe()?;
+        let dev = |e: cudarc::driver::DriverError| RuntimeError::Device(format!("CUDA: {e}"));
+        let ctx = CudaContext::new(0).map_err(dev)?;
+        let (major, minor) = ctx.compute_capability().map_err(dev)?;
+        let sm = (major * 10 + minor) as u32;
+        let device = format!("{} (sm_{sm})", ctx.name().map_err(dev)?);
+        let image = choose_image(art, sm)?;
+        let total = m.memory.total_bytes();
+        let (free, _) = ctx.mem_get_info().map_err(dev)?;
+        if (free as u64) < total {
+            return Err(RuntimeError::Device(format!(
+                "the artifact needs {:.2} GiB of GPU memory; {device} has {:.2} GiB free",
+                total as f64 / (1u64 << 30) as f64,
+                free as f64 / (1u64 << 30) as f64
+            )));
+        }
+        // SAFETY: called before any buffer exists; graph capture needs the context's event
+        // tracking off (cudarc's per-buffer events would join the capture).
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(dev)?;
+        let mut memory = stream.alloc_zeros::<u8>(total as usize).map_err(dev)?;
+        stream
+            .memcpy_htod(region, &mut memory.slice_mut(0..region.len()))
+            .map_err(dev)?;
+
+        let module = ctx
+            .load_module(match image {
+                KernelImage::Cubin(bytes) => Ptx::from_binary(bytes),
+                KernelImage::Ptx(text) => Ptx::from_src(text),
+            })
+            .map_err(|e| RuntimeError::Device(format!("the kernel module does not load: {e}")))?;
+        let mut functions: BTreeMap<&str, (CudaFunction, &KernelEntry)> = BTreeMap::new();
+        for k in &m.kernel_table {
+            let f = module.load_function(&k.name).map_err(|e| {
+                RuntimeError::Device(format!("kernel `{}` is not in the module: {e}", k.name))
+            })?;
+            if k.max_shared_bytes > 48 * 1024 {
+                f.set_attribute(
+                    CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    k.max_shared_bytes as i32,
+                )
+                .map_err(dev)?;
+            }
+            functions.insert(&k.name, (f, k));
+        }
+
+        let base = {
+            let (ptr, _sync) = memory.device_ptr(&stream);
+            ptr
+        };
+        let address = |region: Region, offset: u64| base + m.memory.base(region) + offset;
+        let mut graphs = BTreeMap::new();
+        let mut captures = 0;
+        let arena = m.memory.base(Region::Arena);
+        for (entry, plan) in &buckets {
+            // A first eager run checks every launch before capture, so that a failing kernel is
+            // reported as itself rather than as a failed capture. Its inputs are zeros (token 0,
+            // masked, position 0): the arena holds another bucket's values, and ids or positions
+            // read from those would address outside their tables.
+            for slot in &plan.inputs {
+                let at = (arena + slot.offset) as usize;
+                stream
+                    .memset_zeros(&mut memory.slice_mut(at..at + slot.bytes() as usize))
+                    .map_err(dev)?;
+            }
+            for capture in [false, true] {
+                if capture {
+                    stream
+                        .begin_capture(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                        .map_err(dev)?;
+                }
+                for step in &plan.steps {
+                    let (f, _) = &functions[step.kernel.as_str()];
+                    let values: Vec<ArgValue> = step
+                        .args
+                        .iter()
+                        .map(|a| match *a {
+                            Arg::Ptr(r, o) => ArgValue::U64(address(r, o)),
+                            Arg::U32(v) => ArgValue::U32(v),
+                            Arg::F32(v) => ArgValue::F32(v),
+                        })
+                        .collect();
+                    let mut launch = stream.launch_builder(f);
+                    for v in &values {
+                        match v {
+                            ArgValue::U64(p) => launch.arg(p),
+                            ArgValue::U32(x) => launch.arg(x),
+                            ArgValue::F32(x) => launch.arg(x),
+                        };
+                    }
+                    let l = step.launch;
+                    let cfg = LaunchConfig {
+                        grid_dim: (l.grid[0], l.grid[1], l.grid[2]),
+                        block_dim: (l.block[0], l.block[1], l.block[2]),
+                        shared_mem_bytes: l.shared_bytes,
+                    };
+                    // SAFETY: `check_plan` verified one argument of the declared kind per
+                    // parameter and every pointer inside the one allocation, whose regions the
+                    // compiler sized for these kernels' shapes.
+                    unsafe { launch.launch(cfg) }.map_err(|e| {
+                        RuntimeError::Device(format!(
+                            "{}: step {} (`{}`) failed to launch: {e}",
+                            entry.graph, step.node, step.kernel
+                        ))
+                    })?;
+                }
+                if !capture {
+                    stream.synchronize().map_err(|e| {
+                        RuntimeError::Device(format!("{}: a kernel failed: {e}", entry.graph))
+                    })?;
+                }
+            }
+            let graph = stream
+                .end_capture(CUgraphInstantiate_flags(0))
+                .map_err(dev)?
+                .ok_or_else(|| RuntimeError::Device(format!("{}: empty capture", entry.graph)))?;
+            graph.upload().map_err(dev)?;
+            captures += 1;
+            graphs.insert(entry.graph.clone(), graph);
+        }
+        // The warm-up runs wrote the cache; a generation starts from an empty one.
+        let cache = m.memory.base(Region::Cache);
+        let cache_bytes = m.memory.cache_bytes;
+        if cache_bytes > 0 {
+            stream
+                .memset_zeros(&mut memory.slice_mut(cache as usize..(cache + cache_bytes) as usize))
+                .map_err(dev)?;
+        }
+        stream.synchronize().map_err(dev)?;
+        let plans = buckets
+            .iter()
+            .map(|(e, p)| (e.graph.clone(), (*p).clone()))
+            .collect();
+        Ok(CudaExecutor {
+            arena: m.memory.base(Region::Arena),
+            cache,
+            cache_bytes,
+            ctx,
+            stream,
+            memory,
+            graphs,
+            plans,
+            captures,
+            compilations: 1,
+            at_load: (captures, 1),
+            replays: BTreeMap::new(),
+            load_seconds: start.elapsed().as_secs_f64(),
+            device,
+        })
+    }
+
+    /// Whether the bucket whose graph file is `graph` has a captured graph.
+    pub fn has(&self, graph: &str) -> bool {
+        self.graphs.contains_key(graph)
+    }
+
+    /// Runs one bucket: `inputs` (by name; every non-cache input of its plan) are copied into
+    /// their slots, the graph is replayed, and the outputs in the arena are copied back.
+    pub fn run(
+        &mut self,
+        graph: &str,
+        inputs: &BTreeMap<String, Tensor>,
+    ) -> Result<BTreeMap<String, Tensor>, RuntimeError> {
+        Ok(self
+            .replay(graph, inputs)?
+            .into_iter()
+            .map(|(slot, bytes)| (slot.name, decode(&bytes, slot.dtype, slot.shape)))
+            .collect())
+    }
+
+    /// Like [`CudaExecutor::run`], but the outputs stay the device's bytes (what a server hands
+    /// on), each with its slot.
+    pub fn replay(
+        &mut self,
+        graph: &str,
+        inputs: &BTreeMap<String, Tensor>,
+    ) -> Result<Vec<(TensorSlot, Vec<u8>)>, RuntimeError> {
+        let dev = |e: cudarc::driver::DriverError| RuntimeError::Device(format!("CUDA: {e}"));
+        let plan = self
+            .plans
+            .get(graph)
+            .ok_or_else(|| RuntimeError::Device(format!("bucket {graph} has no GPU plan")))?;
+        for slot in &plan.inputs {
+            let t = inputs.get(&slot.name).ok_or_else(|| {
+                RuntimeError::Request(format!("input `{}` is missing", slot.name))
+            })?;
+            if t.shape != slot.shape {
+                return Err(RuntimeError::Request(format!(
+                    "input `{}` has shape {:?}; bucket {graph} takes {:?}",
+                    slot.name, t.shape, slot.shape
+                )));
+            }
+            let bytes = encode(t, slot.dtype);
+            let at = (self.arena + slot.offset) as usize;
+            self.stream
+                .memcpy_htod(&bytes, &mut self.memory.slice_mut(at..at + bytes.len()))
+                .map_err(dev)?;
+        }
+        self.graphs[graph].launch().map_err(dev)?;
+        *self.replays.entry(graph.to_string()).or_default() += 1;
+        let mut out = Vec::new();
+        for slot in &plan.outputs {
+            let at = (self.arena + slot.offset) as usize;
+            let mut bytes = vec![0u8; slot.bytes() as usize];
+            self.stream
+                .memcpy_dtoh(&self.memory.slice(at..at + bytes.len()), &mut bytes)
+                .map_err(dev)?;
+            out.push((slot.clone(), bytes));
+        }
+        self.stream
+            .synchronize()
+            .map_err(|e| RuntimeError::Device(format!("{graph}: a kernel failed: {e}")))?;
+        Ok(out)
+    }
+
+    /// Empties the KV cache (a new generation).
+    pub fn reset_cache(&mut self) -> Result<(), RuntimeError> {
+        if self.cache_bytes > 0 {
+            let (a, b) = (
+                self.cache as usize,
+                (self.cache + self.cache_bytes) as usize,
+            );
+            self.stream
+                .memset_zeros(&mut self.memory.slice_mut(a..b))
+                .map_err(|e| RuntimeError::Device(format!("CUDA: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// The counters since load.
+    pub fn counters(&self) -> Counters {
+        Counters {
+            replays: self.replays.clone(),
+            captures_after_load: self.captures - self.at_load.0,
+            compilations_after_load: self.compilations - self.at_load.1,
+        }
+    }
+
+    /// GPU memory in use on the device (all processes), bytes.
+    pub fn device_memory_used(&self) -> Result<u64, RuntimeError> {
+        let (free, total) = self
+            .ctx
+            .mem_get_info()
+            .map_err(|e| RuntimeError::Device(format!("CUDA: {e}")))?;
+        Ok((total - free) as u64)
+    }
+
+    /// Bytes of the one allocation this executor made.
+    pub fn allocated_bytes(&self) -> u64 {
+        self.memory.len() as u64
+    }
+}
+
+enum ArgValue {
+    U64(u64),
+    U32(u32),
+    F32(f32),
+}
+
+/// A host tensor's bytes in `dtype` (little endian), as the device reads them.
+fn encode(t: &Tensor, dtype: DType) -> Vec<u8> {
+    match (&t.data, dtype) {
+        (Data::Int(v), DType::I64) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        (Data::Int(v), DType::I32) => v.iter().flat_map(|x| (*x as i32).to_le_bytes()).collect(),
+        (Data::Int(v), _) => v.iter().flat_map(|x| (*x as f32).to_le_bytes()).collect(),
+        (Data::Float(v), DType::BF16) => v
+            .iter()
+            .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+            .collect(),
+        (Data::Float(v), DType::F16) => v
+            .iter()
+            .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
+            .collect(),
+        (Data::Float(v), _) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    }
+}
+
+/// Device bytes of `dtype` as a host tensor.
+fn decode(bytes: &[u8], dtype: DType, shape: Vec<usize>) -> Tensor {
+    match dtype {
+        DType::BF16 => Tensor::float(
+            dtype,
+            shape,
+            bytes
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+        ),
+        DType::F16 => Tensor::float(
+            dtype,
+            shape,
+            bytes
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+        ),
+        DType::I64 => Tensor::i64(
+            shape,
+            bytes
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+                .collect(),
+        ),
+        _ => Tensor::f32(
+            shape,
+            bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                .collect(),
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cubin_versions_are_read_from_the_elf_flags() {
+        let mut elf = vec![0u8; 0x40];
+        elf[..4].copy_from_slice(b"\x7fELF");
+        elf[4] = 2;
+        elf[7] = 0x41;
+        elf[8] = 8;
+        for (flags, sm) in [(0x600_5a04u32, 90), (0x600_5004, 80), (0x600_6402, 100)] {
+            elf[0x30..0x34].copy_from_slice(&flags.to_le_bytes());
+            assert_eq!(cubin_sm(&elf), Some(sm));
+        }
+        assert_eq!(cubin_sm(b"not an elf"), None);
+    }
+}

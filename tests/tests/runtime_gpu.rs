@@ -1,0 +1,176 @@
+//! Compile -> artifact -> `--device cuda`: every fixture model, compiled for f32 and bf16, runs
+//! through the CUDA executor (one allocation, graphs captured at load, replayed per request) and
+//! matches the references within the fixtures' tolerances; greedy generation through the
+//! device-resident KV cache reproduces `greedy_tokens`; nothing is captured or compiled after
+//! load. Skips, saying why, on a machine without a GPU.
+
+use std::path::Path;
+
+use kiln_ir::inputs::TokenBatch;
+use kiln_runtime::generate::{generate, Sampling};
+use kiln_runtime::{forward::forward, Artifact, Device, Executor};
+use kiln_tests::{
+    assert_half_precision_close, fixture, floats, kiln, masked_rel_err, reference, rel_err,
+};
+
+fn gpu() -> bool {
+    match kiln_runtime::cuda::probe() {
+        Ok(()) => true,
+        Err(e) => {
+            println!("SKIPPED: {e}");
+            false
+        }
+    }
+}
+
+fn compile(model: &Path, out: &Path, extra: &[&str]) -> Artifact {
+    let mut args = vec![
+        "compile",
+        model.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    kiln(&args).unwrap();
+    Artifact::open(out).unwrap()
+}
+
+fn cuda(art: &Artifact) -> Executor {
+    let exec = Executor::open(art, Device::Cuda).unwrap();
+    assert!(matches!(exec, Executor::Cuda(_)));
+    exec
+}
+
+/// Checks `got` against `want` with the README's tolerance for `dtype`.
+fn close(got: &[f32], want: &[f32], vocab: usize, dtype: &str, what: &str) {
+    if dtype == "f32" {
+        let err = rel_err(got, want);
+        assert!(err < 1e-4, "{what}: relative error {err:e}");
+    } else {
+        assert_half_precision_close(got, want, vocab, what);
+    }
+}
+
+#[test]
+fn decoders_match_references_on_the_gpu() {
+    if !gpu() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    for name in ["gpt2-tiny", "llama-tiny"] {
+        for dtype in ["f32", "bf16"] {
+            let dir = tmp.path().join(format!("{name}-{dtype}.kiln"));
+            let art = compile(
+                &fixture(name),
+                &dir,
+                &[
+                    "--buckets",
+                    "16,64,128",
+                    "--batch-buckets",
+                    "1,4",
+                    "--max-context",
+                    "128",
+                    "--dtype",
+                    dtype,
+                ],
+            );
+            let mut exec = cuda(&art);
+            let reference = reference(name);
+            for l in [1usize, 7, 16, 33, 100] {
+                let ids = reference[&format!("input_ids_{l}")]
+                    .as_i64()
+                    .unwrap()
+                    .to_vec();
+                let batch = TokenBatch {
+                    ids: vec![ids],
+                    mask: None,
+                };
+                let out = forward(&art, &mut exec, &batch).unwrap();
+                let what = format!("{name} {dtype} L={l}");
+                close(
+                    floats(&out["logits"]),
+                    floats(&reference[&format!("logits_{l}")]),
+                    512,
+                    dtype,
+                    &what,
+                );
+                println!("ok: {what}");
+            }
+            let a = reference["batch_a"].as_i64().unwrap().to_vec();
+            let b = reference["batch_b"].as_i64().unwrap().to_vec();
+            let out = forward(
+                &art,
+                &mut exec,
+                &TokenBatch::padded(&[a.clone(), b.clone()], 0),
+            )
+            .unwrap();
+            let logits = floats(&out["logits"]);
+            let width = a.len().max(b.len());
+            for (row, (len, key)) in [
+                (a.len(), "batch_a_last_logits"),
+                (b.len(), "batch_b_last_logits"),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let at = (row * width + len - 1) * 512;
+                close(
+                    &logits[at..at + 512],
+                    floats(&reference[key]),
+                    512,
+                    dtype,
+                    &format!("{name} {dtype} {key}"),
+                );
+            }
+            if dtype == "f32" {
+                let prompt = reference["greedy_prompt"].as_i64().unwrap().to_vec();
+                let want = reference["greedy_tokens"].as_i64().unwrap().to_vec();
+                let got =
+                    generate(&art, &mut exec, &prompt, want.len(), &Sampling::greedy()).unwrap();
+                assert_eq!(got, want, "{name}: greedy tokens on the GPU");
+                // A second generation starts from an empty cache and gives the same tokens.
+                let again =
+                    generate(&art, &mut exec, &prompt, want.len(), &Sampling::greedy()).unwrap();
+                assert_eq!(again, want, "{name}: second generation");
+                println!("ok: {name} greedy_tokens ({} tokens)", want.len());
+            }
+            let Executor::Cuda(c) = &exec else {
+                unreachable!()
+            };
+            let counters = c.counters();
+            assert_eq!(counters.captures_after_load, 0);
+            assert_eq!(counters.compilations_after_load, 0);
+            println!(
+                "ok: {name} {dtype}: load {:.3} s, replays {:?}",
+                c.load_seconds, counters.replays
+            );
+        }
+    }
+}
+
+#[test]
+fn encoders_match_references_on_the_gpu() {
+    if !gpu() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    for dtype in ["f32", "bf16"] {
+        let dir = tmp.path().join(format!("bert-{dtype}.kiln"));
+        let art = compile(
+            &fixture("bert-tiny"),
+            &dir,
+            &["--buckets", "32", "--batch-buckets", "4", "--dtype", dtype],
+        );
+        let mut exec = cuda(&art);
+        let reference = reference("bert-tiny");
+        let (batch, _) =
+            TokenBatch::from_tensors(&reference["input_ids"], Some(&reference["attention_mask"]))
+                .unwrap();
+        let out = forward(&art, &mut exec, &batch).unwrap();
+        let (got, want) = (&out["last_hidden_state"], &reference["last_hidden_state"]);
+        let err = masked_rel_err(got, want, &reference["attention_mask"]);
+        let tol = if dtype == "f32" { 1e-4 } else { 2e-2 };
+        assert!(err < tol, "bert-tiny {dtype}: relative error {:e}", err);
+        println!("ok: bert-tiny {dtype}: relative error {:e}", err);
+    }
+}
