@@ -16,7 +16,7 @@ use cudarc::driver::sys::CUgraphInstantiate_flags;
 use cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
-    PushKernelArg,
+    PinnedHostSlice, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 use kiln_ir::artifact::{Arg, BucketEntry, ExecPlan, KernelEntry, ParamType, Region, TensorSlot};
@@ -37,6 +37,15 @@ pub struct Counters {
 
 /// A loaded artifact on a GPU, ready to replay.
 pub struct CudaExecutor {
+    /// Page-locked host memory the outputs are copied into (the largest bucket's outputs).
+    staging: PinnedHostSlice<u8>,
+    functions: BTreeMap<String, CudaFunction>,
+    addresses: Addresses,
+    /// `KILN_EAGER` set: replays launch the steps one by one and synchronise after each, so that
+    /// a failing kernel is named and each kernel's time measured (debugging and profiling; the
+    /// counters still count replays).
+    eager: bool,
+    profile: BTreeMap<String, (u64, f64)>,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     memory: CudaSlice<u8>,
@@ -279,7 +288,7 @@ impl CudaExecutor {
                 KernelImage::Ptx(text) => Ptx::from_src(text),
             })
             .map_err(|e| RuntimeError::Device(format!("the kernel module does not load: {e}")))?;
-        let mut functions: BTreeMap<&str, (CudaFunction, &KernelEntry)> = BTreeMap::new();
+        let mut functions: BTreeMap<String, CudaFunction> = BTreeMap::new();
         for k in &m.kernel_table {
             let f = module.load_function(&k.name).map_err(|e| {
                 RuntimeError::Device(format!("kernel `{}` is not in the module: {e}", k.name))
@@ -291,14 +300,17 @@ impl CudaExecutor {
                 )
                 .map_err(dev)?;
             }
-            functions.insert(&k.name, (f, k));
+            functions.insert(k.name.clone(), f);
         }
 
         let base = {
             let (ptr, _sync) = memory.device_ptr(&stream);
             ptr
         };
-        let address = |region: Region, offset: u64| base + m.memory.base(region) + offset;
+        let addresses = Addresses {
+            base,
+            plan: m.memory.clone(),
+        };
         let mut graphs = BTreeMap::new();
         let mut captures = 0;
         let arena = m.memory.base(Region::Arena);
@@ -319,41 +331,7 @@ impl CudaExecutor {
                         .begin_capture(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                         .map_err(dev)?;
                 }
-                for step in &plan.steps {
-                    let (f, _) = &functions[step.kernel.as_str()];
-                    let values: Vec<ArgValue> = step
-                        .args
-                        .iter()
-                        .map(|a| match *a {
-                            Arg::Ptr(r, o) => ArgValue::U64(address(r, o)),
-                            Arg::U32(v) => ArgValue::U32(v),
-                            Arg::F32(v) => ArgValue::F32(v),
-                        })
-                        .collect();
-                    let mut launch = stream.launch_builder(f);
-                    for v in &values {
-                        match v {
-                            ArgValue::U64(p) => launch.arg(p),
-                            ArgValue::U32(x) => launch.arg(x),
-                            ArgValue::F32(x) => launch.arg(x),
-                        };
-                    }
-                    let l = step.launch;
-                    let cfg = LaunchConfig {
-                        grid_dim: (l.grid[0], l.grid[1], l.grid[2]),
-                        block_dim: (l.block[0], l.block[1], l.block[2]),
-                        shared_mem_bytes: l.shared_bytes,
-                    };
-                    // SAFETY: `check_plan` verified one argument of the declared kind per
-                    // parameter and every pointer inside the one allocation, whose regions the
-                    // compiler sized for these kernels' shapes.
-                    unsafe { launch.launch(cfg) }.map_err(|e| {
-                        RuntimeError::Device(format!(
-                            "{}: step {} (`{}`) failed to launch: {e}",
-                            entry.graph, step.node, step.kernel
-                        ))
-                    })?;
-                }
+                launch_steps(&stream, &functions, plan, &addresses, &entry.graph, None)?;
                 if !capture {
                     stream.synchronize().map_err(|e| {
                         RuntimeError::Device(format!("{}: a kernel failed: {e}", entry.graph))
@@ -381,7 +359,17 @@ impl CudaExecutor {
             .iter()
             .map(|(e, p)| (e.graph.clone(), (*p).clone()))
             .collect();
+        let staging_bytes = plans_outputs_bytes(&buckets);
+        // SAFETY: host memory that is only read after a copy into it has completed; flags 0 is
+        // ordinary (cached) page-locked memory, which the host reads fast.
+        let staging =
+            unsafe { ctx.alloc_pinned_with_flags::<u8>(staging_bytes.max(1), 0) }.map_err(dev)?;
         Ok(CudaExecutor {
+            staging,
+            functions,
+            addresses,
+            eager: std::env::var_os("KILN_EAGER").is_some(),
+            profile: BTreeMap::new(),
             arena: m.memory.base(Region::Arena),
             cache,
             cache_bytes,
@@ -414,17 +402,20 @@ impl CudaExecutor {
         Ok(self
             .replay(graph, inputs)?
             .into_iter()
-            .map(|(slot, bytes)| (slot.name, decode(&bytes, slot.dtype, slot.shape)))
+            .map(|(slot, bytes)| {
+                let t = decode(bytes, slot.dtype, slot.shape.clone());
+                (slot.name.clone(), t)
+            })
             .collect())
     }
 
     /// Like [`CudaExecutor::run`], but the outputs stay the device's bytes (what a server hands
-    /// on), each with its slot.
+    /// on), in page-locked host memory that the next request reuses.
     pub fn replay(
         &mut self,
         graph: &str,
         inputs: &BTreeMap<String, Tensor>,
-    ) -> Result<Vec<(TensorSlot, Vec<u8>)>, RuntimeError> {
+    ) -> Result<Vec<(&TensorSlot, &[u8])>, RuntimeError> {
         let dev = |e: cudarc::driver::DriverError| RuntimeError::Device(format!("CUDA: {e}"));
         let plan = self
             .plans
@@ -446,21 +437,47 @@ impl CudaExecutor {
                 .memcpy_htod(&bytes, &mut self.memory.slice_mut(at..at + bytes.len()))
                 .map_err(dev)?;
         }
-        self.graphs[graph].launch().map_err(dev)?;
+        if self.eager {
+            launch_steps(
+                &self.stream,
+                &self.functions,
+                plan,
+                &self.addresses,
+                graph,
+                Some(&mut self.profile),
+            )?;
+        } else {
+            self.graphs[graph].launch().map_err(dev)?;
+        }
         *self.replays.entry(graph.to_string()).or_default() += 1;
-        let mut out = Vec::new();
+        let staging = self.staging.as_mut_slice().map_err(dev)?;
+        let mut ranges = Vec::with_capacity(plan.outputs.len());
+        let mut at = 0usize;
         for slot in &plan.outputs {
-            let at = (self.arena + slot.offset) as usize;
-            let mut bytes = vec![0u8; slot.bytes() as usize];
-            self.stream
-                .memcpy_dtoh(&self.memory.slice(at..at + bytes.len()), &mut bytes)
-                .map_err(dev)?;
-            out.push((slot.clone(), bytes));
+            let n = slot.bytes() as usize;
+            let src = self.addresses.base + self.arena + slot.offset;
+            // SAFETY: `src..src + n` is the slot inside the one allocation (`check_plan`), and
+            // `staging[at..at + n]` lies inside the page-locked buffer sized for the largest
+            // bucket's outputs; the stream is synchronised below before the bytes are read.
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(
+                    &mut staging[at..at + n],
+                    src,
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(dev)?;
+            ranges.push((slot, at..at + n));
+            at += n;
         }
         self.stream
             .synchronize()
             .map_err(|e| RuntimeError::Device(format!("{graph}: a kernel failed: {e}")))?;
-        Ok(out)
+        let staging: &[u8] = staging;
+        Ok(ranges
+            .into_iter()
+            .map(|(slot, r)| (slot, &staging[r]))
+            .collect())
     }
 
     /// Empties the KV cache (a new generation).
@@ -475,6 +492,12 @@ impl CudaExecutor {
                 .map_err(|e| RuntimeError::Device(format!("CUDA: {e}")))?;
         }
         Ok(())
+    }
+
+    /// Per kernel: launches and seconds (launch to completion), measured when `KILN_EAGER` is
+    /// set; empty otherwise.
+    pub fn profile(&self) -> &BTreeMap<String, (u64, f64)> {
+        &self.profile
     }
 
     /// The counters since load.
@@ -499,6 +522,78 @@ impl CudaExecutor {
     pub fn allocated_bytes(&self) -> u64 {
         self.memory.len() as u64
     }
+}
+
+/// The most output bytes any bucket returns.
+fn plans_outputs_bytes(buckets: &[(&BucketEntry, &ExecPlan)]) -> usize {
+    buckets
+        .iter()
+        .map(|(_, p)| p.outputs.iter().map(|s| s.bytes() as usize).sum::<usize>())
+        .max()
+        .unwrap_or(0)
+}
+
+/// Device addresses of the plan's regions.
+struct Addresses {
+    base: u64,
+    plan: kiln_ir::artifact::MemoryPlan,
+}
+
+/// Launches `plan`'s steps on `stream` (captured when the stream is capturing); with a
+/// `profile`, waits after each launch, names the step that failed, and adds each step's wall time
+/// (launch to completion) to its kernel's entry.
+fn launch_steps(
+    stream: &Arc<CudaStream>,
+    functions: &BTreeMap<String, CudaFunction>,
+    plan: &ExecPlan,
+    addresses: &Addresses,
+    graph: &str,
+    mut profile: Option<&mut BTreeMap<String, (u64, f64)>>,
+) -> Result<(), RuntimeError> {
+    for step in &plan.steps {
+        let start = Instant::now();
+        let f = &functions[step.kernel.as_str()];
+        let values: Vec<ArgValue> = step
+            .args
+            .iter()
+            .map(|a| match *a {
+                Arg::Ptr(r, o) => ArgValue::U64(addresses.base + addresses.plan.base(r) + o),
+                Arg::U32(v) => ArgValue::U32(v),
+                Arg::F32(v) => ArgValue::F32(v),
+            })
+            .collect();
+        let mut launch = stream.launch_builder(f);
+        for v in &values {
+            match v {
+                ArgValue::U64(p) => launch.arg(p),
+                ArgValue::U32(x) => launch.arg(x),
+                ArgValue::F32(x) => launch.arg(x),
+            };
+        }
+        let l = step.launch;
+        let cfg = LaunchConfig {
+            grid_dim: (l.grid[0], l.grid[1], l.grid[2]),
+            block_dim: (l.block[0], l.block[1], l.block[2]),
+            shared_mem_bytes: l.shared_bytes,
+        };
+        let failed = |e: cudarc::driver::DriverError| {
+            RuntimeError::Device(format!(
+                "{graph}: step {} (`{}`) failed: {e}",
+                step.node, step.kernel
+            ))
+        };
+        // SAFETY: `check_plan` verified one argument of the declared kind per parameter and
+        // every pointer inside the one allocation, whose regions the compiler sized for these
+        // kernels' shapes.
+        unsafe { launch.launch(cfg) }.map_err(failed)?;
+        if let Some(profile) = profile.as_deref_mut() {
+            stream.synchronize().map_err(failed)?;
+            let e = profile.entry(step.kernel.clone()).or_default();
+            e.0 += 1;
+            e.1 += start.elapsed().as_secs_f64();
+        }
+    }
+    Ok(())
 }
 
 enum ArgValue {

@@ -311,6 +311,14 @@ fn run(cli: Cli) -> Result<()> {
             } else {
                 print_bench(&report);
             }
+            if let Executor::Cuda(c) = &exec {
+                // KILN_EAGER: where the time went, heaviest kernels first (to stderr).
+                let mut rows: Vec<_> = c.profile().iter().collect();
+                rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+                for (kernel, (n, secs)) in rows.iter().take(25) {
+                    eprintln!("{:>10.3} ms {n:>8} x {kernel}", secs * 1e3);
+                }
+            }
         }
     }
     Ok(())

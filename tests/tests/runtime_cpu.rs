@@ -283,11 +283,14 @@ fn a_cubin_for_another_sm_is_refused() {
         "{err}"
     );
 
-    // Swap in an sm_80 cubin under the same name and fix its checksum.
+    // Swap in an sm_80 cubin (the same PTX retargeted) under the same name and fix its checksum.
     let cubin = dir.join("kernels.sm_90.cubin");
+    let ptx = std::fs::read_to_string(dir.join("kernels.ptx")).unwrap();
+    let sm80 = tmp.path().join("kernels.sm_80.ptx");
+    std::fs::write(&sm80, ptx.replacen(".target sm_90", ".target sm_80", 1)).unwrap();
     let status = std::process::Command::new(ptxas)
         .arg("-arch=sm_80")
-        .arg(dir.join("kernels.ptx"))
+        .arg(&sm80)
         .arg("-o")
         .arg(&cubin)
         .status()
