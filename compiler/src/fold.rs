@@ -5,6 +5,10 @@
 //! A folded weight is named after what it computes (`Concat(0)[a,b,c]`), so buckets that fold the
 //! same value share one tensor; its definition is kept as a small graph with one output,
 //! `value`, that the artifact writer evaluates with the reference interpreter.
+//!
+//! Weights are also stored the way the kernels read them best: a product's weight stored `[K, N]`
+//! (GPT-2's `Conv1D`) is transposed once, here, to `[N, K]`, which is the layout the tensor-core
+//! GEMM and the decode GEMV take (rows contiguous along the contraction).
 
 use std::collections::BTreeMap;
 
@@ -21,8 +25,10 @@ pub struct Folded {
     pub definitions: BTreeMap<String, Graph>,
 }
 
-/// Folds the weight-only values of `g` that a run-time value (or an output) reads.
+/// Folds the weight-only values of `g` that a run-time value (or an output) reads, after storing
+/// every product's weight `[N, K]`.
 pub fn fold_weights(g: &Graph) -> Result<Folded, IrError> {
+    let g = &weights_n_by_k(g)?;
     let n = g.len();
     let mut weight_only = vec![false; n];
     for (id, node) in g.nodes() {
@@ -80,6 +86,40 @@ pub fn fold_weights(g: &Graph) -> Result<Folded, IrError> {
     })
 }
 
+/// `g` with every product whose weight (a weight-only `[K, N]` matrix) is not transposed
+/// rewritten to read `permute([1, 0], w)` with `transpose_b`: the same product.
+fn weights_n_by_k(g: &Graph) -> Result<Graph, IrError> {
+    let mut weight_only = vec![false; g.len()];
+    let mut out = Graph::new();
+    let mut map: Vec<NodeId> = Vec::with_capacity(g.len());
+    for (id, node) in g.nodes() {
+        weight_only[id.index()] = match &node.op {
+            Op::Weight(_) | Op::Scalar(_) => true,
+            Op::Input(_) => false,
+            _ => node.args.iter().all(|a| weight_only[a.index()]),
+        };
+        let new = if node.op.is_leaf() {
+            copy_leaf(&node.op, &node.ty, &mut out)?
+        } else {
+            let mut args: Vec<NodeId> = node.args.iter().map(|a| map[a.index()]).collect();
+            let mut op = node.op.clone();
+            if let Op::Gemm(spec) = &mut op {
+                let w = node.args[1];
+                if !spec.transpose_b && weight_only[w.index()] && g.ty(w).rank() == 2 {
+                    args[1] = out.add(Op::Permute(vec![1, 0]), &[args[1]])?;
+                    spec.transpose_b = true;
+                }
+            }
+            out.add(op, &args)?
+        };
+        map.push(new);
+    }
+    for o in g.outputs() {
+        out.set_output(&o.name, map[o.node.index()])?;
+    }
+    Ok(out)
+}
+
 /// A leaf of another graph, added to `out`.
 fn copy_leaf(op: &Op, ty: &kiln_ir::TensorType, out: &mut Graph) -> Result<NodeId, IrError> {
     match op {
@@ -132,6 +172,40 @@ fn describe(g: &Graph, id: NodeId) -> String {
 mod tests {
     use super::*;
     use kiln_ir::{DType, Dim};
+
+    #[test]
+    fn k_by_n_product_weights_are_stored_transposed() {
+        let mut g = Graph::new();
+        let x = g
+            .input("x", DType::F32, vec![Dim::from(2i64), Dim::from(4i64)])
+            .unwrap();
+        let w = g
+            .weight("w", DType::F32, vec![Dim::from(4i64), Dim::from(3i64)])
+            .unwrap();
+        let y = g
+            .add(Op::Gemm(kiln_ir::kernel::GemmSpec::plain(false)), &[x, w])
+            .unwrap();
+        g.set_output("y", y).unwrap();
+        let folded = fold_weights(&g).unwrap();
+        let names: Vec<&str> = folded.graph.weights().map(|(_, n, _)| n).collect();
+        assert_eq!(names, ["Permute([1, 0])[w]"]);
+        let (_, gemm) = folded.graph.nodes().last().unwrap();
+        assert!(matches!(&gemm.op, Op::Gemm(s) if s.transpose_b));
+        // The same product: the interpreter agrees before and after.
+        let x_val = kiln_ir::Tensor::f32(vec![2, 4], (0..8).map(|v| v as f32 - 3.0).collect());
+        let w_val = kiln_ir::Tensor::f32(vec![4, 3], (0..12).map(|v| v as f32 * 0.5).collect());
+        let weights = BTreeMap::from([("w".to_string(), std::sync::Arc::new(w_val))]);
+        let inputs = BTreeMap::from([("x".to_string(), x_val)]);
+        let want = kiln_ir::evaluate(&g, &inputs, &weights).unwrap();
+        let mut folded_weights = weights.clone();
+        let t = kiln_ir::evaluate(&folded.definitions[names[0]], &BTreeMap::new(), &weights)
+            .unwrap()
+            .remove(VALUE)
+            .unwrap();
+        folded_weights.insert(names[0].to_string(), std::sync::Arc::new(t));
+        let got = kiln_ir::evaluate(&folded.graph, &inputs, &folded_weights).unwrap();
+        assert_eq!(got["y"], want["y"]);
+    }
 
     #[test]
     fn concatenated_weights_become_one_weight_and_the_parts_disappear() {

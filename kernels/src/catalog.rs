@@ -128,18 +128,21 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
             (true, false, None, true, false),
             (true, true, Some(Activation::GeluErf), false, true),
         ] {
-            let cfg = GemmConfig {
-                m: 127,
-                k: 768,
-                n: 2304,
-                transpose_b,
-                bias,
-                activation: act,
-                swiglu,
-                residual,
-                elem,
-            };
-            out.push(("gemm", gemm(&cfg)));
+            // 127 rows: the tiled kernels; 1 and 5 rows: the matrix-vector kernel (decode).
+            for m in [127, 1, 5] {
+                let cfg = GemmConfig {
+                    m,
+                    k: 768,
+                    n: 2304,
+                    transpose_b,
+                    bias,
+                    activation: act,
+                    swiglu,
+                    residual,
+                    elem,
+                };
+                out.push(("gemm", gemm(&cfg)));
+            }
         }
     }
     out

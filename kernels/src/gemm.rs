@@ -71,10 +71,14 @@ impl GemmConfig {
     }
 }
 
-/// Generates the kernel: the tensor-core kernel (`crate::gemm_tc`) where it applies (f16/bf16,
+/// Generates the kernel: the matrix-vector kernel (`crate::gemv`) for at most 8 rows against
+/// `[N, K]` weights, the tensor-core kernel (`crate::gemm_tc`) where it applies (f16/bf16,
 /// `[N, K]` weights, no SwiGLU, K a multiple of 8), the SIMT kernel otherwise. Parameters:
 /// `x, w, [bias], [residual], out`.
 pub fn gemm(cfg: &GemmConfig) -> GeneratedKernel {
+    if crate::gemv::supports(cfg) {
+        return crate::gemv::gemv(cfg, format!("{}_gemv", cfg.name()));
+    }
     if crate::gemm_tc::supports(cfg) {
         return crate::gemm_tc::gemm_tc(cfg, format!("{}_tc", cfg.name()));
     }

@@ -10,6 +10,7 @@
 //! - [`embedding`] — summed embedding lookups;
 //! - [`gemm`] — matrix products with their fused epilogues (SIMT, every configuration);
 //! - [`gemm_tc`] — the tensor-core GEMM (f16/bf16, `mma.sync`, `ldmatrix`, `cp.async`);
+//! - [`gemv`] — products with at most 8 rows (decode): a warp per output column;
 //! - [`kv_cache`] — writing new keys/values into a KV cache in place (RoPE on the way);
 //! - [`sampling`] — token choice: greedy (argmax) and top-k / top-p with temperature;
 //! - [`catalog`] — the configurations the snapshot, assembler and GPU tests cover.
@@ -26,6 +27,7 @@ pub mod elementwise;
 pub mod embedding;
 pub mod gemm;
 pub mod gemm_tc;
+pub mod gemv;
 pub mod kv_cache;
 pub mod norm;
 pub mod ptx;

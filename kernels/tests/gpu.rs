@@ -462,6 +462,8 @@ fn gemms_match_the_interpreter() {
         for (transpose_b, bias, activation, swiglu, residual) in variants {
             for (m, k, n) in [
                 (1u32, 64u32, 96u32),
+                (3, 127, 130),
+                (8, 768, 258),
                 (17, 127, 130),
                 (127, 768, 258),
                 (4097, 64, 64),

@@ -72,6 +72,24 @@ fn gemm_swiglu_bf16() {
     insta::assert_snapshot!(k.module());
 }
 
+/// One decode row against `[N, K]` gate/up weights: the matrix-vector kernel.
+#[test]
+fn gemv_swiglu_bias_bf16_decode() {
+    let k = gemm(&GemmConfig {
+        m: 1,
+        k: 64,
+        n: 320,
+        transpose_b: true,
+        bias: true,
+        activation: None,
+        swiglu: true,
+        residual: false,
+        elem: Elem::BF16,
+    });
+    assert!(k.name.ends_with("_gemv"), "{}", k.name);
+    insta::assert_snapshot!(k.module());
+}
+
 #[test]
 fn attention_gqa_causal_rope_dropout_bf16() {
     use kiln_kernels::attention::{attention, AttentionConfig, KeyRule};

@@ -1,0 +1,151 @@
+//! Products with few rows (decode: M = batch <= 8) against `[N, K]` weights: a matrix-vector
+//! kernel. A GEMM tile of 64 or 128 columns leaves most SMs idle when M is 1 (GPT-2's
+//! 768-column products are 12 blocks), and its time is bound by reading the weights once, so
+//! here each warp owns one output column: its lanes stream that weight row along K with 16-byte
+//! loads (coalesced, the row is contiguous), multiply it by every x row, and reduce with
+//! shuffles; lane 0 applies the epilogue (bias, activation or SwiGLU, residual) in the GEMM's
+//! order. With SwiGLU the warp also streams the matching up row `n + N/2`.
+
+use kiln_ir::kernel::Activation;
+
+use crate::elementwise::activation;
+use crate::gemm::GemmConfig;
+use crate::ptx::{Kernel, Reg, RegClass, F32};
+use crate::{GeneratedKernel, Launch};
+
+/// The most rows the kernel takes (its accumulators are registers).
+pub const MAX_ROWS: u32 = 8;
+/// Warps (output columns) per block.
+const WARPS: u32 = 8;
+
+/// Whether `cfg` is a product this kernel serves: `[N, K]` weights and at most [`MAX_ROWS`] rows.
+pub fn supports(cfg: &GemmConfig) -> bool {
+    cfg.transpose_b
+        && cfg.m <= MAX_ROWS
+        && crate::check_index_range(&[
+            u64::from(cfg.n) * u64::from(cfg.k),
+            u64::from(cfg.m) * u64::from(cfg.n),
+        ])
+}
+
+/// Generates the kernel. Parameters: `x, w, [bias], [residual], out`, as the GEMM's.
+pub fn gemv(cfg: &GemmConfig, name: String) -> GeneratedKernel {
+    assert!(
+        supports(cfg),
+        "the GEMV kernel needs [N, K] weights and M <= 8"
+    );
+    let mut k = Kernel::new(&name);
+    let x = k.param_ptr("x");
+    let w = k.param_ptr("w");
+    let bias = cfg.bias.then(|| k.param_ptr("bias"));
+    let residual = cfg.residual.then(|| k.param_ptr("residual"));
+    let out = k.param_ptr("out");
+    let e = cfg.elem;
+    let n_out = cfg.n_out();
+    // 16-byte loads when every row starts 16-byte aligned (buffers are 256-byte aligned).
+    let per_load = 16 / e.bytes();
+    let vector = (cfg.k * e.bytes()).is_multiple_of(16);
+    let step = if vector { per_load } else { 1 };
+
+    let tid = k.special("tid.x");
+    let lane = k.op2("and.b32", RegClass::B32, &tid, &31u32);
+    let warp = k.op2("shr.u32", RegClass::B32, &tid, &5u32);
+    let block = k.special("ctaid.x");
+    let col = k.mad_u32(&block, &WARPS, &warp);
+    let exit = k.label("exit");
+    let outside = k.setp("ge.u32", &col, &n_out);
+    k.bra(Some((outside, true)), &exit);
+
+    let zero = F32(0.0);
+    let rows = cfg.m as usize;
+    let acc: Vec<Reg> = (0..rows).map(|_| k.mov(RegClass::F32, &zero)).collect();
+    let acc_up: Vec<Reg> = if cfg.swiglu {
+        (0..rows).map(|_| k.mov(RegClass::F32, &zero)).collect()
+    } else {
+        Vec::new()
+    };
+    let w_row = k.mul_u32(&col, &cfg.k);
+    let up_col = k.add_u32(&col, &n_out);
+    let w_up_row = k.mul_u32(&up_col, &cfg.k);
+
+    k.comment("lanes stride along K");
+    let kk = k.mul_u32(&lane, &step);
+    let top = k.label("k_loop");
+    let done = k.label("k_done");
+    k.place(&top);
+    let past = k.setp("ge.u32", &kk, &cfg.k);
+    k.bra(Some((past, true)), &done);
+    let load = |k: &mut Kernel, base: Reg, index: &Reg| -> Vec<Reg> {
+        let addr = k.address(base, index, e.bytes());
+        if vector {
+            k.ld_global_vec16(e, addr)
+        } else {
+            vec![k.ld_global(e, addr)]
+        }
+    };
+    let wi = k.add_u32(&w_row, &kk);
+    let wv = load(&mut k, w, &wi);
+    let wu = if cfg.swiglu {
+        let ui = k.add_u32(&w_up_row, &kk);
+        load(&mut k, w, &ui)
+    } else {
+        Vec::new()
+    };
+    for r in 0..rows {
+        let xi = k.add_u32(&kk, &(r as u32 * cfg.k));
+        let xv = load(&mut k, x, &xi);
+        for (j, xe) in xv.iter().enumerate() {
+            k.fma_into(acc[r], xe, &wv[j]);
+            if cfg.swiglu {
+                k.fma_into(acc_up[r], xe, &wu[j]);
+            }
+        }
+    }
+    k.emit(format!("add.u32 {kk}, {kk}, {}", 32 * step));
+    k.bra(None, &top);
+    k.place(&done);
+
+    k.comment("reduce across the warp; lane 0 finishes each row");
+    let sums: Vec<Reg> = acc.iter().map(|a| k.warp_sum(*a)).collect();
+    let ups: Vec<Reg> = acc_up.iter().map(|a| k.warp_sum(*a)).collect();
+    let not_first = k.setp("ne.u32", &lane, &0u32);
+    k.bra(Some((not_first, true)), &exit);
+    for r in 0..rows {
+        let mut v = sums[r];
+        let mut up = ups.get(r).copied();
+        if let Some(b) = bias {
+            let ba = k.address(b, &col, e.bytes());
+            let bv = k.ld_global(e, ba);
+            v = k.add_f32(&v, &bv);
+            if let Some(u) = up {
+                let ua = k.address(b, &up_col, e.bytes());
+                let uv = k.ld_global(e, ua);
+                up = Some(k.add_f32(&u, &uv));
+            }
+        }
+        if let Some(a) = cfg.activation {
+            v = activation(&mut k, v, a);
+        }
+        if let Some(u) = up {
+            let g = activation(&mut k, v, Activation::Silu);
+            v = k.mul_f32(&g, &u);
+        }
+        let oi = k.add_u32(&col, &(r as u32 * n_out));
+        if let Some(res) = residual {
+            let ra = k.address(res, &oi, e.bytes());
+            let rv = k.ld_global(e, ra);
+            v = k.add_f32(&v, &rv);
+        }
+        let oa = k.address(out, &oi, e.bytes());
+        k.st_global(e, oa, v);
+    }
+    k.place(&exit);
+    GeneratedKernel::new(
+        k,
+        Launch {
+            grid: [n_out.div_ceil(WARPS), 1, 1],
+            block: [WARPS * 32, 1, 1],
+            shared_bytes: 0,
+        },
+    )
+}
