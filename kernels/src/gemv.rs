@@ -110,8 +110,8 @@ pub fn gemv(cfg: &GemmConfig, name: String) -> GeneratedKernel {
     let ups: Vec<Reg> = acc_up.iter().map(|a| k.warp_sum(*a)).collect();
     let not_first = k.setp("ne.u32", &lane, &0u32);
     k.bra(Some((not_first, true)), &exit);
-    for r in 0..rows {
-        let mut v = sums[r];
+    for (r, &sum) in sums.iter().enumerate() {
+        let mut v = sum;
         let mut up = ups.get(r).copied();
         if let Some(b) = bias {
             let ba = k.address(b, &col, e.bytes());
