@@ -88,6 +88,11 @@ pub enum Command {
         /// KV-cache capacity of the decode graphs (decoders; default: the largest sequence bucket).
         #[arg(long)]
         max_context: Option<usize>,
+        /// Tokens per prompt chunk of generation, a KV-cached graph at batch 1 (decoders; default:
+        /// the smallest of 128, the largest sequence bucket and the context; 1 enters prompts one
+        /// token per step).
+        #[arg(long)]
+        prefill_chunk: Option<usize>,
     },
     /// Print a readable summary of a compiled artifact (verified first): buckets, kernels per
     /// bucket, files.
@@ -143,6 +148,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                     cost: CostModel::default(),
                     histogram: None,
                     max_context: None,
+                    prefill_chunk: None,
                 };
                 let (_, compiled) = compile(&model.graph, None, &opts)?;
                 writeln!(out, "{}", compiled.prefill[0].graph.to_ron())?;
@@ -176,6 +182,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
             no_weights,
             dropout,
             max_context,
+            prefill_chunk,
         } => {
             let dtype = match DType::parse(dtype) {
                 Some(d) if d.is_float() => d,
@@ -228,6 +235,9 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                     if let Some(limit) = max_positions.filter(|l| context > *l) {
                         bail!("--max-context {context} exceeds the model's {limit} positions");
                     }
+                    if let Some(c) = prefill_chunk.filter(|&c| c == 0 || c > context) {
+                        bail!("--prefill-chunk {c} must be between 1 and the context ({context})");
+                    }
                     let options = ImportOptions {
                         kv_cache: true,
                         dropout: false,
@@ -236,9 +246,9 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                     (Some(load(&options)?.graph), Some(context))
                 }
                 ModelKind::Encoder { .. } => {
-                    if max_context.is_some() {
+                    if max_context.is_some() || prefill_chunk.is_some() {
                         bail!(
-                            "--max-context applies to decoders; {} is an encoder",
+                            "--max-context and --prefill-chunk apply to decoders; {} is an encoder",
                             model.architecture
                         );
                     }
@@ -252,6 +262,10 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 cost: CostModel::default(),
                 histogram,
                 max_context: context,
+                prefill_chunk: context.map(|c| {
+                    prefill_chunk
+                        .unwrap_or_else(|| 128.min(*plan.seq_lens.last().expect("buckets")).min(c))
+                }),
             };
             let (mut compiled, buckets) = compile(&model.graph, cached.as_ref(), &opts)?;
             compiled
@@ -273,19 +287,22 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 .buckets
                 .iter()
                 .map(|b| format!("b{}-s{}: {} kernels", b.batch, b.seq, b.kernels.len()))
-                .chain(
-                    compiled
-                        .decode_buckets
-                        .iter()
-                        .map(|b| format!("decode b{}: {} kernels", b.batch, b.kernels.len())),
-                )
+                .chain(compiled.decode_buckets.iter().map(|b| {
+                    if b.seq == 1 {
+                        format!("decode b{}: {} kernels", b.batch, b.kernels.len())
+                    } else {
+                        format!("prompt chunk s{}: {} kernels", b.seq, b.kernels.len())
+                    }
+                }))
                 .collect();
+            let chunks = buckets.decode.iter().filter(|b| b.bucket.seq > 1).count();
             writeln!(
                 out,
-                "compiled {} ({} prefill + {} decode buckets) into {} in {:.2} s: {}",
+                "compiled {} ({} prefill + {} decode buckets{}) into {} in {:.2} s: {}",
                 model.architecture,
                 buckets.prefill.len(),
-                buckets.decode.len(),
+                buckets.decode.len() - chunks,
+                if chunks > 0 { " + 1 prompt chunk" } else { "" },
                 out_dir.display(),
                 compiled.stage_seconds["total"],
                 per_bucket.join(", ")

@@ -25,6 +25,9 @@ pub struct CompileOptions {
     pub histogram: Option<BTreeMap<usize, u64>>,
     /// KV-cache capacity of the decode graphs (decoders only).
     pub max_context: Option<usize>,
+    /// Tokens per prompt chunk: a KV-cached graph at batch 1 and this many tokens, through which
+    /// generation enters a prompt (decoders only; `None`: one token per step).
+    pub prefill_chunk: Option<usize>,
 }
 
 /// One kernel of a bucket's static graph.
@@ -108,7 +111,8 @@ pub struct Compiled {
 }
 
 /// Compiles `graph` for every bucket of `opts.plan` and, for decoders, the KV-cached graph
-/// `cached` for every batch bucket at one token and `opts.max_context` cache entries.
+/// `cached` at `opts.max_context` cache entries: once at batch 1 and `opts.prefill_chunk` tokens
+/// (the prompt chunk), then for every batch bucket at one token (the decode steps).
 pub fn compile(
     graph: &Graph,
     cached: Option<&Graph>,
@@ -149,8 +153,18 @@ pub fn compile(
     let mut decode = Vec::new();
     let mut decode_reports = Vec::new();
     if let (Some(sat), Some(context)) = (&saturated_cached, opts.max_context) {
-        for &batch in opts.plan.batch_sizes.iter().rev() {
-            let bucket = Bucket { batch, seq: 1 };
+        let chunk = opts
+            .prefill_chunk
+            .filter(|&c| c > 1)
+            .map(|seq| Bucket { batch: 1, seq });
+        let steps = opts
+            .plan
+            .batch_sizes
+            .iter()
+            .rev()
+            .map(|&batch| Bucket { batch, seq: 1 });
+        for bucket in chunk.into_iter().chain(steps) {
+            let batch = bucket.batch;
             let mut bindings = bucket.bindings();
             bindings.insert(CONTEXT.to_string(), context as i64);
             let (fused, cost) = sat.extract(&bindings, &opts.cost)?;
@@ -158,7 +172,7 @@ pub fn compile(
             let no_ptx = lower_into(&fixed, &mut generated);
             decode_reports.push(BucketReport {
                 batch,
-                seq: 1,
+                seq: bucket.seq,
                 context: Some(context),
                 kernels: kernels(&fixed),
                 modelled_seconds: cost,

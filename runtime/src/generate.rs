@@ -1,10 +1,12 @@
-//! Token generation through the artifact's decode graph and its KV cache: the prompt enters the
-//! cache one token per step (chunked prefill with a chunk of one, through the same captured-size
-//! graph), then each step appends the chosen token. The context can never exceed the compiled
-//! capacity; asking for more is an error before anything runs.
+//! Token generation through the artifact's KV-cached graphs: the prompt enters the cache chunk by
+//! chunk through the chunk bucket (batch 1, `--prefill-chunk` tokens, the last chunk's tail
+//! masked), or one token per step when the artifact has none; then each decode step appends the
+//! chosen token. The context can never exceed the compiled capacity; asking for more is an error
+//! before anything runs.
 
 use std::collections::BTreeMap;
 
+use kiln_ir::artifact::BucketEntry;
 use kiln_ir::philox::{philox4x32_10, seed_key};
 use kiln_ir::{Graph, Tensor};
 
@@ -50,11 +52,19 @@ pub fn generate(
             m.architecture
         )));
     }
+    // Decode steps run the one-token bucket of the smallest batch; a prompt enters through the
+    // chunk bucket (batch 1, several tokens) when the artifact has one.
     let bucket = m
         .decode
         .iter()
+        .filter(|e| e.seq == 1)
         .min_by_key(|e| e.batch)
         .ok_or_else(|| RuntimeError::Request("the artifact has no decode bucket".into()))?;
+    let chunk = m
+        .decode
+        .iter()
+        .filter(|e| e.seq > 1 && e.batch == 1)
+        .max_by_key(|e| e.seq);
     let context = bucket.context.unwrap_or(0);
     if prompt.is_empty() {
         return Err(RuntimeError::Request("the prompt is empty".into()));
@@ -74,64 +84,118 @@ pub fn generate(
             m.model.vocab_size
         )));
     }
-    let graph: &Graph = &art.graphs[&bucket.graph];
-    let b = bucket.batch;
+    if max_new == 0 {
+        return Ok(Vec::new());
+    }
     // The executor keeps its own cache (on the device), or the cache is passed along here.
     exec.reset_cache()?;
-    let keep = exec.keeps_cache();
-    let mut caches: BTreeMap<String, Tensor> = graph
-        .inputs()
-        .filter(|(_, n, _)| n.starts_with("past_") && !keep)
-        .map(|(_, n, ty)| {
-            let shape: Vec<usize> = ty
-                .shape
-                .iter()
-                .map(|d| d.as_const().unwrap_or(0) as usize)
-                .collect();
-            let n_el = shape.iter().product();
-            (
-                n.to_string(),
-                Tensor::f32(shape, vec![0.0; n_el]).cast(ty.dtype),
-            )
-        })
-        .collect();
+    let mut run = Session {
+        art,
+        exec,
+        caches: BTreeMap::new(),
+        vocab: m.model.vocab_size,
+        context,
+    };
+    if !run.exec.keeps_cache() {
+        let graph: &Graph = &art.graphs[&bucket.graph];
+        run.caches = graph
+            .inputs()
+            .filter(|(_, n, _)| n.starts_with("past_"))
+            .map(|(_, n, ty)| {
+                let shape: Vec<usize> = ty
+                    .shape
+                    .iter()
+                    .map(|d| d.as_const().unwrap_or(0) as usize)
+                    .collect();
+                let n_el = shape.iter().product();
+                (
+                    n.to_string(),
+                    Tensor::f32(shape, vec![0.0; n_el]).cast(ty.dtype),
+                )
+            })
+            .collect();
+    }
+    // The prompt: chunk by chunk, or one token per step; the last prompt token's logits choose
+    // the first new token.
+    let mut logits = Vec::new();
+    match chunk {
+        Some(c) => {
+            for (i, part) in prompt.chunks(c.seq).enumerate() {
+                logits = run.step(c, part, i * c.seq)?;
+            }
+        }
+        None => {
+            for (pos, &t) in prompt.iter().enumerate() {
+                logits = run.step(bucket, &[t], pos)?;
+            }
+        }
+    }
     let mut out = Vec::with_capacity(max_new);
-    let mut next = prompt[0];
-    for step in 0..prompt.len() + max_new - 1 {
-        // Row 0 carries the sequence; other rows of the bucket repeat it (their results are unused).
+    for i in 0..max_new {
+        let next = choose(&logits, sampling, i as u32) as i64;
+        out.push(next);
+        if i + 1 < max_new {
+            logits = run.step(bucket, &[next], prompt.len() + i)?;
+        }
+    }
+    Ok(out)
+}
+
+/// One generation's state: the executor and (for the interpreter) the KV cache tensors.
+struct Session<'a> {
+    art: &'a Artifact,
+    exec: &'a mut Executor,
+    caches: BTreeMap<String, Tensor>,
+    vocab: usize,
+    context: usize,
+}
+
+impl Session<'_> {
+    /// Runs `tokens` (at positions `start..`) through the KV-cached bucket `entry` in row 0 (the
+    /// bucket's other rows repeat it, their results unused); the tail of a chunk is masked, so
+    /// nothing of it reaches the cache. Returns the logits of the last token.
+    fn step(
+        &mut self,
+        entry: &BucketEntry,
+        tokens: &[i64],
+        start: usize,
+    ) -> Result<Vec<f32>, RuntimeError> {
+        let (b, s) = (entry.batch, entry.seq);
+        let row = |f: &dyn Fn(usize) -> i64| -> Vec<i64> {
+            let one: Vec<i64> = (0..s).map(f).collect();
+            one.repeat(b)
+        };
+        let last = self.context.saturating_sub(1);
         let mut inputs = BTreeMap::from([
             (
                 "input_ids".to_string(),
-                Tensor::i64(vec![b, 1], vec![next; b]),
+                Tensor::i64(vec![b, s], row(&|i| tokens.get(i).copied().unwrap_or(0))),
             ),
             (
                 "attention_mask".to_string(),
-                Tensor::i64(vec![b, 1], vec![1; b]),
+                Tensor::i64(vec![b, s], row(&|i| i64::from(i < tokens.len()))),
             ),
             (
                 "position_ids".to_string(),
-                Tensor::i64(vec![b, 1], vec![step as i64; b]),
+                Tensor::i64(vec![b, s], row(&|i| (start + i).min(last) as i64)),
             ),
         ]);
-        inputs.extend(caches.clone());
-        let mut outputs = exec.run(art, bucket, &inputs)?;
-        for (name, cache) in caches.iter_mut() {
+        inputs.extend(self.caches.clone());
+        let mut outputs = self.exec.run(self.art, entry, &inputs)?;
+        for (name, cache) in self.caches.iter_mut() {
             *cache = outputs
                 .remove(&name.replacen("past_", "present_", 1))
                 .ok_or_else(|| {
                     RuntimeError::Request(format!("the decode graph lacks an output for {name}"))
                 })?;
         }
-        if step + 1 < prompt.len() {
-            next = prompt[step + 1];
-            continue;
-        }
-        let logits = outputs["logits"].as_f32().unwrap_or_default();
-        let row = &logits[..m.model.vocab_size];
-        next = choose(row, sampling, out.len() as u32) as i64;
-        out.push(next);
+        let logits = outputs
+            .get("logits")
+            .and_then(|t| t.as_f32())
+            .ok_or_else(|| RuntimeError::Request("the decode graph has no logits".into()))?;
+        let at = (tokens.len() - 1) * self.vocab;
+        Ok(logits[at..at + self.vocab].to_vec())
     }
-    Ok(out)
 }
 
 /// The token for `logits` under `sampling` (the semantics of the GPU sampling kernel).

@@ -239,6 +239,7 @@ pub fn compile_fixture(
         cost: Default::default(),
         histogram: None,
         max_context: None,
+        prefill_chunk: None,
     };
     let (report, compiled) = compile(&model.graph, None, &opts).expect("fixture compiles");
     (model, report, compiled.prefill)

@@ -34,7 +34,7 @@ fn compile_writes_plan_buckets_and_report() {
     ])
     .unwrap();
     assert!(
-        printed.contains("6 prefill + 2 decode buckets"),
+        printed.contains("6 prefill + 2 decode buckets + 1 prompt chunk"),
         "{printed}"
     );
     // Every kernel node of every bucket lowers to a generated kernel, and kernels.ptx holds them
@@ -71,7 +71,14 @@ fn compile_writes_plan_buckets_and_report() {
     let r: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
     assert_eq!(r["buckets"].as_array().unwrap().len(), 6);
-    assert_eq!(r["decode_buckets"].as_array().unwrap().len(), 2);
+    // The prompt chunk (batch 1, 128 tokens: the largest bucket) and one step per batch bucket.
+    let decode: Vec<(u64, u64)> = r["decode_buckets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| (b["batch"].as_u64().unwrap(), b["seq"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(decode, [(1, 128), (2, 1), (1, 1)]);
     let kernel = &r["buckets"][0]["kernels"][1];
     for field in ["name", "kind", "rules", "flops", "bytes"] {
         assert!(!kernel[field].is_null(), "kernel field {field}: {kernel}");
@@ -180,7 +187,7 @@ fn bad_compile_arguments_name_the_problem() {
                 "--max-context",
                 "64",
             ],
-            "applies to decoders",
+            "apply to decoders",
         ),
         (
             vec![g, "-o", o, "--bucket-policy", "histogram"],
@@ -256,7 +263,7 @@ fn gpt2_small_plan_only() {
     ])
     .unwrap();
     assert!(
-        printed.contains("8 prefill + 1 decode buckets"),
+        printed.contains("8 prefill + 1 decode buckets + 1 prompt chunk"),
         "{printed}"
     );
     let r: serde_json::Value =

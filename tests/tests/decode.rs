@@ -34,6 +34,7 @@ fn decoder(name: &str, batch: &[usize]) -> Decoder {
         cost: Default::default(),
         histogram: None,
         max_context: Some(CONTEXT),
+        prefill_chunk: None,
     };
     let (report, compiled) = compile(&plain.graph, Some(&cached.graph), &opts).unwrap();
     Decoder {

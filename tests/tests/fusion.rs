@@ -257,6 +257,7 @@ fn compile_with(
         cost: Default::default(),
         histogram: None,
         max_context: None,
+        prefill_chunk: None,
     };
     let (_, mut compiled) = compile(&model.graph, None, &opts).unwrap();
     (model, compiled.prefill.remove(0))

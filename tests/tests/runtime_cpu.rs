@@ -382,6 +382,36 @@ fn generate_reproduces_greedy_tokens() {
         .unwrap()
         .to_string();
         assert!(err.contains("exceed the compiled context of 64"), "{err}");
+
+        // The 10-token prompt through chunks of 3 (the last one masked past its first token) and
+        // one token per step: the same continuation.
+        for chunk in ["3", "1"] {
+            let dir = tmp.path().join(format!("{name}-chunk{chunk}.kiln"));
+            compile(
+                &fixture(name),
+                &dir,
+                &[
+                    "--buckets",
+                    "16",
+                    "--max-context",
+                    "64",
+                    "--prefill-chunk",
+                    chunk,
+                ],
+            );
+            let art = Artifact::open(&dir).unwrap();
+            let chunks: Vec<usize> = art.manifest.decode.iter().map(|e| e.seq).collect();
+            assert_eq!(chunks, if chunk == "3" { vec![3, 1] } else { vec![1] });
+            let got = generate(
+                &art,
+                &mut Executor::Interpreter,
+                &prompt,
+                want.len(),
+                &Sampling::greedy(),
+            )
+            .unwrap();
+            assert_eq!(got, want, "{name}, prompt chunks of {chunk}");
+        }
     }
 }
 

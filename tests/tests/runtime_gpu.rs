@@ -132,6 +132,33 @@ fn decoders_match_references_on_the_gpu() {
                 let again =
                     generate(&art, &mut exec, &prompt, want.len(), &Sampling::greedy()).unwrap();
                 assert_eq!(again, want, "{name}: second generation");
+                // Prompt chunks of 3 (the default chunk here is 16: the whole prompt at once).
+                let dir = tmp.path().join(format!("{name}-chunk3.kiln"));
+                let chunked = compile(
+                    &fixture(name),
+                    &dir,
+                    &[
+                        "--buckets",
+                        "16",
+                        "--max-context",
+                        "64",
+                        "--prefill-chunk",
+                        "3",
+                    ],
+                );
+                let mut chunked_exec = cuda(&chunked);
+                let got = generate(
+                    &chunked,
+                    &mut chunked_exec,
+                    &prompt,
+                    want.len(),
+                    &Sampling::greedy(),
+                )
+                .unwrap();
+                assert_eq!(
+                    got, want,
+                    "{name}: greedy tokens through prompt chunks of 3"
+                );
                 println!("ok: {name} greedy_tokens ({} tokens)", want.len());
             }
             let Executor::Cuda(c) = &exec else {
