@@ -95,6 +95,8 @@ pub struct GraphLaunches {
     pub nodes: Vec<(NodeId, NodeLaunches)>,
     /// `{op}_{node}` of every op left without a kernel.
     pub unsupported: Vec<String>,
+    /// Those ops' nodes.
+    pub unsupported_nodes: Vec<NodeId>,
 }
 
 impl Lowered {
@@ -217,6 +219,7 @@ pub fn lower(g: &Graph, kernels: &mut Lowered) -> GraphLaunches {
             out.nodes.push((id, launches));
         } else {
             out.unsupported.push(format!("{}_{}", node.op.name(), id.0));
+            out.unsupported_nodes.push(id);
         }
     }
     out

@@ -176,8 +176,9 @@ pub fn plan_artifact(graphs: &[&Graph]) -> Result<ArtifactPlan, PlanError> {
     };
     let mut buckets = Vec::new();
     for (graph, launches) in lowered {
-        let plan = if launches.unsupported.is_empty() {
-            let plan = plan_bucket(&graph, &launches, &memory, &kernels)?;
+        let tail = host_tail(&graph, &launches)?;
+        let plan = if launches.unsupported.is_empty() || tail.is_some() {
+            let plan = plan_bucket(&graph, &launches, &memory, &kernels, tail)?;
             memory.arena_bytes = memory.arena_bytes.max(plan.arena_bytes);
             Some(plan)
         } else {
@@ -247,11 +248,109 @@ enum Home {
     Buffer(usize),
 }
 
+/// The ops without a GPU kernel, outputs that are strided views, and everything computed from
+/// them, when no kernel reads any of it (a tail such as sentence-transformers pooling): a host
+/// graph reading the GPU values it needs as inputs `kiln.value.N`. `None` when there is nothing to run on the host, or when a kernel
+/// would need a host value (then the bucket has no GPU plan).
+struct HostTail {
+    graph: Graph,
+    /// GPU values the host graph reads.
+    boundary: Vec<NodeId>,
+    /// Graph outputs computed on the host.
+    outputs: Vec<String>,
+}
+
+fn host_tail(
+    g: &Graph,
+    launches: &crate::lower::GraphLaunches,
+) -> Result<Option<HostTail>, PlanError> {
+    let mut in_tail = vec![false; g.len()];
+    for id in &launches.unsupported_nodes {
+        in_tail[id.index()] = true;
+    }
+    // An output that is a strided view of a GPU value (CLS pooling: a slice of the hidden
+    // states) is gathered on the host too.
+    for o in g.outputs() {
+        let mut v = o.node;
+        while let Op::Reshape(_) = g.node(v).op {
+            v = g.node(v).args[0];
+        }
+        if is_view(&g.node(v).op) {
+            in_tail[o.node.index()] = true;
+        }
+    }
+    if !in_tail.iter().any(|&t| t) {
+        return Ok(None);
+    }
+    for (id, node) in g.nodes() {
+        if node.args.iter().any(|a| in_tail[a.index()]) {
+            in_tail[id.index()] = true;
+        }
+    }
+    if launches.nodes.iter().any(|(id, _)| in_tail[id.index()]) {
+        return Ok(None);
+    }
+    let mut tail = Graph::new();
+    let mut copied: BTreeMap<NodeId, NodeId> = BTreeMap::new();
+    let mut boundary = Vec::new();
+    fn copy(
+        g: &Graph,
+        id: NodeId,
+        in_tail: &[bool],
+        tail: &mut Graph,
+        copied: &mut BTreeMap<NodeId, NodeId>,
+        boundary: &mut Vec<NodeId>,
+    ) -> Result<NodeId, kiln_ir::IrError> {
+        if let Some(&c) = copied.get(&id) {
+            return Ok(c);
+        }
+        let node = g.node(id);
+        let new = match &node.op {
+            Op::Input(name) => tail.input(name, node.ty.dtype, node.ty.shape.clone())?,
+            Op::Weight(name) => tail.weight(name, node.ty.dtype, node.ty.shape.clone())?,
+            Op::Scalar(v) => tail.scalar(*v, node.ty.dtype),
+            op if in_tail[id.index()] || is_view(op) => {
+                let args = node
+                    .args
+                    .iter()
+                    .map(|a| copy(g, *a, in_tail, tail, copied, boundary))
+                    .collect::<Result<Vec<_>, _>>()?;
+                tail.add(op.clone(), &args)?
+            }
+            _ => {
+                boundary.push(id);
+                tail.input(&value_name(id), node.ty.dtype, node.ty.shape.clone())?
+            }
+        };
+        copied.insert(id, new);
+        Ok(new)
+    }
+    let mut outputs = Vec::new();
+    for o in g.outputs() {
+        if in_tail[o.node.index()] {
+            let v = copy(g, o.node, &in_tail, &mut tail, &mut copied, &mut boundary)?;
+            tail.set_output(&o.name, v)?;
+            outputs.push(o.name.clone());
+        }
+    }
+    Ok(Some(HostTail {
+        graph: tail,
+        boundary,
+        outputs,
+    }))
+}
+
+/// The name under which a GPU value the host tail reads is copied back.
+fn value_name(id: NodeId) -> String {
+    format!("kiln.value.{}", id.0)
+}
+
 fn plan_bucket(
     g: &Graph,
     launches: &crate::lower::GraphLaunches,
     memory: &MemoryPlan,
     kernels: &Lowered,
+    tail: Option<HostTail>,
 ) -> Result<ExecPlan, PlanError> {
     let weight_at: BTreeMap<&str, u64> = memory
         .weights
@@ -327,6 +426,9 @@ fn plan_bucket(
     }
     for o in g.outputs() {
         extend(&mut buffers, o.node, end);
+    }
+    for b in tail.iter().flat_map(|t| &t.boundary) {
+        extend(&mut buffers, *b, end);
     }
     for (id, node) in g.nodes() {
         if matches!(node.op, Op::Input(_)) {
@@ -405,7 +507,13 @@ fn plan_bucket(
     }
     let mut outputs = Vec::new();
     let mut cache_outputs = Vec::new();
+    for b in tail.iter().flat_map(|t| &t.boundary) {
+        outputs.push(slot(&value_name(*b), *b)?);
+    }
     for o in g.outputs() {
+        if tail.as_ref().is_some_and(|t| t.outputs.contains(&o.name)) {
+            continue;
+        }
         // An output read through a view must still be one contiguous block (reshapes only).
         let mut v = o.node;
         while let Op::Reshape(_) = g.node(v).op {
@@ -430,5 +538,6 @@ fn plan_bucket(
         outputs,
         cache_outputs,
         steps,
+        host_tail: tail.map(|t| t.graph),
     })
 }

@@ -211,6 +211,10 @@ pub struct ExecPlan {
     pub cache_outputs: Vec<String>,
     /// The launches, in order.
     pub steps: Vec<Step>,
+    /// Ops without a GPU kernel at the end of the graph (sentence-transformers pooling), run on
+    /// the host after the replay: a graph whose inputs are request inputs and GPU values
+    /// (`kiln.value.N`, among `outputs`), and whose outputs are the remaining graph outputs.
+    pub host_tail: Option<crate::Graph>,
 }
 
 /// The model facts inputs are validated and outputs shaped by.

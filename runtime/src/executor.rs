@@ -10,6 +10,9 @@ use kiln_ir::Tensor;
 use crate::cuda::CudaExecutor;
 use crate::{Artifact, RuntimeError};
 
+/// The prefix of the GPU values a host tail reads (not outputs of the model).
+const HOST_VALUE: &str = "kiln.value.";
+
 /// Which executor to use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Device {
@@ -80,7 +83,33 @@ impl Executor {
                         entry.no_gpu.join(", ")
                     )));
                 }
-                c.run(&entry.graph, inputs)
+                let mut outputs = c.run(&entry.graph, inputs)?;
+                if let Some(tail) = entry.plan.as_ref().and_then(|p| p.host_tail.as_ref()) {
+                    // The ops without a GPU kernel, on the host, from the values the GPU computed.
+                    let weights = art.weights.as_ref().ok_or_else(|| {
+                        RuntimeError::Request("the artifact was compiled with --no-weights".into())
+                    })?;
+                    let mut tail_inputs = BTreeMap::new();
+                    for (_, name, _) in tail.inputs() {
+                        let t =
+                            outputs
+                                .get(name)
+                                .or_else(|| inputs.get(name))
+                                .ok_or_else(|| RuntimeError::Artifact {
+                                    file: entry.graph.clone(),
+                                    message: format!(
+                                        "the host tail reads `{name}`, which nothing provides"
+                                    ),
+                                })?;
+                        tail_inputs.insert(name.to_string(), t.clone());
+                    }
+                    let host = kiln_ir::evaluate(tail, &tail_inputs, weights).map_err(|e| {
+                        RuntimeError::Request(format!("host tail evaluation failed: {e}"))
+                    })?;
+                    outputs.retain(|name, _| !name.starts_with(HOST_VALUE));
+                    outputs.extend(host);
+                }
+                Ok(outputs)
             }
         }
     }

@@ -300,3 +300,32 @@ pub fn masked_rel_err(got: &Tensor, want: &Tensor, mask: &Tensor) -> f64 {
     }
     diff / scale
 }
+
+/// A sentence-transformers folder made from a checkpoint folder: its files plus `modules.json`
+/// (Transformer, Pooling with `pooling`, and Normalize when `normalize`) and `1_Pooling/config.json`.
+pub fn sentence_transformers_copy(src: &Path, dst: &Path, pooling: &str, normalize: bool) {
+    std::fs::create_dir_all(dst.join("1_Pooling")).unwrap();
+    for entry in std::fs::read_dir(src).unwrap() {
+        let p = entry.unwrap().path();
+        if p.is_file() {
+            std::fs::copy(&p, dst.join(p.file_name().unwrap())).unwrap();
+        }
+    }
+    let mut modules = vec![
+        serde_json::json!({"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}),
+        serde_json::json!({"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}),
+    ];
+    if normalize {
+        modules.push(serde_json::json!({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}));
+    }
+    std::fs::write(
+        dst.join("modules.json"),
+        serde_json::Value::Array(modules).to_string(),
+    )
+    .unwrap();
+    std::fs::write(
+        dst.join("1_Pooling/config.json"),
+        serde_json::json!({ pooling: true }).to_string(),
+    )
+    .unwrap();
+}

@@ -8,7 +8,7 @@ use kiln_ir::inputs::TokenBatch;
 use kiln_runtime::{forward::forward, Artifact, Executor};
 use kiln_tests::{
     assert_embeddings_close, fixture, floats, kiln, masked_rel_err, minilm_dir, minilm_sentences,
-    reference, rel_err,
+    reference, rel_err, sentence_transformers_copy,
 };
 
 fn compile(model: &Path, out: &Path, extra: &[&str]) {
@@ -257,6 +257,70 @@ fn plans_are_consistent_with_the_kernel_table_and_the_allocation() {
         .weights
         .iter()
         .all(|w| w.offset % kiln_ir::artifact::ALIGN == 0));
+}
+
+/// A sentence-transformers encoder's pooling has no GPU kernel (or, for CLS, is a strided view
+/// of the hidden states), so its buckets end in a host tail: the GPU values it reads come back as `kiln.value.N` and the tail graph computes the
+/// embeddings from them. Evaluating the bucket up to those values and then the tail gives what
+/// the whole bucket gives.
+#[test]
+fn pooling_runs_as_a_host_tail_after_the_gpu_plan() {
+    use std::collections::BTreeMap;
+    let tmp = tempfile::tempdir().unwrap();
+    for (pooling, normalize) in [
+        ("pooling_mode_mean_tokens", true),
+        ("pooling_mode_cls_token", false),
+    ] {
+        let st = tmp.path().join(format!("st-{pooling}"));
+        sentence_transformers_copy(&fixture("bert-tiny"), &st, pooling, normalize);
+        let dir = tmp.path().join(format!("{pooling}.kiln"));
+        compile(&st, &dir, &["--buckets", "32", "--batch-buckets", "4"]);
+        let art = Artifact::open(&dir).unwrap();
+        let entry = &art.manifest.prefill[0];
+        // Mean pooling has no GPU kernel; CLS pooling is a strided view of the hidden states,
+        // gathered on the host.
+        assert_eq!(!entry.no_gpu.is_empty(), normalize, "{:?}", entry.no_gpu);
+        let plan = entry.plan.as_ref().expect("a GPU plan with a host tail");
+        let tail = plan.host_tail.as_ref().expect("a host tail");
+        assert_eq!(
+            tail.outputs()
+                .iter()
+                .map(|o| o.name.as_str())
+                .collect::<Vec<_>>(),
+            ["sentence_embedding"]
+        );
+        assert!(plan.outputs.iter().any(|o| o.name == "last_hidden_state"));
+
+        let reference = reference("bert-tiny");
+        let (batch, _) =
+            TokenBatch::from_tensors(&reference["input_ids"], Some(&reference["attention_mask"]))
+                .unwrap();
+        let (bucket, inputs) = kiln_runtime::forward::prepare(&art, &batch).unwrap();
+        let weights = art.weights.as_ref().unwrap();
+        let mut graph = art.graphs[&bucket.graph].clone();
+        let values: Vec<String> = plan
+            .outputs
+            .iter()
+            .filter(|o| o.name.starts_with("kiln.value."))
+            .map(|o| o.name.clone())
+            .collect();
+        assert!(!values.is_empty());
+        for name in &values {
+            let id: u32 = name["kiln.value.".len()..].parse().unwrap();
+            graph.set_output(name, kiln_ir::NodeId(id)).unwrap();
+        }
+        let whole = kiln_ir::evaluate(&graph, &inputs, weights).unwrap();
+        let mut tail_inputs = BTreeMap::new();
+        for (_, name, _) in tail.inputs() {
+            let t = whole.get(name).or_else(|| inputs.get(name)).unwrap();
+            tail_inputs.insert(name.to_string(), t.clone());
+        }
+        let host = kiln_ir::evaluate(tail, &tail_inputs, weights).unwrap();
+        assert_eq!(
+            host["sentence_embedding"], whole["sentence_embedding"],
+            "{pooling}: the tail computes the bucket's embeddings exactly"
+        );
+    }
 }
 
 /// A cubin for another SM is refused before anything is loaded, naming the file; so is a cubin

@@ -201,3 +201,48 @@ fn encoders_match_references_on_the_gpu() {
         println!("ok: bert-tiny {dtype}: relative error {:e}", err);
     }
 }
+
+/// A sentence-transformers encoder (bert-tiny with mean pooling and normalisation added): the
+/// transformer runs as the GPU plan, the pooling as its host tail; `--device cuda` gives what the
+/// interpreter gives on the same artifact.
+#[test]
+fn sentence_embeddings_on_the_gpu_match_the_interpreter() {
+    if !gpu() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let st = tmp.path().join("st");
+    kiln_tests::sentence_transformers_copy(
+        &fixture("bert-tiny"),
+        &st,
+        "pooling_mode_mean_tokens",
+        true,
+    );
+    let art = compile(
+        &st,
+        &tmp.path().join("st.kiln"),
+        &["--buckets", "32", "--batch-buckets", "4"],
+    );
+    let reference = reference("bert-tiny");
+    let (batch, _) =
+        TokenBatch::from_tensors(&reference["input_ids"], Some(&reference["attention_mask"]))
+            .unwrap();
+    let want = forward(&art, &mut Executor::Interpreter, &batch).unwrap();
+    let got = forward(&art, &mut cuda(&art), &batch).unwrap();
+    let rows = want["sentence_embedding"].shape[0];
+    kiln_tests::assert_embeddings_close(
+        &got["sentence_embedding"],
+        &want["sentence_embedding"],
+        rows,
+        "bert-tiny st",
+    );
+    let err = masked_rel_err(
+        &got["last_hidden_state"],
+        &want["last_hidden_state"],
+        &reference["attention_mask"],
+    );
+    assert!(err < 1e-4, "last_hidden_state: relative error {err:e}");
+    println!(
+        "ok: sentence-transformers bert-tiny on the GPU, host-tail pooling; relative error {err:e}"
+    );
+}
