@@ -313,7 +313,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
             let m = &art.manifest;
             writeln!(
                 out,
-                "{}: {} ({}), {}, format {}, compiled by kiln {}",
+                "{}: {} ({}), {}, format {}, compiled by kiln {} ({})",
                 artifact.display(),
                 m.architecture,
                 if m.model.decoder {
@@ -323,7 +323,8 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 },
                 m.dtype,
                 m.format_version,
-                m.compiler_version
+                m.compiler_version,
+                m.compiler_git
             )?;
             writeln!(
                 out,
@@ -665,6 +666,12 @@ fn write_artifact(
         let manifest = artifact::Manifest {
             format_version: artifact::FORMAT_VERSION,
             compiler_version: env!("CARGO_PKG_VERSION").to_string(),
+            compiler_git: env!("KILN_GIT_HASH").to_string(),
+            model_config: std::fs::read_to_string(model.checkpoint.dir().join("config.json"))?,
+            weights_sha256: match &weights {
+                Some(file) => Some(artifact::sha256_hex(&std::fs::read(tmp.join(file))?)),
+                None => None,
+            },
             architecture: model.architecture.clone(),
             model: artifact::ModelSummary {
                 decoder,

@@ -35,6 +35,13 @@ pub struct Manifest {
     pub format_version: u32,
     /// The compiler's version.
     pub compiler_version: String,
+    /// The git commit the compiler was built from (`-dirty` with local changes).
+    pub compiler_git: String,
+    /// The checkpoint's `config.json`, verbatim.
+    pub model_config: String,
+    /// SHA-256 of `weights.safetensors` (also in `checksums`; here so the manifest names the
+    /// exact weights its plans were made for).
+    pub weights_sha256: Option<String>,
     /// The checkpoint's architecture (`GPT2LMHeadModel`, ...).
     pub architecture: String,
     /// What the runtime needs to know about the model's inputs and outputs.

@@ -89,6 +89,14 @@ impl Artifact {
         if let Some(file) = manifest.tokenizer.as_ref().filter(|f| !listed(f)) {
             return Err(bad(file, "has no checksum".into()));
         }
+        if let (Some(file), Some(want)) = (&manifest.weights, &manifest.weights_sha256) {
+            if sums.iter().any(|(hash, p)| p == file && hash != want) {
+                return Err(bad(
+                    file,
+                    "is not the weights the manifest's plans were made for (its SHA-256 differs from the manifest's)".into(),
+                ));
+            }
+        }
         let weights = match &manifest.weights {
             Some(file) if listed(file) => {
                 Some(WeightStore::open(&dir.join(file)).map_err(|e| bad(file, e))?)

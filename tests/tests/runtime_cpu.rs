@@ -149,6 +149,12 @@ fn corrupt_artifacts_are_refused_naming_the_file() {
     std::fs::write(&weights, bytes).unwrap();
     refuse(&flipped, "weights.safetensors: does not match its checksum");
 
+    let short = copy("short-weights.kiln");
+    let weights = short.join("weights.safetensors");
+    let bytes = std::fs::read(&weights).unwrap();
+    std::fs::write(&weights, &bytes[..bytes.len() - 4096]).unwrap();
+    refuse(&short, "weights.safetensors: does not match its checksum");
+
     let truncated = copy("truncated.kiln");
     let graph = truncated.join("buckets/prefill-b1-s16.ron");
     let text = std::fs::read(&graph).unwrap();
