@@ -23,6 +23,7 @@
 pub mod attention;
 pub mod attention_tc;
 pub mod catalog;
+pub mod cpu;
 pub mod elementwise;
 pub mod embedding;
 pub mod gemm;

@@ -5,6 +5,8 @@
 //! Tolerances are the fixtures README's: max |a - b| / max |ref| below 1e-4 for f32, 2e-2 for
 //! f16 / bf16 (whose inputs are rounded to that type before the reference sees them).
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -18,6 +20,8 @@ use kiln_kernels::gemm::{gemm, GemmConfig};
 use kiln_kernels::norm::{norm, NormConfig};
 use kiln_kernels::sampling::argmax;
 use kiln_kernels::{Elem, GeneratedKernel, ParamType};
+
+use common::{check, reference};
 
 struct Gpu {
     ctx: Arc<CudaContext>,
@@ -178,50 +182,6 @@ impl Gpu {
         unsafe { builder.launch(cfg) }.unwrap();
         self.stream.synchronize().unwrap();
     }
-}
-
-/// Runs `op` on `inputs` with the reference interpreter (f32 graph).
-fn reference(op: Op, inputs: Vec<(Vec<usize>, Vec<f32>)>, int_inputs: &[usize]) -> Tensor {
-    let mut g = Graph::new();
-    let mut ids = Vec::new();
-    let mut values = BTreeMap::new();
-    for (i, (shape, data)) in inputs.into_iter().enumerate() {
-        let name = format!("a{i}");
-        let dims = shape.iter().map(|&d| Dim::from(d)).collect();
-        let t = if int_inputs.contains(&i) {
-            ids.push(g.input(&name, DType::I64, dims).unwrap());
-            Tensor::i64(shape, data.iter().map(|v| *v as i64).collect())
-        } else {
-            ids.push(g.input(&name, DType::F32, dims).unwrap());
-            Tensor::f32(shape, data)
-        };
-        values.insert(name, t);
-    }
-    let out = g.add(op, &ids).unwrap();
-    g.set_output("out", out).unwrap();
-    let weights = BTreeMap::<String, Arc<Tensor>>::new();
-    kiln_ir::evaluate(&g, &values, &weights)
-        .unwrap()
-        .remove("out")
-        .unwrap()
-}
-
-fn check(what: &str, elem: Elem, got: &[f32], want: &[f32]) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let tol = if elem == Elem::F32 { 1e-4 } else { 2e-2 };
-    let mut diff = 0f64;
-    let mut scale = 0f64;
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(!g.is_nan(), "{what}: element {i} was not written (NaN)");
-        diff = diff.max((f64::from(*g) - f64::from(*w)).abs());
-        scale = scale.max(f64::from(*w).abs());
-    }
-    let err = diff / scale.max(1e-30);
-    assert!(
-        err < tol,
-        "{what}: relative error {err:e} (tolerance {tol:e})"
-    );
-    println!("ok  {what:<60} rel err {err:.2e}");
 }
 
 const ELEMS: [Elem; 3] = [Elem::F32, Elem::F16, Elem::BF16];

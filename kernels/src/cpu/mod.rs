@@ -1,0 +1,23 @@
+//! CPU code generation with Cranelift, ahead of time: `kiln compile` builds every CPU kernel of
+//! an artifact into one object file (`cranelift-object`) and links it into a shared library
+//! with the system C compiler (`cc -shared`); the runtime loads that library and never links
+//! Cranelift. JIT compilation at load was ruled out for that reason: a deployment links the
+//! runtime alone, and nothing is compiled after `kiln compile`.
+//!
+//! Every generated function has one signature, so an executor can call any of them the same way
+//! and split its work across threads:
+//!
+//! ```text
+//! extern "C" fn kernel(args: *const u64, begin: u64, end: u64)
+//! ```
+//!
+//! `args` holds the kernel's parameters in order (pointers as addresses, integers widened);
+//! `begin..end` is the slice of the kernel's parallel axis (rows for row kernels) this call does.
+//!
+//! - [`module`] — the object module, the function builder helpers, linking;
+//! - [`norm`] — LayerNorm / RMSNorm rows (with the residual add), f32x4.
+
+pub mod module;
+pub mod norm;
+
+pub use module::{link_shared, CpuError, CpuModule};

@@ -1,0 +1,221 @@
+//! The object module every CPU kernel of an artifact is generated into, the helpers the
+//! generators share (argument loads, counted loops, f32x4 sums), and linking the object into a
+//! shared library.
+//!
+//! Code is generated for the baseline of the host's architecture (x86-64: SSE2, where f32x4 is
+//! native), not for the compiling machine's extensions, so an artifact runs on any machine of
+//! that architecture.
+
+use std::path::Path;
+
+use cranelift_codegen::ir::condcodes::IntCC;
+use cranelift_codegen::ir::types::{F32, F32X4, I64};
+use cranelift_codegen::ir::{AbiParam, InstBuilder, MemFlagsData, Value};
+use cranelift_codegen::settings::{self, Configurable};
+use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext};
+use cranelift_module::{default_libcall_names, Linkage, Module};
+use cranelift_object::{ObjectBuilder, ObjectModule};
+
+/// Why CPU code could not be generated or linked, as one line.
+#[derive(Debug, thiserror::Error)]
+#[error("CPU code generation: {0}")]
+pub struct CpuError(pub String);
+
+fn err(e: impl std::fmt::Display) -> CpuError {
+    CpuError(e.to_string())
+}
+
+/// An object file under construction: functions of the kernel signature
+/// `fn(args: *const u64, begin: u64, end: u64)`.
+pub struct CpuModule {
+    module: ObjectModule,
+    ctx: cranelift_codegen::Context,
+    fctx: FunctionBuilderContext,
+}
+
+/// The three parameters every kernel receives.
+#[derive(Clone, Copy)]
+pub struct KernelParams {
+    /// Address of the argument array.
+    pub args: Value,
+    /// First index of the parallel axis this call does.
+    pub begin: Value,
+    /// One past the last.
+    pub end: Value,
+}
+
+impl CpuModule {
+    /// A module for the host architecture's baseline, optimised for speed, position independent.
+    pub fn new() -> Result<CpuModule, CpuError> {
+        let mut flags = settings::builder();
+        flags.set("opt_level", "speed").map_err(err)?;
+        flags.set("is_pic", "true").map_err(err)?;
+        let isa = cranelift_codegen::isa::lookup_by_name(std::env::consts::ARCH)
+            .map_err(err)?
+            .finish(settings::Flags::new(flags))
+            .map_err(err)?;
+        let builder =
+            ObjectBuilder::new(isa, "kiln_cpu_kernels", default_libcall_names()).map_err(err)?;
+        Ok(CpuModule {
+            module: ObjectModule::new(builder),
+            ctx: cranelift_codegen::Context::new(),
+            fctx: FunctionBuilderContext::new(),
+        })
+    }
+
+    /// Defines the exported function `name` with the kernel signature; `body` emits its code
+    /// from the entry block (the return is added after it).
+    pub fn define(
+        &mut self,
+        name: &str,
+        body: impl FnOnce(&mut FunctionBuilder, KernelParams),
+    ) -> Result<(), CpuError> {
+        let mut sig = self.module.make_signature();
+        for _ in 0..3 {
+            sig.params.push(AbiParam::new(I64));
+        }
+        let id = self
+            .module
+            .declare_function(name, Linkage::Export, &sig)
+            .map_err(err)?;
+        self.ctx.func.signature = sig;
+        let frontend = self.module.isa().frontend_config();
+        {
+            let mut b = FunctionBuilder::new(&mut self.ctx.func, &mut self.fctx);
+            let entry = b.create_block();
+            b.append_block_params_for_function_params(entry);
+            b.switch_to_block(entry);
+            b.seal_block(entry);
+            let p = b.block_params(entry).to_vec();
+            body(
+                &mut b,
+                KernelParams {
+                    args: p[0],
+                    begin: p[1],
+                    end: p[2],
+                },
+            );
+            b.ins().return_(&[]);
+            b.finalize(frontend);
+        }
+        self.module
+            .define_function(id, &mut self.ctx)
+            .map_err(|e| CpuError(format!("{name}: {e:?}")))?;
+        self.module.clear_context(&mut self.ctx);
+        Ok(())
+    }
+
+    /// The object file's bytes.
+    pub fn finish(self) -> Result<Vec<u8>, CpuError> {
+        self.module.finish().emit().map_err(err)
+    }
+}
+
+/// Links `object` into the shared library `out` with `$CC` (default `cc`).
+pub fn link_shared(object: &[u8], out: &Path) -> Result<(), CpuError> {
+    let obj = out.with_extension("o");
+    std::fs::write(&obj, object).map_err(|e| CpuError(format!("{}: {e}", obj.display())))?;
+    let cc = std::env::var_os("CC").unwrap_or_else(|| "cc".into());
+    let status = std::process::Command::new(&cc)
+        .arg("-shared")
+        .arg("-o")
+        .arg(out)
+        .arg(&obj)
+        .output()
+        .map_err(|e| CpuError(format!("cannot run {}: {e}", cc.to_string_lossy())))?;
+    let _ = std::fs::remove_file(&obj);
+    if !status.status.success() {
+        let first = String::from_utf8_lossy(&status.stderr)
+            .lines()
+            .next()
+            .unwrap_or("no message")
+            .to_string();
+        return Err(CpuError(format!(
+            "linking {} failed: {first}",
+            out.display()
+        )));
+    }
+    Ok(())
+}
+
+/// The `i`-th argument (an address or a widened integer).
+pub fn arg(b: &mut FunctionBuilder, p: KernelParams, i: u32) -> Value {
+    b.ins()
+        .load(I64, MemFlagsData::trusted(), p.args, (i * 8) as i32)
+}
+
+/// `for i in (start..end).step_by(step) { body(i) }`, `i` an `i64`.
+pub fn for_range(
+    b: &mut FunctionBuilder,
+    start: Value,
+    end: Value,
+    step: i64,
+    mut body: impl FnMut(&mut FunctionBuilder, Value),
+) {
+    let header = b.create_block();
+    let block = b.create_block();
+    let exit = b.create_block();
+    b.append_block_param(header, I64);
+    b.ins().jump(header, &[start.into()]);
+    b.switch_to_block(header);
+    let i = b.block_params(header)[0];
+    let more = b.ins().icmp(IntCC::UnsignedLessThan, i, end);
+    b.ins().brif(more, block, &[], exit, &[]);
+    b.switch_to_block(block);
+    b.seal_block(block);
+    body(b, i);
+    let next = b.ins().iadd_imm_s(i, step);
+    b.ins().jump(header, &[next.into()]);
+    b.seal_block(header);
+    b.switch_to_block(exit);
+    b.seal_block(exit);
+}
+
+/// The sum of an f32x4's lanes.
+pub fn lane_sum(b: &mut FunctionBuilder, v: Value) -> Value {
+    let lanes: Vec<Value> = (0..4).map(|l| b.ins().extractlane(v, l)).collect();
+    let a = b.ins().fadd(lanes[0], lanes[1]);
+    let c = b.ins().fadd(lanes[2], lanes[3]);
+    b.ins().fadd(a, c)
+}
+
+/// `base + index * 4` (an f32 element's address).
+pub fn f32_addr(b: &mut FunctionBuilder, base: Value, index: Value) -> Value {
+    let offset = b.ins().imul_imm_s(index, 4);
+    b.ins().iadd(base, offset)
+}
+
+/// An f32x4 of `x` in every lane.
+pub fn splat(b: &mut FunctionBuilder, x: Value) -> Value {
+    b.ins().splat(F32X4, x)
+}
+
+/// The f32 constant `v`.
+pub fn f32_const(b: &mut FunctionBuilder, v: f32) -> Value {
+    b.ins().f32const(v)
+}
+
+/// The f32 zero vector.
+pub fn zero_x4(b: &mut FunctionBuilder) -> Value {
+    let z = b.ins().f32const(0.0);
+    b.ins().splat(F32X4, z)
+}
+
+/// Loads (`F32` or `F32X4`) at `addr`; unaligned accesses are allowed.
+pub fn load(b: &mut FunctionBuilder, ty: cranelift_codegen::ir::Type, addr: Value) -> Value {
+    b.ins().load(ty, UNALIGNED, addr, 0)
+}
+
+/// Stores `v` at `addr`.
+pub fn store(b: &mut FunctionBuilder, v: Value, addr: Value) {
+    b.ins().store(UNALIGNED, v, addr, 0);
+}
+
+/// Tensor accesses: possibly unaligned (rows of odd lengths), never trapping (kernels only touch
+/// memory the executor handed them).
+const UNALIGNED: MemFlagsData = MemFlagsData::new().with_notrap();
+
+/// Scalar f32 type, for callers.
+pub const SCALAR: cranelift_codegen::ir::Type = F32;
+/// Four-lane f32 vector type, for callers.
+pub const VECTOR: cranelift_codegen::ir::Type = F32X4;

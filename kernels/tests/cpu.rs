@@ -1,0 +1,109 @@
+//! The Cranelift CPU kernels against the reference interpreter on random inputs at odd shapes:
+//! each kind is generated into one object, linked into a shared library, loaded and called
+//! through the kernel signature, over row ranges split as an executor would split them.
+
+mod common;
+
+use std::path::Path;
+
+use kiln_ir::kernel::{NormKind, NormSpec};
+use kiln_ir::Op;
+use kiln_kernels::cpu::{link_shared, norm, CpuModule};
+use kiln_kernels::norm::NormConfig;
+use kiln_kernels::Elem;
+use rand::{Rng, SeedableRng};
+
+use common::{check, reference};
+
+type KernelFn = unsafe extern "C" fn(*const u64, u64, u64);
+
+/// The linked library of `module`'s functions.
+fn load(module: CpuModule, dir: &Path) -> libloading::Library {
+    let lib = dir.join("kernels.so");
+    link_shared(&module.finish().unwrap(), &lib).unwrap();
+    // SAFETY: a library kiln just linked from its own object file; it has no initialisers.
+    unsafe { libloading::Library::new(&lib) }.unwrap()
+}
+
+fn values(rng: &mut rand::rngs::StdRng, n: usize, scale: f32, offset: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| offset + scale * rng.random_range(-1.0f32..1.0))
+        .collect()
+}
+
+#[test]
+fn norms_match_the_interpreter() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    let dir = tempfile::tempdir().unwrap();
+    let shapes = [(1u32, 1u32), (3, 7), (5, 64), (4, 385), (2, 4097)];
+    let mut module = CpuModule::new().unwrap();
+    let mut cases = Vec::new();
+    for (kind, residual) in [
+        (NormKind::LayerNorm, false),
+        (NormKind::RmsNorm, false),
+        (NormKind::LayerNorm, true),
+        (NormKind::RmsNorm, true),
+    ] {
+        for (rows, cols) in shapes {
+            let cfg = NormConfig {
+                kind,
+                residual,
+                elem: Elem::F32,
+                rows,
+                cols,
+                eps: 1e-5,
+            };
+            let name = norm::norm(&mut module, &cfg).unwrap();
+            cases.push((cfg, name));
+        }
+    }
+    let lib = load(module, dir.path());
+    for (cfg, name) in cases {
+        let (rows, cols) = (cfg.rows as usize, cfg.cols as usize);
+        // An offset mean, so that a one-pass variance would show its cancellation.
+        let x = values(&mut rng, rows * cols, 2.0, 3.0);
+        let r = values(&mut rng, rows * cols, 1.0, 0.0);
+        let w = values(&mut rng, cols, 1.5, 0.0);
+        let b = values(&mut rng, cols, 0.5, 0.0);
+        let mut out = vec![f32::NAN; rows * cols];
+        let layer = cfg.kind == NormKind::LayerNorm;
+        let mut args = vec![x.as_ptr() as u64];
+        if cfg.residual {
+            args.push(r.as_ptr() as u64);
+        }
+        args.push(w.as_ptr() as u64);
+        if layer {
+            args.push(b.as_ptr() as u64);
+        }
+        args.push(out.as_mut_ptr() as u64);
+        // SAFETY: the symbol was generated with the kernel signature.
+        let f: libloading::Symbol<KernelFn> = unsafe { lib.get(name.as_bytes()) }.unwrap();
+        // Two calls over a split of the rows, as a parallel executor makes them.
+        let mid = (rows / 2) as u64;
+        // SAFETY: every pointer covers `rows x cols` (or `cols`) f32 values, as the kernel reads.
+        unsafe {
+            f(args.as_ptr(), 0, mid);
+            f(args.as_ptr(), mid, rows as u64);
+        }
+        let mut inputs = vec![(vec![rows, cols], x)];
+        if cfg.residual {
+            inputs.push((vec![rows, cols], r));
+        }
+        inputs.push((vec![cols], w));
+        if layer {
+            inputs.push((vec![cols], b));
+        }
+        let spec = NormSpec {
+            kind: cfg.kind,
+            eps: f64::from(cfg.eps),
+            residual: cfg.residual,
+        };
+        let want = reference(Op::Norm(spec), inputs, &[]);
+        check(
+            &format!("{name} rows {rows}"),
+            Elem::F32,
+            &out,
+            want.as_f32().unwrap(),
+        );
+    }
+}
