@@ -21,7 +21,7 @@ use kiln_kernels::norm::{norm, NormConfig};
 use kiln_kernels::sampling::argmax;
 use kiln_kernels::{Elem, GeneratedKernel, ParamType};
 
-use common::{check, reference};
+use common::{check, reference, reference_with_seed};
 
 struct Gpu {
     ctx: Arc<CudaContext>,
@@ -810,44 +810,6 @@ fn attention_matches_the_interpreter() {
             }
         }
     }
-}
-
-/// Like `reference`, but an integer input given as `vec![]` shape is the i64 seed (exact).
-fn reference_with_seed(
-    op: Op,
-    inputs: Vec<(Vec<usize>, Vec<f32>)>,
-    ints: &[usize],
-    seed: Option<i64>,
-) -> Vec<f32> {
-    let mut g = Graph::new();
-    let mut ids = Vec::new();
-    let mut values = BTreeMap::new();
-    for (i, (shape, data)) in inputs.into_iter().enumerate() {
-        let name = format!("a{i}");
-        let dims = shape.iter().map(|&d| Dim::from(d)).collect();
-        let t = if ints.contains(&i) {
-            ids.push(g.input(&name, DType::I64, dims).unwrap());
-            if shape.is_empty() {
-                Tensor::i64(shape, vec![seed.expect("a seed")])
-            } else {
-                Tensor::i64(shape, data.iter().map(|v| *v as i64).collect())
-            }
-        } else {
-            ids.push(g.input(&name, DType::F32, dims).unwrap());
-            Tensor::f32(shape, data)
-        };
-        values.insert(name, t);
-    }
-    let out = g.add(op, &ids).unwrap();
-    g.set_output("out", out).unwrap();
-    let weights = BTreeMap::<String, Arc<Tensor>>::new();
-    kiln_ir::evaluate(&g, &values, &weights)
-        .unwrap()
-        .remove("out")
-        .unwrap()
-        .as_f32()
-        .unwrap()
-        .to_vec()
 }
 
 /// The sampling reference, in f64: (kept token ids in index order with their weights, their total).

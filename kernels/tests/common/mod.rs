@@ -7,17 +7,45 @@ use std::sync::Arc;
 use kiln_ir::{DType, Dim, Graph, Op, Tensor};
 use kiln_kernels::Elem;
 
-/// Runs `op` on `inputs` with the reference interpreter (f32 graph).
+/// Runs `op` on `inputs` with the reference interpreter (f32 graph); inputs listed in
+/// `int_inputs` are i64.
 pub fn reference(op: Op, inputs: Vec<(Vec<usize>, Vec<f32>)>, int_inputs: &[usize]) -> Tensor {
+    evaluate_one(op, inputs, int_inputs, None)
+}
+
+/// Like `reference`, but an integer input given as `vec![]` shape is the i64 seed (exact).
+#[allow(dead_code)] // only the GPU suite draws dropout masks
+pub fn reference_with_seed(
+    op: Op,
+    inputs: Vec<(Vec<usize>, Vec<f32>)>,
+    ints: &[usize],
+    seed: Option<i64>,
+) -> Vec<f32> {
+    evaluate_one(op, inputs, ints, seed)
+        .as_f32()
+        .unwrap()
+        .to_vec()
+}
+
+fn evaluate_one(
+    op: Op,
+    inputs: Vec<(Vec<usize>, Vec<f32>)>,
+    ints: &[usize],
+    seed: Option<i64>,
+) -> Tensor {
     let mut g = Graph::new();
     let mut ids = Vec::new();
     let mut values = BTreeMap::new();
     for (i, (shape, data)) in inputs.into_iter().enumerate() {
         let name = format!("a{i}");
         let dims = shape.iter().map(|&d| Dim::from(d)).collect();
-        let t = if int_inputs.contains(&i) {
+        let t = if ints.contains(&i) {
             ids.push(g.input(&name, DType::I64, dims).unwrap());
-            Tensor::i64(shape, data.iter().map(|v| *v as i64).collect())
+            if shape.is_empty() {
+                Tensor::i64(shape, vec![seed.expect("a seed")])
+            } else {
+                Tensor::i64(shape, data.iter().map(|v| *v as i64).collect())
+            }
         } else {
             ids.push(g.input(&name, DType::F32, dims).unwrap());
             Tensor::f32(shape, data)
@@ -33,6 +61,8 @@ pub fn reference(op: Op, inputs: Vec<(Vec<usize>, Vec<f32>)>, int_inputs: &[usiz
         .unwrap()
 }
 
+/// Asserts the fixtures' tolerance for `elem` (relative to the largest reference value) and that
+/// every element was written (no NaN left from a poisoned output).
 pub fn check(what: &str, elem: Elem, got: &[f32], want: &[f32]) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     let tol = if elem == Elem::F32 { 1e-4 } else { 2e-2 };
