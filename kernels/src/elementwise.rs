@@ -43,18 +43,24 @@ pub fn activation(k: &mut Kernel, x: Reg, act: Activation) -> Reg {
     }
 }
 
+/// Abramowitz and Stegun 7.1.26: `erfc(z) ~ t (a1 + t (a2 + ..)) e^(-z^2)`, `t = 1 / (1 + p z)`
+/// for `z >= 0` (absolute error of erf below 1.5e-7); the GPU and CPU kernels share it.
+pub const ERF_P: f32 = 0.327_591_1;
+/// The coefficients `a1..a5` of [`ERF_P`]'s approximation.
+pub const ERF_A: [f32; 5] = [
+    0.254_829_6,
+    -0.284_496_74,
+    1.421_413_8,
+    -1.453_152,
+    1.061_405_4,
+];
+
 /// `1 + erf(z)` by Abramowitz and Stegun 7.1.26 (absolute error of erf below 1.5e-7): with
 /// `tail = erfc(|z|)`, it is `tail` for negative `z` (no cancellation in the negative tail) and
 /// `2 - tail` otherwise.
 pub fn one_plus_erf(k: &mut Kernel, z: Reg) -> Reg {
-    const P: f32 = 0.327_591_1;
-    const A: [f32; 5] = [
-        0.254_829_6,
-        -0.284_496_74,
-        1.421_413_8,
-        -1.453_152,
-        1.061_405_4,
-    ];
+    const P: f32 = ERF_P;
+    const A: [f32; 5] = ERF_A;
     let az = k.op1("abs.f32", RegClass::F32, &z);
     let d = k.fma_f32(&az, &F32(P), &F32(1.0));
     let t = k.rcp_f32(&d);

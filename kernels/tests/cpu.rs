@@ -6,9 +6,9 @@ mod common;
 
 use std::path::Path;
 
-use kiln_ir::kernel::{NormKind, NormSpec};
+use kiln_ir::kernel::{Activation, NormKind, NormSpec};
 use kiln_ir::Op;
-use kiln_kernels::cpu::{link_shared, norm, CpuModule};
+use kiln_kernels::cpu::{elementwise, link_shared, norm, CpuModule};
 use kiln_kernels::norm::NormConfig;
 use kiln_kernels::Elem;
 use rand::{Rng, SeedableRng};
@@ -105,5 +105,44 @@ fn norms_match_the_interpreter() {
             &out,
             want.as_f32().unwrap(),
         );
+    }
+}
+
+#[test]
+fn activations_match_the_interpreter() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(12);
+    let dir = tempfile::tempdir().unwrap();
+    let acts = [
+        Activation::Relu,
+        Activation::Silu,
+        Activation::GeluTanh,
+        Activation::GeluErf,
+    ];
+    let mut module = CpuModule::new().unwrap();
+    let names: Vec<String> = acts
+        .iter()
+        .map(|a| elementwise::activation_kernel(&mut module, *a).unwrap())
+        .collect();
+    let lib = load(module, dir.path());
+    for (act, name) in acts.iter().zip(&names) {
+        for n in [1usize, 7, 1001] {
+            // Values over the tails too, where the GELU forms must not cancel.
+            let mut x = values(&mut rng, n, 12.0, 0.0);
+            x[0] = -30.0;
+            let mut out = vec![f32::NAN; n];
+            let args = [x.as_ptr() as u64, out.as_mut_ptr() as u64, n as u64];
+            // SAFETY: the symbol was generated with the kernel signature.
+            let f: libloading::Symbol<KernelFn> = unsafe { lib.get(name.as_bytes()) }.unwrap();
+            // An odd split, so that vector loops start at unaligned elements.
+            let mid = (n / 3) as u64;
+            // SAFETY: `x` and `out` hold `n` f32 values, the range the calls cover.
+            unsafe {
+                f(args.as_ptr(), 0, mid);
+                f(args.as_ptr(), mid, n as u64);
+            }
+            let want = reference(Op::Activation(*act), vec![(vec![n], x.clone())], &[]);
+            let want = want.as_f32().unwrap();
+            check(&format!("{name} n {n}"), Elem::F32, &out, want);
+        }
     }
 }

@@ -15,8 +15,12 @@
 //! `begin..end` is the slice of the kernel's parallel axis (rows for row kernels) this call does.
 //!
 //! - [`module`] — the object module, the function builder helpers, linking;
+//! - [`math`] — `exp` and `1 + erf` for `f32` and `f32x4`;
+//! - [`elementwise`] — activations, f32x4;
 //! - [`norm`] — LayerNorm / RMSNorm rows (with the residual add), f32x4.
 
+pub mod elementwise;
+pub mod math;
 pub mod module;
 pub mod norm;
 
