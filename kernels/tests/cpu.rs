@@ -6,9 +6,10 @@ mod common;
 
 use std::path::Path;
 
-use kiln_ir::kernel::{Activation, NormKind, NormSpec};
+use kiln_ir::kernel::{Activation, EmbeddingSpec, NormKind, NormSpec};
 use kiln_ir::Op;
-use kiln_kernels::cpu::{elementwise, link_shared, norm, CpuModule};
+use kiln_kernels::cpu::{elementwise, embedding, link_shared, norm, CpuModule};
+use kiln_kernels::embedding::EmbeddingConfig;
 use kiln_kernels::norm::NormConfig;
 use kiln_kernels::Elem;
 use rand::{Rng, SeedableRng};
@@ -144,5 +145,62 @@ fn activations_match_the_interpreter() {
             let want = want.as_f32().unwrap();
             check(&format!("{name} n {n}"), Elem::F32, &out, want);
         }
+    }
+}
+
+#[test]
+fn embeddings_match_the_interpreter() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(13);
+    let dir = tempfile::tempdir().unwrap();
+    let shapes = [(1u32, 1u32), (5, 7), (17, 64), (3, 385)];
+    let mut module = CpuModule::new().unwrap();
+    let mut cases = Vec::new();
+    for (tokens, hidden) in shapes {
+        let cfg = EmbeddingConfig {
+            table_rows: vec![50, 9],
+            hidden,
+            tokens,
+            elem: Elem::F32,
+        };
+        let name = embedding::embedding(&mut module, &cfg).unwrap();
+        cases.push((cfg, name));
+    }
+    let lib = load(module, dir.path());
+    for (cfg, name) in cases {
+        let (tokens, hidden) = (cfg.tokens as usize, cfg.hidden as usize);
+        let t0 = values(&mut rng, 50 * hidden, 1.0, 0.0);
+        let t1 = values(&mut rng, 9 * hidden, 1.0, 0.0);
+        let ids0: Vec<i64> = (0..tokens).map(|_| rng.random_range(0..50)).collect();
+        let ids1: Vec<i64> = (0..tokens).map(|_| rng.random_range(0..9)).collect();
+        let mut out = vec![f32::NAN; tokens * hidden];
+        let args = [
+            t0.as_ptr() as u64,
+            ids0.as_ptr() as u64,
+            t1.as_ptr() as u64,
+            ids1.as_ptr() as u64,
+            out.as_mut_ptr() as u64,
+        ];
+        // SAFETY: the symbol was generated with the kernel signature.
+        let f: libloading::Symbol<KernelFn> = unsafe { lib.get(name.as_bytes()) }.unwrap();
+        let mid = (tokens / 2) as u64;
+        // SAFETY: tables, ids and output are sized for `tokens` tokens of `hidden` columns.
+        unsafe {
+            f(args.as_ptr(), 0, mid);
+            f(args.as_ptr(), mid, tokens as u64);
+        }
+        let as_f = |v: &[i64]| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
+        let inputs = vec![
+            (vec![50, hidden], t0),
+            (vec![tokens], as_f(&ids0)),
+            (vec![9, hidden], t1),
+            (vec![tokens], as_f(&ids1)),
+        ];
+        let want = reference(Op::Embedding(EmbeddingSpec { tables: 2 }), inputs, &[1, 3]);
+        check(
+            &format!("{name} tokens {tokens}"),
+            Elem::F32,
+            &out,
+            want.as_f32().unwrap(),
+        );
     }
 }

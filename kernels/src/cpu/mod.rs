@@ -17,9 +17,11 @@
 //! - [`module`] — the object module, the function builder helpers, linking;
 //! - [`math`] — `exp` and `1 + erf` for `f32` and `f32x4`;
 //! - [`elementwise`] — activations, f32x4;
+//! - [`embedding`] — summed embedding lookups, f32x4;
 //! - [`norm`] — LayerNorm / RMSNorm rows (with the residual add), f32x4.
 
 pub mod elementwise;
+pub mod embedding;
 pub mod math;
 pub mod module;
 pub mod norm;
