@@ -8,13 +8,14 @@ use std::path::Path;
 
 use kiln_ir::kernel::{Activation, EmbeddingSpec, NormKind, NormSpec};
 use kiln_ir::Op;
-use kiln_kernels::cpu::{elementwise, embedding, link_shared, norm, CpuModule};
+use kiln_kernels::cpu::{elementwise, embedding, kv_cache, link_shared, norm, CpuModule};
 use kiln_kernels::embedding::EmbeddingConfig;
+use kiln_kernels::kv_cache::KvWriteConfig;
 use kiln_kernels::norm::NormConfig;
 use kiln_kernels::Elem;
 use rand::{Rng, SeedableRng};
 
-use common::{check, reference};
+use common::{cache_write_reference, check, reference, rope_tables};
 
 type KernelFn = unsafe extern "C" fn(*const u64, u64, u64);
 
@@ -202,5 +203,77 @@ fn embeddings_match_the_interpreter() {
             &out,
             want.as_f32().unwrap(),
         );
+    }
+}
+
+#[test]
+fn kv_cache_writes_match_the_interpreter() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(14);
+    let dir = tempfile::tempdir().unwrap();
+    let (b, kvh) = (2usize, 3usize);
+    let cases = [
+        (1u32, 40u32, 64u32, true),
+        (5, 30, 6, false),
+        (7, 64, 10, true),
+    ];
+    let mut module = CpuModule::new().unwrap();
+    let mut built = Vec::new();
+    for (new_len, capacity, head_dim, rope) in cases {
+        let (s, d) = (new_len as usize, head_dim as usize);
+        let cfg = KvWriteConfig {
+            batch: b as u32,
+            kv_heads: kvh as u32,
+            new_len,
+            capacity,
+            head_dim,
+            new_strides: [(kvh * s * d) as u32, (s * d) as u32, d as u32],
+            rope,
+            elem: Elem::F32,
+        };
+        built.push((kv_cache::kv_write(&mut module, &cfg).unwrap(), cfg));
+    }
+    let lib = load(module, dir.path());
+    for (name, cfg) in built {
+        let (s, t, d) = (
+            cfg.new_len as usize,
+            cfg.capacity as usize,
+            cfg.head_dim as usize,
+        );
+        let mut cache = values(&mut rng, b * kvh * t * d, 1.0, 0.0);
+        let before = cache.clone();
+        let new = values(&mut rng, b * kvh * s * d, 1.0, 0.0);
+        let positions: Vec<i64> = (0..b)
+            .flat_map(|_| {
+                let first = rng.random_range(0..(t - s + 1) as i64);
+                (0..s as i64).map(move |x| first + x)
+            })
+            .collect();
+        let mask: Vec<i64> = (0..b * s).map(|i| i64::from(i % 3 != 1)).collect();
+        let (cos, sin) = rope_tables(10000.0, d, t + 1);
+        let args = [
+            cache.as_mut_ptr() as u64,
+            new.as_ptr() as u64,
+            positions.as_ptr() as u64,
+            mask.as_ptr() as u64,
+            cos.as_ptr() as u64,
+            sin.as_ptr() as u64,
+        ];
+        // SAFETY: the symbol was generated with the kernel signature.
+        let f: libloading::Symbol<KernelFn> = unsafe { lib.get(name.as_bytes()) }.unwrap();
+        let tokens = (b * s) as u64;
+        // SAFETY: every buffer is sized for the configuration; positions lie inside the cache.
+        unsafe {
+            f(args.as_ptr(), 0, tokens / 2);
+            f(args.as_ptr(), tokens / 2, tokens);
+        }
+        let want = cache_write_reference(
+            &before,
+            &new,
+            &positions,
+            &mask,
+            [b, kvh, s, t, d],
+            cfg.rope,
+        );
+        check(&name, Elem::F32, &cache, &want);
     }
 }

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 use kiln_ir::kernel::{Activation, EmbeddingSpec, GemmSpec, NormKind, NormSpec};
-use kiln_ir::{DType, Dim, Graph, Op, Tensor};
+use kiln_ir::Op;
 use kiln_kernels::elementwise::activation_kernel;
 use kiln_kernels::embedding::{embedding, EmbeddingConfig};
 use kiln_kernels::gemm::{gemm, GemmConfig};
@@ -21,7 +21,7 @@ use kiln_kernels::norm::{norm, NormConfig};
 use kiln_kernels::sampling::argmax;
 use kiln_kernels::{Elem, GeneratedKernel, ParamType};
 
-use common::{check, reference, reference_with_seed};
+use common::{cache_write_reference, check, reference, reference_with_seed, rope_tables};
 
 struct Gpu {
     ctx: Arc<CudaContext>,
@@ -495,20 +495,6 @@ fn gemms_match_the_interpreter() {
             }
         }
     }
-}
-
-/// RoPE cos/sin tables `[positions, D/2]` in f64 rounded to f32, as the artifact will carry them.
-fn rope_tables(theta: f64, head_dim: usize, positions: usize) -> (Vec<f32>, Vec<f32>) {
-    let inv = kiln_ir::RopeScaling::Default.inv_freq(theta, head_dim);
-    let (mut cos, mut sin) = (Vec::new(), Vec::new());
-    for p in 0..positions {
-        for f in &inv {
-            let (s, c) = (p as f64 * f).sin_cos();
-            cos.push(c as f32);
-            sin.push(s as f32);
-        }
-    }
-    (cos, sin)
 }
 
 struct AttentionCase {
@@ -1004,61 +990,11 @@ fn kv_cache_writes_match_the_interpreter() {
                 ("sin", Arg::Buf(&ts)),
             ]);
             gpu.launch(&kernel, &args);
-            // Reference: CacheWrite(cache, [Rope](new, positions), positions, mask).
-            let mut g = Graph::new();
-            let ci = g
-                .input(
-                    "cache",
-                    DType::F32,
-                    [b, kvh, t, d].iter().map(|&v| Dim::from(v)).collect(),
-                )
-                .unwrap();
-            let ni = g
-                .input(
-                    "new",
-                    DType::F32,
-                    [b, kvh, s, d].iter().map(|&v| Dim::from(v)).collect(),
-                )
-                .unwrap();
-            let pi = g
-                .input("pos", DType::I64, vec![Dim::from(b), Dim::from(s)])
-                .unwrap();
-            let mi = g
-                .input("mask", DType::I64, vec![Dim::from(b), Dim::from(s)])
-                .unwrap();
-            let values = if rope {
-                let op = Op::Rope {
-                    theta: 10000.0,
-                    scaling: kiln_ir::RopeScaling::Default,
-                };
-                g.add(op, &[ni, pi]).unwrap()
-            } else {
-                ni
-            };
-            let w = g.add(Op::CacheWrite, &[ci, values, pi, mi]).unwrap();
-            g.set_output("out", w).unwrap();
-            let inputs = BTreeMap::from([
-                (
-                    "cache".to_string(),
-                    Tensor::f32(vec![b, kvh, t, d], cache.clone()),
-                ),
-                (
-                    "new".to_string(),
-                    Tensor::f32(vec![b, kvh, s, d], new.clone()),
-                ),
-                (
-                    "pos".to_string(),
-                    Tensor::i64(vec![b, s], positions.clone()),
-                ),
-                ("mask".to_string(), Tensor::i64(vec![b, s], mask.clone())),
-            ]);
-            let weights = BTreeMap::<String, Arc<Tensor>>::new();
-            let want: Vec<f32> = kiln_ir::evaluate(&g, &inputs, &weights).unwrap()["out"]
-                .as_f32()
-                .unwrap()
-                .iter()
-                .map(|v| round(elem, *v))
-                .collect();
+            let want: Vec<f32> =
+                cache_write_reference(&cache, &new, &positions, &mask, [b, kvh, s, t, d], rope)
+                    .iter()
+                    .map(|v| round(elem, *v))
+                    .collect();
             check(
                 &format!("{} b={b}", kernel.name),
                 elem,

@@ -18,10 +18,12 @@
 //! - [`math`] — `exp` and `1 + erf` for `f32` and `f32x4`;
 //! - [`elementwise`] — activations, f32x4;
 //! - [`embedding`] — summed embedding lookups, f32x4;
+//! - [`kv_cache`] — writes into a KV cache in place, RoPE on the way, f32x4;
 //! - [`norm`] — LayerNorm / RMSNorm rows (with the residual add), f32x4.
 
 pub mod elementwise;
 pub mod embedding;
+pub mod kv_cache;
 pub mod math;
 pub mod module;
 pub mod norm;

@@ -219,3 +219,36 @@ const UNALIGNED: MemFlagsData = MemFlagsData::new().with_notrap();
 pub const SCALAR: cranelift_codegen::ir::Type = F32;
 /// Four-lane f32 vector type, for callers.
 pub const VECTOR: cranelift_codegen::ir::Type = F32X4;
+
+/// `if cond != 0 { then(..) }`.
+pub fn if_then(b: &mut FunctionBuilder, cond: Value, then: impl FnOnce(&mut FunctionBuilder)) {
+    let block = b.create_block();
+    let merge = b.create_block();
+    b.ins().brif(cond, block, &[], merge, &[]);
+    b.switch_to_block(block);
+    b.seal_block(block);
+    then(b);
+    b.ins().jump(merge, &[]);
+    b.switch_to_block(merge);
+    b.seal_block(merge);
+}
+
+/// The i64 at `base + index * 8` (token ids, masks, positions).
+pub fn load_i64(b: &mut FunctionBuilder, base: Value, index: Value) -> Value {
+    let offset = b.ins().imul_imm_s(index, 8);
+    let addr = b.ins().iadd(base, offset);
+    b.ins().load(I64, MemFlagsData::trusted(), addr, 0)
+}
+
+/// `f(i, F32X4)` for the multiples of four below `n`, then `f(i, F32)` for the rest.
+pub fn lanes(
+    b: &mut FunctionBuilder,
+    n: u32,
+    mut f: impl FnMut(&mut FunctionBuilder, Value, cranelift_codegen::ir::Type),
+) {
+    let zero = b.ins().iconst(I64, 0);
+    let split = b.ins().iconst(I64, i64::from(n / 4 * 4));
+    let end = b.ins().iconst(I64, i64::from(n));
+    for_range(b, zero, split, 4, |b, i| f(b, i, VECTOR));
+    for_range(b, split, end, 1, |b, i| f(b, i, SCALAR));
+}

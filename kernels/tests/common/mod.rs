@@ -80,3 +80,71 @@ pub fn check(what: &str, elem: Elem, got: &[f32], want: &[f32]) {
     );
     println!("ok  {what:<60} rel err {err:.2e}");
 }
+
+/// RoPE cos/sin tables `[positions, D/2]` in f64 rounded to f32, as the artifact will carry them.
+#[allow(dead_code)] // each suite uses what it covers
+pub fn rope_tables(theta: f64, head_dim: usize, positions: usize) -> (Vec<f32>, Vec<f32>) {
+    let inv = kiln_ir::RopeScaling::Default.inv_freq(theta, head_dim);
+    let (mut cos, mut sin) = (Vec::new(), Vec::new());
+    for p in 0..positions {
+        for f in &inv {
+            let (s, c) = (p as f64 * f).sin_cos();
+            cos.push(c as f32);
+            sin.push(s as f32);
+        }
+    }
+    (cos, sin)
+}
+
+/// `CacheWrite(cache, [Rope](new, positions), positions, mask)` by the interpreter, for a cache
+/// `[b, kvh, t, d]` and new values `[b, kvh, s, d]` (`dims = [b, kvh, s, t, d]`).
+#[allow(dead_code)] // each suite uses what it covers
+pub fn cache_write_reference(
+    cache: &[f32],
+    new: &[f32],
+    positions: &[i64],
+    mask: &[i64],
+    dims: [usize; 5],
+    rope: bool,
+) -> Vec<f32> {
+    let [b, kvh, s, t, d] = dims;
+    let shape = |v: &[usize]| v.iter().map(|&x| Dim::from(x)).collect::<Vec<Dim>>();
+    let mut g = Graph::new();
+    let ci = g
+        .input("cache", DType::F32, shape(&[b, kvh, t, d]))
+        .unwrap();
+    let ni = g.input("new", DType::F32, shape(&[b, kvh, s, d])).unwrap();
+    let pi = g.input("pos", DType::I64, shape(&[b, s])).unwrap();
+    let mi = g.input("mask", DType::I64, shape(&[b, s])).unwrap();
+    let values = if rope {
+        let op = Op::Rope {
+            theta: 10000.0,
+            scaling: kiln_ir::RopeScaling::Default,
+        };
+        g.add(op, &[ni, pi]).unwrap()
+    } else {
+        ni
+    };
+    let w = g.add(Op::CacheWrite, &[ci, values, pi, mi]).unwrap();
+    g.set_output("out", w).unwrap();
+    let inputs = BTreeMap::from([
+        (
+            "cache".to_string(),
+            Tensor::f32(vec![b, kvh, t, d], cache.to_vec()),
+        ),
+        (
+            "new".to_string(),
+            Tensor::f32(vec![b, kvh, s, d], new.to_vec()),
+        ),
+        (
+            "pos".to_string(),
+            Tensor::i64(vec![b, s], positions.to_vec()),
+        ),
+        ("mask".to_string(), Tensor::i64(vec![b, s], mask.to_vec())),
+    ]);
+    let weights = BTreeMap::<String, Arc<Tensor>>::new();
+    kiln_ir::evaluate(&g, &inputs, &weights).unwrap()["out"]
+        .as_f32()
+        .unwrap()
+        .to_vec()
+}
