@@ -55,19 +55,25 @@ impl GemmConfig {
         if self.transpose_b {
             name.push_str("_bt");
         }
+        name + &self.epilogue_suffix()
+    }
+
+    /// `_bias`, `_{activation}`, `_swiglu`, `_residual` for the epilogue's parts, in order.
+    pub fn epilogue_suffix(&self) -> String {
+        let mut suffix = String::new();
         if self.bias {
-            name.push_str("_bias");
+            suffix.push_str("_bias");
         }
         if let Some(a) = self.activation {
-            name.push_str(&format!("_{}", format!("{a:?}").to_lowercase()));
+            suffix.push_str(&format!("_{}", format!("{a:?}").to_lowercase()));
         }
         if self.swiglu {
-            name.push_str("_swiglu");
+            suffix.push_str("_swiglu");
         }
         if self.residual {
-            name.push_str("_residual");
+            suffix.push_str("_residual");
         }
-        name
+        suffix
     }
 }
 

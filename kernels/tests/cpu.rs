@@ -6,10 +6,11 @@ mod common;
 
 use std::path::Path;
 
-use kiln_ir::kernel::{Activation, EmbeddingSpec, NormKind, NormSpec};
+use kiln_ir::kernel::{Activation, EmbeddingSpec, GemmSpec, NormKind, NormSpec};
 use kiln_ir::Op;
-use kiln_kernels::cpu::{elementwise, embedding, kv_cache, link_shared, norm, CpuModule};
+use kiln_kernels::cpu::{elementwise, embedding, epilogue, kv_cache, link_shared, norm, CpuModule};
 use kiln_kernels::embedding::EmbeddingConfig;
+use kiln_kernels::gemm::GemmConfig;
 use kiln_kernels::kv_cache::KvWriteConfig;
 use kiln_kernels::norm::NormConfig;
 use kiln_kernels::Elem;
@@ -275,5 +276,91 @@ fn kv_cache_writes_match_the_interpreter() {
             cfg.rope,
         );
         check(&name, Elem::F32, &cache, &want);
+    }
+}
+
+/// The epilogue after a product computed here (as the executor's GEMM library would): the whole
+/// equals the interpreter's fused GEMM.
+#[test]
+fn gemm_epilogues_match_the_interpreter() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(15);
+    let dir = tempfile::tempdir().unwrap();
+    let variants: [(bool, Option<Activation>, bool, bool); 5] = [
+        (true, None, false, false),
+        (true, Some(Activation::GeluTanh), false, false),
+        (false, Some(Activation::GeluErf), false, true),
+        (false, None, true, false),
+        (true, None, true, true),
+    ];
+    let (k, n) = (7usize, 14usize);
+    let mut module = CpuModule::new().unwrap();
+    let mut built = Vec::new();
+    for (bias, activation, swiglu, residual) in variants {
+        let cfg = GemmConfig {
+            m: 5,
+            k: k as u32,
+            n: n as u32,
+            transpose_b: true,
+            bias,
+            activation,
+            swiglu,
+            residual,
+            elem: Elem::F32,
+        };
+        assert!(epilogue::needed(&cfg));
+        built.push((epilogue::epilogue(&mut module, &cfg).unwrap(), cfg));
+    }
+    let lib = load(module, dir.path());
+    for (name, cfg) in built {
+        for m in [1usize, 5] {
+            let n_out = cfg.n_out() as usize;
+            let x = values(&mut rng, m * k, 1.0, 0.0);
+            let w = values(&mut rng, n * k, 0.5, 0.0);
+            let bias = values(&mut rng, n, 0.5, 0.0);
+            let res = values(&mut rng, m * n_out, 1.0, 0.0);
+            let y: Vec<f32> = (0..m * n)
+                .map(|i| {
+                    let (r, c) = (i / n, i % n);
+                    (0..k)
+                        .map(|j| f64::from(x[r * k + j]) * f64::from(w[c * k + j]))
+                        .sum::<f64>() as f32
+                })
+                .collect();
+            let mut out = vec![f32::NAN; m * n_out];
+            let mut args = vec![y.as_ptr() as u64];
+            if cfg.bias {
+                args.push(bias.as_ptr() as u64);
+            }
+            if cfg.residual {
+                args.push(res.as_ptr() as u64);
+            }
+            args.push(out.as_mut_ptr() as u64);
+            // SAFETY: the symbol was generated with the kernel signature.
+            let f: libloading::Symbol<KernelFn> = unsafe { lib.get(name.as_bytes()) }.unwrap();
+            // SAFETY: y is `m x n`, bias `n`, residual and out `m x n_out`.
+            unsafe { f(args.as_ptr(), 0, m as u64) };
+            let mut inputs = vec![(vec![m, k], x), (vec![n, k], w)];
+            if cfg.bias {
+                inputs.push((vec![n], bias));
+            }
+            if cfg.residual {
+                inputs.push((vec![m, n_out], res));
+            }
+            let spec = GemmSpec {
+                transpose_b: true,
+                bias: cfg.bias,
+                activation: cfg.activation,
+                swiglu: cfg.swiglu,
+                residual: cfg.residual,
+                prologue: None,
+            };
+            let want = reference(Op::Gemm(spec), inputs, &[]);
+            check(
+                &format!("{name} m {m}"),
+                Elem::F32,
+                &out,
+                want.as_f32().unwrap(),
+            );
+        }
     }
 }

@@ -17,12 +17,15 @@
 //! - [`module`] — the object module, the function builder helpers, linking;
 //! - [`math`] — `exp` and `1 + erf` for `f32` and `f32x4`;
 //! - [`elementwise`] — activations, f32x4;
+//! - [`epilogue`] — a product's bias / activation / SwiGLU / residual tail (the product itself
+//!   is computed by a CPU GEMM library the executor calls), f32x4;
 //! - [`embedding`] — summed embedding lookups, f32x4;
 //! - [`kv_cache`] — writes into a KV cache in place, RoPE on the way, f32x4;
 //! - [`norm`] — LayerNorm / RMSNorm rows (with the residual add), f32x4.
 
 pub mod elementwise;
 pub mod embedding;
+pub mod epilogue;
 pub mod kv_cache;
 pub mod math;
 pub mod module;

@@ -144,6 +144,25 @@ pub fn arg(b: &mut FunctionBuilder, p: KernelParams, i: u32) -> Value {
         .load(I64, MemFlagsData::trusted(), p.args, (i * 8) as i32)
 }
 
+/// The kernel's arguments, read in parameter order.
+pub struct Args {
+    params: KernelParams,
+    next: u32,
+}
+
+impl Args {
+    /// Reads from the first parameter on.
+    pub fn new(params: KernelParams) -> Args {
+        Args { params, next: 0 }
+    }
+
+    /// The next parameter's value.
+    pub fn next(&mut self, b: &mut FunctionBuilder) -> Value {
+        self.next += 1;
+        arg(b, self.params, self.next - 1)
+    }
+}
+
 /// `for i in (start..end).step_by(step) { body(i) }`, `i` an `i64`.
 pub fn for_range(
     b: &mut FunctionBuilder,

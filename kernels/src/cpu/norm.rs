@@ -10,7 +10,7 @@ use cranelift_frontend::FunctionBuilder;
 use kiln_ir::kernel::NormKind;
 
 use super::module::{
-    arg, f32_addr, f32_const, for_range, lane_sum, load, splat, store, zero_x4, CpuError,
+    f32_addr, f32_const, for_range, lane_sum, load, splat, store, zero_x4, Args, CpuError,
     CpuModule, KernelParams, SCALAR, VECTOR,
 };
 use crate::norm::NormConfig;
@@ -80,16 +80,12 @@ fn reduce_row(
 
 fn body(b: &mut FunctionBuilder, p: KernelParams, cfg: &NormConfig) {
     let layer = cfg.kind == NormKind::LayerNorm;
-    let mut next = 0;
-    let mut take = |b: &mut FunctionBuilder| {
-        next += 1;
-        arg(b, p, next - 1)
-    };
-    let x = take(b);
-    let residual = cfg.residual.then(|| take(b));
-    let weight = take(b);
-    let bias = layer.then(|| take(b));
-    let out = take(b);
+    let mut args = Args::new(p);
+    let x = args.next(b);
+    let residual = cfg.residual.then(|| args.next(b));
+    let weight = args.next(b);
+    let bias = layer.then(|| args.next(b));
+    let out = args.next(b);
     let cols = cfg.cols;
     let inv_cols = 1.0 / cols as f32;
 
