@@ -271,3 +271,29 @@ pub fn lanes(
     for_range(b, zero, split, 4, |b, i| f(b, i, VECTOR));
     for_range(b, split, end, 1, |b, i| f(b, i, SCALAR));
 }
+
+/// The sum over `i < n` of `term(i, type)`, evaluated four lanes at a time (`F32X4`) and then for
+/// the scalar tail (`F32`).
+pub fn sum_lanes(
+    b: &mut FunctionBuilder,
+    n: u32,
+    mut term: impl FnMut(&mut FunctionBuilder, Value, cranelift_codegen::ir::Type) -> Value,
+) -> Value {
+    let acc = b.declare_var(VECTOR);
+    let tail = b.declare_var(SCALAR);
+    let z = zero_x4(b);
+    b.def_var(acc, z);
+    let z = f32_const(b, 0.0);
+    b.def_var(tail, z);
+    lanes(b, n, |b, i, ty| {
+        let t = term(b, i, ty);
+        let var = if ty == VECTOR { acc } else { tail };
+        let cur = b.use_var(var);
+        let s = b.ins().fadd(cur, t);
+        b.def_var(var, s);
+    });
+    let v = b.use_var(acc);
+    let lanes_total = lane_sum(b, v);
+    let t = b.use_var(tail);
+    b.ins().fadd(lanes_total, t)
+}

@@ -4,14 +4,13 @@
 //! large mean does not cancel), and written back scaled. Columns past the last multiple of four
 //! take a scalar tail. Parameters: `x, [residual], weight, [bias], out`; the parallel axis is rows.
 
-use cranelift_codegen::ir::types::I64;
-use cranelift_codegen::ir::{InstBuilder, Type, Value};
+use cranelift_codegen::ir::InstBuilder;
 use cranelift_frontend::FunctionBuilder;
 use kiln_ir::kernel::NormKind;
 
 use super::module::{
-    f32_addr, f32_const, for_range, lane_sum, load, splat, store, zero_x4, Args, CpuError,
-    CpuModule, KernelParams, SCALAR, VECTOR,
+    f32_addr, f32_const, for_range, lanes, load, splat, store, sum_lanes, Args, CpuError,
+    CpuModule, KernelParams, VECTOR,
 };
 use crate::norm::NormConfig;
 
@@ -35,47 +34,6 @@ pub fn norm(module: &mut CpuModule, cfg: &NormConfig) -> Result<String, CpuError
     let cfg = cfg.clone();
     module.define(&name, |b, p| body(b, p, &cfg))?;
     Ok(name)
-}
-
-/// Applies `f(column, F32X4)` at every multiple of four below `cols` and `f(column, F32)` at
-/// the columns of the tail.
-fn columns(
-    b: &mut FunctionBuilder,
-    cols: u32,
-    mut f: impl FnMut(&mut FunctionBuilder, Value, Type),
-) {
-    let whole = i64::from(cols / 4 * 4);
-    let zero = b.ins().iconst(I64, 0);
-    let split = b.ins().iconst(I64, whole);
-    let end = b.ins().iconst(I64, i64::from(cols));
-    for_range(b, zero, split, 4, |b, c| f(b, c, VECTOR));
-    for_range(b, split, end, 1, |b, c| f(b, c, SCALAR));
-}
-
-/// The sum over a row's columns of `term(column, type)`, evaluated four lanes at a time and then
-/// for the scalar tail (`type` says which).
-fn reduce_row(
-    b: &mut FunctionBuilder,
-    cols: u32,
-    mut term: impl FnMut(&mut FunctionBuilder, Value, Type) -> Value,
-) -> Value {
-    let acc = b.declare_var(VECTOR);
-    let tail = b.declare_var(SCALAR);
-    let z = zero_x4(b);
-    b.def_var(acc, z);
-    let z = f32_const(b, 0.0);
-    b.def_var(tail, z);
-    columns(b, cols, |b, c, ty| {
-        let t = term(b, c, ty);
-        let var = if ty == VECTOR { acc } else { tail };
-        let cur = b.use_var(var);
-        let s = b.ins().fadd(cur, t);
-        b.def_var(var, s);
-    });
-    let v = b.use_var(acc);
-    let lanes = lane_sum(b, v);
-    let t = b.use_var(tail);
-    b.ins().fadd(lanes, t)
 }
 
 fn body(b: &mut FunctionBuilder, p: KernelParams, cfg: &NormConfig) {
@@ -107,14 +65,14 @@ fn body(b: &mut FunctionBuilder, p: KernelParams, cfg: &NormConfig) {
                     let oa = row_addr(b, out, c);
                     store(b, s, oa);
                 };
-                columns(b, cols, sum);
+                lanes(b, cols, sum);
                 out
             }
             None => x,
         };
         // Mean (LayerNorm), then the sum of squares about it.
         let mean = if layer {
-            let total = reduce_row(b, cols, |b, c, ty| {
+            let total = sum_lanes(b, cols, |b, c, ty| {
                 let a = row_addr(b, src, c);
                 load(b, ty, a)
             });
@@ -124,7 +82,7 @@ fn body(b: &mut FunctionBuilder, p: KernelParams, cfg: &NormConfig) {
             f32_const(b, 0.0)
         };
         let mean_x4 = splat(b, mean);
-        let total = reduce_row(b, cols, |b, c, ty| {
+        let total = sum_lanes(b, cols, |b, c, ty| {
             let a = row_addr(b, src, c);
             let v = load(b, ty, a);
             let m = if ty == VECTOR { mean_x4 } else { mean };
@@ -155,7 +113,7 @@ fn body(b: &mut FunctionBuilder, p: KernelParams, cfg: &NormConfig) {
             let oa = row_addr(b, out, c);
             store(b, y, oa);
         };
-        columns(b, cols, |b, c, ty| {
+        lanes(b, cols, |b, c, ty| {
             if ty == VECTOR {
                 write(b, c, ty, mean_x4, scale_x4)
             } else {
