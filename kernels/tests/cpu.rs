@@ -6,9 +6,14 @@ mod common;
 
 use std::path::Path;
 
-use kiln_ir::kernel::{Activation, EmbeddingSpec, GemmSpec, NormKind, NormSpec};
+use kiln_ir::kernel::{
+    Activation, AttentionSpec, DecodeAttentionSpec, EmbeddingSpec, GemmSpec, NormKind, NormSpec,
+};
 use kiln_ir::Op;
-use kiln_kernels::cpu::{elementwise, embedding, epilogue, kv_cache, link_shared, norm, CpuModule};
+use kiln_kernels::attention::{AttentionConfig, KeyRule};
+use kiln_kernels::cpu::{
+    attention, elementwise, embedding, epilogue, kv_cache, link_shared, norm, CpuModule,
+};
 use kiln_kernels::embedding::EmbeddingConfig;
 use kiln_kernels::gemm::GemmConfig;
 use kiln_kernels::kv_cache::KvWriteConfig;
@@ -362,5 +367,171 @@ fn gemm_epilogues_match_the_interpreter() {
                 want.as_f32().unwrap(),
             );
         }
+    }
+}
+
+/// One attention case: the kernel configuration and the IR op it must agree with.
+struct AttentionCase {
+    cfg: AttentionConfig,
+    op: Op,
+}
+
+fn attention_case(
+    (heads, kv_heads, q_len, kv_len, head_dim): (u32, u32, u32, u32, u32),
+    keys: KeyRule,
+    padding: bool,
+    rope: bool,
+) -> AttentionCase {
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let rope_spec = rope.then_some((10000.0, kiln_ir::RopeScaling::Default));
+    let decode = matches!(keys, KeyRule::Position { .. });
+    let mut cfg = AttentionConfig {
+        batch: 2,
+        heads,
+        kv_heads,
+        q_len,
+        kv_len,
+        head_dim,
+        scale,
+        keys,
+        padding,
+        rope,
+        rope_k: rope && !decode,
+        dropout: None,
+        elem: Elem::F32,
+        strides: [[0; 3]; 4],
+        splits: 1,
+    };
+    cfg.strides = cfg.contiguous_strides();
+    let op = match keys {
+        KeyRule::Position { window } => Op::DecodeAttention(DecodeAttentionSpec {
+            scale: f64::from(scale),
+            window: window.map(i64::from),
+            rope: rope_spec,
+        }),
+        KeyRule::Causal { window } => Op::Attention(AttentionSpec {
+            scale: f64::from(scale),
+            causal: true,
+            window: window.map(i64::from),
+            padding,
+            rope: rope_spec,
+            dropout: None,
+        }),
+        KeyRule::All => Op::Attention(AttentionSpec {
+            scale: f64::from(scale),
+            causal: false,
+            window: None,
+            padding,
+            rope: rope_spec,
+            dropout: None,
+        }),
+    };
+    AttentionCase { cfg, op }
+}
+
+#[test]
+fn attention_matches_the_interpreter() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(16);
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        // Encoder: every key, padding, head dim with a scalar tail.
+        attention_case((4, 4, 7, 7, 6), KeyRule::All, true, false),
+        // Decoder prefill: causal, padding, RoPE on q and k, GQA.
+        attention_case(
+            (4, 2, 9, 9, 8),
+            KeyRule::Causal { window: None },
+            true,
+            true,
+        ),
+        // Sliding window, MQA.
+        attention_case(
+            (3, 1, 11, 11, 10),
+            KeyRule::Causal { window: Some(4) },
+            false,
+            true,
+        ),
+        // Decode over a cache: one and three new tokens, RoPE on q, GQA.
+        attention_case(
+            (4, 2, 1, 20, 16),
+            KeyRule::Position { window: None },
+            false,
+            true,
+        ),
+        attention_case(
+            (4, 2, 3, 20, 16),
+            KeyRule::Position { window: Some(5) },
+            false,
+            false,
+        ),
+    ];
+    let mut module = CpuModule::new().unwrap();
+    let names: Vec<String> = cases
+        .iter()
+        .map(|c| attention::attention(&mut module, &c.cfg).unwrap())
+        .collect();
+    let lib = load(module, dir.path());
+    for (case, name) in cases.iter().zip(&names) {
+        let cfg = &case.cfg;
+        let (b, h, kvh) = (2usize, cfg.heads as usize, cfg.kv_heads as usize);
+        let (s, t, d) = (
+            cfg.q_len as usize,
+            cfg.kv_len as usize,
+            cfg.head_dim as usize,
+        );
+        let q = values(&mut rng, b * h * s * d, 1.0, 0.0);
+        let k = values(&mut rng, b * kvh * t * d, 1.0, 0.0);
+        let v = values(&mut rng, b * kvh * t * d, 1.0, 0.0);
+        // Right padding (every query sees key 0); positions per the rule.
+        let lens = [t, t - 2];
+        let mask: Vec<i64> = (0..b * t).map(|x| i64::from(x % t < lens[x / t])).collect();
+        let decode = matches!(cfg.keys, KeyRule::Position { .. });
+        let positions: Vec<i64> = (0..b)
+            .flat_map(|row| {
+                let first = if decode { (t - s - row) as i64 } else { 0 };
+                (0..s as i64).map(move |x| first + x)
+            })
+            .collect();
+        let (cos, sin) = rope_tables(10000.0, d, t + 1);
+        let mut out = vec![f32::NAN; b * h * s * d];
+        let mut args = vec![
+            q.as_ptr() as u64,
+            k.as_ptr() as u64,
+            v.as_ptr() as u64,
+            out.as_mut_ptr() as u64,
+        ];
+        if cfg.padding {
+            args.push(mask.as_ptr() as u64);
+        }
+        if cfg.rope || decode {
+            args.push(positions.as_ptr() as u64);
+        }
+        if cfg.rope {
+            args.extend([cos.as_ptr() as u64, sin.as_ptr() as u64]);
+        }
+        // SAFETY: the symbol was generated with the kernel signature.
+        let f: libloading::Symbol<KernelFn> = unsafe { lib.get(name.as_bytes()) }.unwrap();
+        let rows = (b * h * s) as u64;
+        // SAFETY: every buffer is sized for the configuration; positions lie inside the tables.
+        unsafe {
+            f(args.as_ptr(), 0, rows / 3);
+            f(args.as_ptr(), rows / 3, rows);
+        }
+        let mut inputs = vec![
+            (vec![b, h, s, d], q),
+            (vec![b, kvh, t, d], k),
+            (vec![b, kvh, t, d], v),
+        ];
+        let mut ints = Vec::new();
+        let as_f = |x: &[i64]| x.iter().map(|&v| v as f32).collect::<Vec<f32>>();
+        if cfg.padding {
+            ints.push(inputs.len());
+            inputs.push((vec![b, t], as_f(&mask)));
+        }
+        if cfg.rope || decode {
+            ints.push(inputs.len());
+            inputs.push((vec![b, s], as_f(&positions)));
+        }
+        let want = reference(case.op.clone(), inputs, &ints);
+        check(name, Elem::F32, &out, want.as_f32().unwrap());
     }
 }

@@ -8,6 +8,7 @@ use cranelift_codegen::ir::condcodes::IntCC;
 use cranelift_codegen::ir::types::I64;
 use cranelift_codegen::ir::InstBuilder;
 
+use super::math::rotated;
 use super::module::{
     arg, f32_addr, for_range, if_then, lanes, load, load_i64, store, CpuError, CpuModule,
 };
@@ -86,12 +87,7 @@ pub fn kv_write(module: &mut CpuModule, cfg: &KvWriteConfig) -> Result<String, C
                                 let sa = f32_addr(b, sin, ti);
                                 let c = load(b, ty, ca);
                                 let sn = load(b, ty, sa);
-                                // (lo, hi) -> (lo c - hi s, hi c + lo s)
-                                let lc = b.ins().fmul(lo, c);
-                                let hs = b.ins().fmul(hi, sn);
-                                let out_lo = b.ins().fsub(lc, hs);
-                                let hc = b.ins().fmul(hi, c);
-                                let out_hi = b.ins().fma(lo, sn, hc);
+                                let (out_lo, out_hi) = rotated(b, lo, hi, c, sn);
                                 let di = b.ins().iadd(dst, i);
                                 let da = f32_addr(b, cache, di);
                                 store(b, out_lo, da);

@@ -94,3 +94,19 @@ pub fn one_plus_erf(b: &mut FunctionBuilder, ty: Type, z: Value) -> Value {
         b.ins().select(negative, tail, upper)
     }
 }
+
+/// RoPE's rotate-half: `(lo, hi) -> (lo cos - hi sin, hi cos + lo sin)`.
+pub fn rotated(
+    b: &mut FunctionBuilder,
+    lo: Value,
+    hi: Value,
+    cos: Value,
+    sin: Value,
+) -> (Value, Value) {
+    let lc = b.ins().fmul(lo, cos);
+    let hs = b.ins().fmul(hi, sin);
+    let out_lo = b.ins().fsub(lc, hs);
+    let hc = b.ins().fmul(hi, cos);
+    let out_hi = b.ins().fma(lo, sin, hc);
+    (out_lo, out_hi)
+}

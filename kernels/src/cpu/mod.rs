@@ -15,6 +15,7 @@
 //! `begin..end` is the slice of the kernel's parallel axis (rows for row kernels) this call does.
 //!
 //! - [`module`] — the object module, the function builder helpers, linking;
+//! - [`attention`] — fused attention per query row (online softmax), prefill and decode;
 //! - [`math`] — `exp` and `1 + erf` for `f32` and `f32x4`;
 //! - [`elementwise`] — activations, f32x4;
 //! - [`epilogue`] — a product's bias / activation / SwiGLU / residual tail (the product itself
@@ -23,6 +24,7 @@
 //! - [`kv_cache`] — writes into a KV cache in place, RoPE on the way, f32x4;
 //! - [`norm`] — LayerNorm / RMSNorm rows (with the residual add), f32x4.
 
+pub mod attention;
 pub mod elementwise;
 pub mod embedding;
 pub mod epilogue;

@@ -1,0 +1,302 @@
+//! Fused attention on the CPU, prefill and decode alike, the CPU side of [`crate::attention`]:
+//! per query row, `softmax(q k^T * scale + masks) v` with an online softmax (a running max and
+//! sum, the accumulator rescaled as the max grows), never a row of scores in memory. The key rules,
+//! GQA/MQA, padding masks, positions and RoPE on q (and on k when the keys are not from a cache)
+//! follow the GPU kernel, including its convention that a query seeing no key stores zeros. The
+//! dot products and the accumulator update run four lanes at a time.
+//!
+//! Parameters: `q, k, v, out, [mask], [positions], [cos, sin]`; the parallel axis is query rows
+//! (`(b * heads + h) * q_len + i`). Dropout and split key ranges (flash-decoding) are GPU-only:
+//! the generator refuses them.
+
+use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
+use cranelift_codegen::ir::types::I64;
+use cranelift_codegen::ir::{InstBuilder, StackSlotData, StackSlotKind, Type, Value};
+use cranelift_frontend::FunctionBuilder;
+
+use super::math::{constant, exp, rotated};
+use super::module::{
+    f32_addr, for_range, if_then, lanes, load, load_i64, splat, store, sum_lanes, Args, CpuError,
+    CpuModule, VECTOR,
+};
+use crate::attention::{AttentionConfig, KeyRule};
+
+/// The function's name for `cfg`.
+pub fn name(cfg: &AttentionConfig) -> String {
+    let keys = match cfg.keys {
+        KeyRule::All => "all".to_string(),
+        KeyRule::Causal { window } => format!("causal{}", window.map_or(0, |w| w)),
+        KeyRule::Position { window } => format!("position{}", window.map_or(0, |w| w)),
+    };
+    let strides: Vec<String> = cfg
+        .strides
+        .iter()
+        .map(|s| format!("{}x{}x{}", s[0], s[1], s[2]))
+        .collect();
+    format!(
+        "cpu_attention_f32_h{}kv{}_d{}_s{}_t{}_{keys}{}{}{}_{}",
+        cfg.heads,
+        cfg.kv_heads,
+        cfg.head_dim,
+        cfg.q_len,
+        cfg.kv_len,
+        if cfg.padding { "_padded" } else { "" },
+        if cfg.rope { "_rope" } else { "" },
+        if cfg.rope_k { "k" } else { "" },
+        strides.join("_")
+    )
+}
+
+/// Generates the attention of `cfg` (f32) into `module`; returns its name.
+pub fn attention(module: &mut CpuModule, cfg: &AttentionConfig) -> Result<String, CpuError> {
+    if cfg.dropout.is_some() || cfg.splits != 1 || !cfg.head_dim.is_multiple_of(2) {
+        return Err(CpuError(format!(
+            "{}: the CPU attention takes no dropout, one key range and an even head dimension",
+            name(cfg)
+        )));
+    }
+    let name = name(cfg);
+    let cfg = cfg.clone();
+    module.define(&name, |b, p| body(b, p, &cfg))?;
+    Ok(name)
+}
+
+fn body(b: &mut FunctionBuilder, p: super::module::KernelParams, cfg: &AttentionConfig) {
+    let mut args = Args::new(p);
+    let (q, k, v, out) = (args.next(b), args.next(b), args.next(b), args.next(b));
+    let mask = cfg.padding.then(|| args.next(b));
+    let needs_positions = cfg.rope || matches!(cfg.keys, KeyRule::Position { .. });
+    let positions = needs_positions.then(|| args.next(b));
+    let tables = cfg.rope.then(|| (args.next(b), args.next(b)));
+    let d = cfg.head_dim;
+    let half = d / 2;
+    let [qs, ks, vs, os] = cfg.strides.map(|s| s.map(i64::from));
+    let group = i64::from(cfg.heads / cfg.kv_heads);
+    let (s_len, t_len) = (i64::from(cfg.q_len), i64::from(cfg.kv_len));
+
+    // The rotated, scaled query row and the output accumulator live on the stack.
+    let slot = |b: &mut FunctionBuilder| {
+        let data = StackSlotData::new(StackSlotKind::ExplicitSlot, d * 4, 4);
+        let s = b.create_sized_stack_slot(data);
+        b.ins().stack_addr(I64, s, 0)
+    };
+    let q_buf = slot(b);
+    let acc = slot(b);
+
+    for_range(b, p.begin, p.end, 1, |b, row| {
+        let bh = b.ins().udiv_imm_s(row, s_len);
+        let i = b.ins().urem_imm_s(row, s_len);
+        let batch = b.ins().udiv_imm_s(bh, i64::from(cfg.heads));
+        let h = b.ins().urem_imm_s(bh, i64::from(cfg.heads));
+        let kvh = b.ins().udiv_imm_s(h, group);
+        let base = |b: &mut FunctionBuilder, s: [i64; 3], head: Value, r: Value| {
+            let t0 = b.ins().imul_imm_s(batch, s[0]);
+            let t1 = b.ins().imul_imm_s(head, s[1]);
+            let t2 = b.ins().imul_imm_s(r, s[2]);
+            let t = b.ins().iadd(t0, t1);
+            b.ins().iadd(t, t2)
+        };
+        let q_row = base(b, qs, h, i);
+        let o_row = base(b, os, h, i);
+        let zero = b.ins().iconst(I64, 0);
+        let k_head = base(b, ks, kvh, zero);
+        let v_head = base(b, vs, kvh, zero);
+        let pos_i = positions.map(|pp| {
+            let idx = b.ins().imul_imm_s(batch, s_len);
+            let idx = b.ins().iadd(idx, i);
+            load_i64(b, pp, idx)
+        });
+
+        // q, rotated at its position and scaled.
+        let scale = constant(b, VECTOR, cfg.scale);
+        let scale_1 = constant(b, super::module::SCALAR, cfg.scale);
+        let rotate = |b: &mut FunctionBuilder, src: Value, at: Value, pos: Value, dst: Value| {
+            let (cos, sin) = tables.expect("tables with RoPE");
+            let t0 = b.ins().imul_imm_s(pos, i64::from(half));
+            lanes(b, half, |b, c, ty| {
+                let (rl, rh) = rotated_pair(b, src, at, c, half, (cos, sin, t0), ty);
+                let s = if ty == VECTOR { scale } else { scale_1 };
+                let (rl, rh) = (b.ins().fmul(rl, s), b.ins().fmul(rh, s));
+                let la = f32_addr(b, dst, c);
+                store(b, rl, la);
+                let hc = b.ins().iadd_imm_s(c, i64::from(half));
+                let ha = f32_addr(b, dst, hc);
+                store(b, rh, ha);
+            });
+        };
+        match pos_i.filter(|_| cfg.rope) {
+            Some(pos) => rotate(b, q, q_row, pos, q_buf),
+            None => lanes(b, d, |b, c, ty| {
+                let ix = b.ins().iadd(q_row, c);
+                let a = f32_addr(b, q, ix);
+                let x = load(b, ty, a);
+                let s = if ty == VECTOR { scale } else { scale_1 };
+                let y = b.ins().fmul(x, s);
+                let da = f32_addr(b, q_buf, c);
+                store(b, y, da);
+            }),
+        }
+
+        // The keys this query sees: [start, end).
+        let last = match cfg.keys {
+            KeyRule::All => None,
+            KeyRule::Causal { window } => Some((b.ins().iadd_imm_s(i, t_len - s_len), window)),
+            KeyRule::Position { window } => Some((pos_i.expect("positions"), window)),
+        };
+        let (start, end) = match last {
+            None => (b.ins().iconst(I64, 0), b.ins().iconst(I64, t_len)),
+            Some((last, window)) => {
+                let after = b.ins().iadd_imm_s(last, 1);
+                let cap = b.ins().iconst(I64, t_len);
+                let end = b.ins().umin(after, cap);
+                let start = match window {
+                    None => b.ins().iconst(I64, 0),
+                    Some(w) => {
+                        let w = b.ins().iconst(I64, i64::from(w));
+                        let from = b.ins().isub(after, w);
+                        let zero = b.ins().iconst(I64, 0);
+                        let before = b.ins().icmp(IntCC::UnsignedLessThan, after, w);
+                        b.ins().select(before, zero, from)
+                    }
+                };
+                (start, end)
+            }
+        };
+
+        let m = b.declare_var(super::module::SCALAR);
+        let l = b.declare_var(super::module::SCALAR);
+        let neg_inf = b.ins().f32const(f32::NEG_INFINITY);
+        b.def_var(m, neg_inf);
+        let z = b.ins().f32const(0.0);
+        b.def_var(l, z);
+        lanes(b, d, |b, c, ty| {
+            let z = constant(b, ty, 0.0);
+            let a = f32_addr(b, acc, c);
+            store(b, z, a);
+        });
+        for_range(b, start, end, 1, |b, j| {
+            let visit = |b: &mut FunctionBuilder| {
+                let k_row = b.ins().imul_imm_s(j, ks[2]);
+                let k_row = b.ins().iadd(k_head, k_row);
+                let v_row = b.ins().imul_imm_s(j, vs[2]);
+                let v_row = b.ins().iadd(v_head, v_row);
+                let score = match (cfg.rope && cfg.rope_k, positions) {
+                    (true, Some(pp)) => {
+                        // Keys rotated at their own positions as they are read.
+                        let (cos, sin) = tables.expect("tables with RoPE");
+                        let idx = b.ins().imul_imm_s(batch, t_len);
+                        let idx = b.ins().iadd(idx, j);
+                        let pos_j = load_i64(b, pp, idx);
+                        let t0 = b.ins().imul_imm_s(pos_j, i64::from(half));
+                        sum_lanes(b, half, |b, c, ty| {
+                            let (rl, rh) = rotated_pair(b, k, k_row, c, half, (cos, sin, t0), ty);
+                            let (ql, qh) = load_pair(b, q_buf, zero, c, half, ty);
+                            let t = b.ins().fmul(ql, rl);
+                            b.ins().fma(qh, rh, t)
+                        })
+                    }
+                    _ => sum_lanes(b, d, |b, c, ty| {
+                        let qa = f32_addr(b, q_buf, c);
+                        let qv = load(b, ty, qa);
+                        let ix = b.ins().iadd(k_row, c);
+                        let ka = f32_addr(b, k, ix);
+                        let kv = load(b, ty, ka);
+                        b.ins().fmul(qv, kv)
+                    }),
+                };
+                // Online softmax.
+                let m_old = b.use_var(m);
+                let m_new = b.ins().fmax(m_old, score);
+                let dm = b.ins().fsub(m_old, m_new);
+                let corr = exp(b, super::module::SCALAR, dm);
+                let ds = b.ins().fsub(score, m_new);
+                let weight = exp(b, super::module::SCALAR, ds);
+                let l_old = b.use_var(l);
+                let l_new = b.ins().fma(l_old, corr, weight);
+                b.def_var(l, l_new);
+                b.def_var(m, m_new);
+                let corr_x4 = splat(b, corr);
+                let weight_x4 = splat(b, weight);
+                lanes(b, d, |b, c, ty| {
+                    let (cr, wt) = if ty == VECTOR {
+                        (corr_x4, weight_x4)
+                    } else {
+                        (corr, weight)
+                    };
+                    let aa = f32_addr(b, acc, c);
+                    let av = load(b, ty, aa);
+                    let ix = b.ins().iadd(v_row, c);
+                    let va = f32_addr(b, v, ix);
+                    let vv = load(b, ty, va);
+                    let scaled = b.ins().fmul(av, cr);
+                    let y = b.ins().fma(wt, vv, scaled);
+                    store(b, y, aa);
+                });
+            };
+            match mask {
+                Some(mk) => {
+                    let idx = b.ins().imul_imm_s(batch, t_len);
+                    let idx = b.ins().iadd(idx, j);
+                    let present = load_i64(b, mk, idx);
+                    let present = b.ins().icmp_imm_s(IntCC::NotEqual, present, 0);
+                    if_then(b, present, visit);
+                }
+                None => visit(b),
+            }
+        });
+
+        // Normalise once (a row that saw no key stores zeros).
+        let l_total = b.use_var(l);
+        let zero_f = b.ins().f32const(0.0);
+        let one = b.ins().f32const(1.0);
+        let none = b.ins().fcmp(FloatCC::Equal, l_total, zero_f);
+        let safe = b.ins().select(none, one, l_total);
+        let inv = b.ins().fdiv(one, safe);
+        let inv = b.ins().select(none, zero_f, inv);
+        let inv_x4 = splat(b, inv);
+        lanes(b, d, |b, c, ty| {
+            let s = if ty == VECTOR { inv_x4 } else { inv };
+            let aa = f32_addr(b, acc, c);
+            let av = load(b, ty, aa);
+            let y = b.ins().fmul(av, s);
+            let ix = b.ins().iadd(o_row, c);
+            let oa = f32_addr(b, out, ix);
+            store(b, y, oa);
+        });
+    });
+}
+
+/// Elements `c` and `c + half` of the row at `row` of `base` (`ty` lanes each).
+fn load_pair(
+    b: &mut FunctionBuilder,
+    base: Value,
+    row: Value,
+    c: Value,
+    half: u32,
+    ty: Type,
+) -> (Value, Value) {
+    let li = b.ins().iadd(row, c);
+    let hi = b.ins().iadd_imm_s(li, i64::from(half));
+    let la = f32_addr(b, base, li);
+    let ha = f32_addr(b, base, hi);
+    (load(b, ty, la), load(b, ty, ha))
+}
+
+/// Elements `c` and `c + half` of the row at `row` of `base`, rotated by the RoPE tables
+/// `(cos, sin)` at table row start `t0` (rotate-half pairing).
+fn rotated_pair(
+    b: &mut FunctionBuilder,
+    base: Value,
+    row: Value,
+    c: Value,
+    half: u32,
+    (cos, sin, t0): (Value, Value, Value),
+    ty: Type,
+) -> (Value, Value) {
+    let (lo, hi) = load_pair(b, base, row, c, half, ty);
+    let ti = b.ins().iadd(t0, c);
+    let ca = f32_addr(b, cos, ti);
+    let sa = f32_addr(b, sin, ti);
+    let (cv, sv) = (load(b, ty, ca), load(b, ty, sa));
+    rotated(b, lo, hi, cv, sv)
+}
