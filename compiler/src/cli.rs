@@ -639,6 +639,7 @@ fn write_artifact(
         let entries = write("prefill", &compiled.prefill)?;
         let decode_entries = write("decode", &compiled.decode)?;
         let cubin = write_kernels(&tmp, &art.kernels)?;
+        let cpu_library = write_cpu_kernels(&tmp, art)?;
         let weights = if with_weights {
             write_weights(&tmp, model, art)?;
             Some(WEIGHTS.to_string())
@@ -690,6 +691,7 @@ fn write_artifact(
             kernels_ptx: KERNELS_PTX.to_string(),
             targets: if cubin.is_some() { vec![90] } else { vec![] },
             kernels_cubin: cubin,
+            kernels_cpu: cpu_library,
             seq_buckets: plan.seq_lens.clone(),
             batch_buckets: plan.batch_sizes.clone(),
             max_context: compiled.decode.first().and_then(|b| b.context),
@@ -703,6 +705,7 @@ fn write_artifact(
         // Every file, the manifest included, gets a checksum.
         let mut files: Vec<String> = vec![artifact::MANIFEST.to_string(), KERNELS_PTX.to_string()];
         files.extend(manifest.kernels_cubin.iter().cloned());
+        files.extend(manifest.kernels_cpu.iter().cloned());
         files.extend(manifest.weights.iter().cloned());
         files.extend(manifest.tokenizer.iter().cloned());
         files.extend(
@@ -813,6 +816,31 @@ fn write_kernels(dir: &Path, kernels: &crate::lower::Lowered) -> Result<Option<S
         return Ok(Some(KERNELS_CUBIN.to_string()));
     }
     Ok(None)
+}
+
+/// Generates every CPU kernel the plans call (Cranelift, ahead of time) and links them into the
+/// CPU library; returns its name, or `None` when no plan runs on the CPU.
+fn write_cpu_kernels(dir: &Path, plan: &ArtifactPlan) -> Result<Option<String>> {
+    use crate::lower::CpuKernel;
+    use kiln_kernels::cpu::{self, CpuModule};
+    if plan.cpu_kernels.is_empty() {
+        return Ok(None);
+    }
+    let mut module = CpuModule::new()?;
+    for (symbol, kernel) in &plan.cpu_kernels {
+        let made = match kernel {
+            CpuKernel::Norm(c) => cpu::norm::norm(&mut module, c)?,
+            CpuKernel::Activation(a) => cpu::elementwise::activation_kernel(&mut module, *a)?,
+            CpuKernel::Embedding(c) => cpu::embedding::embedding(&mut module, c)?,
+            CpuKernel::KvWrite(c) => cpu::kv_cache::kv_write(&mut module, c)?,
+            CpuKernel::Attention(c) => cpu::attention::attention(&mut module, c)?,
+            CpuKernel::Gemm(c) => cpu::epilogue::epilogue(&mut module, c)?,
+        };
+        debug_assert_eq!(&made, symbol);
+    }
+    let name = artifact::cpu_library_name();
+    cpu::link_shared(&module.finish()?, &dir.join(&name))?;
+    Ok(Some(name))
 }
 
 /// `$KILN_PTXAS`, else a `ptxas` on PATH.

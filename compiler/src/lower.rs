@@ -72,6 +72,35 @@ pub struct KernelLaunch {
     pub launch: kiln_kernels::Launch,
 }
 
+/// The CPU version of a launch: the generated kernel (or the library product) it calls.
+#[derive(Clone, Debug, PartialEq)]
+pub enum CpuKernel {
+    /// `kiln_kernels::cpu::norm`.
+    Norm(NormConfig),
+    /// `kiln_kernels::cpu::elementwise`.
+    Activation(kiln_ir::kernel::Activation),
+    /// `kiln_kernels::cpu::embedding`.
+    Embedding(EmbeddingConfig),
+    /// `kiln_kernels::cpu::kv_cache`.
+    KvWrite(KvWriteConfig),
+    /// `kiln_kernels::cpu::attention` (one key range).
+    Attention(AttentionConfig),
+    /// A library product followed by `kiln_kernels::cpu::epilogue` when it has one.
+    Gemm(GemmConfig),
+}
+
+/// One CPU call of a node: the kernel, its arguments in parameter order, and the extent of its
+/// parallel axis (rows, elements, tokens or query rows).
+#[derive(Clone, Debug)]
+pub struct CpuLaunch {
+    /// What it calls.
+    pub kernel: CpuKernel,
+    /// Its arguments, in parameter order.
+    pub args: Vec<Operand>,
+    /// `begin..end` ranges cover `0..extent`.
+    pub extent: u64,
+}
+
 /// How one node runs: its launches in order, and the bytes of each scratch buffer they share.
 #[derive(Clone, Debug, Default)]
 pub struct NodeLaunches {
@@ -79,6 +108,27 @@ pub struct NodeLaunches {
     pub launches: Vec<KernelLaunch>,
     /// Scratch buffer sizes, bytes.
     pub scratch: Vec<u64>,
+    /// The CPU calls, in order; `None` when some part of the node has no CPU version (f16/bf16,
+    /// dropout).
+    pub cpu: Option<Vec<CpuLaunch>>,
+}
+
+impl NodeLaunches {
+    /// Adds a CPU call with the operands `bind` gives the parameters `params`, in that order.
+    fn cpu(&mut self, kernel: CpuKernel, bind: &[(&str, Operand)], params: &[&str], extent: u64) {
+        let args: Option<Vec<Operand>> = params
+            .iter()
+            .map(|p| bind.iter().find(|(n, _)| n == p).map(|(_, o)| o.clone()))
+            .collect();
+        match (self.cpu.as_mut(), args) {
+            (Some(calls), Some(args)) => calls.push(CpuLaunch {
+                kernel,
+                args,
+                extent,
+            }),
+            _ => self.cpu = None,
+        }
+    }
 }
 
 /// The kernels of one or more graphs, deduplicated by entry name.
@@ -214,7 +264,10 @@ pub fn lower(g: &Graph, kernels: &mut Lowered) -> GraphLaunches {
         if weight_only[id.index()] || node.op.is_leaf() || is_view(&node.op) || rope_in_write(id) {
             continue;
         }
-        let mut launches = NodeLaunches::default();
+        let mut launches = NodeLaunches {
+            cpu: Some(Vec::new()),
+            ..NodeLaunches::default()
+        };
         if lower_node(g, id, kernels, &mut launches).is_some() {
             out.nodes.push((id, launches));
         } else {
@@ -229,6 +282,10 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
     use Operand::Value;
     let node = g.node(id);
     let elem = Elem::of(node.ty.dtype)?;
+    if elem != Elem::F32 {
+        // The CPU kernels are f32.
+        n.cpu = None;
+    }
     let arg = |i: usize| g.ty(node.args[i]);
     let a = |i: usize| Value(node.args[i]);
     let this = Value(id);
@@ -239,12 +296,13 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
                 .map(|i| dims(arg(2 * i)).map(|d| d[0]))
                 .collect::<Option<Vec<u32>>>()?;
             let tokens = numel(arg(1))?;
-            let kernel = embedding(&EmbeddingConfig {
+            let cfg = EmbeddingConfig {
                 table_rows,
                 hidden,
                 tokens,
                 elem,
-            });
+            };
+            let kernel = embedding(&cfg);
             let names: Vec<(String, String)> = (0..spec.tables)
                 .map(|i| (format!("table_{i}"), format!("ids_{i}")))
                 .collect();
@@ -253,20 +311,23 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
                 bind.push((t, a(2 * i)));
                 bind.push((ids, a(2 * i + 1)));
             }
-            out.launch(n, kernel, &bind)?;
+            let params: Vec<&str> = kernel.signature.iter().map(|(p, _)| p.as_str()).collect();
+            n.cpu(CpuKernel::Embedding(cfg), &bind, &params, u64::from(tokens));
+            out.launch(n, kernel.clone(), &bind)?;
         }
         Op::Norm(spec) => {
             let cols = *dims(&node.ty)?.last()?;
             let rows = numel(&node.ty)? / cols;
             let eps = spec.eps as f32;
-            let kernel = norm(&NormConfig {
+            let cfg = NormConfig {
                 kind: spec.kind,
                 residual: spec.residual,
                 elem,
                 rows,
                 cols,
                 eps,
-            });
+            };
+            let kernel = norm(&cfg);
             // Operands: x, [residual], weight, [bias].
             let mut rest = 1;
             let mut bind = vec![("x", a(0)), ("out", this)];
@@ -278,7 +339,9 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
             if rest + 1 < node.args.len() {
                 bind.push(("bias", a(rest + 1)));
             }
-            out.launch(n, kernel, &bind)?;
+            let params: Vec<&str> = kernel.signature.iter().map(|(p, _)| p.as_str()).collect();
+            n.cpu(CpuKernel::Norm(cfg), &bind, &params, u64::from(rows));
+            out.launch(n, kernel.clone(), &bind)?;
         }
         Op::Gemm(spec) => {
             let x = dims(arg(0))?;
@@ -317,10 +380,13 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
                 if let Some(b) = norm_bias {
                     bind.push(("bias", b));
                 }
-                out.launch(n, norm(&cfg), &bind)?;
+                let kernel = norm(&cfg);
+                let params: Vec<&str> = kernel.signature.iter().map(|(p, _)| p.as_str()).collect();
+                n.cpu(CpuKernel::Norm(cfg), &bind, &params, u64::from(m));
+                out.launch(n, kernel.clone(), &bind)?;
                 x_operand = Operand::Scratch(0);
             }
-            let kernel = gemm(&GemmConfig {
+            let cfg = GemmConfig {
                 m,
                 k,
                 n: cols,
@@ -330,7 +396,8 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
                 swiglu: spec.swiglu,
                 residual: spec.residual,
                 elem,
-            });
+            };
+            let kernel = gemm(&cfg);
             let mut bind = vec![("x", x_operand), ("w", a(1)), ("out", this)];
             if let Some(b) = bias {
                 bind.push(("bias", b));
@@ -338,10 +405,12 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
             if let Some(r) = residual {
                 bind.push(("residual", r));
             }
-            out.launch(n, kernel, &bind)?;
+            let params: Vec<&str> = kernel.signature.iter().map(|(p, _)| p.as_str()).collect();
+            n.cpu(CpuKernel::Gemm(cfg), &bind, &params, u64::from(m));
+            out.launch(n, kernel.clone(), &bind)?;
         }
         Op::Attention(spec) => {
-            let kernel = lower_attention(g, id, spec, elem)?;
+            let (cfg, kernel) = lower_attention(g, id, spec, elem)?;
             // Operands: q, k, v, [attention_mask], [positions], [seed].
             let mut rest = 3;
             let mut bind = vec![("q", a(0)), ("k", a(1)), ("v", a(2)), ("out", this)];
@@ -357,8 +426,12 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
             }
             if spec.dropout.is_some() {
                 bind.push(("seed", a(rest)));
+                n.cpu = None;
             }
-            out.launch(n, kernel, &bind)?;
+            let params: Vec<&str> = kernel.signature.iter().map(|(p, _)| p.as_str()).collect();
+            let rows = u64::from(cfg.batch * cfg.heads * cfg.q_len);
+            n.cpu(CpuKernel::Attention(cfg), &bind, &params, rows);
+            out.launch(n, kernel.clone(), &bind)?;
         }
         Op::DecodeAttention(spec) => {
             let (cfg, combine) = lower_decode(g, id, spec, elem)?;
@@ -367,6 +440,17 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
             if let Some((theta, scaling)) = &spec.rope {
                 bind.extend(rope_tables(rope_table(*theta, scaling, arg(0))?));
             }
+            // On the CPU one call covers every key (no partials to combine).
+            let mut one = cfg.clone();
+            one.splits = 1;
+            let mut cpu_bind = bind.clone();
+            cpu_bind.push(("out", this.clone()));
+            let mut params = vec!["q", "k", "v", "out", "positions"];
+            if cfg.rope {
+                params.extend(["cos", "sin"]);
+            }
+            let rows = u64::from(cfg.batch * cfg.heads * cfg.q_len);
+            n.cpu(CpuKernel::Attention(one), &cpu_bind, &params, rows);
             if combine {
                 let rows = u64::from(cfg.batch * cfg.heads * cfg.q_len * cfg.splits);
                 n.scratch.push(rows * u64::from(cfg.head_dim) * 4);
@@ -389,6 +473,12 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
             let count = numel(&node.ty)?;
             let kernel = activation_kernel(*act, elem, count);
             let bind = [("x", a(0)), ("out", this), ("n", Operand::U32(count))];
+            n.cpu(
+                CpuKernel::Activation(*act),
+                &bind,
+                &["x", "out", "n"],
+                u64::from(count),
+            );
             out.launch(n, kernel, &bind)?;
         }
         Op::CacheWrite => {
@@ -404,7 +494,7 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
                 _ => (new_id, None),
             };
             let (new_strides, _) = head_strides(g, values)?;
-            let kernel = kv_write(&KvWriteConfig {
+            let cfg = KvWriteConfig {
                 batch: cache[0],
                 kv_heads: cache[1],
                 new_len: dims(arg(1))?[2],
@@ -413,7 +503,8 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
                 new_strides,
                 rope: rope.is_some(),
                 elem,
-            });
+            };
+            let kernel = kv_write(&cfg);
             let mut bind = vec![
                 ("cache", a(0)),
                 ("new", Value(values)),
@@ -423,7 +514,10 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
             if let Some(table) = rope {
                 bind.extend(rope_tables(table));
             }
-            out.launch(n, kernel, &bind)?;
+            let params: Vec<&str> = kernel.signature.iter().map(|(p, _)| p.as_str()).collect();
+            let tokens = u64::from(cfg.batch * cfg.new_len);
+            n.cpu(CpuKernel::KvWrite(cfg), &bind, &params, tokens);
+            out.launch(n, kernel.clone(), &bind)?;
         }
         _ => return None,
     }
@@ -499,7 +593,7 @@ fn lower_attention(
     id: NodeId,
     spec: &AttentionSpec,
     elem: Elem,
-) -> Option<GeneratedKernel> {
+) -> Option<(AttentionConfig, GeneratedKernel)> {
     let (mut cfg, offsets) = base_config(g, id, spec.scale, elem)?;
     if spec.causal {
         cfg.keys = KeyRule::Causal {
@@ -512,11 +606,12 @@ fn lower_attention(
     cfg.dropout = spec.dropout.map(|(p, s)| (p as f32, s));
     // The element offsets are applied to the pointers at launch; the tensor-core kernel's 16-byte
     // copies need them to be multiples of 8 elements.
-    if offsets.iter().all(|o| o % 8 == 0) {
-        Some(attention(&cfg))
+    let kernel = if offsets.iter().all(|o| o % 8 == 0) {
+        attention(&cfg)
     } else {
-        Some(attention_simt(&cfg))
-    }
+        attention_simt(&cfg)
+    };
+    Some((cfg, kernel))
 }
 
 fn lower_decode(

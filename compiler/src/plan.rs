@@ -17,14 +17,15 @@
 use std::collections::BTreeMap;
 
 use kiln_ir::artifact::{
-    align, Arg, ExecPlan, KernelEntry, MemoryPlan, Region, Step, TensorSlot, ALIGN,
+    align, Arg, CpuCall, CpuStep, ExecPlan, KernelEntry, MemoryPlan, Region, Step, TensorSlot,
+    ALIGN,
 };
 use kiln_ir::io::aligned_layout;
 use kiln_ir::{DType, Graph, NodeId, Op, Tensor};
 
 use crate::fold::{fold_weights, Folded};
 use crate::fusion::cost::is_view;
-use crate::lower::{lower, Lowered, Operand, RopeTable};
+use crate::lower::{lower, CpuKernel, CpuLaunch, Lowered, Operand, RopeTable};
 
 /// Why an artifact cannot be planned.
 #[derive(Debug, thiserror::Error)]
@@ -59,6 +60,8 @@ pub struct ArtifactPlan {
     pub folded: BTreeMap<String, Graph>,
     /// RoPE table name -> its contents (`[positions, head_dim / 2]`, f32).
     pub tables: BTreeMap<String, Tensor>,
+    /// The CPU kernels the CPU plans call, by symbol.
+    pub cpu_kernels: BTreeMap<String, CpuKernel>,
 }
 
 impl ArtifactPlan {
@@ -175,10 +178,11 @@ pub fn plan_artifact(graphs: &[&Graph]) -> Result<ArtifactPlan, PlanError> {
         arena_bytes: 0,
     };
     let mut buckets = Vec::new();
+    let mut cpu_kernels = BTreeMap::new();
     for (graph, launches) in lowered {
         let tail = host_tail(&graph, &launches)?;
         let plan = if launches.unsupported.is_empty() || tail.is_some() {
-            let plan = plan_bucket(&graph, &launches, &memory, &kernels, tail)?;
+            let plan = plan_bucket(&graph, &launches, &memory, &kernels, tail, &mut cpu_kernels)?;
             memory.arena_bytes = memory.arena_bytes.max(plan.arena_bytes);
             Some(plan)
         } else {
@@ -197,6 +201,7 @@ pub fn plan_artifact(graphs: &[&Graph]) -> Result<ArtifactPlan, PlanError> {
         memory,
         folded,
         tables,
+        cpu_kernels,
     })
 }
 
@@ -351,6 +356,7 @@ fn plan_bucket(
     memory: &MemoryPlan,
     kernels: &Lowered,
     tail: Option<HostTail>,
+    cpu_kernels: &mut BTreeMap<String, CpuKernel>,
 ) -> Result<ExecPlan, PlanError> {
     let weight_at: BTreeMap<&str, u64> = memory
         .weights
@@ -459,27 +465,49 @@ fn plan_bucket(
             Home::Buffer(b) => Arg::Ptr(Region::Arena, offsets[b] + offset),
         })
     };
+    let operand = |id: NodeId, op: &Operand| -> Result<Arg, PlanError> {
+        Ok(match op {
+            Operand::Value(v) => address(*v)?,
+            Operand::Scratch(i) => Arg::Ptr(Region::Arena, offsets[scratch_of[&id][*i]]),
+            Operand::Rope { table, sin } => {
+                let name = table_name(table, *sin);
+                Arg::Ptr(Region::Weights, weight_at[name.as_str()])
+            }
+            Operand::U32(v) => Arg::U32(*v),
+        })
+    };
     let mut steps = Vec::new();
     for (id, node) in &launches.nodes {
         for launch in &node.launches {
             let args = launch
                 .args
                 .iter()
-                .map(|(_, op)| match op {
-                    Operand::Value(v) => address(*v),
-                    Operand::Scratch(i) => Ok(Arg::Ptr(Region::Arena, offsets[scratch_of[id][*i]])),
-                    Operand::Rope { table, sin } => {
-                        let name = table_name(table, *sin);
-                        Ok(Arg::Ptr(Region::Weights, weight_at[name.as_str()]))
-                    }
-                    Operand::U32(v) => Ok(Arg::U32(*v)),
-                })
+                .map(|(_, op)| operand(*id, op))
                 .collect::<Result<Vec<_>, _>>()?;
             debug_assert_eq!(args.len(), kernels.kernels[&launch.kernel].signature.len());
             steps.push(Step {
                 kernel: launch.kernel.clone(),
                 args,
                 launch: launch.launch,
+                node: format!("{}_{}", g.node(*id).op.name(), id.0),
+            });
+        }
+    }
+    let mut cpu = Some(Vec::new());
+    for (id, node) in &launches.nodes {
+        let (Some(calls), Some(steps)) = (&node.cpu, cpu.as_mut()) else {
+            cpu = None;
+            break;
+        };
+        for call in calls {
+            let args = call
+                .args
+                .iter()
+                .map(|op| operand(*id, op))
+                .collect::<Result<Vec<_>, _>>()?;
+            steps.push(CpuStep {
+                call: cpu_call(call, cpu_kernels),
+                args,
                 node: format!("{}_{}", g.node(*id).op.name(), id.0),
             });
         }
@@ -539,5 +567,39 @@ fn plan_bucket(
         cache_outputs,
         steps,
         host_tail: tail.map(|t| t.graph),
+        cpu,
     })
+}
+
+/// The CPU call of `launch`, registering the generated functions it needs in `kernels`.
+fn cpu_call(launch: &CpuLaunch, kernels: &mut BTreeMap<String, CpuKernel>) -> CpuCall {
+    use kiln_kernels::cpu;
+    let symbol = match &launch.kernel {
+        CpuKernel::Norm(c) => cpu::norm::name(c),
+        CpuKernel::Activation(a) => cpu::elementwise::name(*a),
+        CpuKernel::Embedding(c) => cpu::embedding::name(c),
+        CpuKernel::KvWrite(c) => cpu::kv_cache::name(c),
+        CpuKernel::Attention(c) => cpu::attention::name(c),
+        CpuKernel::Gemm(c) => {
+            let epilogue = cpu::epilogue::needed(c).then(|| {
+                let name = cpu::epilogue::name(c);
+                kernels.insert(name.clone(), launch.kernel.clone());
+                name
+            });
+            return CpuCall::Gemm {
+                m: u64::from(c.m),
+                n: u64::from(c.n),
+                k: u64::from(c.k),
+                transpose_b: c.transpose_b,
+                bias: c.bias,
+                residual: c.residual,
+                epilogue,
+            };
+        }
+    };
+    kernels.insert(symbol.clone(), launch.kernel.clone());
+    CpuCall::Kernel {
+        symbol,
+        extent: launch.extent,
+    }
 }

@@ -56,6 +56,8 @@ pub struct Manifest {
     pub kernels_ptx: String,
     /// The sm_90 cubin assembled from it, when ptxas was found.
     pub kernels_cubin: Option<String>,
+    /// The CPU kernels (a shared library for this architecture), when the build has CPU plans.
+    pub kernels_cpu: Option<String>,
     /// Sequence buckets, ascending.
     pub seq_buckets: Vec<usize>,
     /// Batch buckets, ascending.
@@ -105,6 +107,17 @@ impl MemoryPlan {
     pub fn total_bytes(&self) -> u64 {
         self.base(Region::Arena) + align(self.arena_bytes)
     }
+}
+
+/// The CPU library's file name for this machine's architecture and OS
+/// (`kernels.cpu.x86_64-linux.so`): an artifact's CPU library runs where its name matches.
+pub fn cpu_library_name() -> String {
+    format!(
+        "kernels.cpu.{}-{}.{}",
+        std::env::consts::ARCH,
+        std::env::consts::OS,
+        std::env::consts::DLL_EXTENSION
+    )
 }
 
 /// `n` rounded up to [`ALIGN`].
@@ -222,6 +235,52 @@ pub struct ExecPlan {
     /// the host after the replay: a graph whose inputs are request inputs and GPU values
     /// (`kiln.value.N`, among `outputs`), and whose outputs are the remaining graph outputs.
     pub host_tail: Option<crate::Graph>,
+    /// The same plan for the CPU executor, over the same memory plan: `None` when some node has
+    /// no CPU version (f16/bf16 builds, dropout).
+    pub cpu: Option<Vec<CpuStep>>,
+}
+
+/// One call of the CPU executor.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CpuStep {
+    /// What it calls.
+    pub call: CpuCall,
+    /// One argument per parameter, in order (as the GPU kernel's).
+    pub args: Vec<Arg>,
+    /// The graph node it computes (`{op}_{node}`).
+    pub node: String,
+}
+
+/// What a CPU step calls.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum CpuCall {
+    /// The generated function `symbol` of the CPU library over the items `0..extent` of its
+    /// parallel axis (split across threads by the executor).
+    Kernel {
+        /// Exported name.
+        symbol: String,
+        /// Items of the parallel axis.
+        extent: u64,
+    },
+    /// `y = x w^T` (`w` stored `[n, k]`, or `[k, n]` without `transpose_b`) by the runtime's GEMM
+    /// library, then the generated `epilogue` over its rows when there is one (arguments `x, w,
+    /// [bias], [residual], out`; the product goes straight to `out` without an epilogue).
+    Gemm {
+        /// Rows.
+        m: u64,
+        /// Product columns (before SwiGLU halves them).
+        n: u64,
+        /// Contraction.
+        k: u64,
+        /// `w` is `[n, k]`.
+        transpose_b: bool,
+        /// Whether `bias` and `residual` arguments follow `w`.
+        bias: bool,
+        /// See `bias`.
+        residual: bool,
+        /// The epilogue's symbol.
+        epilogue: Option<String>,
+    },
 }
 
 /// The model facts inputs are validated and outputs shaped by.

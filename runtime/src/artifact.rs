@@ -112,6 +112,25 @@ impl Artifact {
         })
     }
 
+    /// The weights region a native executor uses as it is: the weights file's data section,
+    /// checked against the memory plan.
+    pub fn weights_region(&self) -> Result<&[u8], RuntimeError> {
+        let weights = self.weights.as_ref().ok_or_else(|| {
+            RuntimeError::Request("the artifact was compiled with --no-weights".into())
+        })?;
+        let file = self
+            .manifest
+            .weights
+            .as_deref()
+            .unwrap_or("weights.safetensors");
+        weights
+            .region(&self.manifest.memory)
+            .map_err(|message| RuntimeError::Artifact {
+                file: self.dir.join(file).display().to_string(),
+                message,
+            })
+    }
+
     /// The sequence length of the largest prefill bucket (0 when there is none).
     pub fn longest_prefill(&self) -> usize {
         self.manifest

@@ -147,7 +147,7 @@ pub fn bench(
                     c.replay(&bucket.graph, &inputs)?;
                 }
             }
-            Executor::Interpreter => {
+            Executor::Interpreter | Executor::Cpu(_) => {
                 forward(art, exec, &batch)?;
             }
         }
@@ -180,7 +180,7 @@ pub fn bench(
     let overall = Latency::of(latencies.values().flatten().copied().collect());
     let (counters, load_seconds) = match exec {
         Executor::Cuda(c) => (Some(c.counters()), Some(c.load_seconds)),
-        Executor::Interpreter => (None, None),
+        Executor::Interpreter | Executor::Cpu(_) => (None, None),
     };
     Ok(BenchReport {
         device: exec.describe(),
@@ -206,7 +206,7 @@ pub fn bench(
 fn gpu_used(exec: &Executor) -> Result<Option<u64>, RuntimeError> {
     match exec {
         Executor::Cuda(c) => c.device_memory_used().map(Some),
-        Executor::Interpreter => Ok(None),
+        Executor::Interpreter | Executor::Cpu(_) => Ok(None),
     }
 }
 

@@ -225,16 +225,7 @@ impl CudaExecutor {
     pub fn load(art: &Artifact) -> Result<CudaExecutor, RuntimeError> {
         let start = Instant::now();
         let m = &art.manifest;
-        let weights = art.weights.as_ref().ok_or_else(|| {
-            RuntimeError::Request("the artifact was compiled with --no-weights".into())
-        })?;
-        let weights_file = m.weights.as_deref().unwrap_or("weights.safetensors");
-        let region = weights
-            .region(&m.memory)
-            .map_err(|message| RuntimeError::Artifact {
-                file: art.dir.join(weights_file).display().to_string(),
-                message,
-            })?;
+        let region = art.weights_region()?;
         let table: BTreeMap<&str, &KernelEntry> = m
             .kernel_table
             .iter()
@@ -603,7 +594,7 @@ enum ArgValue {
 }
 
 /// A host tensor's bytes in `dtype` (little endian), as the device reads them.
-fn encode(t: &Tensor, dtype: DType) -> Vec<u8> {
+pub(crate) fn encode(t: &Tensor, dtype: DType) -> Vec<u8> {
     match (&t.data, dtype) {
         (Data::Int(v), DType::I64) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
         (Data::Int(v), DType::I32) => v.iter().flat_map(|x| (*x as i32).to_le_bytes()).collect(),
@@ -621,7 +612,7 @@ fn encode(t: &Tensor, dtype: DType) -> Vec<u8> {
 }
 
 /// Device bytes of `dtype` as a host tensor.
-fn decode(bytes: &[u8], dtype: DType, shape: Vec<usize>) -> Tensor {
+pub(crate) fn decode(bytes: &[u8], dtype: DType, shape: Vec<usize>) -> Tensor {
     match dtype {
         DType::BF16 => Tensor::float(
             dtype,

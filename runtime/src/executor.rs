@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use kiln_ir::artifact::BucketEntry;
 use kiln_ir::Tensor;
 
+use crate::cpu::CpuExecutor;
 use crate::cuda::CudaExecutor;
 use crate::{Artifact, RuntimeError};
 
@@ -18,7 +19,7 @@ const HOST_VALUE: &str = "kiln.value.";
 pub enum Device {
     /// CUDA when a GPU is present, the CPU otherwise.
     Auto,
-    /// The CPU (the reference interpreter until the CPU backend lands).
+    /// The CPU: the generated kernels when the artifact has them, else the interpreter.
     Cpu,
     /// The GPU.
     Cuda,
@@ -30,6 +31,9 @@ pub enum Executor {
     Interpreter,
     /// The CUDA executor.
     Cuda(Box<CudaExecutor>),
+    /// The CPU executor (generated kernels and a GEMM library); buckets without a CPU plan run
+    /// through the interpreter.
+    Cpu(Box<CpuExecutor>),
 }
 
 impl Executor {
@@ -41,9 +45,14 @@ impl Executor {
             Device::Auto => crate::cuda::probe().is_ok(),
         };
         if cuda {
-            Ok(Executor::Cuda(Box::new(CudaExecutor::load(art)?)))
-        } else {
-            Ok(Executor::Interpreter)
+            return Ok(Executor::Cuda(Box::new(CudaExecutor::load(art)?)));
+        }
+        // The CPU: the generated kernels when the artifact has them for this machine (an f16/bf16
+        // build has none), the interpreter otherwise.
+        match CpuExecutor::load(art) {
+            Ok(cpu) => Ok(Executor::Cpu(Box::new(cpu))),
+            Err(RuntimeError::Device(_)) => Ok(Executor::Interpreter),
+            Err(e) => Err(e),
         }
     }
 
@@ -51,13 +60,14 @@ impl Executor {
     pub fn describe(&self) -> String {
         match self {
             Executor::Interpreter => "cpu (reference interpreter)".into(),
+            Executor::Cpu(_) => "cpu (generated kernels)".into(),
             Executor::Cuda(c) => format!("cuda: {}", c.device),
         }
     }
 
     /// Whether the KV cache lives in the executor (so callers neither pass nor receive it).
     pub fn keeps_cache(&self) -> bool {
-        matches!(self, Executor::Cuda(_))
+        matches!(self, Executor::Cuda(_) | Executor::Cpu(_))
     }
 
     /// Runs `entry`'s graph on `inputs` (by input name).
@@ -67,14 +77,17 @@ impl Executor {
         entry: &BucketEntry,
         inputs: &BTreeMap<String, Tensor>,
     ) -> Result<BTreeMap<String, Tensor>, RuntimeError> {
-        match self {
-            Executor::Interpreter => {
-                let weights = art.weights.as_ref().ok_or_else(|| {
-                    RuntimeError::Request("the artifact was compiled with --no-weights".into())
-                })?;
-                kiln_ir::evaluate(&art.graphs[&entry.graph], inputs, weights)
-                    .map_err(|e| RuntimeError::Request(format!("evaluation failed: {e}")))
-            }
+        let interpret = |inputs: &BTreeMap<String, Tensor>| {
+            let weights = art.weights.as_ref().ok_or_else(|| {
+                RuntimeError::Request("the artifact was compiled with --no-weights".into())
+            })?;
+            kiln_ir::evaluate(&art.graphs[&entry.graph], inputs, weights)
+                .map_err(|e| RuntimeError::Request(format!("evaluation failed: {e}")))
+        };
+        let outputs = match self {
+            Executor::Interpreter => return interpret(inputs),
+            Executor::Cpu(c) if !c.has(&entry.graph) => return interpret(inputs),
+            Executor::Cpu(c) => c.run(entry, inputs)?,
             Executor::Cuda(c) => {
                 if !c.has(&entry.graph) {
                     return Err(RuntimeError::Device(format!(
@@ -83,42 +96,53 @@ impl Executor {
                         entry.no_gpu.join(", ")
                     )));
                 }
-                let mut outputs = c.run(&entry.graph, inputs)?;
-                if let Some(tail) = entry.plan.as_ref().and_then(|p| p.host_tail.as_ref()) {
-                    // The ops without a GPU kernel, on the host, from the values the GPU computed.
-                    let weights = art.weights.as_ref().ok_or_else(|| {
-                        RuntimeError::Request("the artifact was compiled with --no-weights".into())
-                    })?;
-                    let mut tail_inputs = BTreeMap::new();
-                    for (_, name, _) in tail.inputs() {
-                        let t =
-                            outputs
-                                .get(name)
-                                .or_else(|| inputs.get(name))
-                                .ok_or_else(|| RuntimeError::Artifact {
-                                    file: entry.graph.clone(),
-                                    message: format!(
-                                        "the host tail reads `{name}`, which nothing provides"
-                                    ),
-                                })?;
-                        tail_inputs.insert(name.to_string(), t.clone());
-                    }
-                    let host = kiln_ir::evaluate(tail, &tail_inputs, weights).map_err(|e| {
-                        RuntimeError::Request(format!("host tail evaluation failed: {e}"))
-                    })?;
-                    outputs.retain(|name, _| !name.starts_with(HOST_VALUE));
-                    outputs.extend(host);
-                }
-                Ok(outputs)
+                c.run(&entry.graph, inputs)?
             }
-        }
+        };
+        host_tail(art, entry, inputs, outputs)
     }
 
     /// Empties the KV cache the executor keeps (a new generation).
     pub fn reset_cache(&mut self) -> Result<(), RuntimeError> {
         match self {
             Executor::Interpreter => Ok(()),
+            Executor::Cpu(c) => {
+                c.reset_cache();
+                Ok(())
+            }
             Executor::Cuda(c) => c.reset_cache(),
         }
     }
+}
+
+/// Finishes a plan's outputs with its host tail, when it has one: the ops without a kernel, on
+/// the host, from the values the plan computed (`kiln.value.N`) and the request's inputs.
+fn host_tail(
+    art: &Artifact,
+    entry: &BucketEntry,
+    inputs: &BTreeMap<String, Tensor>,
+    mut outputs: BTreeMap<String, Tensor>,
+) -> Result<BTreeMap<String, Tensor>, RuntimeError> {
+    let Some(tail) = entry.plan.as_ref().and_then(|p| p.host_tail.as_ref()) else {
+        return Ok(outputs);
+    };
+    let weights = art.weights.as_ref().ok_or_else(|| {
+        RuntimeError::Request("the artifact was compiled with --no-weights".into())
+    })?;
+    let mut tail_inputs = BTreeMap::new();
+    for (_, name, _) in tail.inputs() {
+        let t = outputs
+            .get(name)
+            .or_else(|| inputs.get(name))
+            .ok_or_else(|| RuntimeError::Artifact {
+                file: entry.graph.clone(),
+                message: format!("the host tail reads `{name}`, which nothing provides"),
+            })?;
+        tail_inputs.insert(name.to_string(), t.clone());
+    }
+    let host = kiln_ir::evaluate(tail, &tail_inputs, weights)
+        .map_err(|e| RuntimeError::Request(format!("host tail evaluation failed: {e}")))?;
+    outputs.retain(|name, _| !name.starts_with(HOST_VALUE));
+    outputs.extend(host);
+    Ok(outputs)
 }

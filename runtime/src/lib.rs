@@ -4,6 +4,8 @@
 //! - [`artifact`]: opening an artifact (checksums and format version verified first);
 //! - [`weights`]: the memory-mapped weights (and, checked against the memory plan, the region a
 //!   GPU executor uploads as it is);
+//! - [`cpu`]: the CPU executor: the artifact's generated kernels and a GEMM library over the
+//!   same plans;
 //! - [`cuda`]: the CUDA executor: one allocation, graphs captured at load, replayed per request;
 //! - [`executor`]: the executor a command runs on (CUDA, or the interpreter without a GPU);
 //! - [`forward`]: a request through the smallest prefill bucket that holds it;
@@ -17,6 +19,7 @@
 
 pub mod artifact;
 pub mod bench;
+pub mod cpu;
 pub mod cuda;
 pub mod executor;
 pub mod forward;

@@ -22,7 +22,7 @@ struct Cli {
 enum DeviceArg {
     /// CUDA when a GPU is present, the CPU otherwise.
     Auto,
-    /// The CPU, through the reference interpreter until the CPU backend lands.
+    /// The CPU: the artifact's generated kernels (f32 builds), else the reference interpreter.
     Cpu,
     /// The GPU: CUDA graphs captured at load and replayed per request.
     Cuda,
@@ -31,7 +31,8 @@ enum DeviceArg {
 /// Where a command runs (shared by every subcommand).
 #[derive(Args)]
 struct Placement {
-    /// Where to run (cpu runs the reference interpreter until the CPU backend lands).
+    /// Where to run (cpu: the artifact's generated CPU kernels for f32 builds, the reference
+    /// interpreter for f16/bf16 builds).
     #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
     device: DeviceArg,
 }

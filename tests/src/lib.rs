@@ -329,3 +329,78 @@ pub fn sentence_transformers_copy(src: &Path, dst: &Path, pooling: &str, normali
     )
     .unwrap();
 }
+
+/// The fixtures README's tolerance for a build of `dtype`: f32 below 1e-4 relative; f16/bf16
+/// below 2e-2 with the argmax kept where the reference's margin exceeds 0.05.
+pub fn assert_close_for(dtype: &str, got: &[f32], want: &[f32], vocab: usize, what: &str) {
+    if dtype == "f32" {
+        let err = rel_err(got, want);
+        assert!(err < 1e-4, "{what}: relative error {err:e}");
+    } else {
+        assert_half_precision_close(got, want, vocab, what);
+    }
+}
+
+/// Runs decoder fixture `name`'s logits references through `exec` on `art` — every length alone,
+/// then `batch_a` and `batch_b` as one padded batch — and checks them for a `dtype` build.
+pub fn assert_decoder_references(
+    art: &kiln_runtime::Artifact,
+    exec: &mut kiln_runtime::Executor,
+    name: &str,
+    dtype: &str,
+) {
+    use kiln_ir::inputs::TokenBatch;
+    use kiln_runtime::forward::forward;
+    let reference = reference(name);
+    let vocab = art.manifest.model.vocab_size;
+    for l in [1usize, 7, 16, 33, 100] {
+        let ids = reference[&format!("input_ids_{l}")]
+            .as_i64()
+            .unwrap()
+            .to_vec();
+        let batch = TokenBatch {
+            ids: vec![ids],
+            mask: None,
+        };
+        let out = forward(art, exec, &batch).unwrap();
+        assert_eq!(out["logits"].shape, vec![1, l, vocab]);
+        let what = format!("{name} {dtype} L={l}");
+        let want = floats(&reference[&format!("logits_{l}")]);
+        assert_close_for(dtype, floats(&out["logits"]), want, vocab, &what);
+    }
+    let a = reference["batch_a"].as_i64().unwrap().to_vec();
+    let b = reference["batch_b"].as_i64().unwrap().to_vec();
+    let out = forward(art, exec, &TokenBatch::padded(&[a.clone(), b.clone()], 0)).unwrap();
+    let logits = floats(&out["logits"]);
+    let width = a.len().max(b.len());
+    for (row, (len, key)) in [
+        (a.len(), "batch_a_last_logits"),
+        (b.len(), "batch_b_last_logits"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let at = (row * width + len - 1) * vocab;
+        let what = format!("{name} {dtype} {key}");
+        assert_close_for(
+            dtype,
+            &logits[at..at + vocab],
+            floats(&reference[key]),
+            vocab,
+            &what,
+        );
+    }
+}
+
+/// `kiln compile MODEL -o OUT EXTRA..` in-process, and the artifact opened (verified).
+pub fn compile_artifact(model: &Path, out: &Path, extra: &[&str]) -> kiln_runtime::Artifact {
+    let mut args = vec![
+        "compile",
+        model.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    kiln(&args).unwrap();
+    kiln_runtime::Artifact::open(out).unwrap()
+}

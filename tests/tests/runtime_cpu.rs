@@ -12,14 +12,7 @@ use kiln_tests::{
 };
 
 fn compile(model: &Path, out: &Path, extra: &[&str]) {
-    let mut args = vec![
-        "compile",
-        model.to_str().unwrap(),
-        "-o",
-        out.to_str().unwrap(),
-    ];
-    args.extend_from_slice(extra);
-    kiln(&args).unwrap();
+    kiln_tests::compile_artifact(model, out, extra);
 }
 
 #[test]

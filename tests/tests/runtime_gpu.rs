@@ -4,14 +4,10 @@
 //! device-resident KV cache reproduces `greedy_tokens`; nothing is captured or compiled after
 //! load. Skips, saying why, on a machine without a GPU.
 
-use std::path::Path;
-
 use kiln_ir::inputs::TokenBatch;
 use kiln_runtime::generate::{generate, Sampling};
 use kiln_runtime::{forward::forward, Artifact, Device, Executor};
-use kiln_tests::{
-    assert_half_precision_close, fixture, floats, kiln, masked_rel_err, reference, rel_err,
-};
+use kiln_tests::{assert_decoder_references, compile_artifact, fixture, masked_rel_err, reference};
 
 fn gpu() -> bool {
     match kiln_runtime::cuda::probe() {
@@ -23,32 +19,10 @@ fn gpu() -> bool {
     }
 }
 
-fn compile(model: &Path, out: &Path, extra: &[&str]) -> Artifact {
-    let mut args = vec![
-        "compile",
-        model.to_str().unwrap(),
-        "-o",
-        out.to_str().unwrap(),
-    ];
-    args.extend_from_slice(extra);
-    kiln(&args).unwrap();
-    Artifact::open(out).unwrap()
-}
-
 fn cuda(art: &Artifact) -> Executor {
     let exec = Executor::open(art, Device::Cuda).unwrap();
     assert!(matches!(exec, Executor::Cuda(_)));
     exec
-}
-
-/// Checks `got` against `want` with the README's tolerance for `dtype`.
-fn close(got: &[f32], want: &[f32], vocab: usize, dtype: &str, what: &str) {
-    if dtype == "f32" {
-        let err = rel_err(got, want);
-        assert!(err < 1e-4, "{what}: relative error {err:e}");
-    } else {
-        assert_half_precision_close(got, want, vocab, what);
-    }
 }
 
 #[test]
@@ -60,7 +34,7 @@ fn decoders_match_references_on_the_gpu() {
     for name in ["gpt2-tiny", "llama-tiny"] {
         for dtype in ["f32", "bf16"] {
             let dir = tmp.path().join(format!("{name}-{dtype}.kiln"));
-            let art = compile(
+            let art = compile_artifact(
                 &fixture(name),
                 &dir,
                 &[
@@ -75,53 +49,9 @@ fn decoders_match_references_on_the_gpu() {
                 ],
             );
             let mut exec = cuda(&art);
+            assert_decoder_references(&art, &mut exec, name, dtype);
+            println!("ok: {name} {dtype} logits");
             let reference = reference(name);
-            for l in [1usize, 7, 16, 33, 100] {
-                let ids = reference[&format!("input_ids_{l}")]
-                    .as_i64()
-                    .unwrap()
-                    .to_vec();
-                let batch = TokenBatch {
-                    ids: vec![ids],
-                    mask: None,
-                };
-                let out = forward(&art, &mut exec, &batch).unwrap();
-                let what = format!("{name} {dtype} L={l}");
-                close(
-                    floats(&out["logits"]),
-                    floats(&reference[&format!("logits_{l}")]),
-                    512,
-                    dtype,
-                    &what,
-                );
-                println!("ok: {what}");
-            }
-            let a = reference["batch_a"].as_i64().unwrap().to_vec();
-            let b = reference["batch_b"].as_i64().unwrap().to_vec();
-            let out = forward(
-                &art,
-                &mut exec,
-                &TokenBatch::padded(&[a.clone(), b.clone()], 0),
-            )
-            .unwrap();
-            let logits = floats(&out["logits"]);
-            let width = a.len().max(b.len());
-            for (row, (len, key)) in [
-                (a.len(), "batch_a_last_logits"),
-                (b.len(), "batch_b_last_logits"),
-            ]
-            .into_iter()
-            .enumerate()
-            {
-                let at = (row * width + len - 1) * 512;
-                close(
-                    &logits[at..at + 512],
-                    floats(&reference[key]),
-                    512,
-                    dtype,
-                    &format!("{name} {dtype} {key}"),
-                );
-            }
             if dtype == "f32" {
                 let prompt = reference["greedy_prompt"].as_i64().unwrap().to_vec();
                 let want = reference["greedy_tokens"].as_i64().unwrap().to_vec();
@@ -134,7 +64,7 @@ fn decoders_match_references_on_the_gpu() {
                 assert_eq!(again, want, "{name}: second generation");
                 // Prompt chunks of 3 (the default chunk here is 16: the whole prompt at once).
                 let dir = tmp.path().join(format!("{name}-chunk3.kiln"));
-                let chunked = compile(
+                let chunked = compile_artifact(
                     &fixture(name),
                     &dir,
                     &[
@@ -183,7 +113,7 @@ fn encoders_match_references_on_the_gpu() {
     let tmp = tempfile::tempdir().unwrap();
     for dtype in ["f32", "bf16"] {
         let dir = tmp.path().join(format!("bert-{dtype}.kiln"));
-        let art = compile(
+        let art = compile_artifact(
             &fixture("bert-tiny"),
             &dir,
             &["--buckets", "32", "--batch-buckets", "4", "--dtype", dtype],
@@ -218,7 +148,7 @@ fn sentence_embeddings_on_the_gpu_match_the_interpreter() {
         "pooling_mode_mean_tokens",
         true,
     );
-    let art = compile(
+    let art = compile_artifact(
         &st,
         &tmp.path().join("st.kiln"),
         &["--buckets", "32", "--batch-buckets", "4"],

@@ -21,7 +21,7 @@ use super::module::{
 };
 use crate::attention::{AttentionConfig, KeyRule};
 
-/// The function's name for `cfg`.
+/// The function's name for `cfg` (everything its code depends on).
 pub fn name(cfg: &AttentionConfig) -> String {
     let keys = match cfg.keys {
         KeyRule::All => "all".to_string(),
@@ -34,7 +34,7 @@ pub fn name(cfg: &AttentionConfig) -> String {
         .map(|s| format!("{}x{}x{}", s[0], s[1], s[2]))
         .collect();
     format!(
-        "cpu_attention_f32_h{}kv{}_d{}_s{}_t{}_{keys}{}{}{}_{}",
+        "cpu_attention_f32_h{}kv{}_d{}_s{}_t{}_{keys}{}{}{}_{}_scale{:08x}",
         cfg.heads,
         cfg.kv_heads,
         cfg.head_dim,
@@ -43,7 +43,8 @@ pub fn name(cfg: &AttentionConfig) -> String {
         if cfg.padding { "_padded" } else { "" },
         if cfg.rope { "_rope" } else { "" },
         if cfg.rope_k { "k" } else { "" },
-        strides.join("_")
+        strides.join("_"),
+        cfg.scale.to_bits()
     )
 }
 

@@ -10,9 +10,10 @@ use cranelift_frontend::FunctionBuilder;
 use super::module::{arg, f32_addr, for_range, load, store, CpuError, CpuModule, SCALAR, VECTOR};
 use crate::embedding::EmbeddingConfig;
 
-/// The function's name for `cfg`.
+/// The function's name for `cfg` (everything its code depends on).
 pub fn name(cfg: &EmbeddingConfig) -> String {
-    format!("cpu_embedding{}_f32_h{}", cfg.table_rows.len(), cfg.hidden)
+    let rows: Vec<String> = cfg.table_rows.iter().map(u32::to_string).collect();
+    format!("cpu_embedding_f32_h{}_rows{}", cfg.hidden, rows.join("x"))
 }
 
 /// Generates the lookup of `cfg` (f32) into `module`; returns its name.

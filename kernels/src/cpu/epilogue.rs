@@ -12,7 +12,7 @@ use super::elementwise::activation;
 use super::module::{f32_addr, for_range, lanes, load, store, Args, CpuError, CpuModule};
 use crate::gemm::GemmConfig;
 
-/// The function's name for `cfg`.
+/// The function's name for `cfg` (everything its code depends on).
 pub fn name(cfg: &GemmConfig) -> String {
     format!("cpu_epilogue_f32_n{}{}", cfg.n, cfg.epilogue_suffix())
 }

@@ -14,7 +14,7 @@ use super::module::{
 };
 use crate::kv_cache::KvWriteConfig;
 
-/// The function's name for `cfg`.
+/// The function's name for `cfg` (everything its code depends on).
 pub fn name(cfg: &KvWriteConfig) -> String {
     let [sb, sh, ss] = cfg.new_strides;
     format!(

@@ -14,17 +14,18 @@ use super::module::{
 };
 use crate::norm::NormConfig;
 
-/// The function's name for `cfg`.
+/// The function's name for `cfg` (everything its code depends on).
 pub fn name(cfg: &NormConfig) -> String {
     format!(
-        "cpu_{}{}_f32_c{}",
+        "cpu_{}{}_f32_c{}_eps{:08x}",
         if cfg.kind == NormKind::LayerNorm {
             "layer_norm"
         } else {
             "rms_norm"
         },
         if cfg.residual { "_residual" } else { "" },
-        cfg.cols
+        cfg.cols,
+        cfg.eps.to_bits()
     )
 }
 

@@ -1,0 +1,267 @@
+//! The CPU executor: the artifact's CPU plans over the same memory plan as the GPU, with the
+//! kernels `kiln compile` generated ahead of time (Cranelift, linked into the artifact's CPU
+//! library, loaded here with libloading: the runtime never links a code generator) and matrix
+//! products from the `gemm` crate. Every kernel takes `(args, begin, end)`, so each call is split
+//! across rayon's threads over its parallel axis. Weights are read in place from the
+//! memory-mapped weights file; the KV cache and the arena are allocated once at load.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use kiln_ir::artifact::{
+    cpu_library_name, Arg, BucketEntry, CpuCall, CpuStep, ExecPlan, MemoryPlan, Region, TensorSlot,
+};
+use kiln_ir::Tensor;
+use rayon::prelude::*;
+
+use crate::{Artifact, RuntimeError};
+
+/// The kernel ABI every generated function has.
+type KernelFn = unsafe extern "C" fn(*const u64, u64, u64);
+
+/// A loaded artifact on the CPU.
+pub struct CpuExecutor {
+    /// Keeps the generated code mapped while the function pointers are used.
+    _library: libloading::Library,
+    functions: BTreeMap<String, KernelFn>,
+    plans: BTreeMap<String, Arc<ExecPlan>>,
+    memory: MemoryPlan,
+    weights: u64,
+    cache: Vec<u64>,
+    arena: Vec<u64>,
+    product: Vec<f32>,
+}
+
+impl CpuExecutor {
+    /// Loads `art`'s CPU library and plans; `Err` naming the reason when the artifact has none
+    /// for this machine (no library, another architecture, an f16/bf16 build).
+    pub fn load(art: &Artifact) -> Result<CpuExecutor, RuntimeError> {
+        let m = &art.manifest;
+        let file = m.kernels_cpu.as_ref().ok_or_else(|| {
+            RuntimeError::Device("the artifact has no CPU library (an f16/bf16 build, or compiled without a C compiler)".into())
+        })?;
+        let here = cpu_library_name();
+        if *file != here {
+            return Err(RuntimeError::Artifact {
+                file: art.dir.join(file).display().to_string(),
+                message: format!("is built for another machine (this one loads {here})"),
+            });
+        }
+        let region = art.weights_region()?;
+        // SAFETY: the library was written by `kiln compile` into this checksum-verified
+        // artifact; it has no initialisers and exports functions of the kernel ABI only.
+        let library = unsafe { libloading::Library::new(art.dir.join(file)) }.map_err(|e| {
+            RuntimeError::Artifact {
+                file: art.dir.join(file).display().to_string(),
+                message: format!("cannot be loaded: {e}"),
+            }
+        })?;
+        let mut plans = BTreeMap::new();
+        let mut functions = BTreeMap::new();
+        let mut product = 0usize;
+        for entry in m.prefill.iter().chain(&m.decode) {
+            let Some(plan) = entry.plan.as_ref().filter(|p| p.cpu.is_some()) else {
+                continue;
+            };
+            for step in plan.cpu.iter().flatten() {
+                let symbol = match &step.call {
+                    CpuCall::Kernel { symbol, .. } => Some(symbol),
+                    CpuCall::Gemm { m, n, epilogue, .. } => {
+                        if epilogue.is_some() {
+                            product = product.max((*m * *n) as usize);
+                        }
+                        epilogue.as_ref()
+                    }
+                };
+                if let Some(symbol) = symbol.filter(|s| !functions.contains_key(*s)) {
+                    // SAFETY: every exported symbol of the library has the kernel ABI.
+                    let f = unsafe { library.get::<KernelFn>(symbol.as_bytes()) }.map_err(|e| {
+                        RuntimeError::Artifact {
+                            file: art.dir.join(file).display().to_string(),
+                            message: format!("lacks the kernel `{symbol}`: {e}"),
+                        }
+                    })?;
+                    functions.insert(symbol.clone(), *f);
+                }
+            }
+            plans.insert(entry.graph.clone(), Arc::new(plan.clone()));
+        }
+        Ok(CpuExecutor {
+            _library: library,
+            functions,
+            plans,
+            memory: m.memory.clone(),
+            weights: region.as_ptr() as u64,
+            cache: vec![0u64; m.memory.cache_bytes.div_ceil(8) as usize],
+            arena: vec![0u64; m.memory.arena_bytes.div_ceil(8) as usize],
+            product: vec![0f32; product],
+        })
+    }
+
+    /// Whether the bucket whose graph file is `graph` has a CPU plan.
+    pub fn has(&self, graph: &str) -> bool {
+        self.plans.contains_key(graph)
+    }
+
+    /// Empties the KV cache (a new generation).
+    pub fn reset_cache(&mut self) {
+        self.cache.fill(0);
+    }
+
+    /// Runs one bucket: inputs into their arena slots, the steps in order, outputs back.
+    pub fn run(
+        &mut self,
+        entry: &BucketEntry,
+        inputs: &BTreeMap<String, Tensor>,
+    ) -> Result<BTreeMap<String, Tensor>, RuntimeError> {
+        let plan = self.plans.get(&entry.graph).cloned().ok_or_else(|| {
+            RuntimeError::Device(format!("bucket {} has no CPU plan", entry.graph))
+        })?;
+        let arena = self.arena.as_mut_ptr() as *mut u8;
+        for slot in &plan.inputs {
+            let t = inputs.get(&slot.name).ok_or_else(|| {
+                RuntimeError::Request(format!("input `{}` is missing", slot.name))
+            })?;
+            let bytes = crate::cuda::encode(t, slot.dtype);
+            if t.shape != slot.shape || bytes.len() as u64 != slot.bytes() {
+                return Err(RuntimeError::Request(format!(
+                    "input `{}` has shape {:?}; bucket {} takes {:?}",
+                    slot.name, t.shape, entry.graph, slot.shape
+                )));
+            }
+            // SAFETY: the slot lies inside the arena (checked when the plan was loaded on the
+            // GPU path and by the compiler's placement); `bytes` is exactly the slot's size.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    bytes.as_ptr(),
+                    arena.add(slot.offset as usize),
+                    bytes.len(),
+                )
+            };
+        }
+        for step in plan.cpu.iter().flatten() {
+            self.step(step)?;
+        }
+        let mut out = BTreeMap::new();
+        for slot in &plan.outputs {
+            // SAFETY: as above, the slot lies inside the arena.
+            let bytes = unsafe {
+                std::slice::from_raw_parts(arena.add(slot.offset as usize), slot.bytes() as usize)
+            };
+            out.insert(slot.name.clone(), decode(bytes, slot));
+        }
+        Ok(out)
+    }
+
+    fn address(&self, region: Region, offset: u64) -> u64 {
+        let base = match region {
+            Region::Weights => self.weights,
+            Region::Cache => self.cache.as_ptr() as u64,
+            Region::Arena => self.arena.as_ptr() as u64,
+        };
+        base + offset
+    }
+
+    fn step(&mut self, step: &CpuStep) -> Result<(), RuntimeError> {
+        let args: Vec<u64> = step
+            .args
+            .iter()
+            .map(|a| match *a {
+                Arg::Ptr(r, o) => self.address(r, o),
+                Arg::U32(v) => u64::from(v),
+                Arg::F32(v) => u64::from(v.to_bits()),
+            })
+            .collect();
+        match &step.call {
+            CpuCall::Kernel { symbol, extent } => {
+                let f = self.functions[symbol];
+                parallel(f, &args, *extent);
+            }
+            CpuCall::Gemm {
+                m,
+                n,
+                k,
+                transpose_b,
+                bias,
+                residual,
+                epilogue,
+            } => {
+                let (m, n, k) = (*m as usize, *n as usize, *k as usize);
+                let out = *args.last().expect("an output");
+                let dst = match epilogue {
+                    Some(_) => self.product.as_mut_ptr() as u64,
+                    None => out,
+                };
+                let (rhs_cs, rhs_rs) = if *transpose_b {
+                    (k as isize, 1)
+                } else {
+                    (1, n as isize)
+                };
+                // SAFETY: x is `[m, k]`, w `[n, k]` (or `[k, n]`), dst `[m, n]` — the compiler
+                // sized every buffer for this product; the scratch product buffer holds the
+                // largest `m x n` of the plans.
+                unsafe {
+                    gemm::gemm(
+                        m,
+                        n,
+                        k,
+                        dst as *mut f32,
+                        1,
+                        n as isize,
+                        false,
+                        args[0] as *const f32,
+                        1,
+                        k as isize,
+                        args[1] as *const f32,
+                        rhs_cs,
+                        rhs_rs,
+                        0.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::Rayon(0),
+                    )
+                };
+                if let Some(symbol) = epilogue {
+                    let mut epilogue_args = vec![dst];
+                    let mut rest = args[2..args.len() - 1].iter();
+                    if *bias {
+                        epilogue_args.push(*rest.next().expect("a bias"));
+                    }
+                    if *residual {
+                        epilogue_args.push(*rest.next().expect("a residual"));
+                    }
+                    epilogue_args.push(out);
+                    parallel(self.functions[symbol], &epilogue_args, m as u64);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes of the memory this executor allocated (cache and arena) and maps (weights).
+    pub fn memory_bytes(&self) -> u64 {
+        self.memory.total_bytes()
+    }
+}
+
+/// Calls `f` over `0..extent` in chunks, in parallel.
+fn parallel(f: KernelFn, args: &[u64], extent: u64) {
+    let threads = rayon::current_num_threads() as u64;
+    let chunks = (threads * 4).clamp(1, extent.max(1));
+    let size = extent.div_ceil(chunks).max(1);
+    let args_addr = args.as_ptr() as u64;
+    (0..extent.div_ceil(size)).into_par_iter().for_each(|c| {
+        let begin = c * size;
+        let end = (begin + size).min(extent);
+        // SAFETY: `args` outlives the parallel loop; every generated kernel only touches the
+        // items `begin..end` of its parallel axis for its outputs, so chunks never overlap.
+        unsafe { f(args_addr as *const u64, begin, end) };
+    });
+}
+
+/// Bytes of `slot`'s dtype as a host tensor.
+fn decode(bytes: &[u8], slot: &TensorSlot) -> Tensor {
+    crate::cuda::decode(bytes, slot.dtype, slot.shape.clone())
+}
