@@ -110,10 +110,16 @@ impl MemoryPlan {
 }
 
 /// The CPU library's file name for this machine's architecture and OS
-/// (`kernels.cpu.x86_64-linux.so`): an artifact's CPU library runs where its name matches.
+/// (`kernels.cpu.x86_64-v3-linux.so`: x86-64 code needs the v3 level, AVX2 and FMA): an
+/// artifact's CPU library runs where its name matches and the CPU has that level.
 pub fn cpu_library_name() -> String {
+    let level = if std::env::consts::ARCH == "x86_64" {
+        "-v3"
+    } else {
+        ""
+    };
     format!(
-        "kernels.cpu.{}-{}.{}",
+        "kernels.cpu.{}{level}-{}.{}",
         std::env::consts::ARCH,
         std::env::consts::OS,
         std::env::consts::DLL_EXTENSION

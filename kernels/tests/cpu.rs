@@ -463,6 +463,20 @@ fn attention_matches_the_interpreter() {
             false,
             false,
         ),
+        // More keys than one block of scores: the running max and sum carry across blocks.
+        attention_case(
+            (4, 2, 2, 300, 16),
+            KeyRule::Position { window: None },
+            false,
+            true,
+        ),
+        attention_case(
+            (2, 2, 150, 150, 8),
+            KeyRule::Causal { window: None },
+            true,
+            true,
+        ),
+        attention_case((2, 1, 5, 260, 12), KeyRule::All, true, false),
     ];
     let mut module = CpuModule::new().unwrap();
     let names: Vec<String> = cases

@@ -1,5 +1,5 @@
-//! `kiln-run bench`: a stream of single-sequence requests of seeded random lengths and random
-//! token ids, each served like any request (smallest bucket that holds it), with latency
+//! `kiln-run bench`: a stream of requests (`--batch` sequences each, one sequence by default) of
+//! seeded random lengths and random token ids, each served like any request (smallest bucket that holds it), with latency
 //! percentiles per bucket and overall, throughput, padding waste, replays per bucket and the
 //! process's resident memory before and after. For decoders, optionally, decode latency per token
 //! through the KV-cached decode graph.
@@ -20,6 +20,8 @@ use crate::{Artifact, Executor, RuntimeError};
 pub struct BenchOptions {
     /// How many requests.
     pub requests: usize,
+    /// Sequences per request (each of the request's drawn length).
+    pub batch: usize,
     /// Shortest request, in tokens (at least 1).
     pub min_len: usize,
     /// Longest request, in tokens (at most the largest prefill bucket).
@@ -98,9 +100,10 @@ pub fn bench(
     opts: &BenchOptions,
 ) -> Result<BenchReport, RuntimeError> {
     let largest = art.longest_prefill();
-    if opts.requests == 0 || opts.min_len == 0 || opts.min_len > opts.max_len {
+    if opts.requests == 0 || opts.batch == 0 || opts.min_len == 0 || opts.min_len > opts.max_len {
         return Err(RuntimeError::Request(
-            "bench needs --requests >= 1 and --lengths MIN..MAX with 1 <= MIN <= MAX".into(),
+            "bench needs --requests >= 1, --batch >= 1 and --lengths MIN..MAX with 1 <= MIN <= MAX"
+                .into(),
         ));
     }
     if opts.max_len > largest {
@@ -121,18 +124,22 @@ pub fn bench(
     for r in 0..opts.requests {
         let draw = philox4x32_10([r as u32, 0, 0, 0], key);
         let len = opts.min_len + (draw[0] % span) as usize;
-        let ids: Vec<i64> = (0..len)
-            .map(|t| {
-                let w = philox4x32_10([r as u32, t as u32 + 1, 0, 0], key);
-                i64::from(w[0] % vocab)
+        let rows: Vec<Vec<i64>> = (0..opts.batch)
+            .map(|row| {
+                (0..len)
+                    .map(|t| {
+                        let w = philox4x32_10([r as u32, t as u32 + 1, row as u32, 0], key);
+                        i64::from(w[0] % vocab)
+                    })
+                    .collect()
             })
             .collect();
-        let bucket = prefill_bucket(art, 1, len)?;
+        let bucket = prefill_bucket(art, opts.batch, len)?;
         let label = format!("b{}-s{}", bucket.batch, bucket.seq);
-        tokens += len;
+        tokens += opts.batch * len;
         slots += bucket.batch * bucket.seq;
         let batch = TokenBatch {
-            ids: vec![ids],
+            ids: rows,
             mask: None,
         };
         let t0 = Instant::now();

@@ -30,6 +30,8 @@ pub struct CpuExecutor {
     cache: Vec<u64>,
     arena: Vec<u64>,
     product: Vec<f32>,
+    /// `KILN_EAGER` set: seconds and calls per kernel (or `gemm MxNxK`), for profiling.
+    profile: Option<BTreeMap<String, (u64, f64)>>,
 }
 
 impl CpuExecutor {
@@ -46,6 +48,16 @@ impl CpuExecutor {
                 file: art.dir.join(file).display().to_string(),
                 message: format!("is built for another machine (this one loads {here})"),
             });
+        }
+        #[cfg(target_arch = "x86_64")]
+        if !(std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("bmi2")
+            && std::arch::is_x86_feature_detected!("lzcnt"))
+        {
+            return Err(RuntimeError::Device(format!(
+                "{file} needs an x86-64-v3 CPU (AVX2, FMA, BMI2, LZCNT); this one lacks them"
+            )));
         }
         let region = art.weights_region()?;
         // SAFETY: the library was written by `kiln compile` into this checksum-verified
@@ -95,6 +107,7 @@ impl CpuExecutor {
             cache: vec![0u64; m.memory.cache_bytes.div_ceil(8) as usize],
             arena: vec![0u64; m.memory.arena_bytes.div_ceil(8) as usize],
             product: vec![0f32; product],
+            profile: std::env::var_os("KILN_EAGER").map(|_| BTreeMap::new()),
         })
     }
 
@@ -140,7 +153,17 @@ impl CpuExecutor {
             };
         }
         for step in plan.cpu.iter().flatten() {
+            let start = std::time::Instant::now();
             self.step(step)?;
+            if let Some(profile) = self.profile.as_mut() {
+                let key = match &step.call {
+                    CpuCall::Kernel { symbol, .. } => symbol.clone(),
+                    CpuCall::Gemm { m, n, k, .. } => format!("gemm {m}x{n}x{k}"),
+                };
+                let e = profile.entry(key).or_default();
+                e.0 += 1;
+                e.1 += start.elapsed().as_secs_f64();
+            }
         }
         let mut out = BTreeMap::new();
         for slot in &plan.outputs {
@@ -238,6 +261,11 @@ impl CpuExecutor {
             }
         }
         Ok(())
+    }
+
+    /// Per kernel: calls and seconds, measured when `KILN_EAGER` is set; empty otherwise.
+    pub fn profile(&self) -> BTreeMap<String, (u64, f64)> {
+        self.profile.clone().unwrap_or_default()
     }
 
     /// Bytes of the memory this executor allocated (cache and arena) and maps (weights).

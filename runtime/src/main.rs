@@ -126,6 +126,9 @@ enum Command {
         /// How many requests.
         #[arg(long, default_value_t = 100)]
         requests: usize,
+        /// Sequences per request, all of the request's length.
+        #[arg(long, default_value_t = 1)]
+        batch: usize,
         /// Request lengths, drawn uniformly from MIN..MAX (inclusive); default 1 to the largest
         /// prefill bucket.
         #[arg(long, value_parser = parse_range)]
@@ -286,6 +289,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench {
             artifact,
             requests,
+            batch,
             lengths,
             decode_tokens,
             seed,
@@ -301,6 +305,7 @@ fn run(cli: Cli) -> Result<()> {
                 &mut exec,
                 &BenchOptions {
                     requests,
+                    batch,
                     min_len,
                     max_len,
                     decode_tokens,
@@ -312,9 +317,14 @@ fn run(cli: Cli) -> Result<()> {
             } else {
                 print_bench(&report);
             }
-            if let Executor::Cuda(c) = &exec {
+            let profile = match &exec {
+                Executor::Cuda(c) => Some(c.profile().clone()),
+                Executor::Cpu(c) => Some(c.profile()),
+                Executor::Interpreter => None,
+            };
+            if let Some(profile) = profile {
                 // KILN_EAGER: where the time went, heaviest kernels first (to stderr).
-                let mut rows: Vec<_> = c.profile().iter().collect();
+                let mut rows: Vec<_> = profile.iter().collect();
                 rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
                 for (kernel, (n, secs)) in rows.iter().take(25) {
                     eprintln!("{:>10.3} ms {n:>8} x {kernel}", secs * 1e3);

@@ -533,6 +533,7 @@ fn bench_accounts_for_every_request() {
     );
     let art = Artifact::open(&out).unwrap();
     let opts = BenchOptions {
+        batch: 1,
         requests: 40,
         min_len: 1,
         max_len: 32,

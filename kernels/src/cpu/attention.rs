@@ -1,6 +1,8 @@
 //! Fused attention on the CPU, prefill and decode alike, the CPU side of [`crate::attention`]:
-//! per query row, `softmax(q k^T * scale + masks) v` with an online softmax (a running max and
-//! sum, the accumulator rescaled as the max grows), never a row of scores in memory. The key rules,
+//! per query row, `softmax(q k^T * scale + masks) v` flash-style: keys in blocks of `BLOCK`
+//! (their scores in a small stack buffer, never an S x T matrix), with a running max and sum and
+//! the accumulator rescaled once per block as the max grows; the weights' `exp` runs four lanes at
+//! a time, and the head dimension is unrolled. The key rules,
 //! GQA/MQA, padding masks, positions and RoPE on q (and on k when the keys are not from a cache)
 //! follow the GPU kernel, including its convention that a query seeing no key stores zeros. The
 //! dot products and the accumulator update run four lanes at a time.
@@ -16,10 +18,16 @@ use cranelift_frontend::FunctionBuilder;
 
 use super::math::{constant, exp, rotated};
 use super::module::{
-    f32_addr, for_range, if_then, lanes, load, load_i64, splat, store, sum_lanes, Args, CpuError,
-    CpuModule, VECTOR,
+    f32_addr, fold_lanes, for_range, lane_sum, lanes, lanes_unrolled, load, load_i64, splat, store,
+    sum_lanes_unrolled, Args, CpuError, CpuModule, VECTOR,
 };
 use crate::attention::{AttentionConfig, KeyRule};
+
+/// Keys scored per block (the score buffer on the stack holds this many).
+const BLOCK: u32 = 128;
+/// The score of an absent key: finite (as the IR's masks), so a row of only absent keys averages
+/// them instead of producing NaN, and far enough below any real score to weigh nothing beside it.
+const MASKED: f32 = -1e30;
 
 /// The function's name for `cfg` (everything its code depends on).
 pub fn name(cfg: &AttentionConfig) -> String {
@@ -83,6 +91,11 @@ fn body(b: &mut FunctionBuilder, p: super::module::KernelParams, cfg: &Attention
     };
     let q_buf = slot(b);
     let acc = slot(b);
+    let scores = {
+        let data = StackSlotData::new(StackSlotKind::ExplicitSlot, BLOCK * 4, 4);
+        let s = b.create_sized_stack_slot(data);
+        b.ins().stack_addr(I64, s, 0)
+    };
 
     for_range(b, p.begin, p.end, 1, |b, row| {
         let bh = b.ins().udiv_imm_s(row, s_len);
@@ -127,7 +140,7 @@ fn body(b: &mut FunctionBuilder, p: super::module::KernelParams, cfg: &Attention
         };
         match pos_i.filter(|_| cfg.rope) {
             Some(pos) => rotate(b, q, q_row, pos, q_buf),
-            None => lanes(b, d, |b, c, ty| {
+            None => lanes_unrolled(b, d, |b, c, ty| {
                 let ix = b.ins().iadd(q_row, c);
                 let a = f32_addr(b, q, ix);
                 let x = load(b, ty, a);
@@ -170,18 +183,23 @@ fn body(b: &mut FunctionBuilder, p: super::module::KernelParams, cfg: &Attention
         b.def_var(m, neg_inf);
         let z = b.ins().f32const(0.0);
         b.def_var(l, z);
-        lanes(b, d, |b, c, ty| {
+        lanes_unrolled(b, d, |b, c, ty| {
             let z = constant(b, ty, 0.0);
             let a = f32_addr(b, acc, c);
             store(b, z, a);
         });
-        for_range(b, start, end, 1, |b, j| {
-            let visit = |b: &mut FunctionBuilder| {
+        // Keys in blocks of BLOCK: the block's scores into a buffer, its maximum, one rescale of
+        // the accumulator, the weights four at a time, then the weighted values.
+        for_range(b, start, end, i64::from(BLOCK), |b, kb| {
+            let rest = b.ins().isub(end, kb);
+            let block = b.ins().iconst(I64, i64::from(BLOCK));
+            let count = b.ins().umin(rest, block);
+            let zero = b.ins().iconst(I64, 0);
+            for_range(b, zero, count, 1, |b, jj| {
+                let j = b.ins().iadd(kb, jj);
                 let k_row = b.ins().imul_imm_s(j, ks[2]);
                 let k_row = b.ins().iadd(k_head, k_row);
-                let v_row = b.ins().imul_imm_s(j, vs[2]);
-                let v_row = b.ins().iadd(v_head, v_row);
-                let score = match (cfg.rope && cfg.rope_k, positions) {
+                let mut score = match (cfg.rope && cfg.rope_k, positions) {
                     (true, Some(pp)) => {
                         // Keys rotated at their own positions as they are read.
                         let (cos, sin) = tables.expect("tables with RoPE");
@@ -189,14 +207,14 @@ fn body(b: &mut FunctionBuilder, p: super::module::KernelParams, cfg: &Attention
                         let idx = b.ins().iadd(idx, j);
                         let pos_j = load_i64(b, pp, idx);
                         let t0 = b.ins().imul_imm_s(pos_j, i64::from(half));
-                        sum_lanes(b, half, |b, c, ty| {
+                        sum_lanes_unrolled(b, half, |b, c, ty| {
                             let (rl, rh) = rotated_pair(b, k, k_row, c, half, (cos, sin, t0), ty);
                             let (ql, qh) = load_pair(b, q_buf, zero, c, half, ty);
                             let t = b.ins().fmul(ql, rl);
                             b.ins().fma(qh, rh, t)
                         })
                     }
-                    _ => sum_lanes(b, d, |b, c, ty| {
+                    _ => sum_lanes_unrolled(b, d, |b, c, ty| {
                         let qa = f32_addr(b, q_buf, c);
                         let qv = load(b, ty, qa);
                         let ix = b.ins().iadd(k_row, c);
@@ -205,45 +223,81 @@ fn body(b: &mut FunctionBuilder, p: super::module::KernelParams, cfg: &Attention
                         b.ins().fmul(qv, kv)
                     }),
                 };
-                // Online softmax.
-                let m_old = b.use_var(m);
-                let m_new = b.ins().fmax(m_old, score);
-                let dm = b.ins().fsub(m_old, m_new);
-                let corr = exp(b, super::module::SCALAR, dm);
-                let ds = b.ins().fsub(score, m_new);
-                let weight = exp(b, super::module::SCALAR, ds);
-                let l_old = b.use_var(l);
-                let l_new = b.ins().fma(l_old, corr, weight);
-                b.def_var(l, l_new);
-                b.def_var(m, m_new);
-                let corr_x4 = splat(b, corr);
-                let weight_x4 = splat(b, weight);
-                lanes(b, d, |b, c, ty| {
-                    let (cr, wt) = if ty == VECTOR {
-                        (corr_x4, weight_x4)
-                    } else {
-                        (corr, weight)
-                    };
+                if let Some(mk) = mask {
+                    // An absent key scores MASKED: its weight underflows to nothing beside a
+                    // present key's (and a row with none averages them, as the IR's finite mask).
+                    let idx = b.ins().imul_imm_s(batch, t_len);
+                    let idx = b.ins().iadd(idx, j);
+                    let present = load_i64(b, mk, idx);
+                    let present = b.ins().icmp_imm_s(IntCC::NotEqual, present, 0);
+                    let masked = b.ins().f32const(MASKED);
+                    score = b.ins().select(present, score, masked);
+                }
+                let sa = f32_addr(b, scores, jj);
+                store(b, score, sa);
+            });
+            // The block's maximum, and the running one.
+            let lowest = constant(b, VECTOR, f32::NEG_INFINITY);
+            let (tv, tt) = fold_lanes(b, count, lowest, neg_inf, |b, jj, ty, top| {
+                let sa = f32_addr(b, scores, jj);
+                let v = load(b, ty, sa);
+                b.ins().fmax(top, v)
+            });
+            let lanes_max: Vec<Value> = (0..4).map(|i| b.ins().extractlane(tv, i)).collect();
+            let m01 = b.ins().fmax(lanes_max[0], lanes_max[1]);
+            let m23 = b.ins().fmax(lanes_max[2], lanes_max[3]);
+            let mb = b.ins().fmax(m01, m23);
+            let mb = b.ins().fmax(mb, tt);
+            let m_old = b.use_var(m);
+            let m_new = b.ins().fmax(m_old, mb);
+            b.def_var(m, m_new);
+            // Rescale what came before (nothing, the first time: exp(-inf) is 0 times 0).
+            let dm = b.ins().fsub(m_old, m_new);
+            let corr = exp(b, super::module::SCALAR, dm);
+            let l_old = b.use_var(l);
+            let l_scaled = b.ins().fmul(l_old, corr);
+            let corr_x4 = splat(b, corr);
+            lanes_unrolled(b, d, |b, c, ty| {
+                let cr = if ty == VECTOR { corr_x4 } else { corr };
+                let aa = f32_addr(b, acc, c);
+                let av = load(b, ty, aa);
+                let y = b.ins().fmul(av, cr);
+                store(b, y, aa);
+            });
+            // The weights exp(s - m), four at a time, and their sum.
+            let m_x4 = splat(b, m_new);
+            let zv = constant(b, VECTOR, 0.0);
+            let (ws, wt) = fold_lanes(b, count, zv, l_scaled, |b, jj, ty, sum| {
+                let sa = f32_addr(b, scores, jj);
+                let v = load(b, ty, sa);
+                let mm = if ty == VECTOR { m_x4 } else { m_new };
+                let dv = b.ins().fsub(v, mm);
+                let w = exp(b, ty, dv);
+                store(b, w, sa);
+                b.ins().fadd(sum, w)
+            });
+            let ws = lane_sum(b, ws);
+            let l_new = b.ins().fadd(ws, wt);
+            b.def_var(l, l_new);
+            // The weighted values.
+            for_range(b, zero, count, 1, |b, jj| {
+                let sa = f32_addr(b, scores, jj);
+                let w = load(b, super::module::SCALAR, sa);
+                let w_x4 = splat(b, w);
+                let j = b.ins().iadd(kb, jj);
+                let v_row = b.ins().imul_imm_s(j, vs[2]);
+                let v_row = b.ins().iadd(v_head, v_row);
+                lanes_unrolled(b, d, |b, c, ty| {
+                    let wt = if ty == VECTOR { w_x4 } else { w };
                     let aa = f32_addr(b, acc, c);
                     let av = load(b, ty, aa);
                     let ix = b.ins().iadd(v_row, c);
                     let va = f32_addr(b, v, ix);
                     let vv = load(b, ty, va);
-                    let scaled = b.ins().fmul(av, cr);
-                    let y = b.ins().fma(wt, vv, scaled);
+                    let y = b.ins().fma(wt, vv, av);
                     store(b, y, aa);
                 });
-            };
-            match mask {
-                Some(mk) => {
-                    let idx = b.ins().imul_imm_s(batch, t_len);
-                    let idx = b.ins().iadd(idx, j);
-                    let present = load_i64(b, mk, idx);
-                    let present = b.ins().icmp_imm_s(IntCC::NotEqual, present, 0);
-                    if_then(b, present, visit);
-                }
-                None => visit(b),
-            }
+            });
         });
 
         // Normalise once (a row that saw no key stores zeros).
@@ -255,7 +309,7 @@ fn body(b: &mut FunctionBuilder, p: super::module::KernelParams, cfg: &Attention
         let inv = b.ins().fdiv(one, safe);
         let inv = b.ins().select(none, zero_f, inv);
         let inv_x4 = splat(b, inv);
-        lanes(b, d, |b, c, ty| {
+        lanes_unrolled(b, d, |b, c, ty| {
             let s = if ty == VECTOR { inv_x4 } else { inv };
             let aa = f32_addr(b, acc, c);
             let av = load(b, ty, aa);

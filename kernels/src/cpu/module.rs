@@ -2,9 +2,9 @@
 //! generators share (argument loads, counted loops, f32x4 sums), and linking the object into a
 //! shared library.
 //!
-//! Code is generated for the baseline of the host's architecture (x86-64: SSE2, where f32x4 is
-//! native), not for the compiling machine's extensions, so an artifact runs on any machine of
-//! that architecture.
+//! Code is generated for a fixed level of the host's architecture, not for the compiling
+//! machine's extensions: x86-64-v3 (AVX2, FMA) on x86-64, the base ISA (NEON, FMA) on aarch64;
+//! the library's name says which, and the runtime checks the CPU before loading it.
 
 use std::path::Path;
 
@@ -50,10 +50,16 @@ impl CpuModule {
         let mut flags = settings::builder();
         flags.set("opt_level", "speed").map_err(err)?;
         flags.set("is_pic", "true").map_err(err)?;
-        let isa = cranelift_codegen::isa::lookup_by_name(std::env::consts::ARCH)
-            .map_err(err)?
-            .finish(settings::Flags::new(flags))
-            .map_err(err)?;
+        let mut isa =
+            cranelift_codegen::isa::lookup_by_name(std::env::consts::ARCH).map_err(err)?;
+        if std::env::consts::ARCH == "x86_64" {
+            // x86-64-v3 (AVX2, FMA, BMI; every x86 server since 2013): without it `fma` and
+            // `nearest` become library calls. The runtime checks the CPU before loading.
+            isa.enable("x86-64-v3").map_err(err)?;
+            // The preset leaves `has_avx` (which AVX2 implies) off, and the VEX forms need it.
+            isa.enable("has_avx").map_err(err)?;
+        }
+        let isa = isa.finish(settings::Flags::new(flags)).map_err(err)?;
         let builder =
             ObjectBuilder::new(isa, "kiln_cpu_kernels", default_libcall_names()).map_err(err)?;
         Ok(CpuModule {
@@ -296,4 +302,87 @@ pub fn sum_lanes(
     let lanes_total = lane_sum(b, v);
     let t = b.use_var(tail);
     b.ins().fadd(lanes_total, t)
+}
+
+/// Like [`lanes`], unrolled: `f(i, F32X4)` for each multiple of four below `n` and `f(i, F32)`
+/// for the tail, as straight-line code (for short static lengths such as a head dimension).
+pub fn lanes_unrolled(
+    b: &mut FunctionBuilder,
+    n: u32,
+    mut f: impl FnMut(&mut FunctionBuilder, Value, cranelift_codegen::ir::Type),
+) {
+    for i in (0..n / 4 * 4).step_by(4) {
+        let c = b.ins().iconst(I64, i64::from(i));
+        f(b, c, VECTOR);
+    }
+    for i in n / 4 * 4..n {
+        let c = b.ins().iconst(I64, i64::from(i));
+        f(b, c, SCALAR);
+    }
+}
+
+/// Like [`sum_lanes`], unrolled (see [`lanes_unrolled`]); the vector terms are added in a tree.
+pub fn sum_lanes_unrolled(
+    b: &mut FunctionBuilder,
+    n: u32,
+    mut term: impl FnMut(&mut FunctionBuilder, Value, cranelift_codegen::ir::Type) -> Value,
+) -> Value {
+    let mut vectors = Vec::new();
+    let mut scalars = Vec::new();
+    lanes_unrolled(b, n, |b, c, ty| {
+        let t = term(b, c, ty);
+        if ty == VECTOR {
+            vectors.push(t);
+        } else {
+            scalars.push(t);
+        }
+    });
+    while vectors.len() > 1 {
+        let mut next = Vec::with_capacity(vectors.len().div_ceil(2));
+        for pair in vectors.chunks(2) {
+            next.push(match pair {
+                [a, c] => b.ins().fadd(*a, *c),
+                [a] => *a,
+                _ => unreachable!("chunks of two"),
+            });
+        }
+        vectors = next;
+    }
+    let mut total = match vectors.first() {
+        Some(v) => lane_sum(b, *v),
+        None => f32_const(b, 0.0),
+    };
+    for s in scalars {
+        total = b.ins().fadd(total, s);
+    }
+    total
+}
+
+/// Folds `step(i, type, accumulator)` over `i < n` (a run-time count): four lanes at a time into
+/// the vector accumulator (starting at `init_vector`), then the tail into the scalar one
+/// (starting at `init_scalar`); returns both.
+pub fn fold_lanes(
+    b: &mut FunctionBuilder,
+    n: Value,
+    init_vector: Value,
+    init_scalar: Value,
+    mut step: impl FnMut(&mut FunctionBuilder, Value, cranelift_codegen::ir::Type, Value) -> Value,
+) -> (Value, Value) {
+    let vector = b.declare_var(VECTOR);
+    let scalar = b.declare_var(SCALAR);
+    b.def_var(vector, init_vector);
+    b.def_var(scalar, init_scalar);
+    let zero = b.ins().iconst(I64, 0);
+    let whole = b.ins().band_imm_s(n, !3i64);
+    for_range(b, zero, whole, 4, |b, i| {
+        let acc = b.use_var(vector);
+        let next = step(b, i, VECTOR, acc);
+        b.def_var(vector, next);
+    });
+    for_range(b, whole, n, 1, |b, i| {
+        let acc = b.use_var(scalar);
+        let next = step(b, i, SCALAR, acc);
+        b.def_var(scalar, next);
+    });
+    (b.use_var(vector), b.use_var(scalar))
 }
