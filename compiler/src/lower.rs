@@ -108,8 +108,7 @@ pub struct NodeLaunches {
     pub launches: Vec<KernelLaunch>,
     /// Scratch buffer sizes, bytes.
     pub scratch: Vec<u64>,
-    /// The CPU calls, in order; `None` when some part of the node has no CPU version (f16/bf16,
-    /// dropout).
+    /// The CPU calls, in order; `None` when some part of the node has no CPU version (f16/bf16).
     pub cpu: Option<Vec<CpuLaunch>>,
 }
 
@@ -426,7 +425,6 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
             }
             if spec.dropout.is_some() {
                 bind.push(("seed", a(rest)));
-                n.cpu = None;
             }
             let params: Vec<&str> = kernel.signature.iter().map(|(p, _)| p.as_str()).collect();
             let rows = u64::from(cfg.batch * cfg.heads * cfg.q_len);

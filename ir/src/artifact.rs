@@ -242,7 +242,7 @@ pub struct ExecPlan {
     /// (`kiln.value.N`, among `outputs`), and whose outputs are the remaining graph outputs.
     pub host_tail: Option<crate::Graph>,
     /// The same plan for the CPU executor, over the same memory plan: `None` when some node has
-    /// no CPU version (f16/bf16 builds, dropout).
+    /// no CPU version (f16/bf16 builds).
     pub cpu: Option<Vec<CpuStep>>,
 }
 

@@ -21,7 +21,7 @@ use kiln_kernels::norm::NormConfig;
 use kiln_kernels::Elem;
 use rand::{Rng, SeedableRng};
 
-use common::{cache_write_reference, check, reference, rope_tables};
+use common::{cache_write_reference, check, reference, reference_with_seed, rope_tables};
 
 type KernelFn = unsafe extern "C" fn(*const u64, u64, u64);
 
@@ -382,6 +382,22 @@ fn attention_case(
     padding: bool,
     rope: bool,
 ) -> AttentionCase {
+    attention_case_with_dropout(
+        (heads, kv_heads, q_len, kv_len, head_dim),
+        keys,
+        padding,
+        rope,
+        None,
+    )
+}
+
+fn attention_case_with_dropout(
+    (heads, kv_heads, q_len, kv_len, head_dim): (u32, u32, u32, u32, u32),
+    keys: KeyRule,
+    padding: bool,
+    rope: bool,
+    dropout: Option<(f32, u32)>,
+) -> AttentionCase {
     let scale = 1.0 / (head_dim as f32).sqrt();
     let rope_spec = rope.then_some((10000.0, kiln_ir::RopeScaling::Default));
     let decode = matches!(keys, KeyRule::Position { .. });
@@ -397,7 +413,7 @@ fn attention_case(
         padding,
         rope,
         rope_k: rope && !decode,
-        dropout: None,
+        dropout,
         elem: Elem::F32,
         strides: [[0; 3]; 4],
         splits: 1,
@@ -415,7 +431,7 @@ fn attention_case(
             window: window.map(i64::from),
             padding,
             rope: rope_spec,
-            dropout: None,
+            dropout: dropout.map(|(p, stream)| (f64::from(p), stream)),
         }),
         KeyRule::All => Op::Attention(AttentionSpec {
             scale: f64::from(scale),
@@ -423,7 +439,7 @@ fn attention_case(
             window: None,
             padding,
             rope: rope_spec,
-            dropout: None,
+            dropout: dropout.map(|(p, stream)| (f64::from(p), stream)),
         }),
     };
     AttentionCase { cfg, op }
@@ -477,6 +493,15 @@ fn attention_matches_the_interpreter() {
             true,
         ),
         attention_case((2, 1, 5, 260, 12), KeyRule::All, true, false),
+        // Dropout: any mask bit drawn differently from the IR's moves a row far past 1e-4.
+        attention_case_with_dropout(
+            (4, 2, 140, 140, 8),
+            KeyRule::Causal { window: None },
+            true,
+            true,
+            Some((0.5, 3)),
+        ),
+        attention_case_with_dropout((2, 2, 6, 6, 4), KeyRule::All, false, false, Some((0.1, 0))),
     ];
     let mut module = CpuModule::new().unwrap();
     let names: Vec<String> = cases
@@ -522,6 +547,10 @@ fn attention_matches_the_interpreter() {
         if cfg.rope {
             args.extend([cos.as_ptr() as u64, sin.as_ptr() as u64]);
         }
+        let seed: i64 = rng.random();
+        if cfg.dropout.is_some() {
+            args.push(&seed as *const i64 as u64);
+        }
         // SAFETY: the symbol was generated with the kernel signature.
         let f: libloading::Symbol<KernelFn> = unsafe { lib.get(name.as_bytes()) }.unwrap();
         let rows = (b * h * s) as u64;
@@ -545,7 +574,11 @@ fn attention_matches_the_interpreter() {
             ints.push(inputs.len());
             inputs.push((vec![b, s], as_f(&positions)));
         }
-        let want = reference(case.op.clone(), inputs, &ints);
-        check(name, Elem::F32, &out, want.as_f32().unwrap());
+        if cfg.dropout.is_some() {
+            ints.push(inputs.len());
+            inputs.push((vec![], vec![]));
+        }
+        let want = reference_with_seed(case.op.clone(), inputs, &ints, Some(seed));
+        check(name, Elem::F32, &out, &want);
     }
 }

@@ -81,3 +81,50 @@ fn encoders_match_references_on_the_cpu_executor() {
         }
     }
 }
+
+/// A `--dropout` build (a training-mode forward): the CPU executor's generated attention draws
+/// exactly the interpreter's Philox masks, so both give the same logits (p = 0.1 drops about one
+/// weight in ten; one mask bit drawn differently would move a row far past 1e-4).
+#[test]
+fn dropout_masks_match_the_interpreter() {
+    use kiln_ir::Tensor;
+    let tmp = tempfile::tempdir().unwrap();
+    let art = compile_artifact(
+        &fixture("gpt2-tiny"),
+        &tmp.path().join("dropout.kiln"),
+        &["--buckets", "16", "--dropout"],
+    );
+    let reference = reference("gpt2-tiny");
+    let ids = reference["input_ids_16"].as_i64().unwrap().to_vec();
+    let batch = TokenBatch {
+        ids: vec![ids],
+        mask: None,
+    };
+    let (bucket, mut inputs) = kiln_runtime::forward::prepare(&art, &batch).unwrap();
+    assert!(
+        art.graphs[&bucket.graph]
+            .inputs()
+            .any(|(_, n, _)| n == "seed"),
+        "a --dropout graph reads a seed"
+    );
+    inputs.insert(
+        "seed".to_string(),
+        Tensor::i64(vec![], vec![0x1234_5678_9abc]),
+    );
+    let mut exec = native(&art);
+    let got = exec.run(&art, bucket, &inputs).unwrap();
+    let want = Executor::Interpreter.run(&art, bucket, &inputs).unwrap();
+    let err = kiln_tests::rel_err(
+        kiln_tests::floats(&got["logits"]),
+        kiln_tests::floats(&want["logits"]),
+    );
+    assert!(err < 1e-4, "dropout logits: relative error {err:e}");
+    // And dropout did something: another seed gives other logits.
+    inputs.insert("seed".to_string(), Tensor::i64(vec![], vec![7]));
+    let other = exec.run(&art, bucket, &inputs).unwrap();
+    let moved = kiln_tests::rel_err(
+        kiln_tests::floats(&other["logits"]),
+        kiln_tests::floats(&got["logits"]),
+    );
+    assert!(moved > 1e-3, "another seed draws another mask ({moved:e})");
+}

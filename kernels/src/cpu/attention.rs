@@ -8,12 +8,12 @@
 //! dot products and the accumulator update run four lanes at a time.
 //!
 //! Parameters: `q, k, v, out, [mask], [positions], [cos, sin]`; the parallel axis is query rows
-//! (`(b * heads + h) * q_len + i`). Dropout and split key ranges (flash-decoding) are GPU-only:
-//! the generator refuses them.
+//! (`(b * heads + h) * q_len + i`). Dropout draws exactly the IR's Philox mask. Split key ranges
+//! (flash-decoding) are GPU-only: a CPU call covers every key.
 
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
-use cranelift_codegen::ir::types::I64;
-use cranelift_codegen::ir::{InstBuilder, StackSlotData, StackSlotKind, Type, Value};
+use cranelift_codegen::ir::types::{I32, I64};
+use cranelift_codegen::ir::{InstBuilder, MemFlagsData, StackSlotData, StackSlotKind, Type, Value};
 use cranelift_frontend::FunctionBuilder;
 
 use super::math::{constant, exp, rotated};
@@ -42,7 +42,7 @@ pub fn name(cfg: &AttentionConfig) -> String {
         .map(|s| format!("{}x{}x{}", s[0], s[1], s[2]))
         .collect();
     format!(
-        "cpu_attention_f32_h{}kv{}_d{}_s{}_t{}_{keys}{}{}{}_{}_scale{:08x}",
+        "cpu_attention_f32_h{}kv{}_d{}_s{}_t{}_{keys}{}{}{}_{}_scale{:08x}{}",
         cfg.heads,
         cfg.kv_heads,
         cfg.head_dim,
@@ -52,15 +52,18 @@ pub fn name(cfg: &AttentionConfig) -> String {
         if cfg.rope { "_rope" } else { "" },
         if cfg.rope_k { "k" } else { "" },
         strides.join("_"),
-        cfg.scale.to_bits()
+        cfg.scale.to_bits(),
+        cfg.dropout
+            .map(|(p, stream)| format!("_drop{:08x}s{stream}", p.to_bits()))
+            .unwrap_or_default()
     )
 }
 
 /// Generates the attention of `cfg` (f32) into `module`; returns its name.
 pub fn attention(module: &mut CpuModule, cfg: &AttentionConfig) -> Result<String, CpuError> {
-    if cfg.dropout.is_some() || cfg.splits != 1 || !cfg.head_dim.is_multiple_of(2) {
+    if cfg.splits != 1 || !cfg.head_dim.is_multiple_of(2) {
         return Err(CpuError(format!(
-            "{}: the CPU attention takes no dropout, one key range and an even head dimension",
+            "{}: the CPU attention takes one key range and an even head dimension",
             name(cfg)
         )));
     }
@@ -77,6 +80,17 @@ fn body(b: &mut FunctionBuilder, p: super::module::KernelParams, cfg: &Attention
     let needs_positions = cfg.rope || matches!(cfg.keys, KeyRule::Position { .. });
     let positions = needs_positions.then(|| args.next(b));
     let tables = cfg.rope.then(|| (args.next(b), args.next(b)));
+    // Dropout: the Philox key from the seed operand (low and high words), the keep threshold and
+    // the scale of kept weights.
+    let dropout = cfg.dropout.map(|(p, stream)| {
+        let seed_addr = args.next(b);
+        let seed = b.ins().load(I64, MemFlagsData::trusted(), seed_addr, 0);
+        let lo = b.ins().ireduce(I32, seed);
+        let shifted = b.ins().ushr_imm_s(seed, 32);
+        let hi = b.ins().ireduce(I32, shifted);
+        let threshold = kiln_ir::philox::dropout_threshold(f64::from(p));
+        (lo, hi, stream, threshold, 1.0f32 / (1.0 - p))
+    });
     let d = cfg.head_dim;
     let half = d / 2;
     let [qs, ks, vs, os] = cfg.strides.map(|s| s.map(i64::from));
@@ -279,10 +293,22 @@ fn body(b: &mut FunctionBuilder, p: super::module::KernelParams, cfg: &Attention
             let ws = lane_sum(b, ws);
             let l_new = b.ins().fadd(ws, wt);
             b.def_var(l, l_new);
-            // The weighted values.
+            // The weighted values (dropped ones weigh 0, kept ones 1 / (1 - p) times more; the
+            // sum above is of the undropped weights, as in the IR).
             for_range(b, zero, count, 1, |b, jj| {
                 let sa = f32_addr(b, scores, jj);
-                let w = load(b, super::module::SCALAR, sa);
+                let mut w = load(b, super::module::SCALAR, sa);
+                if let Some((lo, hi, stream, threshold, keep_scale)) = dropout {
+                    let j = b.ins().iadd(kb, jj);
+                    let plane = b.ins().ireduce(I32, bh);
+                    let row_i = b.ins().ireduce(I32, i);
+                    let col = b.ins().ireduce(I32, j);
+                    let keep = philox_keep(b, [lo, hi], stream, plane, row_i, col, threshold);
+                    let k_scale = b.ins().f32const(keep_scale);
+                    let scaled = b.ins().fmul(w, k_scale);
+                    let zero_w = b.ins().f32const(0.0);
+                    w = b.ins().select(keep, scaled, zero_w);
+                }
                 let w_x4 = splat(b, w);
                 let j = b.ins().iadd(kb, jj);
                 let v_row = b.ins().imul_imm_s(j, vs[2]);
@@ -354,4 +380,48 @@ fn rotated_pair(
     let sa = f32_addr(b, sin, ti);
     let (cv, sv) = (load(b, ty, ca), load(b, ty, sa));
     rotated(b, lo, hi, cv, sv)
+}
+
+/// Whether Philox-4x32-10 keeps element `(plane, row, col)` of `stream` (DESIGN.md section 2, as
+/// `kiln_ir::philox::dropout_keep`): counter `(col >> 2, row, plane, stream)`, key `key`, word
+/// `col & 3`, kept when `>= threshold`. Returns an `i8` condition.
+fn philox_keep(
+    b: &mut FunctionBuilder,
+    key: [Value; 2],
+    stream: u32,
+    plane: Value,
+    row: Value,
+    col: Value,
+    threshold: u32,
+) -> Value {
+    let c0 = b.ins().ushr_imm_s(col, 2);
+    let stream = b.ins().iconst(I32, i64::from(stream));
+    let mut c = [c0, row, plane, stream];
+    let mut k = key;
+    let m0 = b.ins().iconst(I32, i64::from(0xD251_1F53u32));
+    let m1 = b.ins().iconst(I32, i64::from(0xCD9E_8D57u32));
+    for round in 0..10 {
+        if round > 0 {
+            k[0] = b.ins().iadd_imm_s(k[0], i64::from(0x9E37_79B9u32));
+            k[1] = b.ins().iadd_imm_s(k[1], i64::from(0xBB67_AE85u32));
+        }
+        let hi0 = b.ins().umulhi(c[0], m0);
+        let lo0 = b.ins().imul(c[0], m0);
+        let hi1 = b.ins().umulhi(c[2], m1);
+        let lo1 = b.ins().imul(c[2], m1);
+        let x0 = b.ins().bxor(hi1, c[1]);
+        let n0 = b.ins().bxor(x0, k[0]);
+        let x2 = b.ins().bxor(hi0, c[3]);
+        let n2 = b.ins().bxor(x2, k[1]);
+        c = [n0, lo1, n2, lo0];
+    }
+    let which = b.ins().band_imm_s(col, 3);
+    let is1 = b.ins().icmp_imm_s(IntCC::Equal, which, 1);
+    let is2 = b.ins().icmp_imm_s(IntCC::Equal, which, 2);
+    let is3 = b.ins().icmp_imm_s(IntCC::Equal, which, 3);
+    let w = b.ins().select(is1, c[1], c[0]);
+    let w = b.ins().select(is2, c[2], w);
+    let w = b.ins().select(is3, c[3], w);
+    b.ins()
+        .icmp_imm_s(IntCC::UnsignedGreaterThanOrEqual, w, i64::from(threshold))
 }
