@@ -93,6 +93,10 @@ pub enum Command {
         /// token per step).
         #[arg(long)]
         prefill_chunk: Option<usize>,
+        /// Which code to generate: GPU kernels (PTX, and SASS when ptxas is found), CPU kernels
+        /// (Cranelift, f32 builds), or both.
+        #[arg(long, value_enum, default_value_t = Target::All)]
+        target: Target,
     },
     /// Print a readable summary of a compiled artifact (verified first): buckets, kernels per
     /// bucket, files.
@@ -183,6 +187,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
             dropout,
             max_context,
             prefill_chunk,
+            target,
         } => {
             let dtype = match DType::parse(dtype) {
                 Some(d) if d.is_float() => d,
@@ -272,7 +277,15 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 .stage_seconds
                 .insert("import".into(), import_seconds);
             let start = std::time::Instant::now();
-            write_artifact(out_dir, &model, &plan, &buckets, !*no_weights, dtype)?;
+            write_artifact(
+                out_dir,
+                &model,
+                &plan,
+                &buckets,
+                !*no_weights,
+                dtype,
+                *target,
+            )?;
             compiled
                 .stage_seconds
                 .insert("write".into(), start.elapsed().as_secs_f64());
@@ -328,16 +341,20 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
             )?;
             writeln!(
                 out,
-                "  vocab {}, outputs {}, weights: {}, tokenizer: {}, kernels: {}{}",
+                "  vocab {}, outputs {}, weights: {}, tokenizer: {}, kernels: {}",
                 m.model.vocab_size,
                 m.model.outputs.join(", "),
                 m.weights.as_deref().unwrap_or("none (plan only)"),
                 m.tokenizer.as_deref().unwrap_or("none"),
-                m.kernels_ptx,
-                m.kernels_cubin
-                    .as_deref()
-                    .map(|c| format!(" + {c}"))
-                    .unwrap_or_default()
+                [
+                    m.kernels_ptx.as_deref(),
+                    m.kernels_cubin.as_deref(),
+                    m.kernels_cpu.as_deref()
+                ]
+                .into_iter()
+                .flatten()
+                .collect::<Vec<_>>()
+                .join(" + ")
             )?;
             writeln!(
                 out,
@@ -553,6 +570,7 @@ fn read_histogram(path: &Path) -> Result<BTreeMap<usize, u64>> {
 /// Writes the artifact (`manifest.ron`, `buckets/*.ron`, `kernels.ptx` and the cubin,
 /// `weights.safetensors`, `tokenizer.json`, `checksums`) into a fresh folder beside `out_dir`,
 /// then swaps it into place, so a failure leaves nothing half-written.
+#[allow(clippy::too_many_arguments)]
 fn write_artifact(
     out_dir: &Path,
     model: &kiln_models::Model,
@@ -560,6 +578,7 @@ fn write_artifact(
     compiled: &Compiled,
     with_weights: bool,
     dtype: DType,
+    target: Target,
 ) -> Result<()> {
     // A path without a final name (`.`, `..`, `dir/..`) is resolved first, so that the temporary
     // and backup folders are siblings of the output, never inside it.
@@ -638,8 +657,17 @@ fn write_artifact(
         };
         let entries = write("prefill", &compiled.prefill)?;
         let decode_entries = write("decode", &compiled.decode)?;
-        let cubin = write_kernels(&tmp, &art.kernels)?;
-        let cpu_library = write_cpu_kernels(&tmp, art)?;
+        let (ptx, cubin) = if target.cuda() {
+            let cubin = write_kernels(&tmp, &art.kernels)?;
+            (Some(KERNELS_PTX.to_string()), cubin)
+        } else {
+            (None, None)
+        };
+        let cpu_library = if target.cpu() {
+            write_cpu_kernels(&tmp, art)?
+        } else {
+            None
+        };
         let weights = if with_weights {
             write_weights(&tmp, model, art)?;
             Some(WEIGHTS.to_string())
@@ -688,7 +716,7 @@ fn write_artifact(
             dtype,
             weights,
             tokenizer,
-            kernels_ptx: KERNELS_PTX.to_string(),
+            kernels_ptx: ptx,
             targets: if cubin.is_some() { vec![90] } else { vec![] },
             kernels_cubin: cubin,
             kernels_cpu: cpu_library,
@@ -703,7 +731,8 @@ fn write_artifact(
         let text = ron::ser::to_string_pretty(&manifest, ron::ser::PrettyConfig::new())?;
         std::fs::write(tmp.join(artifact::MANIFEST), text)?;
         // Every file, the manifest included, gets a checksum.
-        let mut files: Vec<String> = vec![artifact::MANIFEST.to_string(), KERNELS_PTX.to_string()];
+        let mut files: Vec<String> = vec![artifact::MANIFEST.to_string()];
+        files.extend(manifest.kernels_ptx.iter().cloned());
         files.extend(manifest.kernels_cubin.iter().cloned());
         files.extend(manifest.kernels_cpu.iter().cloned());
         files.extend(manifest.weights.iter().cloned());
@@ -816,6 +845,27 @@ fn write_kernels(dir: &Path, kernels: &crate::lower::Lowered) -> Result<Option<S
         return Ok(Some(KERNELS_CUBIN.to_string()));
     }
     Ok(None)
+}
+
+/// Which code `kiln compile` generates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Target {
+    /// GPU and CPU kernels.
+    All,
+    /// GPU kernels only (PTX, and SASS when ptxas is found).
+    Cuda,
+    /// CPU kernels only (Cranelift; f32 builds).
+    Cpu,
+}
+
+impl Target {
+    fn cuda(self) -> bool {
+        self != Target::Cpu
+    }
+
+    fn cpu(self) -> bool {
+        self != Target::Cuda
+    }
 }
 
 /// Generates every CPU kernel the plans call (Cranelift, ahead of time) and links them into the

@@ -52,8 +52,8 @@ pub struct Manifest {
     pub weights: Option<String>,
     /// `tokenizer.json`, when the checkpoint had one.
     pub tokenizer: Option<String>,
-    /// The PTX module of every kernel.
-    pub kernels_ptx: String,
+    /// The PTX module of every kernel (absent in a `--target cpu` build).
+    pub kernels_ptx: Option<String>,
     /// The sm_90 cubin assembled from it, when ptxas was found.
     pub kernels_cubin: Option<String>,
     /// The CPU kernels (a shared library for this architecture), when the build has CPU plans.

@@ -12,7 +12,7 @@ use kiln_ir::philox::{philox4x32_10, seed_key};
 use serde::Serialize;
 
 use crate::forward::{forward, prefill_bucket, prepare};
-use crate::generate::{generate, Sampling};
+use crate::generate::{generate_timed, Sampling};
 use crate::{Artifact, Executor, RuntimeError};
 
 /// What the benchmark sends.
@@ -167,19 +167,13 @@ pub fn bench(
     let gpu_after = gpu_used(exec)?;
     let decode_ms_per_token = if opts.decode_tokens > 0 && art.manifest.model.decoder {
         // A one-token prompt, then `decode_tokens` new tokens: the first comes from the prompt's
-        // run, each other from one decode step. The prompt's run alone (one new token) is timed
-        // too and taken off, so the figure is per decode step.
-        let time = |exec: &mut Executor, n: usize| -> Result<f64, RuntimeError> {
-            let t0 = Instant::now();
-            generate(art, exec, &[0], n, &Sampling::greedy())?;
-            Ok(t0.elapsed().as_secs_f64() * 1e3)
-        };
-        let prompt_only = time(exec, 1)?;
-        let all = time(exec, opts.decode_tokens)?;
+        // run, each other from one decode step, and only those steps are timed.
+        let t0 = Instant::now();
+        let (_, steps) = generate_timed(art, exec, &[0], opts.decode_tokens, &Sampling::greedy())?;
         Some(if opts.decode_tokens > 1 {
-            (all - prompt_only).max(0.0) / (opts.decode_tokens - 1) as f64
+            steps * 1e3 / (opts.decode_tokens - 1) as f64
         } else {
-            all
+            t0.elapsed().as_secs_f64() * 1e3
         })
     } else {
         None

@@ -130,8 +130,13 @@ pub fn choose_image(art: &Artifact, sm: u32) -> Result<KernelImage, RuntimeError
             Ok(KernelImage::Cubin(bytes))
         }
         None => {
-            let text = std::fs::read_to_string(art.dir.join(&m.kernels_ptx))
-                .map_err(|e| bad(&m.kernels_ptx, format!("cannot be read: {e}")))?;
+            let file = m.kernels_ptx.as_ref().ok_or_else(|| {
+                RuntimeError::Device(
+                    "the artifact has no GPU kernels (compiled with --target cpu)".into(),
+                )
+            })?;
+            let text = std::fs::read_to_string(art.dir.join(file))
+                .map_err(|e| bad(file, format!("cannot be read: {e}")))?;
             Ok(KernelImage::Ptx(text))
         }
     }

@@ -45,6 +45,18 @@ pub fn generate(
     max_new: usize,
     sampling: &Sampling,
 ) -> Result<Vec<i64>, RuntimeError> {
+    Ok(generate_timed(art, exec, prompt, max_new, sampling)?.0)
+}
+
+/// [`generate`], also returning the seconds spent in decode steps (every new token after the
+/// first, which comes from the prompt's run).
+pub fn generate_timed(
+    art: &Artifact,
+    exec: &mut Executor,
+    prompt: &[i64],
+    max_new: usize,
+    sampling: &Sampling,
+) -> Result<(Vec<i64>, f64), RuntimeError> {
     let m = &art.manifest;
     if !m.model.decoder {
         return Err(RuntimeError::Request(format!(
@@ -85,7 +97,7 @@ pub fn generate(
         )));
     }
     if max_new == 0 {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), 0.0));
     }
     // The executor keeps its own cache (on the device), or the cache is passed along here.
     exec.reset_cache()?;
@@ -131,14 +143,17 @@ pub fn generate(
         }
     }
     let mut out = Vec::with_capacity(max_new);
+    let mut decode_seconds = 0.0;
     for i in 0..max_new {
         let next = choose(&logits, sampling, i as u32) as i64;
         out.push(next);
         if i + 1 < max_new {
+            let start = std::time::Instant::now();
             logits = run.step(bucket, &[next], prompt.len() + i)?;
+            decode_seconds += start.elapsed().as_secs_f64();
         }
     }
-    Ok(out)
+    Ok((out, decode_seconds))
 }
 
 /// One generation's state: the executor and (for the interpreter) the KV cache tensors.

@@ -128,3 +128,35 @@ fn dropout_masks_match_the_interpreter() {
     );
     assert!(moved > 1e-3, "another seed draws another mask ({moved:e})");
 }
+
+/// `--target cpu` writes CPU kernels and no GPU code; `--target cuda` the reverse, and such an
+/// artifact runs on the CPU through the interpreter.
+#[test]
+fn targets_choose_the_code_generated() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cpu = compile_artifact(
+        &fixture("gpt2-tiny"),
+        &tmp.path().join("cpu.kiln"),
+        &[
+            "--buckets",
+            "16,128",
+            "--batch-buckets",
+            "1,4",
+            "--target",
+            "cpu",
+        ],
+    );
+    assert!(cpu.manifest.kernels_ptx.is_none() && cpu.manifest.kernels_cubin.is_none());
+    assert!(!cpu.dir.join("kernels.ptx").exists());
+    let mut exec = native(&cpu);
+    assert_decoder_references(&cpu, &mut exec, "gpt2-tiny", "f32");
+
+    let cuda = compile_artifact(
+        &fixture("gpt2-tiny"),
+        &tmp.path().join("cuda.kiln"),
+        &["--buckets", "16", "--target", "cuda"],
+    );
+    assert!(cuda.manifest.kernels_ptx.is_some() && cuda.manifest.kernels_cpu.is_none());
+    let exec = Executor::open(&cuda, Device::Cpu).unwrap();
+    assert!(matches!(exec, Executor::Interpreter));
+}
