@@ -76,15 +76,15 @@ impl Checkpoint {
                 });
             }
             let path = dir.join(&name);
-            let file = File::open(&path).map_err(|source| ModelError::Io {
+            let file = File::open(&path).map_err(|error| ModelError::Io {
                 path: path.clone(),
-                source,
+                error,
             })?;
             // SAFETY: the mapping is read-only and kiln never writes checkpoint files; a file
             // truncated underneath us by another process is outside what any reader can defend.
-            let mmap = unsafe { Mmap::map(&file) }.map_err(|source| ModelError::Io {
+            let mmap = unsafe { Mmap::map(&file) }.map_err(|error| ModelError::Io {
                 path: path.clone(),
-                source,
+                error,
             })?;
             let (header_len, metadata) =
                 SafeTensors::read_metadata(&mmap).map_err(|e| ModelError::Safetensors {
@@ -251,9 +251,9 @@ impl WeightSource for Checkpoint {
 
 /// Reads and parses a JSON file.
 pub(crate) fn read_json(path: &Path) -> Result<Value, ModelError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+    let text = std::fs::read_to_string(path).map_err(|error| ModelError::Io {
         path: path.to_path_buf(),
-        source,
+        error,
     })?;
     serde_json::from_str(&text).map_err(|e| ModelError::Json {
         path: path.to_path_buf(),

@@ -29,12 +29,12 @@ pub enum ModelError {
     #[error("model folder {0} does not exist or is not a folder")]
     NotAFolder(PathBuf),
     /// A file could not be read.
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}: {error}")]
     Io {
         /// The file.
         path: PathBuf,
-        /// The OS error.
-        source: std::io::Error,
+        /// The OS error (in the message itself, not as a source, so a printed chain says it once).
+        error: std::io::Error,
     },
     /// A JSON file is malformed.
     #[error("{path}: {message}")]
