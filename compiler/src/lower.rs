@@ -113,6 +113,19 @@ pub struct NodeLaunches {
 }
 
 impl NodeLaunches {
+    /// Adds a CPU call with the parameter list of the GPU kernel `like` (the CPU kernels share
+    /// it), bound by `bind`.
+    fn cpu_like(
+        &mut self,
+        kernel: CpuKernel,
+        like: &GeneratedKernel,
+        bind: &[(&str, Operand)],
+        extent: u64,
+    ) {
+        let params: Vec<&str> = like.signature.iter().map(|(p, _)| p.as_str()).collect();
+        self.cpu(kernel, bind, &params, extent);
+    }
+
     /// Adds a CPU call with the operands `bind` gives the parameters `params`, in that order.
     fn cpu(&mut self, kernel: CpuKernel, bind: &[(&str, Operand)], params: &[&str], extent: u64) {
         let args: Option<Vec<Operand>> = params
@@ -310,9 +323,8 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
                 bind.push((t, a(2 * i)));
                 bind.push((ids, a(2 * i + 1)));
             }
-            let params: Vec<&str> = kernel.signature.iter().map(|(p, _)| p.as_str()).collect();
-            n.cpu(CpuKernel::Embedding(cfg), &bind, &params, u64::from(tokens));
-            out.launch(n, kernel.clone(), &bind)?;
+            n.cpu_like(CpuKernel::Embedding(cfg), &kernel, &bind, u64::from(tokens));
+            out.launch(n, kernel, &bind)?;
         }
         Op::Norm(spec) => {
             let cols = *dims(&node.ty)?.last()?;
@@ -338,9 +350,8 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
             if rest + 1 < node.args.len() {
                 bind.push(("bias", a(rest + 1)));
             }
-            let params: Vec<&str> = kernel.signature.iter().map(|(p, _)| p.as_str()).collect();
-            n.cpu(CpuKernel::Norm(cfg), &bind, &params, u64::from(rows));
-            out.launch(n, kernel.clone(), &bind)?;
+            n.cpu_like(CpuKernel::Norm(cfg), &kernel, &bind, u64::from(rows));
+            out.launch(n, kernel, &bind)?;
         }
         Op::Gemm(spec) => {
             let x = dims(arg(0))?;
@@ -380,9 +391,8 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
                     bind.push(("bias", b));
                 }
                 let kernel = norm(&cfg);
-                let params: Vec<&str> = kernel.signature.iter().map(|(p, _)| p.as_str()).collect();
-                n.cpu(CpuKernel::Norm(cfg), &bind, &params, u64::from(m));
-                out.launch(n, kernel.clone(), &bind)?;
+                n.cpu_like(CpuKernel::Norm(cfg), &kernel, &bind, u64::from(m));
+                out.launch(n, kernel, &bind)?;
                 x_operand = Operand::Scratch(0);
             }
             let cfg = GemmConfig {
@@ -404,9 +414,8 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
             if let Some(r) = residual {
                 bind.push(("residual", r));
             }
-            let params: Vec<&str> = kernel.signature.iter().map(|(p, _)| p.as_str()).collect();
-            n.cpu(CpuKernel::Gemm(cfg), &bind, &params, u64::from(m));
-            out.launch(n, kernel.clone(), &bind)?;
+            n.cpu_like(CpuKernel::Gemm(cfg), &kernel, &bind, u64::from(m));
+            out.launch(n, kernel, &bind)?;
         }
         Op::Attention(spec) => {
             let (cfg, kernel) = lower_attention(g, id, spec, elem)?;
@@ -426,10 +435,9 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
             if spec.dropout.is_some() {
                 bind.push(("seed", a(rest)));
             }
-            let params: Vec<&str> = kernel.signature.iter().map(|(p, _)| p.as_str()).collect();
             let rows = u64::from(cfg.batch * cfg.heads * cfg.q_len);
-            n.cpu(CpuKernel::Attention(cfg), &bind, &params, rows);
-            out.launch(n, kernel.clone(), &bind)?;
+            n.cpu_like(CpuKernel::Attention(cfg), &kernel, &bind, rows);
+            out.launch(n, kernel, &bind)?;
         }
         Op::DecodeAttention(spec) => {
             let (cfg, combine) = lower_decode(g, id, spec, elem)?;
@@ -512,10 +520,9 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
             if let Some(table) = rope {
                 bind.extend(rope_tables(table));
             }
-            let params: Vec<&str> = kernel.signature.iter().map(|(p, _)| p.as_str()).collect();
             let tokens = u64::from(cfg.batch * cfg.new_len);
-            n.cpu(CpuKernel::KvWrite(cfg), &bind, &params, tokens);
-            out.launch(n, kernel.clone(), &bind)?;
+            n.cpu_like(CpuKernel::KvWrite(cfg), &kernel, &bind, tokens);
+            out.launch(n, kernel, &bind)?;
         }
         _ => return None,
     }
