@@ -7,7 +7,10 @@
 use kiln_ir::inputs::TokenBatch;
 use kiln_runtime::generate::{generate, Sampling};
 use kiln_runtime::{forward::forward, Artifact, Device, Executor};
-use kiln_tests::{assert_decoder_references, compile_artifact, fixture, masked_rel_err, reference};
+use kiln_tests::{
+    assert_decoder_references, assert_embeddings_close, compile_artifact, fixture, floats,
+    masked_rel_err, minilm_dir, reference, rel_err,
+};
 
 fn gpu() -> bool {
     match kiln_runtime::cuda::probe() {
@@ -105,30 +108,51 @@ fn decoders_match_references_on_the_gpu() {
     }
 }
 
+/// bert-tiny and the real all-MiniLM-L6-v2 (its mean pooling and normalisation run as the GPU
+/// plan's host tail), f32 and bf16: `last_hidden_state` and the sentence embeddings within the
+/// fixtures' tolerances.
 #[test]
 fn encoders_match_references_on_the_gpu() {
     if !gpu() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    for dtype in ["f32", "bf16"] {
-        let dir = tmp.path().join(format!("bert-{dtype}.kiln"));
-        let art = compile_artifact(
-            &fixture("bert-tiny"),
-            &dir,
-            &["--buckets", "32", "--batch-buckets", "4", "--dtype", dtype],
-        );
-        let mut exec = cuda(&art);
-        let reference = reference("bert-tiny");
-        let (batch, _) =
-            TokenBatch::from_tensors(&reference["input_ids"], Some(&reference["attention_mask"]))
-                .unwrap();
-        let out = forward(&art, &mut exec, &batch).unwrap();
-        let (got, want) = (&out["last_hidden_state"], &reference["last_hidden_state"]);
-        let err = masked_rel_err(got, want, &reference["attention_mask"]);
-        let tol = if dtype == "f32" { 1e-4 } else { 2e-2 };
-        assert!(err < tol, "bert-tiny {dtype}: relative error {:e}", err);
-        println!("ok: bert-tiny {dtype}: relative error {:e}", err);
+    for (dir, name) in [
+        (fixture("bert-tiny"), "bert-tiny"),
+        (minilm_dir(), "minilm-reference"),
+    ] {
+        for dtype in ["f32", "bf16"] {
+            let art = compile_artifact(
+                &dir,
+                &tmp.path().join(format!("{name}-{dtype}.kiln")),
+                &["--buckets", "32", "--batch-buckets", "4", "--dtype", dtype],
+            );
+            let mut exec = cuda(&art);
+            let reference = reference(name);
+            let (batch, _) = TokenBatch::from_tensors(
+                &reference["input_ids"],
+                Some(&reference["attention_mask"]),
+            )
+            .unwrap();
+            let out = forward(&art, &mut exec, &batch).unwrap();
+            let (got, want) = (&out["last_hidden_state"], &reference["last_hidden_state"]);
+            let err = masked_rel_err(got, want, &reference["attention_mask"]);
+            let tol = if dtype == "f32" { 1e-4 } else { 2e-2 };
+            assert!(err < tol, "{name} {dtype}: relative error {:e}", err);
+            println!(
+                "ok: {name} {dtype}: last_hidden_state relative error {:e}",
+                err
+            );
+            if let Some(want) = reference.get("sentence_embedding") {
+                let got = &out["sentence_embedding"];
+                let err = rel_err(floats(got), floats(want));
+                assert!(err < tol, "{name} {dtype}: sentence embeddings {err:e}");
+                if dtype == "f32" {
+                    assert_embeddings_close(got, want, want.shape[0], name);
+                }
+                println!("ok: {name} {dtype}: sentence_embedding relative error {err:e}");
+            }
+        }
     }
 }
 
