@@ -19,6 +19,7 @@
 
 pub mod artifact;
 pub mod bench;
+pub mod cli;
 pub mod cpu;
 pub mod cuda;
 pub mod executor;

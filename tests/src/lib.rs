@@ -68,6 +68,17 @@ pub fn kiln(args: &[&str]) -> Result<String, String> {
     Ok(String::from_utf8(out).expect("kiln prints UTF-8"))
 }
 
+/// Runs `kiln-run ARGS...` in-process (the binary's own entry point); returns what it printed, or
+/// the error as one line.
+pub fn kiln_run(args: &[&str]) -> Result<String, String> {
+    use kiln_runtime::cli;
+    let cli = cli::Cli::try_parse_from(std::iter::once("kiln-run").chain(args.iter().copied()))
+        .map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    cli::run(cli, &mut out).map_err(|e| format!("{e:#}"))?;
+    Ok(String::from_utf8(out).expect("kiln-run prints UTF-8"))
+}
+
 /// The float values of a tensor.
 pub fn floats(t: &Tensor) -> &[f32] {
     t.as_f32().expect("a float tensor")

@@ -1,0 +1,399 @@
+//! `kiln-run`'s command line: the subcommands, their arguments and what they print. The binary
+//! (`src/main.rs`) parses and calls [`run`]; tests call it in-process.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use crate::bench::{bench, BenchOptions, BenchReport};
+use crate::generate::{generate, Sampling};
+use crate::{forward::forward, Artifact, Device, Executor};
+use anyhow::{bail, Result};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use kiln_ir::inputs::TokenBatch;
+
+/// kiln-run: runs an artifact compiled by `kiln compile`.
+#[derive(Parser)]
+#[command(name = "kiln-run", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Where requests run.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum DeviceArg {
+    /// CUDA when a GPU is present, the CPU otherwise.
+    Auto,
+    /// The CPU: the artifact's generated kernels (f32 builds), else the reference interpreter.
+    Cpu,
+    /// The GPU: CUDA graphs captured at load and replayed per request.
+    Cuda,
+}
+
+/// Where a command runs (shared by every subcommand).
+#[derive(Args)]
+struct Placement {
+    /// Where to run (cpu: the artifact's generated CPU kernels for f32 builds, the reference
+    /// interpreter for f16/bf16 builds).
+    #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
+    device: DeviceArg,
+}
+
+impl Placement {
+    /// Loads `art` on the chosen executor.
+    fn open(&self, art: &Artifact) -> Result<Executor> {
+        let device = match self.device {
+            DeviceArg::Auto => Device::Auto,
+            DeviceArg::Cpu => Device::Cpu,
+            DeviceArg::Cuda => Device::Cuda,
+        };
+        Ok(Executor::open(art, device)?)
+    }
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// One forward pass: IN holds `input_ids` (i64 [L] or [B, L]) and optionally
+    /// `attention_mask` (i64 [B, L]); OUT gets the model's outputs (`logits`, or
+    /// `last_hidden_state` and `sentence_embedding`).
+    Forward {
+        /// The artifact folder.
+        artifact: PathBuf,
+        /// Input safetensors file.
+        #[arg(long)]
+        input: PathBuf,
+        /// Output safetensors file.
+        #[arg(long)]
+        output: PathBuf,
+        #[command(flatten)]
+        placement: Placement,
+    },
+    /// Generate tokens after a prompt through the decode graph and its KV cache (batch 1).
+    Generate {
+        /// The artifact folder.
+        artifact: PathBuf,
+        /// The prompt's token ids, comma-separated.
+        #[arg(
+            long,
+            value_delimiter = ',',
+            conflicts_with = "prompt",
+            required_unless_present = "prompt"
+        )]
+        prompt_ids: Vec<i64>,
+        /// The prompt as text, tokenised with the artifact's tokenizer.json; the output then
+        /// also has the generated text.
+        #[arg(long)]
+        prompt: Option<String>,
+        /// How many tokens to generate.
+        #[arg(long)]
+        max_new_tokens: usize,
+        /// 0 (the default) is greedy; otherwise logits are divided by it before sampling.
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f32,
+        /// Keep the k largest logits (0 keeps all).
+        #[arg(long, default_value_t = 0)]
+        top_k: usize,
+        /// Keep the smallest set of largest logits with this much of the mass (1 keeps all).
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f32,
+        /// Seed of the sampling stream.
+        #[arg(long, default_value_t = 0)]
+        seed: i64,
+        /// Print JSON (`{"tokens": [...]}`, with `"text"` for a text prompt) instead of
+        /// space-separated ids.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        placement: Placement,
+    },
+    /// Sentence embeddings of texts (encoders compiled from a sentence-transformers folder),
+    /// one line of numbers per text.
+    Embed {
+        /// The artifact folder.
+        artifact: PathBuf,
+        /// A text to embed (repeat for a batch).
+        #[arg(long, required = true)]
+        text: Vec<String>,
+        /// Print JSON (`{"embeddings": [[...], ...]}`).
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        placement: Placement,
+    },
+    /// Serve a stream of seeded random requests and report latency percentiles per bucket and
+    /// overall, tokens/s, padding waste, replays per bucket and host memory before and after.
+    Bench {
+        /// The artifact folder.
+        artifact: PathBuf,
+        /// How many requests.
+        #[arg(long, default_value_t = 100)]
+        requests: usize,
+        /// Sequences per request, all of the request's length.
+        #[arg(long, default_value_t = 1)]
+        batch: usize,
+        /// Request lengths, drawn uniformly from MIN..MAX (inclusive); default 1 to the largest
+        /// prefill bucket.
+        #[arg(long, value_parser = parse_range)]
+        lengths: Option<(usize, usize)>,
+        /// Tokens to generate for the decode latency per token (decoders; 0 skips).
+        #[arg(long, default_value_t = 0)]
+        decode_tokens: usize,
+        /// Seed of the lengths and token ids.
+        #[arg(long, default_value_t = 0)]
+        seed: i64,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        placement: Placement,
+    },
+}
+
+/// Parses `MIN..MAX`.
+fn parse_range(text: &str) -> Result<(usize, usize), String> {
+    let (lo, hi) = text
+        .split_once("..")
+        .ok_or_else(|| format!("`{text}` is not MIN..MAX"))?;
+    let num = |s: &str| {
+        s.trim()
+            .parse::<usize>()
+            .map_err(|_| format!("`{s}` in `{text}` is not a count"))
+    };
+    Ok((num(lo)?, num(hi)?))
+}
+
+/// Runs one `kiln-run` command, writing what it prints to `out` (progress and profiles go to
+/// stderr).
+pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
+    match cli.command {
+        Command::Forward {
+            artifact,
+            input,
+            output,
+            placement,
+        } => {
+            kiln_ir::io::parent_folder(&output)?;
+            let art = Artifact::open(&artifact)?;
+            let tensors = kiln_ir::io::read_tensors(&input)?;
+            if let Some(extra) = tensors
+                .keys()
+                .find(|k| *k != "input_ids" && *k != "attention_mask")
+            {
+                bail!(
+                    "{}: unexpected tensor `{extra}` (expected `input_ids`, `attention_mask`)",
+                    input.display()
+                );
+            }
+            let Some(ids) = tensors.get("input_ids") else {
+                bail!("{} has no `input_ids` tensor", input.display());
+            };
+            let (batch, unbatched) = TokenBatch::from_tensors(ids, tensors.get("attention_mask"))
+                .map_err(anyhow::Error::msg)?;
+            let mut exec = placement.open(&art)?;
+            let mut outputs = forward(&art, &mut exec, &batch)?;
+            if unbatched {
+                for t in outputs.values_mut() {
+                    t.shape.remove(0);
+                }
+            }
+            kiln_ir::io::write_tensors(&output, &outputs)?;
+        }
+        Command::Generate {
+            artifact,
+            prompt_ids,
+            prompt,
+            max_new_tokens,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            json,
+            placement,
+        } => {
+            if temperature.is_nan()
+                || temperature < 0.0
+                || top_p.is_nan()
+                || top_p <= 0.0
+                || top_p > 1.0
+            {
+                bail!("--temperature must be >= 0 and --top-p in (0, 1]");
+            }
+            let art = Artifact::open(&artifact)?;
+            let sampling = Sampling {
+                temperature,
+                top_k,
+                top_p,
+                seed,
+            };
+            let tokenizer = prompt.as_ref().map(|_| art.tokenizer()).transpose()?;
+            let prompt_ids = match (&tokenizer, &prompt) {
+                (Some(t), Some(text)) => t.encode(text)?,
+                _ => prompt_ids,
+            };
+            let mut exec = placement.open(&art)?;
+            let tokens = generate(&art, &mut exec, &prompt_ids, max_new_tokens, &sampling)?;
+            let text = tokenizer.map(|t| t.decode(&tokens)).transpose()?;
+            let ids: Vec<String> = tokens.iter().map(i64::to_string).collect();
+            match (json, text) {
+                (true, Some(text)) => writeln!(
+                    out,
+                    "{{\"tokens\": [{}], \"text\": {}}}",
+                    ids.join(", "),
+                    serde_json::to_string(&text)?
+                )?,
+                (true, None) => writeln!(out, "{{\"tokens\": [{}]}}", ids.join(", "))?,
+                (false, Some(text)) => writeln!(out, "{}\n{text}", ids.join(" "))?,
+                (false, None) => writeln!(out, "{}", ids.join(" "))?,
+            }
+        }
+        Command::Embed {
+            artifact,
+            text,
+            json,
+            placement,
+        } => {
+            let art = Artifact::open(&artifact)?;
+            if art.manifest.model.decoder {
+                bail!(
+                    "{} is a decoder; embed needs an encoder",
+                    art.manifest.architecture
+                );
+            }
+            if !art
+                .manifest
+                .model
+                .outputs
+                .iter()
+                .any(|o| o == "sentence_embedding")
+            {
+                bail!(
+                    "{} has no sentence_embedding output (compile a sentence-transformers folder)",
+                    artifact.display()
+                );
+            }
+            let batch = art.tokenizer()?.encode_batch(&text)?;
+            let mut exec = placement.open(&art)?;
+            let outputs = forward(&art, &mut exec, &batch)?;
+            let emb = &outputs["sentence_embedding"];
+            let Some(values) = emb.as_f32() else {
+                bail!("sentence_embedding is not a float tensor");
+            };
+            let rows: Vec<Vec<f32>> = values
+                .chunks(emb.shape[1].max(1))
+                .map(<[f32]>::to_vec)
+                .collect();
+            if json {
+                writeln!(out, "{}", serde_json::json!({ "embeddings": rows }))?;
+            } else {
+                for row in rows {
+                    let nums: Vec<String> = row.iter().map(f32::to_string).collect();
+                    writeln!(out, "{}", nums.join(" "))?;
+                }
+            }
+        }
+        Command::Bench {
+            artifact,
+            requests,
+            batch,
+            lengths,
+            decode_tokens,
+            seed,
+            json,
+            placement,
+        } => {
+            let art = Artifact::open(&artifact)?;
+            let largest = art.longest_prefill();
+            let (min_len, max_len) = lengths.unwrap_or((1, largest));
+            let mut exec = placement.open(&art)?;
+            let report = bench(
+                &art,
+                &mut exec,
+                &BenchOptions {
+                    requests,
+                    batch,
+                    min_len,
+                    max_len,
+                    decode_tokens,
+                    seed,
+                },
+            )?;
+            if json {
+                writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?;
+            } else {
+                print_bench(&report, out)?;
+            }
+            let profile = match &exec {
+                Executor::Cuda(c) => Some(c.profile().clone()),
+                Executor::Cpu(c) => Some(c.profile()),
+                Executor::Interpreter => None,
+            };
+            if let Some(profile) = profile {
+                // KILN_EAGER: where the time went, heaviest kernels first (to stderr).
+                let mut rows: Vec<_> = profile.iter().collect();
+                rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+                for (kernel, (n, secs)) in rows.iter().take(25) {
+                    eprintln!("{:>10.3} ms {n:>8} x {kernel}", secs * 1e3);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The bench report as a table.
+fn print_bench(r: &BenchReport, out: &mut dyn Write) -> Result<()> {
+    writeln!(out, "device: {}", r.device)?;
+    writeln!(
+        out,
+        "{:<14} {:>8} {:>10} {:>10} {:>10}",
+        "bucket", "requests", "p50 ms", "p95 ms", "p99 ms"
+    )?;
+    let rows = r
+        .per_bucket
+        .iter()
+        .map(|(k, l)| (k.as_str(), l))
+        .chain(std::iter::once(("overall", &r.overall)));
+    for (name, l) in rows {
+        writeln!(
+            out,
+            "{name:<14} {:>8} {:>10.3} {:>10.3} {:>10.3}",
+            l.count, l.p50_ms, l.p95_ms, l.p99_ms
+        )?;
+    }
+    writeln!(
+        out,
+        "tokens/s {:.0}, padding waste {:.1}%",
+        r.tokens_per_s,
+        r.padding_waste * 100.0
+    )?;
+    let kib = |v: Option<u64>| v.map_or("-".to_string(), |k| format!("{k} KiB"));
+    writeln!(
+        out,
+        "host RSS before {}, after {}",
+        kib(r.rss_before_kib),
+        kib(r.rss_after_kib)
+    )?;
+    if let Some(ms) = r.decode_ms_per_token {
+        writeln!(out, "decode {ms:.3} ms/token (batch 1)")?;
+    }
+    let mib = |v: Option<u64>| v.map_or("-".to_string(), |b| format!("{} MiB", b >> 20));
+    if r.gpu_used_before_bytes.is_some() {
+        writeln!(
+            out,
+            "GPU memory in use before {}, after {}",
+            mib(r.gpu_used_before_bytes),
+            mib(r.gpu_used_after_bytes)
+        )?;
+    }
+    if let Some(s) = r.load_seconds {
+        writeln!(out, "load to ready (all graphs captured) {:.3} s", s)?;
+    }
+    if let Some(c) = &r.counters {
+        writeln!(
+            out,
+            "captures after load {}, compilations after load {}",
+            c.captures_after_load, c.compilations_after_load
+        )?;
+    }
+    Ok(())
+}

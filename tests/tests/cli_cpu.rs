@@ -1,0 +1,178 @@
+//! The user's path on a machine without a GPU, through the command lines: `kiln compile` an f32
+//! artifact, then `kiln-run forward`, `generate` and `embed --device cpu` (the generated CPU
+//! kernels) reproduce every fixture's references: logits and hidden states within 1e-4,
+//! `greedy_tokens` exactly, MiniLM's sentence embeddings from its text.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use kiln_ir::Tensor;
+use kiln_tests::{
+    assert_embeddings_close, fixture, floats, kiln, kiln_run, masked_rel_err, minilm_dir,
+    minilm_sentences, reference, rel_err,
+};
+
+/// `kiln compile MODEL -o DIR ARGS..` (f32, CPU code only).
+fn compile(model: &Path, dir: &Path, args: &[&str]) {
+    let mut all = vec![
+        "compile",
+        model.to_str().unwrap(),
+        "-o",
+        dir.to_str().unwrap(),
+        "--target",
+        "cpu",
+    ];
+    all.extend_from_slice(args);
+    kiln(&all).unwrap();
+}
+
+/// `kiln-run forward ART --input IN --output OUT --device cpu` over `inputs`; the outputs.
+fn forward(art: &Path, inputs: BTreeMap<String, Tensor>) -> BTreeMap<String, Tensor> {
+    let dir = art.parent().unwrap();
+    let (input, output) = (dir.join("in.safetensors"), dir.join("out.safetensors"));
+    kiln_ir::io::write_tensors(&input, &inputs).unwrap();
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let printed = kiln_run(&[
+        "forward",
+        &s(art),
+        "--input",
+        &s(&input),
+        "--output",
+        &s(&output),
+        "--device",
+        "cpu",
+    ])
+    .unwrap();
+    assert!(printed.is_empty(), "forward prints nothing: {printed}");
+    kiln_ir::io::read_tensors(&output).unwrap()
+}
+
+#[test]
+fn decoders_through_kiln_run_forward_and_generate() {
+    let tmp = tempfile::tempdir().unwrap();
+    for name in ["gpt2-tiny", "llama-tiny"] {
+        let art = tmp.path().join(format!("{name}.kiln"));
+        compile(
+            &fixture(name),
+            &art,
+            &["--buckets", "16,64,128", "--max-context", "64"],
+        );
+        let reference = reference(name);
+        for l in [1usize, 7, 16, 33, 100] {
+            let ids = reference[&format!("input_ids_{l}")].clone();
+            let out = forward(&art, BTreeMap::from([("input_ids".to_string(), ids)]));
+            let logits = &out["logits"];
+            assert_eq!(logits.shape, vec![l, 512], "{name} L={l}: unbatched logits");
+            let err = rel_err(floats(logits), floats(&reference[&format!("logits_{l}")]));
+            assert!(err < 1e-4, "{name} L={l}: relative error {err:e}");
+        }
+        let prompt: Vec<String> = reference["greedy_prompt"]
+            .as_i64()
+            .unwrap()
+            .iter()
+            .map(i64::to_string)
+            .collect();
+        let want = reference["greedy_tokens"].as_i64().unwrap().to_vec();
+        let printed = kiln_run(&[
+            "generate",
+            art.to_str().unwrap(),
+            "--prompt-ids",
+            &prompt.join(","),
+            "--max-new-tokens",
+            &want.len().to_string(),
+            "--json",
+            "--device",
+            "cpu",
+        ])
+        .unwrap();
+        let json: serde_json::Value = serde_json::from_str(&printed).unwrap();
+        let got: Vec<i64> = json["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_i64().unwrap())
+            .collect();
+        assert_eq!(
+            got, want,
+            "{name}: kiln-run generate reproduces greedy_tokens"
+        );
+    }
+}
+
+#[test]
+fn encoders_through_kiln_run_forward_and_embed() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (model, name) in [
+        (fixture("bert-tiny"), "bert-tiny"),
+        (minilm_dir(), "minilm-reference"),
+    ] {
+        let art = tmp.path().join(format!("{name}.kiln"));
+        compile(&model, &art, &["--buckets", "32", "--batch-buckets", "4"]);
+        let reference = reference(name);
+        let inputs = ["input_ids", "attention_mask"]
+            .map(|k| (k.to_string(), reference[k].clone()))
+            .into();
+        let out = forward(&art, inputs);
+        let err = masked_rel_err(
+            &out["last_hidden_state"],
+            &reference["last_hidden_state"],
+            &reference["attention_mask"],
+        );
+        assert!(err < 1e-4, "{name}: relative error {err:e}");
+        let Some(want) = reference.get("sentence_embedding") else {
+            continue;
+        };
+        assert_embeddings_close(&out["sentence_embedding"], want, want.shape[0], name);
+        // From text: the artifact's tokenizer, then the same embeddings.
+        let mut args = vec!["embed".to_string(), art.to_str().unwrap().to_string()];
+        for s in minilm_sentences() {
+            args.extend(["--text".to_string(), s]);
+        }
+        args.extend(["--json", "--device", "cpu"].map(String::from));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let json: serde_json::Value = serde_json::from_str(&kiln_run(&args).unwrap()).unwrap();
+        let rows = json["embeddings"].as_array().unwrap();
+        let values: Vec<f32> = rows
+            .iter()
+            .flat_map(|r| r.as_array().unwrap().iter())
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect();
+        let got = Tensor::f32(vec![rows.len(), want.shape[1]], values);
+        assert_eq!(rows.len(), want.shape[0], "one embedding per text");
+        assert_embeddings_close(&got, want, want.shape[0], "kiln-run embed");
+    }
+}
+
+/// Bad input through the command line: one line naming the problem, nothing written.
+#[test]
+fn kiln_run_refuses_bad_input_in_one_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let art = tmp.path().join("gpt2.kiln");
+    compile(&fixture("gpt2-tiny"), &art, &["--buckets", "16"]);
+    let a = art.to_str().unwrap();
+    let out = tmp.path().join("out.safetensors");
+    let input = tmp.path().join("in.safetensors");
+    let ids = Tensor::i64(vec![3], vec![1, 2, 100_000]);
+    kiln_ir::io::write_tensors(&input, &BTreeMap::from([("input_ids".to_string(), ids)])).unwrap();
+    let (i, o) = (input.to_str().unwrap(), out.to_str().unwrap());
+    let err =
+        kiln_run(&["forward", a, "--input", i, "--output", o, "--device", "cpu"]).unwrap_err();
+    assert!(err.contains("100000"), "names the id: {err}");
+    assert!(!err.contains('\n'), "one line: {err}");
+    assert!(!out.exists(), "no output written");
+    let err = kiln_run(&[
+        "generate",
+        a,
+        "--prompt-ids",
+        "1,2",
+        "--max-new-tokens",
+        "500",
+        "--device",
+        "cpu",
+    ])
+    .unwrap_err();
+    assert!(err.contains("context"), "names the context: {err}");
+    let missing = tmp.path().join("missing.kiln");
+    let err = kiln_run(&["embed", missing.to_str().unwrap(), "--text", "x"]).unwrap_err();
+    assert!(err.contains("missing.kiln"), "names the artifact: {err}");
+}
