@@ -885,6 +885,7 @@ fn write_cpu_kernels(dir: &Path, plan: &ArtifactPlan) -> Result<Option<String>> 
             CpuKernel::KvWrite(c) => cpu::kv_cache::kv_write(&mut module, c)?,
             CpuKernel::Attention(c) => cpu::attention::attention(&mut module, c)?,
             CpuKernel::Gemm(c) => cpu::epilogue::epilogue(&mut module, c)?,
+            CpuKernel::Strided(c) => cpu::strided::strided(&mut module, c)?,
         };
         debug_assert_eq!(&made, symbol);
     }

@@ -6,8 +6,9 @@
 //!
 //! Each kernel node becomes one or more launches whose parameters are bound to [`Operand`]s: graph
 //! values (resolved through views by the plan, `plan.rs`), scratch buffers of the node, RoPE tables
-//! or constants. What has no generator yet (sentence-transformers pooling, a RoPE that is not part
-//! of a KV-cache write) is listed, not guessed at.
+//! or constants. What has no GPU generator (sentence-transformers pooling, a RoPE that is not part
+//! of a KV-cache write) is listed, not guessed at; on the CPU, such primitives run as strided
+//! kernels (`lower/strided.rs`).
 
 use std::collections::BTreeMap;
 
@@ -24,6 +25,9 @@ use kiln_kernels::norm::{norm, NormConfig};
 use kiln_kernels::{Elem, GeneratedKernel};
 
 use crate::fusion::cost::is_view;
+
+mod strided;
+pub use strided::materialize;
 
 /// Key ranges of a decode attention over a cache of at least this many entries.
 const SPLIT_CONTEXT: u32 = 1024;
@@ -57,6 +61,8 @@ pub enum Operand {
     },
     /// A 32-bit constant (element counts).
     U32(u32),
+    /// A byte offset in the arena that the plan fixed (the copy of an output that is a view).
+    Arena(u64),
 }
 
 /// One kernel launch of a node: the kernel's (deduplicated) entry name and an operand per
@@ -87,6 +93,8 @@ pub enum CpuKernel {
     Attention(AttentionConfig),
     /// A library product followed by `kiln_kernels::cpu::epilogue` when it has one.
     Gemm(GemmConfig),
+    /// `kiln_kernels::cpu::strided`: a primitive op no fused kernel covers.
+    Strided(kiln_kernels::cpu::strided::StridedConfig),
 }
 
 /// One CPU call of a node: the kernel, its arguments in parameter order, and the extent of its
@@ -159,6 +167,9 @@ pub struct GraphLaunches {
     pub unsupported: Vec<String>,
     /// Those ops' nodes.
     pub unsupported_nodes: Vec<NodeId>,
+    /// Their CPU versions (strided primitive kernels), in the same order; `None` for an op
+    /// without one.
+    pub unsupported_cpu: Vec<Option<Vec<CpuLaunch>>>,
 }
 
 impl Lowered {
@@ -285,6 +296,7 @@ pub fn lower(g: &Graph, kernels: &mut Lowered) -> GraphLaunches {
         } else {
             out.unsupported.push(format!("{}_{}", node.op.name(), id.0));
             out.unsupported_nodes.push(id);
+            out.unsupported_cpu.push(strided::lower_primitive(g, id));
         }
     }
     out

@@ -17,8 +17,8 @@
 use std::collections::BTreeMap;
 
 use kiln_ir::artifact::{
-    align, Arg, CpuCall, CpuStep, ExecPlan, KernelEntry, MemoryPlan, Region, Step, TensorSlot,
-    ALIGN,
+    align, Arg, CpuCall, CpuPlan, CpuStep, ExecPlan, KernelEntry, MemoryPlan, Region, Step,
+    TensorSlot, ALIGN,
 };
 use kiln_ir::io::aligned_layout;
 use kiln_ir::{DType, Graph, NodeId, Op, Tensor};
@@ -276,11 +276,7 @@ fn host_tail(
     // An output that is a strided view of a GPU value (CLS pooling: a slice of the hidden
     // states) is gathered on the host too.
     for o in g.outputs() {
-        let mut v = o.node;
-        while let Op::Reshape(_) = g.node(v).op {
-            v = g.node(v).args[0];
-        }
-        if is_view(&g.node(v).op) {
+        if output_is_view(g, o.node) {
             in_tail[o.node.index()] = true;
         }
     }
@@ -343,6 +339,20 @@ fn host_tail(
         boundary,
         outputs,
     }))
+}
+
+/// `id` with its reshapes looked through (a reshape keeps a value's storage).
+fn stripped(g: &Graph, mut id: NodeId) -> NodeId {
+    while let Op::Reshape(_) = g.node(id).op {
+        id = g.node(id).args[0];
+    }
+    id
+}
+
+/// Whether output value `id` is a strided view of another value (a CLS slice), not a block of
+/// its own.
+fn output_is_view(g: &Graph, id: NodeId) -> bool {
+    is_view(&g.node(stripped(g, id)).op)
 }
 
 /// The name under which a GPU value the host tail reads is copied back.
@@ -454,6 +464,23 @@ fn plan_bucket(
             scratch_of.entry(*id).or_default().push(buffers.len() - 1);
         }
     }
+    // Outputs that are strided views (a CLS slice) get a contiguous buffer of their own, which
+    // the CPU plan copies them into at the end (the GPU gathers them in its host tail).
+    let mut copied_outputs: Vec<(usize, usize)> = Vec::new();
+    for (i, o) in g.outputs().iter().enumerate() {
+        if output_is_view(g, o.node) {
+            let ty = g.ty(o.node);
+            let bytes = static_shape(ty, &o.name)?.iter().product::<usize>() as u64
+                * ty.dtype.size_bytes() as u64;
+            buffers.push(crate::memory::Lifetime {
+                bytes,
+                first: end,
+                last: end,
+            });
+            buffer_node.push(None);
+            copied_outputs.push((i, buffers.len() - 1));
+        }
+    }
     let (offsets, arena_bytes) = crate::memory::place(&buffers);
 
     let address = |id: NodeId| -> Result<Arg, PlanError> {
@@ -474,6 +501,7 @@ fn plan_bucket(
                 Arg::Ptr(Region::Weights, weight_at[name.as_str()])
             }
             Operand::U32(v) => Arg::U32(*v),
+            Operand::Arena(offset) => Arg::Ptr(Region::Arena, *offset),
         })
     };
     let mut steps = Vec::new();
@@ -493,22 +521,53 @@ fn plan_bucket(
             });
         }
     }
-    let mut cpu = Some(Vec::new());
-    for (id, node) in &launches.nodes {
-        let (Some(calls), Some(steps)) = (&node.cpu, cpu.as_mut()) else {
-            cpu = None;
+    // The CPU plan: every kernel node's calls and every primitive's strided calls, in graph
+    // order, then the copies of view outputs.
+    let mut cpu_calls: Vec<(NodeId, Option<&Vec<CpuLaunch>>)> = launches
+        .nodes
+        .iter()
+        .map(|(id, n)| (*id, n.cpu.as_ref()))
+        .chain(
+            launches
+                .unsupported_nodes
+                .iter()
+                .zip(&launches.unsupported_cpu)
+                .map(|(id, c)| (*id, c.as_ref())),
+        )
+        .collect();
+    cpu_calls.sort_by_key(|(id, _)| *id);
+    let mut copies = Vec::new();
+    for &(i, buffer) in &copied_outputs {
+        let out = Operand::Arena(offsets[buffer]);
+        copies.push((
+            g.outputs()[i].node,
+            crate::lower::materialize(g, g.outputs()[i].node, out),
+        ));
+    }
+    let mut cpu_steps = Some(Vec::new());
+    let calls = cpu_calls
+        .iter()
+        .map(|(id, c)| (*id, c.map(|c| c.iter().collect::<Vec<_>>())))
+        .chain(
+            copies
+                .iter()
+                .map(|(id, c)| (*id, c.as_ref().map(|c| vec![c]))),
+        );
+    for (id, calls) in calls {
+        let (Some(calls), Some(steps)) = (calls, cpu_steps.as_mut()) else {
+            cpu_steps = None;
             break;
         };
         for call in calls {
             let args = call
                 .args
                 .iter()
-                .map(|op| operand(*id, op))
+                .map(|op| operand(id, op))
                 .collect::<Result<Vec<_>, _>>()?;
             steps.push(CpuStep {
                 call: cpu_call(call, cpu_kernels),
                 args,
-                node: format!("{}_{}", g.node(*id).op.name(), id.0),
+                node: format!("{}_{}", g.node(id).op.name(), id.0),
             });
         }
     }
@@ -543,11 +602,7 @@ fn plan_bucket(
             continue;
         }
         // An output read through a view must still be one contiguous block (reshapes only).
-        let mut v = o.node;
-        while let Op::Reshape(_) = g.node(v).op {
-            v = g.node(v).args[0];
-        }
-        match g.node(v).op {
+        match g.node(stripped(g, o.node)).op {
             Op::CacheWrite => cache_outputs.push(o.name.clone()),
             ref op if is_view(op) => {
                 return Err(PlanError::Layout(format!(
@@ -559,6 +614,26 @@ fn plan_bucket(
             _ => outputs.push(slot(&o.name, o.node)?),
         }
     }
+    let cpu = match cpu_steps {
+        Some(steps) => {
+            let mut outputs = Vec::new();
+            for (i, o) in g.outputs().iter().enumerate() {
+                if let Some(&(_, buffer)) = copied_outputs.iter().find(|(j, _)| *j == i) {
+                    let ty = g.ty(o.node);
+                    outputs.push(TensorSlot {
+                        name: o.name.clone(),
+                        offset: offsets[buffer],
+                        dtype: ty.dtype,
+                        shape: static_shape(ty, &o.name)?,
+                    });
+                } else if !matches!(g.node(stripped(g, o.node)).op, Op::CacheWrite) {
+                    outputs.push(slot(&o.name, o.node)?);
+                }
+            }
+            Some(CpuPlan { steps, outputs })
+        }
+        None => None,
+    };
     Ok(ExecPlan {
         arena_bytes,
         inputs,
@@ -580,6 +655,7 @@ fn cpu_call(launch: &CpuLaunch, kernels: &mut BTreeMap<String, CpuKernel>) -> Cp
         CpuKernel::Embedding(c) => cpu::embedding::name(c),
         CpuKernel::KvWrite(c) => cpu::kv_cache::name(c),
         CpuKernel::Attention(c) => cpu::attention::name(c),
+        CpuKernel::Strided(c) => cpu::strided::name(c),
         CpuKernel::Gemm(c) => {
             let epilogue = cpu::epilogue::needed(c).then(|| {
                 let name = cpu::epilogue::name(c);

@@ -20,7 +20,7 @@ use sha2::{Digest, Sha256};
 use crate::DType;
 
 /// The artifact format this build writes and reads.
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 /// Every region and every tensor in the device allocation starts at a multiple of this many bytes.
 pub const ALIGN: u64 = 256;
 /// The manifest's file name.
@@ -100,6 +100,15 @@ impl MemoryPlan {
             Region::Weights => 0,
             Region::Cache => align(self.weights_bytes),
             Region::Arena => align(self.weights_bytes) + align(self.cache_bytes),
+        }
+    }
+
+    /// Bytes of `region`.
+    pub fn region_bytes(&self, region: Region) -> u64 {
+        match region {
+            Region::Weights => self.weights_bytes,
+            Region::Cache => self.cache_bytes,
+            Region::Arena => self.arena_bytes,
         }
     }
 
@@ -241,9 +250,19 @@ pub struct ExecPlan {
     /// the host after the replay: a graph whose inputs are request inputs and GPU values
     /// (`kiln.value.N`, among `outputs`), and whose outputs are the remaining graph outputs.
     pub host_tail: Option<crate::Graph>,
-    /// The same plan for the CPU executor, over the same memory plan: `None` when some node has
-    /// no CPU version (f16/bf16 builds).
-    pub cpu: Option<Vec<CpuStep>>,
+    /// The same plan for the CPU executor, over the same memory plan, host tail included: `None`
+    /// when some node has no CPU version (f16/bf16 builds).
+    pub cpu: Option<CpuPlan>,
+}
+
+/// A bucket's plan for the CPU executor: the whole graph (what the GPU leaves to its host tail
+/// included) as calls of the artifact's CPU library and of the runtime's GEMM.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CpuPlan {
+    /// The calls, in order.
+    pub steps: Vec<CpuStep>,
+    /// Every graph output but the KV cache's, in the arena.
+    pub outputs: Vec<TensorSlot>,
 }
 
 /// One call of the CPU executor.

@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use kiln_ir::kernel::{
@@ -12,7 +13,7 @@ use kiln_ir::kernel::{
 use kiln_ir::Op;
 use kiln_kernels::attention::{AttentionConfig, KeyRule};
 use kiln_kernels::cpu::{
-    attention, elementwise, embedding, epilogue, kv_cache, link_shared, norm, CpuModule,
+    attention, elementwise, embedding, epilogue, kv_cache, link_shared, norm, strided, CpuModule,
 };
 use kiln_kernels::embedding::EmbeddingConfig;
 use kiln_kernels::gemm::GemmConfig;
@@ -581,4 +582,255 @@ fn attention_matches_the_interpreter() {
         let want = reference_with_seed(case.op.clone(), inputs, &ints, Some(seed));
         check(name, Elem::F32, &out, &want);
     }
+}
+
+/// One strided case: the graph (inputs `a0`, `a1`, ... then the op under test on views of them),
+/// the generated kernel's configuration reading those inputs in place, and the input values.
+struct StridedCase {
+    what: String,
+    graph: kiln_ir::Graph,
+    config: strided::StridedConfig,
+    inputs: Vec<kiln_ir::Tensor>,
+}
+
+/// A graph over inputs of `shapes` (i64 where flagged; floats in `low - 2..low + 2`), with the
+/// rest built by `build`.
+fn strided_case(
+    rng: &mut rand::rngs::StdRng,
+    what: &str,
+    low: f32,
+    shapes: &[(Vec<usize>, bool)],
+    config: strided::StridedConfig,
+    build: impl FnOnce(&mut kiln_ir::Graph, &[kiln_ir::NodeId]) -> kiln_ir::NodeId,
+) -> StridedCase {
+    use kiln_ir::{DType, Dim, Graph, Tensor};
+    let mut graph = Graph::new();
+    let mut ids = Vec::new();
+    let mut inputs = Vec::new();
+    for (i, (shape, int)) in shapes.iter().enumerate() {
+        let dims = shape.iter().map(|&d| Dim::from(d)).collect();
+        let n = shape.iter().product();
+        let dtype = if *int { DType::I64 } else { DType::F32 };
+        ids.push(graph.input(&format!("a{i}"), dtype, dims).unwrap());
+        inputs.push(if *int {
+            Tensor::i64(
+                shape.clone(),
+                (0..n).map(|_| rng.random_range(-3..4)).collect(),
+            )
+        } else {
+            Tensor::f32(shape.clone(), values(rng, n, 2.0, low))
+        });
+    }
+    let out = build(&mut graph, &ids);
+    graph.set_output("out", out).unwrap();
+    StridedCase {
+        what: what.to_string(),
+        graph,
+        config,
+        inputs,
+    }
+}
+
+#[test]
+fn strided_ops_match_the_interpreter() {
+    use kiln_ir::{BinaryOp, DType, ReduceOp, UnaryOp};
+    use strided::{Source, StridedConfig, StridedOp};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(17);
+    let dir = tempfile::tempdir().unwrap();
+    let mem = |offset: i64, strides: &[i64]| Source::Memory {
+        int: false,
+        offset,
+        strides: strides.to_vec(),
+    };
+    let config = |op, shape: &[u32], sources| StridedConfig {
+        op,
+        shape: shape.to_vec(),
+        sources,
+        out_offset: 0,
+        out_strides: {
+            let mut s = vec![1i64; shape.len()];
+            for d in (0..shape.len().saturating_sub(1)).rev() {
+                s[d] = s[d + 1] * i64::from(shape[d + 1]);
+            }
+            s
+        },
+    };
+    let mut cases = Vec::new();
+    // Unary ops over a permuted view: [5, 7, 3] read as [3, 5, 7].
+    for u in [
+        UnaryOp::Neg,
+        UnaryOp::Exp,
+        UnaryOp::Tanh,
+        UnaryOp::Erf,
+        UnaryOp::Rsqrt,
+    ] {
+        let c = config(StridedOp::Unary(u), &[3, 5, 7], vec![mem(0, &[1, 21, 3])]);
+        cases.push(strided_case(
+            &mut rng,
+            &format!("{u:?} of a permuted view"),
+            // Rsqrt of positive values only.
+            if u == UnaryOp::Rsqrt { 3.0 } else { 0.3 },
+            &[(vec![5, 7, 3], false)],
+            c,
+            |g, x| {
+                let p = g.permute(x[0], vec![2, 0, 1]).unwrap();
+                g.unary(u, p).unwrap()
+            },
+        ));
+    }
+    // Binary ops against a broadcast [5, 1] and against a constant.
+    for b in [
+        BinaryOp::Add,
+        BinaryOp::Sub,
+        BinaryOp::Mul,
+        BinaryOp::Div,
+        BinaryOp::Max,
+    ] {
+        let c = config(
+            StridedOp::Binary(b),
+            &[3, 5, 7],
+            vec![mem(0, &[35, 7, 1]), mem(0, &[0, 1, 0])],
+        );
+        cases.push(strided_case(
+            &mut rng,
+            &format!("{b:?} with a broadcast operand"),
+            0.3,
+            &[(vec![3, 5, 7], false), (vec![5, 1], false)],
+            c,
+            |g, x| g.binary(b, x[0], x[1]).unwrap(),
+        ));
+        let c = config(
+            StridedOp::Binary(b),
+            &[4, 9],
+            vec![mem(0, &[9, 1]), Source::Constant(1.75)],
+        );
+        cases.push(strided_case(
+            &mut rng,
+            &format!("{b:?} with a constant"),
+            0.3,
+            &[(vec![4, 9], false)],
+            c,
+            |g, x| {
+                let k = g.scalar(1.75, DType::F32);
+                g.binary(b, x[0], k).unwrap()
+            },
+        ));
+    }
+    // Reductions along every axis of [3, 5, 7].
+    for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Mean] {
+        for axis in 0..3 {
+            let mut shape = [3u32, 5, 7];
+            let len = shape[axis];
+            shape[axis] = 1;
+            let c = config(
+                StridedOp::Reduce { op, axis, len },
+                &shape,
+                vec![mem(0, &[35, 7, 1])],
+            );
+            cases.push(strided_case(
+                &mut rng,
+                &format!("{op:?} over axis {axis}"),
+                0.3,
+                &[(vec![3, 5, 7], false)],
+                c,
+                |g, x| g.reduce(op, x[0], axis as isize).unwrap(),
+            ));
+        }
+    }
+    // An i64 slice cast to f32: columns 2..7 of [4, 9].
+    let c = config(
+        StridedOp::Copy,
+        &[4, 5],
+        vec![Source::Memory {
+            int: true,
+            offset: 2,
+            strides: vec![9, 1],
+        }],
+    );
+    cases.push(strided_case(
+        &mut rng,
+        "cast of an i64 slice",
+        0.3,
+        &[(vec![4, 9], true)],
+        c,
+        |g, x| {
+            let s = g.slice(x[0], 1, 2usize.into(), 7usize.into()).unwrap();
+            g.cast(s, DType::F32).unwrap()
+        },
+    ));
+    let lib_cases = cases;
+    let mut module = CpuModule::new().unwrap();
+    let names: Vec<String> = lib_cases
+        .iter()
+        .map(|c| strided::strided(&mut module, &c.config).unwrap())
+        .collect();
+    // A concatenation: two parts copied into their slabs of one [3, 6, 7] output.
+    let part = |width: u32, offset: i64| StridedConfig {
+        op: StridedOp::Copy,
+        shape: vec![3, width, 7],
+        sources: vec![mem(0, &[i64::from(width) * 7, 7, 1])],
+        out_offset: offset,
+        out_strides: vec![42, 7, 1],
+    };
+    let concat = [part(2, 0), part(4, 14)];
+    let concat_names: Vec<String> = concat
+        .iter()
+        .map(|c| strided::strided(&mut module, c).unwrap())
+        .collect();
+    let lib = load(module, dir.path());
+    let call = |name: &str, args: &[u64], rows: u64| {
+        // SAFETY: the symbol was generated with the kernel signature.
+        let f: libloading::Symbol<KernelFn> = unsafe { lib.get(name.as_bytes()) }.unwrap();
+        // Rows split unevenly, as an executor's threads would take them.
+        let mid = rows / 3;
+        // SAFETY: the arguments hold every element the configuration reads and writes.
+        unsafe {
+            f(args.as_ptr(), 0, mid);
+            f(args.as_ptr(), mid, rows);
+        }
+    };
+    for (case, name) in lib_cases.iter().zip(&names) {
+        let n: usize = case.config.shape.iter().map(|&d| d as usize).product();
+        let mut out = vec![f32::NAN; n];
+        let mut args: Vec<u64> = case
+            .inputs
+            .iter()
+            .map(|t| match &t.data {
+                kiln_ir::Data::Float(v) => v.as_ptr() as u64,
+                kiln_ir::Data::Int(v) => v.as_ptr() as u64,
+            })
+            .collect();
+        args.push(out.as_mut_ptr() as u64);
+        call(name, &args, case.config.rows());
+        let values: BTreeMap<String, kiln_ir::Tensor> = case
+            .inputs
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (format!("a{i}"), t.clone()))
+            .collect();
+        let weights = BTreeMap::<String, std::sync::Arc<kiln_ir::Tensor>>::new();
+        let want = kiln_ir::evaluate(&case.graph, &values, &weights).unwrap();
+        check(&case.what, Elem::F32, &out, want["out"].as_f32().unwrap());
+    }
+    let a = values(&mut rng, 3 * 2 * 7, 1.0, 0.0);
+    let b = values(&mut rng, 3 * 4 * 7, 1.0, 0.0);
+    let mut out = vec![f32::NAN; 3 * 6 * 7];
+    for ((name, src), c) in concat_names.iter().zip([&a, &b]).zip(&concat) {
+        call(
+            name,
+            &[src.as_ptr() as u64, out.as_mut_ptr() as u64],
+            c.rows(),
+        );
+    }
+    let want = reference(
+        Op::Concat(1),
+        vec![(vec![3, 2, 7], a.clone()), (vec![3, 4, 7], b.clone())],
+        &[],
+    );
+    check(
+        "concat of two parts",
+        Elem::F32,
+        &out,
+        want.as_f32().unwrap(),
+    );
 }

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use kiln_ir::artifact::{self, Manifest, FORMAT_VERSION};
+use kiln_ir::artifact::{self, BucketEntry, Manifest, FORMAT_VERSION};
 use kiln_ir::Graph;
 
 use crate::tokenizer::TextTokenizer;
@@ -24,6 +24,18 @@ pub struct Artifact {
 }
 
 impl Artifact {
+    /// An error in bucket `entry`'s plan, naming the manifest.
+    pub fn plan_error(&self, entry: &BucketEntry, message: String) -> RuntimeError {
+        RuntimeError::Artifact {
+            file: self
+                .dir
+                .join(kiln_ir::artifact::MANIFEST)
+                .display()
+                .to_string(),
+            message: format!("bucket {}: {message}", entry.graph),
+        }
+    }
+
     /// Opens and verifies `dir`.
     pub fn open(dir: &Path) -> Result<Artifact, RuntimeError> {
         let bad = |file: &str, message: String| RuntimeError::Artifact {

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use kiln_ir::artifact::{
-    cpu_library_name, Arg, BucketEntry, CpuCall, CpuStep, ExecPlan, MemoryPlan, Region, TensorSlot,
+    cpu_library_name, Arg, BucketEntry, CpuCall, CpuPlan, CpuStep, MemoryPlan, Region, TensorSlot,
 };
 use kiln_ir::Tensor;
 use rayon::prelude::*;
@@ -19,12 +19,18 @@ use crate::{Artifact, RuntimeError};
 /// The kernel ABI every generated function has.
 type KernelFn = unsafe extern "C" fn(*const u64, u64, u64);
 
+/// What the executor keeps of a bucket: where its inputs go, and its CPU plan.
+struct Bucket {
+    inputs: Vec<TensorSlot>,
+    plan: CpuPlan,
+}
+
 /// A loaded artifact on the CPU.
 pub struct CpuExecutor {
     /// Keeps the generated code mapped while the function pointers are used.
     _library: libloading::Library,
     functions: BTreeMap<String, KernelFn>,
-    plans: BTreeMap<String, Arc<ExecPlan>>,
+    plans: BTreeMap<String, Arc<Bucket>>,
     memory: MemoryPlan,
     weights: u64,
     cache: Vec<u64>,
@@ -72,10 +78,11 @@ impl CpuExecutor {
         let mut functions = BTreeMap::new();
         let mut product = 0usize;
         for entry in m.prefill.iter().chain(&m.decode) {
-            let Some(plan) = entry.plan.as_ref().filter(|p| p.cpu.is_some()) else {
+            let Some(plan) = entry.plan.as_ref().and_then(|p| p.cpu.as_ref()) else {
                 continue;
             };
-            for step in plan.cpu.iter().flatten() {
+            check_plan(art, entry, plan)?;
+            for step in &plan.steps {
                 let symbol = match &step.call {
                     CpuCall::Kernel { symbol, .. } => Some(symbol),
                     CpuCall::Gemm { m, n, epilogue, .. } => {
@@ -96,7 +103,15 @@ impl CpuExecutor {
                     functions.insert(symbol.clone(), *f);
                 }
             }
-            plans.insert(entry.graph.clone(), Arc::new(plan.clone()));
+            let bucket = Bucket {
+                inputs: entry
+                    .plan
+                    .as_ref()
+                    .map(|p| p.inputs.clone())
+                    .unwrap_or_default(),
+                plan: plan.clone(),
+            };
+            plans.insert(entry.graph.clone(), Arc::new(bucket));
         }
         Ok(CpuExecutor {
             _library: library,
@@ -142,8 +157,8 @@ impl CpuExecutor {
                     slot.name, t.shape, entry.graph, slot.shape
                 )));
             }
-            // SAFETY: the slot lies inside the arena (checked when the plan was loaded on the
-            // GPU path and by the compiler's placement); `bytes` is exactly the slot's size.
+            // SAFETY: the slot lies inside the arena (`check_plan` at load); `bytes` is exactly
+            // the slot's size.
             unsafe {
                 std::ptr::copy_nonoverlapping(
                     bytes.as_ptr(),
@@ -152,7 +167,7 @@ impl CpuExecutor {
                 )
             };
         }
-        for step in plan.cpu.iter().flatten() {
+        for step in &plan.plan.steps {
             let start = std::time::Instant::now();
             self.step(step)?;
             if let Some(profile) = self.profile.as_mut() {
@@ -166,7 +181,7 @@ impl CpuExecutor {
             }
         }
         let mut out = BTreeMap::new();
-        for slot in &plan.outputs {
+        for slot in &plan.plan.outputs {
             // SAFETY: as above, the slot lies inside the arena.
             let bytes = unsafe {
                 std::slice::from_raw_parts(arena.add(slot.offset as usize), slot.bytes() as usize)
@@ -287,6 +302,33 @@ fn parallel(f: KernelFn, args: &[u64], extent: u64) {
         // items `begin..end` of its parallel axis for its outputs, so chunks never overlap.
         unsafe { f(args_addr as *const u64, begin, end) };
     });
+}
+
+/// Checks a CPU plan against the memory plan before anything runs: every pointer argument lies
+/// inside its region and every input and output slot inside the arena.
+fn check_plan(art: &Artifact, entry: &BucketEntry, plan: &CpuPlan) -> Result<(), RuntimeError> {
+    let m = &art.manifest.memory;
+    let bad = |message: String| art.plan_error(entry, message);
+    let size = |r: Region| m.region_bytes(r);
+    for step in &plan.steps {
+        for arg in &step.args {
+            if let Arg::Ptr(region, offset) = *arg {
+                if offset >= size(region).max(1) {
+                    return Err(bad(format!(
+                        "CPU step {} points at {region:?} + {offset}, past its end",
+                        step.node
+                    )));
+                }
+            }
+        }
+    }
+    let inputs = entry.plan.iter().flat_map(|p| &p.inputs);
+    for slot in inputs.chain(&plan.outputs) {
+        if slot.offset + slot.bytes() > m.arena_bytes {
+            return Err(bad(format!("`{}` lies outside the arena", slot.name)));
+        }
+    }
+    Ok(())
 }
 
 /// Bytes of `slot`'s dtype as a host tensor.

@@ -160,19 +160,8 @@ pub fn check_plan(
     table: &BTreeMap<&str, &KernelEntry>,
 ) -> Result<(), RuntimeError> {
     let m = &art.manifest;
-    let bad = |message: String| RuntimeError::Artifact {
-        file: art
-            .dir
-            .join(kiln_ir::artifact::MANIFEST)
-            .display()
-            .to_string(),
-        message: format!("bucket {}: {message}", entry.graph),
-    };
-    let size = |r: Region| match r {
-        Region::Weights => m.memory.weights_bytes,
-        Region::Cache => m.memory.cache_bytes,
-        Region::Arena => m.memory.arena_bytes,
-    };
+    let bad = |message: String| art.plan_error(entry, message);
+    let size = |r: Region| m.memory.region_bytes(r);
     if plan.arena_bytes > m.memory.arena_bytes {
         return Err(bad(format!(
             "needs {} arena bytes, the memory plan has {}",

@@ -87,7 +87,8 @@ impl Executor {
         let outputs = match self {
             Executor::Interpreter => return interpret(inputs),
             Executor::Cpu(c) if !c.has(&entry.graph) => return interpret(inputs),
-            Executor::Cpu(c) => c.run(entry, inputs)?,
+            // The CPU plan covers the whole graph, what the GPU leaves to its host tail included.
+            Executor::Cpu(c) => return c.run(entry, inputs),
             Executor::Cuda(c) => {
                 if !c.has(&entry.graph) {
                     return Err(RuntimeError::Device(format!(

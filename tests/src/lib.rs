@@ -313,8 +313,9 @@ pub fn masked_rel_err(got: &Tensor, want: &Tensor, mask: &Tensor) -> f64 {
 }
 
 /// A sentence-transformers folder made from a checkpoint folder: its files plus `modules.json`
-/// (Transformer, Pooling with `pooling`, and Normalize when `normalize`) and `1_Pooling/config.json`.
-pub fn sentence_transformers_copy(src: &Path, dst: &Path, pooling: &str, normalize: bool) {
+/// (Transformer, Pooling with the modes `pooling` turns on, and Normalize when `normalize`) and
+/// `1_Pooling/config.json`.
+pub fn sentence_transformers_copy(src: &Path, dst: &Path, pooling: &[&str], normalize: bool) {
     std::fs::create_dir_all(dst.join("1_Pooling")).unwrap();
     for entry in std::fs::read_dir(src).unwrap() {
         let p = entry.unwrap().path();
@@ -336,7 +337,13 @@ pub fn sentence_transformers_copy(src: &Path, dst: &Path, pooling: &str, normali
     .unwrap();
     std::fs::write(
         dst.join("1_Pooling/config.json"),
-        serde_json::json!({ pooling: true }).to_string(),
+        serde_json::Value::Object(
+            pooling
+                .iter()
+                .map(|m| (m.to_string(), serde_json::Value::Bool(true)))
+                .collect(),
+        )
+        .to_string(),
     )
     .unwrap();
 }

@@ -271,7 +271,7 @@ fn pooling_runs_as_a_host_tail_after_the_gpu_plan() {
         ("pooling_mode_cls_token", false),
     ] {
         let st = tmp.path().join(format!("st-{pooling}"));
-        sentence_transformers_copy(&fixture("bert-tiny"), &st, pooling, normalize);
+        sentence_transformers_copy(&fixture("bert-tiny"), &st, &[pooling], normalize);
         let dir = tmp.path().join(format!("{pooling}.kiln"));
         compile(&st, &dir, &["--buckets", "32", "--batch-buckets", "4"]);
         let art = Artifact::open(&dir).unwrap();

@@ -169,7 +169,7 @@ fn sentence_embeddings_on_the_gpu_match_the_interpreter() {
     kiln_tests::sentence_transformers_copy(
         &fixture("bert-tiny"),
         &st,
-        "pooling_mode_mean_tokens",
+        &["pooling_mode_mean_tokens"],
         true,
     );
     let art = compile_artifact(

@@ -82,6 +82,62 @@ fn encoders_match_references_on_the_cpu_executor() {
     }
 }
 
+/// Every sentence-transformers head (each pooling mode, several modes concatenated, with and
+/// without normalisation) runs on the CPU as generated strided kernels — no host tail, no
+/// interpreter — and gives the interpreter's embeddings.
+#[test]
+fn pooling_heads_run_as_generated_kernels() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = reference("bert-tiny");
+    let (batch, _) =
+        TokenBatch::from_tensors(&reference["input_ids"], Some(&reference["attention_mask"]))
+            .unwrap();
+    let heads: [(&[&str], bool); 5] = [
+        (&["pooling_mode_mean_tokens"], true),
+        (&["pooling_mode_cls_token"], false),
+        (&["pooling_mode_max_tokens"], false),
+        (&["pooling_mode_mean_sqrt_len_tokens"], true),
+        (
+            &[
+                "pooling_mode_cls_token",
+                "pooling_mode_max_tokens",
+                "pooling_mode_mean_tokens",
+            ],
+            true,
+        ),
+    ];
+    for (i, (modes, normalize)) in heads.into_iter().enumerate() {
+        let st = tmp.path().join(format!("st-{i}"));
+        kiln_tests::sentence_transformers_copy(&fixture("bert-tiny"), &st, modes, normalize);
+        let art = compile_artifact(
+            &st,
+            &tmp.path().join(format!("st-{i}.kiln")),
+            &["--buckets", "32", "--batch-buckets", "4"],
+        );
+        let plan = art.manifest.prefill[0].plan.as_ref().unwrap();
+        let cpu = plan.cpu.as_ref().expect("a CPU plan");
+        let strided = cpu
+            .steps
+            .iter()
+            .filter(|s| {
+                matches!(&s.call, kiln_ir::artifact::CpuCall::Kernel { symbol, .. }
+                    if symbol.starts_with("cpu_strided_"))
+            })
+            .count();
+        assert!(strided > 0, "{modes:?}: the head runs as strided kernels");
+        let got = forward(&art, &mut native(&art), &batch).unwrap();
+        let want = forward(&art, &mut Executor::Interpreter, &batch).unwrap();
+        let (g, w) = (&got["sentence_embedding"], &want["sentence_embedding"]);
+        assert_eq!(g.shape, w.shape, "{modes:?}");
+        let err = kiln_tests::rel_err(kiln_tests::floats(g), kiln_tests::floats(w));
+        assert!(
+            err < 1e-5,
+            "{modes:?} (normalize {normalize}): relative error {err:e}"
+        );
+        println!("ok: {modes:?} normalize {normalize}: {strided} strided steps, error {err:e}");
+    }
+}
+
 /// A `--dropout` build (a training-mode forward): the CPU executor's generated attention draws
 /// exactly the interpreter's Philox masks, so both give the same logits (p = 0.1 drops about one
 /// weight in ten; one mask bit drawn differently would move a row far past 1e-4).

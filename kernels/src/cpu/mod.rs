@@ -22,7 +22,9 @@
 //!   is computed by a CPU GEMM library the executor calls), f32x4;
 //! - [`embedding`] — summed embedding lookups, f32x4;
 //! - [`kv_cache`] — writes into a KV cache in place, RoPE on the way, f32x4;
-//! - [`norm`] — LayerNorm / RMSNorm rows (with the residual add), f32x4.
+//! - [`norm`] — LayerNorm / RMSNorm rows (with the residual add), f32x4;
+//! - [`strided`] — primitive ops over strided operands (what no fused kernel covers: pooling heads),
+//!   scalar.
 
 pub mod attention;
 pub mod elementwise;
@@ -32,5 +34,6 @@ pub mod kv_cache;
 pub mod math;
 pub mod module;
 pub mod norm;
+pub mod strided;
 
 pub use module::{link_shared, CpuError, CpuModule};
