@@ -663,10 +663,14 @@ fn write_artifact(
         } else {
             (None, None)
         };
-        let cpu_library = if target.cpu() {
-            write_cpu_kernels(&tmp, art)?
+        let sampler_vocab = match model.kind {
+            ModelKind::Decoder { vocab_size, .. } => Some(u32::try_from(vocab_size)?),
+            ModelKind::Encoder { .. } => None,
+        };
+        let (cpu_library, cpu_sampler) = if target.cpu() {
+            write_cpu_kernels(&tmp, art, sampler_vocab)?
         } else {
-            None
+            (None, None)
         };
         let weights = if with_weights {
             write_weights(&tmp, model, art)?;
@@ -720,6 +724,7 @@ fn write_artifact(
             targets: if cubin.is_some() { vec![90] } else { vec![] },
             kernels_cubin: cubin,
             kernels_cpu: cpu_library,
+            cpu_sampler,
             seq_buckets: plan.seq_lens.clone(),
             batch_buckets: plan.batch_sizes.clone(),
             max_context: compiled.decode.first().and_then(|b| b.context),
@@ -868,13 +873,18 @@ impl Target {
     }
 }
 
-/// Generates every CPU kernel the plans call (Cranelift, ahead of time) and links them into the
-/// CPU library; returns its name, or `None` when no plan runs on the CPU.
-fn write_cpu_kernels(dir: &Path, plan: &ArtifactPlan) -> Result<Option<String>> {
+/// Generates every CPU kernel the plans call (Cranelift, ahead of time), and for a decoder the
+/// token sampler over rows of `sampler_vocab` logits, and links them into the CPU library; returns
+/// its name and the sampler's, or `None`s when no plan runs on the CPU.
+fn write_cpu_kernels(
+    dir: &Path,
+    plan: &ArtifactPlan,
+    sampler_vocab: Option<u32>,
+) -> Result<(Option<String>, Option<String>)> {
     use crate::lower::CpuKernel;
     use kiln_kernels::cpu::{self, CpuModule};
     if plan.cpu_kernels.is_empty() {
-        return Ok(None);
+        return Ok((None, None));
     }
     let mut module = CpuModule::new()?;
     for (symbol, kernel) in &plan.cpu_kernels {
@@ -889,9 +899,12 @@ fn write_cpu_kernels(dir: &Path, plan: &ArtifactPlan) -> Result<Option<String>> 
         };
         debug_assert_eq!(&made, symbol);
     }
+    let sampler = sampler_vocab
+        .map(|vocab| cpu::sampling::sample(&mut module, vocab))
+        .transpose()?;
     let name = artifact::cpu_library_name();
     cpu::link_shared(&module.finish()?, &dir.join(&name))?;
-    Ok(Some(name))
+    Ok((Some(name), sampler))
 }
 
 /// `$KILN_PTXAS`, else a `ptxas` on PATH.

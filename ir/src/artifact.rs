@@ -58,6 +58,9 @@ pub struct Manifest {
     pub kernels_cubin: Option<String>,
     /// The CPU kernels (a shared library for this architecture), when the build has CPU plans.
     pub kernels_cpu: Option<String>,
+    /// The generated token sampler in `kernels_cpu` (decoders): `kiln_kernels::cpu::sampling`'s
+    /// parameters over one row of `vocab_size` logits.
+    pub cpu_sampler: Option<String>,
     /// Sequence buckets, ascending.
     pub seq_buckets: Vec<usize>,
     /// Batch buckets, ascending.

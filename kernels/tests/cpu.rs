@@ -13,7 +13,8 @@ use kiln_ir::kernel::{
 use kiln_ir::Op;
 use kiln_kernels::attention::{AttentionConfig, KeyRule};
 use kiln_kernels::cpu::{
-    attention, elementwise, embedding, epilogue, kv_cache, link_shared, norm, strided, CpuModule,
+    attention, elementwise, embedding, epilogue, kv_cache, link_shared, norm, sampling, strided,
+    CpuModule,
 };
 use kiln_kernels::embedding::EmbeddingConfig;
 use kiln_kernels::gemm::GemmConfig;
@@ -22,7 +23,10 @@ use kiln_kernels::norm::NormConfig;
 use kiln_kernels::Elem;
 use rand::{Rng, SeedableRng};
 
-use common::{cache_write_reference, check, reference, reference_with_seed, rope_tables};
+use common::{
+    cache_write_reference, check, check_picks, reference, reference_with_seed, rope_tables,
+    sampling_reference,
+};
 
 type KernelFn = unsafe extern "C" fn(*const u64, u64, u64);
 
@@ -833,4 +837,75 @@ fn strided_ops_match_the_interpreter() {
         &out,
         want.as_f32().unwrap(),
     );
+}
+
+/// Token choice: greedy rows pick the first largest logit; sampled rows, for a sweep of uniforms
+/// `u` over one row of logits, pick the reference's inverse-CDF token wherever it is not within
+/// rounding of a boundary, and always a token of the reference's kept set.
+#[test]
+fn sampling_follows_the_reference() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(19);
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        (17u32, 1.0f32, 0u64, 1.0f32),
+        (4097, 0.7, 50, 1.0),
+        (4097, 1.3, 0, 0.9),
+        (50257, 1.0, 40, 0.95),
+        (127, 0.5, 1, 1.0),
+        (127, 0.0, 0, 1.0),
+    ];
+    let mut module = CpuModule::new().unwrap();
+    let mut vocabs: Vec<u32> = cases.iter().map(|c| c.0).collect();
+    vocabs.sort_unstable();
+    vocabs.dedup();
+    for v in vocabs {
+        sampling::sample(&mut module, v).unwrap();
+    }
+    let names: Vec<String> = cases.iter().map(|c| sampling::name(c.0)).collect();
+    let lib = load(module, dir.path());
+    for ((vocab, temperature, top_k, top_p), name) in cases.into_iter().zip(&names) {
+        // SAFETY: the symbol was generated with the kernel signature.
+        let f: libloading::Symbol<KernelFn> = unsafe { lib.get(name.as_bytes()) }.unwrap();
+        let mut row = values(&mut rng, vocab as usize, 6.0, 0.0);
+        // A tie for the largest logit: greedy takes the first.
+        let top = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) + 1.0;
+        row[vocab as usize / 2] = top;
+        row[vocab as usize - 1] = top;
+        let mut scratch = vec![0u8; sampling::scratch_bytes(vocab) as usize];
+        let rows = 256;
+        let us: Vec<f64> = (0..rows).map(|i| (i as f64 + 0.5) / rows as f64).collect();
+        let mut got = Vec::new();
+        for u in &us {
+            let mut out = -1i64;
+            let args = [
+                row.as_ptr() as u64,
+                &mut out as *mut i64 as u64,
+                scratch.as_mut_ptr() as u64,
+                u64::from(temperature.to_bits()),
+                top_k,
+                u64::from(top_p.to_bits()),
+                u.to_bits(),
+            ];
+            // SAFETY: one row of `vocab` logits, one i64 out, the scratch the row needs.
+            unsafe { f(args.as_ptr(), 0, 1) };
+            got.push(out);
+        }
+        let what = format!("{name} T={temperature} k={top_k} p={top_p}");
+        if temperature == 0.0 {
+            assert!(
+                got.iter().all(|&t| t == i64::from(vocab / 2)),
+                "{what}: greedy picks the first largest logit"
+            );
+            println!("ok  {what}: greedy");
+            continue;
+        }
+        let (kept, z) = sampling_reference(
+            &row,
+            f64::from(temperature),
+            top_k as usize,
+            f64::from(top_p),
+        );
+        let exact = check_picks(&what, &kept, z, &us, &got);
+        println!("ok  {what}: {exact}/{rows} exact");
+    }
 }

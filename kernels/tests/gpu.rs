@@ -21,7 +21,10 @@ use kiln_kernels::norm::{norm, NormConfig};
 use kiln_kernels::sampling::argmax;
 use kiln_kernels::{Elem, GeneratedKernel, ParamType};
 
-use common::{cache_write_reference, check, reference, reference_with_seed, rope_tables};
+use common::{
+    cache_write_reference, check, check_picks, reference, reference_with_seed, rope_tables,
+    sampling_reference,
+};
 
 struct Gpu {
     ctx: Arc<CudaContext>,
@@ -798,61 +801,6 @@ fn attention_matches_the_interpreter() {
     }
 }
 
-/// The sampling reference, in f64: (kept token ids in index order with their weights, their total).
-fn sampling_reference(
-    logits: &[f32],
-    temperature: f64,
-    top_k: usize,
-    top_p: f64,
-) -> (Vec<(usize, f64)>, f64) {
-    let m = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    let w: Vec<f64> = logits
-        .iter()
-        .map(|&x| ((f64::from(x) - f64::from(m)) / temperature).exp())
-        .collect();
-    let mut sorted: Vec<f32> = logits.to_vec();
-    sorted.sort_by(|a, b| b.total_cmp(a));
-    let t_k = if top_k == 0 || top_k >= logits.len() {
-        f32::NEG_INFINITY
-    } else {
-        sorted[top_k - 1]
-    };
-    let z_k: f64 = logits
-        .iter()
-        .zip(&w)
-        .filter(|(x, _)| **x >= t_k)
-        .map(|(_, w)| w)
-        .sum();
-    let mut t = t_k;
-    if top_p < 1.0 {
-        // The largest threshold (a logit value) whose kept mass reaches top_p of z_k.
-        for &cand in &sorted {
-            if cand < t_k {
-                break;
-            }
-            let mass: f64 = logits
-                .iter()
-                .zip(&w)
-                .filter(|(x, _)| **x >= cand)
-                .map(|(_, w)| w)
-                .sum();
-            if mass >= top_p * z_k {
-                t = cand;
-                break;
-            }
-        }
-    }
-    let kept: Vec<(usize, f64)> = logits
-        .iter()
-        .zip(&w)
-        .enumerate()
-        .filter(|(_, (x, _))| **x >= t)
-        .map(|(i, (_, w))| (i, *w))
-        .collect();
-    let z = kept.iter().map(|(_, w)| w).sum();
-    (kept, z)
-}
-
 /// Top-k / top-p sampling: for a sweep of uniforms `u` over one row of logits (one launch row per
 /// `u`), the token is the reference's inverse-CDF pick wherever the pick is not within rounding of
 /// a boundary, and always inside the reference's kept set.
@@ -893,42 +841,8 @@ fn top_k_top_p_sampling_follows_the_reference() {
                 top_k as usize,
                 f64::from(top_p),
             );
-            let mut exact = 0;
-            for (u, token) in us.iter().zip(&got) {
-                let token = *token as usize;
-                assert!(
-                    kept.iter().any(|(i, _)| *i == token),
-                    "{}: token {token} outside the kept set",
-                    kernel.name
-                );
-                let target = f64::from(*u) * z;
-                let mut running = 0.0;
-                let mut want = kept.last().unwrap().0;
-                let mut margin = f64::INFINITY;
-                for (i, w) in &kept {
-                    margin = margin.min((running - target).abs());
-                    running += w;
-                    if running > target {
-                        want = *i;
-                        margin = margin.min((running - target).abs());
-                        break;
-                    }
-                }
-                if token == want {
-                    exact += 1;
-                } else {
-                    assert!(
-                        margin < 1e-4 * z,
-                        "{}: u={u} picked {token}, reference {want} (margin {margin:e})",
-                        kernel.name
-                    );
-                }
-            }
-            assert!(
-                exact >= rows as usize - 2,
-                "{}: only {exact} of {rows} picks match",
-                kernel.name
-            );
+            let us: Vec<f64> = us.iter().map(|&u| f64::from(u)).collect();
+            let exact = check_picks(&kernel.name, &kept, z, &us, &got);
             println!(
                 "ok  {} T={temperature} k={top_k} p={top_p}: {exact}/{rows} exact",
                 kernel.name

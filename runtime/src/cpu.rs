@@ -38,6 +38,8 @@ pub struct CpuExecutor {
     product: Vec<f32>,
     /// `KILN_EAGER` set: seconds and calls per kernel (or `gemm MxNxK`), for profiling.
     profile: Option<BTreeMap<String, (u64, f64)>>,
+    /// The generated token sampler (decoders) and its scratch row.
+    sampler: Option<(KernelFn, Vec<u64>)>,
 }
 
 impl CpuExecutor {
@@ -113,7 +115,21 @@ impl CpuExecutor {
             };
             plans.insert(entry.graph.clone(), Arc::new(bucket));
         }
+        let sampler = match &m.cpu_sampler {
+            Some(symbol) => {
+                // SAFETY: every exported symbol of the library has the kernel ABI.
+                let f = unsafe { library.get::<KernelFn>(symbol.as_bytes()) }.map_err(|e| {
+                    RuntimeError::Artifact {
+                        file: art.dir.join(file).display().to_string(),
+                        message: format!("lacks the sampler `{symbol}`: {e}"),
+                    }
+                })?;
+                Some((*f, vec![0u64; m.model.vocab_size]))
+            }
+            None => None,
+        };
         Ok(CpuExecutor {
+            sampler,
             _library: library,
             functions,
             plans,
@@ -129,6 +145,45 @@ impl CpuExecutor {
     /// Whether the bucket whose graph file is `graph` has a CPU plan.
     pub fn has(&self, graph: &str) -> bool {
         self.plans.contains_key(graph)
+    }
+
+    /// The token the generated sampler picks from one row of `logits` at step `step`, or `None`
+    /// when the artifact has no sampler.
+    pub fn choose(
+        &mut self,
+        logits: &[f32],
+        sampling: &crate::generate::Sampling,
+        step: u32,
+    ) -> Result<Option<usize>, RuntimeError> {
+        let Some((f, scratch)) = self.sampler.as_mut() else {
+            return Ok(None);
+        };
+        if logits.len() != scratch.len() {
+            return Err(RuntimeError::Request(format!(
+                "a row of {} logits for a sampler over {}",
+                logits.len(),
+                scratch.len()
+            )));
+        }
+        let mut token = -1i64;
+        let args = [
+            logits.as_ptr() as u64,
+            &mut token as *mut i64 as u64,
+            scratch.as_mut_ptr() as u64,
+            u64::from(sampling.temperature.to_bits()),
+            sampling.top_k as u64,
+            u64::from(sampling.top_p.to_bits()),
+            crate::generate::uniform(sampling, step).to_bits(),
+        ];
+        // SAFETY: the sampler was generated for rows of `scratch.len()` logits (the artifact's
+        // vocabulary), which `logits` holds; `scratch` has the 8 bytes per logit it needs and
+        // `token` is the one i64 it writes.
+        unsafe { f(args.as_ptr(), 0, 1) };
+        usize::try_from(token)
+            .ok()
+            .filter(|&t| t < logits.len())
+            .map(Some)
+            .ok_or_else(|| RuntimeError::Device(format!("the sampler returned token {token}")))
     }
 
     /// Empties the KV cache (a new generation).

@@ -103,6 +103,23 @@ impl Executor {
         host_tail(art, entry, inputs, outputs)
     }
 
+    /// The token for one row of `logits` under `sampling` at generation step `step`: the
+    /// artifact's generated sampler on the CPU executor, else the runtime's reference
+    /// ([`crate::generate::choose`]); both have the same semantics.
+    pub fn choose(
+        &mut self,
+        logits: &[f32],
+        sampling: &crate::generate::Sampling,
+        step: u32,
+    ) -> Result<usize, RuntimeError> {
+        if let Executor::Cpu(c) = self {
+            if let Some(token) = c.choose(logits, sampling, step)? {
+                return Ok(token);
+            }
+        }
+        Ok(crate::generate::choose(logits, sampling, step))
+    }
+
     /// Empties the KV cache the executor keeps (a new generation).
     pub fn reset_cache(&mut self) -> Result<(), RuntimeError> {
         match self {

@@ -145,7 +145,7 @@ pub fn generate_timed(
     let mut out = Vec::with_capacity(max_new);
     let mut decode_seconds = 0.0;
     for i in 0..max_new {
-        let next = choose(&logits, sampling, i as u32) as i64;
+        let next = run.exec.choose(&logits, sampling, i as u32)? as i64;
         out.push(next);
         if i + 1 < max_new {
             let start = std::time::Instant::now();
@@ -213,7 +213,16 @@ impl Session<'_> {
     }
 }
 
-/// The token for `logits` under `sampling` (the semantics of the GPU sampling kernel).
+/// Step `step`'s uniform in `[0, 1)`: the first word of Philox-4x32-10 at counter
+/// `(step, 0, 0, 0)` under the seed's key, over 2^32.
+pub fn uniform(sampling: &Sampling, step: u32) -> f64 {
+    let word = philox4x32_10([step, 0, 0, 0], seed_key(sampling.seed))[0];
+    f64::from(word) / 4_294_967_296.0
+}
+
+/// The token for `logits` under `sampling` (the semantics of the GPU sampling kernel and of the
+/// generated CPU sampler, `kiln_kernels::cpu::sampling`; executors with a generated sampler use
+/// it through [`Executor::choose`]).
 pub fn choose(logits: &[f32], sampling: &Sampling, step: u32) -> usize {
     if sampling.temperature <= 0.0 {
         return logits
@@ -260,8 +269,7 @@ pub fn choose(logits: &[f32], sampling: &Sampling, step: u32) -> usize {
         }
     }
     let z = mass(t);
-    let word = philox4x32_10([step, 0, 0, 0], seed_key(sampling.seed))[0];
-    let target = f64::from(word) / 4_294_967_296.0 * z;
+    let target = uniform(sampling, step) * z;
     let mut running = 0.0;
     let mut last = 0;
     for (i, (x, wi)) in logits.iter().zip(&w).enumerate() {

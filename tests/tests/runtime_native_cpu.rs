@@ -82,6 +82,65 @@ fn encoders_match_references_on_the_cpu_executor() {
     }
 }
 
+/// Sampling on the CPU runs the artifact's generated sampler: it picks the runtime reference's
+/// token (`generate::choose`) on random rows for every mode, and a seeded top-k/top-p generation
+/// through the CPU executor gives the interpreter's tokens.
+#[test]
+fn generated_sampler_matches_the_reference() {
+    use kiln_runtime::generate::choose;
+    let tmp = tempfile::tempdir().unwrap();
+    let art = compile_artifact(
+        &fixture("gpt2-tiny"),
+        &tmp.path().join("gpt2.kiln"),
+        &["--buckets", "16", "--max-context", "64"],
+    );
+    assert!(art.manifest.cpu_sampler.is_some(), "a decoder gets a sampler");
+    let mut exec = native(&art);
+    let vocab = art.manifest.model.vocab_size;
+    let modes = [
+        Sampling::greedy(),
+        Sampling {
+            temperature: 0.8,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 3,
+        },
+        Sampling {
+            temperature: 1.2,
+            top_k: 20,
+            top_p: 1.0,
+            seed: 4,
+        },
+        Sampling {
+            temperature: 0.7,
+            top_k: 50,
+            top_p: 0.8,
+            seed: 5,
+        },
+    ];
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    for mode in &modes {
+        for step in 0..200u32 {
+            let row: Vec<f32> = (0..vocab)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    (state >> 40) as f32 / (1u64 << 24) as f32 * 12.0 - 6.0
+                })
+                .collect();
+            let got = exec.choose(&row, mode, step).unwrap();
+            assert_eq!(got, choose(&row, mode, step), "{mode:?} step {step}");
+        }
+    }
+    let reference = reference("gpt2-tiny");
+    let prompt = reference["greedy_prompt"].as_i64().unwrap().to_vec();
+    let mode = &modes[3];
+    let got = generate(&art, &mut exec, &prompt, 30, mode).unwrap();
+    let want = generate(&art, &mut Executor::Interpreter, &prompt, 30, mode).unwrap();
+    assert_eq!(got, want, "seeded top-k/top-p generation");
+}
+
 /// Every sentence-transformers head (each pooling mode, several modes concatenated, with and
 /// without normalisation) runs on the CPU as generated strided kernels — no host tail, no
 /// interpreter — and gives the interpreter's embeddings.

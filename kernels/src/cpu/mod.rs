@@ -23,6 +23,7 @@
 //! - [`embedding`] — summed embedding lookups, f32x4;
 //! - [`kv_cache`] — writes into a KV cache in place, RoPE on the way, f32x4;
 //! - [`norm`] — LayerNorm / RMSNorm rows (with the residual add), f32x4;
+//! - [`sampling`] — token choice (greedy, temperature, top-k, top-p) by bisection, scalar;
 //! - [`strided`] — primitive ops over strided operands (what no fused kernel covers: pooling heads),
 //!   scalar.
 
@@ -34,6 +35,7 @@ pub mod kv_cache;
 pub mod math;
 pub mod module;
 pub mod norm;
+pub mod sampling;
 pub mod strided;
 
 pub use module::{link_shared, CpuError, CpuModule};

@@ -148,3 +148,102 @@ pub fn cache_write_reference(
         .unwrap()
         .to_vec()
 }
+
+/// The sampling reference, in f64: (kept token ids in index order with their weights, their total).
+#[allow(dead_code)] // each suite uses what it covers
+pub fn sampling_reference(
+    logits: &[f32],
+    temperature: f64,
+    top_k: usize,
+    top_p: f64,
+) -> (Vec<(usize, f64)>, f64) {
+    let m = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let w: Vec<f64> = logits
+        .iter()
+        .map(|&x| ((f64::from(x) - f64::from(m)) / temperature).exp())
+        .collect();
+    let mut sorted: Vec<f32> = logits.to_vec();
+    sorted.sort_by(|a, b| b.total_cmp(a));
+    let t_k = if top_k == 0 || top_k >= logits.len() {
+        f32::NEG_INFINITY
+    } else {
+        sorted[top_k - 1]
+    };
+    let z_k: f64 = logits
+        .iter()
+        .zip(&w)
+        .filter(|(x, _)| **x >= t_k)
+        .map(|(_, w)| w)
+        .sum();
+    let mut t = t_k;
+    if top_p < 1.0 {
+        // The largest threshold (a logit value) whose kept mass reaches top_p of z_k.
+        for &cand in &sorted {
+            if cand < t_k {
+                break;
+            }
+            let mass: f64 = logits
+                .iter()
+                .zip(&w)
+                .filter(|(x, _)| **x >= cand)
+                .map(|(_, w)| w)
+                .sum();
+            if mass >= top_p * z_k {
+                t = cand;
+                break;
+            }
+        }
+    }
+    let kept: Vec<(usize, f64)> = logits
+        .iter()
+        .zip(&w)
+        .enumerate()
+        .filter(|(_, (x, _))| **x >= t)
+        .map(|(i, (_, w))| (i, *w))
+        .collect();
+    let z = kept.iter().map(|(_, w)| w).sum();
+    (kept, z)
+}
+
+/// Checks sampled tokens `got` (one per uniform in `us`) against the reference's kept set and
+/// total `z`: every token is kept, and it is the inverse-CDF pick wherever the pick is not within
+/// rounding (1e-4 of the mass) of a boundary; at most two picks may differ. Returns how many
+/// matched exactly.
+#[allow(dead_code)] // each suite uses what it covers
+pub fn check_picks(what: &str, kept: &[(usize, f64)], z: f64, us: &[f64], got: &[i64]) -> usize {
+    let mut exact = 0;
+    for (u, token) in us.iter().zip(got) {
+        let token = *token as usize;
+        assert!(
+            kept.iter().any(|(i, _)| *i == token),
+            "{what}: token {token} outside the kept set"
+        );
+        let target = u * z;
+        let mut running = 0.0;
+        let mut want = kept.last().unwrap().0;
+        let mut margin = f64::INFINITY;
+        for (i, w) in kept {
+            margin = margin.min((running - target).abs());
+            running += w;
+            if running > target {
+                want = *i;
+                margin = margin.min((running - target).abs());
+                break;
+            }
+        }
+        if token == want {
+            exact += 1;
+        } else {
+            assert!(
+                margin < 1e-4 * z,
+                "{what}: u={u} picked {token}, reference {want} (margin {margin:e})"
+            );
+        }
+    }
+    assert!(
+        exact + 2 >= us.len(),
+        "{what}: only {exact} of {} picks match",
+        us.len()
+    );
+    exact
+}

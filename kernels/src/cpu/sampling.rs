@@ -1,0 +1,279 @@
+//! Token choice from a row of logits on the CPU, with the semantics of the GPU sampling kernel
+//! (`crate::sampling`) and of the runtime's reference (`kiln_runtime::generate::choose`):
+//!
+//! - temperature <= 0: the index of the largest logit (the first on ties);
+//! - otherwise, with `m` the largest logit and `w_i = exp((x_i - m) / temperature)`, top-k keeps
+//!   every logit `>=` the k-th largest (ties kept; 0 keeps all), top-p then keeps the logits
+//!   `>= t` for the largest `t` whose kept mass is at least `top_p` times the top-k mass (1 keeps
+//!   all), and the token is the smallest index whose running kept mass (index order, f64)
+//!   exceeds `u` times the kept mass, or the last kept index when rounding leaves none.
+//!
+//! Thresholds are found by bisection over the logits' ordered bit patterns (32 passes over the
+//! row), so they are exact logit values and no sort is needed.
+//!
+//! Parameters: `logits` (f32 `[rows, vocab]`), `out` (i64 `[rows]`), `scratch` (8 bytes per
+//! logit: the weights and the ordered keys), then `temperature` (f32 bits), `top_k`, `top_p` (f32
+//! bits) and `u` (f64 bits, in `[0, 1)`); the parallel axis is rows.
+
+use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
+use cranelift_codegen::ir::types::{F32, F64, I32, I64};
+use cranelift_codegen::ir::{InstBuilder, MemFlagsData, Value};
+use cranelift_frontend::FunctionBuilder;
+
+use super::math::exp;
+use super::module::{for_range, if_then, Args, CpuError, CpuModule};
+
+/// Bisection steps: one per bit of a key.
+const KEY_BITS: i64 = 32;
+
+/// The function's name for rows of `vocab` logits.
+pub fn name(vocab: u32) -> String {
+    format!("cpu_sample_f32_v{vocab}")
+}
+
+/// Scratch bytes per row of `vocab` logits.
+pub fn scratch_bytes(vocab: u32) -> u64 {
+    u64::from(vocab) * 8
+}
+
+/// Generates the sampler for rows of `vocab` logits into `module`; returns its name.
+pub fn sample(module: &mut CpuModule, vocab: u32) -> Result<String, CpuError> {
+    if vocab == 0 {
+        return Err(CpuError("a sampler over an empty vocabulary".into()));
+    }
+    let name = name(vocab);
+    let v = i64::from(vocab);
+    module.define(&name, |b, p| {
+        let mut args = Args::new(p);
+        let logits = args.next(b);
+        let out = args.next(b);
+        let scratch = args.next(b);
+        let bits = args.next(b);
+        let temperature = f32_arg(b, bits);
+        let top_k = args.next(b);
+        let bits = args.next(b);
+        let top_p = f32_arg(b, bits);
+        let bits = args.next(b);
+        let u = b.ins().bitcast(F64, MemFlagsData::new(), bits);
+        let flags = MemFlagsData::new().with_notrap();
+        for_range(b, p.begin, p.end, 1, |b, row| {
+            let x = b.ins().imul_imm_s(row, v * 4);
+            let x = b.ins().iadd(logits, x);
+            let w = b.ins().imul_imm_s(row, v * 8);
+            let w = b.ins().iadd(scratch, w);
+            let keys = b.ins().iadd_imm_s(w, v * 4);
+            let elem = |b: &mut FunctionBuilder, base: Value, i: Value| {
+                let off = b.ins().imul_imm_s(i, 4);
+                b.ins().iadd(base, off)
+            };
+            let zero = b.ins().iconst(I64, 0);
+            let n = b.ins().iconst(I64, v);
+
+            // The largest logit and its first index.
+            let best = b.declare_var(F32);
+            let best_i = b.declare_var(I64);
+            let neg_inf = b.ins().f32const(f32::NEG_INFINITY);
+            b.def_var(best, neg_inf);
+            b.def_var(best_i, zero);
+            for_range(b, zero, n, 1, |b, i| {
+                let a = elem(b, x, i);
+                let xi = b.ins().load(F32, flags, a, 0);
+                let top = b.use_var(best);
+                let top_i = b.use_var(best_i);
+                let gt = b.ins().fcmp(FloatCC::GreaterThan, xi, top);
+                let nb = b.ins().select(gt, xi, top);
+                let ni = b.ins().select(gt, i, top_i);
+                b.def_var(best, nb);
+                b.def_var(best_i, ni);
+            });
+            let chosen = b.declare_var(I64);
+            let top_i = b.use_var(best_i);
+            b.def_var(chosen, top_i);
+
+            let zero_f = b.ins().f32const(0.0);
+            let sampling = b.ins().fcmp(FloatCC::GreaterThan, temperature, zero_f);
+            if_then(b, sampling, |b| {
+                // Weights and ordered keys.
+                let m = b.use_var(best);
+                let m = b.ins().fpromote(F64, m);
+                let t = b.ins().fpromote(F64, temperature);
+                for_range(b, zero, n, 1, |b, i| {
+                    let a = elem(b, x, i);
+                    let xi = b.ins().load(F32, flags, a, 0);
+                    let wide = b.ins().fpromote(F64, xi);
+                    let d = b.ins().fsub(wide, m);
+                    let d = b.ins().fdiv(d, t);
+                    let d = b.ins().fdemote(F32, d);
+                    let wi = exp(b, F32, d);
+                    let a = elem(b, w, i);
+                    b.ins().store(flags, wi, a, 0);
+                    let key = ordered_key(b, xi);
+                    let a = elem(b, keys, i);
+                    b.ins().store(flags, key, a, 0);
+                });
+
+                // Top-k: the largest key with at least k logits at or above it.
+                let threshold = b.declare_var(I64);
+                b.def_var(threshold, zero);
+                let some = b.ins().icmp_imm_s(IntCC::NotEqual, top_k, 0);
+                let fewer = b.ins().icmp_imm_s(IntCC::UnsignedLessThan, top_k, v);
+                let limited = b.ins().band(some, fewer);
+                if_then(b, limited, |b| {
+                    let found = bisect(b, zero, |b, mid| {
+                        let c = count_at_least(b, keys, n, mid);
+                        b.ins().icmp(IntCC::UnsignedGreaterThanOrEqual, c, top_k)
+                    });
+                    b.def_var(threshold, found);
+                });
+                let t_k = b.use_var(threshold);
+                let z_k = mass_at_least(b, w, keys, n, t_k);
+
+                // Top-p: the largest key at or above the top-k one keeping top_p of its mass.
+                let one = b.ins().f32const(1.0);
+                let partial = b.ins().fcmp(FloatCC::LessThan, top_p, one);
+                if_then(b, partial, |b| {
+                    let p = b.ins().fpromote(F64, top_p);
+                    let want = b.ins().fmul(p, z_k);
+                    let found = bisect(b, t_k, |b, mid| {
+                        let mass = mass_at_least(b, w, keys, n, mid);
+                        b.ins().fcmp(FloatCC::GreaterThanOrEqual, mass, want)
+                    });
+                    b.def_var(threshold, found);
+                });
+                let t = b.use_var(threshold);
+                let z = mass_at_least(b, w, keys, n, t);
+                let target = b.ins().fmul(u, z);
+
+                // The draw: the first index whose running kept mass passes the target.
+                let running = b.declare_var(F64);
+                let last = b.declare_var(I64);
+                let hit = b.declare_var(I64);
+                let zero_d = b.ins().f64const(0.0);
+                let none = b.ins().iconst(I64, -1);
+                b.def_var(running, zero_d);
+                b.def_var(last, zero);
+                b.def_var(hit, none);
+                for_range(b, zero, n, 1, |b, i| {
+                    let kept = kept(b, keys, i, t);
+                    let a = elem(b, w, i);
+                    let wi = b.ins().load(F32, flags, a, 0);
+                    let wi = b.ins().fpromote(F64, wi);
+                    let add = b.ins().select(kept, wi, zero_d);
+                    let r = b.use_var(running);
+                    let r = b.ins().fadd(r, add);
+                    b.def_var(running, r);
+                    let l = b.use_var(last);
+                    let l = b.ins().select(kept, i, l);
+                    b.def_var(last, l);
+                    let h = b.use_var(hit);
+                    let past = b.ins().fcmp(FloatCC::GreaterThan, r, target);
+                    let unset = b.ins().icmp_imm_s(IntCC::SignedLessThan, h, 0);
+                    let first = b.ins().band(past, unset);
+                    let first = b.ins().band(first, kept);
+                    let h = b.ins().select(first, i, h);
+                    b.def_var(hit, h);
+                });
+                let h = b.use_var(hit);
+                let l = b.use_var(last);
+                let found = b.ins().icmp_imm_s(IntCC::SignedGreaterThanOrEqual, h, 0);
+                let token = b.ins().select(found, h, l);
+                b.def_var(chosen, token);
+            });
+            let token = b.use_var(chosen);
+            let at = b.ins().imul_imm_s(row, 8);
+            let at = b.ins().iadd(out, at);
+            b.ins().store(flags, token, at, 0);
+        });
+    })?;
+    Ok(name)
+}
+
+/// The f32 whose bits are the low half of argument `bits`.
+fn f32_arg(b: &mut FunctionBuilder, bits: Value) -> Value {
+    let low = b.ins().ireduce(I32, bits);
+    b.ins().bitcast(F32, MemFlagsData::new(), low)
+}
+
+/// `x`'s bits mapped so that unsigned order is float order: negative values flipped entirely,
+/// positive ones with the sign bit set.
+fn ordered_key(b: &mut FunctionBuilder, x: Value) -> Value {
+    let bits = b.ins().bitcast(I32, MemFlagsData::new(), x);
+    let sign = b.ins().sshr_imm_s(bits, 31);
+    let flip = b.ins().bor_imm_s(sign, i64::from(i32::MIN));
+    b.ins().bxor(bits, flip)
+}
+
+/// Whether key `i` (zero-extended) is at least `t`.
+fn kept(b: &mut FunctionBuilder, keys: Value, i: Value, t: Value) -> Value {
+    let off = b.ins().imul_imm_s(i, 4);
+    let a = b.ins().iadd(keys, off);
+    let key = b.ins().load(I32, MemFlagsData::new().with_notrap(), a, 0);
+    let key = b.ins().uextend(I64, key);
+    b.ins().icmp(IntCC::UnsignedGreaterThanOrEqual, key, t)
+}
+
+/// How many of the `n` keys are at least `t`.
+fn count_at_least(b: &mut FunctionBuilder, keys: Value, n: Value, t: Value) -> Value {
+    let count = b.declare_var(I64);
+    let zero = b.ins().iconst(I64, 0);
+    b.def_var(count, zero);
+    for_range(b, zero, n, 1, |b, i| {
+        let k = kept(b, keys, i, t);
+        let k = b.ins().uextend(I64, k);
+        let c = b.use_var(count);
+        let c = b.ins().iadd(c, k);
+        b.def_var(count, c);
+    });
+    b.use_var(count)
+}
+
+/// The f64 sum, in index order, of the weights whose keys are at least `t`.
+fn mass_at_least(b: &mut FunctionBuilder, w: Value, keys: Value, n: Value, t: Value) -> Value {
+    let mass = b.declare_var(F64);
+    let zero = b.ins().f64const(0.0);
+    b.def_var(mass, zero);
+    let start = b.ins().iconst(I64, 0);
+    for_range(b, start, n, 1, |b, i| {
+        let k = kept(b, keys, i, t);
+        let off = b.ins().imul_imm_s(i, 4);
+        let a = b.ins().iadd(w, off);
+        let wi = b.ins().load(F32, MemFlagsData::new().with_notrap(), a, 0);
+        let wi = b.ins().fpromote(F64, wi);
+        let add = b.ins().select(k, wi, zero);
+        let m = b.use_var(mass);
+        let m = b.ins().fadd(m, add);
+        b.def_var(mass, m);
+    });
+    b.use_var(mass)
+}
+
+/// The largest key in `low..=u32::MAX` for which `holds` (true at `low`, monotone: once false,
+/// false for every larger key), by bisection.
+fn bisect(
+    b: &mut FunctionBuilder,
+    low: Value,
+    mut holds: impl FnMut(&mut FunctionBuilder, Value) -> Value,
+) -> Value {
+    let lo = b.declare_var(I64);
+    let hi = b.declare_var(I64);
+    b.def_var(lo, low);
+    let top = b.ins().iconst(I64, i64::from(u32::MAX));
+    b.def_var(hi, top);
+    let zero = b.ins().iconst(I64, 0);
+    let steps = b.ins().iconst(I64, KEY_BITS);
+    for_range(b, zero, steps, 1, |b, _| {
+        let l = b.use_var(lo);
+        let h = b.use_var(hi);
+        let span = b.ins().isub(h, l);
+        let span = b.ins().iadd_imm_s(span, 1);
+        let half = b.ins().ushr_imm_s(span, 1);
+        let mid = b.ins().iadd(l, half);
+        let ok = holds(b, mid);
+        let below = b.ins().iadd_imm_s(mid, -1);
+        let l2 = b.ins().select(ok, mid, l);
+        let h2 = b.ins().select(ok, h, below);
+        b.def_var(lo, l2);
+        b.def_var(hi, h2);
+    });
+    b.use_var(lo)
+}
