@@ -628,7 +628,7 @@ fn write_artifact(
             .chain(&compiled.decode)
             .map(|b| &b.graph)
             .collect();
-        let planned_artifact = crate::plan::plan_artifact(&graphs)?;
+        let planned_artifact = crate::plan::plan_artifact(&graphs, target.cpu())?;
         let art = &planned_artifact;
         let mut planned = art.buckets.iter();
         let mut write = |kind: &str, buckets: &[CompiledBucket]| {
@@ -731,6 +731,7 @@ fn write_artifact(
             prefill: entries,
             decode: decode_entries,
             memory: art.memory.clone(),
+            cpu_memory: art.cpu_memory.clone(),
             kernel_table: art.kernel_table(),
         };
         let text = ron::ser::to_string_pretty(&manifest, ron::ser::PrettyConfig::new())?;

@@ -15,3 +15,4 @@ pub mod memory;
 pub mod plan;
 pub mod tensor_io;
 pub mod tokenize;
+pub mod widen;

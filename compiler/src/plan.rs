@@ -62,6 +62,8 @@ pub struct ArtifactPlan {
     pub tables: BTreeMap<String, Tensor>,
     /// The CPU kernels the CPU plans call, by symbol.
     pub cpu_kernels: BTreeMap<String, CpuKernel>,
+    /// The CPU plans' own memory plan, when they run on widened (f32) graphs.
+    pub cpu_memory: Option<MemoryPlan>,
 }
 
 impl ArtifactPlan {
@@ -88,8 +90,31 @@ impl ArtifactPlan {
     }
 }
 
-/// Plans `graphs` (static bucket graphs, prefill and decode alike) as one artifact.
-pub fn plan_artifact(graphs: &[&Graph]) -> Result<ArtifactPlan, PlanError> {
+/// Plans `graphs` (static bucket graphs, prefill and decode alike) as one artifact; with
+/// `cpu_plans`, half-precision graphs also get CPU plans, made from their f32 twins
+/// (`widen.rs`) over a memory plan of their own.
+pub fn plan_artifact(graphs: &[&Graph], cpu_plans: bool) -> Result<ArtifactPlan, PlanError> {
+    let mut art = plan_graphs(graphs)?;
+    if cpu_plans && art.buckets.iter().any(|b| crate::widen::has_half(&b.graph)) {
+        let widened = art
+            .buckets
+            .iter()
+            .map(|b| crate::widen::widen(&b.graph))
+            .collect::<Result<Vec<_>, _>>()?;
+        let wide = plan_graphs(&widened.iter().collect::<Vec<_>>())?;
+        for (bucket, twin) in art.buckets.iter_mut().zip(wide.buckets) {
+            if let Some(plan) = bucket.plan.as_mut() {
+                plan.cpu = twin.plan.and_then(|p| p.cpu);
+            }
+        }
+        art.cpu_kernels = wide.cpu_kernels;
+        art.cpu_memory = Some(wide.memory);
+    }
+    Ok(art)
+}
+
+/// Plans `graphs` as they are typed: GPU plans, and CPU plans for f32 graphs.
+fn plan_graphs(graphs: &[&Graph]) -> Result<ArtifactPlan, PlanError> {
     let mut kernels = Lowered::default();
     let mut folded = BTreeMap::new();
     let mut lowered = Vec::new();
@@ -202,6 +227,7 @@ pub fn plan_artifact(graphs: &[&Graph]) -> Result<ArtifactPlan, PlanError> {
         folded,
         tables,
         cpu_kernels,
+        cpu_memory: None,
     })
 }
 
@@ -630,7 +656,11 @@ fn plan_bucket(
                     outputs.push(slot(&o.name, o.node)?);
                 }
             }
-            Some(CpuPlan { steps, outputs })
+            Some(CpuPlan {
+                inputs: inputs.clone(),
+                steps,
+                outputs,
+            })
         }
         None => None,
     };

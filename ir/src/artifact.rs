@@ -75,6 +75,10 @@ pub struct Manifest {
     pub targets: Vec<u32>,
     /// The device allocation's layout.
     pub memory: MemoryPlan,
+    /// The CPU plans' own layout when they compute wider than the artifact's dtype (f16/bf16
+    /// builds run in f32 on the CPU: weights widened from `weights.safetensors` at load, outputs
+    /// rounded back); `None` when the CPU plans share `memory`.
+    pub cpu_memory: Option<MemoryPlan>,
     /// Every kernel the plans launch: entry name, parameters, launch configuration.
     pub kernel_table: Vec<KernelEntry>,
 }
@@ -262,6 +266,8 @@ pub struct ExecPlan {
 /// included) as calls of the artifact's CPU library and of the runtime's GEMM.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CpuPlan {
+    /// Graph inputs held in the arena, as i64 (the CPU memory plan's offsets).
+    pub inputs: Vec<TensorSlot>,
     /// The calls, in order.
     pub steps: Vec<CpuStep>,
     /// Every graph output but the KV cache's, in the arena.

@@ -24,17 +24,19 @@ pub struct Cli {
 enum DeviceArg {
     /// CUDA when a GPU is present, the CPU otherwise.
     Auto,
-    /// The CPU: the artifact's generated kernels (f32 builds), else the reference interpreter.
+    /// The CPU: the artifact's generated kernels (f16/bf16 builds computed in f32).
     Cpu,
     /// The GPU: CUDA graphs captured at load and replayed per request.
     Cuda,
+    /// The reference interpreter (slow): to check results, or where the artifact's CPU library
+    /// does not run.
+    Interpreter,
 }
 
 /// Where a command runs (shared by every subcommand).
 #[derive(Args)]
 struct Placement {
-    /// Where to run (cpu: the artifact's generated CPU kernels for f32 builds, the reference
-    /// interpreter for f16/bf16 builds).
+    /// Where to run.
     #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
     device: DeviceArg,
 }
@@ -45,6 +47,7 @@ impl Placement {
         let device = match self.device {
             DeviceArg::Auto => Device::Auto,
             DeviceArg::Cpu => Device::Cpu,
+            DeviceArg::Interpreter => Device::Interpreter,
             DeviceArg::Cuda => Device::Cuda,
         };
         Ok(Executor::open(art, device)?)

@@ -1,4 +1,5 @@
-//! The CPU executor: the artifact's CPU plans over the same memory plan as the GPU, with the
+//! The CPU executor: the artifact's CPU plans (over the GPU's memory plan, or for f16/bf16 builds
+//! over their own f32 one, the weights widened at load), with the
 //! kernels `kiln compile` generated ahead of time (Cranelift, linked into the artifact's CPU
 //! library, loaded here with libloading: the runtime never links a code generator) and matrix
 //! products from the `gemm` crate. Every kernel takes `(args, begin, end)`, so each call is split
@@ -19,20 +20,19 @@ use crate::{Artifact, RuntimeError};
 /// The kernel ABI every generated function has.
 type KernelFn = unsafe extern "C" fn(*const u64, u64, u64);
 
-/// What the executor keeps of a bucket: where its inputs go, and its CPU plan.
-struct Bucket {
-    inputs: Vec<TensorSlot>,
-    plan: CpuPlan,
-}
-
 /// A loaded artifact on the CPU.
 pub struct CpuExecutor {
     /// Keeps the generated code mapped while the function pointers are used.
     _library: libloading::Library,
     functions: BTreeMap<String, KernelFn>,
-    plans: BTreeMap<String, Arc<Bucket>>,
+    plans: BTreeMap<String, Arc<CpuPlan>>,
     memory: MemoryPlan,
+    /// Address of the weights region: the memory-mapped file's data, or `_widened`.
     weights: u64,
+    /// The widened weights region of a half-precision build.
+    _widened: Option<Vec<u64>>,
+    /// The artifact's dtype, which the outputs of a widened plan are rounded to.
+    round_to: Option<kiln_ir::DType>,
     cache: Vec<u64>,
     arena: Vec<u64>,
     product: Vec<f32>,
@@ -44,11 +44,13 @@ pub struct CpuExecutor {
 
 impl CpuExecutor {
     /// Loads `art`'s CPU library and plans; `Err` naming the reason when the artifact has none
-    /// for this machine (no library, another architecture, an f16/bf16 build).
+    /// for this machine (no library, another architecture).
     pub fn load(art: &Artifact) -> Result<CpuExecutor, RuntimeError> {
         let m = &art.manifest;
         let file = m.kernels_cpu.as_ref().ok_or_else(|| {
-            RuntimeError::Device("the artifact has no CPU library (an f16/bf16 build, or compiled without a C compiler)".into())
+            RuntimeError::Device(
+                "the artifact has no CPU library (compiled with --target cuda)".into(),
+            )
         })?;
         let here = cpu_library_name();
         if *file != here {
@@ -67,7 +69,25 @@ impl CpuExecutor {
                 "{file} needs an x86-64-v3 CPU (AVX2, FMA, BMI2, LZCNT); this one lacks them"
             )));
         }
-        let region = art.weights_region()?;
+        // Half-precision builds run their CPU plans in f32 over a memory plan of their own,
+        // with the weights widened once, here; otherwise weights are read in place.
+        let memory = m.cpu_memory.clone().unwrap_or_else(|| m.memory.clone());
+        let (weights, widened) = match &m.cpu_memory {
+            Some(plan) => {
+                let store = art.weights.as_ref().ok_or_else(|| {
+                    RuntimeError::Request("the artifact was compiled with --no-weights".into())
+                })?;
+                let file = m.weights.as_deref().unwrap_or("weights.safetensors");
+                let words = store
+                    .widened(plan)
+                    .map_err(|message| RuntimeError::Artifact {
+                        file: art.dir.join(file).display().to_string(),
+                        message,
+                    })?;
+                (words.as_ptr() as u64, Some(words))
+            }
+            None => (art.weights_region()?.as_ptr() as u64, None),
+        };
         // SAFETY: the library was written by `kiln compile` into this checksum-verified
         // artifact; it has no initialisers and exports functions of the kernel ABI only.
         let library = unsafe { libloading::Library::new(art.dir.join(file)) }.map_err(|e| {
@@ -105,15 +125,7 @@ impl CpuExecutor {
                     functions.insert(symbol.clone(), *f);
                 }
             }
-            let bucket = Bucket {
-                inputs: entry
-                    .plan
-                    .as_ref()
-                    .map(|p| p.inputs.clone())
-                    .unwrap_or_default(),
-                plan: plan.clone(),
-            };
-            plans.insert(entry.graph.clone(), Arc::new(bucket));
+            plans.insert(entry.graph.clone(), Arc::new(plan.clone()));
         }
         let sampler = match &m.cpu_sampler {
             Some(symbol) => {
@@ -133,10 +145,12 @@ impl CpuExecutor {
             _library: library,
             functions,
             plans,
-            memory: m.memory.clone(),
-            weights: region.as_ptr() as u64,
-            cache: vec![0u64; m.memory.cache_bytes.div_ceil(8) as usize],
-            arena: vec![0u64; m.memory.arena_bytes.div_ceil(8) as usize],
+            cache: vec![0u64; memory.cache_bytes.div_ceil(8) as usize],
+            arena: vec![0u64; memory.arena_bytes.div_ceil(8) as usize],
+            round_to: widened.as_ref().map(|_| m.dtype),
+            memory,
+            weights,
+            _widened: widened,
             product: vec![0f32; product],
             profile: std::env::var_os("KILN_EAGER").map(|_| BTreeMap::new()),
         })
@@ -222,7 +236,7 @@ impl CpuExecutor {
                 )
             };
         }
-        for step in &plan.plan.steps {
+        for step in &plan.steps {
             let start = std::time::Instant::now();
             self.step(step)?;
             if let Some(profile) = self.profile.as_mut() {
@@ -236,12 +250,17 @@ impl CpuExecutor {
             }
         }
         let mut out = BTreeMap::new();
-        for slot in &plan.plan.outputs {
+        for slot in &plan.outputs {
             // SAFETY: as above, the slot lies inside the arena.
             let bytes = unsafe {
                 std::slice::from_raw_parts(arena.add(slot.offset as usize), slot.bytes() as usize)
             };
-            out.insert(slot.name.clone(), decode(bytes, slot));
+            let t = decode(bytes, slot);
+            let t = match self.round_to {
+                Some(dtype) if t.dtype.is_float() => t.cast(dtype),
+                _ => t,
+            };
+            out.insert(slot.name.clone(), t);
         }
         Ok(out)
     }
@@ -362,7 +381,11 @@ fn parallel(f: KernelFn, args: &[u64], extent: u64) {
 /// Checks a CPU plan against the memory plan before anything runs: every pointer argument lies
 /// inside its region and every input and output slot inside the arena.
 fn check_plan(art: &Artifact, entry: &BucketEntry, plan: &CpuPlan) -> Result<(), RuntimeError> {
-    let m = &art.manifest.memory;
+    let m = art
+        .manifest
+        .cpu_memory
+        .as_ref()
+        .unwrap_or(&art.manifest.memory);
     let bad = |message: String| art.plan_error(entry, message);
     let size = |r: Region| m.region_bytes(r);
     for step in &plan.steps {
@@ -377,8 +400,7 @@ fn check_plan(art: &Artifact, entry: &BucketEntry, plan: &CpuPlan) -> Result<(),
             }
         }
     }
-    let inputs = entry.plan.iter().flat_map(|p| &p.inputs);
-    for slot in inputs.chain(&plan.outputs) {
+    for slot in plan.inputs.iter().chain(&plan.outputs) {
         if slot.offset + slot.bytes() > m.arena_bytes {
             return Err(bad(format!("`{}` lies outside the arena", slot.name)));
         }

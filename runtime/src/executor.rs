@@ -19,10 +19,13 @@ const HOST_VALUE: &str = "kiln.value.";
 pub enum Device {
     /// CUDA when a GPU is present, the CPU otherwise.
     Auto,
-    /// The CPU: the generated kernels when the artifact has them, else the interpreter.
+    /// The CPU: the artifact's generated kernels.
     Cpu,
     /// The GPU.
     Cuda,
+    /// The reference interpreter over the bucket graphs (slow; needs no code of the artifact:
+    /// for checking results, or a machine the artifact's CPU library does not run on).
+    Interpreter,
 }
 
 /// A loaded executor.
@@ -31,8 +34,7 @@ pub enum Executor {
     Interpreter,
     /// The CUDA executor.
     Cuda(Box<CudaExecutor>),
-    /// The CPU executor (generated kernels and a GEMM library); buckets without a CPU plan run
-    /// through the interpreter.
+    /// The CPU executor (generated kernels and a GEMM library).
     Cpu(Box<CpuExecutor>),
 }
 
@@ -40,6 +42,7 @@ impl Executor {
     /// Loads `art` on `device` (`Auto`: CUDA when [`crate::cuda::probe`] finds a GPU).
     pub fn open(art: &Artifact, device: Device) -> Result<Executor, RuntimeError> {
         let cuda = match device {
+            Device::Interpreter => return Ok(Executor::Interpreter),
             Device::Cpu => false,
             Device::Cuda => true,
             Device::Auto => crate::cuda::probe().is_ok(),
@@ -47,13 +50,13 @@ impl Executor {
         if cuda {
             return Ok(Executor::Cuda(Box::new(CudaExecutor::load(art)?)));
         }
-        // The CPU: the generated kernels when the artifact has them for this machine (an f16/bf16
-        // build has none), the interpreter otherwise.
-        match CpuExecutor::load(art) {
-            Ok(cpu) => Ok(Executor::Cpu(Box::new(cpu))),
-            Err(RuntimeError::Device(_)) => Ok(Executor::Interpreter),
-            Err(e) => Err(e),
-        }
+        let cpu = CpuExecutor::load(art).map_err(|e| match e {
+            RuntimeError::Device(why) => {
+                RuntimeError::Device(format!("{why}; --device interpreter runs it without"))
+            }
+            e => e,
+        })?;
+        Ok(Executor::Cpu(Box::new(cpu)))
     }
 
     /// What runs requests, in words.
@@ -86,7 +89,13 @@ impl Executor {
         };
         let outputs = match self {
             Executor::Interpreter => return interpret(inputs),
-            Executor::Cpu(c) if !c.has(&entry.graph) => return interpret(inputs),
+            Executor::Cpu(c) if !c.has(&entry.graph) => {
+                return Err(RuntimeError::Device(format!(
+                    "bucket {} has ops without a CPU kernel ({}); --device interpreter runs it",
+                    entry.graph,
+                    entry.no_gpu.join(", ")
+                )));
+            }
             // The CPU plan covers the whole graph, what the GPU leaves to its host tail included.
             Executor::Cpu(c) => return c.run(entry, inputs),
             Executor::Cuda(c) => {

@@ -68,6 +68,36 @@ impl WeightStore {
     }
 }
 
+impl WeightStore {
+    /// A weights region laid out by `plan` whose f32 slots hold the file's tensors of the same
+    /// names widened to f32 (the CPU plans of f16/bf16 builds), as 8-byte words.
+    pub fn widened(&self, plan: &MemoryPlan) -> Result<Vec<u64>, String> {
+        let st = SafeTensors::deserialize(&self.mmap).map_err(|e| e.to_string())?;
+        let mut region = vec![0u64; plan.weights_bytes.div_ceil(8) as usize];
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut region);
+        for slot in &plan.weights {
+            let view = st
+                .tensor(&slot.name)
+                .map_err(|_| format!("lacks the planned weight `{}`", slot.name))?;
+            let t = kiln_ir::io::view_to_tensor(&slot.name, &view).map_err(|e| e.to_string())?;
+            let values = t
+                .as_f32()
+                .filter(|_| slot.dtype == kiln_ir::DType::F32 && t.shape == slot.shape);
+            let Some(values) = values else {
+                return Err(format!(
+                    "holds `{}` as {} {:?}; the CPU memory plan widens it to {} {:?}",
+                    slot.name, t.dtype, t.shape, slot.dtype, slot.shape
+                ));
+            };
+            let at = slot.offset as usize;
+            for (i, v) in values.iter().enumerate() {
+                bytes[at + 4 * i..at + 4 * i + 4].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        Ok(region)
+    }
+}
+
 impl WeightSource for WeightStore {
     fn load(&self, name: &str, ty: &TensorType) -> Result<Arc<Tensor>, String> {
         if let Some(t) = self.cache.lock().map_err(|e| e.to_string())?.get(name) {

@@ -82,6 +82,70 @@ fn encoders_match_references_on_the_cpu_executor() {
     }
 }
 
+/// f16 and bf16 builds run on the CPU executor too (their CPU plans computed in f32 over weights
+/// widened at load, outputs rounded to the build's dtype): every fixture within the
+/// half-precision tolerance of its reference.
+#[test]
+fn half_precision_builds_run_on_the_cpu_executor() {
+    let tmp = tempfile::tempdir().unwrap();
+    for dtype in ["f16", "bf16"] {
+        for name in ["gpt2-tiny", "llama-tiny"] {
+            let art = compile_artifact(
+                &fixture(name),
+                &tmp.path().join(format!("{name}-{dtype}.kiln")),
+                &[
+                    "--buckets",
+                    "16,64,128",
+                    "--batch-buckets",
+                    "1,4",
+                    "--dtype",
+                    dtype,
+                ],
+            );
+            assert!(
+                art.manifest.cpu_memory.is_some(),
+                "a widened CPU memory plan"
+            );
+            let mut exec = native(&art);
+            assert_decoder_references(&art, &mut exec, name, dtype);
+        }
+        for (dir, name) in [
+            (fixture("bert-tiny"), "bert-tiny"),
+            (minilm_dir(), "minilm-reference"),
+        ] {
+            let art = compile_artifact(
+                &dir,
+                &tmp.path().join(format!("{name}-{dtype}.kiln")),
+                &["--buckets", "32", "--batch-buckets", "4", "--dtype", dtype],
+            );
+            let reference = reference(name);
+            let (batch, _) = TokenBatch::from_tensors(
+                &reference["input_ids"],
+                Some(&reference["attention_mask"]),
+            )
+            .unwrap();
+            let out = forward(&art, &mut native(&art), &batch).unwrap();
+            let hidden = &out["last_hidden_state"];
+            assert_eq!(
+                hidden.dtype.to_string(),
+                dtype,
+                "outputs in the build's dtype"
+            );
+            let err = masked_rel_err(
+                hidden,
+                &reference["last_hidden_state"],
+                &reference["attention_mask"],
+            );
+            assert!(err < 2e-2, "{name} {dtype}: relative error {err:e}");
+            if let Some(want) = reference.get("sentence_embedding") {
+                let got = kiln_tests::floats(&out["sentence_embedding"]);
+                let err = kiln_tests::rel_err(got, kiln_tests::floats(want));
+                assert!(err < 2e-2, "{name} {dtype}: sentence embeddings {err:e}");
+            }
+        }
+    }
+}
+
 /// Sampling on the CPU runs the artifact's generated sampler: it picks the runtime reference's
 /// token (`generate::choose`) on random rows for every mode, and a seeded top-k/top-p generation
 /// through the CPU executor gives the interpreter's tokens.
@@ -94,7 +158,10 @@ fn generated_sampler_matches_the_reference() {
         &tmp.path().join("gpt2.kiln"),
         &["--buckets", "16", "--max-context", "64"],
     );
-    assert!(art.manifest.cpu_sampler.is_some(), "a decoder gets a sampler");
+    assert!(
+        art.manifest.cpu_sampler.is_some(),
+        "a decoder gets a sampler"
+    );
     let mut exec = native(&art);
     let vocab = art.manifest.model.vocab_size;
     let modes = [
@@ -245,7 +312,7 @@ fn dropout_masks_match_the_interpreter() {
 }
 
 /// `--target cpu` writes CPU kernels and no GPU code; `--target cuda` the reverse, and such an
-/// artifact runs on the CPU through the interpreter.
+/// artifact is refused on the CPU, naming why (the interpreter runs it when asked for).
 #[test]
 fn targets_choose_the_code_generated() {
     let tmp = tempfile::tempdir().unwrap();
@@ -272,6 +339,10 @@ fn targets_choose_the_code_generated() {
         &["--buckets", "16", "--target", "cuda"],
     );
     assert!(cuda.manifest.kernels_ptx.is_some() && cuda.manifest.kernels_cpu.is_none());
-    let exec = Executor::open(&cuda, Device::Cpu).unwrap();
+    let Err(e) = Executor::open(&cuda, Device::Cpu) else {
+        panic!("a CUDA-only artifact has no CPU executor");
+    };
+    assert!(e.to_string().contains("--target cuda"), "{e}");
+    let exec = Executor::open(&cuda, Device::Interpreter).unwrap();
     assert!(matches!(exec, Executor::Interpreter));
 }
