@@ -10,7 +10,7 @@
 //! computation on half-precision weights: within the fixtures' half-precision tolerance of the
 //! reference, and closer to it than a half-precision computation.
 
-use kiln_ir::{DType, Graph, IrError, Op};
+use kiln_ir::{DType, Dim, Graph, IrError, Op, TensorType};
 
 /// `dtype`, or f32 for a half-precision float.
 fn wide(dtype: DType) -> DType {
@@ -25,58 +25,18 @@ pub fn has_half(g: &Graph) -> bool {
     g.nodes().any(|(_, n)| wide(n.ty.dtype) != n.ty.dtype)
 }
 
-/// `g` with every half-precision dtype made f32.
+/// `g` with every half-precision dtype made f32 (node ids and outputs kept).
 pub fn widen(g: &Graph) -> Result<Graph, IrError> {
-    let mut out = Graph::new();
-    let mut map = Vec::with_capacity(g.len());
-    for (_, node) in g.nodes() {
-        let dtype = wide(node.ty.dtype);
-        let new = match &node.op {
-            Op::Input(name) => out.input(name, dtype, node.ty.shape.clone())?,
-            Op::Weight(name) => out.weight(name, dtype, node.ty.shape.clone())?,
-            Op::Scalar(v) => out.scalar(*v, dtype),
-            op => {
-                let op = match op {
-                    Op::Cast(to) => Op::Cast(wide(*to)),
-                    Op::PaddingMask(d) => Op::PaddingMask(wide(*d)),
-                    Op::CausalMask {
-                        rows,
-                        cols,
-                        window,
-                        dtype,
-                    } => Op::CausalMask {
-                        rows: rows.clone(),
-                        cols: cols.clone(),
-                        window: *window,
-                        dtype: wide(*dtype),
-                    },
-                    Op::PositionMask {
-                        cols,
-                        window,
-                        dtype,
-                    } => Op::PositionMask {
-                        cols: cols.clone(),
-                        window: *window,
-                        dtype: wide(*dtype),
-                    },
-                    op => op.clone(),
-                };
-                let args: Vec<_> = node.args.iter().map(|a| map[a.index()]).collect();
-                out.add(op, &args)?
-            }
-        };
-        map.push(new);
-    }
-    for o in g.outputs() {
-        out.set_output(&o.name, map[o.node.index()])?;
-    }
-    Ok(out)
+    let map_op = |op: &Op| Ok(op.map_attributes(Dim::clone, wide));
+    g.rebuild(map_op, |ty| {
+        TensorType::new(wide(ty.dtype), ty.shape.clone())
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kiln_ir::{Dim, UnaryOp};
+    use kiln_ir::UnaryOp;
 
     #[test]
     fn half_values_become_f32_and_the_rest_stays() {
@@ -90,10 +50,9 @@ mod tests {
         assert!(has_half(&g));
         let wide = widen(&g).unwrap();
         assert!(!has_half(&wide));
-        let types: Vec<DType> = wide.nodes().map(|(_, n)| n.ty.dtype).collect();
-        assert_eq!(types[ids.index()], DType::I64);
-        assert_eq!(types[y.index()], DType::F32);
+        assert_eq!(wide.ty(ids).dtype, DType::I64);
+        assert_eq!(wide.ty(y).dtype, DType::F32);
         assert_eq!(wide.node(c).op, Op::Cast(DType::F32));
-        assert_eq!(wide.ty(wide.outputs()[0].node).dtype, DType::F32);
+        assert_eq!(wide.outputs()[0].node, y);
     }
 }

@@ -373,41 +373,23 @@ impl Graph {
     pub fn specialize(&self, bindings: &BTreeMap<String, i64>) -> Result<Graph, IrError> {
         let sub = |d: &Dim| d.substitute(bindings);
         let sub_shape = |s: &Shape| s.iter().map(sub).collect::<Shape>();
+        let map_op = |op: &Op| Ok(op.map_attributes(sub, |d| d));
+        self.rebuild(map_op, |ty| TensorType::new(ty.dtype, sub_shape(&ty.shape)))
+    }
+
+    /// The same graph with every op replaced by `map_op`'s and every leaf's type by
+    /// `map_leaf`'s; the other nodes' types are inferred again (and checked). Node ids and
+    /// outputs are kept.
+    pub fn rebuild(
+        &self,
+        mut map_op: impl FnMut(&Op) -> Result<Op, IrError>,
+        mut map_leaf: impl FnMut(&TensorType) -> TensorType,
+    ) -> Result<Graph, IrError> {
         let mut out = Graph::new();
         for (_, node) in self.nodes() {
-            let op = match &node.op {
-                Op::Reshape(s) => Op::Reshape(sub_shape(s)),
-                Op::Broadcast(s) => Op::Broadcast(sub_shape(s)),
-                Op::Slice { axis, start, end } => Op::Slice {
-                    axis: *axis,
-                    start: sub(start),
-                    end: sub(end),
-                },
-                Op::CausalMask {
-                    rows,
-                    cols,
-                    window,
-                    dtype,
-                } => Op::CausalMask {
-                    rows: sub(rows),
-                    cols: sub(cols),
-                    window: *window,
-                    dtype: *dtype,
-                },
-                Op::PositionMask {
-                    cols,
-                    window,
-                    dtype,
-                } => Op::PositionMask {
-                    cols: sub(cols),
-                    window: *window,
-                    dtype: *dtype,
-                },
-                other => other.clone(),
-            };
+            let op = map_op(&node.op)?;
             if op.is_leaf() {
-                let ty = TensorType::new(node.ty.dtype, sub_shape(&node.ty.shape));
-                out.push(op, vec![], ty);
+                out.push(op, vec![], map_leaf(&node.ty));
             } else {
                 out.add(op, &node.args)?;
             }

@@ -215,6 +215,44 @@ pub fn mask_value(dtype: DType) -> f32 {
 }
 
 impl Op {
+    /// The same op with every dim attribute mapped by `dim` (reshape and broadcast shapes, slice
+    /// bounds, mask sizes) and every dtype attribute by `dtype` (casts and masks).
+    pub fn map_attributes(&self, dim: impl Fn(&Dim) -> Dim, dtype: impl Fn(DType) -> DType) -> Op {
+        let shape = |s: &Shape| s.iter().map(&dim).collect::<Shape>();
+        match self {
+            Op::Reshape(s) => Op::Reshape(shape(s)),
+            Op::Broadcast(s) => Op::Broadcast(shape(s)),
+            Op::Slice { axis, start, end } => Op::Slice {
+                axis: *axis,
+                start: dim(start),
+                end: dim(end),
+            },
+            Op::Cast(to) => Op::Cast(dtype(*to)),
+            Op::PaddingMask(d) => Op::PaddingMask(dtype(*d)),
+            Op::CausalMask {
+                rows,
+                cols,
+                window,
+                dtype: d,
+            } => Op::CausalMask {
+                rows: dim(rows),
+                cols: dim(cols),
+                window: *window,
+                dtype: dtype(*d),
+            },
+            Op::PositionMask {
+                cols,
+                window,
+                dtype: d,
+            } => Op::PositionMask {
+                cols: dim(cols),
+                window: *window,
+                dtype: dtype(*d),
+            },
+            other => other.clone(),
+        }
+    }
+
     /// A short lowercase name for messages.
     pub fn name(&self) -> &'static str {
         match self {
