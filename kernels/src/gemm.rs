@@ -101,9 +101,7 @@ pub fn gemm_simt(cfg: &GemmConfig) -> GeneratedKernel {
     let mut k = Kernel::new(&name);
     let x = k.param_ptr("x");
     let w = k.param_ptr("w");
-    let bias = cfg.bias.then(|| k.param_ptr("bias"));
-    let residual = cfg.residual.then(|| k.param_ptr("residual"));
-    let out = k.param_ptr("out");
+    let epilogue = EpiloguePtrs::declare(&mut k, cfg);
     let a_tile = k.shared("a_tile", BK * BM * 4);
     let b_tile = k.shared("b_tile", BK * BN * 4);
     let b_up_tile = cfg.swiglu.then(|| k.shared("b_up_tile", BK * BN * 4));
@@ -231,34 +229,10 @@ pub fn gemm_simt(cfg: &GemmConfig) -> GeneratedKernel {
             let out_col = k.setp("ge.u32", &col, &n_out);
             k.bra(Some((out_col, true)), &skip);
             let idx = (i * 4 + j) as usize;
-            let mut v = acc[idx];
-            let mut up = acc_up.get(idx).copied();
-            if let Some(b) = bias {
-                let ba = k.address(b, &col, e.bytes());
-                let bv = k.ld_global(e, ba);
-                v = k.add_f32(&v, &bv);
-                if let Some(u) = up {
-                    let uc = k.add_u32(&col, &n_out);
-                    let ua = k.address(b, &uc, e.bytes());
-                    let uv = k.ld_global(e, ua);
-                    up = Some(k.add_f32(&u, &uv));
-                }
-            }
-            if let Some(a) = cfg.activation {
-                v = activation(&mut k, v, a);
-            }
-            if let Some(u) = up {
-                let g = activation(&mut k, v, Activation::Silu);
-                v = k.mul_f32(&g, &u);
-            }
-            let oi = k.mad_u32(&row, &n_out, &col);
-            if let Some(r) = residual {
-                let ra = k.address(r, &oi, e.bytes());
-                let rv = k.ld_global(e, ra);
-                v = k.add_f32(&v, &rv);
-            }
-            let oa = k.address(out, &oi, e.bytes());
-            k.st_global(e, oa, v);
+            let up = acc_up.get(idx).copied();
+            epilogue.finish(&mut k, cfg, acc[idx], up, &col, |k| {
+                k.mad_u32(&row, &n_out, &col)
+            });
             k.place(&skip);
         }
     }
@@ -270,6 +244,66 @@ pub fn gemm_simt(cfg: &GemmConfig) -> GeneratedKernel {
             shared_bytes: 0,
         },
     )
+}
+
+/// The pointer parameters of a product's epilogue, declared after `x` and `w`:
+/// `[bias], [residual], out`.
+pub(crate) struct EpiloguePtrs {
+    bias: Option<Reg>,
+    residual: Option<Reg>,
+    out: Reg,
+}
+
+impl EpiloguePtrs {
+    /// Declares the parameters `cfg` needs.
+    pub(crate) fn declare(k: &mut Kernel, cfg: &GemmConfig) -> EpiloguePtrs {
+        EpiloguePtrs {
+            bias: cfg.bias.then(|| k.param_ptr("bias")),
+            residual: cfg.residual.then(|| k.param_ptr("residual")),
+            out: k.param_ptr("out"),
+        }
+    }
+
+    /// Finishes the product element `v` of output column `col` (`up`: the matching SwiGLU up
+    /// column's sum) and stores it: bias, activation or SwiGLU, then the residual, at element
+    /// `out_index(k)` of `out` (and of `residual`). Every product kernel ends this way.
+    pub(crate) fn finish(
+        &self,
+        k: &mut Kernel,
+        cfg: &GemmConfig,
+        mut v: Reg,
+        mut up: Option<Reg>,
+        col: &Reg,
+        out_index: impl FnOnce(&mut Kernel) -> Reg,
+    ) {
+        let e = cfg.elem;
+        if let Some(b) = self.bias {
+            let ba = k.address(b, col, e.bytes());
+            let bv = k.ld_global(e, ba);
+            v = k.add_f32(&v, &bv);
+            if let Some(u) = up {
+                let uc = k.add_u32(col, &cfg.n_out());
+                let ua = k.address(b, &uc, e.bytes());
+                let uv = k.ld_global(e, ua);
+                up = Some(k.add_f32(&u, &uv));
+            }
+        }
+        if let Some(a) = cfg.activation {
+            v = activation(k, v, a);
+        }
+        if let Some(u) = up {
+            let g = activation(k, v, Activation::Silu);
+            v = k.mul_f32(&g, &u);
+        }
+        let oi = out_index(k);
+        if let Some(r) = self.residual {
+            let ra = k.address(r, &oi, e.bytes());
+            let rv = k.ld_global(e, ra);
+            v = k.add_f32(&v, &rv);
+        }
+        let oa = k.address(self.out, &oi, e.bytes());
+        k.st_global(e, oa, v);
+    }
 }
 
 /// `base[r * stride + c]` as f32 when `r < rows` and `c < cols`, else 0.

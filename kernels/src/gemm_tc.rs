@@ -7,8 +7,7 @@
 //! Block tile 128 x 128 x 64, 8 warps as 2 x 4, each warp 64 x 32 (4 x 4 m16n8 tiles). The
 //! epilogue (bias, activation, residual) runs on the accumulators in registers.
 
-use crate::elementwise::activation;
-use crate::gemm::GemmConfig;
+use crate::gemm::{EpiloguePtrs, GemmConfig};
 use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
 use crate::{GeneratedKernel, Launch};
 
@@ -43,9 +42,7 @@ pub fn gemm_tc(cfg: &GemmConfig, name: String) -> GeneratedKernel {
     let mut k = Kernel::new(&name);
     let x = k.param_ptr("x");
     let w = k.param_ptr("w");
-    let bias = cfg.bias.then(|| k.param_ptr("bias"));
-    let residual = cfg.residual.then(|| k.param_ptr("residual"));
-    let out = k.param_ptr("out");
+    let epilogue = EpiloguePtrs::declare(&mut k, cfg);
     let smem = k.dynamic_shared("gemm_tiles");
 
     let tid = k.special("tid.x");
@@ -215,23 +212,10 @@ pub fn gemm_tc(cfg: &GemmConfig, name: String) -> GeneratedKernel {
                 k.bra(Some((out_row, true)), &skip);
                 let out_col = k.setp("ge.u32", &col, &cfg.n);
                 k.bra(Some((out_col, true)), &skip);
-                let mut v = acc[((i * 4 + j) * 4 + r) as usize];
-                if let Some(b) = bias {
-                    let ba = k.address(b, &col, 2);
-                    let bv = k.ld_global(e, ba);
-                    v = k.add_f32(&v, &bv);
-                }
-                if let Some(a) = cfg.activation {
-                    v = activation(&mut k, v, a);
-                }
-                let oi = k.mad_u32(&row, &cfg.n, &col);
-                if let Some(res) = residual {
-                    let ra = k.address(res, &oi, 2);
-                    let rv = k.ld_global(e, ra);
-                    v = k.add_f32(&v, &rv);
-                }
-                let oa = k.address(out, &oi, 2);
-                k.st_global(e, oa, v);
+                let v = acc[((i * 4 + j) * 4 + r) as usize];
+                epilogue.finish(&mut k, cfg, v, None, &col, |k| {
+                    k.mad_u32(&row, &cfg.n, &col)
+                });
                 k.place(&skip);
             }
         }

@@ -6,10 +6,7 @@
 //! shuffles; lane 0 applies the epilogue (bias, activation or SwiGLU, residual) in the GEMM's
 //! order. With SwiGLU the warp also streams the matching up row `n + N/2`.
 
-use kiln_ir::kernel::Activation;
-
-use crate::elementwise::activation;
-use crate::gemm::GemmConfig;
+use crate::gemm::{EpiloguePtrs, GemmConfig};
 use crate::ptx::{Kernel, Reg, RegClass, F32};
 use crate::{GeneratedKernel, Launch};
 
@@ -37,9 +34,7 @@ pub fn gemv(cfg: &GemmConfig, name: String) -> GeneratedKernel {
     let mut k = Kernel::new(&name);
     let x = k.param_ptr("x");
     let w = k.param_ptr("w");
-    let bias = cfg.bias.then(|| k.param_ptr("bias"));
-    let residual = cfg.residual.then(|| k.param_ptr("residual"));
-    let out = k.param_ptr("out");
+    let epilogue = EpiloguePtrs::declare(&mut k, cfg);
     let e = cfg.elem;
     let n_out = cfg.n_out();
     // 16-byte loads when every row starts 16-byte aligned (buffers are 256-byte aligned).
@@ -111,33 +106,10 @@ pub fn gemv(cfg: &GemmConfig, name: String) -> GeneratedKernel {
     let not_first = k.setp("ne.u32", &lane, &0u32);
     k.bra(Some((not_first, true)), &exit);
     for (r, &sum) in sums.iter().enumerate() {
-        let mut v = sum;
-        let mut up = ups.get(r).copied();
-        if let Some(b) = bias {
-            let ba = k.address(b, &col, e.bytes());
-            let bv = k.ld_global(e, ba);
-            v = k.add_f32(&v, &bv);
-            if let Some(u) = up {
-                let ua = k.address(b, &up_col, e.bytes());
-                let uv = k.ld_global(e, ua);
-                up = Some(k.add_f32(&u, &uv));
-            }
-        }
-        if let Some(a) = cfg.activation {
-            v = activation(&mut k, v, a);
-        }
-        if let Some(u) = up {
-            let g = activation(&mut k, v, Activation::Silu);
-            v = k.mul_f32(&g, &u);
-        }
-        let oi = k.add_u32(&col, &(r as u32 * n_out));
-        if let Some(res) = residual {
-            let ra = k.address(res, &oi, e.bytes());
-            let rv = k.ld_global(e, ra);
-            v = k.add_f32(&v, &rv);
-        }
-        let oa = k.address(out, &oi, e.bytes());
-        k.st_global(e, oa, v);
+        let up = ups.get(r).copied();
+        epilogue.finish(&mut k, cfg, sum, up, &col, |k| {
+            k.add_u32(&col, &(r as u32 * n_out))
+        });
     }
     k.place(&exit);
     GeneratedKernel::new(

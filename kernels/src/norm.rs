@@ -156,6 +156,47 @@ pub fn norm(cfg: &NormConfig) -> GeneratedKernel {
     )
 }
 
+/// The statistics of a row held in registers: the mean (LayerNorm; `sum` holds each thread's
+/// partial sum of its values) and `1 / sqrt(var + eps)` of the centred values, over `groups` of
+/// each thread's values, a group counting where its predicate in `valid` holds. Returns the
+/// centred values, group by group, and that reciprocal.
+#[allow(clippy::too_many_arguments)]
+fn row_statistics(
+    k: &mut Kernel,
+    cfg: &NormConfig,
+    red: &str,
+    tid: Reg,
+    sum: Reg,
+    groups: &[Vec<Reg>],
+    valid: &[Reg],
+) -> (Vec<Vec<Reg>>, Reg) {
+    let inv_cols = F32(1.0 / cfg.cols as f32);
+    let mean = if cfg.kind == NormKind::LayerNorm {
+        let total = block_sum(k, sum, red, tid);
+        Some(k.mul_f32(&total, &inv_cols))
+    } else {
+        None
+    };
+    let sq = k.mov(RegClass::F32, &F32(0.0));
+    let mut centred = Vec::new();
+    for (v, inside) in groups.iter().zip(valid) {
+        let mut group = Vec::new();
+        for value in v {
+            let c = match mean {
+                Some(m) => k.sub_f32(value, &m),
+                None => *value,
+            };
+            k.emit(format!("@{inside} fma.rn.f32 {sq}, {c}, {c}, {sq}"));
+            group.push(c);
+        }
+        centred.push(group);
+    }
+    let total = block_sum(k, sq, red, tid);
+    let var = k.mul_f32(&total, &inv_cols);
+    let var_eps = k.add_f32(&var, &F32(cfg.eps));
+    (centred, k.rsqrt_f32(&var_eps))
+}
+
 /// The register-cached form: each thread loads its `ceil(cols / ROW_THREADS)` columns once.
 fn cached_row(
     k: &mut Kernel,
@@ -190,29 +231,10 @@ fn cached_row(
         valid.push(inside);
         vals.push(v);
     }
-    let inv_cols = F32(1.0 / cfg.cols as f32);
-    let mean = if layer {
-        let total = block_sum(k, sum, red, tid);
-        Some(k.mul_f32(&total, &inv_cols))
-    } else {
-        None
-    };
-    let sq = k.mov(RegClass::F32, &F32(0.0));
-    let mut centred = Vec::new();
-    for (v, inside) in vals.iter().zip(&valid) {
-        let c = match mean {
-            Some(m) => k.sub_f32(v, &m),
-            None => *v,
-        };
-        k.emit(format!("@{inside} fma.rn.f32 {sq}, {c}, {c}, {sq}"));
-        centred.push(c);
-    }
-    let total = block_sum(k, sq, red, tid);
-    let var = k.mul_f32(&total, &inv_cols);
-    let var_eps = k.add_f32(&var, &F32(cfg.eps));
-    let rstd = k.rsqrt_f32(&var_eps);
+    let groups: Vec<Vec<Reg>> = vals.iter().map(|v| vec![*v]).collect();
+    let (centred, rstd) = row_statistics(k, cfg, red, tid, sum, &groups, &valid);
     k.comment("normalise, scale, shift, store");
-    for ((c, col), inside) in centred.iter().zip(&cols).zip(&valid) {
+    for ((c, col), inside) in centred.iter().map(|c| &c[0]).zip(&cols).zip(&valid) {
         let skip = k.label("skip_store");
         k.bra(Some((*inside, false)), &skip);
         let n = k.mul_f32(c, &rstd);
@@ -287,31 +309,7 @@ fn vector_row(
         valid.push(inside);
         vals.push(v);
     }
-    let inv_cols = F32(1.0 / cfg.cols as f32);
-    let mean = if layer {
-        let total = block_sum(k, sum, red, tid);
-        Some(k.mul_f32(&total, &inv_cols))
-    } else {
-        None
-    };
-    let sq = k.mov(RegClass::F32, &F32(0.0));
-    let mut centred = Vec::new();
-    for (v, inside) in vals.iter().zip(&valid) {
-        let mut row = Vec::new();
-        for value in v {
-            let c = match mean {
-                Some(m) => k.sub_f32(value, &m),
-                None => *value,
-            };
-            k.emit(format!("@{inside} fma.rn.f32 {sq}, {c}, {c}, {sq}"));
-            row.push(c);
-        }
-        centred.push(row);
-    }
-    let total = block_sum(k, sq, red, tid);
-    let var = k.mul_f32(&total, &inv_cols);
-    let var_eps = k.add_f32(&var, &F32(cfg.eps));
-    let rstd = k.rsqrt_f32(&var_eps);
+    let (centred, rstd) = row_statistics(k, cfg, red, tid, sum, &vals, &valid);
     k.comment("normalise, scale, shift, store, 16 bytes at a time");
     for ((c, first), inside) in centred.iter().zip(&firsts).zip(&valid) {
         let skip = k.label("skip_store");

@@ -21,6 +21,8 @@ use kiln_kernels::norm::{norm, NormConfig};
 use kiln_kernels::sampling::argmax;
 use kiln_kernels::{Elem, GeneratedKernel, ParamType};
 
+use rand::{Rng as _, SeedableRng};
+
 use common::{
     cache_write_reference, check, check_picks, reference, reference_with_seed, rope_tables,
     sampling_reference,
@@ -49,21 +51,13 @@ fn gpu() -> Option<Gpu> {
     Some(Gpu { ctx, stream })
 }
 
-struct Rng(u64);
+type Rng = rand::rngs::StdRng;
 
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn uniform(&mut self, scale: f32) -> f32 {
-        ((self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-    }
-    fn values(&mut self, n: usize, scale: f32, elem: Elem) -> Vec<f32> {
-        (0..n).map(|_| round(elem, self.uniform(scale))).collect()
-    }
+/// `n` uniform values in `[-scale, scale)`, rounded to `elem`.
+fn values(rng: &mut Rng, n: usize, scale: f32, elem: Elem) -> Vec<f32> {
+    (0..n)
+        .map(|_| round(elem, scale * rng.random_range(-1.0f32..1.0)))
+        .collect()
 }
 
 fn round(elem: Elem, v: f32) -> f32 {
@@ -192,7 +186,7 @@ const ELEMS: [Elem; 3] = [Elem::F32, Elem::F16, Elem::BF16];
 #[test]
 fn norms_match_the_interpreter() {
     let Some(gpu) = gpu() else { return };
-    let mut rng = Rng(0x1234_5678_9abc_def1);
+    let mut rng = Rng::seed_from_u64(0x1234_5678_9abc_def1);
     for elem in ELEMS {
         for (kind, residual) in [
             (NormKind::LayerNorm, false),
@@ -204,14 +198,13 @@ fn norms_match_the_interpreter() {
                 let n = (rows * cols) as usize;
                 let eps = 1e-5f32;
                 // An offset mean, so that a one-pass variance would show its cancellation.
-                let x: Vec<f32> = rng
-                    .values(n, 2.0, elem)
+                let x: Vec<f32> = values(&mut rng, n, 2.0, elem)
                     .iter()
                     .map(|v| round(elem, v + 3.0))
                     .collect();
-                let r = rng.values(n, 1.0, elem);
-                let w = rng.values(cols as usize, 1.5, elem);
-                let b = rng.values(cols as usize, 0.5, elem);
+                let r = values(&mut rng, n, 1.0, elem);
+                let w = values(&mut rng, cols as usize, 1.5, elem);
+                let b = values(&mut rng, cols as usize, 0.5, elem);
                 let cfg = NormConfig {
                     kind,
                     residual,
@@ -270,7 +263,7 @@ fn norms_match_the_interpreter() {
 #[test]
 fn activations_match_the_interpreter() {
     let Some(gpu) = gpu() else { return };
-    let mut rng = Rng(0x0bad_cafe_1234_5678);
+    let mut rng = Rng::seed_from_u64(0x0bad_cafe_1234_5678);
     for elem in ELEMS {
         for act in [
             Activation::GeluTanh,
@@ -283,7 +276,7 @@ fn activations_match_the_interpreter() {
                 // GELU's negative tail (|value| ~ 1e-7, where the f32 oracle itself has no
                 // relative precision left) would make it meaningless, so n = 1 draws from [-2, 2].
                 let scale = if n == 1 { 2.0 } else { 6.0 };
-                let x = rng.values(n as usize, scale, elem);
+                let x = values(&mut rng, n as usize, scale, elem);
                 let kernel = activation_kernel(act, elem, n);
                 let bx = gpu.upload(elem, &x);
                 let out = gpu.poisoned(elem, n as usize);
@@ -314,19 +307,19 @@ fn activations_match_the_interpreter() {
 #[test]
 fn embeddings_match_the_interpreter() {
     let Some(gpu) = gpu() else { return };
-    let mut rng = Rng(0x5151_7777_2222_9999);
+    let mut rng = Rng::seed_from_u64(0x5151_7777_2222_9999);
     for elem in ELEMS {
         for (tokens, hidden) in [(1u32, 64u32), (17, 768), (127, 4097)] {
             let rows = [512u32, 127];
             let tables: Vec<Vec<f32>> = rows
                 .iter()
-                .map(|r| rng.values((r * hidden) as usize, 1.0, elem))
+                .map(|r| values(&mut rng, (r * hidden) as usize, 1.0, elem))
                 .collect();
             let ids: Vec<Vec<i64>> = rows
                 .iter()
                 .map(|r| {
                     (0..tokens)
-                        .map(|_| (rng.next() % u64::from(*r)) as i64)
+                        .map(|_| (rng.random::<u64>() % u64::from(*r)) as i64)
                         .collect()
                 })
                 .collect();
@@ -380,10 +373,10 @@ fn embeddings_match_the_interpreter() {
 #[test]
 fn argmax_picks_the_first_largest() {
     let Some(gpu) = gpu() else { return };
-    let mut rng = Rng(0x7777_1111_3333_5555);
+    let mut rng = Rng::seed_from_u64(0x7777_1111_3333_5555);
     for elem in ELEMS {
         for (rows, vocab) in [(1u32, 1u32), (3, 17), (4, 4097), (2, 50257)] {
-            let logits = rng.values((rows * vocab) as usize, 8.0, elem);
+            let logits = values(&mut rng, (rows * vocab) as usize, 8.0, elem);
             let kernel = argmax(elem, rows, vocab);
             let bl = gpu.upload(elem, &logits);
             let out = gpu.upload_i64(&vec![-1; rows as usize]);
@@ -413,7 +406,7 @@ fn argmax_picks_the_first_largest() {
 #[test]
 fn gemms_match_the_interpreter() {
     let Some(gpu) = gpu() else { return };
-    let mut rng = Rng(0x2468_ace0_1357_9bdf);
+    let mut rng = Rng::seed_from_u64(0x2468_ace0_1357_9bdf);
     let variants: [(bool, bool, Option<Activation>, bool, bool); 5] = [
         (true, false, None, false, false),
         (false, true, Some(Activation::GeluTanh), false, false),
@@ -443,10 +436,10 @@ fn gemms_match_the_interpreter() {
                     elem,
                 };
                 let n_out = cfg.n_out();
-                let x = rng.values((m * k) as usize, 1.0, elem);
-                let w = rng.values((k * n) as usize, 1.0 / (k as f32).sqrt(), elem);
-                let b = rng.values(n as usize, 0.5, elem);
-                let r = rng.values((m * n_out) as usize, 1.0, elem);
+                let x = values(&mut rng, (m * k) as usize, 1.0, elem);
+                let w = values(&mut rng, (k * n) as usize, 1.0 / (k as f32).sqrt(), elem);
+                let b = values(&mut rng, n as usize, 0.5, elem);
+                let r = values(&mut rng, (m * n_out) as usize, 1.0, elem);
                 let kernel = gemm(&cfg);
                 let (bx, bw, bb, br) = (
                     gpu.upload(elem, &x),
@@ -517,7 +510,7 @@ fn attention_matches_the_interpreter() {
     use kiln_ir::kernel::{AttentionSpec, DecodeAttentionSpec};
     use kiln_kernels::attention::{attention, AttentionConfig, KeyRule};
     let Some(gpu) = gpu() else { return };
-    let mut rng = Rng(0x0f0f_1e1e_2d2d_3c3c);
+    let mut rng = Rng::seed_from_u64(0x0f0f_1e1e_2d2d_3c3c);
     let theta = 10000.0;
     let cases = [
         // Prefill: GPT-2-like (MHA, causal + padding).
@@ -660,27 +653,27 @@ fn attention_matches_the_interpreter() {
                 case.kv_len as usize,
                 case.head_dim as usize,
             );
-            let q = rng.values(b * h * s * d, 1.5, elem);
-            let kk = rng.values(b * kvh * t * d, 1.5, elem);
-            let v = rng.values(b * kvh * t * d, 1.0, elem);
+            let q = values(&mut rng, b * h * s * d, 1.5, elem);
+            let kk = values(&mut rng, b * kvh * t * d, 1.5, elem);
+            let v = values(&mut rng, b * kvh * t * d, 1.0, elem);
             // Right padding: row r keeps its first tokens (at least one).
             let mask: Vec<i64> = (0..b)
                 .flat_map(|_| {
-                    let keep = 1 + (rng.next() % t as u64) as usize;
+                    let keep = 1 + (rng.random::<u64>() % t as u64) as usize;
                     (0..t).map(move |j| i64::from(j < keep))
                 })
                 .collect();
             let positions: Vec<i64> = if cached {
                 (0..b)
                     .flat_map(|_| {
-                        let first = s as u64 - 1 + rng.next() % (t as u64 - s as u64 + 1);
+                        let first = s as u64 - 1 + rng.random::<u64>() % (t as u64 - s as u64 + 1);
                         (0..s as i64).map(move |x| first as i64 + 1 - s as i64 + x)
                     })
                     .collect()
             } else {
                 (0..b).flat_map(|_| 0..s as i64).collect()
             };
-            let seed: i64 = rng.next() as i64;
+            let seed: i64 = rng.random::<u64>() as i64;
             let (cos, sin) = rope_tables(theta, d, t.max(s) + 1);
             let (bq, bk, bv) = (
                 gpu.upload(elem, &q),
@@ -808,7 +801,7 @@ fn attention_matches_the_interpreter() {
 fn top_k_top_p_sampling_follows_the_reference() {
     use kiln_kernels::sampling::top_k_top_p;
     let Some(gpu) = gpu() else { return };
-    let mut rng = Rng(0x5a5a_a5a5_1234_4321);
+    let mut rng = Rng::seed_from_u64(0x5a5a_a5a5_1234_4321);
     for elem in ELEMS {
         for (vocab, temperature, top_k, top_p) in [
             (17u32, 1.0f32, 0u32, 1.0f32),
@@ -818,7 +811,7 @@ fn top_k_top_p_sampling_follows_the_reference() {
             (127, 0.5, 1, 1.0),
         ] {
             let rows = 256u32;
-            let row: Vec<f32> = rng.values(vocab as usize, 6.0, elem);
+            let row: Vec<f32> = values(&mut rng, vocab as usize, 6.0, elem);
             let logits: Vec<f32> = (0..rows).flat_map(|_| row.iter().copied()).collect();
             let us: Vec<f32> = (0..rows).map(|i| (i as f32 + 0.5) / rows as f32).collect();
             let params: Vec<f32> = us
@@ -858,7 +851,7 @@ fn top_k_top_p_sampling_follows_the_reference() {
 fn kv_cache_writes_match_the_interpreter() {
     use kiln_kernels::kv_cache::{kv_write, KvWriteConfig};
     let Some(gpu) = gpu() else { return };
-    let mut rng = Rng(0x1111_2222_3333_4444);
+    let mut rng = Rng::seed_from_u64(0x1111_2222_3333_4444);
     for elem in ELEMS {
         for (new_len, capacity, head_dim, rope) in [
             (1u32, 4097u32, 64u32, true),
@@ -867,11 +860,11 @@ fn kv_cache_writes_match_the_interpreter() {
         ] {
             let (b, kvh) = (2usize, 2usize);
             let (s, t, d) = (new_len as usize, capacity as usize, head_dim as usize);
-            let cache = rng.values(b * kvh * t * d, 1.0, elem);
-            let new = rng.values(b * kvh * s * d, 1.0, elem);
+            let cache = values(&mut rng, b * kvh * t * d, 1.0, elem);
+            let new = values(&mut rng, b * kvh * s * d, 1.0, elem);
             let positions: Vec<i64> = (0..b)
                 .flat_map(|_| {
-                    let first = rng.next() % (t - s + 1) as u64;
+                    let first = rng.random::<u64>() % (t - s + 1) as u64;
                     (0..s as i64).map(move |x| first as i64 + x)
                 })
                 .collect();
