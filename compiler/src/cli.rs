@@ -375,13 +375,31 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 mem.cache.len(),
                 mib(mem.arena_bytes)
             )?;
+            if let Some(cpu) = &m.cpu_memory {
+                writeln!(
+                    out,
+                    "  CPU memory plan (f32, weights widened at load): weights {:.2} MiB + KV cache {:.2} MiB + arena {:.2} MiB",
+                    mib(cpu.weights_bytes),
+                    mib(cpu.cache_bytes),
+                    mib(cpu.arena_bytes)
+                )?;
+            }
+            if let Some(sampler) = &m.cpu_sampler {
+                writeln!(out, "  CPU sampler: {sampler}")?;
+            }
             for (kind, entries) in [("prefill", &m.prefill), ("decode", &m.decode)] {
                 for e in entries {
                     let gpu = match &e.plan {
                         Some(p) => format!(
-                            "{} launches, arena {:.2} MiB",
+                            "{} launches, arena {:.2} MiB; {}",
                             p.steps.len(),
-                            mib(p.arena_bytes)
+                            mib(p.arena_bytes),
+                            p.cpu
+                                .as_ref()
+                                .map_or("no CPU plan".to_string(), |c| format!(
+                                    "{} CPU calls",
+                                    c.steps.len()
+                                ))
                         ),
                         None => format!("no GPU plan: {}", e.no_gpu.join(", ")),
                     };

@@ -1,5 +1,6 @@
-//! Compile -> artifact -> runtime, on the CPU (the reference interpreter until the CPU backend
-//! lands): a verified artifact reproduces the fixtures through its padded buckets, and corrupt or
+//! Compile -> artifact -> runtime, through the reference interpreter (the artifact's bucket
+//! graphs, padding, plans and checks; `runtime_native_cpu.rs` runs the generated CPU kernels): a
+//! verified artifact reproduces the fixtures through its padded buckets, and corrupt or
 //! mismatched artifacts are refused with the file named.
 
 use std::path::Path;
@@ -7,13 +8,9 @@ use std::path::Path;
 use kiln_ir::inputs::TokenBatch;
 use kiln_runtime::{forward::forward, Artifact, Executor};
 use kiln_tests::{
-    assert_embeddings_close, fixture, floats, kiln, masked_rel_err, minilm_dir, minilm_sentences,
-    reference, rel_err, sentence_transformers_copy,
+    assert_embeddings_close, compile_artifact as compile, fixture, floats, kiln, masked_rel_err,
+    minilm_dir, minilm_sentences, reference, rel_err, sentence_transformers_copy,
 };
-
-fn compile(model: &Path, out: &Path, extra: &[&str]) {
-    kiln_tests::compile_artifact(model, out, extra);
-}
 
 #[test]
 fn decoder_artifact_reproduces_reference_logits() {
