@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use kiln_ir::artifact::BucketEntry;
 use kiln_ir::philox::{philox4x32_10, seed_key};
-use kiln_ir::{Graph, Tensor};
+use kiln_ir::{Data, Graph, Tensor};
 
 use crate::{Artifact, Executor, RuntimeError};
 
@@ -195,14 +195,28 @@ impl Session<'_> {
                 Tensor::i64(vec![b, s], row(&|i| (start + i).min(last) as i64)),
             ),
         ]);
-        inputs.extend(self.caches.clone());
+        // Caches are kept for the largest batch; a bucket of fewer rows (the prompt chunk's
+        // batch 1) reads and updates the leading ones, as the executors' cache regions do.
+        let rows = |t: &Tensor| t.numel() / t.shape[0].max(1) * b;
+        for (name, cache) in &self.caches {
+            let mut part = cache.clone();
+            if let Data::Float(v) = &mut part.data {
+                v.truncate(rows(cache));
+            }
+            part.shape[0] = b;
+            inputs.insert(name.clone(), part);
+        }
         let mut outputs = self.exec.run(self.art, entry, &inputs)?;
         for (name, cache) in self.caches.iter_mut() {
-            *cache = outputs
+            let present = outputs
                 .remove(&name.replacen("past_", "present_", 1))
                 .ok_or_else(|| {
                     RuntimeError::Request(format!("the decode graph lacks an output for {name}"))
                 })?;
+            let n = rows(cache);
+            if let (Data::Float(all), Data::Float(new)) = (&mut cache.data, &present.data) {
+                all[..n].copy_from_slice(&new[..n]);
+            }
         }
         let logits = outputs
             .get("logits")
