@@ -79,6 +79,57 @@ pub fn kiln_run(args: &[&str]) -> Result<String, String> {
     Ok(String::from_utf8(out).expect("kiln-run prints UTF-8"))
 }
 
+/// `kiln-run forward ART --input IN --output OUT --device DEVICE` over `inputs` (files beside
+/// the artifact); the outputs it wrote.
+pub fn kiln_run_forward(
+    art: &Path,
+    inputs: BTreeMap<String, Tensor>,
+    device: &str,
+) -> BTreeMap<String, Tensor> {
+    let dir = art.parent().unwrap();
+    let (input, output) = (dir.join("in.safetensors"), dir.join("out.safetensors"));
+    kiln_ir::io::write_tensors(&input, &inputs).unwrap();
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let printed = kiln_run(&[
+        "forward",
+        &s(art),
+        "--input",
+        &s(&input),
+        "--output",
+        &s(&output),
+        "--device",
+        device,
+    ])
+    .unwrap();
+    assert!(printed.is_empty(), "forward prints nothing: {printed}");
+    kiln_ir::io::read_tensors(&output).unwrap()
+}
+
+/// `kiln-run generate ART --prompt-ids .. --max-new-tokens N --json --device DEVICE` (greedy);
+/// the tokens it printed.
+pub fn kiln_run_greedy(art: &Path, prompt: &[i64], n: usize, device: &str) -> Vec<i64> {
+    let ids: Vec<String> = prompt.iter().map(i64::to_string).collect();
+    let printed = kiln_run(&[
+        "generate",
+        art.to_str().unwrap(),
+        "--prompt-ids",
+        &ids.join(","),
+        "--max-new-tokens",
+        &n.to_string(),
+        "--json",
+        "--device",
+        device,
+    ])
+    .unwrap();
+    let json: serde_json::Value = serde_json::from_str(&printed).unwrap();
+    json["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_i64().unwrap())
+        .collect()
+}
+
 /// The float values of a tensor.
 pub fn floats(t: &Tensor) -> &[f32] {
     t.as_f32().expect("a float tensor")

@@ -8,8 +8,8 @@ use std::path::Path;
 
 use kiln_ir::Tensor;
 use kiln_tests::{
-    assert_embeddings_close, fixture, floats, kiln, kiln_run, masked_rel_err, minilm_dir,
-    minilm_sentences, reference, rel_err,
+    assert_embeddings_close, fixture, floats, kiln, kiln_run, kiln_run_forward, kiln_run_greedy,
+    masked_rel_err, minilm_dir, minilm_sentences, reference, rel_err,
 };
 
 /// `kiln compile MODEL -o DIR ARGS..` (f32, CPU code only).
@@ -26,27 +26,6 @@ fn compile(model: &Path, dir: &Path, args: &[&str]) {
     kiln(&all).unwrap();
 }
 
-/// `kiln-run forward ART --input IN --output OUT --device cpu` over `inputs`; the outputs.
-fn forward(art: &Path, inputs: BTreeMap<String, Tensor>) -> BTreeMap<String, Tensor> {
-    let dir = art.parent().unwrap();
-    let (input, output) = (dir.join("in.safetensors"), dir.join("out.safetensors"));
-    kiln_ir::io::write_tensors(&input, &inputs).unwrap();
-    let s = |p: &Path| p.to_str().unwrap().to_string();
-    let printed = kiln_run(&[
-        "forward",
-        &s(art),
-        "--input",
-        &s(&input),
-        "--output",
-        &s(&output),
-        "--device",
-        "cpu",
-    ])
-    .unwrap();
-    assert!(printed.is_empty(), "forward prints nothing: {printed}");
-    kiln_ir::io::read_tensors(&output).unwrap()
-}
-
 #[test]
 fn decoders_through_kiln_run_forward_and_generate() {
     let tmp = tempfile::tempdir().unwrap();
@@ -60,38 +39,19 @@ fn decoders_through_kiln_run_forward_and_generate() {
         let reference = reference(name);
         for l in [1usize, 7, 16, 33, 100] {
             let ids = reference[&format!("input_ids_{l}")].clone();
-            let out = forward(&art, BTreeMap::from([("input_ids".to_string(), ids)]));
+            let out = kiln_run_forward(
+                &art,
+                BTreeMap::from([("input_ids".to_string(), ids)]),
+                "cpu",
+            );
             let logits = &out["logits"];
             assert_eq!(logits.shape, vec![l, 512], "{name} L={l}: unbatched logits");
             let err = rel_err(floats(logits), floats(&reference[&format!("logits_{l}")]));
             assert!(err < 1e-4, "{name} L={l}: relative error {err:e}");
         }
-        let prompt: Vec<String> = reference["greedy_prompt"]
-            .as_i64()
-            .unwrap()
-            .iter()
-            .map(i64::to_string)
-            .collect();
+        let prompt = reference["greedy_prompt"].as_i64().unwrap();
         let want = reference["greedy_tokens"].as_i64().unwrap().to_vec();
-        let printed = kiln_run(&[
-            "generate",
-            art.to_str().unwrap(),
-            "--prompt-ids",
-            &prompt.join(","),
-            "--max-new-tokens",
-            &want.len().to_string(),
-            "--json",
-            "--device",
-            "cpu",
-        ])
-        .unwrap();
-        let json: serde_json::Value = serde_json::from_str(&printed).unwrap();
-        let got: Vec<i64> = json["tokens"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_i64().unwrap())
-            .collect();
+        let got = kiln_run_greedy(&art, prompt, want.len(), "cpu");
         assert_eq!(
             got, want,
             "{name}: kiln-run generate reproduces greedy_tokens"
@@ -112,7 +72,7 @@ fn encoders_through_kiln_run_forward_and_embed() {
         let inputs = ["input_ids", "attention_mask"]
             .map(|k| (k.to_string(), reference[k].clone()))
             .into();
-        let out = forward(&art, inputs);
+        let out = kiln_run_forward(&art, inputs, "cpu");
         let err = masked_rel_err(
             &out["last_hidden_state"],
             &reference["last_hidden_state"],

@@ -8,8 +8,9 @@ use kiln_ir::inputs::TokenBatch;
 use kiln_runtime::generate::{generate, Sampling};
 use kiln_runtime::{forward::forward, Artifact, Device, Executor};
 use kiln_tests::{
-    assert_decoder_references, assert_embeddings_close, compile_artifact, fixture, floats,
-    masked_rel_err, minilm_dir, reference, rel_err,
+    assert_close_for, assert_decoder_references, assert_embeddings_close, compile_artifact,
+    fixture, floats, kiln_run_forward, kiln_run_greedy, masked_rel_err, minilm_dir, reference,
+    rel_err,
 };
 
 fn gpu() -> bool {
@@ -199,4 +200,81 @@ fn sentence_embeddings_on_the_gpu_match_the_interpreter() {
     println!(
         "ok: sentence-transformers bert-tiny on the GPU, host-tail pooling; relative error {err:e}"
     );
+}
+
+/// The command line on the GPU: `kiln-run forward --device cuda` gives every fixture's references
+/// in f32 and bf16, and `kiln-run generate --device cuda` the f32 builds' greedy tokens.
+#[test]
+fn kiln_run_forward_and_generate_on_the_gpu() {
+    use std::collections::BTreeMap;
+    if !gpu() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    for dtype in ["f32", "bf16"] {
+        for name in ["gpt2-tiny", "llama-tiny"] {
+            let art = tmp.path().join(format!("{name}-{dtype}.kiln"));
+            compile_artifact(
+                &fixture(name),
+                &art,
+                &[
+                    "--buckets",
+                    "16,64,128",
+                    "--max-context",
+                    "128",
+                    "--dtype",
+                    dtype,
+                    "--target",
+                    "cuda",
+                ],
+            );
+            let reference = reference(name);
+            for l in [1usize, 7, 16, 33, 100] {
+                let ids = reference[&format!("input_ids_{l}")].clone();
+                let out =
+                    kiln_run_forward(&art, BTreeMap::from([("input_ids".into(), ids)]), "cuda");
+                let want = floats(&reference[&format!("logits_{l}")]);
+                let what = format!("kiln-run forward --device cuda {name} {dtype} L={l}");
+                assert_close_for(dtype, floats(&out["logits"]), want, 512, &what);
+            }
+            if dtype == "f32" {
+                let prompt = reference["greedy_prompt"].as_i64().unwrap();
+                let want = reference["greedy_tokens"].as_i64().unwrap().to_vec();
+                let got = kiln_run_greedy(&art, prompt, want.len(), "cuda");
+                assert_eq!(got, want, "kiln-run generate --device cuda {name}");
+            }
+            println!("ok: kiln-run on the GPU: {name} {dtype}");
+        }
+        let art = tmp.path().join(format!("bert-{dtype}.kiln"));
+        compile_artifact(
+            &fixture("bert-tiny"),
+            &art,
+            &[
+                "--buckets",
+                "32",
+                "--batch-buckets",
+                "4",
+                "--dtype",
+                dtype,
+                "--target",
+                "cuda",
+            ],
+        );
+        let reference = reference("bert-tiny");
+        let inputs = ["input_ids", "attention_mask"]
+            .map(|k| (k.to_string(), reference[k].clone()))
+            .into();
+        let out = kiln_run_forward(&art, inputs, "cuda");
+        let err = masked_rel_err(
+            &out["last_hidden_state"],
+            &reference["last_hidden_state"],
+            &reference["attention_mask"],
+        );
+        let tol = if dtype == "f32" { 1e-4 } else { 2e-2 };
+        assert!(
+            err < tol,
+            "kiln-run forward --device cuda bert-tiny {dtype}: {err:e}"
+        );
+        println!("ok: kiln-run on the GPU: bert-tiny {dtype}, relative error {err:e}");
+    }
 }
