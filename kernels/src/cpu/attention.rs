@@ -14,7 +14,7 @@
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use cranelift_codegen::ir::types::{I32, I64};
 use cranelift_codegen::ir::{InstBuilder, MemFlagsData, StackSlotData, StackSlotKind, Type, Value};
-use cranelift_frontend::FunctionBuilder;
+use cranelift_frontend::{FunctionBuilder, Variable};
 
 use super::math::{constant, exp, rotated};
 use super::module::{
@@ -25,6 +25,57 @@ use crate::attention::{AttentionConfig, KeyRule};
 
 /// Keys scored per block (the score buffer on the stack holds this many).
 const BLOCK: u32 = 128;
+
+/// Accumulator columns (vectors of four, or tail columns) kept in registers at once while the
+/// weighted values of a block are summed: 8 of the 16 vector registers.
+const ACC_VECTORS: usize = 8;
+
+/// The head dimension's columns as `(first column, type)`: vectors of four, then scalar tail
+/// columns.
+fn columns(d: u32) -> impl Iterator<Item = (i64, Type)> {
+    let split = d / 4 * 4;
+    (0..split)
+        .step_by(4)
+        .map(|c| (i64::from(c), VECTOR))
+        .chain((split..d).map(|c| (i64::from(c), super::module::SCALAR)))
+}
+
+/// `q . k[row]` with q's values in registers (`q_regs`, as [`columns`] lays them out): the
+/// vector products summed in a tree, then across lanes, then the tail products.
+fn dot(b: &mut FunctionBuilder, q_regs: &[(Value, Type, i64)], k: Value, k_row: Value) -> Value {
+    let mut vectors = Vec::new();
+    let mut tail = Vec::new();
+    for &(qv, ty, col) in q_regs {
+        let ix = b.ins().iadd_imm_s(k_row, col);
+        let ka = f32_addr(b, k, ix);
+        let kv = load(b, ty, ka);
+        let p = b.ins().fmul(qv, kv);
+        if ty == VECTOR {
+            vectors.push(p);
+        } else {
+            tail.push(p);
+        }
+    }
+    while vectors.len() > 1 {
+        vectors = vectors
+            .chunks(2)
+            .map(|pair| match pair {
+                [a, c] => b.ins().fadd(*a, *c),
+                [a] => *a,
+                _ => unreachable!(),
+            })
+            .collect();
+    }
+    let mut total = match vectors.first() {
+        Some(v) => lane_sum(b, *v),
+        None => b.ins().f32const(0.0),
+    };
+    for t in tail {
+        total = b.ins().fadd(total, t);
+    }
+    total
+}
+
 /// The score of an absent key: finite (as the IR's masks), so a row of only absent keys averages
 /// them instead of producing NaN, and far enough below any real score to weigh nothing beside it.
 const MASKED: f32 = -1e30;
@@ -111,6 +162,9 @@ fn body(b: &mut FunctionBuilder, p: super::module::KernelParams, cfg: &Attention
         b.ins().stack_addr(I64, s, 0)
     };
 
+    // Constants every row uses, made once.
+    let scale = constant(b, VECTOR, cfg.scale);
+    let scale_1 = constant(b, super::module::SCALAR, cfg.scale);
     for_range(b, p.begin, p.end, 1, |b, row| {
         let bh = b.ins().udiv_imm_s(row, s_len);
         let i = b.ins().urem_imm_s(row, s_len);
@@ -136,8 +190,6 @@ fn body(b: &mut FunctionBuilder, p: super::module::KernelParams, cfg: &Attention
         });
 
         // q, rotated at its position and scaled.
-        let scale = constant(b, VECTOR, cfg.scale);
-        let scale_1 = constant(b, super::module::SCALAR, cfg.scale);
         let rotate = |b: &mut FunctionBuilder, src: Value, at: Value, pos: Value, dst: Value| {
             let (cos, sin) = tables.expect("tables with RoPE");
             let t0 = b.ins().imul_imm_s(pos, i64::from(half));
@@ -164,6 +216,15 @@ fn body(b: &mut FunctionBuilder, p: super::module::KernelParams, cfg: &Attention
                 store(b, y, da);
             }),
         }
+
+        // q's values held in registers for the whole row (one per four columns, then the tail).
+        let q_regs: Vec<(Value, Type, i64)> = columns(d)
+            .map(|(col, ty)| {
+                let c = b.ins().iconst(I64, col);
+                let a = f32_addr(b, q_buf, c);
+                (load(b, ty, a), ty, col)
+            })
+            .collect();
 
         // The keys this query sees: [start, end).
         let last = match cfg.keys {
@@ -228,14 +289,7 @@ fn body(b: &mut FunctionBuilder, p: super::module::KernelParams, cfg: &Attention
                             b.ins().fma(qh, rh, t)
                         })
                     }
-                    _ => sum_lanes_unrolled(b, d, |b, c, ty| {
-                        let qa = f32_addr(b, q_buf, c);
-                        let qv = load(b, ty, qa);
-                        let ix = b.ins().iadd(k_row, c);
-                        let ka = f32_addr(b, k, ix);
-                        let kv = load(b, ty, ka);
-                        b.ins().fmul(qv, kv)
-                    }),
+                    _ => dot(b, &q_regs, k, k_row),
                 };
                 if let Some(mk) = mask {
                     // An absent key scores MASKED: its weight underflows to nothing beside a
@@ -265,19 +319,13 @@ fn body(b: &mut FunctionBuilder, p: super::module::KernelParams, cfg: &Attention
             let m_old = b.use_var(m);
             let m_new = b.ins().fmax(m_old, mb);
             b.def_var(m, m_new);
-            // Rescale what came before (nothing, the first time: exp(-inf) is 0 times 0).
+            // What came before is rescaled (nothing, the first time: exp(-inf) is 0 times 0)
+            // as the accumulator is read back below.
             let dm = b.ins().fsub(m_old, m_new);
             let corr = exp(b, super::module::SCALAR, dm);
             let l_old = b.use_var(l);
             let l_scaled = b.ins().fmul(l_old, corr);
             let corr_x4 = splat(b, corr);
-            lanes_unrolled(b, d, |b, c, ty| {
-                let cr = if ty == VECTOR { corr_x4 } else { corr };
-                let aa = f32_addr(b, acc, c);
-                let av = load(b, ty, aa);
-                let y = b.ins().fmul(av, cr);
-                store(b, y, aa);
-            });
             // The weights exp(s - m), four at a time, and their sum.
             let m_x4 = splat(b, m_new);
             let zv = constant(b, VECTOR, 0.0);
@@ -293,12 +341,12 @@ fn body(b: &mut FunctionBuilder, p: super::module::KernelParams, cfg: &Attention
             let ws = lane_sum(b, ws);
             let l_new = b.ins().fadd(ws, wt);
             b.def_var(l, l_new);
-            // The weighted values (dropped ones weigh 0, kept ones 1 / (1 - p) times more; the
-            // sum above is of the undropped weights, as in the IR).
-            for_range(b, zero, count, 1, |b, jj| {
-                let sa = f32_addr(b, scores, jj);
-                let mut w = load(b, super::module::SCALAR, sa);
-                if let Some((lo, hi, stream, threshold, keep_scale)) = dropout {
+            // Dropped weights weigh 0, kept ones 1 / (1 - p) times more (the sum above is of the
+            // undropped weights, as in the IR).
+            if let Some((lo, hi, stream, threshold, keep_scale)) = dropout {
+                for_range(b, zero, count, 1, |b, jj| {
+                    let sa = f32_addr(b, scores, jj);
+                    let w = load(b, super::module::SCALAR, sa);
                     let j = b.ins().iadd(kb, jj);
                     let plane = b.ins().ireduce(I32, bh);
                     let row_i = b.ins().ireduce(I32, i);
@@ -307,23 +355,51 @@ fn body(b: &mut FunctionBuilder, p: super::module::KernelParams, cfg: &Attention
                     let k_scale = b.ins().f32const(keep_scale);
                     let scaled = b.ins().fmul(w, k_scale);
                     let zero_w = b.ins().f32const(0.0);
-                    w = b.ins().select(keep, scaled, zero_w);
-                }
-                let w_x4 = splat(b, w);
-                let j = b.ins().iadd(kb, jj);
-                let v_row = b.ins().imul_imm_s(j, vs[2]);
-                let v_row = b.ins().iadd(v_head, v_row);
-                lanes_unrolled(b, d, |b, c, ty| {
-                    let wt = if ty == VECTOR { w_x4 } else { w };
-                    let aa = f32_addr(b, acc, c);
-                    let av = load(b, ty, aa);
-                    let ix = b.ins().iadd(v_row, c);
-                    let va = f32_addr(b, v, ix);
-                    let vv = load(b, ty, va);
-                    let y = b.ins().fma(wt, vv, av);
-                    store(b, y, aa);
+                    let w = b.ins().select(keep, scaled, zero_w);
+                    store(b, w, sa);
                 });
-            });
+            }
+            // The weighted values, ACC_COLUMNS columns of the accumulator at a time held in
+            // registers over the block's keys: acc = acc * corr + sum_j w_j v_j.
+            let all: Vec<(i64, Type)> = columns(d).collect();
+            for part in all.chunks(ACC_VECTORS) {
+                let accs: Vec<(Variable, Type, i64)> = part
+                    .iter()
+                    .map(|&(col, ty)| {
+                        let var = b.declare_var(ty);
+                        let c = b.ins().iconst(I64, col);
+                        let aa = f32_addr(b, acc, c);
+                        let av = load(b, ty, aa);
+                        let cr = if ty == VECTOR { corr_x4 } else { corr };
+                        let y = b.ins().fmul(av, cr);
+                        b.def_var(var, y);
+                        (var, ty, col)
+                    })
+                    .collect();
+                for_range(b, zero, count, 1, |b, jj| {
+                    let sa = f32_addr(b, scores, jj);
+                    let w = load(b, super::module::SCALAR, sa);
+                    let w_x4 = splat(b, w);
+                    let j = b.ins().iadd(kb, jj);
+                    let v_row = b.ins().imul_imm_s(j, vs[2]);
+                    let v_row = b.ins().iadd(v_head, v_row);
+                    for &(var, ty, col) in &accs {
+                        let wt = if ty == VECTOR { w_x4 } else { w };
+                        let ix = b.ins().iadd_imm_s(v_row, col);
+                        let va = f32_addr(b, v, ix);
+                        let vv = load(b, ty, va);
+                        let av = b.use_var(var);
+                        let y = b.ins().fma(wt, vv, av);
+                        b.def_var(var, y);
+                    }
+                });
+                for &(var, _, col) in &accs {
+                    let c = b.ins().iconst(I64, col);
+                    let aa = f32_addr(b, acc, c);
+                    let y = b.use_var(var);
+                    store(b, y, aa);
+                }
+            }
         });
 
         // Normalise once (a row that saw no key stores zeros).
