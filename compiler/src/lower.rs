@@ -134,8 +134,15 @@ impl NodeLaunches {
         self.cpu(kernel, bind, &params, extent);
     }
 
-    /// Adds a CPU call with the operands `bind` gives the parameters `params`, in that order.
+    /// Adds a CPU call with the operands `bind` gives the parameters `params`, in that order (or
+    /// leaves the node without a CPU version when the CPU generator does not cover `kernel`).
     fn cpu(&mut self, kernel: CpuKernel, bind: &[(&str, Operand)], params: &[&str], extent: u64) {
+        if let CpuKernel::Attention(cfg) = &kernel {
+            if !kiln_kernels::cpu::attention::supports(cfg) {
+                self.cpu = None;
+                return;
+            }
+        }
         let args: Option<Vec<Operand>> = params
             .iter()
             .map(|p| bind.iter().find(|(n, _)| n == p).map(|(_, o)| o.clone()))

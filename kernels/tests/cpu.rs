@@ -498,6 +498,13 @@ fn attention_matches_the_interpreter() {
             true,
         ),
         attention_case((2, 1, 5, 260, 12), KeyRule::All, true, false),
+        // An odd head dimension (no RoPE): vector columns, then a scalar tail.
+        attention_case(
+            (3, 3, 9, 9, 7),
+            KeyRule::Causal { window: None },
+            true,
+            false,
+        ),
         // Dropout: any mask bit drawn differently from the IR's moves a row far past 1e-4.
         attention_case_with_dropout(
             (4, 2, 140, 140, 8),

@@ -110,11 +110,17 @@ pub fn name(cfg: &AttentionConfig) -> String {
     )
 }
 
+/// Whether the CPU attention covers `cfg`: one key range, and an even head dimension when RoPE
+/// pairs its halves.
+pub fn supports(cfg: &AttentionConfig) -> bool {
+    cfg.splits == 1 && (!cfg.rope || cfg.head_dim.is_multiple_of(2))
+}
+
 /// Generates the attention of `cfg` (f32) into `module`; returns its name.
 pub fn attention(module: &mut CpuModule, cfg: &AttentionConfig) -> Result<String, CpuError> {
-    if cfg.splits != 1 || !cfg.head_dim.is_multiple_of(2) {
+    if !supports(cfg) {
         return Err(CpuError(format!(
-            "{}: the CPU attention takes one key range and an even head dimension",
+            "{}: the CPU attention takes one key range, and an even head dimension with RoPE",
             name(cfg)
         )));
     }

@@ -128,7 +128,12 @@ pub fn link_shared(object: &[u8], out: &Path) -> Result<(), CpuError> {
         .arg(out)
         .arg(&obj)
         .output()
-        .map_err(|e| CpuError(format!("cannot run {}: {e}", cc.to_string_lossy())))?;
+        .map_err(|e| {
+            CpuError(format!(
+                "cannot run the C compiler `{}` that links the CPU kernels (set CC, install one, or compile with --target cuda): {e}",
+                cc.to_string_lossy()
+            ))
+        })?;
     let _ = std::fs::remove_file(&obj);
     if !status.status.success() {
         let first = String::from_utf8_lossy(&status.stderr)
