@@ -94,7 +94,7 @@ pub enum Command {
         #[arg(long)]
         prefill_chunk: Option<usize>,
         /// Which code to generate: GPU kernels (PTX, and SASS when ptxas is found), CPU kernels
-        /// (Cranelift, f32 builds), or both.
+        /// (Cranelift; f16/bf16 builds computed in f32), or both.
         #[arg(long, value_enum, default_value_t = Target::All)]
         target: Target,
     },
@@ -394,12 +394,10 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                             "{} launches, arena {:.2} MiB; {}",
                             p.steps.len(),
                             mib(p.arena_bytes),
-                            p.cpu
-                                .as_ref()
-                                .map_or("no CPU plan".to_string(), |c| format!(
-                                    "{} CPU calls",
-                                    c.steps.len()
-                                ))
+                            p.cpu.as_ref().map_or_else(
+                                || format!("no CPU plan: {}", e.no_cpu.join(", ")),
+                                |c| format!("{} CPU calls", c.steps.len())
+                            )
                         ),
                         None => format!("no GPU plan: {}", e.no_gpu.join(", ")),
                     };
@@ -669,6 +667,7 @@ fn write_artifact(
                     kernels,
                     plan: p.plan.clone(),
                     no_gpu: p.unsupported.clone(),
+                    no_cpu: p.no_cpu.clone(),
                 });
             }
             Ok::<_, std::io::Error>(entries)
@@ -878,7 +877,7 @@ pub enum Target {
     All,
     /// GPU kernels only (PTX, and SASS when ptxas is found).
     Cuda,
-    /// CPU kernels only (Cranelift; f32 builds).
+    /// CPU kernels only (Cranelift).
     Cpu,
 }
 

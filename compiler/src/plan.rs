@@ -46,6 +46,8 @@ pub struct PlannedBucket {
     pub plan: Option<ExecPlan>,
     /// `{op}_{node}` of the ops without a kernel.
     pub unsupported: Vec<String>,
+    /// `{op}_{node}` of the ops (or view outputs) that keep it from having a CPU plan.
+    pub no_cpu: Vec<String>,
 }
 
 /// Everything the artifact writer needs beyond the bucket graphs.
@@ -106,6 +108,7 @@ pub fn plan_artifact(graphs: &[&Graph], cpu_plans: bool) -> Result<ArtifactPlan,
             if let Some(plan) = bucket.plan.as_mut() {
                 plan.cpu = twin.plan.and_then(|p| p.cpu);
             }
+            bucket.no_cpu = twin.no_cpu;
         }
         art.cpu_kernels = wide.cpu_kernels;
         art.cpu_memory = Some(wide.memory);
@@ -206,17 +209,21 @@ fn plan_graphs(graphs: &[&Graph]) -> Result<ArtifactPlan, PlanError> {
     let mut cpu_kernels = BTreeMap::new();
     for (graph, launches) in lowered {
         let tail = host_tail(&graph, &launches)?;
-        let plan = if launches.unsupported.is_empty() || tail.is_some() {
-            let plan = plan_bucket(&graph, &launches, &memory, &kernels, tail, &mut cpu_kernels)?;
+        // Without a GPU plan there is no CPU plan either (they share the memory plan): the ops
+        // that keep the GPU plan from existing keep the CPU one too.
+        let (plan, no_cpu) = if launches.unsupported.is_empty() || tail.is_some() {
+            let (plan, no_cpu) =
+                plan_bucket(&graph, &launches, &memory, &kernels, tail, &mut cpu_kernels)?;
             memory.arena_bytes = memory.arena_bytes.max(plan.arena_bytes);
-            Some(plan)
+            (Some(plan), no_cpu)
         } else {
-            None
+            (None, launches.unsupported.clone())
         };
         buckets.push(PlannedBucket {
             graph,
             plan,
             unsupported: launches.unsupported,
+            no_cpu,
         });
     }
     memory.arena_bytes = align(memory.arena_bytes);
@@ -393,7 +400,7 @@ fn plan_bucket(
     kernels: &Lowered,
     tail: Option<HostTail>,
     cpu_kernels: &mut BTreeMap<String, CpuKernel>,
-) -> Result<ExecPlan, PlanError> {
+) -> Result<(ExecPlan, Vec<String>), PlanError> {
     let weight_at: BTreeMap<&str, u64> = memory
         .weights
         .iter()
@@ -570,7 +577,8 @@ fn plan_bucket(
             crate::lower::materialize(g, g.outputs()[i].node, out),
         ));
     }
-    let mut cpu_steps = Some(Vec::new());
+    let mut steps_cpu = Vec::new();
+    let mut no_cpu = Vec::new();
     let calls = cpu_calls
         .iter()
         .map(|(id, c)| (*id, c.map(|c| c.iter().collect::<Vec<_>>())))
@@ -580,9 +588,10 @@ fn plan_bucket(
                 .map(|(id, c)| (*id, c.as_ref().map(|c| vec![c]))),
         );
     for (id, calls) in calls {
-        let (Some(calls), Some(steps)) = (calls, cpu_steps.as_mut()) else {
-            cpu_steps = None;
-            break;
+        let node = format!("{}_{}", g.node(id).op.name(), id.0);
+        let Some(calls) = calls else {
+            no_cpu.push(node);
+            continue;
         };
         for call in calls {
             let args = call
@@ -590,10 +599,10 @@ fn plan_bucket(
                 .iter()
                 .map(|op| operand(id, op))
                 .collect::<Result<Vec<_>, _>>()?;
-            steps.push(CpuStep {
+            steps_cpu.push(CpuStep {
                 call: cpu_call(call, cpu_kernels),
                 args,
-                node: format!("{}_{}", g.node(id).op.name(), id.0),
+                node: node.clone(),
             });
         }
     }
@@ -640,7 +649,7 @@ fn plan_bucket(
             _ => outputs.push(slot(&o.name, o.node)?),
         }
     }
-    let cpu = match cpu_steps {
+    let cpu = match no_cpu.is_empty().then_some(steps_cpu) {
         Some(steps) => {
             let mut outputs = Vec::new();
             for (i, o) in g.outputs().iter().enumerate() {
@@ -664,7 +673,7 @@ fn plan_bucket(
         }
         None => None,
     };
-    Ok(ExecPlan {
+    let plan = ExecPlan {
         arena_bytes,
         inputs,
         cache_inputs,
@@ -673,7 +682,8 @@ fn plan_bucket(
         steps,
         host_tail: tail.map(|t| t.graph),
         cpu,
-    })
+    };
+    Ok((plan, no_cpu))
 }
 
 /// The CPU call of `launch`, registering the generated functions it needs in `kernels`.

@@ -125,6 +125,12 @@ impl MemoryPlan {
     }
 }
 
+/// The exported name of the generated CPU sampler over rows of `vocab` logits (the compiler
+/// generates it under this name; the runtime checks the manifest's `cpu_sampler` against it).
+pub fn cpu_sampler_name(vocab: usize) -> String {
+    format!("cpu_sample_f32_v{vocab}")
+}
+
 /// The CPU library's file name for this machine's architecture and OS
 /// (`kernels.cpu.x86_64-v3-linux.so`: x86-64 code needs the v3 level, AVX2 and FMA): an
 /// artifact's CPU library runs where its name matches and the CPU has that level.
@@ -257,8 +263,9 @@ pub struct ExecPlan {
     /// the host after the replay: a graph whose inputs are request inputs and GPU values
     /// (`kiln.value.N`, among `outputs`), and whose outputs are the remaining graph outputs.
     pub host_tail: Option<crate::Graph>,
-    /// The same plan for the CPU executor, over the same memory plan, host tail included: `None`
-    /// when some node has no CPU version (f16/bf16 builds).
+    /// The plan for the CPU executor, host tail included, over the same memory plan (or, for
+    /// f16/bf16 builds, over `Manifest::cpu_memory`): `None` when some op has no CPU version
+    /// (`BucketEntry::no_cpu`).
     pub cpu: Option<CpuPlan>,
 }
 
@@ -266,7 +273,8 @@ pub struct ExecPlan {
 /// included) as calls of the artifact's CPU library and of the runtime's GEMM.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CpuPlan {
-    /// Graph inputs held in the arena, as i64 (the CPU memory plan's offsets).
+    /// Graph inputs held in the arena (token ids, masks, positions, as i64), at the CPU memory
+    /// plan's offsets.
     pub inputs: Vec<TensorSlot>,
     /// The calls, in order.
     pub steps: Vec<CpuStep>,
@@ -279,7 +287,7 @@ pub struct CpuPlan {
 pub struct CpuStep {
     /// What it calls.
     pub call: CpuCall,
-    /// One argument per parameter, in order (as the GPU kernel's).
+    /// One argument per parameter, in order (the GPU kernel's order where there is one).
     pub args: Vec<Arg>,
     /// The graph node it computes (`{op}_{node}`).
     pub node: String,
@@ -347,6 +355,8 @@ pub struct BucketEntry {
     pub plan: Option<ExecPlan>,
     /// `{op}_{node}` of the ops without a GPU kernel.
     pub no_gpu: Vec<String>,
+    /// `{op}_{node}` of the ops (or view outputs) that keep the bucket from having a CPU plan.
+    pub no_cpu: Vec<String>,
 }
 
 /// The SHA-256 of `bytes`, lowercase hex.

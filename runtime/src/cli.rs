@@ -213,21 +213,14 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
             json,
             placement,
         } => {
-            if temperature.is_nan()
-                || temperature < 0.0
-                || top_p.is_nan()
-                || top_p <= 0.0
-                || top_p > 1.0
-            {
-                bail!("--temperature must be >= 0 and --top-p in (0, 1]");
-            }
-            let art = Artifact::open(&artifact)?;
             let sampling = Sampling {
                 temperature,
                 top_k,
                 top_p,
                 seed,
             };
+            sampling.validate()?;
+            let art = Artifact::open(&artifact)?;
             let tokenizer = prompt.as_ref().map(|_| art.tokenizer()).transpose()?;
             let prompt_ids = match (&tokenizer, &prompt) {
                 (Some(t), Some(text)) => t.encode(text)?,

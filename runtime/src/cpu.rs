@@ -49,7 +49,7 @@ impl CpuExecutor {
         let m = &art.manifest;
         let file = m.kernels_cpu.as_ref().ok_or_else(|| {
             RuntimeError::Device(
-                "the artifact has no CPU library (compiled with --target cuda)".into(),
+                "the artifact has no CPU library (compiled with --target cuda, or no bucket has a CPU plan)".into(),
             )
         })?;
         let here = cpu_library_name();
@@ -75,7 +75,7 @@ impl CpuExecutor {
         let (weights, widened) = match &m.cpu_memory {
             Some(plan) => {
                 let store = art.weights.as_ref().ok_or_else(|| {
-                    RuntimeError::Request("the artifact was compiled with --no-weights".into())
+                    RuntimeError::Device("the artifact was compiled with --no-weights".into())
                 })?;
                 let file = m.weights.as_deref().unwrap_or("weights.safetensors");
                 let words = store
@@ -128,6 +128,19 @@ impl CpuExecutor {
             plans.insert(entry.graph.clone(), Arc::new(plan.clone()));
         }
         let sampler = match &m.cpu_sampler {
+            Some(symbol) if *symbol != kiln_ir::artifact::cpu_sampler_name(m.model.vocab_size) => {
+                return Err(RuntimeError::Artifact {
+                    file: art
+                        .dir
+                        .join(kiln_ir::artifact::MANIFEST)
+                        .display()
+                        .to_string(),
+                    message: format!(
+                        "names the sampler `{symbol}`, which is not the one for a vocabulary of {}",
+                        m.model.vocab_size
+                    ),
+                });
+            }
             Some(symbol) => {
                 // SAFETY: every exported symbol of the library has the kernel ABI.
                 let f = unsafe { library.get::<KernelFn>(symbol.as_bytes()) }.map_err(|e| {
@@ -400,8 +413,24 @@ fn check_plan(art: &Artifact, entry: &BucketEntry, plan: &CpuPlan) -> Result<(),
             }
         }
     }
+    for step in &plan.steps {
+        if let CpuCall::Gemm { bias, residual, .. } = step.call {
+            let want = 3 + usize::from(bias) + usize::from(residual);
+            if step.args.len() != want {
+                return Err(bad(format!(
+                    "CPU step {} passes {} arguments to a product that takes {want}",
+                    step.node,
+                    step.args.len()
+                )));
+            }
+        }
+    }
     for slot in plan.inputs.iter().chain(&plan.outputs) {
-        if slot.offset + slot.bytes() > m.arena_bytes {
+        if slot
+            .offset
+            .checked_add(slot.bytes())
+            .is_none_or(|end| end > m.arena_bytes)
+        {
             return Err(bad(format!("`{}` lies outside the arena", slot.name)));
         }
     }

@@ -93,7 +93,7 @@ impl Executor {
                 return Err(RuntimeError::Device(format!(
                     "bucket {} has ops without a CPU kernel ({}); --device interpreter runs it",
                     entry.graph,
-                    entry.no_gpu.join(", ")
+                    entry.no_cpu.join(", ")
                 )));
             }
             // The CPU plan covers the whole graph, what the GPU leaves to its host tail included.
@@ -121,6 +121,7 @@ impl Executor {
         sampling: &crate::generate::Sampling,
         step: u32,
     ) -> Result<usize, RuntimeError> {
+        sampling.validate()?;
         if let Executor::Cpu(c) = self {
             if let Some(token) = c.choose(logits, sampling, step)? {
                 return Ok(token);

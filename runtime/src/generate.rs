@@ -26,6 +26,24 @@ pub struct Sampling {
 }
 
 impl Sampling {
+    /// `Err` naming the parameter when `temperature` is negative or NaN, or `top_p` is outside
+    /// `(0, 1]`.
+    pub fn validate(&self) -> Result<(), RuntimeError> {
+        if self.temperature.is_nan() || self.temperature < 0.0 {
+            return Err(RuntimeError::Request(format!(
+                "temperature {} must be >= 0",
+                self.temperature
+            )));
+        }
+        if self.top_p.is_nan() || self.top_p <= 0.0 || self.top_p > 1.0 {
+            return Err(RuntimeError::Request(format!(
+                "top-p {} must be in (0, 1]",
+                self.top_p
+            )));
+        }
+        Ok(())
+    }
+
     /// Greedy decoding.
     pub fn greedy() -> Sampling {
         Sampling {
@@ -57,6 +75,7 @@ pub fn generate_timed(
     max_new: usize,
     sampling: &Sampling,
 ) -> Result<(Vec<i64>, f64), RuntimeError> {
+    sampling.validate()?;
     let m = &art.manifest;
     if !m.model.decoder {
         return Err(RuntimeError::Request(format!(
@@ -195,7 +214,7 @@ impl Session<'_> {
                 Tensor::i64(vec![b, s], row(&|i| (start + i).min(last) as i64)),
             ),
         ]);
-        // Caches are kept for the largest batch; a bucket of fewer rows (the prompt chunk's
+        // Caches are kept for the decode bucket's batch; a bucket of fewer rows (the prompt chunk's
         // batch 1) reads and updates the leading ones, as the executors' cache regions do.
         let rows = |t: &Tensor| t.numel() / t.shape[0].max(1) * b;
         for (name, cache) in &self.caches {

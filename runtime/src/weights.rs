@@ -90,8 +90,14 @@ impl WeightStore {
                 ));
             };
             let at = slot.offset as usize;
-            for (i, v) in values.iter().enumerate() {
-                bytes[at + 4 * i..at + 4 * i + 4].copy_from_slice(&v.to_le_bytes());
+            let dst = bytes.get_mut(at..at + 4 * values.len()).ok_or_else(|| {
+                format!(
+                    "`{}` lies past the CPU memory plan's weights region",
+                    slot.name
+                )
+            })?;
+            for (d, v) in dst.chunks_exact_mut(4).zip(values) {
+                d.copy_from_slice(&v.to_le_bytes());
             }
         }
         Ok(region)

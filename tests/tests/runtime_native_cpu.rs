@@ -200,8 +200,18 @@ fn generated_sampler_matches_the_reference() {
             assert_eq!(got, choose(&row, mode, step), "{mode:?} step {step}");
         }
     }
+    // Parameters outside their ranges are refused, naming them, on every path.
+    let bad = Sampling {
+        top_p: 0.0,
+        ..modes[1]
+    };
+    let row = vec![0.0f32; vocab];
+    let err = exec.choose(&row, &bad, 0).unwrap_err().to_string();
+    assert!(err.contains("top-p"), "{err}");
     let reference = reference("gpt2-tiny");
     let prompt = reference["greedy_prompt"].as_i64().unwrap().to_vec();
+    let err = generate(&art, &mut exec, &prompt, 3, &bad).unwrap_err().to_string();
+    assert!(err.contains("top-p"), "{err}");
     let mode = &modes[3];
     let got = generate(&art, &mut exec, &prompt, 30, mode).unwrap();
     let want = generate(&art, &mut Executor::Interpreter, &prompt, 30, mode).unwrap();

@@ -27,7 +27,8 @@ use crate::attention::{AttentionConfig, KeyRule};
 const BLOCK: u32 = 128;
 
 /// Accumulator columns (vectors of four, or tail columns) kept in registers at once while the
-/// weighted values of a block are summed: 8 of the 16 vector registers.
+/// weighted values of a block are summed: 8 of the 16 vector registers (q's row competes for the
+/// rest; a head dimension above 32 spills part of it).
 const ACC_VECTORS: usize = 8;
 
 /// The head dimension's columns as `(first column, type)`: vectors of four, then scalar tail
@@ -365,8 +366,8 @@ fn body(b: &mut FunctionBuilder, p: super::module::KernelParams, cfg: &Attention
                     store(b, w, sa);
                 });
             }
-            // The weighted values, ACC_COLUMNS columns of the accumulator at a time held in
-            // registers over the block's keys: acc = acc * corr + sum_j w_j v_j.
+            // The weighted values, ACC_VECTORS columns (or tail columns) of the accumulator at a
+            // time held in registers over the block's keys: acc = acc * corr + sum_j w_j v_j.
             let all: Vec<(i64, Type)> = columns(d).collect();
             for part in all.chunks(ACC_VECTORS) {
                 let accs: Vec<(Variable, Type, i64)> = part

@@ -28,7 +28,7 @@ const KEY_BITS: i64 = 32;
 
 /// The function's name for rows of `vocab` logits.
 pub fn name(vocab: u32) -> String {
-    format!("cpu_sample_f32_v{vocab}")
+    kiln_ir::artifact::cpu_sampler_name(vocab as usize)
 }
 
 /// Scratch bytes per row of `vocab` logits.
