@@ -20,7 +20,7 @@ use sha2::{Digest, Sha256};
 use crate::DType;
 
 /// The artifact format this build writes and reads.
-pub const FORMAT_VERSION: u32 = 3;
+pub const FORMAT_VERSION: u32 = 4;
 /// Every region and every tensor in the device allocation starts at a multiple of this many bytes.
 pub const ALIGN: u64 = 256;
 /// The manifest's file name.

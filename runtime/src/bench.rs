@@ -89,7 +89,8 @@ pub struct BenchReport {
     /// Replays, captures and compilations since load (CUDA only; the replays above are the
     /// requests per bucket, these the graph launches the executor counted).
     pub counters: Option<crate::cuda::Counters>,
-    /// Seconds from opening the artifact on the GPU to every graph captured (CUDA only).
+    /// Seconds from the opened artifact to ready: on CUDA every graph captured, on the CPU the
+    /// library loaded and the buffers allocated (none for the interpreter).
     pub load_seconds: Option<f64>,
 }
 
@@ -181,7 +182,8 @@ pub fn bench(
     let overall = Latency::of(latencies.values().flatten().copied().collect());
     let (counters, load_seconds) = match exec {
         Executor::Cuda(c) => (Some(c.counters()), Some(c.load_seconds)),
-        Executor::Interpreter | Executor::Cpu(_) => (None, None),
+        Executor::Cpu(c) => (None, Some(c.load_seconds)),
+        Executor::Interpreter => (None, None),
     };
     Ok(BenchReport {
         device: exec.describe(),

@@ -382,7 +382,7 @@ fn print_bench(r: &BenchReport, out: &mut dyn Write) -> Result<()> {
         )?;
     }
     if let Some(s) = r.load_seconds {
-        writeln!(out, "load to ready (all graphs captured) {:.3} s", s)?;
+        writeln!(out, "load to ready {:.3} s", s)?;
     }
     if let Some(c) = &r.counters {
         writeln!(

@@ -40,12 +40,16 @@ pub struct CpuExecutor {
     profile: Option<BTreeMap<String, (u64, f64)>>,
     /// The generated token sampler (decoders) and its scratch row.
     sampler: Option<(KernelFn, Vec<u64>)>,
+    /// Seconds from the opened artifact to ready: library loaded, plans checked, weights
+    /// widened (f16/bf16 builds), buffers allocated.
+    pub load_seconds: f64,
 }
 
 impl CpuExecutor {
     /// Loads `art`'s CPU library and plans; `Err` naming the reason when the artifact has none
     /// for this machine (no library, another architecture).
     pub fn load(art: &Artifact) -> Result<CpuExecutor, RuntimeError> {
+        let start = std::time::Instant::now();
         let m = &art.manifest;
         let file = m.kernels_cpu.as_ref().ok_or_else(|| {
             RuntimeError::Device(
@@ -154,6 +158,7 @@ impl CpuExecutor {
             None => None,
         };
         Ok(CpuExecutor {
+            load_seconds: start.elapsed().as_secs_f64(),
             sampler,
             _library: library,
             functions,

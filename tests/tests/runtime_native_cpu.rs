@@ -210,7 +210,9 @@ fn generated_sampler_matches_the_reference() {
     assert!(err.contains("top-p"), "{err}");
     let reference = reference("gpt2-tiny");
     let prompt = reference["greedy_prompt"].as_i64().unwrap().to_vec();
-    let err = generate(&art, &mut exec, &prompt, 3, &bad).unwrap_err().to_string();
+    let err = generate(&art, &mut exec, &prompt, 3, &bad)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("top-p"), "{err}");
     let mode = &modes[3];
     let got = generate(&art, &mut exec, &prompt, 30, mode).unwrap();
