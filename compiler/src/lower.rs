@@ -31,7 +31,7 @@ pub use strided::materialize;
 
 /// Key ranges of a decode attention over a cache of at least this many entries.
 const SPLIT_CONTEXT: u32 = 1024;
-/// Fixed key ranges (flash-decoding) for long caches.
+/// Key ranges per query (flash-decoding) for long caches: its visible keys split evenly.
 const DECODE_SPLITS: u32 = 16;
 
 /// The RoPE cos/sin tables a kernel reads: `[positions, head_dim / 2]` f32.

@@ -281,11 +281,15 @@ pub fn attention_simt(cfg: &AttentionConfig) -> GeneratedKernel {
     };
 
     let (start, end) = if split {
-        k.comment("this block's fixed range of keys");
-        let chunk = cfg.kv_len.div_ceil(cfg.splits);
-        let s0 = k.mul_u32(&split_index.expect("split"), &chunk);
-        let s1 = k.add_u32(&s0, &chunk);
-        let from = k.op2("max.u32", RegClass::B32, &start, &s0);
+        // The query's own keys split evenly across the blocks (a range fixed by the capacity
+        // would leave all but the first few blocks idle at short contexts).
+        k.comment("this block's share of the query's keys");
+        let top = k.op2("max.u32", RegClass::B32, &end, &start);
+        let len = k.sub_u32(&top, &start);
+        let rounded = k.add_u32(&len, &(cfg.splits - 1));
+        let chunk = k.op2("div.u32", RegClass::B32, &rounded, &cfg.splits);
+        let from = k.mad_u32(&split_index.expect("split"), &chunk, &start);
+        let s1 = k.add_u32(&from, &chunk);
         let to = k.op2("min.u32", RegClass::B32, &end, &s1);
         (from, to)
     } else {

@@ -758,7 +758,7 @@ fn attention_matches_the_interpreter() {
                 &reference_out,
             );
             if cached {
-                // The same through fixed key ranges (flash-decoding) and the combine kernel.
+                // The same through key ranges (flash-decoding) and the combine kernel.
                 let splits = if t > 1000 { 16 } else { 4 };
                 let mut split_cfg = cfg.clone();
                 split_cfg.splits = splits;
