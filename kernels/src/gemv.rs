@@ -2,7 +2,8 @@
 //! kernel. A GEMM tile of 64 or 128 columns leaves most SMs idle when M is 1 (GPT-2's
 //! 768-column products are 12 blocks), and its time is bound by reading the weights once, so
 //! here each warp owns one output column: its lanes stream that weight row along K with 16-byte
-//! loads (coalesced, the row is contiguous), multiply it by every x row, and reduce with
+//! loads (coalesced, the row is contiguous; four chunks in flight at once), multiply it by every
+//! x row, and reduce with
 //! shuffles; lane 0 applies the epilogue (bias, activation or SwiGLU, residual) in the GEMM's
 //! order. With SwiGLU the warp also streams the matching up row `n + N/2`.
 
@@ -14,6 +15,8 @@ use crate::{GeneratedKernel, Launch};
 pub const MAX_ROWS: u32 = 8;
 /// Warps (output columns) per block.
 const WARPS: u32 = 8;
+/// Chunks of K (32 lanes x 16 bytes each) a lane loads before multiplying, while all are inside K.
+const UNROLL: u32 = 4;
 
 /// Whether `cfg` is a product this kernel serves: `[N, K]` weights and at most [`MAX_ROWS`] rows.
 pub fn supports(cfg: &GemmConfig) -> bool {
@@ -63,13 +66,6 @@ pub fn gemv(cfg: &GemmConfig, name: String) -> GeneratedKernel {
     let up_col = k.add_u32(&col, &n_out);
     let w_up_row = k.mul_u32(&up_col, &cfg.k);
 
-    k.comment("lanes stride along K");
-    let kk = k.mul_u32(&lane, &step);
-    let top = k.label("k_loop");
-    let done = k.label("k_done");
-    k.place(&top);
-    let past = k.setp("ge.u32", &kk, &cfg.k);
-    k.bra(Some((past, true)), &done);
     let load = |k: &mut Kernel, base: Reg, index: &Reg| -> Vec<Reg> {
         let addr = k.address(base, index, e.bytes());
         if vector {
@@ -78,24 +74,68 @@ pub fn gemv(cfg: &GemmConfig, name: String) -> GeneratedKernel {
             vec![k.ld_global(e, addr)]
         }
     };
-    let wi = k.add_u32(&w_row, &kk);
-    let wv = load(&mut k, w, &wi);
-    let wu = if cfg.swiglu {
-        let ui = k.add_u32(&w_up_row, &kk);
-        load(&mut k, w, &ui)
-    } else {
-        Vec::new()
-    };
-    for r in 0..rows {
-        let xi = k.add_u32(&kk, &(r as u32 * cfg.k));
-        let xv = load(&mut k, x, &xi);
-        for (j, xe) in xv.iter().enumerate() {
-            k.fma_into(acc[r], xe, &wv[j]);
-            if cfg.swiglu {
-                k.fma_into(acc_up[r], xe, &wu[j]);
+    // One pass over `UNROLL` consecutive chunks of the lane's K range starting at `kk`: every
+    // weight load is issued before the first multiply, so they are in flight together.
+    let chunks = |k: &mut Kernel, kk: &Reg, count: u32| {
+        let at: Vec<Reg> = (0..count)
+            .map(|u| match u {
+                0 => *kk,
+                _ => k.add_u32(kk, &(u * 32 * step)),
+            })
+            .collect();
+        let wv: Vec<Vec<Reg>> = at
+            .iter()
+            .map(|a| {
+                let wi = k.add_u32(&w_row, a);
+                load(k, w, &wi)
+            })
+            .collect();
+        let wu: Vec<Vec<Reg>> = if cfg.swiglu {
+            at.iter()
+                .map(|a| {
+                    let ui = k.add_u32(&w_up_row, a);
+                    load(k, w, &ui)
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        for r in 0..rows {
+            for (u, a) in at.iter().enumerate() {
+                let xi = k.add_u32(a, &(r as u32 * cfg.k));
+                let xv = load(k, x, &xi);
+                for (j, xe) in xv.iter().enumerate() {
+                    k.fma_into(acc[r], xe, &wv[u][j]);
+                    if cfg.swiglu {
+                        k.fma_into(acc_up[r], xe, &wu[u][j]);
+                    }
+                }
             }
         }
+    };
+
+    k.comment("lanes stride along K");
+    let kk = k.mul_u32(&lane, &step);
+    if cfg.k >= UNROLL * 32 * step {
+        k.comment("UNROLL chunks at a time while all are inside K");
+        let wide = k.label("k_unrolled");
+        let rest = k.label("k_rest");
+        k.place(&wide);
+        let last = k.add_u32(&kk, &((UNROLL - 1) * 32 * step));
+        let short = k.setp("ge.u32", &last, &cfg.k);
+        k.bra(Some((short, true)), &rest);
+        chunks(&mut k, &kk, UNROLL);
+        k.emit(format!("add.u32 {kk}, {kk}, {}", UNROLL * 32 * step));
+        k.bra(None, &wide);
+        k.place(&rest);
+        k.comment("the rest one chunk at a time");
     }
+    let top = k.label("k_loop");
+    let done = k.label("k_done");
+    k.place(&top);
+    let past = k.setp("ge.u32", &kk, &cfg.k);
+    k.bra(Some((past, true)), &done);
+    chunks(&mut k, &kk, 1);
     k.emit(format!("add.u32 {kk}, {kk}, {}", 32 * step));
     k.bra(None, &top);
     k.place(&done);

@@ -420,6 +420,8 @@ fn gemms_match_the_interpreter() {
                 (1u32, 64u32, 96u32),
                 (3, 127, 130),
                 (8, 768, 258),
+                // A long K: the GEMV's unrolled chunks, then its remainder (f16/bf16 too).
+                (2, 2056, 66),
                 (17, 127, 130),
                 (127, 768, 258),
                 (4097, 64, 64),
