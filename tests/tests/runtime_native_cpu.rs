@@ -108,6 +108,16 @@ fn half_precision_builds_run_on_the_cpu_executor() {
             );
             let mut exec = native(&art);
             assert_decoder_references(&art, &mut exec, name, dtype);
+            // Decoding through the widened KV cache: with f32 arithmetic over the rounded
+            // weights, the fixtures' decisive logits keep every greedy token.
+            let reference = reference(name);
+            let prompt = reference["greedy_prompt"].as_i64().unwrap().to_vec();
+            let want = reference["greedy_tokens"].as_i64().unwrap().to_vec();
+            let got = generate(&art, &mut exec, &prompt, want.len(), &Sampling::greedy()).unwrap();
+            assert_eq!(
+                got, want,
+                "{name} {dtype}: greedy tokens on the CPU executor"
+            );
         }
         for (dir, name) in [
             (fixture("bert-tiny"), "bert-tiny"),
