@@ -461,6 +461,22 @@ pub fn assert_decoder_references(
     }
 }
 
+/// Greedy generation after decoder fixture `name`'s `greedy_prompt`, through `exec` on `art`,
+/// reproduces its `greedy_tokens` (`what` says where, in the failure message).
+pub fn assert_greedy_tokens(
+    art: &kiln_runtime::Artifact,
+    exec: &mut kiln_runtime::Executor,
+    name: &str,
+    what: &str,
+) {
+    use kiln_runtime::generate::{generate, Sampling};
+    let reference = reference(name);
+    let prompt = reference["greedy_prompt"].as_i64().unwrap().to_vec();
+    let want = reference["greedy_tokens"].as_i64().unwrap().to_vec();
+    let got = generate(art, exec, &prompt, want.len(), &Sampling::greedy()).unwrap();
+    assert_eq!(got, want, "{name}: greedy tokens {what}");
+}
+
 /// `kiln compile MODEL -o OUT EXTRA..` in-process, and the artifact opened (verified).
 pub fn compile_artifact(model: &Path, out: &Path, extra: &[&str]) -> kiln_runtime::Artifact {
     let mut args = vec![

@@ -8,8 +8,9 @@ use std::path::Path;
 use kiln_ir::inputs::TokenBatch;
 use kiln_runtime::{forward::forward, Artifact, Executor};
 use kiln_tests::{
-    assert_embeddings_close, compile_artifact as compile, fixture, floats, kiln, masked_rel_err,
-    minilm_dir, minilm_sentences, reference, rel_err, sentence_transformers_copy,
+    assert_embeddings_close, assert_greedy_tokens, compile_artifact as compile, fixture, floats,
+    kiln, masked_rel_err, minilm_dir, minilm_sentences, reference, rel_err,
+    sentence_transformers_copy,
 };
 
 #[test]
@@ -409,16 +410,12 @@ fn generate_reproduces_greedy_tokens() {
         let art = Artifact::open(&out).unwrap();
         let reference = reference(name);
         let prompt = reference["greedy_prompt"].as_i64().unwrap().to_vec();
-        let want = reference["greedy_tokens"].as_i64().unwrap().to_vec();
-        let got = generate(
+        assert_greedy_tokens(
             &art,
             &mut Executor::Interpreter,
-            &prompt,
-            want.len(),
-            &Sampling::greedy(),
-        )
-        .unwrap();
-        assert_eq!(got, want, "{name}");
+            name,
+            "through the interpreter",
+        );
         let sampling = Sampling {
             temperature: 0.8,
             top_k: 20,
@@ -462,15 +459,8 @@ fn generate_reproduces_greedy_tokens() {
             let art = Artifact::open(&dir).unwrap();
             let chunks: Vec<usize> = art.manifest.decode.iter().map(|e| e.seq).collect();
             assert_eq!(chunks, if chunk == "3" { vec![3, 1] } else { vec![1] });
-            let got = generate(
-                &art,
-                &mut Executor::Interpreter,
-                &prompt,
-                want.len(),
-                &Sampling::greedy(),
-            )
-            .unwrap();
-            assert_eq!(got, want, "{name}, prompt chunks of {chunk}");
+            let what = format!("through prompt chunks of {chunk}");
+            assert_greedy_tokens(&art, &mut Executor::Interpreter, name, &what);
         }
     }
 }

@@ -5,12 +5,11 @@
 //! load. Skips, saying why, on a machine without a GPU.
 
 use kiln_ir::inputs::TokenBatch;
-use kiln_runtime::generate::{generate, Sampling};
 use kiln_runtime::{forward::forward, Artifact, Device, Executor};
 use kiln_tests::{
-    assert_close_for, assert_decoder_references, assert_embeddings_close, compile_artifact,
-    fixture, floats, kiln_run_forward, kiln_run_greedy, masked_rel_err, minilm_dir, reference,
-    rel_err,
+    assert_close_for, assert_decoder_references, assert_embeddings_close, assert_greedy_tokens,
+    compile_artifact, fixture, floats, kiln_run_forward, kiln_run_greedy, masked_rel_err,
+    minilm_dir, reference, rel_err,
 };
 
 fn gpu() -> bool {
@@ -55,17 +54,10 @@ fn decoders_match_references_on_the_gpu() {
             let mut exec = cuda(&art);
             assert_decoder_references(&art, &mut exec, name, dtype);
             println!("ok: {name} {dtype} logits");
-            let reference = reference(name);
             if dtype == "f32" {
-                let prompt = reference["greedy_prompt"].as_i64().unwrap().to_vec();
-                let want = reference["greedy_tokens"].as_i64().unwrap().to_vec();
-                let got =
-                    generate(&art, &mut exec, &prompt, want.len(), &Sampling::greedy()).unwrap();
-                assert_eq!(got, want, "{name}: greedy tokens on the GPU");
+                assert_greedy_tokens(&art, &mut exec, name, "on the GPU");
                 // A second generation starts from an empty cache and gives the same tokens.
-                let again =
-                    generate(&art, &mut exec, &prompt, want.len(), &Sampling::greedy()).unwrap();
-                assert_eq!(again, want, "{name}: second generation");
+                assert_greedy_tokens(&art, &mut exec, name, "on the GPU, second generation");
                 // Prompt chunks of 3 (the default chunk here is 16: the whole prompt at once).
                 let dir = tmp.path().join(format!("{name}-chunk3.kiln"));
                 let chunked = compile_artifact(
@@ -81,19 +73,13 @@ fn decoders_match_references_on_the_gpu() {
                     ],
                 );
                 let mut chunked_exec = cuda(&chunked);
-                let got = generate(
+                assert_greedy_tokens(
                     &chunked,
                     &mut chunked_exec,
-                    &prompt,
-                    want.len(),
-                    &Sampling::greedy(),
-                )
-                .unwrap();
-                assert_eq!(
-                    got, want,
-                    "{name}: greedy tokens through prompt chunks of 3"
+                    name,
+                    "through prompt chunks of 3",
                 );
-                println!("ok: {name} greedy_tokens ({} tokens)", want.len());
+                println!("ok: {name} greedy_tokens");
             }
             let Executor::Cuda(c) = &exec else {
                 unreachable!()

@@ -6,8 +6,8 @@ use kiln_ir::inputs::TokenBatch;
 use kiln_runtime::generate::{generate, Sampling};
 use kiln_runtime::{forward::forward, Artifact, Device, Executor};
 use kiln_tests::{
-    assert_decoder_references, assert_embeddings_close, compile_artifact, fixture, masked_rel_err,
-    minilm_dir, reference,
+    assert_decoder_references, assert_embeddings_close, assert_greedy_tokens, compile_artifact,
+    fixture, masked_rel_err, minilm_dir, reference,
 };
 
 /// The CPU executor, which must be the generated kernels (not the interpreter) for an f32 build.
@@ -42,12 +42,8 @@ fn decoders_match_references_on_the_cpu_executor() {
         );
         let mut exec = native(&art);
         assert_decoder_references(&art, &mut exec, name, "f32");
-        let reference = reference(name);
-        let prompt = reference["greedy_prompt"].as_i64().unwrap().to_vec();
-        let want = reference["greedy_tokens"].as_i64().unwrap().to_vec();
         for _ in 0..2 {
-            let got = generate(&art, &mut exec, &prompt, want.len(), &Sampling::greedy()).unwrap();
-            assert_eq!(got, want, "{name}: greedy tokens on the CPU executor");
+            assert_greedy_tokens(&art, &mut exec, name, "on the CPU executor");
         }
     }
 }
@@ -110,14 +106,7 @@ fn half_precision_builds_run_on_the_cpu_executor() {
             assert_decoder_references(&art, &mut exec, name, dtype);
             // Decoding through the widened KV cache: with f32 arithmetic over the rounded
             // weights, the fixtures' decisive logits keep every greedy token.
-            let reference = reference(name);
-            let prompt = reference["greedy_prompt"].as_i64().unwrap().to_vec();
-            let want = reference["greedy_tokens"].as_i64().unwrap().to_vec();
-            let got = generate(&art, &mut exec, &prompt, want.len(), &Sampling::greedy()).unwrap();
-            assert_eq!(
-                got, want,
-                "{name} {dtype}: greedy tokens on the CPU executor"
-            );
+            assert_greedy_tokens(&art, &mut exec, name, &format!("of the {dtype} build"));
         }
         for (dir, name) in [
             (fixture("bert-tiny"), "bert-tiny"),

@@ -18,15 +18,13 @@ struct View {
     strides: Vec<i64>,
 }
 
-/// Row-major strides of `shape`.
+/// Row-major strides of `shape` (`kiln_ir::tensor::strides`, as the strided kernels' i64).
 fn contiguous(shape: &[u32]) -> Vec<i64> {
-    let mut strides = vec![0i64; shape.len()];
-    let mut step = 1i64;
-    for (d, &n) in shape.iter().enumerate().rev() {
-        strides[d] = step;
-        step *= i64::from(n);
-    }
-    strides
+    let shape: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
+    kiln_ir::tensor::strides(&shape)
+        .into_iter()
+        .map(|s| s as i64)
+        .collect()
 }
 
 /// The strides of `to` reading the same elements in the same row-major order as `from` laid out
