@@ -13,7 +13,7 @@
 //! masked values. Such rows belong to padding tokens and carry no meaning.
 
 use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
-use crate::{GeneratedKernel, Launch};
+use crate::{GeneratedKernel, KernelPath, Launch};
 
 /// Query rows (warps) per block.
 const WARPS: u32 = 4;
@@ -132,13 +132,23 @@ impl AttentionConfig {
     }
 }
 
-/// Generates the kernel. Parameters: `q, k, v, out` (or `partial_acc, partial_ml` when split),
-/// `[mask], [positions], [cos, sin], [seed]`.
-pub fn attention(cfg: &AttentionConfig) -> GeneratedKernel {
+/// The path [`attention`] takes for `cfg`: tensor cores where `crate::attention_tc` applies, the
+/// SIMT kernel otherwise. The compiler's cost model asks the same question.
+pub fn path(cfg: &AttentionConfig) -> KernelPath {
     if crate::attention_tc::supports(cfg) {
-        return crate::attention_tc::attention_tc(cfg, format!("{}_tc", cfg.name()));
+        KernelPath::Mma
+    } else {
+        KernelPath::Simt
     }
-    attention_simt(cfg)
+}
+
+/// Generates the kernel on [`path`]'s choice. Parameters: `q, k, v, out` (or `partial_acc,
+/// partial_ml` when split), `[mask], [positions], [cos, sin], [seed]`.
+pub fn attention(cfg: &AttentionConfig) -> GeneratedKernel {
+    match path(cfg) {
+        KernelPath::Mma => crate::attention_tc::attention_tc(cfg, format!("{}_tc", cfg.name())),
+        _ => attention_simt(cfg),
+    }
 }
 
 /// The SIMT kernel, for every configuration.
@@ -400,7 +410,8 @@ pub fn attention_simt(cfg: &AttentionConfig) -> GeneratedKernel {
                 block: [32 * WARPS, 1, 1],
                 shared_bytes: 0,
             },
-        );
+        )
+        .on(KernelPath::Simt);
     }
     k.comment("normalise once and store (a row that sees no key stores zeros)");
     let none = k.setp("eq.f32", &l, &F32(0.0));
@@ -424,6 +435,7 @@ pub fn attention_simt(cfg: &AttentionConfig) -> GeneratedKernel {
             shared_bytes: 0,
         },
     )
+    .on(KernelPath::Simt)
 }
 
 /// Merges the partial results of a split attention (`cfg.splits > 1`): one warp per (batch, head,

@@ -376,4 +376,5 @@ pub fn attention_tc(cfg: &AttentionConfig, name: String) -> GeneratedKernel {
             shared_bytes: BQ * row_bytes + 4 * tile_bytes,
         },
     )
+    .on(crate::KernelPath::Mma)
 }

@@ -10,7 +10,7 @@ use kiln_ir::kernel::Activation;
 
 use crate::elementwise::activation;
 use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
-use crate::{GeneratedKernel, Launch};
+use crate::{GeneratedKernel, KernelPath, Launch};
 
 const BM: u32 = 64;
 const BN: u32 = 64;
@@ -77,18 +77,27 @@ impl GemmConfig {
     }
 }
 
-/// Generates the kernel: the matrix-vector kernel (`crate::gemv`) for at most 8 rows against
-/// `[N, K]` weights, the tensor-core kernel (`crate::gemm_tc`) where it applies (f16/bf16,
-/// `[N, K]` weights, no SwiGLU, K a multiple of 8), the SIMT kernel otherwise. Parameters:
-/// `x, w, [bias], [residual], out`.
-pub fn gemm(cfg: &GemmConfig) -> GeneratedKernel {
+/// The path [`gemm`] takes for `cfg`: the matrix-vector kernel (`crate::gemv`) for at most 8 rows
+/// against `[N, K]` weights, the tensor-core kernel (`crate::gemm_tc`) where it applies (f16/bf16,
+/// `[N, K]` weights, K a multiple of 8), the SIMT kernel otherwise. The compiler's cost model asks
+/// the same question, so extraction prices the kernel lowering will pick.
+pub fn path(cfg: &GemmConfig) -> KernelPath {
     if crate::gemv::supports(cfg) {
-        return crate::gemv::gemv(cfg, format!("{}_gemv", cfg.name()));
+        KernelPath::Gemv
+    } else if crate::gemm_tc::supports(cfg) {
+        KernelPath::Mma
+    } else {
+        KernelPath::Simt
     }
-    if crate::gemm_tc::supports(cfg) {
-        return crate::gemm_tc::gemm_tc(cfg, format!("{}_tc", cfg.name()));
+}
+
+/// Generates the kernel on [`path`]'s choice. Parameters: `x, w, [bias], [residual], out`.
+pub fn gemm(cfg: &GemmConfig) -> GeneratedKernel {
+    match path(cfg) {
+        KernelPath::Gemv => crate::gemv::gemv(cfg, format!("{}_gemv", cfg.name())),
+        KernelPath::Mma => crate::gemm_tc::gemm_tc(cfg, format!("{}_tc", cfg.name())),
+        _ => gemm_simt(cfg),
     }
-    gemm_simt(cfg)
 }
 
 /// The SIMT kernel, for every configuration.
@@ -244,6 +253,7 @@ pub fn gemm_simt(cfg: &GemmConfig) -> GeneratedKernel {
             shared_bytes: 0,
         },
     )
+    .on(KernelPath::Simt)
 }
 
 /// The pointer parameters of a product's epilogue, declared after `x` and `w`:

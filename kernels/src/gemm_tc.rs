@@ -228,4 +228,5 @@ pub fn gemm_tc(cfg: &GemmConfig, name: String) -> GeneratedKernel {
             shared_bytes: STAGES * 2 * TILE_BYTES,
         },
     )
+    .on(crate::KernelPath::Mma)
 }

@@ -160,4 +160,5 @@ pub fn gemv(cfg: &GemmConfig, name: String) -> GeneratedKernel {
             shared_bytes: 0,
         },
     )
+    .on(crate::KernelPath::Gemv)
 }

@@ -54,17 +54,56 @@ pub struct GeneratedKernel {
     pub signature: Vec<(String, ParamType)>,
     /// How to launch it.
     pub launch: Launch,
+    /// Which hardware path it runs on.
+    pub path: KernelPath,
+}
+
+/// The hardware path a kernel runs on, so that a slow fallback is never silent: reports and
+/// `kiln inspect` show it, and the compiler's cost model prices each path differently.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KernelPath {
+    /// Hopper warpgroup MMA (`wgmma.mma_async`).
+    Wgmma,
+    /// Warp-level tensor-core MMA (`mma.sync`).
+    Mma,
+    /// The matrix-vector product of at most 8 rows (`crate::gemv`).
+    Gemv,
+    /// CUDA-core arithmetic for a kernel that has a tensor-core form elsewhere (a fallback).
+    Simt,
+    /// Kernels with no tensor-core form (norms, elementwise, embeddings, sampling, ...).
+    Other,
+}
+
+impl KernelPath {
+    /// The name reports use.
+    pub fn name(self) -> &'static str {
+        match self {
+            KernelPath::Wgmma => "wgmma",
+            KernelPath::Mma => "mma",
+            KernelPath::Gemv => "gemv",
+            KernelPath::Simt => "simt",
+            KernelPath::Other => "other",
+        }
+    }
 }
 
 impl GeneratedKernel {
-    /// Finishes `kernel` with its launch configuration.
+    /// Finishes `kernel` with its launch configuration (path [`KernelPath::Other`]).
     pub fn new(kernel: ptx::Kernel, launch: Launch) -> GeneratedKernel {
         GeneratedKernel {
             name: kernel.name().to_string(),
             signature: kernel.params().to_vec(),
             ptx: kernel.finish(),
             launch,
+            path: KernelPath::Other,
         }
+    }
+
+    /// The same kernel, marked as running on `path`.
+    pub fn on(mut self, path: KernelPath) -> GeneratedKernel {
+        self.path = path;
+        self
     }
 
     /// A complete PTX module holding only this kernel.
