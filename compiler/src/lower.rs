@@ -649,7 +649,9 @@ fn lower_decode(
         window: spec.window.map(|w| w as u32),
     };
     cfg.rope = spec.rope.is_some();
-    cfg.splits = if cfg.kv_len >= SPLIT_CONTEXT {
+    // Decode steps (one query row) over long caches split the keys (flash-decoding); prompt
+    // chunks take the tensor-core kernel, whose blocks already cover many rows.
+    cfg.splits = if cfg.q_len == 1 && cfg.kv_len >= SPLIT_CONTEXT {
         DECODE_SPLITS
     } else {
         1

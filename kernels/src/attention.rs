@@ -5,8 +5,10 @@
 //! lanes, keys visited one by one with a warp-wide dot product. It covers every feature the
 //! compiler fuses: GQA/MQA (a K/V head serves its query group, read in place), causal and
 //! sliding-window masks, padding masks and positions read from device memory, RoPE as a prologue
-//! (cos/sin tables in device memory), and Philox-4x32-10 dropout with exactly the IR's mask. Tiles
-//! on tensor cores (FlashAttention-2 style) are the next step.
+//! (cos/sin tables in device memory), and Philox-4x32-10 dropout with exactly the IR's mask.
+//! [`attention`] takes the tensor-core kernel (`crate::attention_tc`) for the same features in
+//! f16/bf16; this one stays for f32, head dimensions the MMA shapes cannot take, and decode steps
+//! (flash-decoding: `splits` key ranges per query and [`attention_combine`]).
 //!
 //! One difference from the IR is deliberate: a query that sees no key at all (only a padding
 //! query of a left-padded batch can) stores zeros, where the IR's finite masks give the mean of the
@@ -534,7 +536,7 @@ fn window_range(k: &mut Kernel, last: Reg, window: Option<u32>, kv_len: u32) -> 
 }
 
 /// Whether Philox-4x32-10 keeps element `(plane, row, col)` of stream `stream` (DESIGN.md section
-/// 2): counter `(col >> 2, row, plane, stream)`, word `col & 3`, kept when `>= threshold`.
+/// 2): word `col & 3` of [`philox_words`] at `col`, kept when `>= threshold`.
 #[allow(clippy::too_many_arguments)]
 fn philox_keep(
     k: &mut Kernel,
@@ -545,6 +547,27 @@ fn philox_keep(
     col: Reg,
     threshold: u32,
 ) -> Reg {
+    let c = philox_words(k, key, stream, plane, row, col);
+    let which = k.op2("and.b32", RegClass::B32, &col, &3u32);
+    let is1 = k.setp("eq.u32", &which, &1u32);
+    let is2 = k.setp("eq.u32", &which, &2u32);
+    let is3 = k.setp("eq.u32", &which, &3u32);
+    let w01 = k.selp(RegClass::B32, "b32", &c[1], &c[0], is1);
+    let w012 = k.selp(RegClass::B32, "b32", &c[2], &w01, is2);
+    let word = k.selp(RegClass::B32, "b32", &c[3], &w012, is3);
+    k.setp("ge.u32", &word, &threshold)
+}
+
+/// The four Philox-4x32-10 words of counter `(col >> 2, row, plane, stream)` under `key`: the
+/// random words of columns `col & !3 .. (col & !3) + 4` of row `row` (DESIGN.md section 2).
+pub(crate) fn philox_words(
+    k: &mut Kernel,
+    key: [Reg; 2],
+    stream: u32,
+    plane: Reg,
+    row: Reg,
+    col: Reg,
+) -> [Reg; 4] {
     let c0 = k.op2("shr.u32", RegClass::B32, &col, &2u32);
     let mut c = [
         c0,
@@ -568,12 +591,5 @@ fn philox_keep(
         let n2 = k.op2("xor.b32", RegClass::B32, &x2, &key[1]);
         c = [n0, lo1, n2, lo0];
     }
-    let which = k.op2("and.b32", RegClass::B32, &col, &3u32);
-    let is1 = k.setp("eq.u32", &which, &1u32);
-    let is2 = k.setp("eq.u32", &which, &2u32);
-    let is3 = k.setp("eq.u32", &which, &3u32);
-    let w01 = k.selp(RegClass::B32, "b32", &c[1], &c[0], is1);
-    let w012 = k.selp(RegClass::B32, "b32", &c[2], &w01, is2);
-    let word = k.selp(RegClass::B32, "b32", &c[3], &w012, is3);
-    k.setp("ge.u32", &word, &threshold)
+    c
 }

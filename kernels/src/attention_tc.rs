@@ -1,92 +1,246 @@
-//! FlashAttention-2 style prefill attention on tensor cores, f16 / bf16: a block of 4 warps takes
-//! 64 query rows (16 per warp) and walks the keys in tiles of 64; `S = Q K^T` and `O += P V` are
-//! `mma.sync.m16n8k16` with f32 accumulators, Q/K/V tiles staged by `cp.async` and read with
-//! `ldmatrix` (`.trans` for V; K/V double-buffered), the online softmax kept in registers (base 2, quad shuffles for
-//! the row max), P re-packed from the score accumulators as the A operand of the second product,
-//! and key tiles past the causal diagonal skipped.
+//! FlashAttention-2 style attention on tensor cores, f16 / bf16, for every variant fusion
+//! produces: GQA/MQA, all / causal / position key rules with sliding windows, padding masks, RoPE
+//! on q (and on k in prefill) and Philox dropout with exactly the IR's mask.
 //!
-//! Covers causal / all-keys rules, padding masks and GQA with the head dimension a multiple of 16
-//! (up to 128); RoPE, dropout, windows and KV caches take the SIMT kernel (`crate::attention`).
+//! A block of 4 warps takes 64 query rows (16 per warp) of one head and walks the keys in tiles of
+//! 64: `S = Q K^T` and `O += P V` are `mma.sync.m16n8k16` with f32 accumulators, Q/K/V tiles staged
+//! by `cp.async` and read with `ldmatrix` (`.trans` for V; K/V double-buffered), the online softmax
+//! kept in registers (base 2, quad shuffles for the row max), P re-packed from the score
+//! accumulators as the A operand of the second product. The generator is written as parts that
+//! a different main loop can reuse:
+//! - **Q/K prologue** ([`Attn::rotate_tile`]): RoPE applied to a staged tile in shared memory (once
+//!   per block for Q, once per key tile for prefill K), rounded to the element type as the IR's
+//!   `Rope` op rounds;
+//! - **key rule and mask** ([`Attn::key_rule`], [`Attn::mask_scores`]): the block's key range
+//!   (tiles outside every row's range are never visited), per-element range masks on edge tiles
+//!   only, and padding as an additive mask staged per key tile;
+//! - **dropout** ([`Attn::dropout`]): one Philox-4x32-10 block per (row, pair of columns), the
+//!   row sums taken before dropping, as in the IR's `softmax` then `dropout`;
+//! - **epilogue** ([`Attn::store`]): rows normalised once and stored; a row that sees no key
+//!   stores zeros, like the SIMT kernel.
+//!
+//! Decode steps (one query row per sequence over a cache) take the SIMT flash-decoding kernel.
 
-use crate::attention::{AttentionConfig, KeyRule};
-use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
-use crate::{GeneratedKernel, Launch};
+use crate::attention::{philox_words, AttentionConfig, KeyRule};
+use crate::ptx::{Elem, Kernel, Label, Operand, Reg, RegClass, F32};
+use crate::{GeneratedKernel, KernelPath, Launch};
 
 const BQ: u32 = 64;
 const BKV: u32 = 64;
 const WARPS: u32 = 4;
+const THREADS: u32 = 32 * WARPS;
 
 /// Whether `cfg` can use the tensor-core kernel.
 pub fn supports(cfg: &AttentionConfig) -> bool {
+    let decode_step = matches!(cfg.keys, KeyRule::Position { .. }) && cfg.q_len == 1;
     cfg.elem != Elem::F32
         && cfg.head_dim.is_multiple_of(16)
         && cfg.head_dim <= 128
-        && !cfg.rope
-        && cfg.dropout.is_none()
         && cfg.splits == 1
-        && matches!(cfg.keys, KeyRule::All | KeyRule::Causal { window: None })
+        && !decode_step
+        && cfg.heads.is_multiple_of(cfg.kv_heads)
         && cfg.strides.iter().all(|s| s.iter().all(|v| v % 8 == 0))
 }
 
-/// Generates the kernel. Parameters: `q, k, v, out, [mask]`.
+/// Generates the kernel. Parameters: `q, k, v, out, [mask], [positions], [cos, sin], [seed]`.
 pub fn attention_tc(cfg: &AttentionConfig, name: String) -> GeneratedKernel {
     assert!(
         supports(cfg),
         "configuration needs the SIMT attention kernel"
     );
-    let e = cfg.elem;
-    let ty = e.name();
-    let d = cfg.head_dim;
-    let row_bytes = d * 2 + 16;
-    let tile_bytes = BKV * row_bytes;
-    let mut k = Kernel::new(&name);
-    let q = k.param_ptr("q");
-    let kp = k.param_ptr("k");
-    let v = k.param_ptr("v");
-    let out = k.param_ptr("out");
-    let mask = cfg.padding.then(|| k.param_ptr("mask"));
-    let smem = k.dynamic_shared("attention_tiles");
-    let [qs, ks, vs, os] = cfg.strides;
-    let causal = matches!(cfg.keys, KeyRule::Causal { .. });
+    let mut a = Attn::new(cfg, &name);
+    let rule = a.key_rule();
+    let q_frag = a.q_fragments();
+    let state = a.main_loop(&rule, &q_frag);
+    a.store(&state);
+    let shared_bytes = a.layout.total;
+    GeneratedKernel::new(
+        a.k,
+        Launch {
+            grid: [cfg.q_len.div_ceil(BQ), cfg.heads, cfg.batch],
+            block: [THREADS, 1, 1],
+            shared_bytes,
+        },
+    )
+    .on(KernelPath::Mma)
+}
 
-    let tid = k.special("tid.x");
-    let lane = k.op2("and.b32", RegClass::B32, &tid, &31u32);
-    let warp = k.op2("shr.u32", RegClass::B32, &tid, &5u32);
-    let qb = k.special("ctaid.x");
-    let h = k.special("ctaid.y");
-    let b = k.special("ctaid.z");
-    let q0 = k.mul_u32(&qb, &BQ);
-    let kvh = k.op2("div.u32", RegClass::B32, &h, &(cfg.heads / cfg.kv_heads));
-    let base = k.reg(RegClass::B32);
-    k.emit(format!("mov.u32 {base}, {smem}"));
-    let q_tile = base;
-    // Two K/V buffers: the next tile streams in while this one is multiplied.
-    let kv_base = k.add_u32(&base, &(BQ * row_bytes));
-    let buffer = |k: &mut Kernel, index: Reg| -> (Reg, Reg) {
-        let kt = k.mad_u32(&index, &(2 * tile_bytes), &kv_base);
-        let vt = k.add_u32(&kt, &tile_bytes);
-        (kt, vt)
-    };
-    let k_tile = kv_base;
-    let v_tile = k.add_u32(&kv_base, &tile_bytes);
-    let head_base = |k: &mut Kernel, strides: [u32; 3], head: Reg| -> Reg {
-        let t0 = k.mul_u32(&b, &strides[0]);
-        k.mad_u32(&head, &strides[1], &t0)
-    };
-    let q_head = head_base(&mut k, qs, h);
-    let k_head = head_base(&mut k, ks, kvh);
-    let v_head = head_base(&mut k, vs, kvh);
-    let o_head = head_base(&mut k, os, h);
+/// Byte offsets in dynamic shared memory.
+struct Layout {
+    /// Bytes per staged row: the head dimension plus 16 bytes of padding (no `ldmatrix` bank
+    /// conflicts).
+    row_bytes: u32,
+    /// One K or V tile.
+    tile_bytes: u32,
+    /// The two K/V buffers (K then V in each).
+    kv: u32,
+    /// Two additive padding-mask rows of `BKV` f32.
+    mask: u32,
+    /// Two u32: the smallest and largest last visible key of the block's rows.
+    range: u32,
+    total: u32,
+}
 
-    // Copies rows r0.. of a [rows, d] tile (row stride `stride` elements) into shared memory.
-    let chunks_per_row = d / 8;
-    let stage = |k: &mut Kernel, src: Reg, head: Reg, stride: u32, r0: Reg, rows: u32, dst: Reg| {
+impl Layout {
+    fn new(head_dim: u32) -> Layout {
+        let row_bytes = head_dim * 2 + 16;
+        let tile_bytes = BKV * row_bytes;
+        let kv = BQ * row_bytes;
+        let mask = kv + 4 * tile_bytes;
+        let range = mask + 2 * BKV * 4;
+        Layout {
+            row_bytes,
+            tile_bytes,
+            kv,
+            mask,
+            range,
+            total: range + 8,
+        }
+    }
+}
+
+/// The block's keys: tiles from `start` (a multiple of `BKV`) to `end`; a tile needs per-element
+/// range masks unless it lies in `[interior_from, interior_to)`.
+struct BlockKeys {
+    start: Reg,
+    end: Reg,
+    interior_from: Reg,
+    interior_to: Reg,
+    /// Per thread, for its rows `g` and `g + 8`: the last visible key (`None`: every key).
+    last: Option<[Reg; 2]>,
+    /// And the first (sliding window).
+    first: Option<[Reg; 2]>,
+}
+
+/// Per thread, the online-softmax state of its two rows and its output accumulators.
+struct RowState {
+    m: [Reg; 2],
+    l: [Reg; 2],
+    o: Vec<Reg>,
+}
+
+/// Dropout's per-block constants: the Philox key, the (batch, head) plane.
+struct DropoutKey {
+    key: [Reg; 2],
+    plane: Reg,
+    stream: u32,
+    threshold: u32,
+    keep_scale: f32,
+}
+
+struct Attn<'a> {
+    cfg: &'a AttentionConfig,
+    k: Kernel,
+    layout: Layout,
+    q: Reg,
+    kp: Reg,
+    v: Reg,
+    out: Reg,
+    mask: Option<Reg>,
+    positions: Option<Reg>,
+    tables: Option<(Reg, Reg)>,
+    seed: Option<Reg>,
+    tid: Reg,
+    lane: Reg,
+    warp: Reg,
+    b: Reg,
+    h: Reg,
+    q0: Reg,
+    smem: Reg,
+    heads: [Reg; 4],
+    /// This thread's two query rows (`g` and `g + 8` of its warp's 16).
+    rows: [Reg; 2],
+    /// Its column pair within an n8 tile: `2t`.
+    t2: Reg,
+}
+
+impl<'a> Attn<'a> {
+    fn new(cfg: &'a AttentionConfig, name: &str) -> Attn<'a> {
+        let mut k = Kernel::new(name);
+        let q = k.param_ptr("q");
+        let kp = k.param_ptr("k");
+        let v = k.param_ptr("v");
+        let out = k.param_ptr("out");
+        let mask = cfg.padding.then(|| k.param_ptr("mask"));
+        let needs_positions = cfg.rope || matches!(cfg.keys, KeyRule::Position { .. });
+        let positions = needs_positions.then(|| k.param_ptr("positions"));
+        let tables = cfg.rope.then(|| (k.param_ptr("cos"), k.param_ptr("sin")));
+        let seed = cfg.dropout.map(|_| k.param_ptr("seed"));
+        let shared = k.dynamic_shared("attention_tiles");
+        let smem = k.reg(RegClass::B32);
+        k.emit(format!("mov.u32 {smem}, {shared}"));
+
+        let tid = k.special("tid.x");
+        let lane = k.op2("and.b32", RegClass::B32, &tid, &31u32);
+        let warp = k.op2("shr.u32", RegClass::B32, &tid, &5u32);
+        // The longest causal rows first: block x counts down the query blocks.
+        let bx = k.special("ctaid.x");
+        let last_block = cfg.q_len.div_ceil(BQ) - 1;
+        let qb = k.sub_u32(&last_block, &bx);
+        let h = k.special("ctaid.y");
+        let b = k.special("ctaid.z");
+        let q0 = k.mul_u32(&qb, &BQ);
+        let kvh = k.op2("div.u32", RegClass::B32, &h, &(cfg.heads / cfg.kv_heads));
+        let head_base = |k: &mut Kernel, strides: [u32; 3], head: Reg| -> Reg {
+            let t0 = k.mul_u32(&b, &strides[0]);
+            k.mad_u32(&head, &strides[1], &t0)
+        };
+        let [qs, ks, vs, os] = cfg.strides;
+        let heads = [
+            head_base(&mut k, qs, h),
+            head_base(&mut k, ks, kvh),
+            head_base(&mut k, vs, kvh),
+            head_base(&mut k, os, h),
+        ];
+        let g = k.op2("shr.u32", RegClass::B32, &lane, &2u32);
+        let t = k.op2("and.b32", RegClass::B32, &lane, &3u32);
+        let t2 = k.mul_u32(&t, &2u32);
+        let wrow = k.mad_u32(&warp, &16u32, &q0);
+        let row0 = k.add_u32(&wrow, &g);
+        let row1 = k.add_u32(&row0, &8u32);
+        Attn {
+            cfg,
+            k,
+            layout: Layout::new(cfg.head_dim),
+            q,
+            kp,
+            v,
+            out,
+            mask,
+            positions,
+            tables,
+            seed,
+            tid,
+            lane,
+            warp,
+            b,
+            h,
+            q0,
+            smem,
+            heads,
+            rows: [row0, row1],
+            t2,
+        }
+    }
+
+    fn f32_text(v: f32) -> String {
+        F32(v).text()
+    }
+
+    /// Queues `cp.async` copies of rows `r0 .. r0 + 64` (of `rows` valid, row stride `stride`
+    /// elements, from element `head` of `src`) into the tile at shared address `dst`; rows past
+    /// the end are zero-filled.
+    fn stage(&mut self, src: Reg, head: Reg, stride: u32, r0: Reg, rows: u32, dst: Reg) {
+        let k = &mut self.k;
+        let chunks_per_row = self.cfg.head_dim / 8;
         let total = BKV * chunks_per_row;
-        for c in 0..total.div_ceil(32 * WARPS) {
-            let chunk = k.add_u32(&tid, &(c * 32 * WARPS));
-            let in_tile = k.setp("lt.u32", &chunk, &total);
+        for c in 0..total.div_ceil(THREADS) {
+            let chunk = k.add_u32(&self.tid, &(c * THREADS));
             let skip = k.label("skip_chunk");
-            k.bra(Some((in_tile, false)), &skip);
+            if !total.is_multiple_of(THREADS) {
+                let in_tile = k.setp("lt.u32", &chunk, &total);
+                k.bra(Some((in_tile, false)), &skip);
+            }
             let row = k.op2("div.u32", RegClass::B32, &chunk, &chunks_per_row);
             let kc = k.op2("rem.u32", RegClass::B32, &chunk, &chunks_per_row);
             let grow = k.add_u32(&r0, &row);
@@ -96,285 +250,648 @@ pub fn attention_tc(cfg: &AttentionConfig, name: String) -> GeneratedKernel {
             let r_off = k.mad_u32(&safe, &stride, &head);
             let idx = k.mad_u32(&kc, &8u32, &r_off);
             let g = k.address(src, &idx, 2);
-            let s_row = k.mad_u32(&row, &row_bytes, &dst);
+            let s_row = k.mad_u32(&row, &self.layout.row_bytes, &dst);
             let s = k.mad_u32(&kc, &16u32, &s_row);
             k.emit(format!(
                 "cp.async.cg.shared.global [{s}], [{g}], 16, {bytes}"
             ));
             k.place(&skip);
         }
-    };
-
-    k.comment("Q tile -> shared -> A fragments (16 rows per warp)");
-    stage(&mut k, q, q_head, qs[2], q0, cfg.q_len, q_tile);
-    k.emit("cp.async.commit_group");
-    k.emit("cp.async.wait_group 0");
-    k.barrier();
-    let l15 = k.op2("and.b32", RegClass::B32, &lane, &15u32);
-    let lhi = k.op2("shr.u32", RegClass::B32, &lane, &4u32);
-    let a_row = k.mad_u32(&warp, &16u32, &l15);
-    let a_addr0 = k.mad_u32(&a_row, &row_bytes, &q_tile);
-    let a_addr = k.mad_u32(&lhi, &16u32, &a_addr0);
-    let mut q_frag = Vec::new();
-    for kk in 0..d / 16 {
-        let r: Vec<Reg> = (0..4).map(|_| k.reg(RegClass::B32)).collect();
-        k.emit(format!(
-            "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{{}, {}, {}, {}}}, [{a_addr}+{}]",
-            r[0],
-            r[1],
-            r[2],
-            r[3],
-            kk * 32
-        ));
-        q_frag.push(r);
     }
 
-    // Per thread: rows g and g + 8 of its warp's 16; columns 2t, 2t + 1 of each n8 tile.
-    let g = k.op2("shr.u32", RegClass::B32, &lane, &2u32);
-    let t = k.op2("and.b32", RegClass::B32, &lane, &3u32);
-    let wrow = k.mad_u32(&warp, &16u32, &q0);
-    let row0 = k.add_u32(&wrow, &g);
-    let row1 = k.add_u32(&row0, &8u32);
-    let m = [
-        k.mov(RegClass::F32, &F32(f32::NEG_INFINITY)),
-        k.mov(RegClass::F32, &F32(f32::NEG_INFINITY)),
-    ];
-    let l = [
-        k.mov(RegClass::F32, &F32(0.0)),
-        k.mov(RegClass::F32, &F32(0.0)),
-    ];
-    let d_tiles = d / 8;
-    let o: Vec<Reg> = (0..d_tiles * 4)
-        .map(|_| k.mov(RegClass::F32, &F32(0.0)))
-        .collect();
+    /// The position of row `row` (an index into the `positions` operand, whose rows hold `len`
+    /// entries).
+    fn position(&mut self, row: Reg, len: u32) -> Reg {
+        let positions = self.positions.expect("positions are a parameter");
+        let k = &mut self.k;
+        let idx = k.mad_u32(&self.b, &len, &row);
+        let a = k.address(positions, &idx, 8);
+        let wide = k.ld_global_i64(a);
+        k.op1("cvt.u32.u64", RegClass::B32, &wide)
+    }
 
-    // Keys [0, end): causal blocks stop at the block's last query row.
-    let end = if causal {
-        let last = k.add_u32(&q0, &(BQ - 1 + cfg.kv_len - cfg.q_len));
-        let after = k.add_u32(&last, &1u32);
-        k.op2("min.u32", RegClass::B32, &after, &cfg.kv_len)
-    } else {
-        k.mov(RegClass::B32, &cfg.kv_len)
-    };
-    // ldmatrix lane offsets for K (as B, non-transposed) and V (transposed).
-    let l7 = k.op2("and.b32", RegClass::B32, &lane, &7u32);
-    let l3 = k.op2("shr.u32", RegClass::B32, &lane, &3u32);
-    let l3b = k.op2("and.b32", RegClass::B32, &l3, &1u32);
-    let kn = k.mad_u32(&lhi, &8u32, &l7);
-    let k_lane0 = k.mad_u32(&kn, &row_bytes, &k_tile);
-    let k_lane = k.mad_u32(&l3b, &16u32, &k_lane0);
-    let v_lane0 = k.mad_u32(&l15, &row_bytes, &v_tile);
-    let v_lane = k.mad_u32(&lhi, &16u32, &v_lane0);
-    let scale = F32(cfg.scale * std::f32::consts::LOG2_E);
+    /// Two f32 from a word of two halves (low half first).
+    fn unpack(&mut self, word: Reg) -> [Reg; 2] {
+        let e = self.cfg.elem.name();
+        let k = &mut self.k;
+        let (lo, hi) = (k.reg(RegClass::B16), k.reg(RegClass::B16));
+        k.emit(format!("mov.b32 {{{lo}, {hi}}}, {word}"));
+        [
+            k.op1(&format!("cvt.f32.{e}"), RegClass::F32, &lo),
+            k.op1(&format!("cvt.f32.{e}"), RegClass::F32, &hi),
+        ]
+    }
 
-    let j0 = k.mov(RegClass::B32, &0u32);
-    let it = k.mov(RegClass::B32, &0u32);
-    k.comment("prologue: the first K/V tile into buffer 0");
-    stage(&mut k, kp, k_head, ks[2], j0, cfg.kv_len, k_tile);
-    stage(&mut k, v, v_head, vs[2], j0, cfg.kv_len, v_tile);
-    k.emit("cp.async.commit_group");
-    let top = k.label("kv_tiles");
-    let done = k.label("kv_tiles_done");
-    k.place(&top);
-    let finished = k.setp("ge.u32", &j0, &end);
-    k.bra(Some((finished, true)), &done);
-    k.comment("stream the next tile into the other buffer (an empty group past the end)");
-    let j_next = k.add_u32(&j0, &BKV);
-    let has_next = k.setp("lt.u32", &j_next, &end);
-    let skip_next = k.label("skip_next");
-    k.bra(Some((has_next, false)), &skip_next);
-    let it_next = k.add_u32(&it, &1u32);
-    let next_buf = k.op2("and.b32", RegClass::B32, &it_next, &1u32);
-    let (kn_tile, vn_tile) = buffer(&mut k, next_buf);
-    stage(&mut k, kp, k_head, ks[2], j_next, cfg.kv_len, kn_tile);
-    stage(&mut k, v, v_head, vs[2], j_next, cfg.kv_len, vn_tile);
-    k.place(&skip_next);
-    k.emit("cp.async.commit_group");
-    k.emit("cp.async.wait_group 1");
-    k.barrier();
-    let cur_buf = k.op2("and.b32", RegClass::B32, &it, &1u32);
-    let buf_off = k.mul_u32(&cur_buf, &(2 * tile_bytes));
-    let k_lane_cur = k.add_u32(&k_lane, &buf_off);
-    let v_lane_cur = k.add_u32(&v_lane, &buf_off);
+    /// A word of two halves from f32 `lo` and `hi`, rounded to nearest even.
+    fn pack(&mut self, lo: Reg, hi: Reg) -> Reg {
+        let e = self.cfg.elem.name();
+        let w = self.k.reg(RegClass::B32);
+        // The first source goes to the upper half.
+        self.k.emit(format!("cvt.rn.{e}x2.f32 {w}, {hi}, {lo}"));
+        w
+    }
 
-    k.comment("S = Q K^T (16 x 64 per warp)");
-    let s: Vec<Reg> = (0..(BKV / 8) * 4)
-        .map(|_| k.mov(RegClass::F32, &F32(0.0)))
-        .collect();
-    for (kk, a) in q_frag.iter().enumerate() {
-        for jj in 0..BKV / 16 {
-            let r: Vec<Reg> = (0..4).map(|_| k.reg(RegClass::B32)).collect();
-            let off = jj * 16 * row_bytes + kk as u32 * 32;
-            k.emit(format!(
-                "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{{}, {}, {}, {}}}, [{k_lane_cur}+{off}]",
-                r[0], r[1], r[2], r[3]
-            ));
-            for (half, bf) in [[r[0], r[1]], [r[2], r[3]]].iter().enumerate() {
-                let n = (jj as usize * 2 + half) * 4;
-                let c = &s[n..n + 4];
-                k.emit(format!(
-                    "mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{{}, {}, {}, {}}}, {{{}, {}, {}, {}}}, {{{}, {}}}, {{{}, {}, {}, {}}}",
-                    c[0], c[1], c[2], c[3], a[0], a[1], a[2], a[3], bf[0], bf[1], c[0], c[1], c[2], c[3]
-                ));
+    /// Q/K prologue: RoPE applied in place to the staged tile at `tile` whose row `r` is row
+    /// `r0 + r` of a sequence of `rows` (`positions` rows of `rows` entries), rounded back to the
+    /// element type. Each thread rotates 8 column pairs `(c, c + D/2)` at a time.
+    fn rotate_tile(&mut self, tile: Reg, r0: Reg, rows: u32) {
+        let (cos, sin) = self.tables.expect("RoPE tables are parameters");
+        let half = self.cfg.head_dim / 2;
+        let chunks = half / 8;
+        let total = BKV * chunks;
+        for c in 0..total.div_ceil(THREADS) {
+            let skip = self.k.label("skip_rotate");
+            let chunk = self.k.add_u32(&self.tid, &(c * THREADS));
+            if !total.is_multiple_of(THREADS) {
+                let in_tile = self.k.setp("lt.u32", &chunk, &total);
+                self.k.bra(Some((in_tile, false)), &skip);
             }
+            let row = self.k.op2("div.u32", RegClass::B32, &chunk, &chunks);
+            let kc = self.k.op2("rem.u32", RegClass::B32, &chunk, &chunks);
+            let grow = self.k.add_u32(&r0, &row);
+            let past = self.k.setp("ge.u32", &grow, &rows);
+            self.k.bra(Some((past, true)), &skip);
+            let pos = self.position(grow, rows);
+            let k = &mut self.k;
+            let s_row = k.mad_u32(&row, &self.layout.row_bytes, &tile);
+            let lo_addr = k.mad_u32(&kc, &16u32, &s_row);
+            let hi_addr = k.add_u32(&lo_addr, &(half * 2));
+            let lo_w = ld_shared_v4(k, lo_addr);
+            let hi_w = ld_shared_v4(k, hi_addr);
+            let t0 = k.mul_u32(&kc, &8u32);
+            let ti = k.mad_u32(&pos, &half, &t0);
+            let ca = k.address(cos, &ti, 4);
+            let sa = k.address(sin, &ti, 4);
+            let mut cs = k.ld_global_vec16(Elem::F32, ca);
+            let mut sn = k.ld_global_vec16(Elem::F32, sa);
+            let ca2 = k.op2("add.u64", RegClass::B64, &ca, &16u64);
+            let sa2 = k.op2("add.u64", RegClass::B64, &sa, &16u64);
+            cs.extend(k.ld_global_vec16(Elem::F32, ca2));
+            sn.extend(k.ld_global_vec16(Elem::F32, sa2));
+            let mut new_lo = Vec::new();
+            let mut new_hi = Vec::new();
+            for w in 0..4 {
+                let x1 = self.unpack(lo_w[w]);
+                let x2 = self.unpack(hi_w[w]);
+                let mut lo_pair = Vec::new();
+                let mut hi_pair = Vec::new();
+                for e in 0..2 {
+                    let (c, s) = (cs[w * 2 + e], sn[w * 2 + e]);
+                    let k = &mut self.k;
+                    // rotate_half: [x1, x2] -> [x1 c - x2 s, x2 c + x1 s]
+                    let x1c = k.mul_f32(&x1[e], &c);
+                    let neg = k.op1("neg.f32", RegClass::F32, &x2[e]);
+                    lo_pair.push(k.fma_f32(&neg, &s, &x1c));
+                    let x2c = k.mul_f32(&x2[e], &c);
+                    hi_pair.push(k.fma_f32(&x1[e], &s, &x2c));
+                }
+                new_lo.push(self.pack(lo_pair[0], lo_pair[1]));
+                new_hi.push(self.pack(hi_pair[0], hi_pair[1]));
+            }
+            st_shared_v4(&mut self.k, lo_addr, &new_lo);
+            st_shared_v4(&mut self.k, hi_addr, &new_hi);
+            self.k.place(&skip);
         }
     }
-    k.comment("scale to base 2; mask keys past the end, past the diagonal, or padded");
-    let neg_inf = F32(f32::NEG_INFINITY);
-    for nt in 0..BKV / 8 {
-        for r in 0..4u32 {
-            let reg = s[(nt * 4 + r) as usize];
-            k.emit(format!(
-                "mul.rn.f32 {reg}, {reg}, {}",
-                crate::ptx::Operand::text(&scale)
-            ));
-            let col0 = k.mad_u32(&t, &2u32, &j0);
-            let col = k.add_u32(&col0, &(nt * 8 + r % 2));
-            let out_of_range = k.setp("ge.u32", &col, &cfg.kv_len);
-            k.emit(format!(
-                "@{out_of_range} mov.f32 {reg}, {}",
-                crate::ptx::Operand::text(&neg_inf)
-            ));
-            if causal {
-                let row = if r < 2 { row0 } else { row1 };
-                let last = k.add_u32(&row, &(cfg.kv_len - cfg.q_len));
-                let future = k.setp("gt.u32", &col, &last);
-                k.emit(format!(
-                    "@{future} mov.f32 {reg}, {}",
-                    crate::ptx::Operand::text(&neg_inf)
-                ));
+
+    /// Key rule: the block's key tiles and each thread's per-row limits.
+    fn key_rule(&mut self) -> BlockKeys {
+        let cfg = self.cfg;
+        let (s_len, t_len) = (cfg.q_len, cfg.kv_len);
+        let (window, min_last, max_last, last) = match cfg.keys {
+            KeyRule::All => {
+                let k = &mut self.k;
+                let zero = k.mov(RegClass::B32, &0u32);
+                let end = k.mov(RegClass::B32, &t_len);
+                return BlockKeys {
+                    start: zero,
+                    end,
+                    interior_from: zero,
+                    interior_to: end,
+                    last: None,
+                    first: None,
+                };
             }
-            if let Some(mk) = mask {
-                let skip = k.label("skip_mask");
-                k.bra(Some((out_of_range, true)), &skip);
-                let mi = k.mad_u32(&b, &cfg.kv_len, &col);
-                let ma = k.address(mk, &mi, 8);
-                let present = k.ld_global_i64(ma);
-                let absent = k.setp("eq.s64", &present, &0u64);
-                k.emit(format!(
-                    "@{absent} mov.f32 {reg}, {}",
-                    crate::ptx::Operand::text(&neg_inf)
-                ));
-                k.place(&skip);
+            KeyRule::Causal { window } => {
+                // Query i sees keys j <= i + (T - S).
+                let shift = t_len - s_len;
+                let k = &mut self.k;
+                let min_last = k.add_u32(&self.q0, &shift);
+                let top0 = k.add_u32(&self.q0, &(BQ - 1));
+                let top = k.op2("min.u32", RegClass::B32, &top0, &(s_len - 1));
+                let max_last = k.add_u32(&top, &shift);
+                let last = self.rows.map(|r| self.k.add_u32(&r, &shift));
+                (window, min_last, max_last, last)
             }
-        }
-    }
-    k.comment("online softmax: row max over the quad, rescale, exponentiate");
-    let mut p_regs = s.clone();
-    for (half, (mi, li)) in m.iter().zip(&l).enumerate() {
-        let mut mx = k.mov(RegClass::F32, &neg_inf);
-        for nt in 0..BKV / 8 {
-            for c in 0..2 {
-                let reg = s[(nt * 4 + half as u32 * 2 + c) as usize];
-                mx = k.max_f32(&mx, &reg);
+            KeyRule::Position { window } => {
+                let (min_last, max_last) = self.position_range();
+                let mut last = [min_last; 2];
+                for (slot, row) in last.iter_mut().zip(self.rows) {
+                    let ok = self.k.setp("lt.u32", &row, &s_len);
+                    let safe = self.k.selp(RegClass::B32, "u32", &row, &0u32, ok);
+                    *slot = self.position(safe, s_len);
+                }
+                (window, min_last, max_last, last)
             }
-        }
-        for off in [1u32, 2] {
-            let other = k.reg(RegClass::F32);
-            k.emit(format!("shfl.sync.bfly.b32 {other}, {mx}, {off}, 31, -1"));
-            mx = k.max_f32(&mx, &other);
-        }
-        let m_new = k.max_f32(mi, &mx);
-        // A row that has seen no key yet keeps m = -inf; use 0 so that exp2 gives 0, not NaN.
-        let none = k.setp("eq.f32", &m_new, &neg_inf);
-        let m_use = k.selp(RegClass::F32, "f32", &F32(0.0), &m_new, none);
-        let dm = k.sub_f32(mi, &m_use);
-        let corr = k.op1("ex2.approx.ftz.f32", RegClass::F32, &dm);
-        k.emit(format!("mov.f32 {mi}, {m_new}"));
-        let row_sum = k.mov(RegClass::F32, &F32(0.0));
-        for nt in 0..BKV / 8 {
-            for c in 0..2 {
-                let idx = (nt * 4 + half as u32 * 2 + c) as usize;
-                let ds = k.sub_f32(&s[idx], &m_use);
-                let p = k.op1("ex2.approx.ftz.f32", RegClass::F32, &ds);
-                k.emit(format!("add.f32 {row_sum}, {row_sum}, {p}"));
-                p_regs[idx] = p;
-            }
-        }
-        k.emit(format!("fma.rn.f32 {li}, {li}, {corr}, {row_sum}"));
-        for dt in 0..d_tiles {
-            for c in 0..2 {
-                let reg = o[(dt * 4 + half as u32 * 2 + c) as usize];
-                k.emit(format!("mul.rn.f32 {reg}, {reg}, {corr}"));
-            }
-        }
-    }
-    k.comment("O += P V: P re-packed from the score accumulators as A fragments");
-    for kb in 0..BKV / 16 {
-        let pack = |k: &mut Kernel, lo: Reg, hi: Reg| -> Reg {
-            let w = k.reg(RegClass::B32);
-            k.emit(format!("cvt.rn.{ty}x2.f32 {w}, {hi}, {lo}"));
-            w
         };
-        let t0 = (kb * 2 * 4) as usize;
-        let t1 = ((kb * 2 + 1) * 4) as usize;
-        let a = [
-            pack(&mut k, p_regs[t0], p_regs[t0 + 1]),
-            pack(&mut k, p_regs[t0 + 2], p_regs[t0 + 3]),
-            pack(&mut k, p_regs[t1], p_regs[t1 + 1]),
-            pack(&mut k, p_regs[t1 + 2], p_regs[t1 + 3]),
-        ];
-        for dd in 0..d / 16 {
-            let r: Vec<Reg> = (0..4).map(|_| k.reg(RegClass::B32)).collect();
-            let off = kb * 16 * row_bytes + dd * 32;
-            k.emit(format!(
-                "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{{}, {}, {}, {}}}, [{v_lane_cur}+{off}]",
-                r[0], r[1], r[2], r[3]
-            ));
-            for (half, bf) in [[r[0], r[1]], [r[2], r[3]]].iter().enumerate() {
-                let n = ((dd * 2) as usize + half) * 4;
-                let c = &o[n..n + 4];
-                k.emit(format!(
-                    "mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{{}, {}, {}, {}}}, {{{}, {}, {}, {}}}, {{{}, {}}}, {{{}, {}, {}, {}}}",
-                    c[0], c[1], c[2], c[3], a[0], a[1], a[2], a[3], bf[0], bf[1], c[0], c[1], c[2], c[3]
-                ));
+        let k = &mut self.k;
+        let after = k.add_u32(&max_last, &1u32);
+        let end = k.op2("min.u32", RegClass::B32, &after, &t_len);
+        let min_after = k.add_u32(&min_last, &1u32);
+        let interior_to = k.op2("min.u32", RegClass::B32, &min_after, &t_len);
+        let zero = k.mov(RegClass::B32, &0u32);
+        let (start, interior_from, first) = match window {
+            None => (zero, zero, None),
+            Some(w) => {
+                let start_key = window_start(k, min_last, w);
+                let start = k.op2("and.b32", RegClass::B32, &start_key, &!(BKV - 1));
+                let interior_from = window_start(k, max_last, w);
+                let first = last.map(|l| window_start(k, l, w));
+                (start, interior_from, Some(first))
             }
+        };
+        BlockKeys {
+            start,
+            end,
+            interior_from,
+            interior_to,
+            last: Some(last),
+            first,
         }
     }
-    k.barrier();
-    k.emit(format!("add.u32 {j0}, {j0}, {BKV}"));
-    k.emit(format!("add.u32 {it}, {it}, 1"));
-    k.bra(None, &top);
-    k.place(&done);
-    k.emit("cp.async.wait_group 0");
 
-    k.comment("normalise by the quad-summed row sums and store");
-    for (half, li) in l.iter().enumerate() {
-        let mut total = *li;
-        for off in [1u32, 2] {
-            let other = k.reg(RegClass::F32);
-            k.emit(format!(
-                "shfl.sync.bfly.b32 {other}, {total}, {off}, 31, -1"
-            ));
-            total = k.add_f32(&total, &other);
+    /// The smallest and largest position of the block's rows (a shared-memory reduction).
+    fn position_range(&mut self) -> (Reg, Reg) {
+        let words = self.k.add_u32(&self.smem, &self.layout.range);
+        let first = self.k.setp("eq.u32", &self.tid, &0u32);
+        let skip_init = self.k.label("skip_range_init");
+        self.k.bra(Some((first, false)), &skip_init);
+        self.k
+            .emit(format!("st.shared.u32 [{words}], {}", u32::MAX));
+        self.k.emit(format!("st.shared.u32 [{words}+4], 0"));
+        self.k.place(&skip_init);
+        self.k.barrier();
+        let row = self.k.add_u32(&self.q0, &self.tid);
+        let in_block = self.k.setp("lt.u32", &self.tid, &BQ);
+        let in_seq = self.k.setp("lt.u32", &row, &self.cfg.q_len);
+        let ok = self.k.reg(RegClass::Pred);
+        self.k.emit(format!("and.pred {ok}, {in_block}, {in_seq}"));
+        let skip = self.k.label("skip_range");
+        self.k.bra(Some((ok, false)), &skip);
+        let pos = self.position(row, self.cfg.q_len);
+        self.k.emit(format!("red.shared.min.u32 [{words}], {pos}"));
+        self.k
+            .emit(format!("red.shared.max.u32 [{words}+4], {pos}"));
+        self.k.place(&skip);
+        self.k.barrier();
+        let lo = self.k.reg(RegClass::B32);
+        let hi = self.k.reg(RegClass::B32);
+        self.k.emit(format!("ld.shared.u32 {lo}, [{words}]"));
+        self.k.emit(format!("ld.shared.u32 {hi}, [{words}+4]"));
+        (lo, hi)
+    }
+
+    /// Stages the Q tile (rotated when asked) and loads each warp's A fragments.
+    fn q_fragments(&mut self) -> Vec<Vec<Reg>> {
+        let cfg = self.cfg;
+        self.k
+            .comment("Q tile -> shared (RoPE) -> A fragments (16 rows per warp)");
+        let q_tile = self.smem;
+        self.stage(
+            self.q,
+            self.heads[0],
+            cfg.strides[0][2],
+            self.q0,
+            cfg.q_len,
+            q_tile,
+        );
+        self.k.emit("cp.async.commit_group");
+        self.k.emit("cp.async.wait_group 0");
+        self.k.barrier();
+        if cfg.rope {
+            self.rotate_tile(q_tile, self.q0, cfg.q_len);
+            self.k.barrier();
         }
-        let empty = k.setp("eq.f32", &total, &F32(0.0));
-        let inv = k.rcp_f32(&total);
-        let inv = k.selp(RegClass::F32, "f32", &F32(0.0), &inv, empty);
-        let row = if half == 0 { row0 } else { row1 };
-        let skip = k.label("skip_row");
-        let past = k.setp("ge.u32", &row, &cfg.q_len);
-        k.bra(Some((past, true)), &skip);
-        let o_row = k.mad_u32(&row, &os[2], &o_head);
-        for dt in 0..d_tiles {
-            let lo = k.mul_f32(&o[(dt * 4 + half as u32 * 2) as usize], &inv);
-            let hi = k.mul_f32(&o[(dt * 4 + half as u32 * 2 + 1) as usize], &inv);
-            let col0 = k.mad_u32(&t, &2u32, &o_row);
-            let idx = k.add_u32(&col0, &(dt * 8));
-            let addr = k.address(out, &idx, 2);
-            let w = k.reg(RegClass::B32);
-            k.emit(format!("cvt.rn.{ty}x2.f32 {w}, {hi}, {lo}"));
-            k.emit(format!("st.global.b32 [{addr}], {w}"));
-        }
+        let k = &mut self.k;
+        let l15 = k.op2("and.b32", RegClass::B32, &self.lane, &15u32);
+        let lhi = k.op2("shr.u32", RegClass::B32, &self.lane, &4u32);
+        let a_row = k.mad_u32(&self.warp, &16u32, &l15);
+        let a_addr0 = k.mad_u32(&a_row, &self.layout.row_bytes, &q_tile);
+        let a_addr = k.mad_u32(&lhi, &16u32, &a_addr0);
+        (0..cfg.head_dim / 16)
+            .map(|kk| ldmatrix(k, "", a_addr, kk * 32))
+            .collect()
+    }
+
+    /// The K and V tiles of buffer `index` (shared addresses).
+    fn buffer(&mut self, index: &dyn Operand) -> (Reg, Reg) {
+        let kv = self.k.add_u32(&self.smem, &self.layout.kv);
+        let kt = self.k.mad_u32(index, &(2 * self.layout.tile_bytes), &kv);
+        let vt = self.k.add_u32(&kt, &self.layout.tile_bytes);
+        (kt, vt)
+    }
+
+    /// Queues the K/V tile at key `j` into buffer `index`, and writes its additive padding mask.
+    fn stage_kv(&mut self, j: Reg, index: Reg) {
+        let cfg = self.cfg;
+        let (kt, vt) = self.buffer(&index);
+        self.stage(self.kp, self.heads[1], cfg.strides[1][2], j, cfg.kv_len, kt);
+        self.stage(self.v, self.heads[2], cfg.strides[2][2], j, cfg.kv_len, vt);
+        let Some(mask) = self.mask else { return };
+        let k = &mut self.k;
+        let skip = k.label("skip_mask_stage");
+        let writer = k.setp("lt.u32", &self.tid, &BKV);
+        k.bra(Some((writer, false)), &skip);
+        let key = k.add_u32(&j, &self.tid);
+        let value = k.mov(RegClass::F32, &F32(f32::NEG_INFINITY));
+        let past = k.setp("ge.u32", &key, &cfg.kv_len);
+        let absent_label = k.label("mask_absent");
+        k.bra(Some((past, true)), &absent_label);
+        let mi = k.mad_u32(&self.b, &cfg.kv_len, &key);
+        let ma = k.address(mask, &mi, 8);
+        let present = k.ld_global_i64(ma);
+        let keep = k.setp("ne.s64", &present, &0u64);
+        k.emit(format!("@{keep} mov.f32 {value}, 0f00000000"));
+        k.place(&absent_label);
+        let slot = k.mad_u32(&index, &BKV, &self.tid);
+        let m0 = k.add_u32(&self.smem, &self.layout.mask);
+        let addr = k.mad_u32(&slot, &4u32, &m0);
+        k.emit(format!("st.shared.f32 [{addr}], {value}"));
         k.place(&skip);
     }
-    GeneratedKernel::new(
-        k,
-        Launch {
-            grid: [cfg.q_len.div_ceil(BQ), cfg.heads, cfg.batch],
-            block: [32 * WARPS, 1, 1],
-            shared_bytes: BQ * row_bytes + 4 * tile_bytes,
-        },
-    )
-    .on(crate::KernelPath::Mma)
+
+    /// The main loop over the block's key tiles.
+    fn main_loop(&mut self, keys: &BlockKeys, q_frag: &[Vec<Reg>]) -> RowState {
+        let cfg = self.cfg;
+        let d_tiles = cfg.head_dim / 8;
+        let k = &mut self.k;
+        let neg_inf = F32(f32::NEG_INFINITY);
+        let mut state = RowState {
+            m: [
+                k.mov(RegClass::F32, &neg_inf),
+                k.mov(RegClass::F32, &neg_inf),
+            ],
+            l: [
+                k.mov(RegClass::F32, &F32(0.0)),
+                k.mov(RegClass::F32, &F32(0.0)),
+            ],
+            o: (0..d_tiles * 4)
+                .map(|_| k.mov(RegClass::F32, &F32(0.0)))
+                .collect(),
+        };
+        let dropout = self.dropout_key();
+        let k = &mut self.k;
+        // ldmatrix lane offsets within a tile for K (as B, non-transposed) and V (transposed).
+        let rb = self.layout.row_bytes;
+        let l15 = k.op2("and.b32", RegClass::B32, &self.lane, &15u32);
+        let lhi = k.op2("shr.u32", RegClass::B32, &self.lane, &4u32);
+        let l7 = k.op2("and.b32", RegClass::B32, &self.lane, &7u32);
+        let l3 = k.op2("shr.u32", RegClass::B32, &self.lane, &3u32);
+        let l3b = k.op2("and.b32", RegClass::B32, &l3, &1u32);
+        let kn = k.mad_u32(&lhi, &8u32, &l7);
+        let k_lane0 = k.mul_u32(&kn, &rb);
+        let k_lane = k.mad_u32(&l3b, &16u32, &k_lane0);
+        let v_lane0 = k.mul_u32(&l15, &rb);
+        let v_lane = k.mad_u32(&lhi, &16u32, &v_lane0);
+
+        let j0 = k.mov(RegClass::B32, &keys.start);
+        let it = k.mov(RegClass::B32, &0u32);
+        let done = k.label("kv_tiles_done");
+        let nothing = k.setp("ge.u32", &j0, &keys.end);
+        k.bra(Some((nothing, true)), &done);
+        k.comment("prologue: the first K/V tile into buffer 0");
+        let zero = k.mov(RegClass::B32, &0u32);
+        self.stage_kv(j0, zero);
+        self.k.emit("cp.async.commit_group");
+        let top = self.k.label("kv_tiles");
+        self.k.place(&top);
+        let cur = self.next_tile(keys, j0, it);
+        let (k_tile, v_tile) = self.buffer(&cur);
+        if cfg.rope && cfg.rope_k {
+            self.k.comment("K prologue: RoPE on the landed key tile");
+            self.rotate_tile(k_tile, j0, cfg.kv_len);
+            self.k.barrier();
+        }
+        let k_addr = self.k.add_u32(&k_tile, &k_lane);
+        let v_addr = self.k.add_u32(&v_tile, &v_lane);
+        let s = self.scores(q_frag, k_addr);
+        self.mask_scores(keys, &s, j0, cur);
+        let p = self.softmax(&mut state, &s);
+        let p = match &dropout {
+            Some(key) => self.dropout(key, &p, j0),
+            None => p,
+        };
+        self.pv(&mut state, &p, v_addr);
+        let k = &mut self.k;
+        k.barrier();
+        k.emit(format!("add.u32 {j0}, {j0}, {BKV}"));
+        k.emit(format!("add.u32 {it}, {it}, 1"));
+        let more = k.setp("lt.u32", &j0, &keys.end);
+        k.bra(Some((more, true)), &top);
+        k.place(&done);
+        k.emit("cp.async.wait_group 0");
+        state
+    }
+
+    /// Streams the tile after `j0` into the other buffer (an empty group past the end), waits for
+    /// tile `j0`, and returns its buffer index.
+    fn next_tile(&mut self, keys: &BlockKeys, j0: Reg, it: Reg) -> Reg {
+        let j_next = self.k.add_u32(&j0, &BKV);
+        let has_next = self.k.setp("lt.u32", &j_next, &keys.end);
+        let skip_next = self.k.label("skip_next");
+        self.k.bra(Some((has_next, false)), &skip_next);
+        let it_next = self.k.add_u32(&it, &1u32);
+        let next_buf = self.k.op2("and.b32", RegClass::B32, &it_next, &1u32);
+        self.stage_kv(j_next, next_buf);
+        self.k.place(&skip_next);
+        self.k.emit("cp.async.commit_group");
+        self.k.emit("cp.async.wait_group 1");
+        self.k.barrier();
+        self.k.op2("and.b32", RegClass::B32, &it, &1u32)
+    }
+
+    /// `S = Q K^T` for the warp's 16 rows and the tile's 64 keys, scaled to base 2.
+    fn scores(&mut self, q_frag: &[Vec<Reg>], k_addr: Reg) -> Vec<Reg> {
+        let ty = self.cfg.elem.name();
+        let k = &mut self.k;
+        k.comment("S = Q K^T (16 x 64 per warp)");
+        let s: Vec<Reg> = (0..(BKV / 8) * 4)
+            .map(|_| k.mov(RegClass::F32, &F32(0.0)))
+            .collect();
+        for (kk, a) in q_frag.iter().enumerate() {
+            for jj in 0..BKV / 16 {
+                let off = jj * 16 * self.layout.row_bytes + kk as u32 * 32;
+                let r = ldmatrix(k, "", k_addr, off);
+                for (half, bf) in [[r[0], r[1]], [r[2], r[3]]].iter().enumerate() {
+                    let n = (jj as usize * 2 + half) * 4;
+                    mma(k, ty, &s[n..n + 4], a, bf);
+                }
+            }
+        }
+        let scale = Self::f32_text(self.cfg.scale * std::f32::consts::LOG2_E);
+        for reg in &s {
+            k.emit(format!("mul.rn.f32 {reg}, {reg}, {scale}"));
+        }
+        s
+    }
+
+    /// Key rule and mask: the additive padding mask of the tile, then, on edge tiles only, keys
+    /// past the end, after each row's last key or before its window.
+    fn mask_scores(&mut self, keys: &BlockKeys, s: &[Reg], j0: Reg, cur: Reg) {
+        let cfg = self.cfg;
+        if self.mask.is_some() {
+            let k = &mut self.k;
+            k.comment("padding: the tile's additive mask");
+            let m0 = k.add_u32(&self.smem, &self.layout.mask);
+            let row = k.mad_u32(&cur, &(BKV * 4), &m0);
+            let base = k.mad_u32(&self.t2, &4u32, &row);
+            for nt in 0..BKV / 8 {
+                let (a, b) = (k.reg(RegClass::F32), k.reg(RegClass::F32));
+                k.emit(format!(
+                    "ld.shared.v2.f32 {{{a}, {b}}}, [{base}+{}]",
+                    nt * 32
+                ));
+                for (r, add) in [a, b, a, b].iter().enumerate() {
+                    let reg = s[(nt * 4) as usize + r];
+                    k.emit(format!("add.f32 {reg}, {reg}, {add}"));
+                }
+            }
+        }
+        let k = &mut self.k;
+        k.comment("edge tiles: keys past the end, past each row's last key, before its window");
+        let interior = k.label("interior_tile");
+        let tile_end = k.add_u32(&j0, &BKV);
+        let inside_to = k.setp("le.u32", &tile_end, &keys.interior_to);
+        let inside_from = k.setp("ge.u32", &j0, &keys.interior_from);
+        let inside = k.reg(RegClass::Pred);
+        k.emit(format!("and.pred {inside}, {inside_to}, {inside_from}"));
+        k.bra(Some((inside, true)), &interior);
+        let neg_inf = Self::f32_text(f32::NEG_INFINITY);
+        let col_base = k.add_u32(&j0, &self.t2);
+        for nt in 0..BKV / 8 {
+            for c in 0..2u32 {
+                let col = k.add_u32(&col_base, &(nt * 8 + c));
+                let past_end = k.setp("ge.u32", &col, &cfg.kv_len);
+                for half in 0..2usize {
+                    let reg = s[(nt * 4 + half as u32 * 2 + c) as usize];
+                    let out = k.reg(RegClass::Pred);
+                    k.emit(format!("mov.pred {out}, {past_end}"));
+                    if let Some(last) = keys.last {
+                        let after = k.setp("gt.u32", &col, &last[half]);
+                        k.emit(format!("or.pred {out}, {out}, {after}"));
+                    }
+                    if let Some(first) = keys.first {
+                        let before = k.setp("lt.u32", &col, &first[half]);
+                        k.emit(format!("or.pred {out}, {out}, {before}"));
+                    }
+                    k.emit(format!("@{out} mov.f32 {reg}, {neg_inf}"));
+                }
+            }
+        }
+        k.place(&interior);
+    }
+
+    /// Online softmax: the row max over the quad, rescale, exponentiate; returns P (f32) in the
+    /// score accumulators' layout. Row sums are taken before any dropout.
+    fn softmax(&mut self, st: &mut RowState, s: &[Reg]) -> Vec<Reg> {
+        let k = &mut self.k;
+        k.comment("online softmax: row max over the quad, rescale, exponentiate");
+        let neg_inf = F32(f32::NEG_INFINITY);
+        let mut p_regs = s.to_vec();
+        for half in 0..2u32 {
+            let (mi, li) = (st.m[half as usize], st.l[half as usize]);
+            let mut mx = k.mov(RegClass::F32, &neg_inf);
+            for nt in 0..BKV / 8 {
+                for c in 0..2 {
+                    mx = k.max_f32(&mx, &s[(nt * 4 + half * 2 + c) as usize]);
+                }
+            }
+            for off in [1u32, 2] {
+                let other = k.reg(RegClass::F32);
+                k.emit(format!("shfl.sync.bfly.b32 {other}, {mx}, {off}, 31, -1"));
+                mx = k.max_f32(&mx, &other);
+            }
+            let m_new = k.max_f32(&mi, &mx);
+            // A row that has seen no key yet keeps m = -inf; use 0 so that exp2 gives 0, not NaN.
+            let none = k.setp("eq.f32", &m_new, &neg_inf);
+            let m_use = k.selp(RegClass::F32, "f32", &F32(0.0), &m_new, none);
+            let dm = k.sub_f32(&mi, &m_use);
+            let corr = k.op1("ex2.approx.ftz.f32", RegClass::F32, &dm);
+            k.emit(format!("mov.f32 {mi}, {m_new}"));
+            let row_sum = k.mov(RegClass::F32, &F32(0.0));
+            for nt in 0..BKV / 8 {
+                for c in 0..2 {
+                    let idx = (nt * 4 + half * 2 + c) as usize;
+                    let ds = k.sub_f32(&s[idx], &m_use);
+                    let p = k.op1("ex2.approx.ftz.f32", RegClass::F32, &ds);
+                    k.emit(format!("add.f32 {row_sum}, {row_sum}, {p}"));
+                    p_regs[idx] = p;
+                }
+            }
+            k.emit(format!("fma.rn.f32 {li}, {li}, {corr}, {row_sum}"));
+            for dt in 0..self.cfg.head_dim / 8 {
+                for c in 0..2 {
+                    let reg = st.o[(dt * 4 + half * 2 + c) as usize];
+                    k.emit(format!("mul.rn.f32 {reg}, {reg}, {corr}"));
+                }
+            }
+        }
+        p_regs
+    }
+
+    /// The Philox key and plane of this block, when training-mode dropout is on.
+    fn dropout_key(&mut self) -> Option<DropoutKey> {
+        let (p, stream) = self.cfg.dropout?;
+        let k = &mut self.k;
+        let s = k.ld_global_i64(self.seed.expect("a seed operand"));
+        let lo = k.op1("cvt.u32.u64", RegClass::B32, &s);
+        let shifted = k.op2("shr.u64", RegClass::B64, &s, &32u32);
+        let hi = k.op1("cvt.u32.u64", RegClass::B32, &shifted);
+        let plane = k.mad_u32(&self.b, &self.cfg.heads, &self.h);
+        Some(DropoutKey {
+            key: [lo, hi],
+            plane,
+            stream,
+            threshold: kiln_ir::philox::dropout_threshold(f64::from(p)),
+            keep_scale: 1.0f32 / (1.0f32 - p),
+        })
+    }
+
+    /// Dropout on P: element (row, col) is kept when Philox word `col & 3` of counter
+    /// `(col >> 2, row, plane, stream)` is at least the threshold, and scaled by `1 / (1 - p)`.
+    /// A thread's column pair `(2t, 2t + 1)` shares one counter.
+    fn dropout(&mut self, key: &DropoutKey, p: &[Reg], j0: Reg) -> Vec<Reg> {
+        self.k
+            .comment("dropout: one Philox block per (row, column pair)");
+        let mut out = p.to_vec();
+        let col_base = self.k.add_u32(&j0, &self.t2);
+        for nt in 0..BKV / 8 {
+            let col = self.k.add_u32(&col_base, &(nt * 8));
+            let upper = self.k.op2("and.b32", RegClass::B32, &col, &2u32);
+            let second = self.k.setp("ne.u32", &upper, &0u32);
+            for half in 0..2u32 {
+                let k = &mut self.k;
+                let w = philox_words(
+                    k,
+                    key.key,
+                    key.stream,
+                    key.plane,
+                    self.rows[half as usize],
+                    col,
+                );
+                for c in 0..2usize {
+                    let word = k.selp(RegClass::B32, "b32", &w[2 + c], &w[c], second);
+                    let keep = k.setp("ge.u32", &word, &key.threshold);
+                    let idx = (nt * 4 + half * 2) as usize + c;
+                    let scaled = k.mul_f32(&p[idx], &F32(key.keep_scale));
+                    out[idx] = k.selp(RegClass::F32, "f32", &scaled, &F32(0.0), keep);
+                }
+            }
+        }
+        out
+    }
+
+    /// `O += P V`: P re-packed from the score accumulators as A fragments.
+    fn pv(&mut self, st: &mut RowState, p: &[Reg], v_addr: Reg) {
+        let ty = self.cfg.elem.name();
+        self.k
+            .comment("O += P V: P re-packed from the score accumulators as A fragments");
+        for kb in 0..BKV / 16 {
+            let t0 = (kb * 2 * 4) as usize;
+            let t1 = ((kb * 2 + 1) * 4) as usize;
+            let a = [
+                self.pack(p[t0], p[t0 + 1]),
+                self.pack(p[t0 + 2], p[t0 + 3]),
+                self.pack(p[t1], p[t1 + 1]),
+                self.pack(p[t1 + 2], p[t1 + 3]),
+            ];
+            let k = &mut self.k;
+            for dd in 0..self.cfg.head_dim / 16 {
+                let off = kb * 16 * self.layout.row_bytes + dd * 32;
+                let r = ldmatrix(k, ".trans", v_addr, off);
+                for (half, bf) in [[r[0], r[1]], [r[2], r[3]]].iter().enumerate() {
+                    let n = ((dd * 2) as usize + half) * 4;
+                    mma(k, ty, &st.o[n..n + 4], &a, bf);
+                }
+            }
+        }
+    }
+
+    /// Epilogue: normalise by the quad-summed row sums (zeros for a row that saw no key) and store.
+    fn store(&mut self, st: &RowState) {
+        let cfg = self.cfg;
+        let k = &mut self.k;
+        k.comment("normalise by the quad-summed row sums and store");
+        for (half, li) in st.l.iter().enumerate() {
+            let mut total = *li;
+            for off in [1u32, 2] {
+                let other = k.reg(RegClass::F32);
+                k.emit(format!(
+                    "shfl.sync.bfly.b32 {other}, {total}, {off}, 31, -1"
+                ));
+                total = k.add_f32(&total, &other);
+            }
+            let empty = k.setp("eq.f32", &total, &F32(0.0));
+            let inv = k.rcp_f32(&total);
+            let inv = k.selp(RegClass::F32, "f32", &F32(0.0), &inv, empty);
+            let row = self.rows[half];
+            let skip: Label = k.label("skip_row");
+            let past = k.setp("ge.u32", &row, &cfg.q_len);
+            k.bra(Some((past, true)), &skip);
+            let o_row = k.mad_u32(&row, &cfg.strides[3][2], &self.heads[3]);
+            let col0 = k.add_u32(&o_row, &self.t2);
+            for dt in 0..cfg.head_dim / 8 {
+                let lo = k.mul_f32(&st.o[(dt * 4) as usize + half * 2], &inv);
+                let hi = k.mul_f32(&st.o[(dt * 4) as usize + half * 2 + 1], &inv);
+                let idx = k.add_u32(&col0, &(dt * 8));
+                let addr = k.address(self.out, &idx, 2);
+                let w = k.reg(RegClass::B32);
+                k.emit(format!("cvt.rn.{}x2.f32 {w}, {hi}, {lo}", cfg.elem.name()));
+                k.emit(format!("st.global.b32 [{addr}], {w}"));
+            }
+            k.place(&skip);
+        }
+    }
+}
+
+/// `max(last + 1 - w, 0)`: the first key a row whose last key is `last` sees in a window of `w`.
+fn window_start(k: &mut Kernel, last: Reg, w: u32) -> Reg {
+    let after = k.add_u32(&last, &1u32);
+    let before = k.setp("lt.u32", &after, &w);
+    let from = k.sub_u32(&after, &w);
+    k.selp(RegClass::B32, "u32", &0u32, &from, before)
+}
+
+/// `ldmatrix.sync.aligned.m8n8.x4{trans}.shared.b16` at `[addr + offset]`.
+fn ldmatrix(k: &mut Kernel, trans: &str, addr: Reg, offset: u32) -> Vec<Reg> {
+    let r: Vec<Reg> = (0..4).map(|_| k.reg(RegClass::B32)).collect();
+    k.emit(format!(
+        "ldmatrix.sync.aligned.m8n8.x4{trans}.shared.b16 {{{}, {}, {}, {}}}, [{addr}+{offset}]",
+        r[0], r[1], r[2], r[3]
+    ));
+    r
+}
+
+/// `c += a b` with `mma.sync.aligned.m16n8k16` (f32 accumulators).
+fn mma(k: &mut Kernel, ty: &str, c: &[Reg], a: &[Reg], b: &[Reg; 2]) {
+    k.emit(format!(
+        "mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{{}, {}, {}, {}}}, {{{}, {}, {}, {}}}, {{{}, {}}}, {{{}, {}, {}, {}}}",
+        c[0], c[1], c[2], c[3], a[0], a[1], a[2], a[3], b[0], b[1], c[0], c[1], c[2], c[3]
+    ));
+}
+
+fn ld_shared_v4(k: &mut Kernel, addr: Reg) -> Vec<Reg> {
+    let w: Vec<Reg> = (0..4).map(|_| k.reg(RegClass::B32)).collect();
+    k.emit(format!(
+        "ld.shared.v4.b32 {{{}, {}, {}, {}}}, [{addr}]",
+        w[0], w[1], w[2], w[3]
+    ));
+    w
+}
+
+fn st_shared_v4(k: &mut Kernel, addr: Reg, w: &[Reg]) {
+    k.emit(format!(
+        "st.shared.v4.b32 [{addr}], {{{}, {}, {}, {}}}",
+        w[0], w[1], w[2], w[3]
+    ));
 }

@@ -95,6 +95,16 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
                 1,
                 4097,
             ),
+            // A prompt chunk over a cache (tensor cores), head dim 96, with a window.
+            (
+                96,
+                KeyRule::Position { window: Some(1000) },
+                false,
+                true,
+                None,
+                128,
+                4096,
+            ),
         ] {
             let mut cfg = AttentionConfig {
                 batch: 2,
@@ -115,7 +125,7 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
             };
             cfg.strides = cfg.contiguous_strides();
             out.push(("attention", attention(&cfg)));
-            if matches!(keys, KeyRule::Position { .. }) {
+            if matches!(keys, KeyRule::Position { .. }) && q_len == 1 {
                 cfg.splits = 16;
                 out.push(("attention", attention(&cfg)));
                 out.push(("attention", crate::attention::attention_combine(&cfg)));
@@ -126,6 +136,7 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
             (false, true, Some(Activation::GeluTanh), false, false),
             (true, true, None, false, true),
             (true, false, None, true, false),
+            (true, true, None, true, true),
             (true, true, Some(Activation::GeluErf), false, true),
         ] {
             // 127 rows: the tiled kernels; 1 and 5 rows: the matrix-vector kernel (decode).

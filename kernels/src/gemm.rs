@@ -3,8 +3,9 @@
 //!
 //! This is the portable SIMT path: 64 x 64 output tiles, K in steps of 16 staged through shared
 //! memory (A transposed so that both operands are read as 16-byte vectors), 256 threads each
-//! holding a 4 x 4 block of accumulators (two with SwiGLU: gate and up). Tensor-core tiles
-//! (`mma.sync`, `ldmatrix`, `cp.async`) are the next step for f16/bf16.
+//! holding a 4 x 4 block of accumulators (two with SwiGLU: gate and up), for f32 and whatever
+//! the tensor-core kernel (`crate::gemm_tc`) and the matrix-vector kernel (`crate::gemv`) do not
+//! take; [`path`] says which of the three a configuration gets.
 
 use kiln_ir::kernel::Activation;
 

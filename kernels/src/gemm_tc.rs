@@ -5,7 +5,10 @@
 //! bytes so that `ldmatrix` is free of bank conflicts.
 //!
 //! Block tile 128 x 128 x 64, 8 warps as 2 x 4, each warp 64 x 32 (4 x 4 m16n8 tiles). The
-//! epilogue (bias, activation, residual) runs on the accumulators in registers.
+//! epilogue (bias, activation, SwiGLU, residual) runs on the accumulators in registers. With
+//! SwiGLU (`[gate; up]` weight rows), a block computes 64 output columns: it stages gate and up
+//! rows interleaved (`gate c, up c, gate c + 1, ...`), so each thread's accumulator pair
+//! (columns `2t`, `2t + 1` of an n8 tile) holds the gate and up sums of one output column.
 
 use crate::gemm::{EpiloguePtrs, GemmConfig};
 use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
@@ -26,7 +29,7 @@ pub fn supports(cfg: &GemmConfig) -> bool {
     let (m, n, k) = (u64::from(cfg.m), u64::from(cfg.n), u64::from(cfg.k));
     cfg.elem != Elem::F32
         && cfg.transpose_b
-        && !cfg.swiglu
+        && (!cfg.swiglu || cfg.n.is_multiple_of(2))
         && cfg.k.is_multiple_of(8)
         && crate::check_index_range(&[m * n, m * k, n * k])
 }
@@ -35,7 +38,7 @@ pub fn supports(cfg: &GemmConfig) -> bool {
 pub fn gemm_tc(cfg: &GemmConfig, name: String) -> GeneratedKernel {
     assert!(
         supports(cfg),
-        "the tensor-core GEMM needs f16/bf16, [N, K] weights, K % 8 == 0"
+        "the tensor-core GEMM needs f16/bf16, [N, K] weights, K % 8 == 0 (N even with SwiGLU)"
     );
     let e = cfg.elem;
     let ty = e.name();
@@ -53,14 +56,25 @@ pub fn gemm_tc(cfg: &GemmConfig, name: String) -> GeneratedKernel {
     let bx = k.special("ctaid.x");
     let by = k.special("ctaid.y");
     let m0 = k.mul_u32(&by, &BM);
-    let n0 = k.mul_u32(&bx, &BN);
+    // Output columns per block: BN, or BN / 2 with SwiGLU (gate and up rows interleaved).
+    let bn_out = if cfg.swiglu { BN / 2 } else { BN };
+    let n0 = k.mul_u32(&bx, &bn_out);
     let base = k.reg(RegClass::B32);
     k.emit(format!("mov.u32 {base}, {smem}"));
 
     // Copy one BM x BK tile of rows (`rows_total` rows of K halves at `src`, starting at row
-    // `r0`, column `k0`) into shared memory at `dst`, in 16-byte chunks of 8 halves.
+    // `r0`, column `k0`) into shared memory at `dst`, in 16-byte chunks of 8 halves. With
+    // `interleave`, tile row `2c + u` is row `r0 + c` of the gate half (u = 0) or the up half
+    // (u = 1, `rows_total` rows further).
     const CHUNKS_PER_ROW: u32 = BK / 8;
-    let stage = |k: &mut Kernel, src: Reg, r0: Reg, rows_total: u32, k0: Reg, dst: Reg| {
+    let n_out = cfg.n_out();
+    let stage = |k: &mut Kernel,
+                 src: Reg,
+                 r0: Reg,
+                 rows_total: u32,
+                 k0: Reg,
+                 dst: Reg,
+                 interleave: bool| {
         for c in 0..(BM * CHUNKS_PER_ROW / THREADS) {
             let chunk = k.add_u32(&tid, &(c * THREADS));
             let row = k.op2(
@@ -70,13 +84,22 @@ pub fn gemm_tc(cfg: &GemmConfig, name: String) -> GeneratedKernel {
                 &CHUNKS_PER_ROW.trailing_zeros(),
             );
             let kc = k.op2("and.b32", RegClass::B32, &chunk, &(CHUNKS_PER_ROW - 1));
-            let grow = k.add_u32(&r0, &row);
+            let (grow, in_rows) = if interleave {
+                let pair = k.op2("shr.u32", RegClass::B32, &row, &1u32);
+                let up = k.op2("and.b32", RegClass::B32, &row, &1u32);
+                let c = k.add_u32(&r0, &pair);
+                let in_rows = k.setp("lt.u32", &c, &rows_total);
+                (k.mad_u32(&up, &rows_total, &c), in_rows)
+            } else {
+                let grow = k.add_u32(&r0, &row);
+                let in_rows = k.setp("lt.u32", &grow, &rows_total);
+                (grow, in_rows)
+            };
             let kofs = k.mul_u32(&kc, &8u32);
             let gk = k.add_u32(&k0, &kofs);
-            let row_ok = k.setp("lt.u32", &grow, &rows_total);
             let k_ok = k.setp("lt.u32", &gk, &cfg.k);
             let ok = k.reg(RegClass::Pred);
-            k.emit(format!("and.pred {ok}, {row_ok}, {k_ok}"));
+            k.emit(format!("and.pred {ok}, {in_rows}, {k_ok}"));
             let bytes = k.selp(RegClass::B32, "u32", &16u32, &0u32, ok);
             // Out-of-range chunks read nothing (zero-filled) from a clamped, valid address.
             let safe_row = k.selp(RegClass::B32, "u32", &grow, &0u32, ok);
@@ -110,8 +133,8 @@ pub fn gemm_tc(cfg: &GemmConfig, name: String) -> GeneratedKernel {
         if s < k_tiles {
             let (a0, b0) = a_stage(&mut k, &idx);
             let k_start = k.mov(RegClass::B32, &(s * BK));
-            stage(&mut k, x, m0, cfg.m, k_start, a0);
-            stage(&mut k, w, n0, cfg.n, k_start, b0);
+            stage(&mut k, x, m0, cfg.m, k_start, a0, false);
+            stage(&mut k, w, n0, n_out, k_start, b0, cfg.swiglu);
         }
         k.emit("cp.async.commit_group");
     }
@@ -146,8 +169,8 @@ pub fn gemm_tc(cfg: &GemmConfig, name: String) -> GeneratedKernel {
     let nstage = k.op2("rem.u32", RegClass::B32, &next, &STAGES);
     let (an, bn) = a_stage(&mut k, &nstage);
     let k_next = k.mul_u32(&next, &BK);
-    stage(&mut k, x, m0, cfg.m, k_next, an);
-    stage(&mut k, w, n0, cfg.n, k_next, bn);
+    stage(&mut k, x, m0, cfg.m, k_next, an, false);
+    stage(&mut k, w, n0, n_out, k_next, bn, cfg.swiglu);
     k.place(&skip_stage);
     k.emit("cp.async.commit_group");
     k.emit(format!("cp.async.wait_group {}", STAGES - 1));
@@ -200,21 +223,33 @@ pub fn gemm_tc(cfg: &GemmConfig, name: String) -> GeneratedKernel {
     let t = k.op2("and.b32", RegClass::B32, &lane, &3u32);
     let wrow = k.mad_u32(&wm, &64u32, &m0);
     let row_base = k.add_u32(&wrow, &g);
-    let wcol = k.mad_u32(&wn, &32u32, &n0);
-    let col_base = k.mad_u32(&t, &2u32, &wcol);
+    // The thread's first column: 2t of its n8 tile, or its output column t with SwiGLU.
+    let (warp_cols, per_tile, lane_col) = if cfg.swiglu {
+        (16u32, 4u32, t)
+    } else {
+        (32, 8, k.mul_u32(&t, &2u32))
+    };
+    let wcol = k.mad_u32(&wn, &warp_cols, &n0);
+    let col_base = k.add_u32(&wcol, &lane_col);
     for i in 0..4u32 {
         for j in 0..4u32 {
             for r in 0..4u32 {
+                // With SwiGLU the pair (r, r + 1) is (gate, up) of one column.
+                if cfg.swiglu && r % 2 == 1 {
+                    continue;
+                }
                 let skip = k.label("skip");
                 let row = k.add_u32(&row_base, &(i * 16 + (r / 2) * 8));
-                let col = k.add_u32(&col_base, &(j * 8 + r % 2));
+                let col_off = j * per_tile + if cfg.swiglu { 0 } else { r % 2 };
+                let col = k.add_u32(&col_base, &col_off);
                 let out_row = k.setp("ge.u32", &row, &cfg.m);
                 k.bra(Some((out_row, true)), &skip);
-                let out_col = k.setp("ge.u32", &col, &cfg.n);
+                let out_col = k.setp("ge.u32", &col, &n_out);
                 k.bra(Some((out_col, true)), &skip);
-                let v = acc[((i * 4 + j) * 4 + r) as usize];
-                epilogue.finish(&mut k, cfg, v, None, &col, |k| {
-                    k.mad_u32(&row, &cfg.n, &col)
+                let at = ((i * 4 + j) * 4 + r) as usize;
+                let up = cfg.swiglu.then(|| acc[at + 1]);
+                epilogue.finish(&mut k, cfg, acc[at], up, &col, |k| {
+                    k.mad_u32(&row, &n_out, &col)
                 });
                 k.place(&skip);
             }
@@ -223,7 +258,7 @@ pub fn gemm_tc(cfg: &GemmConfig, name: String) -> GeneratedKernel {
     GeneratedKernel::new(
         k,
         Launch {
-            grid: [cfg.n.div_ceil(BN), cfg.m.div_ceil(BM), 1],
+            grid: [n_out.div_ceil(bn_out), cfg.m.div_ceil(BM), 1],
             block: [THREADS, 1, 1],
             shared_bytes: STAGES * 2 * TILE_BYTES,
         },

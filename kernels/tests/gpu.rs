@@ -25,7 +25,7 @@ use rand::{Rng as _, SeedableRng};
 
 use common::{
     cache_write_reference, check, check_picks, reference, reference_with_seed, rope_tables,
-    sampling_reference,
+    sampling_reference, scaled_rope_tables,
 };
 
 struct Gpu {
@@ -407,11 +407,12 @@ fn argmax_picks_the_first_largest() {
 fn gemms_match_the_interpreter() {
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng::seed_from_u64(0x2468_ace0_1357_9bdf);
-    let variants: [(bool, bool, Option<Activation>, bool, bool); 5] = [
+    let variants: [(bool, bool, Option<Activation>, bool, bool); 6] = [
         (true, false, None, false, false),
         (false, true, Some(Activation::GeluTanh), false, false),
         (true, true, None, false, true),
         (true, false, None, true, false),
+        (true, true, None, true, true),
         (false, true, Some(Activation::GeluErf), false, true),
     ];
     for elem in ELEMS {
@@ -507,13 +508,27 @@ struct AttentionCase {
     dropout: Option<(f32, u32)>,
 }
 
+impl AttentionCase {
+    const fn new(heads: u32, kv_heads: u32, q_len: u32, kv_len: u32, head_dim: u32) -> Self {
+        AttentionCase {
+            heads,
+            kv_heads,
+            q_len,
+            kv_len,
+            head_dim,
+            keys: kiln_kernels::attention::KeyRule::All,
+            padding: false,
+            rope: false,
+            dropout: None,
+        }
+    }
+}
+
 #[test]
 fn attention_matches_the_interpreter() {
-    use kiln_ir::kernel::{AttentionSpec, DecodeAttentionSpec};
-    use kiln_kernels::attention::{attention, AttentionConfig, KeyRule};
+    use kiln_kernels::attention::KeyRule;
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng::seed_from_u64(0x0f0f_1e1e_2d2d_3c3c);
-    let theta = 10000.0;
     let cases = [
         // Prefill: GPT-2-like (MHA, causal + padding).
         AttentionCase {
@@ -624,175 +639,264 @@ fn attention_matches_the_interpreter() {
             dropout: None,
         },
     ];
-    let batch = 2u32;
     for elem in ELEMS {
         for case in &cases {
-            let cached = matches!(case.keys, KeyRule::Position { .. });
-            let mut cfg = AttentionConfig {
-                batch,
-                heads: case.heads,
-                kv_heads: case.kv_heads,
-                q_len: case.q_len,
-                kv_len: case.kv_len,
-                head_dim: case.head_dim,
-                scale: 1.0 / (case.head_dim as f32).sqrt(),
-                keys: case.keys,
-                padding: case.padding,
-                rope: case.rope,
-                rope_k: case.rope && !cached,
-                dropout: case.dropout,
+            attention_case(
+                &gpu,
+                &mut rng,
+                case,
                 elem,
-                strides: [[0; 3]; 4],
-                splits: 1,
-            };
-            cfg.strides = cfg.contiguous_strides();
-            let kernel = attention(&cfg);
-            let (b, h, kvh, s, t, d) = (
-                batch as usize,
-                case.heads as usize,
-                case.kv_heads as usize,
-                case.q_len as usize,
-                case.kv_len as usize,
-                case.head_dim as usize,
+                2,
+                &kiln_ir::RopeScaling::Default,
             );
-            let q = values(&mut rng, b * h * s * d, 1.5, elem);
-            let kk = values(&mut rng, b * kvh * t * d, 1.5, elem);
-            let v = values(&mut rng, b * kvh * t * d, 1.0, elem);
-            // Right padding: row r keeps its first tokens (at least one).
-            let mask: Vec<i64> = (0..b)
-                .flat_map(|_| {
-                    let keep = 1 + (rng.random::<u64>() % t as u64) as usize;
-                    (0..t).map(move |j| i64::from(j < keep))
-                })
-                .collect();
-            let positions: Vec<i64> = if cached {
-                (0..b)
-                    .flat_map(|_| {
-                        let first = s as u64 - 1 + rng.random::<u64>() % (t as u64 - s as u64 + 1);
-                        (0..s as i64).map(move |x| first as i64 + 1 - s as i64 + x)
-                    })
-                    .collect()
-            } else {
-                (0..b).flat_map(|_| 0..s as i64).collect()
-            };
-            let seed: i64 = rng.random::<u64>() as i64;
-            let (cos, sin) = rope_tables(theta, d, t.max(s) + 1);
-            let (bq, bk, bv) = (
-                gpu.upload(elem, &q),
-                gpu.upload(elem, &kk),
-                gpu.upload(elem, &v),
-            );
-            let (bm, bp, bs) = (
-                gpu.upload_i64(&mask),
-                gpu.upload_i64(&positions),
-                gpu.upload_i64(&[seed]),
-            );
-            let (bc, bn) = (gpu.upload(Elem::F32, &cos), gpu.upload(Elem::F32, &sin));
-            let out = gpu.poisoned(elem, b * h * s * d);
-            let args = BTreeMap::from([
-                ("q", Arg::Buf(&bq)),
-                ("k", Arg::Buf(&bk)),
-                ("v", Arg::Buf(&bv)),
-                ("out", Arg::Buf(&out)),
-                ("mask", Arg::Buf(&bm)),
-                ("positions", Arg::Buf(&bp)),
-                ("cos", Arg::Buf(&bc)),
-                ("sin", Arg::Buf(&bn)),
-                ("seed", Arg::Buf(&bs)),
-            ]);
-            gpu.launch(&kernel, &args);
-            let as_f = |x: &[i64]| x.iter().map(|v| *v as f32).collect::<Vec<f32>>();
-            let rope = case.rope.then_some((theta, kiln_ir::RopeScaling::Default));
-            let mut inputs = vec![
-                (vec![b, h, s, d], q),
-                (vec![b, kvh, t, d], kk),
-                (vec![b, kvh, t, d], v),
-            ];
-            let (op, ints) = if cached {
-                let window = match case.keys {
-                    KeyRule::Position { window } => window.map(i64::from),
-                    _ => None,
-                };
-                inputs.push((vec![b, s], as_f(&positions)));
-                let spec = DecodeAttentionSpec {
-                    scale: f64::from(cfg.scale),
-                    window,
-                    rope,
-                };
-                (Op::DecodeAttention(spec), vec![3])
-            } else {
-                let mut ints = Vec::new();
-                if case.padding {
-                    ints.push(inputs.len());
-                    inputs.push((vec![b, t], as_f(&mask)));
-                }
-                if case.rope {
-                    ints.push(inputs.len());
-                    inputs.push((vec![b, s], as_f(&positions)));
-                }
-                if case.dropout.is_some() {
-                    ints.push(inputs.len());
-                    inputs.push((vec![], vec![seed as f32]));
-                }
-                let (causal, window) = match case.keys {
-                    KeyRule::Causal { window } => (true, window.map(i64::from)),
-                    _ => (false, None),
-                };
-                let spec = AttentionSpec {
-                    scale: f64::from(cfg.scale),
-                    causal,
-                    window,
-                    padding: case.padding,
-                    rope,
-                    dropout: case.dropout.map(|(p, st)| (f64::from(p), st)),
-                };
-                (Op::Attention(spec), ints)
-            };
-            let mut reference_out =
-                reference_with_seed(op, inputs, &ints, case.dropout.map(|_| seed));
-            for v in reference_out.iter_mut() {
-                *v = round(elem, *v);
-            }
-            check(
-                &format!("{} b={b}", kernel.name),
-                elem,
-                &gpu.download(elem, &out),
-                &reference_out,
-            );
-            if cached {
-                // The same through key ranges (flash-decoding) and the combine kernel.
-                let splits = if t > 1000 { 16 } else { 4 };
-                let mut split_cfg = cfg.clone();
-                split_cfg.splits = splits;
-                let partial = attention(&split_cfg);
-                let combine = kiln_kernels::attention::attention_combine(&split_cfg);
-                let rows = b * h * s * splits as usize;
-                let pacc = gpu.upload(Elem::F32, &vec![f32::NAN; rows * d]);
-                let pml = gpu.upload(Elem::F32, &vec![f32::NAN; rows * 2]);
-                let out2 = gpu.poisoned(elem, b * h * s * d);
-                let mut args2 = BTreeMap::from([
-                    ("q", Arg::Buf(&bq)),
-                    ("k", Arg::Buf(&bk)),
-                    ("v", Arg::Buf(&bv)),
-                    ("partial_acc", Arg::Buf(&pacc)),
-                    ("partial_ml", Arg::Buf(&pml)),
-                    ("mask", Arg::Buf(&bm)),
-                    ("positions", Arg::Buf(&bp)),
-                    ("cos", Arg::Buf(&bc)),
-                    ("sin", Arg::Buf(&bn)),
-                    ("seed", Arg::Buf(&bs)),
-                ]);
-                gpu.launch(&partial, &args2);
-                args2.insert("out", Arg::Buf(&out2));
-                gpu.launch(&combine, &args2);
-                check(
-                    &format!("{} b={b}", partial.name),
-                    elem,
-                    &gpu.download(elem, &out2),
-                    &reference_out,
-                );
-            }
         }
+    }
+}
+
+/// The tensor-core kernel at the shapes prefill benchmarks run (4096 keys, head dims 64 and 128,
+/// GQA 4:1, llama3 RoPE, a Mistral window, a prompt chunk over a cache, dropout 0.1), bf16.
+#[test]
+fn attention_on_tensor_cores_at_benchmark_shapes() {
+    use kiln_kernels::attention::{path, KeyRule};
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng::seed_from_u64(0x4096_4096_0bf1_6bf1);
+    let llama3 = kiln_ir::RopeScaling::Llama3 {
+        factor: 32.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192.0,
+    };
+    let cases = [
+        // Llama-3.2-1B prefill: d 64, GQA 4:1, causal + padding, llama3 RoPE on q and k.
+        AttentionCase {
+            keys: KeyRule::Causal { window: None },
+            padding: true,
+            rope: true,
+            ..AttentionCase::new(8, 2, 4096, 4096, 64)
+        },
+        // Mistral-like: d 128, sliding window, RoPE.
+        AttentionCase {
+            keys: KeyRule::Causal { window: Some(1024) },
+            rope: true,
+            ..AttentionCase::new(8, 2, 4096, 4096, 128)
+        },
+        // A prompt chunk of 512 rows over a cache of 4096 entries, RoPE on q.
+        AttentionCase {
+            keys: KeyRule::Position { window: None },
+            rope: true,
+            ..AttentionCase::new(8, 2, 512, 4096, 128)
+        },
+        // Training-mode dropout 0.1, d 64, causal + padding.
+        AttentionCase {
+            keys: KeyRule::Causal { window: None },
+            padding: true,
+            dropout: Some((0.1, 7)),
+            ..AttentionCase::new(8, 2, 4096, 4096, 64)
+        },
+    ];
+    for case in &cases {
+        let cfg = attention_config(case, Elem::BF16, 1);
+        assert_eq!(
+            path(&cfg),
+            kiln_kernels::KernelPath::Mma,
+            "{}",
+            cfg_name(&cfg)
+        );
+        attention_case(&gpu, &mut rng, case, Elem::BF16, 1, &llama3);
+    }
+}
+
+fn cfg_name(cfg: &kiln_kernels::attention::AttentionConfig) -> String {
+    kiln_kernels::attention::attention(cfg).name
+}
+
+fn attention_config(
+    case: &AttentionCase,
+    elem: Elem,
+    batch: u32,
+) -> kiln_kernels::attention::AttentionConfig {
+    use kiln_kernels::attention::{AttentionConfig, KeyRule};
+    let cached = matches!(case.keys, KeyRule::Position { .. });
+    let mut cfg = AttentionConfig {
+        batch,
+        heads: case.heads,
+        kv_heads: case.kv_heads,
+        q_len: case.q_len,
+        kv_len: case.kv_len,
+        head_dim: case.head_dim,
+        scale: 1.0 / (case.head_dim as f32).sqrt(),
+        keys: case.keys,
+        padding: case.padding,
+        rope: case.rope,
+        rope_k: case.rope && !cached,
+        dropout: case.dropout,
+        elem,
+        strides: [[0; 3]; 4],
+        splits: 1,
+    };
+    cfg.strides = cfg.contiguous_strides();
+    cfg
+}
+
+/// Runs one case on the device (and, over a cache, through key ranges and the combine kernel
+/// too) and checks it against the interpreter on fresh inputs.
+fn attention_case(
+    gpu: &Gpu,
+    rng: &mut Rng,
+    case: &AttentionCase,
+    elem: Elem,
+    batch: u32,
+    scaling: &kiln_ir::RopeScaling,
+) {
+    use kiln_ir::kernel::{AttentionSpec, DecodeAttentionSpec};
+    use kiln_kernels::attention::{attention, KeyRule};
+    let theta = 10000.0;
+    let cfg = attention_config(case, elem, batch);
+    let cached = matches!(case.keys, KeyRule::Position { .. });
+    let kernel = attention(&cfg);
+    let (b, h, kvh, s, t, d) = (
+        batch as usize,
+        case.heads as usize,
+        case.kv_heads as usize,
+        case.q_len as usize,
+        case.kv_len as usize,
+        case.head_dim as usize,
+    );
+    let q = values(rng, b * h * s * d, 1.5, elem);
+    let kk = values(rng, b * kvh * t * d, 1.5, elem);
+    let v = values(rng, b * kvh * t * d, 1.0, elem);
+    // Right padding: row r keeps its first tokens (at least one).
+    let mask: Vec<i64> = (0..b)
+        .flat_map(|_| {
+            let keep = 1 + (rng.random::<u64>() % t as u64) as usize;
+            (0..t).map(move |j| i64::from(j < keep))
+        })
+        .collect();
+    let positions: Vec<i64> = if cached {
+        (0..b)
+            .flat_map(|_| {
+                let first = s as u64 - 1 + rng.random::<u64>() % (t as u64 - s as u64 + 1);
+                (0..s as i64).map(move |x| first as i64 + 1 - s as i64 + x)
+            })
+            .collect()
+    } else {
+        (0..b).flat_map(|_| 0..s as i64).collect()
+    };
+    let seed: i64 = rng.random::<u64>() as i64;
+    let (cos, sin) = scaled_rope_tables(scaling, theta, d, t.max(s) + 1);
+    let (bq, bk, bv) = (
+        gpu.upload(elem, &q),
+        gpu.upload(elem, &kk),
+        gpu.upload(elem, &v),
+    );
+    let (bm, bp, bs) = (
+        gpu.upload_i64(&mask),
+        gpu.upload_i64(&positions),
+        gpu.upload_i64(&[seed]),
+    );
+    let (bc, bn) = (gpu.upload(Elem::F32, &cos), gpu.upload(Elem::F32, &sin));
+    let out = gpu.poisoned(elem, b * h * s * d);
+    let args = BTreeMap::from([
+        ("q", Arg::Buf(&bq)),
+        ("k", Arg::Buf(&bk)),
+        ("v", Arg::Buf(&bv)),
+        ("out", Arg::Buf(&out)),
+        ("mask", Arg::Buf(&bm)),
+        ("positions", Arg::Buf(&bp)),
+        ("cos", Arg::Buf(&bc)),
+        ("sin", Arg::Buf(&bn)),
+        ("seed", Arg::Buf(&bs)),
+    ]);
+    gpu.launch(&kernel, &args);
+    let as_f = |x: &[i64]| x.iter().map(|v| *v as f32).collect::<Vec<f32>>();
+    let rope = case.rope.then_some((theta, scaling.clone()));
+    let mut inputs = vec![
+        (vec![b, h, s, d], q),
+        (vec![b, kvh, t, d], kk),
+        (vec![b, kvh, t, d], v),
+    ];
+    let (op, ints) = if cached {
+        let window = match case.keys {
+            KeyRule::Position { window } => window.map(i64::from),
+            _ => None,
+        };
+        inputs.push((vec![b, s], as_f(&positions)));
+        let spec = DecodeAttentionSpec {
+            scale: f64::from(cfg.scale),
+            window,
+            rope,
+        };
+        (Op::DecodeAttention(spec), vec![3])
+    } else {
+        let mut ints = Vec::new();
+        if case.padding {
+            ints.push(inputs.len());
+            inputs.push((vec![b, t], as_f(&mask)));
+        }
+        if case.rope {
+            ints.push(inputs.len());
+            inputs.push((vec![b, s], as_f(&positions)));
+        }
+        if case.dropout.is_some() {
+            ints.push(inputs.len());
+            inputs.push((vec![], vec![seed as f32]));
+        }
+        let (causal, window) = match case.keys {
+            KeyRule::Causal { window } => (true, window.map(i64::from)),
+            _ => (false, None),
+        };
+        let spec = AttentionSpec {
+            scale: f64::from(cfg.scale),
+            causal,
+            window,
+            padding: case.padding,
+            rope,
+            dropout: case.dropout.map(|(p, st)| (f64::from(p), st)),
+        };
+        (Op::Attention(spec), ints)
+    };
+    let mut reference_out = reference_with_seed(op, inputs, &ints, case.dropout.map(|_| seed));
+    for v in reference_out.iter_mut() {
+        *v = round(elem, *v);
+    }
+    check(
+        &format!("{} b={b}", kernel.name),
+        elem,
+        &gpu.download(elem, &out),
+        &reference_out,
+    );
+    if cached {
+        // The same through key ranges (flash-decoding) and the combine kernel.
+        let splits = if t > 1000 { 16 } else { 4 };
+        let mut split_cfg = cfg.clone();
+        split_cfg.splits = splits;
+        let partial = attention(&split_cfg);
+        let combine = kiln_kernels::attention::attention_combine(&split_cfg);
+        let rows = b * h * s * splits as usize;
+        let pacc = gpu.upload(Elem::F32, &vec![f32::NAN; rows * d]);
+        let pml = gpu.upload(Elem::F32, &vec![f32::NAN; rows * 2]);
+        let out2 = gpu.poisoned(elem, b * h * s * d);
+        let mut args2 = BTreeMap::from([
+            ("q", Arg::Buf(&bq)),
+            ("k", Arg::Buf(&bk)),
+            ("v", Arg::Buf(&bv)),
+            ("partial_acc", Arg::Buf(&pacc)),
+            ("partial_ml", Arg::Buf(&pml)),
+            ("mask", Arg::Buf(&bm)),
+            ("positions", Arg::Buf(&bp)),
+            ("cos", Arg::Buf(&bc)),
+            ("sin", Arg::Buf(&bn)),
+            ("seed", Arg::Buf(&bs)),
+        ]);
+        gpu.launch(&partial, &args2);
+        args2.insert("out", Arg::Buf(&out2));
+        gpu.launch(&combine, &args2);
+        check(
+            &format!("{} b={b}", partial.name),
+            elem,
+            &gpu.download(elem, &out2),
+            &reference_out,
+        );
     }
 }
 

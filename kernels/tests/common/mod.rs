@@ -84,7 +84,18 @@ pub fn check(what: &str, elem: Elem, got: &[f32], want: &[f32]) {
 /// RoPE cos/sin tables `[positions, D/2]` in f64 rounded to f32, as the artifact will carry them.
 #[allow(dead_code)] // each suite uses what it covers
 pub fn rope_tables(theta: f64, head_dim: usize, positions: usize) -> (Vec<f32>, Vec<f32>) {
-    let inv = kiln_ir::RopeScaling::Default.inv_freq(theta, head_dim);
+    scaled_rope_tables(&kiln_ir::RopeScaling::Default, theta, head_dim, positions)
+}
+
+/// [`rope_tables`] with a frequency scaling (linear, llama3).
+#[allow(dead_code)] // each suite uses what it covers
+pub fn scaled_rope_tables(
+    scaling: &kiln_ir::RopeScaling,
+    theta: f64,
+    head_dim: usize,
+    positions: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let inv = scaling.inv_freq(theta, head_dim);
     let (mut cos, mut sin) = (Vec::new(), Vec::new());
     for p in 0..positions {
         for f in &inv {
