@@ -170,6 +170,12 @@ fn main() {
         flops / ms / 1e9
     );
 
+    // Llama-3.2-1B-shaped prefill attention (32 heads, 8 KV heads, d 64, 4096 tokens, batch 1):
+    // the plain causal kernel, then with the padding mask, RoPE on q and k, and both (the
+    // compiled model's form), and a prompt chunk of 512 rows over a 4096-entry cache.
+    attention_variants(&stream, &ctx, &random);
+    swiglu_gemms(&stream, &ctx, &random);
+
     // Decode attention over a 4096-entry bf16 KV cache (Llama-3-8B shape: 32 heads, 8 KV heads,
     // d 128, batch 1), one launch without splits, and 32 fixed key ranges plus the combine.
     let (heads, kv_heads, t, d) = (32u32, 8u32, 4096u32, 128u32);
@@ -235,6 +241,148 @@ fn main() {
         println!(
             "{{\"kernel\": \"decode_attention_bf16\", \"heads\": {heads}, \"kv_heads\": {kv_heads}, \"context\": {t}, \"splits\": {splits}, \"ms\": {ms:.4}, \"cache_TBps\": {:.3}}}",
             cache_bytes / ms / 1e9
+        );
+    }
+}
+
+/// u16 words holding `values` as little-endian i64s (the bench passes every buffer as u16).
+fn i64_words(values: impl Iterator<Item = i64>) -> Vec<u16> {
+    values
+        .flat_map(|v| (0..4).map(move |w| (v >> (16 * w)) as u16))
+        .collect()
+}
+
+/// u16 words holding `values` as f32s.
+fn f32_words(values: impl Iterator<Item = f32>) -> Vec<u16> {
+    values
+        .flat_map(|v| {
+            let b = v.to_bits();
+            [b as u16, (b >> 16) as u16]
+        })
+        .collect()
+}
+
+fn attention_variants(
+    stream: &std::sync::Arc<CudaStream>,
+    ctx: &std::sync::Arc<CudaContext>,
+    random: &dyn Fn(usize, u64) -> Vec<u16>,
+) {
+    let (h, kvh, d) = (32u32, 8u32, 64u32);
+    for (q_len, kv_len, keys, padding, rope) in [
+        (
+            4096u32,
+            4096u32,
+            KeyRule::Causal { window: None },
+            false,
+            false,
+        ),
+        (4096, 4096, KeyRule::Causal { window: None }, true, false),
+        (4096, 4096, KeyRule::Causal { window: None }, false, true),
+        (4096, 4096, KeyRule::Causal { window: None }, true, true),
+        (512, 4096, KeyRule::Position { window: None }, false, true),
+    ] {
+        let cached = matches!(keys, KeyRule::Position { .. });
+        let mut cfg = AttentionConfig {
+            batch: 1,
+            heads: h,
+            kv_heads: kvh,
+            q_len,
+            kv_len,
+            head_dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+            keys,
+            padding,
+            rope,
+            rope_k: rope && !cached,
+            dropout: None,
+            elem: Elem::BF16,
+            strides: [[0; 3]; 4],
+            splits: 1,
+        };
+        cfg.strides = cfg.contiguous_strides();
+        let q = stream
+            .clone_htod(&random((h * q_len * d) as usize, 21))
+            .unwrap();
+        let kk = stream
+            .clone_htod(&random((kvh * kv_len * d) as usize, 22))
+            .unwrap();
+        let v = stream
+            .clone_htod(&random((kvh * kv_len * d) as usize, 23))
+            .unwrap();
+        let o = stream
+            .clone_htod(&vec![0u16; (h * q_len * d) as usize])
+            .unwrap();
+        let mask = stream
+            .clone_htod(&i64_words((0..kv_len).map(|_| 1)))
+            .unwrap();
+        // Prefill rows sit at their index; a chunk's rows at the end of the cache.
+        let first = if cached { i64::from(kv_len - q_len) } else { 0 };
+        let pos = stream
+            .clone_htod(&i64_words((0..i64::from(q_len)).map(|i| first + i)))
+            .unwrap();
+        let angles = (kv_len * d / 2) as usize;
+        let cos = stream
+            .clone_htod(&f32_words((0..angles).map(|i| (i as f32 * 0.01).cos())))
+            .unwrap();
+        let sin = stream
+            .clone_htod(&f32_words((0..angles).map(|i| (i as f32 * 0.01).sin())))
+            .unwrap();
+        let mut bufs = vec![&q, &kk, &v, &o];
+        if padding {
+            bufs.push(&mask);
+        }
+        if rope || cached {
+            bufs.push(&pos);
+        }
+        if rope {
+            bufs.extend([&cos, &sin]);
+        }
+        let k = attention(&cfg);
+        let ms = time_ms(stream, launch(stream, ctx, &k, &bufs));
+        // Visible (query, key) pairs: the causal triangle, or each chunk row's prefix of the cache.
+        let pairs = if cached {
+            (0..q_len)
+                .map(|i| f64::from(kv_len - q_len + i + 1))
+                .sum::<f64>()
+        } else {
+            f64::from(q_len) * f64::from(q_len + 1) / 2.0
+        };
+        let flops = 4.0 * f64::from(h) * pairs * f64::from(d);
+        println!(
+            "{{\"kernel\": \"{}\", \"ms\": {ms:.4}, \"TFLOPs\": {:.2}}}",
+            k.name,
+            flops / ms / 1e9
+        );
+    }
+}
+
+fn swiglu_gemms(
+    stream: &std::sync::Arc<CudaStream>,
+    ctx: &std::sync::Arc<CudaContext>,
+    random: &dyn Fn(usize, u64) -> Vec<u16>,
+) {
+    // Llama-3.2-1B's gate/up product at 4096 tokens, with and without the SwiGLU epilogue.
+    let (m, n, kd) = (4096u32, 16384u32, 2048u32);
+    let x = stream.clone_htod(&random((m * kd) as usize, 31)).unwrap();
+    let w = stream.clone_htod(&random((n * kd) as usize, 32)).unwrap();
+    let out = stream.clone_htod(&vec![0u16; (m * n) as usize]).unwrap();
+    for swiglu in [false, true] {
+        let k = gemm(&GemmConfig {
+            m,
+            k: kd,
+            n,
+            transpose_b: true,
+            bias: false,
+            activation: None,
+            swiglu,
+            residual: false,
+            elem: Elem::BF16,
+        });
+        let ms = time_ms(stream, launch(stream, ctx, &k, &[&x, &w, &out]));
+        println!(
+            "{{\"kernel\": \"{}\", \"ms\": {ms:.4}, \"TFLOPs\": {:.2}}}",
+            k.name,
+            2.0 * f64::from(m) * f64::from(n) * f64::from(kd) / ms / 1e9
         );
     }
 }

@@ -2,11 +2,13 @@
 //! produces: GQA/MQA, all / causal / position key rules with sliding windows, padding masks, RoPE
 //! on q (and on k in prefill) and Philox dropout with exactly the IR's mask.
 //!
-//! A block of 4 warps takes 64 query rows (16 per warp) of one head and walks the keys in tiles of
-//! 64: `S = Q K^T` and `O += P V` are `mma.sync.m16n8k16` with f32 accumulators, Q/K/V tiles staged
-//! by `cp.async` and read with `ldmatrix` (`.trans` for V; K/V double-buffered), the online softmax
-//! kept in registers (base 2, quad shuffles for the row max), P re-packed from the score
-//! accumulators as the A operand of the second product. The generator is written as parts that
+//! A block of 4 warps takes 64 or 128 query rows of one head (one m16 tile per warp, or two for
+//! head dimensions up to 64, so that each K/V fragment read from shared memory feeds two MMAs) and
+//! walks the keys in tiles of 64: `S = Q K^T` and `O += P V` are `mma.sync.m16n8k16` with f32
+//! accumulators, Q/K/V tiles staged by `cp.async` and read with `ldmatrix` (`.trans` for V; K/V
+//! double-buffered), the online softmax kept in registers (base 2, the scale folded into the
+//! exponent's FMA, quad shuffles for the row max), P re-packed from the score accumulators as the
+//! A operand of the second product. The generator is written as parts that
 //! a different main loop can reuse:
 //! - **Q/K prologue** ([`Attn::rotate_tile`]): RoPE applied to a staged tile in shared memory (once
 //!   per block for Q, once per key tile for prefill K), rounded to the element type as the IR's
@@ -25,7 +27,6 @@ use crate::attention::{philox_words, AttentionConfig, KeyRule};
 use crate::ptx::{Elem, Kernel, Label, Operand, Reg, RegClass, F32};
 use crate::{GeneratedKernel, KernelPath, Launch};
 
-const BQ: u32 = 64;
 const BKV: u32 = 64;
 const WARPS: u32 = 4;
 const THREADS: u32 = 32 * WARPS;
@@ -37,9 +38,20 @@ pub fn supports(cfg: &AttentionConfig) -> bool {
         && cfg.head_dim.is_multiple_of(16)
         && cfg.head_dim <= 128
         && cfg.splits == 1
+        && cfg.scale > 0.0
         && !decode_step
         && cfg.heads.is_multiple_of(cfg.kv_heads)
         && cfg.strides.iter().all(|s| s.iter().all(|v| v % 8 == 0))
+}
+
+/// m16 tiles of query rows per warp: two for head dimensions up to 64, where the accumulators
+/// leave room for them, so that each K/V fragment read from shared memory feeds two MMAs.
+fn m_tiles(head_dim: u32) -> u32 {
+    if head_dim <= 64 {
+        2
+    } else {
+        1
+    }
 }
 
 /// Generates the kernel. Parameters: `q, k, v, out, [mask], [positions], [cos, sin], [seed]`.
@@ -54,10 +66,11 @@ pub fn attention_tc(cfg: &AttentionConfig, name: String) -> GeneratedKernel {
     let state = a.main_loop(&rule, &q_frag);
     a.store(&state);
     let shared_bytes = a.layout.total;
+    let bq = a.bq();
     GeneratedKernel::new(
         a.k,
         Launch {
-            grid: [cfg.q_len.div_ceil(BQ), cfg.heads, cfg.batch],
+            grid: [cfg.q_len.div_ceil(bq), cfg.heads, cfg.batch],
             block: [THREADS, 1, 1],
             shared_bytes,
         },
@@ -72,7 +85,7 @@ struct Layout {
     row_bytes: u32,
     /// One K or V tile.
     tile_bytes: u32,
-    /// The two K/V buffers (K then V in each).
+    /// The two K/V buffers (K then V in each), after the Q tile.
     kv: u32,
     /// Two additive padding-mask rows of `BKV` f32.
     mask: u32,
@@ -82,10 +95,10 @@ struct Layout {
 }
 
 impl Layout {
-    fn new(head_dim: u32) -> Layout {
+    fn new(head_dim: u32, bq: u32) -> Layout {
         let row_bytes = head_dim * 2 + 16;
         let tile_bytes = BKV * row_bytes;
-        let kv = BQ * row_bytes;
+        let kv = bq * row_bytes;
         let mask = kv + 4 * tile_bytes;
         let range = mask + 2 * BKV * 4;
         Layout {
@@ -106,13 +119,15 @@ struct BlockKeys {
     end: Reg,
     interior_from: Reg,
     interior_to: Reg,
-    /// Per thread, for its rows `g` and `g + 8`: the last visible key (`None`: every key).
-    last: Option<[Reg; 2]>,
+    /// Per m16 tile, for the thread's rows `g` and `g + 8`: the last visible key (`None`: every
+    /// key).
+    last: Option<Vec<[Reg; 2]>>,
     /// And the first (sliding window).
-    first: Option<[Reg; 2]>,
+    first: Option<Vec<[Reg; 2]>>,
 }
 
-/// Per thread, the online-softmax state of its two rows and its output accumulators.
+/// Per thread and m16 tile: the online-softmax state of its two rows (running max in base 2,
+/// scaled; running sum) and its output accumulators.
 struct RowState {
     m: [Reg; 2],
     l: [Reg; 2],
@@ -147,9 +162,12 @@ struct Attn<'a> {
     h: Reg,
     q0: Reg,
     smem: Reg,
+    /// Element offsets of this block's q, k, v and out heads.
     heads: [Reg; 4],
-    /// This thread's two query rows (`g` and `g + 8` of its warp's 16).
-    rows: [Reg; 2],
+    /// m16 tiles per warp.
+    m_tiles: u32,
+    /// The thread's two query rows (`g` and `g + 8`) of each of its warp's m16 tiles.
+    rows: Vec<[Reg; 2]>,
     /// Its column pair within an n8 tile: `2t`.
     t2: Reg,
 }
@@ -157,6 +175,8 @@ struct Attn<'a> {
 impl<'a> Attn<'a> {
     fn new(cfg: &'a AttentionConfig, name: &str) -> Attn<'a> {
         let mut k = Kernel::new(name);
+        let m_tiles = m_tiles(cfg.head_dim);
+        let bq = 16 * WARPS * m_tiles;
         let q = k.param_ptr("q");
         let kp = k.param_ptr("k");
         let v = k.param_ptr("v");
@@ -175,11 +195,11 @@ impl<'a> Attn<'a> {
         let warp = k.op2("shr.u32", RegClass::B32, &tid, &5u32);
         // The longest causal rows first: block x counts down the query blocks.
         let bx = k.special("ctaid.x");
-        let last_block = cfg.q_len.div_ceil(BQ) - 1;
+        let last_block = cfg.q_len.div_ceil(bq) - 1;
         let qb = k.sub_u32(&last_block, &bx);
         let h = k.special("ctaid.y");
         let b = k.special("ctaid.z");
-        let q0 = k.mul_u32(&qb, &BQ);
+        let q0 = k.mul_u32(&qb, &bq);
         let kvh = k.op2("div.u32", RegClass::B32, &h, &(cfg.heads / cfg.kv_heads));
         let head_base = |k: &mut Kernel, strides: [u32; 3], head: Reg| -> Reg {
             let t0 = k.mul_u32(&b, &strides[0]);
@@ -195,13 +215,18 @@ impl<'a> Attn<'a> {
         let g = k.op2("shr.u32", RegClass::B32, &lane, &2u32);
         let t = k.op2("and.b32", RegClass::B32, &lane, &3u32);
         let t2 = k.mul_u32(&t, &2u32);
-        let wrow = k.mad_u32(&warp, &16u32, &q0);
-        let row0 = k.add_u32(&wrow, &g);
-        let row1 = k.add_u32(&row0, &8u32);
+        let wrow = k.mad_u32(&warp, &(16 * m_tiles), &q0);
+        let first = k.add_u32(&wrow, &g);
+        let rows = (0..m_tiles)
+            .map(|mt| {
+                let row0 = k.add_u32(&first, &(16 * mt));
+                [row0, k.add_u32(&row0, &8u32)]
+            })
+            .collect();
         Attn {
             cfg,
             k,
-            layout: Layout::new(cfg.head_dim),
+            layout: Layout::new(cfg.head_dim, bq),
             q,
             kp,
             v,
@@ -218,22 +243,34 @@ impl<'a> Attn<'a> {
             q0,
             smem,
             heads,
-            rows: [row0, row1],
+            m_tiles,
+            rows,
             t2,
         }
     }
 
-    fn f32_text(v: f32) -> String {
-        F32(v).text()
+    /// Query rows per block.
+    fn bq(&self) -> u32 {
+        16 * WARPS * self.m_tiles
     }
 
-    /// Queues `cp.async` copies of rows `r0 .. r0 + 64` (of `rows` valid, row stride `stride`
-    /// elements, from element `head` of `src`) into the tile at shared address `dst`; rows past
-    /// the end are zero-filled.
-    fn stage(&mut self, src: Reg, head: Reg, stride: u32, r0: Reg, rows: u32, dst: Reg) {
+    /// Queues `cp.async` copies of rows `r0 .. r0 + tile_rows` (of `rows` valid, row stride
+    /// `stride` elements, from element `head` of `src`) into the tile at shared address `dst`;
+    /// rows past the end are zero-filled.
+    #[allow(clippy::too_many_arguments)]
+    fn stage(
+        &mut self,
+        src: Reg,
+        head: Reg,
+        stride: u32,
+        r0: Reg,
+        rows: u32,
+        dst: Reg,
+        tile_rows: u32,
+    ) {
         let k = &mut self.k;
         let chunks_per_row = self.cfg.head_dim / 8;
-        let total = BKV * chunks_per_row;
+        let total = tile_rows * chunks_per_row;
         for c in 0..total.div_ceil(THREADS) {
             let chunk = k.add_u32(&self.tid, &(c * THREADS));
             let skip = k.label("skip_chunk");
@@ -291,14 +328,14 @@ impl<'a> Attn<'a> {
         w
     }
 
-    /// Q/K prologue: RoPE applied in place to the staged tile at `tile` whose row `r` is row
-    /// `r0 + r` of a sequence of `rows` (`positions` rows of `rows` entries), rounded back to the
-    /// element type. Each thread rotates 8 column pairs `(c, c + D/2)` at a time.
-    fn rotate_tile(&mut self, tile: Reg, r0: Reg, rows: u32) {
-        let (cos, sin) = self.tables.expect("RoPE tables are parameters");
+    /// Q/K prologue: RoPE applied in place to the staged tile of `tile_rows` rows at `tile`, whose
+    /// row `r` is row `r0 + r` of a sequence of `rows` (`positions` rows of `rows` entries),
+    /// rounded back to the element type as the IR's `Rope` op rounds. Each thread rotates 8
+    /// column pairs `(c, c + D/2)` at a time.
+    fn rotate_tile(&mut self, tile: Reg, r0: Reg, rows: u32, tile_rows: u32) {
         let half = self.cfg.head_dim / 2;
         let chunks = half / 8;
-        let total = BKV * chunks;
+        let total = tile_rows * chunks;
         for c in 0..total.div_ceil(THREADS) {
             let skip = self.k.label("skip_rotate");
             let chunk = self.k.add_u32(&self.tid, &(c * THREADS));
@@ -312,53 +349,59 @@ impl<'a> Attn<'a> {
             let past = self.k.setp("ge.u32", &grow, &rows);
             self.k.bra(Some((past, true)), &skip);
             let pos = self.position(grow, rows);
-            let k = &mut self.k;
-            let s_row = k.mad_u32(&row, &self.layout.row_bytes, &tile);
-            let lo_addr = k.mad_u32(&kc, &16u32, &s_row);
-            let hi_addr = k.add_u32(&lo_addr, &(half * 2));
-            let lo_w = ld_shared_v4(k, lo_addr);
-            let hi_w = ld_shared_v4(k, hi_addr);
-            let t0 = k.mul_u32(&kc, &8u32);
-            let ti = k.mad_u32(&pos, &half, &t0);
-            let ca = k.address(cos, &ti, 4);
-            let sa = k.address(sin, &ti, 4);
-            let mut cs = k.ld_global_vec16(Elem::F32, ca);
-            let mut sn = k.ld_global_vec16(Elem::F32, sa);
-            let ca2 = k.op2("add.u64", RegClass::B64, &ca, &16u64);
-            let sa2 = k.op2("add.u64", RegClass::B64, &sa, &16u64);
-            cs.extend(k.ld_global_vec16(Elem::F32, ca2));
-            sn.extend(k.ld_global_vec16(Elem::F32, sa2));
-            let mut new_lo = Vec::new();
-            let mut new_hi = Vec::new();
-            for w in 0..4 {
-                let x1 = self.unpack(lo_w[w]);
-                let x2 = self.unpack(hi_w[w]);
-                let mut lo_pair = Vec::new();
-                let mut hi_pair = Vec::new();
-                for e in 0..2 {
-                    let (c, s) = (cs[w * 2 + e], sn[w * 2 + e]);
-                    let k = &mut self.k;
-                    // rotate_half: [x1, x2] -> [x1 c - x2 s, x2 c + x1 s]
-                    let x1c = k.mul_f32(&x1[e], &c);
-                    let neg = k.op1("neg.f32", RegClass::F32, &x2[e]);
-                    lo_pair.push(k.fma_f32(&neg, &s, &x1c));
-                    let x2c = k.mul_f32(&x2[e], &c);
-                    hi_pair.push(k.fma_f32(&x1[e], &s, &x2c));
-                }
-                new_lo.push(self.pack(lo_pair[0], lo_pair[1]));
-                new_hi.push(self.pack(hi_pair[0], hi_pair[1]));
-            }
-            st_shared_v4(&mut self.k, lo_addr, &new_lo);
-            st_shared_v4(&mut self.k, hi_addr, &new_hi);
+            let s_row = self.k.mad_u32(&row, &self.layout.row_bytes, &tile);
+            let lo_addr = self.k.mad_u32(&kc, &16u32, &s_row);
+            self.rotate_chunk(lo_addr, pos, kc);
             self.k.place(&skip);
         }
+    }
+
+    /// Rotates the 8 pairs at shared `lo_addr` (columns `8 kc ..`) and `lo_addr + D` (bytes) by
+    /// the angles of position `pos`: `[x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]`.
+    fn rotate_chunk(&mut self, lo_addr: Reg, pos: Reg, kc: Reg) {
+        let (cos, sin) = self.tables.expect("RoPE tables are parameters");
+        let half = self.cfg.head_dim / 2;
+        let k = &mut self.k;
+        let hi_addr = k.add_u32(&lo_addr, &(half * 2));
+        let lo_w = ld_shared_v4(k, lo_addr);
+        let hi_w = ld_shared_v4(k, hi_addr);
+        let t0 = k.mul_u32(&kc, &8u32);
+        let ti = k.mad_u32(&pos, &half, &t0);
+        let mut angles = Vec::new();
+        for table in [cos, sin] {
+            let a = k.address(table, &ti, 4);
+            let mut v = k.ld_global_vec16(Elem::F32, a);
+            let a2 = k.op2("add.u64", RegClass::B64, &a, &16u64);
+            v.extend(k.ld_global_vec16(Elem::F32, a2));
+            angles.push(v);
+        }
+        let (mut new_lo, mut new_hi) = (Vec::new(), Vec::new());
+        for w in 0..4 {
+            let x1 = self.unpack(lo_w[w]);
+            let x2 = self.unpack(hi_w[w]);
+            let (mut lo, mut hi) = (Vec::new(), Vec::new());
+            for e in 0..2 {
+                let (c, s) = (angles[0][w * 2 + e], angles[1][w * 2 + e]);
+                let k = &mut self.k;
+                let x1c = k.mul_f32(&x1[e], &c);
+                let neg = k.op1("neg.f32", RegClass::F32, &x2[e]);
+                lo.push(k.fma_f32(&neg, &s, &x1c));
+                let x2c = k.mul_f32(&x2[e], &c);
+                hi.push(k.fma_f32(&x1[e], &s, &x2c));
+            }
+            new_lo.push(self.pack(lo[0], lo[1]));
+            new_hi.push(self.pack(hi[0], hi[1]));
+        }
+        st_shared_v4(&mut self.k, lo_addr, &new_lo);
+        st_shared_v4(&mut self.k, hi_addr, &new_hi);
     }
 
     /// Key rule: the block's key tiles and each thread's per-row limits.
     fn key_rule(&mut self) -> BlockKeys {
         let cfg = self.cfg;
         let (s_len, t_len) = (cfg.q_len, cfg.kv_len);
-        let (window, min_last, max_last, last) = match cfg.keys {
+        let rows = self.rows.clone();
+        let (window, min_last, max_last, last): (_, _, _, Vec<[Reg; 2]>) = match cfg.keys {
             KeyRule::All => {
                 let k = &mut self.k;
                 let zero = k.mov(RegClass::B32, &0u32);
@@ -377,20 +420,27 @@ impl<'a> Attn<'a> {
                 let shift = t_len - s_len;
                 let k = &mut self.k;
                 let min_last = k.add_u32(&self.q0, &shift);
-                let top0 = k.add_u32(&self.q0, &(BQ - 1));
+                let top0 = k.add_u32(&self.q0, &(16 * WARPS * self.m_tiles - 1));
                 let top = k.op2("min.u32", RegClass::B32, &top0, &(s_len - 1));
                 let max_last = k.add_u32(&top, &shift);
-                let last = self.rows.map(|r| self.k.add_u32(&r, &shift));
+                let last = rows
+                    .iter()
+                    .map(|r| r.map(|row| k.add_u32(&row, &shift)))
+                    .collect();
                 (window, min_last, max_last, last)
             }
             KeyRule::Position { window } => {
                 let (min_last, max_last) = self.position_range();
-                let mut last = [min_last; 2];
-                for (slot, row) in last.iter_mut().zip(self.rows) {
-                    let ok = self.k.setp("lt.u32", &row, &s_len);
-                    let safe = self.k.selp(RegClass::B32, "u32", &row, &0u32, ok);
-                    *slot = self.position(safe, s_len);
-                }
+                let last = rows
+                    .iter()
+                    .map(|r| {
+                        r.map(|row| {
+                            let ok = self.k.setp("lt.u32", &row, &s_len);
+                            let safe = self.k.selp(RegClass::B32, "u32", &row, &0u32, ok);
+                            self.position(safe, s_len)
+                        })
+                    })
+                    .collect();
                 (window, min_last, max_last, last)
             }
         };
@@ -406,7 +456,10 @@ impl<'a> Attn<'a> {
                 let start_key = window_start(k, min_last, w);
                 let start = k.op2("and.b32", RegClass::B32, &start_key, &!(BKV - 1));
                 let interior_from = window_start(k, max_last, w);
-                let first = last.map(|l| window_start(k, l, w));
+                let first = last
+                    .iter()
+                    .map(|l| l.map(|x| window_start(k, x, w)))
+                    .collect();
                 (start, interior_from, Some(first))
             }
         };
@@ -422,72 +475,76 @@ impl<'a> Attn<'a> {
 
     /// The smallest and largest position of the block's rows (a shared-memory reduction).
     fn position_range(&mut self) -> (Reg, Reg) {
-        let words = self.k.add_u32(&self.smem, &self.layout.range);
-        let first = self.k.setp("eq.u32", &self.tid, &0u32);
-        let skip_init = self.k.label("skip_range_init");
-        self.k.bra(Some((first, false)), &skip_init);
-        self.k
-            .emit(format!("st.shared.u32 [{words}], {}", u32::MAX));
-        self.k.emit(format!("st.shared.u32 [{words}+4], 0"));
-        self.k.place(&skip_init);
-        self.k.barrier();
-        let row = self.k.add_u32(&self.q0, &self.tid);
-        let in_block = self.k.setp("lt.u32", &self.tid, &BQ);
-        let in_seq = self.k.setp("lt.u32", &row, &self.cfg.q_len);
-        let ok = self.k.reg(RegClass::Pred);
-        self.k.emit(format!("and.pred {ok}, {in_block}, {in_seq}"));
-        let skip = self.k.label("skip_range");
-        self.k.bra(Some((ok, false)), &skip);
+        let bq = self.bq();
+        let k = &mut self.k;
+        let words = k.add_u32(&self.smem, &self.layout.range);
+        let first = k.setp("eq.u32", &self.tid, &0u32);
+        let skip_init = k.label("skip_range_init");
+        k.bra(Some((first, false)), &skip_init);
+        k.emit(format!("st.shared.u32 [{words}], {}", u32::MAX));
+        k.emit(format!("st.shared.u32 [{words}+4], 0"));
+        k.place(&skip_init);
+        k.barrier();
+        let row = k.add_u32(&self.q0, &self.tid);
+        let in_block = k.setp("lt.u32", &self.tid, &bq);
+        let in_seq = k.setp("lt.u32", &row, &self.cfg.q_len);
+        let ok = k.reg(RegClass::Pred);
+        k.emit(format!("and.pred {ok}, {in_block}, {in_seq}"));
+        let skip = k.label("skip_range");
+        k.bra(Some((ok, false)), &skip);
         let pos = self.position(row, self.cfg.q_len);
-        self.k.emit(format!("red.shared.min.u32 [{words}], {pos}"));
-        self.k
-            .emit(format!("red.shared.max.u32 [{words}+4], {pos}"));
-        self.k.place(&skip);
-        self.k.barrier();
-        let lo = self.k.reg(RegClass::B32);
-        let hi = self.k.reg(RegClass::B32);
-        self.k.emit(format!("ld.shared.u32 {lo}, [{words}]"));
-        self.k.emit(format!("ld.shared.u32 {hi}, [{words}+4]"));
+        let k = &mut self.k;
+        k.emit(format!("red.shared.min.u32 [{words}], {pos}"));
+        k.emit(format!("red.shared.max.u32 [{words}+4], {pos}"));
+        k.place(&skip);
+        k.barrier();
+        let lo = k.reg(RegClass::B32);
+        let hi = k.reg(RegClass::B32);
+        k.emit(format!("ld.shared.u32 {lo}, [{words}]"));
+        k.emit(format!("ld.shared.u32 {hi}, [{words}+4]"));
         (lo, hi)
     }
 
-    /// Stages the Q tile (rotated when asked) and loads each warp's A fragments.
-    fn q_fragments(&mut self) -> Vec<Vec<Reg>> {
+    /// Stages the Q tile (rotated when asked) and loads the warp's A fragments: per m16 tile, per
+    /// 16 columns of the head dimension.
+    fn q_fragments(&mut self) -> Vec<Vec<Vec<Reg>>> {
         let cfg = self.cfg;
+        let bq = self.bq();
         self.k
-            .comment("Q tile -> shared (RoPE) -> A fragments (16 rows per warp)");
+            .comment("Q tile -> shared (RoPE) -> A fragments (16 rows per m16 tile)");
         let q_tile = self.smem;
-        self.stage(
-            self.q,
-            self.heads[0],
-            cfg.strides[0][2],
-            self.q0,
-            cfg.q_len,
-            q_tile,
-        );
+        let (q, head) = (self.q, self.heads[0]);
+        self.stage(q, head, cfg.strides[0][2], self.q0, cfg.q_len, q_tile, bq);
         self.k.emit("cp.async.commit_group");
         self.k.emit("cp.async.wait_group 0");
         self.k.barrier();
         if cfg.rope {
-            self.rotate_tile(q_tile, self.q0, cfg.q_len);
+            self.rotate_tile(q_tile, self.q0, cfg.q_len, bq);
             self.k.barrier();
         }
         let k = &mut self.k;
         let l15 = k.op2("and.b32", RegClass::B32, &self.lane, &15u32);
         let lhi = k.op2("shr.u32", RegClass::B32, &self.lane, &4u32);
-        let a_row = k.mad_u32(&self.warp, &16u32, &l15);
+        let w_row = k.mul_u32(&self.warp, &(16 * self.m_tiles));
+        let a_row = k.add_u32(&w_row, &l15);
         let a_addr0 = k.mad_u32(&a_row, &self.layout.row_bytes, &q_tile);
         let a_addr = k.mad_u32(&lhi, &16u32, &a_addr0);
-        (0..cfg.head_dim / 16)
-            .map(|kk| ldmatrix(k, "", a_addr, kk * 32))
+        let rb = self.layout.row_bytes;
+        (0..self.m_tiles)
+            .map(|mt| {
+                (0..cfg.head_dim / 16)
+                    .map(|kk| ldmatrix(k, "", a_addr, mt * 16 * rb + kk * 32))
+                    .collect()
+            })
             .collect()
     }
 
     /// The K and V tiles of buffer `index` (shared addresses).
     fn buffer(&mut self, index: &dyn Operand) -> (Reg, Reg) {
-        let kv = self.k.add_u32(&self.smem, &self.layout.kv);
-        let kt = self.k.mad_u32(index, &(2 * self.layout.tile_bytes), &kv);
-        let vt = self.k.add_u32(&kt, &self.layout.tile_bytes);
+        let k = &mut self.k;
+        let kv = k.add_u32(&self.smem, &self.layout.kv);
+        let kt = k.mad_u32(index, &(2 * self.layout.tile_bytes), &kv);
+        let vt = k.add_u32(&kt, &self.layout.tile_bytes);
         (kt, vt)
     }
 
@@ -495,8 +552,9 @@ impl<'a> Attn<'a> {
     fn stage_kv(&mut self, j: Reg, index: Reg) {
         let cfg = self.cfg;
         let (kt, vt) = self.buffer(&index);
-        self.stage(self.kp, self.heads[1], cfg.strides[1][2], j, cfg.kv_len, kt);
-        self.stage(self.v, self.heads[2], cfg.strides[2][2], j, cfg.kv_len, vt);
+        let (kp, v, [_, kh, vh, _]) = (self.kp, self.v, self.heads);
+        self.stage(kp, kh, cfg.strides[1][2], j, cfg.kv_len, kt, BKV);
+        self.stage(v, vh, cfg.strides[2][2], j, cfg.kv_len, vt, BKV);
         let Some(mask) = self.mask else { return };
         let k = &mut self.k;
         let skip = k.label("skip_mask_stage");
@@ -505,14 +563,14 @@ impl<'a> Attn<'a> {
         let key = k.add_u32(&j, &self.tid);
         let value = k.mov(RegClass::F32, &F32(f32::NEG_INFINITY));
         let past = k.setp("ge.u32", &key, &cfg.kv_len);
-        let absent_label = k.label("mask_absent");
-        k.bra(Some((past, true)), &absent_label);
+        let absent = k.label("mask_absent");
+        k.bra(Some((past, true)), &absent);
         let mi = k.mad_u32(&self.b, &cfg.kv_len, &key);
         let ma = k.address(mask, &mi, 8);
         let present = k.ld_global_i64(ma);
         let keep = k.setp("ne.s64", &present, &0u64);
         k.emit(format!("@{keep} mov.f32 {value}, 0f00000000"));
-        k.place(&absent_label);
+        k.place(&absent);
         let slot = k.mad_u32(&index, &BKV, &self.tid);
         let m0 = k.add_u32(&self.smem, &self.layout.mask);
         let addr = k.mad_u32(&slot, &4u32, &m0);
@@ -521,39 +579,28 @@ impl<'a> Attn<'a> {
     }
 
     /// The main loop over the block's key tiles.
-    fn main_loop(&mut self, keys: &BlockKeys, q_frag: &[Vec<Reg>]) -> RowState {
+    fn main_loop(&mut self, keys: &BlockKeys, q_frag: &[Vec<Vec<Reg>>]) -> Vec<RowState> {
         let cfg = self.cfg;
-        let d_tiles = cfg.head_dim / 8;
         let k = &mut self.k;
         let neg_inf = F32(f32::NEG_INFINITY);
-        let mut state = RowState {
-            m: [
-                k.mov(RegClass::F32, &neg_inf),
-                k.mov(RegClass::F32, &neg_inf),
-            ],
-            l: [
-                k.mov(RegClass::F32, &F32(0.0)),
-                k.mov(RegClass::F32, &F32(0.0)),
-            ],
-            o: (0..d_tiles * 4)
-                .map(|_| k.mov(RegClass::F32, &F32(0.0)))
-                .collect(),
-        };
+        let mut state: Vec<RowState> = (0..self.m_tiles)
+            .map(|_| RowState {
+                m: [
+                    k.mov(RegClass::F32, &neg_inf),
+                    k.mov(RegClass::F32, &neg_inf),
+                ],
+                l: [
+                    k.mov(RegClass::F32, &F32(0.0)),
+                    k.mov(RegClass::F32, &F32(0.0)),
+                ],
+                o: (0..cfg.head_dim / 2)
+                    .map(|_| k.mov(RegClass::F32, &F32(0.0)))
+                    .collect(),
+            })
+            .collect();
         let dropout = self.dropout_key();
+        let (k_lane, v_lane) = self.lane_offsets();
         let k = &mut self.k;
-        // ldmatrix lane offsets within a tile for K (as B, non-transposed) and V (transposed).
-        let rb = self.layout.row_bytes;
-        let l15 = k.op2("and.b32", RegClass::B32, &self.lane, &15u32);
-        let lhi = k.op2("shr.u32", RegClass::B32, &self.lane, &4u32);
-        let l7 = k.op2("and.b32", RegClass::B32, &self.lane, &7u32);
-        let l3 = k.op2("shr.u32", RegClass::B32, &self.lane, &3u32);
-        let l3b = k.op2("and.b32", RegClass::B32, &l3, &1u32);
-        let kn = k.mad_u32(&lhi, &8u32, &l7);
-        let k_lane0 = k.mul_u32(&kn, &rb);
-        let k_lane = k.mad_u32(&l3b, &16u32, &k_lane0);
-        let v_lane0 = k.mul_u32(&l15, &rb);
-        let v_lane = k.mad_u32(&lhi, &16u32, &v_lane0);
-
         let j0 = k.mov(RegClass::B32, &keys.start);
         let it = k.mov(RegClass::B32, &0u32);
         let done = k.label("kv_tiles_done");
@@ -569,18 +616,21 @@ impl<'a> Attn<'a> {
         let (k_tile, v_tile) = self.buffer(&cur);
         if cfg.rope && cfg.rope_k {
             self.k.comment("K prologue: RoPE on the landed key tile");
-            self.rotate_tile(k_tile, j0, cfg.kv_len);
+            self.rotate_tile(k_tile, j0, cfg.kv_len, BKV);
             self.k.barrier();
         }
         let k_addr = self.k.add_u32(&k_tile, &k_lane);
         let v_addr = self.k.add_u32(&v_tile, &v_lane);
-        let s = self.scores(q_frag, k_addr);
-        self.mask_scores(keys, &s, j0, cur);
-        let p = self.softmax(&mut state, &s);
-        let p = match &dropout {
-            Some(key) => self.dropout(key, &p, j0),
-            None => p,
-        };
+        let mut s = self.scores(q_frag, k_addr);
+        self.mask_scores(keys, &mut s, j0, cur);
+        let mut p = Vec::new();
+        for (mt, (st, s)) in state.iter_mut().zip(&s).enumerate() {
+            let probs = self.softmax(st, s);
+            p.push(match &dropout {
+                Some(key) => self.dropout(key, &probs, j0, mt),
+                None => probs,
+            });
+        }
         self.pv(&mut state, &p, v_addr);
         let k = &mut self.k;
         k.barrier();
@@ -591,6 +641,23 @@ impl<'a> Attn<'a> {
         k.place(&done);
         k.emit("cp.async.wait_group 0");
         state
+    }
+
+    /// `ldmatrix` lane offsets within a tile for K (as B, non-transposed) and V (transposed).
+    fn lane_offsets(&mut self) -> (Reg, Reg) {
+        let rb = self.layout.row_bytes;
+        let k = &mut self.k;
+        let l15 = k.op2("and.b32", RegClass::B32, &self.lane, &15u32);
+        let lhi = k.op2("shr.u32", RegClass::B32, &self.lane, &4u32);
+        let l7 = k.op2("and.b32", RegClass::B32, &self.lane, &7u32);
+        let l3 = k.op2("shr.u32", RegClass::B32, &self.lane, &3u32);
+        let l3b = k.op2("and.b32", RegClass::B32, &l3, &1u32);
+        let kn = k.mad_u32(&lhi, &8u32, &l7);
+        let k_lane0 = k.mul_u32(&kn, &rb);
+        let k_lane = k.mad_u32(&l3b, &16u32, &k_lane0);
+        let v_lane0 = k.mul_u32(&l15, &rb);
+        let v_lane = k.mad_u32(&lhi, &16u32, &v_lane0);
+        (k_lane, v_lane)
     }
 
     /// Streams the tile after `j0` into the other buffer (an empty group past the end), waits for
@@ -610,37 +677,40 @@ impl<'a> Attn<'a> {
         self.k.op2("and.b32", RegClass::B32, &it, &1u32)
     }
 
-    /// `S = Q K^T` for the warp's 16 rows and the tile's 64 keys, scaled to base 2.
-    fn scores(&mut self, q_frag: &[Vec<Reg>], k_addr: Reg) -> Vec<Reg> {
+    /// `S = Q K^T` for each of the warp's m16 tiles against the tile's 64 keys (unscaled: the
+    /// softmax folds the scale into its exponent).
+    fn scores(&mut self, q_frag: &[Vec<Vec<Reg>>], k_addr: Reg) -> Vec<Vec<Reg>> {
         let ty = self.cfg.elem.name();
         let k = &mut self.k;
-        k.comment("S = Q K^T (16 x 64 per warp)");
-        let s: Vec<Reg> = (0..(BKV / 8) * 4)
-            .map(|_| k.mov(RegClass::F32, &F32(0.0)))
+        k.comment("S = Q K^T (16 x 64 per m16 tile; each K fragment feeds every m16 tile)");
+        let s: Vec<Vec<Reg>> = (0..self.m_tiles)
+            .map(|_| {
+                (0..(BKV / 8) * 4)
+                    .map(|_| k.mov(RegClass::F32, &F32(0.0)))
+                    .collect()
+            })
             .collect();
-        for (kk, a) in q_frag.iter().enumerate() {
+        for kk in 0..self.cfg.head_dim / 16 {
             for jj in 0..BKV / 16 {
-                let off = jj * 16 * self.layout.row_bytes + kk as u32 * 32;
+                let off = jj * 16 * self.layout.row_bytes + kk * 32;
                 let r = ldmatrix(k, "", k_addr, off);
                 for (half, bf) in [[r[0], r[1]], [r[2], r[3]]].iter().enumerate() {
                     let n = (jj as usize * 2 + half) * 4;
-                    mma(k, ty, &s[n..n + 4], a, bf);
+                    for (a, s) in q_frag.iter().zip(&s) {
+                        mma(k, ty, &s[n..n + 4], &a[kk as usize], bf);
+                    }
                 }
             }
-        }
-        let scale = Self::f32_text(self.cfg.scale * std::f32::consts::LOG2_E);
-        for reg in &s {
-            k.emit(format!("mul.rn.f32 {reg}, {reg}, {scale}"));
         }
         s
     }
 
     /// Key rule and mask: the additive padding mask of the tile, then, on edge tiles only, keys
     /// past the end, after each row's last key or before its window.
-    fn mask_scores(&mut self, keys: &BlockKeys, s: &[Reg], j0: Reg, cur: Reg) {
+    fn mask_scores(&mut self, keys: &BlockKeys, s: &mut [Vec<Reg>], j0: Reg, cur: Reg) {
         let cfg = self.cfg;
+        let k = &mut self.k;
         if self.mask.is_some() {
-            let k = &mut self.k;
             k.comment("padding: the tile's additive mask");
             let m0 = k.add_u32(&self.smem, &self.layout.mask);
             let row = k.mad_u32(&cur, &(BKV * 4), &m0);
@@ -651,13 +721,14 @@ impl<'a> Attn<'a> {
                     "ld.shared.v2.f32 {{{a}, {b}}}, [{base}+{}]",
                     nt * 32
                 ));
-                for (r, add) in [a, b, a, b].iter().enumerate() {
-                    let reg = s[(nt * 4) as usize + r];
-                    k.emit(format!("add.f32 {reg}, {reg}, {add}"));
+                for s in s.iter() {
+                    for (r, add) in [a, b, a, b].iter().enumerate() {
+                        let reg = s[(nt * 4) as usize + r];
+                        k.emit(format!("add.f32 {reg}, {reg}, {add}"));
+                    }
                 }
             }
         }
-        let k = &mut self.k;
         k.comment("edge tiles: keys past the end, past each row's last key, before its window");
         let interior = k.label("interior_tile");
         let tile_end = k.add_u32(&j0, &BKV);
@@ -666,37 +737,41 @@ impl<'a> Attn<'a> {
         let inside = k.reg(RegClass::Pred);
         k.emit(format!("and.pred {inside}, {inside_to}, {inside_from}"));
         k.bra(Some((inside, true)), &interior);
-        let neg_inf = Self::f32_text(f32::NEG_INFINITY);
+        let neg_inf = F32(f32::NEG_INFINITY).text();
         let col_base = k.add_u32(&j0, &self.t2);
         for nt in 0..BKV / 8 {
             for c in 0..2u32 {
                 let col = k.add_u32(&col_base, &(nt * 8 + c));
                 let past_end = k.setp("ge.u32", &col, &cfg.kv_len);
-                for half in 0..2usize {
-                    let reg = s[(nt * 4 + half as u32 * 2 + c) as usize];
-                    let out = k.reg(RegClass::Pred);
-                    k.emit(format!("mov.pred {out}, {past_end}"));
-                    if let Some(last) = keys.last {
-                        let after = k.setp("gt.u32", &col, &last[half]);
-                        k.emit(format!("or.pred {out}, {out}, {after}"));
+                for (mt, s) in s.iter().enumerate() {
+                    for half in 0..2usize {
+                        let reg = s[(nt * 4 + half as u32 * 2 + c) as usize];
+                        let out = k.reg(RegClass::Pred);
+                        k.emit(format!("mov.pred {out}, {past_end}"));
+                        if let Some(last) = &keys.last {
+                            let after = k.setp("gt.u32", &col, &last[mt][half]);
+                            k.emit(format!("or.pred {out}, {out}, {after}"));
+                        }
+                        if let Some(first) = &keys.first {
+                            let before = k.setp("lt.u32", &col, &first[mt][half]);
+                            k.emit(format!("or.pred {out}, {out}, {before}"));
+                        }
+                        k.emit(format!("@{out} mov.f32 {reg}, {neg_inf}"));
                     }
-                    if let Some(first) = keys.first {
-                        let before = k.setp("lt.u32", &col, &first[half]);
-                        k.emit(format!("or.pred {out}, {out}, {before}"));
-                    }
-                    k.emit(format!("@{out} mov.f32 {reg}, {neg_inf}"));
                 }
             }
         }
         k.place(&interior);
     }
 
-    /// Online softmax: the row max over the quad, rescale, exponentiate; returns P (f32) in the
-    /// score accumulators' layout. Row sums are taken before any dropout.
+    /// Online softmax of one m16 tile: the row max over the quad, rescale, exponentiate with the
+    /// scale folded in (`2^(s * scale * log2 e - m)`); returns P (f32) in the score accumulators'
+    /// layout. Row sums are taken before any dropout.
     fn softmax(&mut self, st: &mut RowState, s: &[Reg]) -> Vec<Reg> {
         let k = &mut self.k;
         k.comment("online softmax: row max over the quad, rescale, exponentiate");
         let neg_inf = F32(f32::NEG_INFINITY);
+        let scale = F32(self.cfg.scale * std::f32::consts::LOG2_E);
         let mut p_regs = s.to_vec();
         for half in 0..2u32 {
             let (mi, li) = (st.m[half as usize], st.l[half as usize]);
@@ -711,19 +786,22 @@ impl<'a> Attn<'a> {
                 k.emit(format!("shfl.sync.bfly.b32 {other}, {mx}, {off}, 31, -1"));
                 mx = k.max_f32(&mx, &other);
             }
-            let m_new = k.max_f32(&mi, &mx);
+            // The scale is positive (`supports`), so the max commutes with it.
+            let scaled = k.mul_f32(&mx, &scale);
+            let m_new = k.max_f32(&mi, &scaled);
             // A row that has seen no key yet keeps m = -inf; use 0 so that exp2 gives 0, not NaN.
             let none = k.setp("eq.f32", &m_new, &neg_inf);
             let m_use = k.selp(RegClass::F32, "f32", &F32(0.0), &m_new, none);
             let dm = k.sub_f32(&mi, &m_use);
             let corr = k.op1("ex2.approx.ftz.f32", RegClass::F32, &dm);
             k.emit(format!("mov.f32 {mi}, {m_new}"));
+            let neg_m = k.op1("neg.f32", RegClass::F32, &m_use);
             let row_sum = k.mov(RegClass::F32, &F32(0.0));
             for nt in 0..BKV / 8 {
                 for c in 0..2 {
                     let idx = (nt * 4 + half * 2 + c) as usize;
-                    let ds = k.sub_f32(&s[idx], &m_use);
-                    let p = k.op1("ex2.approx.ftz.f32", RegClass::F32, &ds);
+                    let e = k.fma_f32(&s[idx], &scale, &neg_m);
+                    let p = k.op1("ex2.approx.ftz.f32", RegClass::F32, &e);
                     k.emit(format!("add.f32 {row_sum}, {row_sum}, {p}"));
                     p_regs[idx] = p;
                 }
@@ -757,28 +835,21 @@ impl<'a> Attn<'a> {
         })
     }
 
-    /// Dropout on P: element (row, col) is kept when Philox word `col & 3` of counter
-    /// `(col >> 2, row, plane, stream)` is at least the threshold, and scaled by `1 / (1 - p)`.
-    /// A thread's column pair `(2t, 2t + 1)` shares one counter.
-    fn dropout(&mut self, key: &DropoutKey, p: &[Reg], j0: Reg) -> Vec<Reg> {
-        self.k
-            .comment("dropout: one Philox block per (row, column pair)");
+    /// Dropout on P of m16 tile `mt`: element (row, col) is kept when Philox word `col & 3` of
+    /// counter `(col >> 2, row, plane, stream)` is at least the threshold, and scaled by
+    /// `1 / (1 - p)`. A thread's column pair `(2t, 2t + 1)` shares one counter.
+    fn dropout(&mut self, key: &DropoutKey, p: &[Reg], j0: Reg, mt: usize) -> Vec<Reg> {
+        let k = &mut self.k;
+        k.comment("dropout: one Philox block per (row, column pair)");
         let mut out = p.to_vec();
-        let col_base = self.k.add_u32(&j0, &self.t2);
+        let col_base = k.add_u32(&j0, &self.t2);
         for nt in 0..BKV / 8 {
-            let col = self.k.add_u32(&col_base, &(nt * 8));
-            let upper = self.k.op2("and.b32", RegClass::B32, &col, &2u32);
-            let second = self.k.setp("ne.u32", &upper, &0u32);
+            let col = k.add_u32(&col_base, &(nt * 8));
+            let upper = k.op2("and.b32", RegClass::B32, &col, &2u32);
+            let second = k.setp("ne.u32", &upper, &0u32);
             for half in 0..2u32 {
-                let k = &mut self.k;
-                let w = philox_words(
-                    k,
-                    key.key,
-                    key.stream,
-                    key.plane,
-                    self.rows[half as usize],
-                    col,
-                );
+                let row = self.rows[mt][half as usize];
+                let w = philox_words(k, key.key, key.stream, key.plane, row, col);
                 for c in 0..2usize {
                     let word = k.selp(RegClass::B32, "b32", &w[2 + c], &w[c], second);
                     let keep = k.setp("ge.u32", &word, &key.threshold);
@@ -791,65 +862,75 @@ impl<'a> Attn<'a> {
         out
     }
 
-    /// `O += P V`: P re-packed from the score accumulators as A fragments.
-    fn pv(&mut self, st: &mut RowState, p: &[Reg], v_addr: Reg) {
+    /// `O += P V`: P re-packed from the score accumulators as A fragments; each V fragment feeds
+    /// every m16 tile.
+    fn pv(&mut self, st: &mut [RowState], p: &[Vec<Reg>], v_addr: Reg) {
         let ty = self.cfg.elem.name();
         self.k
             .comment("O += P V: P re-packed from the score accumulators as A fragments");
         for kb in 0..BKV / 16 {
             let t0 = (kb * 2 * 4) as usize;
             let t1 = ((kb * 2 + 1) * 4) as usize;
-            let a = [
-                self.pack(p[t0], p[t0 + 1]),
-                self.pack(p[t0 + 2], p[t0 + 3]),
-                self.pack(p[t1], p[t1 + 1]),
-                self.pack(p[t1 + 2], p[t1 + 3]),
-            ];
+            let a: Vec<[Reg; 4]> = p
+                .iter()
+                .map(|p| {
+                    [
+                        self.pack(p[t0], p[t0 + 1]),
+                        self.pack(p[t0 + 2], p[t0 + 3]),
+                        self.pack(p[t1], p[t1 + 1]),
+                        self.pack(p[t1 + 2], p[t1 + 3]),
+                    ]
+                })
+                .collect();
             let k = &mut self.k;
             for dd in 0..self.cfg.head_dim / 16 {
                 let off = kb * 16 * self.layout.row_bytes + dd * 32;
                 let r = ldmatrix(k, ".trans", v_addr, off);
                 for (half, bf) in [[r[0], r[1]], [r[2], r[3]]].iter().enumerate() {
                     let n = ((dd * 2) as usize + half) * 4;
-                    mma(k, ty, &st.o[n..n + 4], &a, bf);
+                    for (a, st) in a.iter().zip(st.iter()) {
+                        mma(k, ty, &st.o[n..n + 4], a, bf);
+                    }
                 }
             }
         }
     }
 
     /// Epilogue: normalise by the quad-summed row sums (zeros for a row that saw no key) and store.
-    fn store(&mut self, st: &RowState) {
+    fn store(&mut self, state: &[RowState]) {
         let cfg = self.cfg;
         let k = &mut self.k;
         k.comment("normalise by the quad-summed row sums and store");
-        for (half, li) in st.l.iter().enumerate() {
-            let mut total = *li;
-            for off in [1u32, 2] {
-                let other = k.reg(RegClass::F32);
-                k.emit(format!(
-                    "shfl.sync.bfly.b32 {other}, {total}, {off}, 31, -1"
-                ));
-                total = k.add_f32(&total, &other);
+        for (st, rows) in state.iter().zip(&self.rows) {
+            for (half, li) in st.l.iter().enumerate() {
+                let mut total = *li;
+                for off in [1u32, 2] {
+                    let other = k.reg(RegClass::F32);
+                    k.emit(format!(
+                        "shfl.sync.bfly.b32 {other}, {total}, {off}, 31, -1"
+                    ));
+                    total = k.add_f32(&total, &other);
+                }
+                let empty = k.setp("eq.f32", &total, &F32(0.0));
+                let inv = k.rcp_f32(&total);
+                let inv = k.selp(RegClass::F32, "f32", &F32(0.0), &inv, empty);
+                let row = rows[half];
+                let skip: Label = k.label("skip_row");
+                let past = k.setp("ge.u32", &row, &cfg.q_len);
+                k.bra(Some((past, true)), &skip);
+                let o_row = k.mad_u32(&row, &cfg.strides[3][2], &self.heads[3]);
+                let col0 = k.add_u32(&o_row, &self.t2);
+                for dt in 0..cfg.head_dim / 8 {
+                    let lo = k.mul_f32(&st.o[(dt * 4) as usize + half * 2], &inv);
+                    let hi = k.mul_f32(&st.o[(dt * 4) as usize + half * 2 + 1], &inv);
+                    let idx = k.add_u32(&col0, &(dt * 8));
+                    let addr = k.address(self.out, &idx, 2);
+                    let w = k.reg(RegClass::B32);
+                    k.emit(format!("cvt.rn.{}x2.f32 {w}, {hi}, {lo}", cfg.elem.name()));
+                    k.emit(format!("st.global.b32 [{addr}], {w}"));
+                }
+                k.place(&skip);
             }
-            let empty = k.setp("eq.f32", &total, &F32(0.0));
-            let inv = k.rcp_f32(&total);
-            let inv = k.selp(RegClass::F32, "f32", &F32(0.0), &inv, empty);
-            let row = self.rows[half];
-            let skip: Label = k.label("skip_row");
-            let past = k.setp("ge.u32", &row, &cfg.q_len);
-            k.bra(Some((past, true)), &skip);
-            let o_row = k.mad_u32(&row, &cfg.strides[3][2], &self.heads[3]);
-            let col0 = k.add_u32(&o_row, &self.t2);
-            for dt in 0..cfg.head_dim / 8 {
-                let lo = k.mul_f32(&st.o[(dt * 4) as usize + half * 2], &inv);
-                let hi = k.mul_f32(&st.o[(dt * 4) as usize + half * 2 + 1], &inv);
-                let idx = k.add_u32(&col0, &(dt * 8));
-                let addr = k.address(self.out, &idx, 2);
-                let w = k.reg(RegClass::B32);
-                k.emit(format!("cvt.rn.{}x2.f32 {w}, {hi}, {lo}", cfg.elem.name()));
-                k.emit(format!("st.global.b32 [{addr}], {w}"));
-            }
-            k.place(&skip);
         }
     }
 }
