@@ -719,7 +719,7 @@ fn write_artifact(
             compiler_git: env!("KILN_GIT_HASH").to_string(),
             model_config: std::fs::read_to_string(model.checkpoint.dir().join("config.json"))?,
             weights_sha256: match &weights {
-                Some(file) => Some(artifact::sha256_hex(&std::fs::read(tmp.join(file))?)),
+                Some(file) => Some(artifact::file_digest(&std::fs::read(tmp.join(file))?)),
                 None => None,
             },
             architecture: model.architecture.clone(),

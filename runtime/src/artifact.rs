@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use kiln_ir::artifact::{self, BucketEntry, Manifest, FORMAT_VERSION};
 use kiln_ir::Graph;
+use memmap2::Mmap;
 
 use crate::tokenizer::TextTokenizer;
 use crate::weights::WeightStore;
@@ -50,18 +51,29 @@ impl Artifact {
         }
         let sums_text = std::fs::read_to_string(dir.join(artifact::CHECKSUMS))
             .map_err(|e| bad(artifact::CHECKSUMS, format!("cannot be read: {e}")))?;
-        let sums = artifact::parse_checksums(&sums_text)
-            .ok_or_else(|| bad(artifact::CHECKSUMS, "is malformed".into()))?;
+        let sums = artifact::parse_checksums(&sums_text).ok_or_else(|| {
+            bad(
+                artifact::CHECKSUMS,
+                "is malformed or from an older kiln (compile the artifact again)".into(),
+            )
+        })?;
+        let start = std::time::Instant::now();
+        let mut maps = BTreeMap::new();
         for (hash, file) in &sums {
-            let bytes = std::fs::read(dir.join(file))
-                .map_err(|e| bad(file, format!("cannot be read: {e}")))?;
-            if artifact::sha256_hex(&bytes) != *hash {
+            let map = map_file(&dir.join(file)).map_err(|e| bad(file, e))?;
+            if artifact::file_digest(map.as_deref().unwrap_or(&[])) != *hash {
                 return Err(bad(
                     file,
                     "does not match its checksum (corrupt or modified)".into(),
                 ));
             }
+            maps.insert(file.as_str(), map);
         }
+        tracing::info!(
+            seconds = start.elapsed().as_secs_f64(),
+            files = sums.len(),
+            "checksums verified"
+        );
         let listed = |f: &str| sums.iter().any(|(_, p)| p == f);
         let text = std::fs::read_to_string(dir.join(artifact::MANIFEST))
             .map_err(|e| bad(artifact::MANIFEST, format!("cannot be read: {e}")))?;
@@ -111,7 +123,11 @@ impl Artifact {
         }
         let weights = match &manifest.weights {
             Some(file) if listed(file) => {
-                Some(WeightStore::open(&dir.join(file)).map_err(|e| bad(file, e))?)
+                let map = maps
+                    .remove(file.as_str())
+                    .flatten()
+                    .ok_or_else(|| bad(file, "is empty".into()))?;
+                Some(WeightStore::from_map(map).map_err(|e| bad(file, e))?)
             }
             Some(file) => return Err(bad(file, "has no checksum".into())),
             None => None,
@@ -163,4 +179,20 @@ impl Artifact {
             ))),
         }
     }
+}
+
+/// Maps `path` read-only (`None` for an empty file, which cannot be mapped).
+fn map_file(path: &Path) -> Result<Option<Mmap>, String> {
+    let file = std::fs::File::open(path).map_err(|e| format!("cannot be read: {e}"))?;
+    let len = file
+        .metadata()
+        .map_err(|e| format!("cannot be read: {e}"))?
+        .len();
+    if len == 0 {
+        return Ok(None);
+    }
+    // SAFETY: a read-only mapping of an artifact file; kiln never writes to an artifact it runs,
+    // and the bytes are verified against the checksums before anything reads them.
+    let map = unsafe { Mmap::map(&file) }.map_err(|e| format!("cannot be mapped: {e}"))?;
+    Ok(Some(map))
 }

@@ -262,10 +262,17 @@ impl CudaExecutor {
         // tracking off (cudarc's per-buffer events would join the capture).
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(dev)?;
+        tracing::info!(seconds = start.elapsed().as_secs_f64(), %device, "CUDA context ready");
         let mut memory = stream.alloc_zeros::<u8>(total as usize).map_err(dev)?;
         stream
             .memcpy_htod(region, &mut memory.slice_mut(0..region.len()))
             .map_err(dev)?;
+        stream.synchronize().map_err(dev)?;
+        tracing::info!(
+            seconds = start.elapsed().as_secs_f64(),
+            bytes = region.len(),
+            "weights uploaded"
+        );
 
         let module = ctx
             .load_module(match image {
@@ -288,6 +295,7 @@ impl CudaExecutor {
             functions.insert(k.name.clone(), f);
         }
 
+        tracing::info!(seconds = start.elapsed().as_secs_f64(), "kernels loaded");
         let base = {
             let (ptr, _sync) = memory.device_ptr(&stream);
             ptr
@@ -328,6 +336,11 @@ impl CudaExecutor {
                 .map_err(dev)?
                 .ok_or_else(|| RuntimeError::Device(format!("{}: empty capture", entry.graph)))?;
             graph.upload().map_err(dev)?;
+            tracing::info!(
+                seconds = start.elapsed().as_secs_f64(),
+                bucket = %entry.graph,
+                "graph captured"
+            );
             captures += 1;
             graphs.insert(entry.graph.clone(), graph);
         }

@@ -1,7 +1,6 @@
 //! The artifact's `weights.safetensors`, memory-mapped and read by name into host tensors.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use kiln_ir::artifact::MemoryPlan;
@@ -16,12 +15,9 @@ pub struct WeightStore {
 }
 
 impl WeightStore {
-    /// Maps `path` and checks that it parses as safetensors.
-    pub fn open(path: &Path) -> Result<WeightStore, String> {
-        let file = std::fs::File::open(path).map_err(|e| format!("cannot be opened: {e}"))?;
-        // SAFETY: read-only mapping of a file whose checksum was just verified; kiln never writes
-        // to an artifact it runs.
-        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| format!("cannot be mapped: {e}"))?;
+    /// Checks that the mapped weights file `mmap` (whose checksum the caller verified) parses as
+    /// safetensors.
+    pub fn from_map(mmap: Mmap) -> Result<WeightStore, String> {
         SafeTensors::deserialize(&mmap).map_err(|e| format!("is not valid safetensors: {e}"))?;
         Ok(WeightStore {
             mmap,

@@ -175,7 +175,7 @@ fn corrupt_artifacts_are_refused_naming_the_file() {
             if l.ends_with("  manifest.ron") {
                 format!(
                     "{}  manifest.ron\n",
-                    kiln_ir::artifact::sha256_hex(text.as_bytes())
+                    kiln_ir::artifact::file_digest(text.as_bytes())
                 )
             } else {
                 format!("{l}\n")
@@ -364,7 +364,7 @@ fn a_cubin_for_another_sm_is_refused() {
         .map(|l| match l.split_once("  ") {
             Some((_, "kernels.sm_90.cubin")) => format!(
                 "{}  kernels.sm_90.cubin\n",
-                kiln_ir::artifact::sha256_hex(&bytes)
+                kiln_ir::artifact::file_digest(&bytes)
             ),
             _ => format!("{l}\n"),
         })
