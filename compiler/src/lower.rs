@@ -29,11 +29,6 @@ use crate::fusion::cost::is_view;
 mod strided;
 pub use strided::materialize;
 
-/// Key ranges of a decode attention over a cache of at least this many entries.
-const SPLIT_CONTEXT: u32 = 1024;
-/// Key ranges per query (flash-decoding) for long caches: its visible keys split evenly.
-const DECODE_SPLITS: u32 = 16;
-
 /// The RoPE cos/sin tables a kernel reads: `[positions, head_dim / 2]` f32.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RopeTable {
@@ -649,10 +644,11 @@ fn lower_decode(
         window: spec.window.map(|w| w as u32),
     };
     cfg.rope = spec.rope.is_some();
-    // Decode steps (one query row) over long caches split the keys (flash-decoding); prompt
-    // chunks take the tensor-core kernel, whose blocks already cover many rows.
-    cfg.splits = if cfg.q_len == 1 && cfg.kv_len >= SPLIT_CONTEXT {
-        DECODE_SPLITS
+    // Decode steps (one query row) over long caches split each query's keys evenly across
+    // several warps (flash-decoding); prompt chunks take the tensor-core kernel, whose blocks
+    // already cover many rows.
+    cfg.splits = if cfg.q_len == 1 {
+        kiln_kernels::attention::decode_splits(cfg.kv_len)
     } else {
         1
     };

@@ -440,8 +440,22 @@ pub fn attention_simt(cfg: &AttentionConfig) -> GeneratedKernel {
     .on(KernelPath::Simt)
 }
 
+/// Key ranges per query row for a decode step (one query row per sequence) over a cache of
+/// `kv_len` entries: none below 1024 entries, then one per 64 entries of capacity, between 16
+/// and 128. Each range is walked by one warp key by key, so the ranges must be short for the
+/// steps to stay fast late in a long generation; the lowering and the tests share this rule.
+pub fn decode_splits(kv_len: u32) -> u32 {
+    if kv_len < 1024 {
+        1
+    } else {
+        (kv_len / 64).clamp(16, 128)
+    }
+}
+
 /// Merges the partial results of a split attention (`cfg.splits > 1`): one warp per (batch, head,
-/// query row), lanes over the head dimension. Parameters: `partial_acc, partial_ml, out`.
+/// query row), lanes over the head dimension, two passes over the splits (their largest max,
+/// then the rescaled sums), so that registers do not grow with the split count. Parameters:
+/// `partial_acc, partial_ml, out`.
 pub fn attention_combine(cfg: &AttentionConfig) -> GeneratedKernel {
     let name = format!("{}_combine", cfg.name());
     let mut k = Kernel::new(&name);
@@ -457,31 +471,56 @@ pub fn attention_combine(cfg: &AttentionConfig) -> GeneratedKernel {
     let row_id = k.mad_u32(&b, &cfg.heads, &h);
     let q_row_id = k.mad_u32(&row_id, &cfg.q_len, &i);
     let p0 = k.mul_u32(&q_row_id, &cfg.splits);
-    let mut ms = Vec::new();
-    let mut ls = Vec::new();
-    let m_max = k.mov(RegClass::F32, &F32(f32::NEG_INFINITY));
-    for s_i in 0..cfg.splits {
+    let split_loop = |k: &mut Kernel, what: &str, body: &mut dyn FnMut(&mut Kernel, Reg)| {
+        let s_i = k.mov(RegClass::B32, &0u32);
+        let top = k.label(what);
+        k.place(&top);
         let p = k.add_u32(&p0, &s_i);
+        body(k, p);
+        k.emit(format!("add.u32 {s_i}, {s_i}, 1"));
+        let more = k.setp("lt.u32", &s_i, &cfg.splits);
+        k.bra(Some((more, true)), &top);
+    };
+    let load_ml = |k: &mut Kernel, p: Reg| -> (Reg, Reg) {
         let mi = k.mul_u32(&p, &2u32);
         let ma = k.address(ml, &mi, 4);
         let m = k.ld_global(Elem::F32, ma);
         let la = k.op2("add.u64", RegClass::B64, &ma, &4u64);
-        let l = k.ld_global(Elem::F32, la);
+        (m, k.ld_global(Elem::F32, la))
+    };
+    k.comment("pass 1: the largest running max over the splits");
+    let m_max = k.mov(RegClass::F32, &F32(f32::NEG_INFINITY));
+    split_loop(&mut k, "max_splits", &mut |k, p| {
+        let (m, _) = load_ml(k, p);
         k.emit(format!("max.f32 {m_max}, {m_max}, {m}"));
-        ms.push(m);
-        ls.push(l);
-    }
+    });
     // Splits that saw no key have m = -inf; if no split saw one, the row stores zeros.
     let none = k.setp("eq.f32", &m_max, &F32(f32::NEG_INFINITY));
     let safe_max = k.selp(RegClass::F32, "f32", &F32(0.0), &m_max, none);
+    k.comment("pass 2: the rescaled sums and accumulators");
+    let per_lane = d.div_ceil(32);
+    let cols: Vec<Reg> = (0..per_lane).map(|c| k.add_u32(&lane, &(c * 32))).collect();
+    let valid: Vec<Reg> = cols.iter().map(|c| k.setp("lt.u32", c, &d)).collect();
+    let sums: Vec<Reg> = (0..per_lane)
+        .map(|_| k.mov(RegClass::F32, &F32(0.0)))
+        .collect();
     let total = k.mov(RegClass::F32, &F32(0.0));
-    let mut scales = Vec::new();
-    for (m, l) in ms.iter().zip(&ls) {
-        let dm = k.sub_f32(m, &safe_max);
+    split_loop(&mut k, "sum_splits", &mut |k, p| {
+        let (m, l) = load_ml(k, p);
+        let dm = k.sub_f32(&m, &safe_max);
         let scale = k.op1("ex2.approx.ftz.f32", RegClass::F32, &dm);
-        k.fma_into(total, &scale, l);
-        scales.push(scale);
-    }
+        k.fma_into(total, &scale, &l);
+        let pb = k.mul_u32(&p, &d);
+        for ((col, ok), sum) in cols.iter().zip(&valid).zip(&sums) {
+            let skip = k.label("skip_col");
+            k.bra(Some((*ok, false)), &skip);
+            let idx = k.add_u32(&pb, col);
+            let a = k.address(acc, &idx, 4);
+            let v = k.ld_global(Elem::F32, a);
+            k.fma_into(*sum, &scale, &v);
+            k.place(&skip);
+        }
+    });
     let empty = k.setp("eq.f32", &total, &F32(0.0));
     let inv = k.rcp_f32(&total);
     let inv = k.selp(RegClass::F32, "f32", &F32(0.0), &inv, empty);
@@ -489,22 +528,11 @@ pub fn attention_combine(cfg: &AttentionConfig) -> GeneratedKernel {
     let t0 = k.mul_u32(&b, &o_stride[0]);
     let t1 = k.mad_u32(&h, &o_stride[1], &t0);
     let o_row = k.mad_u32(&i, &o_stride[2], &t1);
-    for c in 0..d.div_ceil(32) {
-        let col = k.add_u32(&lane, &(c * 32));
-        let ok = k.setp("lt.u32", &col, &d);
-        let skip = k.label("skip_col");
-        k.bra(Some((ok, false)), &skip);
-        let sum = k.mov(RegClass::F32, &F32(0.0));
-        for (s_i, scale) in scales.iter().enumerate() {
-            let p = k.add_u32(&p0, &(s_i as u32));
-            let pb = k.mul_u32(&p, &d);
-            let idx = k.add_u32(&pb, &col);
-            let a = k.address(acc, &idx, 4);
-            let v = k.ld_global(Elem::F32, a);
-            k.fma_into(sum, scale, &v);
-        }
-        let y = k.mul_f32(&sum, &inv);
-        let oi = k.add_u32(&o_row, &col);
+    for ((col, ok), sum) in cols.iter().zip(&valid).zip(&sums) {
+        let skip = k.label("skip_out");
+        k.bra(Some((*ok, false)), &skip);
+        let y = k.mul_f32(sum, &inv);
+        let oi = k.add_u32(&o_row, col);
         let oa = k.address(out, &oi, e.bytes());
         k.st_global(e, oa, y);
         k.place(&skip);

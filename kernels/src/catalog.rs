@@ -126,7 +126,7 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
             cfg.strides = cfg.contiguous_strides();
             out.push(("attention", attention(&cfg)));
             if matches!(keys, KeyRule::Position { .. }) && q_len == 1 {
-                cfg.splits = 16;
+                cfg.splits = crate::attention::decode_splits(kv_len);
                 out.push(("attention", attention(&cfg)));
                 out.push(("attention", crate::attention::attention_combine(&cfg)));
             }

@@ -867,7 +867,7 @@ fn attention_case(
     );
     if cached {
         // The same through key ranges (flash-decoding) and the combine kernel.
-        let splits = if t > 1000 { 16 } else { 4 };
+        let splits = kiln_kernels::attention::decode_splits(t as u32).max(4);
         let mut split_cfg = cfg.clone();
         split_cfg.splits = splits;
         let partial = attention(&split_cfg);
