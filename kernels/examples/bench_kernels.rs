@@ -267,19 +267,24 @@ fn attention_variants(
     ctx: &std::sync::Arc<CudaContext>,
     random: &dyn Fn(usize, u64) -> Vec<u16>,
 ) {
-    let (h, kvh, d) = (32u32, 8u32, 64u32);
-    for (q_len, kv_len, keys, padding, rope) in [
+    let (h, kvh) = (32u32, 8u32);
+    let causal = KeyRule::Causal { window: None };
+    for (d, q_len, kv_len, keys, padding, rope) in [
+        (64u32, 4096u32, 4096u32, causal, false, false),
+        (64, 4096, 4096, causal, true, false),
+        (64, 4096, 4096, causal, false, true),
+        (64, 4096, 4096, causal, true, true),
         (
-            4096u32,
-            4096u32,
-            KeyRule::Causal { window: None },
+            64,
+            512,
+            4096,
+            KeyRule::Position { window: None },
             false,
-            false,
+            true,
         ),
-        (4096, 4096, KeyRule::Causal { window: None }, true, false),
-        (4096, 4096, KeyRule::Causal { window: None }, false, true),
-        (4096, 4096, KeyRule::Causal { window: None }, true, true),
-        (512, 4096, KeyRule::Position { window: None }, false, true),
+        // Llama-3.1-8B-shaped heads (d 128).
+        (128, 4096, 4096, causal, true, false),
+        (128, 4096, 4096, causal, true, true),
     ] {
         let cached = matches!(keys, KeyRule::Position { .. });
         let mut cfg = AttentionConfig {

@@ -91,25 +91,38 @@ struct Layout {
     mask: u32,
     /// Two u32: the smallest and largest last visible key of the block's rows.
     range: u32,
+    /// With RoPE on keys: the next key tile's angles, per row `D / 2` cos then `D / 2` sin (f32).
+    angles: u32,
     total: u32,
 }
 
 impl Layout {
-    fn new(head_dim: u32, bq: u32) -> Layout {
+    fn new(head_dim: u32, bq: u32, rope_k: bool) -> Layout {
         let row_bytes = head_dim * 2 + 16;
         let tile_bytes = BKV * row_bytes;
         let kv = bq * row_bytes;
         let mask = kv + 4 * tile_bytes;
         let range = mask + 2 * BKV * 4;
+        let angles = range + 16;
+        let angle_bytes = if rope_k { BKV * head_dim * 4 } else { 0 };
         Layout {
             row_bytes,
             tile_bytes,
             kv,
             mask,
             range,
-            total: range + 8,
+            angles,
+            total: angles + angle_bytes,
         }
     }
+}
+
+/// Where a rotation reads its angles: the tables in global memory at a position, or a row the
+/// key-tile prefetch staged in shared memory.
+#[derive(Clone, Copy)]
+enum Angles {
+    Global(Reg),
+    Shared(Reg),
 }
 
 /// The block's keys: tiles from `start` (a multiple of `BKV`) to `end`; a tile needs per-element
@@ -226,7 +239,7 @@ impl<'a> Attn<'a> {
         Attn {
             cfg,
             k,
-            layout: Layout::new(cfg.head_dim, bq),
+            layout: Layout::new(cfg.head_dim, bq, cfg.rope && cfg.rope_k),
             q,
             kp,
             v,
@@ -351,14 +364,109 @@ impl<'a> Attn<'a> {
             let pos = self.position(grow, rows);
             let s_row = self.k.mad_u32(&row, &self.layout.row_bytes, &tile);
             let lo_addr = self.k.mad_u32(&kc, &16u32, &s_row);
-            self.rotate_chunk(lo_addr, pos, kc);
+            self.rotate_chunk(lo_addr, Angles::Global(pos), kc);
+            self.k.place(&skip);
+        }
+    }
+
+    /// The rotation chunks (8 column pairs of one row) of a key tile that this thread takes,
+    /// chunks `tid + c * THREADS`: `(row, kc)`, with a row past the tile (`BKV`, whose keys count
+    /// as past the end) when the tile has fewer chunks than threads.
+    fn key_chunks(&mut self) -> Vec<(Reg, Reg)> {
+        let chunks = self.cfg.head_dim / 16;
+        let total = BKV * chunks;
+        (0..total.div_ceil(THREADS))
+            .map(|c| {
+                let k = &mut self.k;
+                let chunk = k.add_u32(&self.tid, &(c * THREADS));
+                let row0 = k.op2("div.u32", RegClass::B32, &chunk, &chunks);
+                let row = k.op2("min.u32", RegClass::B32, &row0, &BKV);
+                let kc = k.op2("rem.u32", RegClass::B32, &chunk, &chunks);
+                (row, kc)
+            })
+            .collect()
+    }
+
+    /// Whether chunk row `row` of the key tile at `j` holds a key.
+    fn key_in_range(&mut self, j: Reg, row: Reg) -> Reg {
+        let k = &mut self.k;
+        let key = k.add_u32(&j, &row);
+        let in_keys = k.setp("lt.u32", &key, &self.cfg.kv_len);
+        let in_tile = k.setp("lt.u32", &row, &BKV);
+        let ok = k.reg(RegClass::Pred);
+        k.emit(format!("and.pred {ok}, {in_keys}, {in_tile}"));
+        ok
+    }
+
+    /// Key-tile prefetch, first half: the positions of this thread's rotation rows of the tile
+    /// at key `j` (loads in flight while the current tile is multiplied).
+    fn key_positions(&mut self, chunks: &[(Reg, Reg)], j: Reg) -> Vec<Reg> {
+        let t_len = self.cfg.kv_len;
+        chunks
+            .iter()
+            .map(|(row, _)| {
+                let ok = self.key_in_range(j, *row);
+                let key = self.k.add_u32(&j, row);
+                let safe = self.k.selp(RegClass::B32, "u32", &key, &0u32, ok);
+                self.position(safe, t_len)
+            })
+            .collect()
+    }
+
+    /// Key-tile prefetch, second half: `cp.async` of the angle rows at `positions` into the
+    /// shared angle slot (rows past the keys zero-filled).
+    fn key_angles(&mut self, chunks: &[(Reg, Reg)], j: Reg, positions: &[Reg]) {
+        let (cos, sin) = self.tables.expect("RoPE tables are parameters");
+        let half = self.cfg.head_dim / 2;
+        let slot = self.k.add_u32(&self.smem, &self.layout.angles);
+        for ((row, kc), pos) in chunks.iter().zip(positions) {
+            let k = &mut self.k;
+            // A chunk past the tile copies nothing; a row past the keys gets zeros.
+            let skip = k.label("skip_angle_row");
+            let in_tile = k.setp("lt.u32", row, &BKV);
+            k.bra(Some((in_tile, false)), &skip);
+            let key = k.add_u32(&j, row);
+            let in_keys = k.setp("lt.u32", &key, &self.cfg.kv_len);
+            let bytes = k.selp(RegClass::B32, "u32", &16u32, &0u32, in_keys);
+            let t0 = k.mul_u32(kc, &8u32);
+            let ti = k.mad_u32(pos, &half, &t0);
+            let row_addr = k.mad_u32(row, &(half * 8), &slot);
+            for (i, table) in [cos, sin].into_iter().enumerate() {
+                let src = k.address(table, &ti, 4);
+                let dst0 = k.add_u32(&row_addr, &(i as u32 * half * 4));
+                let dst = k.mad_u32(kc, &32u32, &dst0);
+                for part in 0..2u32 {
+                    k.emit(format!(
+                        "cp.async.ca.shared.global [{dst}+{}], [{src}+{}], 16, {bytes}",
+                        part * 16,
+                        part * 16
+                    ));
+                }
+            }
+            k.place(&skip);
+        }
+    }
+
+    /// K prologue: RoPE on the landed key tile at `tile` (key `j` first), angles from the slot the
+    /// prefetch filled.
+    fn rotate_keys(&mut self, chunks: &[(Reg, Reg)], tile: Reg, j: Reg) {
+        let half = self.cfg.head_dim / 2;
+        let slot = self.k.add_u32(&self.smem, &self.layout.angles);
+        for (row, kc) in chunks {
+            let skip = self.k.label("skip_rotate");
+            let ok = self.key_in_range(j, *row);
+            self.k.bra(Some((ok, false)), &skip);
+            let s_row = self.k.mad_u32(row, &self.layout.row_bytes, &tile);
+            let lo_addr = self.k.mad_u32(kc, &16u32, &s_row);
+            let angle_row = self.k.mad_u32(row, &(half * 8), &slot);
+            self.rotate_chunk(lo_addr, Angles::Shared(angle_row), *kc);
             self.k.place(&skip);
         }
     }
 
     /// Rotates the 8 pairs at shared `lo_addr` (columns `8 kc ..`) and `lo_addr + D` (bytes) by
-    /// the angles of position `pos`: `[x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]`.
-    fn rotate_chunk(&mut self, lo_addr: Reg, pos: Reg, kc: Reg) {
+    /// their angles: `[x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]`.
+    fn rotate_chunk(&mut self, lo_addr: Reg, source: Angles, kc: Reg) {
         let (cos, sin) = self.tables.expect("RoPE tables are parameters");
         let half = self.cfg.head_dim / 2;
         let k = &mut self.k;
@@ -366,13 +474,25 @@ impl<'a> Attn<'a> {
         let lo_w = ld_shared_v4(k, lo_addr);
         let hi_w = ld_shared_v4(k, hi_addr);
         let t0 = k.mul_u32(&kc, &8u32);
-        let ti = k.mad_u32(&pos, &half, &t0);
         let mut angles = Vec::new();
-        for table in [cos, sin] {
-            let a = k.address(table, &ti, 4);
-            let mut v = k.ld_global_vec16(Elem::F32, a);
-            let a2 = k.op2("add.u64", RegClass::B64, &a, &16u64);
-            v.extend(k.ld_global_vec16(Elem::F32, a2));
+        for (i, table) in [cos, sin].into_iter().enumerate() {
+            let v = match source {
+                Angles::Global(pos) => {
+                    let ti = k.mad_u32(&pos, &half, &t0);
+                    let a = k.address(table, &ti, 4);
+                    let mut v = k.ld_global_vec16(Elem::F32, a);
+                    let a2 = k.op2("add.u64", RegClass::B64, &a, &16u64);
+                    v.extend(k.ld_global_vec16(Elem::F32, a2));
+                    v
+                }
+                Angles::Shared(row) => {
+                    let a0 = k.add_u32(&row, &(i as u32 * half * 4));
+                    let a = k.mad_u32(&t0, &4u32, &a0);
+                    let mut v = ld_shared_v4_f32(k, a, 0);
+                    v.extend(ld_shared_v4_f32(k, a, 16));
+                    v
+                }
+            };
             angles.push(v);
         }
         let (mut new_lo, mut new_hi) = (Vec::new(), Vec::new());
@@ -608,20 +728,40 @@ impl<'a> Attn<'a> {
         k.bra(Some((nothing, true)), &done);
         k.comment("prologue: the first K/V tile into buffer 0");
         let zero = k.mov(RegClass::B32, &0u32);
+        let rope_k = cfg.rope && cfg.rope_k;
+        let chunks = if rope_k {
+            self.key_chunks()
+        } else {
+            Vec::new()
+        };
         self.stage_kv(j0, zero);
+        if rope_k {
+            let positions = self.key_positions(&chunks, j0);
+            self.key_angles(&chunks, j0, &positions);
+        }
         self.k.emit("cp.async.commit_group");
         let top = self.k.label("kv_tiles");
         self.k.place(&top);
-        let cur = self.next_tile(keys, j0, it);
+        let (cur, next) = self.next_tile(keys, j0, it, &chunks);
         let (k_tile, v_tile) = self.buffer(&cur);
-        if cfg.rope && cfg.rope_k {
-            self.k.comment("K prologue: RoPE on the landed key tile");
-            self.rotate_tile(k_tile, j0, cfg.kv_len, BKV);
+        if rope_k {
+            self.k
+                .comment("K prologue: RoPE on the landed key tile, angles prefetched");
+            self.rotate_keys(&chunks, k_tile, j0);
             self.k.barrier();
         }
         let k_addr = self.k.add_u32(&k_tile, &k_lane);
         let v_addr = self.k.add_u32(&v_tile, &v_lane);
         let mut s = self.scores(q_frag, k_addr);
+        if let Some((has_next, j_next, positions)) = next {
+            self.k
+                .comment("prefetch the next key tile's angles (its positions have landed)");
+            let skip = self.k.label("skip_angles");
+            self.k.bra(Some((has_next, false)), &skip);
+            self.key_angles(&chunks, j_next, &positions);
+            self.k.place(&skip);
+            self.k.emit("cp.async.commit_group");
+        }
         self.mask_scores(keys, &mut s, j0, cur);
         let mut p = Vec::new();
         for (mt, (st, s)) in state.iter_mut().zip(&s).enumerate() {
@@ -660,21 +800,36 @@ impl<'a> Attn<'a> {
         (k_lane, v_lane)
     }
 
-    /// Streams the tile after `j0` into the other buffer (an empty group past the end), waits for
-    /// tile `j0`, and returns its buffer index.
-    fn next_tile(&mut self, keys: &BlockKeys, j0: Reg, it: Reg) -> Reg {
+    /// Streams the tile after `j0` into the other buffer (an empty group past the end), starts
+    /// loading its rotation positions when keys take RoPE (`chunks` not empty), waits for tile
+    /// `j0`, and returns its buffer index and, with RoPE, (whether there is a next tile, its first
+    /// key, its positions).
+    #[allow(clippy::type_complexity)]
+    fn next_tile(
+        &mut self,
+        keys: &BlockKeys,
+        j0: Reg,
+        it: Reg,
+        chunks: &[(Reg, Reg)],
+    ) -> (Reg, Option<(Reg, Reg, Vec<Reg>)>) {
         let j_next = self.k.add_u32(&j0, &BKV);
         let has_next = self.k.setp("lt.u32", &j_next, &keys.end);
         let skip_next = self.k.label("skip_next");
+        let positions: Vec<Reg> = chunks.iter().map(|_| self.k.reg(RegClass::B32)).collect();
         self.k.bra(Some((has_next, false)), &skip_next);
         let it_next = self.k.add_u32(&it, &1u32);
         let next_buf = self.k.op2("and.b32", RegClass::B32, &it_next, &1u32);
         self.stage_kv(j_next, next_buf);
+        for (slot, pos) in positions.iter().zip(self.key_positions(chunks, j_next)) {
+            self.k.emit(format!("mov.u32 {slot}, {pos}"));
+        }
         self.k.place(&skip_next);
         self.k.emit("cp.async.commit_group");
         self.k.emit("cp.async.wait_group 1");
         self.k.barrier();
-        self.k.op2("and.b32", RegClass::B32, &it, &1u32)
+        let cur = self.k.op2("and.b32", RegClass::B32, &it, &1u32);
+        let next = (!chunks.is_empty()).then_some((has_next, j_next, positions));
+        (cur, next)
     }
 
     /// `S = Q K^T` for each of the warp's m16 tiles against the tile's 64 keys (unscaled: the
@@ -968,6 +1123,15 @@ fn ld_shared_v4(k: &mut Kernel, addr: Reg) -> Vec<Reg> {
         w[0], w[1], w[2], w[3]
     ));
     w
+}
+
+fn ld_shared_v4_f32(k: &mut Kernel, addr: Reg, offset: u32) -> Vec<Reg> {
+    let v: Vec<Reg> = (0..4).map(|_| k.reg(RegClass::F32)).collect();
+    k.emit(format!(
+        "ld.shared.v4.f32 {{{}, {}, {}, {}}}, [{addr}+{offset}]",
+        v[0], v[1], v[2], v[3]
+    ));
+    v
 }
 
 fn st_shared_v4(k: &mut Kernel, addr: Reg, w: &[Reg]) {

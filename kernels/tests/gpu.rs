@@ -602,6 +602,19 @@ fn attention_matches_the_interpreter() {
             rope: false,
             dropout: None,
         },
+        // RoPE on keys with fewer rotation chunks than threads (head dims 16 and 48), padding,
+        // a window, more than one key tile.
+        AttentionCase {
+            keys: KeyRule::Causal { window: None },
+            padding: true,
+            rope: true,
+            ..AttentionCase::new(4, 2, 150, 150, 16)
+        },
+        AttentionCase {
+            keys: KeyRule::Causal { window: Some(70) },
+            rope: true,
+            ..AttentionCase::new(6, 3, 200, 200, 48)
+        },
         // Training-mode dropout.
         AttentionCase {
             heads: 4,
