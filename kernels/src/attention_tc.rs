@@ -10,9 +10,11 @@
 //! exponent's FMA, quad shuffles for the row max), P re-packed from the score accumulators as the
 //! A operand of the second product. The generator is written as parts that
 //! a different main loop can reuse:
-//! - **Q/K prologue** ([`Attn::rotate_tile`]): RoPE applied to a staged tile in shared memory (once
-//!   per block for Q, once per key tile for prefill K), rounded to the element type as the IR's
-//!   `Rope` op rounds;
+//! - **Q/K prologue** ([`Attn::rotate_tile`], [`Attn::rotate_keys`]): RoPE applied to a staged
+//!   tile in shared memory (once per block for Q, once per key tile for prefill K), rounded to the
+//!   element type as the IR's `Rope` op rounds; a key tile's angle rows are prefetched into shared
+//!   memory during the previous tile (positions loaded with its K/V, angles `cp.async`'d after the
+//!   score MMAs) where two blocks per SM still fit, and read from global memory otherwise;
 //! - **key rule and mask** ([`Attn::key_rule`], [`Attn::mask_scores`]): the block's key range
 //!   (tiles outside every row's range are never visited), per-element range masks on edge tiles
 //!   only, and padding as an additive mask staged per key tile;
@@ -29,6 +31,10 @@ use crate::{GeneratedKernel, KernelPath, Launch};
 
 const BKV: u32 = 64;
 const WARPS: u32 = 4;
+/// Shared memory per SM on sm_90 (bytes), and the blocks per SM the layout keeps room for
+/// (registers allow two).
+const SHARED_PER_SM: u32 = 228 * 1024;
+const BLOCKS_PER_SM: u32 = 2;
 const THREADS: u32 = 32 * WARPS;
 
 /// Whether `cfg` can use the tensor-core kernel.
@@ -97,6 +103,8 @@ struct Layout {
 }
 
 impl Layout {
+    /// The layout; the angle slot only when `rope_k` and it leaves room for [`BLOCKS_PER_SM`]
+    /// blocks (else key tiles read their angles from global memory as they rotate).
     fn new(head_dim: u32, bq: u32, rope_k: bool) -> Layout {
         let row_bytes = head_dim * 2 + 16;
         let tile_bytes = BKV * row_bytes;
@@ -104,7 +112,9 @@ impl Layout {
         let mask = kv + 4 * tile_bytes;
         let range = mask + 2 * BKV * 4;
         let angles = range + 16;
-        let angle_bytes = if rope_k { BKV * head_dim * 4 } else { 0 };
+        let slot = BKV * head_dim * 4;
+        let fits = angles + slot <= SHARED_PER_SM / BLOCKS_PER_SM - 1024;
+        let angle_bytes = if rope_k && fits { slot } else { 0 };
         Layout {
             row_bytes,
             tile_bytes,
@@ -729,13 +739,15 @@ impl<'a> Attn<'a> {
         k.comment("prologue: the first K/V tile into buffer 0");
         let zero = k.mov(RegClass::B32, &0u32);
         let rope_k = cfg.rope && cfg.rope_k;
-        let chunks = if rope_k {
+        // Angles prefetched into shared memory when the layout has the slot.
+        let prefetch = rope_k && self.layout.total > self.layout.angles;
+        let chunks = if prefetch {
             self.key_chunks()
         } else {
             Vec::new()
         };
         self.stage_kv(j0, zero);
-        if rope_k {
+        if prefetch {
             let positions = self.key_positions(&chunks, j0);
             self.key_angles(&chunks, j0, &positions);
         }
@@ -744,10 +756,15 @@ impl<'a> Attn<'a> {
         self.k.place(&top);
         let (cur, next) = self.next_tile(keys, j0, it, &chunks);
         let (k_tile, v_tile) = self.buffer(&cur);
-        if rope_k {
+        if prefetch {
             self.k
                 .comment("K prologue: RoPE on the landed key tile, angles prefetched");
             self.rotate_keys(&chunks, k_tile, j0);
+            self.k.barrier();
+        } else if rope_k {
+            self.k
+                .comment("K prologue: RoPE on the landed key tile, angles from global memory");
+            self.rotate_tile(k_tile, j0, cfg.kv_len, BKV);
             self.k.barrier();
         }
         let k_addr = self.k.add_u32(&k_tile, &k_lane);
