@@ -10,17 +10,17 @@
 //! exponent's FMA, quad shuffles for the row max), P re-packed from the score accumulators as the
 //! A operand of the second product. The generator is written as parts that
 //! a different main loop can reuse:
-//! - **Q/K prologue** ([`Attn::rotate_tile`], [`Attn::rotate_keys`]): RoPE applied to a staged
+//! - **Q/K prologue** (`Attn::rotate_tile`, `Attn::rotate_keys`): RoPE applied to a staged
 //!   tile in shared memory (once per block for Q, once per key tile for prefill K), rounded to the
 //!   element type as the IR's `Rope` op rounds; a key tile's angle rows are prefetched into shared
 //!   memory during the previous tile (positions loaded with its K/V, angles `cp.async`'d after the
 //!   score MMAs) where two blocks per SM still fit, and read from global memory otherwise;
-//! - **key rule and mask** ([`Attn::key_rule`], [`Attn::mask_scores`]): the block's key range
+//! - **key rule and mask** (`Attn::key_rule`, `Attn::mask_scores`): the block's key range
 //!   (tiles outside every row's range are never visited), per-element range masks on edge tiles
 //!   only, and padding as an additive mask staged per key tile;
-//! - **dropout** ([`Attn::dropout`]): one Philox-4x32-10 block per (row, pair of columns), the
+//! - **dropout** (`Attn::dropout`): one Philox-4x32-10 block per (row, pair of columns), the
 //!   row sums taken before dropping, as in the IR's `softmax` then `dropout`;
-//! - **epilogue** ([`Attn::store`]): rows normalised once and stored; a row that sees no key
+//! - **epilogue** (`Attn::store`): rows normalised once and stored; a row that sees no key
 //!   stores zeros, like the SIMT kernel.
 //!
 //! Decode steps (one query row per sequence over a cache) take the SIMT flash-decoding kernel.
