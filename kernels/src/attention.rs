@@ -349,6 +349,12 @@ pub fn attention_simt(cfg: &AttentionConfig) -> GeneratedKernel {
         }
         _ => None,
     };
+    // The value row is loaded first: its latency overlaps the key row's and the reduction's.
+    let v_vals: Vec<Reg> = cols
+        .iter()
+        .zip(&valid)
+        .map(|(c, ok)| load_rotated(&mut k, v, v_row, *c, *ok, None))
+        .collect();
     let partial = k.mov(RegClass::F32, &F32(0.0));
     for ((c, ok), qe) in cols.iter().zip(&valid).zip(&qv) {
         let kv = load_rotated(&mut k, kp, k_row, *c, *ok, pos_j);
@@ -371,10 +377,9 @@ pub fn attention_simt(cfg: &AttentionConfig) -> GeneratedKernel {
             k.selp(RegClass::F32, "f32", &scaled, &F32(0.0), keep)
         }
     };
-    for ((c, ok), a) in cols.iter().zip(&valid).zip(&acc) {
-        let vv = load_rotated(&mut k, v, v_row, *c, *ok, None);
+    for (a, vv) in acc.iter().zip(&v_vals) {
         k.emit(format!("mul.rn.f32 {a}, {a}, {corr}"));
-        k.fma_into(*a, &weight, &vv);
+        k.fma_into(*a, &weight, vv);
     }
     k.place(&next);
     k.emit(format!("add.u32 {j}, {j}, 1"));
