@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use kiln_ir::kernel::{AttentionSpec, DecodeAttentionSpec};
 use kiln_ir::{Graph, NodeId, Op, RopeScaling, TensorType};
 use kiln_kernels::attention::{
-    attention, attention_combine, attention_simt, AttentionConfig, KeyRule,
+    attention, attention_combine, attention_simt, AttentionConfig, Dropout, KeyRule,
 };
 use kiln_kernels::elementwise::activation_kernel;
 use kiln_kernels::embedding::{embedding, EmbeddingConfig};
@@ -622,7 +622,7 @@ fn lower_attention(
     cfg.padding = spec.padding;
     cfg.rope = spec.rope.is_some();
     cfg.rope_k = spec.rope.is_some();
-    cfg.dropout = spec.dropout.map(|(p, s)| (p as f32, s));
+    cfg.dropout = spec.dropout.map(|(p, s)| Dropout::new(p, s));
     // The element offsets are applied to the pointers at launch; the tensor-core kernel's 16-byte
     // copies need them to be multiples of 8 elements.
     let kernel = if offsets.iter().all(|o| o % 8 == 0) {

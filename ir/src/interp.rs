@@ -14,7 +14,7 @@ use crate::dim::{shape_to_string, Dim};
 use crate::dtype::TensorType;
 use crate::graph::{Graph, Node, NodeId};
 use crate::op::{mask_value, BinaryOp, Op, ReduceOp, UnaryOp};
-use crate::philox::{dropout_keep, dropout_threshold, seed_key};
+use crate::philox::{dropout_keep, dropout_scale, dropout_threshold, seed_key};
 use crate::tensor::{copy_view, round_to_dtype, strides, Data, Tensor};
 use crate::{kernel_ops, InterpError};
 
@@ -575,8 +575,7 @@ fn dropout(
 ) -> Result<Tensor, String> {
     let key = seed_key(ints(seed)[0]);
     let threshold = dropout_threshold(p);
-    // The scale is computed once, in f32.
-    let scale = 1.0f32 / (1.0f32 - p as f32);
+    let scale = dropout_scale(p);
     let rank = shape.len();
     let cols = if rank >= 1 { shape[rank - 1] } else { 1 };
     let rows = if rank >= 2 { shape[rank - 2] } else { 1 };

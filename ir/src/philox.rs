@@ -40,6 +40,12 @@ pub fn dropout_threshold(p: f64) -> u32 {
     }
 }
 
+/// The scale of kept elements for drop probability `p`: `1 / (1 - p)`, computed once in f32.
+/// With [`dropout_threshold`], the one definition every backend applies to the op's own f64 `p`.
+pub fn dropout_scale(p: f64) -> f32 {
+    1.0f32 / (1.0f32 - p as f32)
+}
+
 /// The Philox key of a 64-bit seed: (low word, high word).
 pub fn seed_key(seed: i64) -> [u32; 2] {
     let s = seed as u64;

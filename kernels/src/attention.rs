@@ -38,6 +38,30 @@ pub enum KeyRule {
     },
 }
 
+/// Dropout on attention probabilities as every kernel applies it: the keep threshold and scale
+/// the IR's own mask uses, derived once from the op's f64 `p` (never from a rounded copy, whose
+/// threshold can differ: 0.1 as f32 gives 429496736, as f64 429496730), and the Philox stream.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Dropout {
+    /// Elements whose Philox word is at least this are kept.
+    pub threshold: u32,
+    /// Kept elements are multiplied by this.
+    pub keep_scale: f32,
+    /// The op's stream id.
+    pub stream: u32,
+}
+
+impl Dropout {
+    /// The dropout of an IR op with drop probability `p` and stream `stream`.
+    pub fn new(p: f64, stream: u32) -> Dropout {
+        Dropout {
+            threshold: kiln_ir::philox::dropout_threshold(p),
+            keep_scale: kiln_ir::philox::dropout_scale(p),
+            stream,
+        }
+    }
+}
+
 /// An attention kernel's static configuration. Tensors are indexed with element strides
 /// `[batch, head, row]` (the head dimension is contiguous), so q, k and v can be read in place
 /// from a fused QKV product or a KV cache.
@@ -66,8 +90,8 @@ pub struct AttentionConfig {
     pub rope: bool,
     /// Rotate k too (prefill; a KV cache already holds rotated keys).
     pub rope_k: bool,
-    /// Dropout on the probabilities: (p, stream), with a `seed` operand (i64 `[1]`).
-    pub dropout: Option<(f32, u32)>,
+    /// Dropout on the probabilities, with a `seed` operand (i64 `[1]`).
+    pub dropout: Option<Dropout>,
     /// Element type of q, k, v and the output.
     pub elem: Elem,
     /// Strides of q, k, v and out, in elements: `[batch, head, row]`.
@@ -312,16 +336,14 @@ pub fn attention_simt(cfg: &AttentionConfig) -> GeneratedKernel {
     let acc: Vec<Reg> = (0..per_lane)
         .map(|_| k.mov(RegClass::F32, &F32(0.0)))
         .collect();
-    let dropout_state = cfg.dropout.map(|(p, stream)| {
+    let dropout_state = cfg.dropout.map(|dropout| {
         let sa = seed.expect("a seed operand");
         let s = k.ld_global_i64(sa);
         let lo = k.op1("cvt.u32.u64", RegClass::B32, &s);
         let shifted = k.op2("shr.u64", RegClass::B64, &s, &32u32);
         let hi = k.op1("cvt.u32.u64", RegClass::B32, &shifted);
         let plane = k.mad_u32(&b, &cfg.heads, &h);
-        let threshold = kiln_ir::philox::dropout_threshold(f64::from(p));
-        let keep_scale = 1.0f32 / (1.0f32 - p);
-        (lo, hi, plane, stream, threshold, keep_scale)
+        (lo, hi, plane, dropout)
     });
 
     let j = k.mov(RegClass::B32, &start);
@@ -371,9 +393,9 @@ pub fn attention_simt(cfg: &AttentionConfig) -> GeneratedKernel {
     k.emit(format!("mov.f32 {m}, {m_new}"));
     let weight = match dropout_state {
         None => p,
-        Some((lo, hi, plane, stream, threshold, keep_scale)) => {
-            let keep = philox_keep(&mut k, [lo, hi], stream, plane, i, j, threshold);
-            let scaled = k.mul_f32(&p, &F32(keep_scale));
+        Some((lo, hi, plane, d)) => {
+            let keep = philox_keep(&mut k, [lo, hi], d.stream, plane, i, j, d.threshold);
+            let scaled = k.mul_f32(&p, &F32(d.keep_scale));
             k.selp(RegClass::F32, "f32", &scaled, &F32(0.0), keep)
         }
     };

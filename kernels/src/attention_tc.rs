@@ -991,7 +991,7 @@ impl<'a> Attn<'a> {
 
     /// The Philox key and plane of this block, when training-mode dropout is on.
     fn dropout_key(&mut self) -> Option<DropoutKey> {
-        let (p, stream) = self.cfg.dropout?;
+        let dropout = self.cfg.dropout?;
         let k = &mut self.k;
         let s = k.ld_global_i64(self.seed.expect("a seed operand"));
         let lo = k.op1("cvt.u32.u64", RegClass::B32, &s);
@@ -1001,9 +1001,9 @@ impl<'a> Attn<'a> {
         Some(DropoutKey {
             key: [lo, hi],
             plane,
-            stream,
-            threshold: kiln_ir::philox::dropout_threshold(f64::from(p)),
-            keep_scale: 1.0f32 / (1.0f32 - p),
+            stream: dropout.stream,
+            threshold: dropout.threshold,
+            keep_scale: dropout.keep_scale,
         })
     }
 

@@ -3,7 +3,7 @@
 
 use kiln_ir::kernel::{Activation, NormKind};
 
-use crate::attention::{attention, AttentionConfig, KeyRule};
+use crate::attention::{attention, AttentionConfig, Dropout, KeyRule};
 use crate::elementwise::activation_kernel;
 use crate::embedding::{embedding, EmbeddingConfig};
 use crate::gemm::{gemm, GemmConfig};
@@ -81,7 +81,7 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
                 KeyRule::Causal { window: Some(64) },
                 false,
                 true,
-                Some((0.1, 3)),
+                Some(Dropout::new(0.1, 3)),
                 128,
                 128,
             ),

@@ -24,8 +24,8 @@ use kiln_kernels::Elem;
 use rand::{Rng, SeedableRng};
 
 use common::{
-    cache_write_reference, check, check_picks, reference, reference_with_seed, rope_tables,
-    sampling_reference,
+    cache_write_reference, check, check_picks, dropout_mask_reference, dropout_probe,
+    mask_mismatches, reference, reference_with_seed, rope_tables, sampling_reference,
 };
 
 type KernelFn = unsafe extern "C" fn(*const u64, u64, u64);
@@ -401,7 +401,7 @@ fn attention_case_with_dropout(
     keys: KeyRule,
     padding: bool,
     rope: bool,
-    dropout: Option<(f32, u32)>,
+    dropout: Option<(f64, u32)>,
 ) -> AttentionCase {
     let scale = 1.0 / (head_dim as f32).sqrt();
     let rope_spec = rope.then_some((10000.0, kiln_ir::RopeScaling::Default));
@@ -418,7 +418,7 @@ fn attention_case_with_dropout(
         padding,
         rope,
         rope_k: rope && !decode,
-        dropout,
+        dropout: dropout.map(|(p, stream)| kiln_kernels::attention::Dropout::new(p, stream)),
         elem: Elem::F32,
         strides: [[0; 3]; 4],
         splits: 1,
@@ -436,7 +436,7 @@ fn attention_case_with_dropout(
             window: window.map(i64::from),
             padding,
             rope: rope_spec,
-            dropout: dropout.map(|(p, stream)| (f64::from(p), stream)),
+            dropout,
         }),
         KeyRule::All => Op::Attention(AttentionSpec {
             scale: f64::from(scale),
@@ -444,7 +444,7 @@ fn attention_case_with_dropout(
             window: None,
             padding,
             rope: rope_spec,
-            dropout: dropout.map(|(p, stream)| (f64::from(p), stream)),
+            dropout,
         }),
     };
     AttentionCase { cfg, op }
@@ -592,6 +592,69 @@ fn attention_matches_the_interpreter() {
         }
         let want = reference_with_seed(case.op.clone(), inputs, &ints, Some(seed));
         check(name, Elem::F32, &out, &want);
+    }
+}
+
+/// The CPU attention's dropout mask is the interpreter's, bit for bit, at p 0.1, 0.3 and 0.5 (the
+/// IR's f64 p; a threshold derived from p rounded to f32 differs at 0.1).
+#[test]
+fn dropout_masks_match_the_interpreter_bit_for_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    let (b, h, s, t) = (2usize, 3usize, 37usize, 64usize);
+    let ps = [0.1, 0.3, 0.5];
+    let cfgs: Vec<AttentionConfig> = ps
+        .iter()
+        .enumerate()
+        .map(|(i, &p)| {
+            let mut cfg = AttentionConfig {
+                batch: b as u32,
+                heads: h as u32,
+                kv_heads: h as u32,
+                q_len: s as u32,
+                kv_len: t as u32,
+                head_dim: t as u32,
+                scale: 1.0,
+                keys: KeyRule::All,
+                padding: false,
+                rope: false,
+                rope_k: false,
+                dropout: Some(kiln_kernels::attention::Dropout::new(p, i as u32 + 2)),
+                elem: Elem::F32,
+                strides: [[0; 3]; 4],
+                splits: 1,
+            };
+            cfg.strides = cfg.contiguous_strides();
+            cfg
+        })
+        .collect();
+    let mut module = CpuModule::new().unwrap();
+    let names: Vec<String> = cfgs
+        .iter()
+        .map(|c| attention::attention(&mut module, c).unwrap())
+        .collect();
+    let lib = load(module, dir.path());
+    let (q, k, v) = dropout_probe(b, h, s, t);
+    for ((cfg, name), p) in cfgs.iter().zip(&names).zip(ps) {
+        // At this seed one word of plane < 6, row < 37, col < 64 of stream 2 lies between the
+        // thresholds of p = 0.1 as f64 and as f32 (429496730 and 429496736): a mask drawn from a
+        // rounded p differs there.
+        let seed = 0x5eed_0000_0001_4e40_i64;
+        let mut out = vec![f32::NAN; b * h * s * t];
+        let args = [
+            q.as_ptr() as u64,
+            k.as_ptr() as u64,
+            v.as_ptr() as u64,
+            out.as_mut_ptr() as u64,
+            &seed as *const i64 as u64,
+        ];
+        // SAFETY: the symbol was generated with the kernel signature; buffers fit the shapes.
+        let f: libloading::Symbol<KernelFn> = unsafe { lib.get(name.as_bytes()) }.unwrap();
+        unsafe { f(args.as_ptr(), 0, (b * h * s) as u64) };
+        let stream = cfg.dropout.unwrap().stream;
+        let want = dropout_mask_reference(p, stream, seed, [b, h, s, t]);
+        let kept = want.iter().filter(|x| **x).count() as f64 / want.len() as f64;
+        assert!((kept - (1.0 - p)).abs() < 0.03, "p {p}: kept {kept}");
+        assert_eq!(mask_mismatches(&out, &want), 0, "p {p}: masks differ");
     }
 }
 

@@ -24,8 +24,9 @@ use kiln_kernels::{Elem, GeneratedKernel, ParamType};
 use rand::{Rng as _, SeedableRng};
 
 use common::{
-    cache_write_reference, check, check_picks, reference, reference_with_seed, rope_tables,
-    sampling_reference, scaled_rope_tables,
+    cache_write_reference, check, check_picks, dropout_mask_reference, dropout_probe,
+    mask_mismatches, reference, reference_with_seed, rope_tables, sampling_reference,
+    scaled_rope_tables,
 };
 
 struct Gpu {
@@ -505,7 +506,8 @@ struct AttentionCase {
     keys: kiln_kernels::attention::KeyRule,
     padding: bool,
     rope: bool,
-    dropout: Option<(f32, u32)>,
+    /// The IR's drop probability (f64, as the op stores it) and stream.
+    dropout: Option<(f64, u32)>,
 }
 
 impl AttentionCase {
@@ -719,6 +721,62 @@ fn attention_on_tensor_cores_at_benchmark_shapes() {
     }
 }
 
+/// The GPU attention kernels' dropout masks (tensor cores in f16/bf16, SIMT in f32) are the
+/// interpreter's, bit for bit, at p 0.1, 0.3 and 0.5 (the IR's f64 p).
+#[test]
+fn dropout_masks_match_the_interpreter_bit_for_bit() {
+    use kiln_kernels::attention::{attention, Dropout, KeyRule};
+    let Some(gpu) = gpu() else { return };
+    let (b, h, s, t) = (2usize, 3usize, 37usize, 64usize);
+    let (q, k, v) = dropout_probe(b, h, s, t);
+    for elem in ELEMS {
+        for (i, p) in [0.1, 0.3, 0.5].into_iter().enumerate() {
+            let case = AttentionCase {
+                dropout: Some((p, i as u32 + 2)),
+                ..AttentionCase::new(h as u32, h as u32, s as u32, t as u32, t as u32)
+            };
+            let mut cfg = attention_config(&case, elem, b as u32);
+            cfg.scale = 1.0;
+            cfg.keys = KeyRule::All;
+            let kernel = attention(&cfg);
+            // At this seed one word of plane < 6, row < 37, col < 64 of stream 2 lies between the
+            // thresholds of p = 0.1 as f64 and as f32 (429496730 and 429496736): a mask drawn from a
+            // rounded p differs there.
+            let seed = 0x5eed_0000_0001_4e40_i64;
+            let (bq, bk, bv) = (
+                gpu.upload(elem, &q),
+                gpu.upload(elem, &k),
+                gpu.upload(elem, &v),
+            );
+            let bs = gpu.upload_i64(&[seed]);
+            let out = gpu.poisoned(elem, b * h * s * t);
+            let args = BTreeMap::from([
+                ("q", Arg::Buf(&bq)),
+                ("k", Arg::Buf(&bk)),
+                ("v", Arg::Buf(&bv)),
+                ("out", Arg::Buf(&out)),
+                ("seed", Arg::Buf(&bs)),
+            ]);
+            gpu.launch(&kernel, &args);
+            let want =
+                dropout_mask_reference(p, Dropout::new(p, i as u32 + 2).stream, seed, [b, h, s, t]);
+            let got = gpu.download(elem, &out);
+            assert!(
+                got.iter().all(|x| !x.is_nan()),
+                "{}: unwritten output",
+                kernel.name
+            );
+            assert_eq!(
+                mask_mismatches(&got, &want),
+                0,
+                "{} p {p}: masks differ",
+                kernel.name
+            );
+            println!("ok  {} p {p}: mask identical", kernel.name);
+        }
+    }
+}
+
 fn cfg_name(cfg: &kiln_kernels::attention::AttentionConfig) -> String {
     kiln_kernels::attention::attention(cfg).name
 }
@@ -742,7 +800,9 @@ fn attention_config(
         padding: case.padding,
         rope: case.rope,
         rope_k: case.rope && !cached,
-        dropout: case.dropout,
+        dropout: case
+            .dropout
+            .map(|(p, st)| kiln_kernels::attention::Dropout::new(p, st)),
         elem,
         strides: [[0; 3]; 4],
         splits: 1,
@@ -864,7 +924,7 @@ fn attention_case(
             window,
             padding: case.padding,
             rope,
-            dropout: case.dropout.map(|(p, st)| (f64::from(p), st)),
+            dropout: case.dropout,
         };
         (Op::Attention(spec), ints)
     };

@@ -105,7 +105,7 @@ fn attention_gqa_causal_rope_dropout_bf16() {
         padding: true,
         rope: true,
         rope_k: true,
-        dropout: Some((0.1, 0)),
+        dropout: Some(kiln_kernels::attention::Dropout::new(0.1, 0)),
         elem: Elem::BF16,
         strides: [[0; 3]; 4],
         splits: 1,

@@ -106,7 +106,12 @@ pub fn name(cfg: &AttentionConfig) -> String {
         strides.join("_"),
         cfg.scale.to_bits(),
         cfg.dropout
-            .map(|(p, stream)| format!("_drop{:08x}s{stream}", p.to_bits()))
+            .map(|d| format!(
+                "_drop{:08x}x{:08x}s{}",
+                d.threshold,
+                d.keep_scale.to_bits(),
+                d.stream
+            ))
             .unwrap_or_default()
     )
 }
@@ -140,14 +145,13 @@ fn body(b: &mut FunctionBuilder, p: super::module::KernelParams, cfg: &Attention
     let tables = cfg.rope.then(|| (args.next(b), args.next(b)));
     // Dropout: the Philox key from the seed operand (low and high words), the keep threshold and
     // the scale of kept weights.
-    let dropout = cfg.dropout.map(|(p, stream)| {
+    let dropout = cfg.dropout.map(|d| {
         let seed_addr = args.next(b);
         let seed = b.ins().load(I64, MemFlagsData::trusted(), seed_addr, 0);
         let lo = b.ins().ireduce(I32, seed);
         let shifted = b.ins().ushr_imm_s(seed, 32);
         let hi = b.ins().ireduce(I32, shifted);
-        let threshold = kiln_ir::philox::dropout_threshold(f64::from(p));
-        (lo, hi, stream, threshold, 1.0f32 / (1.0 - p))
+        (lo, hi, d.stream, d.threshold, d.keep_scale)
     });
     let d = cfg.head_dim;
     let half = d / 2;

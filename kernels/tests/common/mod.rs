@@ -258,3 +258,39 @@ pub fn check_picks(what: &str, kept: &[(usize, f64)], z: f64, us: &[f64], got: &
     );
     exact
 }
+
+/// The IR's dropout mask (true: kept) of a `[b, h, s, t]` tensor: the interpreter's own `Dropout`
+/// op at the op's f64 drop probability `p`, stream `stream` and seed `seed`, applied to ones.
+#[allow(dead_code)] // each suite uses what it covers
+pub fn dropout_mask_reference(p: f64, stream: u32, seed: i64, shape: [usize; 4]) -> Vec<bool> {
+    let n = shape.iter().product();
+    let ones = (shape.to_vec(), vec![1.0; n]);
+    let out = reference_with_seed(
+        Op::Dropout { p, stream },
+        vec![ones, (vec![], vec![])],
+        &[1],
+        Some(seed),
+    );
+    out.iter().map(|v| *v != 0.0).collect()
+}
+
+/// Attention inputs `(q, k, v)` that turn the probabilities into the dropout mask: q = k = 0
+/// (every visible key weighs the same) and v the identity (`t` keys, head dimension `t`), so that
+/// output `[b, h, i, j]` is nonzero exactly where dropout keeps `(i, j)` of plane `b h`.
+#[allow(dead_code)] // each suite uses what it covers
+pub fn dropout_probe(b: usize, h: usize, s: usize, t: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let v = (0..b * h)
+        .flat_map(|_| (0..t * t).map(move |x| f32::from(u8::from(x / t == x % t))))
+        .collect();
+    (vec![0.0; b * h * s * t], vec![0.0; b * h * t * t], v)
+}
+
+/// How many positions of `got` (nonzero = kept) differ from the reference mask.
+#[allow(dead_code)] // each suite uses what it covers
+pub fn mask_mismatches(got: &[f32], want: &[bool]) -> usize {
+    assert_eq!(got.len(), want.len());
+    got.iter()
+        .zip(want)
+        .filter(|(g, w)| (**g != 0.0) != **w)
+        .count()
+}
