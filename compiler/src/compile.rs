@@ -6,11 +6,11 @@ use std::time::Instant;
 
 use kiln_ir::artifact::KernelPath;
 use kiln_ir::dim::CONTEXT;
-use kiln_ir::{Graph, NodeId, Op};
+use kiln_ir::{Graph, NodeId};
 use serde::Serialize;
 
 use crate::bucket::{Bucket, BucketPlan};
-use crate::fusion::cost::{fusions, kernel_work, CostModel, KernelKind};
+use crate::fusion::cost::{fusions, graph_work, CostModel, KernelKind};
 use crate::fusion::{saturate, FusionError, Limits, PhaseStats, Saturated};
 
 /// The output generation samples from; prompt chunks leave it out.
@@ -266,29 +266,15 @@ fn compile_bucket(
 /// weights alone (those are folded when the artifact is written), each on the path `paths` gives
 /// its node (the lowering's; `other` for a node without one).
 pub fn kernels(graph: &Graph, paths: &BTreeMap<NodeId, KernelPath>) -> Vec<KernelReport> {
-    let none = BTreeMap::new();
-    let mut weight_only = vec![false; graph.len()];
-    let mut out = Vec::new();
-    for (id, node) in graph.nodes() {
-        weight_only[id.index()] = match &node.op {
-            Op::Weight(_) | Op::Scalar(_) => true,
-            Op::Input(_) => false,
-            _ => node.args.iter().all(|a| weight_only[a.index()]),
-        };
-        if weight_only[id.index()] {
-            continue;
-        }
-        let args: Vec<_> = node.args.iter().map(|a| graph.ty(*a)).collect();
-        if let Some(work) = kernel_work(&node.op, &args, &node.ty, &none) {
-            out.push(KernelReport {
-                name: format!("{}_{}", node.op.name(), id.0),
-                kind: work.kind,
-                rules: fusions(&node.op),
-                path: paths.get(&id).copied().unwrap_or_default(),
-                flops: work.flops,
-                bytes: work.bytes,
-            });
-        }
-    }
-    out
+    graph_work(graph, &BTreeMap::new())
+        .into_iter()
+        .map(|(id, work)| KernelReport {
+            name: format!("{}_{}", graph.node(id).op.name(), id.0),
+            kind: work.kind,
+            rules: fusions(&graph.node(id).op),
+            path: paths.get(&id).copied().unwrap_or_default(),
+            flops: work.flops,
+            bytes: work.bytes,
+        })
+        .collect()
 }

@@ -28,7 +28,7 @@ use kiln_ir::{Graph, IrError, NodeId, Op};
 use serde::Serialize;
 
 use analysis::{KilnGraph, TypeAnalysis};
-use cost::{kernel_work, CostModel};
+use cost::{kernel_work, CostArg, CostModel};
 use lang::{has_attr, static_name, Attr, ENode};
 use rules::{load_rules, Rule, PHASES};
 
@@ -210,9 +210,15 @@ impl Saturated {
             let Some((op, args)) = TypeAnalysis::op_and_args(eg, &eg[class].nodes[node]) else {
                 return 0.0;
             };
-            let types: Vec<_> = args
+            let types: Vec<CostArg> = args
                 .iter()
-                .filter_map(|a| eg[*a].data.ty.as_ref())
+                .filter_map(|a| {
+                    let data = &eg[*a].data;
+                    Some(CostArg {
+                        ty: data.ty.as_ref()?,
+                        weight_only: data.weight_only,
+                    })
+                })
                 .collect();
             let out = eg[class].data.ty.as_ref().expect("op classes are tensors");
             kernel_work(&op, &types, out, bindings).map_or(0.0, |w| model.seconds(&w))
