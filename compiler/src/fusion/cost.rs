@@ -69,6 +69,10 @@ pub struct CostModel {
     pub host_flops_per_second: f64,
     /// Where `host_flops_per_second` comes from.
     pub host_source: String,
+    /// Device-to-host copy bandwidth, bytes/s: what a host op's operands and result cross.
+    pub host_link_bytes_per_second: f64,
+    /// Where `host_link_bytes_per_second` comes from.
+    pub host_link_source: String,
 }
 
 impl Default for CostModel {
@@ -118,7 +122,11 @@ impl CostModel {
     /// Seconds for `work`.
     pub fn seconds(&self, work: &KernelWork) -> f64 {
         let path = match work.runs {
-            Runs::Host => return work.flops / self.host_flops_per_second,
+            Runs::Host => {
+                return work.flops / self.host_flops_per_second
+                    + work.bytes / self.host_link_bytes_per_second
+                    + self.launch_seconds
+            }
             Runs::Gpu(path) => path,
         };
         let rate = self.rate(work.kind, path);
@@ -513,7 +521,13 @@ mod tests {
         let m = CostModel::default();
         assert!(m.launch_seconds > 0.0 && m.copy_bytes_per_second > 0.0);
         assert!(m.host_flops_per_second > 0.0);
-        for source in [&m.launch_source, &m.copy_source, &m.host_source] {
+        assert!(m.host_link_bytes_per_second > 0.0);
+        for source in [
+            &m.launch_source,
+            &m.copy_source,
+            &m.host_source,
+            &m.host_link_source,
+        ] {
             assert!(!source.is_empty());
         }
         for r in &m.rates {
