@@ -505,7 +505,7 @@ mod tests {
             causal: true,
             window: None,
             padding: false,
-            rope: rope.then(|| (1e4, kiln_ir::RopeScaling::Default)),
+            rope: rope.then_some((1e4, kiln_ir::RopeScaling::Default)),
             dropout: None,
         });
         let mut args = vec![arg(&q), arg(&q), arg(&q)];
