@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Result};
 use clap::{Parser, Subcommand};
+use kiln_ir::artifact::{ExecPlan, KernelPath};
 use kiln_ir::dim::{BATCH, SEQ};
 use kiln_ir::{artifact, DType, Tensor};
 use kiln_models::inputs::TokenBatch;
@@ -387,6 +388,11 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
             if let Some(sampler) = &m.cpu_sampler {
                 writeln!(out, "  CPU sampler: {sampler}")?;
             }
+            let paths: BTreeMap<&str, KernelPath> = m
+                .kernel_table
+                .iter()
+                .map(|k| (k.name.as_str(), k.path))
+                .collect();
             for (kind, entries) in [("prefill", &m.prefill), ("decode", &m.decode)] {
                 for e in entries {
                     let gpu = match &e.plan {
@@ -412,6 +418,9 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                         e.kernels.len(),
                         e.kernels.join(" ")
                     )?;
+                    if let Some(plan) = &e.plan {
+                        writeln!(out, "    paths: {}", path_summary(plan, &paths))?;
+                    }
                 }
             }
         }
@@ -442,6 +451,37 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The kernels of `plan` counted by hardware path (each node on its main kernel's path, see
+/// [`KernelPath::main`]), then the nodes on the SIMT fallback by name, so none is silent.
+fn path_summary(plan: &ExecPlan, paths: &BTreeMap<&str, KernelPath>) -> String {
+    let mut nodes: Vec<(&str, Vec<KernelPath>)> = Vec::new();
+    for step in &plan.steps {
+        let path = paths.get(step.kernel.as_str()).copied().unwrap_or_default();
+        match nodes.last_mut() {
+            Some((node, p)) if *node == step.node => p.push(path),
+            _ => nodes.push((&step.node, vec![path])),
+        }
+    }
+    let mut counts: BTreeMap<KernelPath, usize> = BTreeMap::new();
+    let mut simt = Vec::new();
+    for (node, p) in nodes {
+        let path = KernelPath::main(p);
+        *counts.entry(path).or_default() += 1;
+        if path == KernelPath::Simt {
+            simt.push(node);
+        }
+    }
+    let counts: Vec<String> = counts
+        .iter()
+        .map(|(p, n)| format!("{} {n}", p.name()))
+        .collect();
+    if simt.is_empty() {
+        counts.join(", ")
+    } else {
+        format!("{}; on simt: {}", counts.join(", "), simt.join(" "))
+    }
 }
 
 fn positive(v: usize, flag: &str) -> Result<i64> {

@@ -4,13 +4,17 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
+use kiln_ir::artifact::KernelPath;
 use kiln_ir::dim::CONTEXT;
-use kiln_ir::{Graph, Op};
+use kiln_ir::{Graph, NodeId};
 use serde::Serialize;
 
 use crate::bucket::{Bucket, BucketPlan};
-use crate::fusion::cost::{fusions, kernel_work, CostModel, KernelKind};
-use crate::fusion::{saturate, FusionError, Limits, PhaseStats};
+use crate::fusion::cost::{fusions, graph_work, CostModel, KernelKind};
+use crate::fusion::{saturate, FusionError, Limits, PhaseStats, Saturated};
+
+/// The output generation samples from; prompt chunks leave it out.
+pub const LOGITS: &str = "logits";
 
 /// How to compile.
 #[derive(Clone, Debug)]
@@ -39,6 +43,9 @@ pub struct KernelReport {
     pub kind: KernelKind,
     /// The fusion rules whose work it carries.
     pub rules: Vec<&'static str>,
+    /// The hardware path of the kernel lowering generated for it (its main kernel's, for a node
+    /// lowered to several launches).
+    pub path: KernelPath,
     /// Floating-point operations.
     pub flops: f64,
     /// Bytes read and written.
@@ -128,30 +135,18 @@ pub fn compile(
     stage_seconds.insert("saturate".to_string(), start.elapsed().as_secs_f64());
 
     let start = Instant::now();
-    let mut buckets = Vec::new();
-    let mut reports = Vec::new();
     let mut generated = crate::lower::Lowered::default();
+    let mut prefill = Vec::new();
     for bucket in opts.plan.prefill() {
-        let bindings = bucket.bindings();
-        let (fused, cost) = saturated.extract(&bindings, &opts.cost)?;
-        let fixed = fused.specialize(&bindings)?;
-        let no_ptx = lower_into(&fixed, &mut generated);
-        reports.push(BucketReport {
-            batch: bucket.batch,
-            seq: bucket.seq,
-            context: None,
-            kernels: kernels(&fixed),
-            modelled_seconds: cost,
-            no_ptx,
-        });
-        buckets.push(CompiledBucket {
+        prefill.push(compile_bucket(
+            &saturated,
             bucket,
-            context: None,
-            graph: fixed,
-        });
+            None,
+            &opts.cost,
+            &mut generated,
+        )?);
     }
     let mut decode = Vec::new();
-    let mut decode_reports = Vec::new();
     if let (Some(sat), Some(context)) = (&saturated_cached, opts.max_context) {
         let chunk = opts
             .prefill_chunk
@@ -164,25 +159,13 @@ pub fn compile(
             .rev()
             .map(|&batch| Bucket { batch, seq: 1 });
         for bucket in chunk.into_iter().chain(steps) {
-            let batch = bucket.batch;
-            let mut bindings = bucket.bindings();
-            bindings.insert(CONTEXT.to_string(), context as i64);
-            let (fused, cost) = sat.extract(&bindings, &opts.cost)?;
-            let fixed = fused.specialize(&bindings)?;
-            let no_ptx = lower_into(&fixed, &mut generated);
-            decode_reports.push(BucketReport {
-                batch,
-                seq: bucket.seq,
-                context: Some(context),
-                kernels: kernels(&fixed),
-                modelled_seconds: cost,
-                no_ptx,
-            });
-            decode.push(CompiledBucket {
+            decode.push(compile_bucket(
+                sat,
                 bucket,
-                context: Some(context),
-                graph: fixed,
-            });
+                Some(context),
+                &opts.cost,
+                &mut generated,
+            )?);
         }
     }
     stage_seconds.insert("extract".to_string(), start.elapsed().as_secs_f64());
@@ -198,6 +181,8 @@ pub fn compile(
         }
         egraph.extend(sat.phases);
     }
+    let (reports, buckets): (Vec<_>, Vec<_>) = prefill.into_iter().unzip();
+    let (decode_reports, decode): (Vec<_>, Vec<_>) = decode.into_iter().unzip();
     Ok((
         CompileReport {
             buckets: reports,
@@ -216,36 +201,80 @@ pub fn compile(
     ))
 }
 
-/// Lowers `graph` into `all`; returns the kernel nodes left without a generator.
-fn lower_into(graph: &Graph, all: &mut crate::lower::Lowered) -> Vec<String> {
-    crate::lower::lower(graph, all).unsupported
+/// Extracts, specialises and lowers (into `generated`) one bucket of `sat`; a KV-cached bucket
+/// (`context`) of more than one token is a prompt chunk, which only fills the cache: its `logits`
+/// output, and the LM head with it, are left out (generation takes the prompt's last token through
+/// a decode step).
+fn compile_bucket(
+    sat: &Saturated,
+    bucket: Bucket,
+    context: Option<usize>,
+    cost: &CostModel,
+    generated: &mut crate::lower::Lowered,
+) -> Result<(BucketReport, CompiledBucket), FusionError> {
+    let mut bindings = bucket.bindings();
+    if let Some(c) = context {
+        bindings.insert(CONTEXT.to_string(), c as i64);
+    }
+    let prompt_chunk = context.is_some() && bucket.seq > 1;
+    let (fused, modelled_seconds) =
+        sat.extract_outputs(&bindings, cost, |name| !(prompt_chunk && name == LOGITS))?;
+    let graph = fused.specialize(&bindings)?;
+    // Lowered as the artifact writer lowers it: product weights stored `[N, K]` (`fold.rs`).
+    let (stored, moved) = crate::fold::weights_n_by_k(&graph)?;
+    let lowered = crate::lower::lower(&stored, generated);
+    let origin: BTreeMap<NodeId, NodeId> = graph
+        .nodes()
+        .map(|(id, _)| (moved[id.index()], id))
+        .collect();
+    let paths = lowered
+        .nodes
+        .iter()
+        .map(|(id, node)| {
+            let path = KernelPath::main(
+                node.launches
+                    .iter()
+                    .map(|l| generated.kernels[&l.kernel].path),
+            );
+            (origin[id], path)
+        })
+        .collect();
+    let no_ptx = lowered
+        .unsupported_nodes
+        .iter()
+        .map(|id| format!("{}_{}", graph.node(origin[id]).op.name(), origin[id].0))
+        .collect();
+    let report = BucketReport {
+        batch: bucket.batch,
+        seq: bucket.seq,
+        context,
+        kernels: kernels(&graph, &paths),
+        modelled_seconds,
+        no_ptx,
+    };
+    Ok((
+        report,
+        CompiledBucket {
+            bucket,
+            context,
+            graph,
+        },
+    ))
 }
 
 /// The kernels of a static graph: every node that is not a leaf, a view, or a value computed from
-/// weights alone (those are folded when the artifact is written).
-pub fn kernels(graph: &Graph) -> Vec<KernelReport> {
-    let none = BTreeMap::new();
-    let mut weight_only = vec![false; graph.len()];
-    let mut out = Vec::new();
-    for (id, node) in graph.nodes() {
-        weight_only[id.index()] = match &node.op {
-            Op::Weight(_) | Op::Scalar(_) => true,
-            Op::Input(_) => false,
-            _ => node.args.iter().all(|a| weight_only[a.index()]),
-        };
-        if weight_only[id.index()] {
-            continue;
-        }
-        let args: Vec<_> = node.args.iter().map(|a| graph.ty(*a)).collect();
-        if let Some(work) = kernel_work(&node.op, &args, &node.ty, &none) {
-            out.push(KernelReport {
-                name: format!("{}_{}", node.op.name(), id.0),
-                kind: work.kind,
-                rules: fusions(&node.op),
-                flops: work.flops,
-                bytes: work.bytes,
-            });
-        }
-    }
-    out
+/// weights alone (those are folded when the artifact is written), each on the path `paths` gives
+/// its node (the lowering's; `other` for a node without one).
+pub fn kernels(graph: &Graph, paths: &BTreeMap<NodeId, KernelPath>) -> Vec<KernelReport> {
+    graph_work(graph, &BTreeMap::new())
+        .into_iter()
+        .map(|(id, work)| KernelReport {
+            name: format!("{}_{}", graph.node(id).op.name(), id.0),
+            kind: work.kind,
+            rules: fusions(&graph.node(id).op),
+            path: paths.get(&id).copied().unwrap_or_default(),
+            flops: work.flops,
+            bytes: work.bytes,
+        })
+        .collect()
 }

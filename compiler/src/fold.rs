@@ -28,7 +28,7 @@ pub struct Folded {
 /// Folds the weight-only values of `g` that a run-time value (or an output) reads, after storing
 /// every product's weight `[N, K]`.
 pub fn fold_weights(g: &Graph) -> Result<Folded, IrError> {
-    let g = &weights_n_by_k(g)?;
+    let g = &weights_n_by_k(g)?.0;
     let n = g.len();
     let mut weight_only = vec![false; n];
     for (id, node) in g.nodes() {
@@ -87,8 +87,9 @@ pub fn fold_weights(g: &Graph) -> Result<Folded, IrError> {
 }
 
 /// `g` with every product whose weight (a weight-only `[K, N]` matrix) is not transposed
-/// rewritten to read `permute([1, 0], w)` with `transpose_b`: the same product.
-fn weights_n_by_k(g: &Graph) -> Result<Graph, IrError> {
+/// rewritten to read `permute([1, 0], w)` with `transpose_b`: the same product. Also returns where
+/// each node of `g` went.
+pub(crate) fn weights_n_by_k(g: &Graph) -> Result<(Graph, Vec<NodeId>), IrError> {
     let mut weight_only = vec![false; g.len()];
     let mut out = Graph::new();
     let mut map: Vec<NodeId> = Vec::with_capacity(g.len());
@@ -117,7 +118,7 @@ fn weights_n_by_k(g: &Graph) -> Result<Graph, IrError> {
     for o in g.outputs() {
         out.set_output(&o.name, map[o.node.index()])?;
     }
-    Ok(out)
+    Ok((out, map))
 }
 
 /// A leaf of another graph, added to `out`.

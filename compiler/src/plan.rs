@@ -87,6 +87,7 @@ impl ArtifactPlan {
                 name: k.name.clone(),
                 params: k.signature.clone(),
                 max_shared_bytes: shared.get(k.name.as_str()).copied().unwrap_or(0),
+                path: k.path,
             })
             .collect()
     }

@@ -207,6 +207,49 @@ pub struct Launch {
     pub shared_bytes: u32,
 }
 
+/// The hardware path a kernel runs on, so that a slow fallback is never silent: reports and
+/// `kiln inspect` show it, and the compiler's cost model prices each path differently.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum KernelPath {
+    /// Hopper warpgroup MMA (`wgmma.mma_async`).
+    Wgmma,
+    /// Warp-level tensor-core MMA (`mma.sync`).
+    Mma,
+    /// The matrix-vector product of at most 8 rows (`kiln_kernels::gemv`).
+    Gemv,
+    /// CUDA-core arithmetic for a kernel that has a tensor-core form elsewhere (a fallback).
+    Simt,
+    /// Kernels with no tensor-core form (norms, elementwise, embeddings, sampling, ...).
+    #[default]
+    Other,
+}
+
+impl KernelPath {
+    /// The name reports use.
+    pub fn name(self) -> &'static str {
+        match self {
+            KernelPath::Wgmma => "wgmma",
+            KernelPath::Mma => "mma",
+            KernelPath::Gemv => "gemv",
+            KernelPath::Simt => "simt",
+            KernelPath::Other => "other",
+        }
+    }
+
+    /// The path of a node lowered to the launches on `paths`: its main kernel's, the first that
+    /// is not [`KernelPath::Other`] (a norm prologue before its product, a combine after a split
+    /// attention), or `Other` when all are.
+    pub fn main(paths: impl IntoIterator<Item = KernelPath>) -> KernelPath {
+        paths
+            .into_iter()
+            .find(|p| *p != KernelPath::Other)
+            .unwrap_or_default()
+    }
+}
+
 /// One kernel of the module: how it is called. A kernel whose code is the same for several
 /// shapes (row kernels take their row count from the grid) is launched by each step with that
 /// step's own configuration.
@@ -218,6 +261,9 @@ pub struct KernelEntry {
     pub params: Vec<(String, ParamType)>,
     /// The most dynamic shared memory any launch of it asks for, bytes.
     pub max_shared_bytes: u32,
+    /// The hardware path it runs on (`Other` in artifacts written before it was recorded).
+    #[serde(default)]
+    pub path: KernelPath,
 }
 
 /// A kernel argument.

@@ -39,8 +39,9 @@ use serde::{Deserialize, Serialize};
 
 pub use ptx::{Elem, ParamType};
 
-/// Grid, block and dynamic shared memory of a launch (the artifact's schema owns the type).
-pub use kiln_ir::artifact::Launch;
+/// Grid, block and dynamic shared memory of a launch, and the hardware path a kernel runs on
+/// (the artifact's schema owns the types: `kiln inspect` shows the path).
+pub use kiln_ir::artifact::{KernelPath, Launch};
 
 /// One generated kernel: its entry name, PTX text (an `.entry`, without the module header), the
 /// ordered parameter list the runtime must pass, and its launch configuration.
@@ -56,36 +57,6 @@ pub struct GeneratedKernel {
     pub launch: Launch,
     /// Which hardware path it runs on.
     pub path: KernelPath,
-}
-
-/// The hardware path a kernel runs on, so that a slow fallback is never silent: reports and
-/// `kiln inspect` show it, and the compiler's cost model prices each path differently.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum KernelPath {
-    /// Hopper warpgroup MMA (`wgmma.mma_async`).
-    Wgmma,
-    /// Warp-level tensor-core MMA (`mma.sync`).
-    Mma,
-    /// The matrix-vector product of at most 8 rows (`crate::gemv`).
-    Gemv,
-    /// CUDA-core arithmetic for a kernel that has a tensor-core form elsewhere (a fallback).
-    Simt,
-    /// Kernels with no tensor-core form (norms, elementwise, embeddings, sampling, ...).
-    Other,
-}
-
-impl KernelPath {
-    /// The name reports use.
-    pub fn name(self) -> &'static str {
-        match self {
-            KernelPath::Wgmma => "wgmma",
-            KernelPath::Mma => "mma",
-            KernelPath::Gemv => "gemv",
-            KernelPath::Simt => "simt",
-            KernelPath::Other => "other",
-        }
-    }
 }
 
 impl GeneratedKernel {

@@ -1,7 +1,8 @@
-//! Token generation through the artifact's KV-cached graphs: the prompt enters the cache chunk by
-//! chunk through the chunk bucket (batch 1, `--prefill-chunk` tokens, the last chunk's tail
-//! masked), or one token per step when the artifact has none; then each decode step appends the
-//! chosen token. The context can never exceed the compiled capacity; asking for more is an error
+//! Token generation through the artifact's KV-cached graphs: the prompt but its last token enters
+//! the cache chunk by chunk through the chunk bucket (batch 1, `--prefill-chunk` tokens, the last
+//! chunk's tail masked; it computes no logits), or one token per step when the artifact has none;
+//! the last prompt token goes through a decode step, whose logits choose the first new token, and
+//! each further decode step appends the chosen token. The context can never exceed the compiled capacity; asking for more is an error
 //! before anything runs.
 
 use std::collections::BTreeMap;
@@ -146,21 +147,23 @@ pub fn generate_timed(
             })
             .collect();
     }
-    // The prompt: chunk by chunk, or one token per step; the last prompt token's logits choose
-    // the first new token.
-    let mut logits = Vec::new();
+    // The prompt but its last token fills the cache, chunk by chunk or one token per step (no
+    // logits: the chunk bucket has none); the last token goes through a decode step, whose logits
+    // (one row through the LM head) choose the first new token.
+    let (head, last) = prompt.split_at(prompt.len() - 1);
     match chunk {
         Some(c) => {
-            for (i, part) in prompt.chunks(c.seq).enumerate() {
-                logits = run.step(c, part, i * c.seq)?;
+            for (i, part) in head.chunks(c.seq).enumerate() {
+                run.fill(c, part, i * c.seq)?;
             }
         }
         None => {
-            for (pos, &t) in prompt.iter().enumerate() {
-                logits = run.step(bucket, &[t], pos)?;
+            for (pos, &t) in head.iter().enumerate() {
+                run.fill(bucket, &[t], pos)?;
             }
         }
     }
+    let mut logits = run.step(bucket, last, head.len())?;
     let mut out = Vec::with_capacity(max_new);
     let mut decode_seconds = 0.0;
     for i in 0..max_new {
@@ -185,15 +188,33 @@ struct Session<'a> {
 }
 
 impl Session<'_> {
-    /// Runs `tokens` (at positions `start..`) through the KV-cached bucket `entry` in row 0 (the
-    /// bucket's other rows repeat it, their results unused); the tail of a chunk is masked, so
-    /// nothing of it reaches the cache. Returns the logits of the last token.
+    /// Runs `tokens` (at positions `start..`) through the KV-cached bucket `entry` and returns
+    /// the logits of the last token.
     fn step(
         &mut self,
         entry: &BucketEntry,
         tokens: &[i64],
         start: usize,
     ) -> Result<Vec<f32>, RuntimeError> {
+        let outputs = self.fill(entry, tokens, start)?;
+        let logits = outputs
+            .get("logits")
+            .and_then(|t| t.as_f32())
+            .ok_or_else(|| RuntimeError::Request("the decode graph has no logits".into()))?;
+        let at = (tokens.len() - 1) * self.vocab;
+        Ok(logits[at..at + self.vocab].to_vec())
+    }
+
+    /// Runs `tokens` (at positions `start..`) through the KV-cached bucket `entry` in row 0 (the
+    /// bucket's other rows repeat it, their results unused), so that their keys and values enter
+    /// the cache; the tail of a chunk is masked, so nothing of it reaches the cache. Returns the
+    /// bucket's other outputs.
+    fn fill(
+        &mut self,
+        entry: &BucketEntry,
+        tokens: &[i64],
+        start: usize,
+    ) -> Result<BTreeMap<String, Tensor>, RuntimeError> {
         let (b, s) = (entry.batch, entry.seq);
         let row = |f: &dyn Fn(usize) -> i64| -> Vec<i64> {
             let one: Vec<i64> = (0..s).map(f).collect();
@@ -237,12 +258,7 @@ impl Session<'_> {
                 all[..n].copy_from_slice(&new[..n]);
             }
         }
-        let logits = outputs
-            .get("logits")
-            .and_then(|t| t.as_f32())
-            .ok_or_else(|| RuntimeError::Request("the decode graph has no logits".into()))?;
-        let at = (tokens.len() - 1) * self.vocab;
-        Ok(logits[at..at + self.vocab].to_vec())
+        Ok(outputs)
     }
 }
 

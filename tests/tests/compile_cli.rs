@@ -275,3 +275,82 @@ fn gpt2_small_plan_only() {
         assert_eq!(attention, 12);
     }
 }
+
+/// Every kernel of the report names the path lowering generated it on (a SIMT fallback is never
+/// silent; `kiln inspect` counts them per bucket): f32 products and attention of prefill buckets
+/// are SIMT, decode products the GEMV. The prompt chunk only fills the KV cache: no logits, so no
+/// LM-head product.
+#[test]
+fn report_and_inspect_name_each_kernels_path() {
+    let tmp = tempfile::tempdir().unwrap();
+    for dtype in ["f32", "bf16"] {
+        let out = tmp.path().join(format!("llama-{dtype}.kiln"));
+        let report = tmp.path().join(format!("llama-{dtype}.json"));
+        compile(&[
+            fixture("llama-tiny").to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+            "--buckets",
+            "16,64",
+            "--max-context",
+            "64",
+            "--prefill-chunk",
+            "16",
+            "--dtype",
+            dtype,
+            "--report",
+            report.to_str().unwrap(),
+        ])
+        .unwrap();
+        let r: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+        let buckets = r["buckets"].as_array().unwrap();
+        let decode = r["decode_buckets"].as_array().unwrap();
+        let path_of = |k: &serde_json::Value| k["path"].as_str().unwrap().to_string();
+        for b in buckets.iter().chain(decode) {
+            for k in b["kernels"].as_array().unwrap() {
+                let path = path_of(k);
+                assert!(
+                    ["wgmma", "mma", "gemv", "simt", "other"].contains(&path.as_str()),
+                    "{dtype}: {k}"
+                );
+                let product = k["kind"] == "gemm";
+                let attention = k["kind"] == "attention";
+                if b["seq"].as_u64().unwrap() > 8 && (product || attention) {
+                    let tensor_cores = ["mma", "wgmma"].contains(&path.as_str());
+                    if dtype == "f32" {
+                        assert_eq!(path, "simt", "{k}");
+                    } else if product && k["rules"].as_array().unwrap().len() == 1 {
+                        assert!(tensor_cores, "a plain bf16 product: {k}");
+                    }
+                }
+                if b["seq"] == 1 && b["batch"] == 1 && product {
+                    assert_eq!(path, "gemv", "{k}");
+                }
+            }
+        }
+        let products = |b: &serde_json::Value| {
+            b["kernels"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|k| k["kind"] == "gemm")
+                .count()
+        };
+        assert_eq!(decode[0]["seq"], 16, "the prompt chunk");
+        // Without logits, the LM head goes, and with it the last layer's attention and MLP (only
+        // its keys and values reach the cache).
+        assert!(products(&decode[0]) < products(&decode[1]) - 1, "{dtype}");
+        let chunk = std::fs::read_to_string(out.join("buckets/decode-b1-s16.ron")).unwrap();
+        let chunk = kiln_ir::Graph::from_ron(&chunk).unwrap();
+        assert!(chunk.outputs().iter().all(|o| o.name != "logits"));
+        let summary = kiln_tests::kiln(&["inspect", out.to_str().unwrap()]).unwrap();
+        assert!(summary.contains("    paths: "), "{summary}");
+        if dtype == "f32" {
+            assert!(summary.contains("; on simt: gemm_"), "{summary}");
+            assert!(summary.contains(" attention_"), "{summary}");
+        } else {
+            assert!(summary.contains("mma "), "{summary}");
+        }
+    }
+}

@@ -331,3 +331,74 @@ fn bf16_plans_match_the_reference_within_half_precision_tolerance() {
         kiln_tests::assert_half_precision_close(got, want, vocab, &format!("{name} bf16"));
     }
 }
+
+/// Kernel-aware extraction: for every family (the fixtures, and the real shapes of
+/// `../shared/configs` without weights), in f32 and bf16, at short and long buckets and in the
+/// KV-cached graph (decode steps and prompt chunks), the extracted graph is modelled no slower
+/// than the unfused graph it came from, and its modelled cost is what the cost model gives it.
+#[test]
+fn extraction_is_never_modelled_slower_than_the_unfused_graph() {
+    use kiln_compiler::fusion::cost::{graph_seconds, CostModel};
+    use kiln_compiler::fusion::{saturate, Limits};
+    use kiln_ir::dim::{BATCH, CONTEXT, SEQ};
+    let configs = kiln_tests::workspace_root().join("../shared/configs");
+    let mut models: Vec<(std::path::PathBuf, bool)> = ["gpt2-tiny", "llama-tiny", "bert-tiny"]
+        .iter()
+        .map(|n| (fixture(n), true))
+        .collect();
+    let mut shapes: Vec<_> = std::fs::read_dir(&configs)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("config.json").is_file())
+        .collect();
+    shapes.sort();
+    assert!(shapes.len() >= 5, "configs in {}", configs.display());
+    models.extend(shapes.into_iter().map(|p| (p, false)));
+    let cost = CostModel::default();
+    for (dir, weights) in &models {
+        for dtype in [kiln_ir::DType::F32, kiln_ir::DType::BF16] {
+            for kv_cache in [false, true] {
+                let options = kiln_models::ImportOptions {
+                    dtype,
+                    dropout: false,
+                    kv_cache,
+                };
+                let model = if *weights {
+                    kiln_models::import_with(dir, &options)
+                } else {
+                    kiln_models::import_config_only(dir, &options)
+                }
+                .unwrap();
+                let buckets: &[(i64, i64)] = match (kv_cache, &model.kind) {
+                    (true, kiln_models::ModelKind::Encoder { .. }) => continue,
+                    (true, _) => &[(1, 1), (4, 1), (1, 128)],
+                    (false, _) => &[(1, 1), (4, 16), (1, 512), (1, 2048)],
+                };
+                let sat = saturate(&model.graph, &Limits::default()).unwrap();
+                for &(batch, seq) in buckets {
+                    let bindings = std::collections::BTreeMap::from([
+                        (BATCH.to_string(), batch),
+                        (SEQ.to_string(), seq),
+                        (CONTEXT.to_string(), 2048),
+                    ]);
+                    let (fused, modelled) = sat.extract(&bindings, &cost).unwrap();
+                    let unfused = graph_seconds(&model.graph, &bindings, &cost);
+                    let what = format!(
+                        "{} {dtype} b{batch} s{seq}{}",
+                        dir.display(),
+                        if kv_cache { " (KV cache)" } else { "" }
+                    );
+                    assert!(
+                        modelled <= unfused * (1.0 + 1e-9),
+                        "{what}: extracted {modelled:e} s > unfused {unfused:e} s"
+                    );
+                    let again = graph_seconds(&fused, &bindings, &cost);
+                    assert!(
+                        (again - modelled).abs() <= 1e-9 * modelled,
+                        "{what}: {again:e} vs {modelled:e}"
+                    );
+                }
+            }
+        }
+    }
+}

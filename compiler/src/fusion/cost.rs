@@ -1,13 +1,20 @@
-//! The cost model: a kernel costs `max(FLOPs / peak, bytes / bandwidth) + launch`; views, graph
-//! leaves and weight-only values (folded at compile time) cost nothing.
+//! The cost model: a kernel costs `max(FLOPs / rate, bytes / bandwidth) + launch`, with the rates
+//! of the kernel lowering will choose for it (its [`KernelPath`], asked of `kiln_kernels`), as
+//! measured on the H200 (`calibration.ron`); ops no GPU kernel computes are priced on the host.
+//! Views, graph leaves and weight-only values (folded at compile time) cost nothing.
 
 use std::collections::BTreeMap;
+use std::sync::OnceLock;
 
-use kiln_ir::{Op, TensorType};
-use serde::Serialize;
+use kiln_ir::artifact::KernelPath;
+use kiln_ir::{Graph, NodeId, Op, TensorType};
+use kiln_kernels::attention::{AttentionConfig, Dropout, KeyRule};
+use kiln_kernels::gemm::GemmConfig;
+use kiln_kernels::Elem;
+use serde::{Deserialize, Serialize};
 
 /// What kind of kernel an op becomes, as reports name them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum KernelKind {
     /// Fused attention (prefill / encode).
@@ -30,27 +37,65 @@ pub enum KernelKind {
     Other,
 }
 
-/// Device ceilings the cost model divides by.
-#[derive(Clone, Debug, Serialize)]
+/// The measured rates of the kernels of one kind on one path.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+pub struct Rate {
+    /// The kind it applies to; `None`: every kind.
+    pub kind: Option<KernelKind>,
+    /// The hardware path it applies to.
+    pub path: KernelPath,
+    /// Sustained arithmetic, FLOP/s; `None`: not the bound.
+    pub flops_per_second: Option<f64>,
+    /// Sustained memory traffic, bytes/s; `None`: the copy bandwidth.
+    pub bytes_per_second: Option<f64>,
+    /// Where the numbers come from.
+    pub source: String,
+}
+
+/// The cost model's numbers (`calibration.ron`), each with its source.
+#[derive(Clone, Debug, Deserialize, Serialize)]
 pub struct CostModel {
-    /// Peak arithmetic throughput, FLOP/s.
-    pub flops_per_second: f64,
-    /// Memory bandwidth, bytes/s.
-    pub bytes_per_second: f64,
-    /// Cost of one kernel launch from a CUDA graph, seconds.
+    /// One kernel launch replayed from a CUDA graph, seconds.
     pub launch_seconds: f64,
+    /// Where `launch_seconds` comes from.
+    pub launch_source: String,
+    /// Device copy bandwidth, bytes/s (read + write).
+    pub copy_bytes_per_second: f64,
+    /// Where `copy_bytes_per_second` comes from.
+    pub copy_source: String,
+    /// Rates per kind and path; the first match applies.
+    pub rates: Vec<Rate>,
+    /// Arithmetic of the host, where ops without a GPU kernel run, FLOP/s.
+    pub host_flops_per_second: f64,
+    /// Where `host_flops_per_second` comes from.
+    pub host_source: String,
+    /// Device-to-host copy bandwidth, bytes/s: what a host op's operands and result cross.
+    pub host_link_bytes_per_second: f64,
+    /// Where `host_link_bytes_per_second` comes from.
+    pub host_link_source: String,
 }
 
 impl Default for CostModel {
-    /// H200 figures from DESIGN.md section 8: bf16 GEMM 784 TFLOP/s (halved for the f32-accumulated
-    /// mix the compiler plans for), copy 4.24 TB/s, 3.2 us per kernel replayed from a graph.
+    /// The H200 calibration kept in the repository.
     fn default() -> CostModel {
-        CostModel {
-            flops_per_second: 392e12,
-            bytes_per_second: 4.24e12,
-            launch_seconds: 3.2e-6,
-        }
+        static MODEL: OnceLock<CostModel> = OnceLock::new();
+        MODEL
+            .get_or_init(|| {
+                ron::from_str(include_str!("calibration.ron"))
+                    .expect("calibration.ron is valid (tested)")
+            })
+            .clone()
     }
+}
+
+/// Where a kernel op runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Runs {
+    /// A GPU kernel on this path.
+    Gpu(KernelPath),
+    /// The host: no GPU kernel computes the op (it would be a host-tail op).
+    Host,
 }
 
 /// The work of one kernel.
@@ -58,6 +103,8 @@ impl Default for CostModel {
 pub struct KernelWork {
     /// Its kind.
     pub kind: KernelKind,
+    /// Where it runs.
+    pub runs: Runs,
     /// Floating-point operations.
     pub flops: f64,
     /// Bytes read and written.
@@ -65,11 +112,42 @@ pub struct KernelWork {
 }
 
 impl CostModel {
+    /// The rate of `kind` kernels on `path`.
+    pub fn rate(&self, kind: KernelKind, path: KernelPath) -> Option<&Rate> {
+        self.rates
+            .iter()
+            .find(|r| r.path == path && r.kind.is_none_or(|k| k == kind))
+    }
+
     /// Seconds for `work`.
     pub fn seconds(&self, work: &KernelWork) -> f64 {
-        (work.flops / self.flops_per_second).max(work.bytes / self.bytes_per_second)
-            + self.launch_seconds
+        let path = match work.runs {
+            Runs::Host => {
+                return work.flops / self.host_flops_per_second
+                    + work.bytes / self.host_link_bytes_per_second
+                    + self.launch_seconds
+            }
+            Runs::Gpu(path) => path,
+        };
+        let rate = self.rate(work.kind, path);
+        let compute = rate
+            .and_then(|r| r.flops_per_second)
+            .map_or(0.0, |f| work.flops / f);
+        let bandwidth = rate
+            .and_then(|r| r.bytes_per_second)
+            .unwrap_or(self.copy_bytes_per_second);
+        compute.max(work.bytes / bandwidth) + self.launch_seconds
     }
+}
+
+/// An operand as the cost model sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct CostArg<'a> {
+    /// Its type.
+    pub ty: &'a TensorType,
+    /// Computed from weights alone: folded when the artifact is written, a product's weight
+    /// stored `[N, K]` (`fold.rs`).
+    pub weight_only: bool,
 }
 
 /// True for ops that are views of their operand (kernels read them through strides).
@@ -91,21 +169,25 @@ fn bytes(t: &TensorType, bindings: &BTreeMap<String, i64>) -> f64 {
     numel(t, bindings) * t.dtype.size_bytes() as f64
 }
 
-/// The kernel `op` becomes, with its FLOPs and bytes at `bindings`; `None` for leaves and views.
+/// The kernel `op` becomes, with where it runs and its FLOPs and bytes at `bindings`; `None` for
+/// leaves and views.
 pub fn kernel_work(
     op: &Op,
-    args: &[&TensorType],
+    operands: &[CostArg],
     out: &TensorType,
     bindings: &BTreeMap<String, i64>,
 ) -> Option<KernelWork> {
     if op.is_leaf() || is_view(op) {
         return None;
     }
+    let runs = runs(op, operands, out, bindings);
+    let args: Vec<&TensorType> = operands.iter().map(|a| a.ty).collect();
     let n = numel(out, bindings);
     if let Op::CacheWrite = op {
         // Written in place: the new entries are read and stored, the cache is not copied.
         return Some(KernelWork {
             kind: KernelKind::Other,
+            runs,
             flops: 0.0,
             bytes: 2.0 * bytes(args[1], bindings),
         });
@@ -163,9 +245,159 @@ pub fn kernel_work(
     };
     Some(KernelWork {
         kind,
+        runs,
         flops,
         bytes: io,
     })
+}
+
+/// The kernels of `graph` at `bindings`, with their work: every node that is not a leaf, a view,
+/// or a value computed from weights alone (those are folded when the artifact is written).
+pub fn graph_work(graph: &Graph, bindings: &BTreeMap<String, i64>) -> Vec<(NodeId, KernelWork)> {
+    let mut weight_only = vec![false; graph.len()];
+    let mut out = Vec::new();
+    for (id, node) in graph.nodes() {
+        weight_only[id.index()] = match &node.op {
+            Op::Weight(_) | Op::Scalar(_) => true,
+            Op::Input(_) => false,
+            _ => node.args.iter().all(|a| weight_only[a.index()]),
+        };
+        if weight_only[id.index()] {
+            continue;
+        }
+        let args: Vec<CostArg> = node
+            .args
+            .iter()
+            .map(|a| CostArg {
+                ty: graph.ty(*a),
+                weight_only: weight_only[a.index()],
+            })
+            .collect();
+        if let Some(work) = kernel_work(&node.op, &args, &node.ty, bindings) {
+            out.push((id, work));
+        }
+    }
+    out
+}
+
+/// The modelled seconds of `graph` at `bindings`: the sum over [`graph_work`]'s kernels (what
+/// extraction minimises, so an extracted graph can be compared with the unfused one).
+pub fn graph_seconds(graph: &Graph, bindings: &BTreeMap<String, i64>, model: &CostModel) -> f64 {
+    graph_work(graph, bindings)
+        .iter()
+        .map(|(_, w)| model.seconds(w))
+        .sum()
+}
+
+/// Where `op` runs: the path `kiln_kernels` dispatches its configuration to for the kernels
+/// lowering generates (`lower.rs`), the host for ops without a GPU kernel (a RoPE outside a
+/// KV-cache write included), so extraction never prefers a form that lowering cannot run.
+fn runs(op: &Op, args: &[CostArg], out: &TensorType, bindings: &BTreeMap<String, i64>) -> Runs {
+    // A configuration that cannot be built (no static size) is priced as the fallback.
+    let gpu = |path: Option<KernelPath>| Runs::Gpu(path.unwrap_or(KernelPath::Simt));
+    match op {
+        Op::Gemm(_) => {
+            gpu(gemm_config(op, args, out, bindings).map(|c| kiln_kernels::gemm::path(&c)))
+        }
+        Op::Attention(_) | Op::DecodeAttention(_) => {
+            gpu(attention_config(op, args, out, bindings)
+                .map(|c| kiln_kernels::attention::path(&c)))
+        }
+        Op::Embedding(_) | Op::Norm(_) | Op::Activation(_) | Op::CacheWrite => {
+            Runs::Gpu(KernelPath::Other)
+        }
+        _ => Runs::Host,
+    }
+}
+
+fn dims(t: &TensorType, bindings: &BTreeMap<String, i64>) -> Option<Vec<u32>> {
+    t.shape
+        .iter()
+        .map(|d| d.eval(bindings).and_then(|v| u32::try_from(v).ok()))
+        .collect()
+}
+
+/// The configuration lowering gives the product `op` (a [`Op::Gemm`]): its weight stored `[N, K]`
+/// when it is weight-only, as folding stores it.
+pub fn gemm_config(
+    op: &Op,
+    args: &[CostArg],
+    out: &TensorType,
+    bindings: &BTreeMap<String, i64>,
+) -> Option<GemmConfig> {
+    let Op::Gemm(spec) = op else { return None };
+    let x = dims(args[0].ty, bindings)?;
+    let k = *x.last()?;
+    let m = x.iter().try_fold(1u32, |a, d| a.checked_mul(*d))? / k.max(1);
+    let w = dims(args[1].ty, bindings)?;
+    Some(GemmConfig {
+        m,
+        k,
+        n: if spec.transpose_b { w[0] } else { w[1] },
+        transpose_b: spec.transpose_b || (args[1].weight_only && w.len() == 2),
+        bias: spec.bias,
+        activation: spec.activation,
+        swiglu: spec.swiglu,
+        residual: spec.residual,
+        elem: Elem::of(out.dtype)?,
+    })
+}
+
+/// The configuration lowering gives the attention `op` ([`Op::Attention`] or
+/// [`Op::DecodeAttention`], one key range), with contiguous q/k/v/out layouts: in the e-graph the
+/// layouts are not known yet (lowering reads q/k/v in place from the QKV product or the cache).
+pub fn attention_config(
+    op: &Op,
+    args: &[CostArg],
+    out: &TensorType,
+    bindings: &BTreeMap<String, i64>,
+) -> Option<AttentionConfig> {
+    let q = dims(args[0].ty, bindings)?;
+    let k = dims(args[1].ty, bindings)?;
+    let (&[batch, heads, q_len, head_dim], &[_, kv_heads, kv_len, _]) = (&q[..], &k[..]) else {
+        return None;
+    };
+    let mut cfg = AttentionConfig {
+        batch,
+        heads,
+        kv_heads,
+        q_len,
+        kv_len,
+        head_dim,
+        scale: 1.0,
+        keys: KeyRule::All,
+        padding: false,
+        rope: false,
+        rope_k: false,
+        dropout: None,
+        elem: Elem::of(out.dtype)?,
+        strides: [[0; 3]; 4],
+        splits: 1,
+    };
+    cfg.strides = cfg.contiguous_strides();
+    match op {
+        Op::Attention(spec) => {
+            cfg.scale = spec.scale as f32;
+            if spec.causal {
+                cfg.keys = KeyRule::Causal {
+                    window: spec.window.map(|w| w as u32),
+                };
+            }
+            cfg.padding = spec.padding;
+            cfg.rope = spec.rope.is_some();
+            cfg.rope_k = spec.rope.is_some();
+            cfg.dropout = spec.dropout.map(|(p, s)| Dropout::new(p, s));
+        }
+        Op::DecodeAttention(spec) => {
+            cfg.scale = spec.scale as f32;
+            cfg.keys = KeyRule::Position {
+                window: spec.window.map(|w| w as u32),
+            };
+            cfg.rope = spec.rope.is_some();
+        }
+        _ => return None,
+    }
+    Some(cfg)
 }
 
 /// The fusions a kernel op carries, named as the rules that make them.
@@ -233,4 +465,141 @@ pub fn fusions(op: &Op) -> Vec<&'static str> {
         _ => {}
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_ir::kernel::{AttentionSpec, GemmSpec};
+    use kiln_ir::{DType, Dim};
+
+    fn ty(dtype: DType, shape: &[usize]) -> TensorType {
+        TensorType::new(dtype, shape.iter().map(|&d| Dim::from(d)).collect())
+    }
+
+    fn arg(t: &TensorType) -> CostArg<'_> {
+        CostArg {
+            ty: t,
+            weight_only: false,
+        }
+    }
+
+    /// Seconds of the product `[m, k] x [n, k]^T` in `dtype`, and where it runs.
+    fn product(dtype: DType, m: usize, n: usize, k: usize, swiglu: bool) -> (f64, Runs) {
+        let (x, w) = (ty(dtype, &[m, k]), ty(dtype, &[n, k]));
+        let out = ty(dtype, &[m, if swiglu { n / 2 } else { n }]);
+        let op = Op::Gemm(GemmSpec {
+            swiglu,
+            ..GemmSpec::plain(true)
+        });
+        let work = kernel_work(&op, &[arg(&x), arg(&w)], &out, &BTreeMap::new()).unwrap();
+        (CostModel::default().seconds(&work), work.runs)
+    }
+
+    /// Seconds of causal attention over `s` tokens (16 heads, d 128, batch 4), and where it runs.
+    fn attention(dtype: DType, s: usize, rope: bool) -> (f64, Runs) {
+        let q = ty(dtype, &[4, 16, s, 128]);
+        let pos = ty(DType::I64, &[4, s]);
+        let op = Op::Attention(AttentionSpec {
+            scale: 128f64.powf(-0.5),
+            causal: true,
+            window: None,
+            padding: false,
+            rope: rope.then_some((1e4, kiln_ir::RopeScaling::Default)),
+            dropout: None,
+        });
+        let mut args = vec![arg(&q), arg(&q), arg(&q)];
+        if rope {
+            args.push(arg(&pos));
+        }
+        let work = kernel_work(&op, &args, &q, &BTreeMap::new()).unwrap();
+        (CostModel::default().seconds(&work), work.runs)
+    }
+
+    #[test]
+    fn calibration_names_a_source_for_every_number() {
+        let m = CostModel::default();
+        assert!(m.launch_seconds > 0.0 && m.copy_bytes_per_second > 0.0);
+        assert!(m.host_flops_per_second > 0.0);
+        assert!(m.host_link_bytes_per_second > 0.0);
+        for source in [
+            &m.launch_source,
+            &m.copy_source,
+            &m.host_source,
+            &m.host_link_source,
+        ] {
+            assert!(!source.is_empty());
+        }
+        for r in &m.rates {
+            assert!(!r.source.is_empty(), "{r:?}");
+            assert!(r.flops_per_second.is_some() || r.bytes_per_second.is_some());
+        }
+        // The paths lowering picks for products and attention are all priced.
+        for kind in [KernelKind::Gemm, KernelKind::Attention] {
+            for path in [KernelPath::Wgmma, KernelPath::Mma, KernelPath::Simt] {
+                assert!(m.rate(kind, path).is_some(), "{kind:?} on {path:?}");
+            }
+        }
+    }
+
+    /// Priced at the measured rate of the path the kernel generators pick: f32 products run on
+    /// the SIMT GEMM (16.4 TFLOP/s), bf16 ones on tensor cores (297.6), so the same 4096^3
+    /// product is modelled about 18x slower in f32.
+    #[test]
+    fn products_are_priced_on_the_path_lowering_picks() {
+        let flops = 2.0 * 4096f64.powi(3) + 4096.0 * 4096.0;
+        let (f32_s, f32_runs) = product(DType::F32, 4096, 4096, 4096, false);
+        assert_eq!(f32_runs, Runs::Gpu(KernelPath::Simt));
+        assert!((f32_s - (flops / 16.4e12 + 3.2e-6)).abs() < 1e-9, "{f32_s}");
+        let (bf16_s, bf16_runs) = product(DType::BF16, 4096, 4096, 4096, false);
+        assert_eq!(bf16_runs, Runs::Gpu(KernelPath::Mma));
+        assert!(
+            (bf16_s - (flops / 297.6e12 + 3.2e-6)).abs() < 1e-9,
+            "{bf16_s}"
+        );
+        // One row: the GEMV, bound by its weight bytes (2.45 TB/s).
+        let (gemv_s, gemv_runs) = product(DType::BF16, 1, 4096, 4096, false);
+        assert_eq!(gemv_runs, Runs::Gpu(KernelPath::Gemv));
+        let bytes = 2.0 * (4096.0 * 4096.0 + 2.0 * 4096.0);
+        assert!(
+            (gemv_s - (bytes / 2.45e12 + 3.2e-6)).abs() < 1e-12,
+            "{gemv_s}"
+        );
+        // SwiGLU is priced on whatever path the generator takes for it.
+        let (swiglu_s, swiglu_runs) = product(DType::BF16, 4096, 8192, 4096, true);
+        let Runs::Gpu(path) = swiglu_runs else {
+            panic!("a product runs on the GPU")
+        };
+        let model = CostModel::default();
+        let rate = model.rate(KernelKind::Gemm, path).unwrap();
+        let swiglu_flops = 2.0 * 4096.0 * 4096.0 * 8192.0 + 4096.0 * 4096.0;
+        let want = swiglu_flops / rate.flops_per_second.unwrap() + 3.2e-6;
+        assert!((swiglu_s - want).abs() < 1e-9, "{swiglu_s} on {path:?}");
+    }
+
+    /// The near miss the model exists for: an attention whose fused form falls back to SIMT is
+    /// priced at 3.58 TFLOP/s, about 42x the tensor-core form, and the host (where an unfused
+    /// form's softmax and products would run) is slower still.
+    #[test]
+    fn attention_fallbacks_and_host_ops_are_priced_honestly() {
+        let (f32_s, f32_runs) = attention(DType::F32, 4096, false);
+        assert_eq!(f32_runs, Runs::Gpu(KernelPath::Simt));
+        let (bf16_s, bf16_runs) = attention(DType::BF16, 4096, false);
+        assert_eq!(bf16_runs, Runs::Gpu(KernelPath::Mma));
+        assert!(f32_s > 40.0 * bf16_s, "{f32_s} vs {bf16_s}");
+        // With RoPE: the path the attention generators choose for it, priced at its rate.
+        let (rope_s, rope_runs) = attention(DType::BF16, 4096, true);
+        let expected = if rope_runs == Runs::Gpu(KernelPath::Simt) {
+            f32_s / bf16_s
+        } else {
+            1.0
+        };
+        assert!((rope_s / bf16_s / expected - 1.0).abs() < 0.05, "{rope_s}");
+        // An unfused product runs on the host.
+        let (x, w) = (ty(DType::F32, &[4096, 4096]), ty(DType::F32, &[4096, 4096]));
+        let work = kernel_work(&Op::MatMul, &[arg(&x), arg(&w)], &x, &BTreeMap::new()).unwrap();
+        assert_eq!(work.runs, Runs::Host);
+        let host = CostModel::default().seconds(&work);
+        assert!(host > product(DType::F32, 4096, 4096, 4096, false).0);
+    }
 }

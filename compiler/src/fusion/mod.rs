@@ -28,7 +28,7 @@ use kiln_ir::{Graph, IrError, NodeId, Op};
 use serde::Serialize;
 
 use analysis::{KilnGraph, TypeAnalysis};
-use cost::{kernel_work, CostModel};
+use cost::{kernel_work, CostArg, CostModel};
 use lang::{has_attr, static_name, Attr, ENode};
 use rules::{load_rules, Rule, PHASES};
 
@@ -190,7 +190,19 @@ impl Saturated {
         bindings: &BTreeMap<String, i64>,
         model: &CostModel,
     ) -> Result<(Graph, f64), FusionError> {
+        self.extract_outputs(bindings, model, |_| true)
+    }
+
+    /// [`Saturated::extract`] for the outputs `keep` accepts only: what only the others need is
+    /// neither extracted nor paid for (the prompt chunk drops `logits`, and its LM head with it).
+    pub fn extract_outputs(
+        &self,
+        bindings: &BTreeMap<String, i64>,
+        model: &CostModel,
+        keep: impl Fn(&str) -> bool,
+    ) -> Result<(Graph, f64), FusionError> {
         let eg = &self.egraph;
+        let wanted: Vec<&(String, Id)> = self.roots.iter().filter(|(n, _)| keep(n)).collect();
         let own_cost = |class: Id, node: usize| -> f64 {
             if eg[class].data.weight_only {
                 return 0.0; // folded at compile time
@@ -198,19 +210,26 @@ impl Saturated {
             let Some((op, args)) = TypeAnalysis::op_and_args(eg, &eg[class].nodes[node]) else {
                 return 0.0;
             };
-            let types: Vec<_> = args
+            let types: Vec<CostArg> = args
                 .iter()
-                .filter_map(|a| eg[*a].data.ty.as_ref())
+                .filter_map(|a| {
+                    let data = &eg[*a].data;
+                    Some(CostArg {
+                        ty: data.ty.as_ref()?,
+                        weight_only: data.weight_only,
+                    })
+                })
                 .collect();
             let out = eg[class].data.ty.as_ref().expect("op classes are tensors");
             kernel_work(&op, &types, out, bindings).map_or(0.0, |w| model.seconds(&w))
         };
-        let roots: Vec<Id> = self.roots.iter().map(|(_, id)| *id).collect();
-        let choice = extract::extract(eg, &roots, own_cost)
-            .ok_or_else(|| FusionError::NoExtraction(self.roots[0].0.clone()))?;
+        let roots: Vec<Id> = wanted.iter().map(|(_, id)| *id).collect();
+        let choice = extract::extract(eg, &roots, own_cost).ok_or_else(|| {
+            FusionError::NoExtraction(wanted.first().map_or(String::new(), |(n, _)| n.clone()))
+        })?;
         let mut graph = Graph::new();
         let mut built: BTreeMap<Id, NodeId> = BTreeMap::new();
-        for (name, root) in &self.roots {
+        for (name, root) in wanted {
             let id = build(eg, &choice.node, *root, &mut graph, &mut built)?;
             graph.set_output(name, id)?;
         }
