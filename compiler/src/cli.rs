@@ -703,7 +703,6 @@ fn write_artifact(
         } else {
             None
         };
-        let contract = model.contract();
         let manifest = artifact::Manifest {
             format_version: artifact::FORMAT_VERSION,
             compiler_version: env!("CARGO_PKG_VERSION").to_string(),
@@ -714,18 +713,15 @@ fn write_artifact(
                 None => None,
             },
             architecture: model.architecture.clone(),
-            model: artifact::ModelSummary {
-                decoder: contract.decoder,
-                vocab_size: contract.vocab_size,
-                max_positions: contract.max_positions,
-                type_vocab_size: contract.type_vocab_size,
-                outputs: model
+            model: artifact::ModelSummary::new(
+                model.contract(),
+                model
                     .graph
                     .outputs()
                     .iter()
                     .map(|o| o.name.clone())
                     .collect(),
-            },
+            ),
             dtype,
             weights,
             tokenizer,

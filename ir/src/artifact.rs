@@ -343,6 +343,17 @@ pub struct ModelSummary {
 }
 
 impl ModelSummary {
+    /// The summary of a model with input contract `contract` and graph outputs `outputs`.
+    pub fn new(contract: InputContract, outputs: Vec<String>) -> ModelSummary {
+        ModelSummary {
+            decoder: contract.decoder,
+            vocab_size: contract.vocab_size,
+            max_positions: contract.max_positions,
+            type_vocab_size: contract.type_vocab_size,
+            outputs,
+        }
+    }
+
     /// The input contract requests are validated against.
     pub fn contract(&self) -> InputContract {
         InputContract {
