@@ -71,7 +71,7 @@ pub enum Command {
         /// Batch buckets, e.g. 1,2,4,8.
         #[arg(long, value_delimiter = ',', default_value = "1")]
         batch_buckets: Vec<usize>,
-        /// Compiled dtype.
+        /// Compiled dtype (f32, f16 or bf16), whatever the checkpoint stores.
         #[arg(long, default_value = "f32")]
         dtype: String,
         /// Lengths seen in traffic: lines of `LENGTH COUNT` (or one length per line).
@@ -105,17 +105,28 @@ pub enum Command {
         /// The artifact folder written by `kiln compile`.
         artifact: PathBuf,
     },
-    /// Run a checkpoint with the reference interpreter (f32 storage, f64 accumulation).
+    /// Run a checkpoint with the reference interpreter: weights converted to --dtype, every
+    /// value stored as f32 and, with --dtype f16 or bf16, rounded to that type after every op;
+    /// reductions and products accumulate in f64.
     Eval {
         /// Checkpoint folder (config.json + safetensors).
         model_dir: PathBuf,
         /// safetensors file with `input_ids` (i64 [L] or [B, L]) and optionally
-        /// `attention_mask` (i64 [B, L]).
+        /// `attention_mask` and, for BERT-family encoders, `token_type_ids` (i64, the ids'
+        /// shape; zeros when absent).
         #[arg(long, conflicts_with = "text", required_unless_present = "text")]
         input: Option<PathBuf>,
         /// A text to tokenise with the folder's tokenizer.json (repeat for a batch).
         #[arg(long)]
         text: Vec<String>,
+        /// The second segment of a sentence pair (token type 1), one per --text in order (repeat;
+        /// give one for every text or none).
+        #[arg(long, requires = "text")]
+        pair: Vec<String>,
+        /// The float type the graph computes in (f32, f16 or bf16), whatever the checkpoint
+        /// stores; f32 by default, as `kiln compile`.
+        #[arg(long, default_value = "f32")]
+        dtype: String,
         /// Where to write the outputs (`logits`, or `last_hidden_state` and
         /// `sentence_embedding`) as safetensors; without it a summary is printed.
         #[arg(long)]
@@ -190,10 +201,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
             prefill_chunk,
             target,
         } => {
-            let dtype = match DType::parse(dtype) {
-                Some(d) if d.is_float() => d,
-                _ => bail!("--dtype must be f32, f16 or bf16, not {dtype:?}"),
-            };
+            let dtype = float_dtype(dtype)?;
             let import = ImportOptions {
                 dtype,
                 dropout: *dropout,
@@ -393,17 +401,26 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 .iter()
                 .map(|k| (k.name.as_str(), k.path))
                 .collect();
+            let cpu_code = m.kernels_cpu.is_some();
+            if !cpu_code {
+                writeln!(
+                    out,
+                    "  no CPU code compiled (--target cuda): the CPU executor cannot run it"
+                )?;
+            }
             for (kind, entries) in [("prefill", &m.prefill), ("decode", &m.decode)] {
                 for e in entries {
+                    let cpu = |p: &artifact::ExecPlan| match &p.cpu {
+                        _ if !cpu_code => String::new(),
+                        Some(c) => format!("; {} CPU calls", c.steps.len()),
+                        None => format!("; no CPU plan: {}", e.no_cpu.join(", ")),
+                    };
                     let gpu = match &e.plan {
                         Some(p) => format!(
-                            "{} launches, arena {:.2} MiB; {}",
+                            "{} launches, arena {:.2} MiB{}",
                             p.steps.len(),
                             mib(p.arena_bytes),
-                            p.cpu.as_ref().map_or_else(
-                                || format!("no CPU plan: {}", e.no_cpu.join(", ")),
-                                |c| format!("{} CPU calls", c.steps.len())
-                            )
+                            cpu(p)
                         ),
                         None => format!("no GPU plan: {}", e.no_gpu.join(", ")),
                     };
@@ -428,15 +445,22 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
             model_dir,
             input,
             text,
+            pair,
+            dtype,
             output,
         } => {
+            let options = ImportOptions {
+                dtype: float_dtype(dtype)?,
+                ..ImportOptions::default()
+            };
             if let Some(path) = output {
                 check_writable(path)?;
             }
-            let model = kiln_models::import(model_dir)?;
+            let model = kiln_models::import_with(model_dir, &options)?;
             let (batch, unbatched) = match input {
-                Some(path) => read_token_batch(path)?,
-                None => (tokenize(model_dir, text)?, false),
+                Some(path) => TokenBatch::from_request(&read_tensors(path)?)
+                    .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?,
+                None => (tokenize(model_dir, text, pair)?, false),
             };
             let mut outputs = model.evaluate(&batch)?;
             if unbatched {
@@ -499,35 +523,12 @@ fn check_writable(path: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Reads `input_ids` and the optional `attention_mask` from an input file.
-fn read_token_batch(path: &Path) -> Result<(TokenBatch, bool)> {
-    let tensors = read_tensors(path)?;
-    if let Some(extra) = tensors
-        .keys()
-        .find(|k| *k != "input_ids" && *k != "attention_mask")
-    {
-        bail!(
-            "{}: unexpected tensor `{extra}` (kiln eval reads `input_ids` and `attention_mask`)",
-            path.display()
-        );
+/// The float type `--dtype` names.
+fn float_dtype(text: &str) -> Result<DType> {
+    match DType::parse(text) {
+        Some(d) if d.is_float() => Ok(d),
+        _ => bail!("--dtype must be f32, f16 or bf16, not {text:?}"),
     }
-    let Some(ids) = tensors.get("input_ids") else {
-        bail!("{} has no `input_ids` tensor", path.display());
-    };
-    let mask = tensors.get("attention_mask");
-    if let Some(m) = mask {
-        if ids.shape.len() == 1 {
-            bail!("`attention_mask` needs batched `input_ids` of shape [B, L]");
-        }
-        if m.shape != ids.shape {
-            bail!(
-                "`attention_mask` has shape {:?} but `input_ids` has {:?}",
-                m.shape,
-                ids.shape
-            );
-        }
-    }
-    TokenBatch::from_tensors(ids, mask).map_err(anyhow::Error::msg)
 }
 
 fn print_summary(
@@ -742,17 +743,6 @@ fn write_artifact(
         } else {
             None
         };
-        let (decoder, vocab_size, max_positions) = match model.kind {
-            ModelKind::Decoder {
-                vocab_size,
-                max_positions,
-            } => (true, vocab_size, max_positions),
-            ModelKind::Encoder {
-                vocab_size,
-                max_positions,
-                ..
-            } => (false, vocab_size, Some(max_positions)),
-        };
         let manifest = artifact::Manifest {
             format_version: artifact::FORMAT_VERSION,
             compiler_version: env!("CARGO_PKG_VERSION").to_string(),
@@ -763,17 +753,15 @@ fn write_artifact(
                 None => None,
             },
             architecture: model.architecture.clone(),
-            model: artifact::ModelSummary {
-                decoder,
-                vocab_size,
-                max_positions,
-                outputs: model
+            model: artifact::ModelSummary::new(
+                model.contract(),
+                model
                     .graph
                     .outputs()
                     .iter()
                     .map(|o| o.name.clone())
                     .collect(),
-            },
+            ),
             dtype,
             weights,
             tokenizer,

@@ -7,9 +7,9 @@ use anyhow::{bail, Result};
 use kiln_models::inputs::TokenBatch;
 use kiln_runtime::tokenizer::TextTokenizer;
 
-/// Tokenises `texts` (special tokens included, the file's truncation applied) and right-pads them
-/// into one batch.
-pub fn tokenize(model_dir: &Path, texts: &[String]) -> Result<TokenBatch> {
+/// Tokenises `texts`, each with its pair when `pairs` is not empty (special tokens included, the
+/// file's truncation applied), and right-pads them into one batch.
+pub fn tokenize(model_dir: &Path, texts: &[String], pairs: &[String]) -> Result<TokenBatch> {
     let path = model_dir.join("tokenizer.json");
     if !path.is_file() {
         bail!(
@@ -17,5 +17,5 @@ pub fn tokenize(model_dir: &Path, texts: &[String]) -> Result<TokenBatch> {
             model_dir.display()
         );
     }
-    Ok(TextTokenizer::from_file(&path)?.encode_batch(texts)?)
+    Ok(TextTokenizer::from_file(&path)?.encode_batch(texts, pairs)?)
 }

@@ -189,7 +189,11 @@ fn mask_problems() {
             ("token_type_ids", Tensor::i64(vec![1, 3], vec![0; 3])),
         ],
     );
-    eval_fails(&gpt2(), &input, "unexpected tensor `token_type_ids`");
+    eval_fails(
+        &gpt2(),
+        &input,
+        "`token_type_ids` is not an input of this model",
+    );
 }
 
 #[test]

@@ -18,10 +18,11 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::inputs::InputContract;
 use crate::DType;
 
 /// The artifact format this build writes and reads.
-pub const FORMAT_VERSION: u32 = 4;
+pub const FORMAT_VERSION: u32 = 5;
 /// Every region and every tensor in the device allocation starts at a multiple of this many bytes.
 pub const ALIGN: u64 = 256;
 /// The manifest's file name.
@@ -381,8 +382,34 @@ pub struct ModelSummary {
     pub vocab_size: usize,
     /// Length of a learned position table, if any.
     pub max_positions: Option<usize>,
+    /// Size of the token type table of a model with a `token_type_ids` input (BERT); `None` for
+    /// a model without one.
+    pub type_vocab_size: Option<usize>,
     /// The graph outputs, by name.
     pub outputs: Vec<String>,
+}
+
+impl ModelSummary {
+    /// The summary of a model with input contract `contract` and graph outputs `outputs`.
+    pub fn new(contract: InputContract, outputs: Vec<String>) -> ModelSummary {
+        ModelSummary {
+            decoder: contract.decoder,
+            vocab_size: contract.vocab_size,
+            max_positions: contract.max_positions,
+            type_vocab_size: contract.type_vocab_size,
+            outputs,
+        }
+    }
+
+    /// The input contract requests are validated against.
+    pub fn contract(&self) -> InputContract {
+        InputContract {
+            decoder: self.decoder,
+            vocab_size: self.vocab_size,
+            max_positions: self.max_positions,
+            type_vocab_size: self.type_vocab_size,
+        }
+    }
 }
 
 /// One compiled bucket.

@@ -265,6 +265,7 @@ pub fn build(mb: &mut ModelBuilder, cfg: &BertConfig) -> Result<ModelKind, Model
     Ok(ModelKind::Encoder {
         vocab_size: cfg.vocab_size,
         max_positions: cfg.max_positions,
+        type_vocab_size: cfg.type_vocab_size,
         sentence_embedding: sentence,
     })
 }

@@ -19,15 +19,18 @@ impl Model {
                 decoder: true,
                 vocab_size: *vocab_size,
                 max_positions: *max_positions,
+                type_vocab_size: None,
             },
             ModelKind::Encoder {
                 vocab_size,
                 max_positions,
+                type_vocab_size,
                 ..
             } => InputContract {
                 decoder: false,
                 vocab_size: *vocab_size,
                 max_positions: Some(*max_positions),
+                type_vocab_size: Some(*type_vocab_size),
             },
         }
     }

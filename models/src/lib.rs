@@ -108,6 +108,8 @@ pub enum ModelKind {
         vocab_size: usize,
         /// Length of the learned position table.
         max_positions: usize,
+        /// Size of the token type table (`token_type_ids` are below it).
+        type_vocab_size: usize,
         /// Whether the graph also outputs `sentence_embedding`.
         sentence_embedding: bool,
     },

@@ -142,6 +142,7 @@ pub fn bench(
         let batch = TokenBatch {
             ids: rows,
             mask: None,
+            types: None,
         };
         let t0 = Instant::now();
         match exec {

@@ -57,7 +57,8 @@ impl Placement {
 #[derive(Subcommand)]
 enum Command {
     /// One forward pass: IN holds `input_ids` (i64 [L] or [B, L]) and optionally
-    /// `attention_mask` (i64 [B, L]); OUT gets the model's outputs (`logits`, or
+    /// `attention_mask` and, for BERT-family encoders, `token_type_ids` (i64, the ids' shape;
+    /// zeros when absent); OUT gets the model's outputs (`logits`, or
     /// `last_hidden_state` and `sentence_embedding`).
     Forward {
         /// The artifact folder.
@@ -110,14 +111,18 @@ enum Command {
         placement: Placement,
     },
     /// Sentence embeddings of texts (encoders compiled from a sentence-transformers folder),
-    /// one line of numbers per text.
+    /// one line per text: its numbers with 7 significant digits (`-4.496000e-33`).
     Embed {
         /// The artifact folder.
         artifact: PathBuf,
         /// A text to embed (repeat for a batch).
         #[arg(long, required = true)]
         text: Vec<String>,
-        /// Print JSON (`{"embeddings": [[...], ...]}`).
+        /// The second segment of a sentence pair (token type 1), one per --text in order (repeat;
+        /// give one for every text or none).
+        #[arg(long)]
+        pair: Vec<String>,
+        /// Print JSON (`{"embeddings": [[...], ...]}`, exact values).
         #[arg(long)]
         json: bool,
         #[command(flatten)]
@@ -178,20 +183,8 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
             kiln_ir::io::parent_folder(&output)?;
             let art = Artifact::open(&artifact)?;
             let tensors = kiln_ir::io::read_tensors(&input)?;
-            if let Some(extra) = tensors
-                .keys()
-                .find(|k| *k != "input_ids" && *k != "attention_mask")
-            {
-                bail!(
-                    "{}: unexpected tensor `{extra}` (expected `input_ids`, `attention_mask`)",
-                    input.display()
-                );
-            }
-            let Some(ids) = tensors.get("input_ids") else {
-                bail!("{} has no `input_ids` tensor", input.display());
-            };
-            let (batch, unbatched) = TokenBatch::from_tensors(ids, tensors.get("attention_mask"))
-                .map_err(anyhow::Error::msg)?;
+            let (batch, unbatched) = TokenBatch::from_request(&tensors)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", input.display()))?;
             let mut exec = placement.open(&art)?;
             let mut outputs = forward(&art, &mut exec, &batch)?;
             if unbatched {
@@ -245,6 +238,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
         Command::Embed {
             artifact,
             text,
+            pair,
             json,
             placement,
         } => {
@@ -267,7 +261,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
                     artifact.display()
                 );
             }
-            let batch = art.tokenizer()?.encode_batch(&text)?;
+            let batch = art.tokenizer()?.encode_batch(&text, &pair)?;
             let mut exec = placement.open(&art)?;
             let outputs = forward(&art, &mut exec, &batch)?;
             let emb = &outputs["sentence_embedding"];
@@ -282,7 +276,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
                 writeln!(out, "{}", serde_json::json!({ "embeddings": rows }))?;
             } else {
                 for row in rows {
-                    let nums: Vec<String> = row.iter().map(f32::to_string).collect();
+                    let nums: Vec<String> = row.iter().map(|x| format!("{x:.6e}")).collect();
                     writeln!(out, "{}", nums.join(" "))?;
                 }
             }

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use kiln_ir::artifact::BucketEntry;
-use kiln_ir::inputs::{model_inputs, InputContract, TokenBatch};
+use kiln_ir::inputs::{model_inputs, TokenBatch};
 use kiln_ir::{Data, Tensor};
 
 use crate::{Artifact, Executor, RuntimeError};
@@ -31,12 +31,7 @@ pub fn prepare<'a>(
     art: &'a Artifact,
     batch: &TokenBatch,
 ) -> Result<(&'a BucketEntry, BTreeMap<String, Tensor>), RuntimeError> {
-    let m = &art.manifest;
-    let contract = InputContract {
-        decoder: m.model.decoder,
-        vocab_size: m.model.vocab_size,
-        max_positions: m.model.max_positions,
-    };
+    let contract = art.manifest.model.contract();
     // Validate the request as it is, before padding.
     model_inputs(&contract, batch).map_err(RuntimeError::Request)?;
     let (b, l) = (batch.ids.len(), batch.ids[0].len());
@@ -61,6 +56,7 @@ pub fn prepare<'a>(
     let padded = TokenBatch {
         ids: pad(&batch.ids, 0),
         mask: Some(pad(&mask, 1)),
+        types: batch.types.as_ref().map(|t| pad(t, 0)),
     };
     let inputs = model_inputs(&contract, &padded).map_err(RuntimeError::Request)?;
     let graph = &art.graphs[&bucket.graph];

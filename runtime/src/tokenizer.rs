@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use kiln_ir::inputs::TokenBatch;
-use tokenizers::Tokenizer;
+use tokenizers::{EncodeInput, Encoding, Tokenizer};
 
 use crate::RuntimeError;
 
@@ -32,28 +32,59 @@ impl TextTokenizer {
         Ok(TextTokenizer { inner, pad_id })
     }
 
-    /// The ids of `text`, special tokens included and the file's truncation applied; a text that
-    /// gives no tokens is an error.
-    pub fn encode(&self, text: &str) -> Result<Vec<i64>, RuntimeError> {
-        let enc = self
-            .inner
-            .encode(text, true)
-            .map_err(|e| RuntimeError::Request(format!("cannot tokenise {text:?}: {e}")))?;
+    /// The encoding of `text` (with `pair` as its second segment, if any), special tokens
+    /// included and the file's truncation applied; a text that gives no tokens is an error.
+    fn encoding(&self, text: &str, pair: Option<&str>) -> Result<Encoding, RuntimeError> {
+        let input: EncodeInput = match pair {
+            Some(p) => (text, p).into(),
+            None => text.into(),
+        };
+        let enc = self.inner.encode(input, true).map_err(|e| {
+            RuntimeError::Request(format!("cannot tokenise {text:?} (pair {pair:?}): {e}"))
+        })?;
         if enc.get_ids().is_empty() {
             return Err(RuntimeError::Request(format!(
                 "text {text:?} gives no tokens"
             )));
         }
-        Ok(enc.get_ids().iter().map(|&i| i64::from(i)).collect())
+        Ok(enc)
     }
 
-    /// Tokenises `texts` and right-pads them into one batch (mask 0 on the padding).
-    pub fn encode_batch(&self, texts: &[String]) -> Result<TokenBatch, RuntimeError> {
-        let rows = texts
+    /// The ids of `text`, special tokens included and the file's truncation applied; a text that
+    /// gives no tokens is an error.
+    pub fn encode(&self, text: &str) -> Result<Vec<i64>, RuntimeError> {
+        Ok(widen(self.encoding(text, None)?.get_ids()))
+    }
+
+    /// Tokenises `texts`, each with its pair when `pairs` is not empty (then one per text), and
+    /// right-pads them into one batch (mask 0 on the padding). Token types are the tokenizer's
+    /// (0 for a text, 1 for its pair with BERT's tokenizers), padded with 0; a batch whose types
+    /// are all 0 carries none, which means the same.
+    pub fn encode_batch(
+        &self,
+        texts: &[String],
+        pairs: &[String],
+    ) -> Result<TokenBatch, RuntimeError> {
+        if !pairs.is_empty() && pairs.len() != texts.len() {
+            return Err(RuntimeError::Request(format!(
+                "{} pairs for {} texts: give one pair per text, or none",
+                pairs.len(),
+                texts.len()
+            )));
+        }
+        let encodings = texts
             .iter()
-            .map(|t| self.encode(t))
+            .enumerate()
+            .map(|(i, t)| self.encoding(t, pairs.get(i).map(String::as_str)))
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(TokenBatch::padded(&rows, self.pad_id))
+        let ids: Vec<Vec<i64>> = encodings.iter().map(|e| widen(e.get_ids())).collect();
+        let types: Vec<Vec<i64>> = encodings.iter().map(|e| widen(e.get_type_ids())).collect();
+        let batch = TokenBatch::padded(&ids, self.pad_id);
+        Ok(if types.iter().flatten().any(|&t| t != 0) {
+            batch.with_types(&types)
+        } else {
+            batch
+        })
     }
 
     /// The text of `ids` (special tokens skipped); an id outside the vocabulary is an error.
@@ -67,4 +98,9 @@ impl TextTokenizer {
             .decode(&ids, true)
             .map_err(|e| RuntimeError::Request(format!("cannot decode tokens: {e}")))
     }
+}
+
+/// Token ids or types as the i64 the model inputs hold.
+fn widen(values: &[u32]) -> Vec<i64> {
+    values.iter().map(|&v| i64::from(v)).collect()
 }

@@ -307,7 +307,7 @@ pub fn compile_fixture(
     (model, report, compiled.prefill)
 }
 
-/// Right-pads every row of `batch` to `seq` tokens (id 0, mask 0).
+/// Right-pads every row of `batch` to `seq` tokens (id 0, mask 0, token type 0).
 pub fn pad_to(
     batch: &kiln_models::inputs::TokenBatch,
     seq: usize,
@@ -328,6 +328,7 @@ pub fn pad_to(
     kiln_models::inputs::TokenBatch {
         ids: pad(&batch.ids),
         mask: Some(pad(&mask)),
+        types: batch.types.as_deref().map(pad),
     }
 }
 
@@ -430,6 +431,7 @@ pub fn assert_decoder_references(
         let batch = TokenBatch {
             ids: vec![ids],
             mask: None,
+            types: None,
         };
         let out = forward(art, exec, &batch).unwrap();
         assert_eq!(out["logits"].shape, vec![1, l, vocab]);

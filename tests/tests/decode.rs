@@ -179,6 +179,7 @@ fn batched_decode_serves_rows_of_different_lengths() {
                 .evaluate(&TokenBatch {
                     ids: vec![alone.clone()],
                     mask: None,
+                    types: None,
                 })
                 .unwrap();
             let want = &floats(&out["logits"])[(alone.len() - 1) * VOCAB..];

@@ -59,6 +59,7 @@ fn greedy_decoding_reproduces_reference_tokens() {
             let batch = TokenBatch {
                 ids: vec![tokens.clone()],
                 mask: None,
+                types: None,
             };
             let out = model.evaluate(&batch).unwrap();
             let logits = floats(&out["logits"]);

@@ -88,7 +88,7 @@ fn minilm_embeddings_match_sentence_transformers() {
 fn minilm_text_is_tokenised_like_the_reference() {
     let dir = minilm_dir();
     let sentences = minilm_sentences();
-    let batch = kiln_compiler::tokenize::tokenize(&dir, &sentences).unwrap();
+    let batch = kiln_compiler::tokenize::tokenize(&dir, &sentences, &[]).unwrap();
     let reference = reference("minilm-reference");
     let flat: Vec<i64> = batch.ids.iter().flatten().copied().collect();
     let mask: Vec<i64> = batch.mask.unwrap().iter().flatten().copied().collect();

@@ -43,6 +43,7 @@ fn fused_decoder_buckets_reproduce_reference_logits() {
                 &TokenBatch {
                     ids: vec![ids],
                     mask: None,
+                    types: None,
                 },
             );
             let vocab = 512;
@@ -288,6 +289,7 @@ fn dropout_plans_draw_the_unfused_masks() {
             .inputs(&TokenBatch {
                 ids: vec![ids.clone()],
                 mask: None,
+                types: None,
             })
             .unwrap();
         inputs.insert("seed".into(), Tensor::i64(vec![], vec![seed]));
@@ -323,6 +325,7 @@ fn bf16_plans_match_the_reference_within_half_precision_tolerance() {
             &TokenBatch {
                 ids: vec![ids],
                 mask: None,
+                types: None,
             },
         );
         let vocab = 512;

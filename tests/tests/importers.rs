@@ -15,6 +15,7 @@ fn logits_for(dir: &std::path::Path, ids: &Tensor) -> Vec<f32> {
     let batch = TokenBatch {
         ids: vec![ids.as_i64().unwrap().to_vec()],
         mask: None,
+        types: None,
     };
     floats(&model.evaluate(&batch).unwrap()["logits"]).to_vec()
 }

@@ -44,6 +44,7 @@ fn decoder_artifact_reproduces_reference_logits() {
             &TokenBatch {
                 ids: vec![ids],
                 mask: None,
+                types: None,
             },
         )
         .unwrap();
@@ -81,6 +82,7 @@ fn decoder_artifact_reproduces_reference_logits() {
         &TokenBatch {
             ids: vec![vec![1; 129]],
             mask: None,
+            types: None,
         },
     )
     .err()
@@ -480,7 +482,11 @@ fn artifact_tokenizer_embeds_texts_like_the_reference() {
     let art = Artifact::open(&out).unwrap();
     let sentences = minilm_sentences();
     let reference = reference("minilm-reference");
-    let batch = art.tokenizer().unwrap().encode_batch(&sentences).unwrap();
+    let batch = art
+        .tokenizer()
+        .unwrap()
+        .encode_batch(&sentences, &[])
+        .unwrap();
     let len = reference["input_ids"].shape[1];
     assert_eq!(batch.ids[0].len(), len);
     let flat: Vec<i64> = batch.ids.concat();

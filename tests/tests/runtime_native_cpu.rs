@@ -292,6 +292,7 @@ fn dropout_masks_match_the_interpreter() {
     let batch = TokenBatch {
         ids: vec![ids],
         mask: None,
+        types: None,
     };
     let (bucket, mut inputs) = kiln_runtime::forward::prepare(&art, &batch).unwrap();
     assert!(
