@@ -1,0 +1,146 @@
+//! Issue 11's contract, read off `kiln compile --report`: in f16/bf16 builds every attention
+//! kernel and every product of more than 8 rows in prefill buckets and prompt chunks runs on
+//! tensor cores (`path` `mma` or `wgmma`), with and without `--dropout`; decode steps' products
+//! take the GEMV; an f32 build says `simt` rather than hiding it. Over the fixtures (head dim 16)
+//! and the real shapes of `../shared/configs` (plan only).
+
+use std::path::{Path, PathBuf};
+
+use kiln_tests::{fixture, kiln, workspace_root};
+use serde_json::Value;
+
+fn configs_dir() -> PathBuf {
+    workspace_root().join("../shared/configs")
+}
+
+/// The report of compiling `model` with `extra` flags (a small bucket set, GPU code only; a cache
+/// and prompt chunk for decoders).
+fn report(model: &Path, extra: &[&str]) -> Value {
+    let encoder = std::fs::read_to_string(model.join("config.json"))
+        .unwrap()
+        .contains("BertModel");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let report = tmp.path().join("report.json");
+    let mut args = vec![
+        "compile",
+        model.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "--buckets",
+        "16,64",
+        "--batch-buckets",
+        "1,4",
+        "--target",
+        "cuda",
+        "--report",
+        report.to_str().unwrap(),
+    ];
+    if !encoder {
+        args.extend(["--max-context", "256", "--prefill-chunk", "32"]);
+    }
+    args.extend(extra);
+    kiln(&args).unwrap_or_else(|e| panic!("{}: {e}", model.display()));
+    serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap()
+}
+
+/// Every bucket of `r` with its rows (batch x sequence) and kernels.
+fn buckets(r: &Value) -> Vec<(u64, u64, &Vec<Value>)> {
+    ["buckets", "decode_buckets"]
+        .iter()
+        .flat_map(|list| r[*list].as_array().into_iter().flatten())
+        .map(|b| {
+            let (batch, seq) = (b["batch"].as_u64().unwrap(), b["seq"].as_u64().unwrap());
+            (batch, seq, b["kernels"].as_array().unwrap())
+        })
+        .collect()
+}
+
+/// The path every attention and product of `r` must take in a half-precision build; returns
+/// how many kernels it checked.
+fn assert_tensor_cores(r: &Value, what: &str) -> usize {
+    let mut checked = 0;
+    for (batch, seq, kernels) in buckets(r) {
+        for k in kernels {
+            let (kind, path) = (k["kind"].as_str().unwrap(), k["path"].as_str().unwrap());
+            let want: &[&str] = match kind {
+                "attention" | "decode_attention" if seq > 1 => &["mma", "wgmma"],
+                "gemm" if batch * seq > 8 => &["mma", "wgmma"],
+                "gemm" => &["gemv"],
+                _ => continue,
+            };
+            assert!(
+                want.contains(&path),
+                "{what}: {} (bucket b{batch} s{seq}) runs on {path}, not {want:?}",
+                k["name"]
+            );
+            checked += 1;
+        }
+    }
+    checked
+}
+
+#[test]
+fn fixtures_run_prefill_and_prompt_chunks_on_tensor_cores() {
+    for name in ["gpt2-tiny", "llama-tiny", "bert-tiny"] {
+        for dtype in ["bf16", "f16"] {
+            for dropout in [false, true] {
+                let mut extra = vec!["--dtype", dtype];
+                if dropout {
+                    extra.push("--dropout");
+                }
+                let r = report(&fixture(name), &extra);
+                let what = format!("{name} {dtype} dropout={dropout}");
+                let checked = assert_tensor_cores(&r, &what);
+                assert!(checked > 4, "{what}: only {checked} kernels checked");
+            }
+        }
+    }
+}
+
+#[test]
+fn real_shapes_run_prefill_and_prompt_chunks_on_tensor_cores() {
+    for name in [
+        "llama-3.1-8b",
+        "mistral-7b",
+        "qwen2-7b",
+        "gpt2-small",
+        "bert-base",
+    ] {
+        for dropout in [false, true] {
+            let mut extra = vec!["--no-weights", "--dtype", "bf16"];
+            if dropout {
+                extra.push("--dropout");
+            }
+            let r = report(&configs_dir().join(name), &extra);
+            let what = format!("{name} dropout={dropout}");
+            let checked = assert_tensor_cores(&r, &what);
+            assert!(checked > 4, "{what}: only {checked} kernels checked");
+        }
+    }
+}
+
+#[test]
+fn f32_builds_name_their_simt_kernels() {
+    let r = report(&fixture("llama-tiny"), &["--dtype", "f32"]);
+    let (mut attention, mut gemm) = (0, 0);
+    for (batch, seq, kernels) in buckets(&r) {
+        for k in kernels {
+            match (k["kind"].as_str().unwrap(), k["path"].as_str().unwrap()) {
+                ("attention", path) => {
+                    assert_eq!(path, "simt", "{}", k["name"]);
+                    attention += 1;
+                }
+                ("gemm", path) if batch * seq > 8 => {
+                    assert_eq!(path, "simt", "{}", k["name"]);
+                    gemm += 1;
+                }
+                _ => {}
+            }
+        }
+    }
+    assert!(
+        attention > 0 && gemm > 0,
+        "{attention} attention, {gemm} gemm"
+    );
+}
