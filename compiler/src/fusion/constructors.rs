@@ -445,9 +445,18 @@ fn is_weight_matrix(eg: &KilnGraph, w: Id) -> bool {
     eg[w].data.weight_only && rank(eg, w) == Some(2)
 }
 
+/// Whether class `w` is a transposed weight matrix, which `gemm-linear` reads in place.
+fn is_transposed_weight(eg: &KilnGraph, w: Id) -> bool {
+    nodes_named(eg, w, "permute")
+        .iter()
+        .any(|(op, args)| *op == Op::Permute(vec![1, 0]) && is_weight_matrix(eg, args[0]))
+}
+
 fn gemm(eg: &mut KilnGraph, s: &Subst, transposed: bool) -> Vec<Id> {
     let (x, w) = (at(s, "?x"), at(s, "?w"));
-    if !is_weight_matrix(eg, w) {
+    // A plain product over a transposed weight would make the folder store a transposed copy
+    // of the weight (a tied embedding: the whole table again); `gemm-linear` reads it in place.
+    if !is_weight_matrix(eg, w) || (!transposed && is_transposed_weight(eg, w)) {
         return vec![];
     }
     if transposed && !matches!(attr_op(eg, at(s, "?p")), Some(Op::Permute(p)) if *p == [1, 0]) {
