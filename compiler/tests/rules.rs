@@ -115,7 +115,7 @@ fn check(rule: &str, g: &Graph, fused: impl Fn(&Op) -> bool, dropout: bool) {
     }
     let checked = alternatives_agree(rule, g, &sat, dropout);
     assert!(
-        checked.iter().any(|op| fused(op)),
+        checked.iter().any(&fused),
         "{rule}: no alternative with the fused op was evaluated: {checked:?}"
     );
 }
