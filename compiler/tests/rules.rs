@@ -1,7 +1,10 @@
 //! Soundness of every fusion rule: for each rule, a small graph in the form importers produce is
 //! saturated, the rule must fire, the extracted graph must contain the fused op, and both graphs,
 //! run by the interpreter on fresh random inputs at several sequence lengths (odd ones included),
-//! must agree; dropout masks must be bit-identical.
+//! must agree; dropout masks must be bit-identical. Every alternative in every class is run too,
+//! not only the one extraction picks. Near misses (softmax over another axis, a causal mask of
+//! another size, masks added in the other order, a norm that also feeds a non-GEMM) must not
+//! fuse, and a wrongly typed alternative is declined naming its rule.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -9,7 +12,7 @@ use std::sync::Arc;
 use kiln_compiler::fusion::cost::CostModel;
 use kiln_compiler::fusion::{rules, saturate, Limits};
 use kiln_ir::kernel::{self, Activation};
-use kiln_ir::{BinaryOp, DType, Dim, Graph, NodeId, Op, RopeScaling, Tensor};
+use kiln_ir::{BinaryOp, DType, Dim, Graph, NodeId, Op, ReduceOp, RopeScaling, Tensor, UnaryOp};
 
 /// A deterministic xorshift generator for test inputs.
 struct Rng(u64);
@@ -102,6 +105,126 @@ fn check(rule: &str, g: &Graph, fused: impl Fn(&Op) -> bool, dropout: bool) {
         "rule {rule} did not fire: {:?}",
         sat.rule_counts
     );
+    assert!(sat.declined.is_empty(), "{:?}", sat.declined);
+    for (len, extracted) in extractions_agree(rule, g, &sat, dropout) {
+        assert!(
+            extracted.nodes().any(|(_, n)| fused(&n.op)),
+            "{rule}: the extraction at S={len} lacks the fused op:\n{}",
+            extracted.to_ron()
+        );
+    }
+    let checked = alternatives_agree(rule, g, &sat, dropout);
+    assert!(
+        checked.iter().any(&fused),
+        "{rule}: no alternative with the fused op was evaluated: {checked:?}"
+    );
+}
+
+/// Every op alternative of every class of `g`'s nodes, whether extraction picks it or not,
+/// computes what `g` computes at that node (at S = 5); returns the ops evaluated.
+fn alternatives_agree(
+    rule: &str,
+    g: &Graph,
+    sat: &kiln_compiler::fusion::Saturated,
+    dropout: bool,
+) -> Vec<Op> {
+    let bindings = BTreeMap::from([
+        ("S".to_string(), 5),
+        ("B".to_string(), 2),
+        ("T".to_string(), 23),
+    ]);
+    let mut rng = Rng(0x2545_F491_4F6C_DD1D);
+    let mut checked = Vec::new();
+    for (id, node) in g.nodes() {
+        if node.op.is_leaf() {
+            continue;
+        }
+        let mut probe = g.clone();
+        probe.set_output("probe", id).unwrap();
+        let alternatives = sat
+            .alternatives(id, &bindings, &CostModel::default())
+            .unwrap();
+        for (op, alternative) in alternatives {
+            let what = format!(
+                "{rule}: {} for node {} ({})",
+                op.name(),
+                id.index(),
+                node.op.name()
+            );
+            assert_agree(
+                &what,
+                (&probe, "probe"),
+                (&alternative, "out"),
+                &bindings,
+                &mut rng,
+                dropout,
+            );
+            checked.push(op);
+        }
+    }
+    checked
+}
+
+/// Output `before.1` of graph `before.0` and output `after.1` of `after.0`, evaluated at
+/// `bindings` on the same random inputs and weights, agree (with `dropout`, zeros bit for bit).
+fn assert_agree(
+    what: &str,
+    before: (&Graph, &str),
+    after: (&Graph, &str),
+    bindings: &BTreeMap<String, i64>,
+    rng: &mut Rng,
+    dropout: bool,
+) {
+    let (b, a) = (
+        before.0.specialize(bindings).unwrap(),
+        after.0.specialize(bindings).unwrap(),
+    );
+    let w = weights(before.0, rng);
+    let all = inputs(before.0, rng, bindings);
+    let pick = |graph: &Graph| -> BTreeMap<String, Tensor> {
+        graph
+            .inputs()
+            .map(|(_, n, _)| (n.to_string(), all[n].clone()))
+            .collect()
+    };
+    let want = kiln_ir::evaluate(&b, &pick(&b), &w).unwrap();
+    let got = kiln_ir::evaluate(&a, &pick(&a), &w).unwrap();
+    let (e, x) = (
+        want[before.1].as_f32().unwrap(),
+        got[after.1].as_f32().unwrap(),
+    );
+    let scale = e.iter().fold(1f32, |m, v| m.max(v.abs()));
+    for (i, (x, y)) in x.iter().zip(e).enumerate() {
+        assert!((x - y).abs() <= 1e-5 * scale, "{what}[{i}]: {x} vs {y}");
+        if dropout {
+            assert_eq!(*x == 0.0, *y == 0.0, "{what}: dropout masks differ at {i}");
+        }
+    }
+}
+
+/// A near miss of `rule`: `g` saturates without an extraction holding an op `fused` accepts, and
+/// what is extracted still computes what `g` computes.
+fn near_miss(rule: &str, g: &Graph, fused: impl Fn(&Op) -> bool) {
+    let sat = saturate(g, &Limits::default()).unwrap();
+    assert!(sat.declined.is_empty(), "{:?}", sat.declined);
+    for (len, extracted) in extractions_agree(rule, g, &sat, false) {
+        assert!(
+            !extracted.nodes().any(|(_, n)| fused(&n.op)),
+            "{rule} fused a near miss at S={len}:\n{}",
+            extracted.to_ron()
+        );
+    }
+}
+
+/// Extracts `sat` at several lengths (odd ones included) and compares each extraction with `g`
+/// on random inputs (with `dropout`, the masks bit for bit); returns the extractions.
+fn extractions_agree(
+    rule: &str,
+    g: &Graph,
+    sat: &kiln_compiler::fusion::Saturated,
+    dropout: bool,
+) -> Vec<(i64, Graph)> {
+    let mut extractions = Vec::new();
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     for len in [1i64, 5, 17] {
         let bindings = BTreeMap::from([
@@ -110,41 +233,21 @@ fn check(rule: &str, g: &Graph, fused: impl Fn(&Op) -> bool, dropout: bool) {
             ("T".to_string(), 23),
         ]);
         let (extracted, _) = sat.extract(&bindings, &CostModel::default()).unwrap();
-        assert!(
-            extracted.nodes().any(|(_, n)| fused(&n.op)),
-            "{rule}: the extraction at S={len} lacks the fused op:\n{}",
-            extracted.to_ron()
-        );
-        let before = g.specialize(&bindings).unwrap();
-        let after = extracted.specialize(&bindings).unwrap();
-        let w = weights(g, &mut rng);
-        let all = inputs(g, &mut rng, &bindings);
-        let pick = |graph: &Graph| -> BTreeMap<String, Tensor> {
-            graph
-                .inputs()
-                .map(|(_, n, _)| (n.to_string(), all[n].clone()))
-                .collect()
-        };
-        let want = kiln_ir::evaluate(&before, &pick(&before), &w).unwrap();
-        let got = kiln_ir::evaluate(&after, &pick(&after), &w).unwrap();
-        for (name, t) in &want {
-            let (a, e) = (got[name].as_f32().unwrap(), t.as_f32().unwrap());
-            let scale = e.iter().fold(1f32, |m, v| m.max(v.abs()));
-            for (i, (x, y)) in a.iter().zip(e).enumerate() {
-                assert!(
-                    (x - y).abs() <= 1e-5 * scale,
-                    "{rule} S={len} {name}[{i}]: {x} vs {y}"
-                );
-                if dropout {
-                    assert_eq!(
-                        *x == 0.0,
-                        *y == 0.0,
-                        "{rule} S={len}: dropout masks differ at {i}"
-                    );
-                }
-            }
+        for output in g.outputs() {
+            let name = output.name.as_str();
+            let what = format!("{rule} S={len} {name}");
+            assert_agree(
+                &what,
+                (g, name),
+                (&extracted, name),
+                &bindings,
+                &mut rng,
+                dropout,
+            );
         }
+        extractions.push((len, extracted));
     }
+    extractions
 }
 
 fn output(mut g: Graph, out: NodeId) -> Graph {
@@ -572,4 +675,102 @@ fn embeddings() {
         |op| matches!(op, Op::Embedding(e) if e.tables == 2),
         false,
     );
+}
+
+/// Softmax over an axis other than the last is not the softmax kernel.
+#[test]
+fn softmax_over_the_wrong_axis_is_not_fused() {
+    let mut g = Graph::new();
+    let x = input(&mut g, "x", vec![s(), d(7)]);
+    let m = g.reduce(ReduceOp::Max, x, 0).unwrap();
+    let shifted = g.sub(x, m).unwrap();
+    let e = g.unary(UnaryOp::Exp, shifted).unwrap();
+    let sum = g.reduce(ReduceOp::Sum, e, 0).unwrap();
+    let y = g.div(e, sum).unwrap();
+    near_miss("softmax", &output(g, y), is("softmax"));
+}
+
+/// Attention whose mask is padding plus a causal mask of another size than the scores (one row,
+/// broadcast over the queries), or plus causal in the other order than importers write, is not
+/// the attention kernel.
+#[test]
+fn attention_with_a_near_miss_mask_is_not_fused() {
+    let build = |causal_rows: Dim, padding_first: bool| {
+        let mut g = Graph::new();
+        let q = input(&mut g, "q", vec![b(), d(2), s(), d(4)]);
+        let k = input(&mut g, "k", vec![b(), d(2), s(), d(4)]);
+        let v = input(&mut g, "v", vec![b(), d(2), s(), d(4)]);
+        let mask = g.input("mask", DType::I64, vec![b(), s()]).unwrap();
+        let pad = g.add(Op::PaddingMask(DType::F32), &[mask]).unwrap();
+        let causal = Op::CausalMask {
+            rows: causal_rows,
+            cols: s(),
+            window: None,
+            dtype: DType::F32,
+        };
+        let causal = g.add(causal, &[]).unwrap();
+        let m = if padding_first {
+            g.add_(pad, causal)
+        } else {
+            g.add_(causal, pad)
+        }
+        .unwrap();
+        let y = kernel::sdpa(&mut g, q, k, v, Some(m), 0.5, None).unwrap();
+        output(g, y)
+    };
+    let attention = |op: &Op| matches!(op, Op::Attention(a) if a.causal);
+    near_miss("attention-masked", &build(d(1), true), attention);
+    near_miss("attention-masked", &build(s(), false), attention);
+    // The canonical form of the same graph fuses (so the near misses above test the guards).
+    check("attention-masked", &build(s(), true), attention, false);
+}
+
+/// A norm that also feeds a residual add is computed once, not moved into the GEMM's prologue.
+#[test]
+fn a_norm_with_a_consumer_that_is_not_a_gemm_stays_a_norm() {
+    let mut g = Graph::new();
+    let x = input(&mut g, "x", vec![b(), s(), d(8)]);
+    let w = input(&mut g, "w", vec![d(8)]);
+    let n = kernel::rms_norm(&mut g, x, w, 1e-6).unwrap();
+    let wm = weight(&mut g, "proj", &[8, 8]);
+    let wt = g.transpose_last(wm).unwrap();
+    let y = g.matmul(n, wt).unwrap();
+    let y = g.add_(y, n).unwrap();
+    let g = output(g, y);
+    let prologue = gemm_has(|s| s.prologue.is_some());
+    near_miss("norm-prologue", &g, &prologue);
+    // Not even as an alternative extraction passes over.
+    let sat = saturate(&g, &Limits::default()).unwrap();
+    let ops = alternatives_agree("norm-prologue", &g, &sat, false);
+    assert!(ops.iter().any(|op| matches!(op, Op::Gemm(_))), "{ops:?}");
+    assert!(!ops.iter().any(prologue), "{ops:?}");
+}
+
+/// A builder's node of another type than the matched class is declined with an error naming the
+/// rule; the e-graph keeps the class as it was instead of the analysis panicking.
+#[test]
+fn a_wrongly_typed_alternative_is_declined_naming_the_rule() {
+    use kiln_compiler::fusion::lang::{Attr, ENode};
+    use kiln_compiler::fusion::rules::union_checked;
+    use kiln_compiler::fusion::to_egraph;
+    let mut g = Graph::new();
+    let x = input(&mut g, "x", vec![s(), d(7)]);
+    let y = kernel::softmax(&mut g, x).unwrap();
+    let other = input(&mut g, "other", vec![s(), d(3)]);
+    let (mut eg, ids) = to_egraph(&output(g, y)).unwrap();
+    let class = ids[y.index()];
+    let leaf = Attr::leaf(
+        Op::Input("other".into()),
+        kiln_ir::TensorType::new(DType::F32, vec![s(), d(3)]),
+    );
+    let wrong = eg.add(ENode::Leaf(leaf));
+    assert_eq!(wrong, ids[other.index()]);
+    assert!(!union_checked(&mut eg, class, wrong, "softmax"));
+    assert_eq!(eg.analysis.declined.len(), 1);
+    let message = &eg.analysis.declined[0];
+    assert!(
+        message.contains("rule `softmax` built f32[S, 3]"),
+        "{message}"
+    );
+    assert_ne!(eg.find(class), eg.find(wrong));
 }

@@ -4,9 +4,9 @@
 //! An artifact is a folder: `manifest.ron` (this module's [`Manifest`]), the static graph of every
 //! bucket (`buckets/*.ron`), `kernels.ptx` (and `kernels.sm_90.cubin` when ptxas was found),
 //! `weights.safetensors` in the compiled dtype with the checkpoint's names, `tokenizer.json` when
-//! the checkpoint had one, and `checksums`: a header, then one `digest  path` line per file (the
-//! SHA-256 of the SHA-256 digests of its 64 MiB chunks, [`file_digest`]), verified before anything
-//! runs.
+//! the checkpoint had one, and `checksums`: one `digest  path` line per file (the SHA-256 of the
+//! SHA-256 digests of its 64 MiB chunks, [`file_digest`]), then the list's own line, verified
+//! before anything runs.
 //!
 //! Every bucket carries its [`ExecPlan`]: the kernel launches in order, each argument a place in
 //! the one device allocation the [`MemoryPlan`] lays out (weights, KV cache, activation arena) or
@@ -445,10 +445,6 @@ fn hex(bytes: &[u8]) -> String {
 /// Bytes per chunk of [`file_digest`].
 pub const CHECKSUM_CHUNK: usize = 64 << 20;
 
-/// The first line of a `checksums` file: what its digests are.
-pub const CHECKSUMS_HEADER: &str =
-    "# kiln checksums: SHA-256 of the SHA-256 digests of 64 MiB chunks";
-
 /// An artifact file's checksum: the SHA-256 of the concatenated SHA-256 digests of its
 /// [`CHECKSUM_CHUNK`]-byte chunks (one chunk for a small or empty file), lowercase hex. The chunks
 /// hash in parallel, so verifying the weights of an 8B model at load takes a fraction of a second
@@ -466,34 +462,67 @@ pub fn file_digest(bytes: &[u8]) -> String {
     hex(&Sha256::digest(chunks.concat()))
 }
 
-/// The `checksums` text for `files` (paths relative to `dir`): the header, then one
-/// `digest  path` line per file.
+/// The `checksums` text for `files` (paths relative to `dir`): one `digest  path` line per file
+/// ([`file_digest`]), sealed by [`render_checksums`].
 pub fn checksums(dir: &Path, files: &[String]) -> std::io::Result<String> {
-    let mut out = format!("{CHECKSUMS_HEADER}\n");
+    let mut sums = Vec::with_capacity(files.len());
     for f in files {
         let bytes = std::fs::read(dir.join(f))?;
-        out.push_str(&format!("{}  {f}\n", file_digest(&bytes)));
+        sums.push((file_digest(&bytes), f.clone()));
     }
-    Ok(out)
+    Ok(render_checksums(&sums))
 }
 
-/// Parses a `checksums` text into `(digest, path)` pairs; `None` if the header is missing (an
-/// older artifact format) or a line is malformed.
-pub fn parse_checksums(text: &str) -> Option<Vec<(String, String)>> {
-    let mut lines = text.lines();
-    if lines.next()? != CHECKSUMS_HEADER {
-        return None;
+/// The `checksums` text of `(digest, path)` pairs: one `digest  path` line each, then the file's
+/// own line, `sha256  checksums`, the plain SHA-256 of the lines above it, so that a damaged list is named as
+/// itself rather than as the file whose line it garbled.
+pub fn render_checksums(sums: &[(String, String)]) -> String {
+    let mut out: String = sums.iter().map(|(h, f)| format!("{h}  {f}\n")).collect();
+    let own = sha256_hex(out.as_bytes());
+    out.push_str(&format!("{own}  {CHECKSUMS}\n"));
+    out
+}
+
+/// Why a `checksums` text was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ChecksumsError {
+    /// The last line is not the list's own checksum.
+    #[error("does not end with its own checksum line (`SHA256  checksums`); the artifact was written by an older kiln or the list was edited")]
+    Unsealed,
+    /// The lines above the list's own line do not hash to it.
+    #[error("does not match its own checksum line: the checksums file itself is corrupt (the files it lists were not checked)")]
+    Corrupt,
+    /// A line is not `sha256  relative/path`.
+    #[error("line {0} is malformed")]
+    Malformed(usize),
+}
+
+/// Parses a `checksums` text into `(sha256, path)` pairs, after checking the list's own line.
+pub fn parse_checksums(text: &str) -> Result<Vec<(String, String)>, ChecksumsError> {
+    let body_end = text.trim_end_matches('\n').rfind('\n').map_or(0, |i| i + 1);
+    let (body, own) = text.split_at(body_end);
+    let own_hash = own
+        .trim_end_matches('\n')
+        .strip_suffix(&format!("  {CHECKSUMS}"))
+        .ok_or(ChecksumsError::Unsealed)?;
+    if own_hash != sha256_hex(body.as_bytes()) {
+        return Err(ChecksumsError::Corrupt);
     }
-    lines
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| {
-            let (hash, path) = l.split_once("  ")?;
-            let ok = hash.len() == 64 && hash.bytes().all(|c| c.is_ascii_hexdigit());
-            let safe =
-                !path.is_empty() && !path.starts_with('/') && !path.split('/').any(|p| p == "..");
-            (ok && safe).then(|| (hash.to_string(), path.to_string()))
-        })
+    body.lines()
+        .enumerate()
+        .map(|(i, l)| parse_line(l).ok_or(ChecksumsError::Malformed(i + 1)))
         .collect()
+}
+
+/// One `sha256  path` line; `None` unless the hash is 64 hex digits and the path relative.
+fn parse_line(line: &str) -> Option<(String, String)> {
+    let (hash, path) = line.split_once("  ")?;
+    let ok = hash.len() == 64 && hash.bytes().all(|c| c.is_ascii_hexdigit());
+    let safe = !path.is_empty()
+        && path != CHECKSUMS
+        && !path.starts_with('/')
+        && !path.split('/').any(|p| p == "..");
+    (ok && safe).then(|| (hash.to_string(), path.to_string()))
 }
 
 #[cfg(test)]
@@ -510,13 +539,52 @@ mod tests {
 
     #[test]
     fn checksum_lines_are_validated() {
-        let line = |rest: &str| format!("{CHECKSUMS_HEADER}\n{rest}");
-        let good = line(&format!("{}  buckets/a.ron\n", "0".repeat(64)));
+        let line = |path: &str| vec![("0".repeat(64), path.to_string())];
+        let good = render_checksums(&line("buckets/a.ron"));
         assert_eq!(parse_checksums(&good).unwrap()[0].1, "buckets/a.ron");
-        assert!(parse_checksums(&line("xyz  a")).is_none());
-        assert!(parse_checksums(&line(&format!("{}  ../etc/passwd", "0".repeat(64)))).is_none());
-        // An older artifact's checksums (no header) are not read as this format.
-        assert!(parse_checksums(&format!("{}  buckets/a.ron\n", "0".repeat(64))).is_none());
+        let bad = |text: &str| parse_checksums(text).err();
+        assert_eq!(
+            bad(&render_checksums(&line("../etc/passwd"))),
+            Some(ChecksumsError::Malformed(1))
+        );
+        assert_eq!(
+            bad(&render_checksums(&line(CHECKSUMS))),
+            Some(ChecksumsError::Malformed(1))
+        );
+        let xyz = render_checksums(&[("xyz".into(), "a".into())]);
+        assert_eq!(bad(&xyz), Some(ChecksumsError::Malformed(1)));
+        // Without its own line (as older artifacts were written), or with nothing at all.
+        assert_eq!(
+            bad(&good[..good.find(CHECKSUMS).unwrap() - 66]),
+            Some(ChecksumsError::Unsealed)
+        );
+        assert_eq!(bad(""), Some(ChecksumsError::Unsealed));
+    }
+
+    #[test]
+    fn a_damaged_checksums_file_names_itself() {
+        let sums = vec![
+            (sha256_hex(b"weights"), "weights.safetensors".to_string()),
+            (sha256_hex(b"manifest"), MANIFEST.to_string()),
+        ];
+        let text = render_checksums(&sums);
+        assert_eq!(parse_checksums(&text).unwrap(), sums);
+        // Any one flipped bit, in a listed hash, a path or the list's own line, is the list's
+        // own corruption (or, in the own line's path, a missing own line).
+        for at in 0..text.len() {
+            for bit in 0..8 {
+                let mut bytes = text.clone().into_bytes();
+                bytes[at] ^= 1 << bit;
+                let Ok(flipped) = String::from_utf8(bytes) else {
+                    continue;
+                };
+                let err = parse_checksums(&flipped).expect_err("a flipped bit is detected");
+                assert!(
+                    matches!(err, ChecksumsError::Corrupt | ChecksumsError::Unsealed),
+                    "byte {at} bit {bit}: {err:?}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -415,6 +415,10 @@ pub fn attention_mask(
 
 /// Scaled dot-product attention over `[B, H, S, D]` q and `[B, H, T, D]` k, v with an optional
 /// additive mask broadcastable to `[B, H, S, T]`, and optional dropout on the probabilities.
+///
+/// A query whose keys are all masked gets zeros, as the kernels store for a query that sees no
+/// key: the output is multiplied by [`visible`], 1 where a row of the mask has a visible key and
+/// 0 where it has none (the softmax alone would give such a row the mean of the values).
 pub fn sdpa(
     g: &mut Graph,
     q: NodeId,
@@ -437,7 +441,22 @@ pub fn sdpa(
             g.add(Op::Dropout { p, stream }, &[s, seed])?
         }
     };
-    g.matmul(probs, v)
+    let out = g.matmul(probs, v)?;
+    match mask {
+        Some(m) => {
+            let seen = visible(g, m)?;
+            g.mul(out, seen)
+        }
+        None => Ok(out),
+    }
+}
+
+/// Per row of an additive mask (keys on the last axis), whether any key is visible:
+/// `exp(max(mask))`, exactly 1 when a key's entry is 0 and exactly 0 when every entry is a
+/// (finite, negative) mask value, whose `exp` underflows.
+pub fn visible(g: &mut Graph, mask: NodeId) -> Result<NodeId, IrError> {
+    let top = g.reduce(ReduceOp::Max, mask, -1)?;
+    g.unary(UnaryOp::Exp, top)
 }
 
 /// The additive mask of a query chunk at `positions` over a cache of `cols` entries.

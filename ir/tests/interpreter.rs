@@ -324,3 +324,79 @@ fn inputs_are_checked_against_declarations() {
     let err = run(&g, vec![("x", Tensor::f32(vec![2, 3], vec![0.0; 6]))]).unwrap_err();
     assert_eq!(err, "missing input `y`");
 }
+
+/// Attention over `[2, 1, 3, 2]` q, k, v with padding `mask` (`[2, 3]`), causal or not, built
+/// as importers build it (`kernel::sdpa` over primitives) or as the fused kernel op; returns
+/// the output.
+fn masked_attention(dtype: DType, fused: bool, causal: bool, mask: Vec<i64>) -> Vec<f32> {
+    use kiln_ir::kernel::{self, AttentionSpec};
+    let mut g = Graph::new();
+    let shape = dims(&[2, 1, 3, 2]);
+    let q = g.input("q", dtype, shape.clone()).unwrap();
+    let k = g.input("k", dtype, shape.clone()).unwrap();
+    let v = g.input("v", dtype, shape).unwrap();
+    let m = g.input("mask", DType::I64, dims(&[2, 3])).unwrap();
+    let out = if fused {
+        let spec = AttentionSpec {
+            scale: 0.5,
+            causal,
+            window: None,
+            padding: true,
+            rope: None,
+            dropout: None,
+        };
+        g.add(Op::Attention(spec), &[q, k, v, m]).unwrap()
+    } else {
+        let three = Dim::constant(3);
+        let rule = causal.then(|| (three.clone(), three, None));
+        let add = kernel::attention_mask(&mut g, dtype, Some(m), rule).unwrap();
+        kernel::sdpa(&mut g, q, k, v, add, 0.5, None).unwrap()
+    };
+    g.set_output("out", out).unwrap();
+    let values = |seed: f32| {
+        let v = (0..12).map(|i| seed + i as f32 * 0.25).collect();
+        Tensor::float(dtype, vec![2, 1, 3, 2], v)
+    };
+    let t = run(
+        &g,
+        vec![
+            ("q", values(0.1)),
+            ("k", values(-0.7)),
+            ("v", values(1.0)),
+            ("mask", Tensor::i64(vec![2, 3], mask)),
+        ],
+    )
+    .unwrap();
+    t.as_f32().unwrap().to_vec()
+}
+
+/// A query that sees no key gets zeros (the GPU and CPU kernels' convention), not the mean of the
+/// values a finite mask would give; queries that see keys are unchanged. In f32 and f16 (whose
+/// mask value is -32752), through the primitives importers build and through the kernel op.
+#[test]
+fn a_query_that_sees_no_key_gets_zeros() {
+    for dtype in [DType::F32, DType::F16] {
+        for fused in [false, true] {
+            // Encoder: batch row 1 is all padding.
+            let out = masked_attention(dtype, fused, false, vec![1, 1, 0, 0, 0, 0]);
+            assert!(
+                out[6..].iter().all(|v| *v == 0.0),
+                "{dtype:?} {fused}: {out:?}"
+            );
+            assert!(
+                out[..6].iter().all(|v| *v > 0.0),
+                "{dtype:?} {fused}: {out:?}"
+            );
+            // Decoder: row 1 left-padded by 2; its queries 0 and 1 see only padding keys, query
+            // 2 sees key 2 alone and gets its value exactly.
+            let out = masked_attention(dtype, fused, true, vec![1, 1, 1, 0, 0, 1]);
+            assert!(
+                out[6..10].iter().all(|v| *v == 0.0),
+                "{dtype:?} {fused}: {out:?}"
+            );
+            assert_eq!(&out[10..12], &[1.0 + 10.0 * 0.25, 1.0 + 11.0 * 0.25]);
+            // Row 0's query 0 sees key 0 alone.
+            assert_eq!(&out[0..2], &[1.0, 1.25]);
+        }
+    }
+}

@@ -522,76 +522,11 @@ fn attention_matches_the_interpreter() {
         .collect();
     let lib = load(module, dir.path());
     for (case, name) in cases.iter().zip(&names) {
-        let cfg = &case.cfg;
-        let (b, h, kvh) = (2usize, cfg.heads as usize, cfg.kv_heads as usize);
-        let (s, t, d) = (
-            cfg.q_len as usize,
-            cfg.kv_len as usize,
-            cfg.head_dim as usize,
-        );
-        let q = values(&mut rng, b * h * s * d, 1.0, 0.0);
-        let k = values(&mut rng, b * kvh * t * d, 1.0, 0.0);
-        let v = values(&mut rng, b * kvh * t * d, 1.0, 0.0);
-        // Right padding (every query sees key 0); positions per the rule.
+        let t = case.cfg.kv_len as usize;
+        // Right padding (every query sees key 0).
         let lens = [t, t - 2];
-        let mask: Vec<i64> = (0..b * t).map(|x| i64::from(x % t < lens[x / t])).collect();
-        let decode = matches!(cfg.keys, KeyRule::Position { .. });
-        let positions: Vec<i64> = (0..b)
-            .flat_map(|row| {
-                let first = if decode { (t - s - row) as i64 } else { 0 };
-                (0..s as i64).map(move |x| first + x)
-            })
-            .collect();
-        let (cos, sin) = rope_tables(10000.0, d, t + 1);
-        let mut out = vec![f32::NAN; b * h * s * d];
-        let mut args = vec![
-            q.as_ptr() as u64,
-            k.as_ptr() as u64,
-            v.as_ptr() as u64,
-            out.as_mut_ptr() as u64,
-        ];
-        if cfg.padding {
-            args.push(mask.as_ptr() as u64);
-        }
-        if cfg.rope || decode {
-            args.push(positions.as_ptr() as u64);
-        }
-        if cfg.rope {
-            args.extend([cos.as_ptr() as u64, sin.as_ptr() as u64]);
-        }
-        let seed: i64 = rng.random();
-        if cfg.dropout.is_some() {
-            args.push(&seed as *const i64 as u64);
-        }
-        // SAFETY: the symbol was generated with the kernel signature.
-        let f: libloading::Symbol<KernelFn> = unsafe { lib.get(name.as_bytes()) }.unwrap();
-        let rows = (b * h * s) as u64;
-        // SAFETY: every buffer is sized for the configuration; positions lie inside the tables.
-        unsafe {
-            f(args.as_ptr(), 0, rows / 3);
-            f(args.as_ptr(), rows / 3, rows);
-        }
-        let mut inputs = vec![
-            (vec![b, h, s, d], q),
-            (vec![b, kvh, t, d], k),
-            (vec![b, kvh, t, d], v),
-        ];
-        let mut ints = Vec::new();
-        let as_f = |x: &[i64]| x.iter().map(|&v| v as f32).collect::<Vec<f32>>();
-        if cfg.padding {
-            ints.push(inputs.len());
-            inputs.push((vec![b, t], as_f(&mask)));
-        }
-        if cfg.rope || decode {
-            ints.push(inputs.len());
-            inputs.push((vec![b, s], as_f(&positions)));
-        }
-        if cfg.dropout.is_some() {
-            ints.push(inputs.len());
-            inputs.push((vec![], vec![]));
-        }
-        let want = reference_with_seed(case.op.clone(), inputs, &ints, Some(seed));
-        check(name, Elem::F32, &out, &want);
+        let mask: Vec<i64> = (0..2 * t).map(|x| i64::from(x % t < lens[x / t])).collect();
+        run_attention_case(&lib, name, case, &mut rng, &mask);
     }
 }
 
@@ -656,6 +591,149 @@ fn dropout_masks_match_the_interpreter_bit_for_bit() {
         assert!((kept - (1.0 - p)).abs() < 0.03, "p {p}: kept {kept}");
         assert_eq!(mask_mismatches(&out, &want), 0, "p {p}: masks differ");
     }
+}
+
+
+/// A query that sees no key stores zeros, in the CPU kernel as in the interpreter (and the GPU
+/// kernels): a batch row of padding only, and the padding queries of a left-padded row under a
+/// causal mask, whose keys are all padding.
+#[test]
+fn attention_of_a_query_that_sees_no_key_is_zero() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        attention_case((2, 2, 6, 6, 4), KeyRule::All, true, false),
+        attention_case(
+            (4, 2, 9, 9, 8),
+            KeyRule::Causal { window: None },
+            true,
+            true,
+        ),
+        attention_case(
+            (2, 1, 140, 140, 8),
+            KeyRule::Causal { window: Some(64) },
+            true,
+            false,
+        ),
+    ];
+    let mut module = CpuModule::new().unwrap();
+    let names: Vec<String> = cases
+        .iter()
+        .map(|c| attention::attention(&mut module, &c.cfg).unwrap())
+        .collect();
+    let lib = load(module, dir.path());
+    for (case, name) in cases.iter().zip(&names) {
+        let cfg = &case.cfg;
+        let (t, d) = (cfg.kv_len as usize, cfg.head_dim as usize);
+        let (rows, unseen): (Vec<i64>, usize) = match cfg.keys {
+            // Row 0 is real, row 1 all padding: every query of row 1 sees no key.
+            KeyRule::All => ((0..2 * t).map(|x| i64::from(x < t)).collect(), t),
+            // Row 1 left-padded by 3: its first 3 queries see only padding keys.
+            _ => (
+                (0..2 * t).map(|x| i64::from(x < t || x % t >= 3)).collect(),
+                3,
+            ),
+        };
+        let out = run_attention_case(&lib, name, case, &mut rng, &rows);
+        let (h, s) = (cfg.heads as usize, cfg.q_len as usize);
+        for head in 0..h {
+            for i in 0..s {
+                let at = ((h + head) * s + i) * d;
+                let row = &out[at..at + d];
+                if i < unseen {
+                    assert!(
+                        row.iter().all(|v| *v == 0.0),
+                        "{name} head {head} query {i}: {row:?}"
+                    );
+                } else {
+                    assert!(
+                        row.iter().any(|v| *v != 0.0),
+                        "{name} head {head} query {i}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Runs the generated attention `name` of `case` on random q, k, v with the padding `mask`
+/// (`[2, T]`; positions per the key rule), checks it against the interpreter and returns its
+/// output.
+fn run_attention_case(
+    lib: &libloading::Library,
+    name: &str,
+    case: &AttentionCase,
+    rng: &mut rand::rngs::StdRng,
+    mask: &[i64],
+) -> Vec<f32> {
+    let cfg = &case.cfg;
+    let (b, h, kvh) = (2usize, cfg.heads as usize, cfg.kv_heads as usize);
+    let (s, t, d) = (
+        cfg.q_len as usize,
+        cfg.kv_len as usize,
+        cfg.head_dim as usize,
+    );
+    let q = values(rng, b * h * s * d, 1.0, 0.0);
+    let k = values(rng, b * kvh * t * d, 1.0, 0.0);
+    let v = values(rng, b * kvh * t * d, 1.0, 0.0);
+    let decode = matches!(cfg.keys, KeyRule::Position { .. });
+    let positions: Vec<i64> = (0..b)
+        .flat_map(|row| {
+            let first = if decode { (t - s - row) as i64 } else { 0 };
+            (0..s as i64).map(move |x| first + x)
+        })
+        .collect();
+    let (cos, sin) = rope_tables(10000.0, d, t + 1);
+    let mut out = vec![f32::NAN; b * h * s * d];
+    let mut args = vec![
+        q.as_ptr() as u64,
+        k.as_ptr() as u64,
+        v.as_ptr() as u64,
+        out.as_mut_ptr() as u64,
+    ];
+    if cfg.padding {
+        args.push(mask.as_ptr() as u64);
+    }
+    if cfg.rope || decode {
+        args.push(positions.as_ptr() as u64);
+    }
+    if cfg.rope {
+        args.extend([cos.as_ptr() as u64, sin.as_ptr() as u64]);
+    }
+    let seed: i64 = rng.random();
+    if cfg.dropout.is_some() {
+        args.push(&seed as *const i64 as u64);
+    }
+    // SAFETY: the symbol was generated with the kernel signature.
+    let f: libloading::Symbol<KernelFn> = unsafe { lib.get(name.as_bytes()) }.unwrap();
+    let rows = (b * h * s) as u64;
+    // SAFETY: every buffer is sized for the configuration; positions lie inside the tables.
+    unsafe {
+        f(args.as_ptr(), 0, rows / 3);
+        f(args.as_ptr(), rows / 3, rows);
+    }
+    let mut inputs = vec![
+        (vec![b, h, s, d], q),
+        (vec![b, kvh, t, d], k),
+        (vec![b, kvh, t, d], v),
+    ];
+    let mut ints = Vec::new();
+    let as_f = |x: &[i64]| x.iter().map(|&v| v as f32).collect::<Vec<f32>>();
+    if cfg.padding {
+        ints.push(inputs.len());
+        inputs.push((vec![b, t], as_f(mask)));
+    }
+    if cfg.rope || decode {
+        ints.push(inputs.len());
+        inputs.push((vec![b, s], as_f(&positions)));
+    }
+    if cfg.dropout.is_some() {
+        ints.push(inputs.len());
+        inputs.push((vec![], vec![]));
+    }
+    let want = reference_with_seed(case.op.clone(), inputs, &ints, Some(seed));
+    check(name, Elem::F32, &out, &want);
+    out
 }
 
 /// One strided case: the graph (inputs `a0`, `a1`, ... then the op under test on views of them),

@@ -1,5 +1,6 @@
 //! Opening an artifact: every file's checksum and the format version are verified before anything
-//! else is read, and every error names the file.
+//! else is read, and every error names the file. The checksum list is checked against its own
+//! last line first, so that a damaged list is reported as itself.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -49,14 +50,16 @@ impl Artifact {
                 message: "is not an artifact folder".into(),
             });
         }
-        let sums_text = std::fs::read_to_string(dir.join(artifact::CHECKSUMS))
+        let sums_bytes = std::fs::read(dir.join(artifact::CHECKSUMS))
             .map_err(|e| bad(artifact::CHECKSUMS, format!("cannot be read: {e}")))?;
-        let sums = artifact::parse_checksums(&sums_text).ok_or_else(|| {
+        let sums_text = String::from_utf8(sums_bytes).map_err(|_| {
             bad(
                 artifact::CHECKSUMS,
-                "is malformed or from an older kiln (compile the artifact again)".into(),
+                "is not text: the checksums file itself is corrupt".into(),
             )
         })?;
+        let sums = artifact::parse_checksums(&sums_text)
+            .map_err(|e| bad(artifact::CHECKSUMS, e.to_string()))?;
         let start = std::time::Instant::now();
         let mut maps = BTreeMap::new();
         for (hash, file) in &sums {

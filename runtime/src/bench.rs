@@ -86,7 +86,8 @@ pub struct BenchReport {
     pub gpu_used_before_bytes: Option<u64>,
     /// GPU memory in use after the last request, bytes (CUDA only).
     pub gpu_used_after_bytes: Option<u64>,
-    /// Replays, captures and compilations since load (CUDA only; the replays above are the
+    /// Replays since load, and the module loads, PTX JIT compilations, captures and allocations
+    /// the executor counted during load and after it (CUDA only; the replays above are the
     /// requests per bucket, these the graph launches the executor counted).
     pub counters: Option<crate::cuda::Counters>,
     /// Seconds from the opened artifact to ready: on CUDA every graph captured, on the CPU the

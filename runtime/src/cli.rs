@@ -379,11 +379,8 @@ fn print_bench(r: &BenchReport, out: &mut dyn Write) -> Result<()> {
         writeln!(out, "load to ready {:.3} s", s)?;
     }
     if let Some(c) = &r.counters {
-        writeln!(
-            out,
-            "captures after load {}, compilations after load {}",
-            c.captures_after_load, c.compilations_after_load
-        )?;
+        writeln!(out, "at load: {}", c.at_load)?;
+        writeln!(out, "after load: {}", c.after_load)?;
     }
     Ok(())
 }

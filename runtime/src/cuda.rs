@@ -2,7 +2,8 @@
 //! the kernel module loaded once (the cubin when it matches the GPU, else the PTX), and one CUDA
 //! graph per bucket captured at load, largest first. A request copies its inputs into their arena
 //! slots, replays its bucket's graph, and copies the outputs back: nothing is compiled, captured
-//! or allocated after load, and the counters say so.
+//! or allocated after load, and the counters (`counts.rs`: every module load, PTX JIT, capture
+//! and allocation, counted where the executor asks the driver for it) measure it.
 //!
 //! cudarc loads libcuda dynamically, so this builds (and the rest of the runtime runs) on machines
 //! without a CUDA toolkit or driver; [`CudaExecutor::load`] says why it cannot run there.
@@ -15,8 +16,8 @@ use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMI
 use cudarc::driver::sys::CUgraphInstantiate_flags;
 use cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
-    PinnedHostSlice, PushKernelArg,
+    CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr,
+    LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 use kiln_ir::artifact::{Arg, BucketEntry, ExecPlan, KernelEntry, ParamType, Region, TensorSlot};
@@ -24,15 +25,19 @@ use kiln_ir::{DType, Data, Tensor};
 
 use crate::{Artifact, RuntimeError};
 
-/// What the executor has done since load.
+mod counts;
+pub use counts::DriverCounts;
+
+/// What the executor has done: replays since load, and the driver work it did during load and
+/// since.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
 pub struct Counters {
     /// Graph replays per bucket graph file.
     pub replays: BTreeMap<String, u64>,
-    /// CUDA graphs captured after load (by construction 0: capture happens only in `load`).
-    pub captures_after_load: u64,
-    /// Modules loaded (compiled by the driver) after load (by construction 0).
-    pub compilations_after_load: u64,
+    /// Module loads, PTX JIT compilations, captures and allocations during load.
+    pub at_load: DriverCounts,
+    /// The same, after load (all zero unless something compiled, captured or allocated late).
+    pub after_load: DriverCounts,
 }
 
 /// A loaded artifact on a GPU, ready to replay.
@@ -54,9 +59,9 @@ pub struct CudaExecutor {
     arena: u64,
     cache: u64,
     cache_bytes: u64,
-    captures: u64,
-    compilations: u64,
-    at_load: (u64, u64),
+    /// Driver work so far, and as it stood when `load` returned.
+    counts: DriverCounts,
+    at_load: DriverCounts,
     replays: BTreeMap<String, u64>,
     /// Seconds from the start of `load` until every graph was captured and uploaded.
     pub load_seconds: f64,
@@ -263,6 +268,8 @@ impl CudaExecutor {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(dev)?;
         tracing::info!(seconds = start.elapsed().as_secs_f64(), %device, "CUDA context ready");
+        let mut counts = DriverCounts::default();
+        counts.allocated();
         let mut memory = stream.alloc_zeros::<u8>(total as usize).map_err(dev)?;
         stream
             .memcpy_htod(region, &mut memory.slice_mut(0..region.len()))
@@ -274,12 +281,7 @@ impl CudaExecutor {
             "weights uploaded"
         );
 
-        let module = ctx
-            .load_module(match image {
-                KernelImage::Cubin(bytes) => Ptx::from_binary(bytes),
-                KernelImage::Ptx(text) => Ptx::from_src(text),
-            })
-            .map_err(|e| RuntimeError::Device(format!("the kernel module does not load: {e}")))?;
+        let module = load_image(&ctx, image, &mut counts)?;
         let mut functions: BTreeMap<String, CudaFunction> = BTreeMap::new();
         for k in &m.kernel_table {
             let f = module.load_function(&k.name).map_err(|e| {
@@ -305,7 +307,6 @@ impl CudaExecutor {
             plan: m.memory.clone(),
         };
         let mut graphs = BTreeMap::new();
-        let mut captures = 0;
         let arena = m.memory.base(Region::Arena);
         for (entry, plan) in &buckets {
             // A first eager run checks every launch before capture, so that a failing kernel is
@@ -318,30 +319,23 @@ impl CudaExecutor {
                     .memset_zeros(&mut memory.slice_mut(at..at + slot.bytes() as usize))
                     .map_err(dev)?;
             }
-            for capture in [false, true] {
-                if capture {
-                    stream
-                        .begin_capture(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                        .map_err(dev)?;
-                }
-                launch_steps(&stream, &functions, plan, &addresses, &entry.graph, None)?;
-                if !capture {
-                    stream.synchronize().map_err(|e| {
-                        RuntimeError::Device(format!("{}: a kernel failed: {e}", entry.graph))
-                    })?;
-                }
-            }
-            let graph = stream
-                .end_capture(CUgraphInstantiate_flags(0))
-                .map_err(dev)?
-                .ok_or_else(|| RuntimeError::Device(format!("{}: empty capture", entry.graph)))?;
-            graph.upload().map_err(dev)?;
+            launch_steps(&stream, &functions, plan, &addresses, &entry.graph, None)?;
+            stream.synchronize().map_err(|e| {
+                RuntimeError::Device(format!("{}: a kernel failed: {e}", entry.graph))
+            })?;
+            let graph = capture(
+                &stream,
+                &functions,
+                plan,
+                &addresses,
+                &entry.graph,
+                &mut counts,
+            )?;
             tracing::info!(
                 seconds = start.elapsed().as_secs_f64(),
                 bucket = %entry.graph,
                 "graph captured"
             );
-            captures += 1;
             graphs.insert(entry.graph.clone(), graph);
         }
         // The warm-up runs wrote the cache; a generation starts from an empty one.
@@ -358,6 +352,7 @@ impl CudaExecutor {
             .map(|(e, p)| (e.graph.clone(), (*p).clone()))
             .collect();
         let staging_bytes = plans_outputs_bytes(&buckets);
+        counts.allocated();
         // SAFETY: host memory that is only read after a copy into it has completed; flags 0 is
         // ordinary (cached) page-locked memory, which the host reads fast.
         let staging =
@@ -376,9 +371,8 @@ impl CudaExecutor {
             memory,
             graphs,
             plans,
-            captures,
-            compilations: 1,
-            at_load: (captures, 1),
+            counts,
+            at_load: counts,
             replays: BTreeMap::new(),
             load_seconds: start.elapsed().as_secs_f64(),
             device,
@@ -502,8 +496,8 @@ impl CudaExecutor {
     pub fn counters(&self) -> Counters {
         Counters {
             replays: self.replays.clone(),
-            captures_after_load: self.captures - self.at_load.0,
-            compilations_after_load: self.compilations - self.at_load.1,
+            at_load: self.at_load,
+            after_load: self.counts.since(&self.at_load),
         }
     }
 
@@ -520,6 +514,43 @@ impl CudaExecutor {
     pub fn allocated_bytes(&self) -> u64 {
         self.memory.len() as u64
     }
+}
+
+/// Loads `image` as the kernel module, counted (a PTX image is JIT-compiled by the driver here).
+fn load_image(
+    ctx: &Arc<CudaContext>,
+    image: KernelImage,
+    counts: &mut DriverCounts,
+) -> Result<Arc<CudaModule>, RuntimeError> {
+    counts.module_loaded(&image);
+    ctx.load_module(match image {
+        KernelImage::Cubin(bytes) => Ptx::from_binary(bytes),
+        KernelImage::Ptx(text) => Ptx::from_src(text),
+    })
+    .map_err(|e| RuntimeError::Device(format!("the kernel module does not load: {e}")))
+}
+
+/// Captures `plan`'s launches on `stream` as a CUDA graph, instantiated and uploaded, counted.
+fn capture(
+    stream: &Arc<CudaStream>,
+    functions: &BTreeMap<String, CudaFunction>,
+    plan: &ExecPlan,
+    addresses: &Addresses,
+    graph: &str,
+    counts: &mut DriverCounts,
+) -> Result<CudaGraph, RuntimeError> {
+    let dev = |e: cudarc::driver::DriverError| RuntimeError::Device(format!("CUDA: {e}"));
+    counts.captured();
+    stream
+        .begin_capture(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(dev)?;
+    launch_steps(stream, functions, plan, addresses, graph, None)?;
+    let captured = stream
+        .end_capture(CUgraphInstantiate_flags(0))
+        .map_err(dev)?
+        .ok_or_else(|| RuntimeError::Device(format!("{graph}: empty capture")))?;
+    captured.upload().map_err(dev)?;
+    Ok(captured)
 }
 
 /// The most output bytes any bucket returns.

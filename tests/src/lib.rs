@@ -491,3 +491,36 @@ pub fn compile_artifact(model: &Path, out: &Path, extra: &[&str]) -> kiln_runtim
     kiln(&args).unwrap();
     kiln_runtime::Artifact::open(out).unwrap()
 }
+
+/// Rewrites `dir`'s `checksums` after a test edited the artifact on purpose: every listed file
+/// that still exists gets its current hash, deleted files lose their line, and the list gets its
+/// own line again, so that only the edit itself differs from what `kiln compile` writes.
+pub fn reseal_checksums(dir: &Path) {
+    use kiln_ir::artifact::{file_digest, parse_checksums, render_checksums, CHECKSUMS};
+    let text = std::fs::read_to_string(dir.join(CHECKSUMS)).unwrap();
+    let sums: Vec<(String, String)> = parse_checksums(&text)
+        .unwrap()
+        .into_iter()
+        .filter_map(|(_, file)| {
+            let bytes = std::fs::read(dir.join(&file)).ok()?;
+            Some((file_digest(&bytes), file))
+        })
+        .collect();
+    std::fs::write(dir.join(CHECKSUMS), render_checksums(&sums)).unwrap();
+}
+
+/// Makes `dir` an artifact without its cubin, as `kiln compile` writes one where no ptxas is
+/// found: the cubin deleted, the manifest's `kernels_cubin` and `targets` emptied, the checksums
+/// resealed. The runtime then loads the PTX, which the driver JIT-compiles.
+pub fn strip_cubin(dir: &Path) {
+    use kiln_ir::artifact::{Manifest, MANIFEST};
+    let path = dir.join(MANIFEST);
+    let mut manifest: Manifest = ron::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    if let Some(cubin) = manifest.kernels_cubin.take() {
+        std::fs::remove_file(dir.join(cubin)).unwrap();
+    }
+    manifest.targets.clear();
+    let text = ron::ser::to_string_pretty(&manifest, ron::ser::PrettyConfig::new()).unwrap();
+    std::fs::write(&path, text).unwrap();
+    reseal_checksums(dir);
+}

@@ -9,7 +9,7 @@ use kiln_ir::inputs::TokenBatch;
 use kiln_runtime::{forward::forward, Artifact, Executor};
 use kiln_tests::{
     assert_embeddings_close, assert_greedy_tokens, compile_artifact as compile, fixture, floats,
-    kiln, masked_rel_err, minilm_dir, minilm_sentences, reference, rel_err,
+    kiln, masked_rel_err, minilm_dir, minilm_sentences, reference, rel_err, reseal_checksums,
     sentence_transformers_copy,
 };
 
@@ -169,28 +169,38 @@ fn corrupt_artifacts_are_refused_naming_the_file() {
         "format_version: 99",
         1,
     );
-    std::fs::write(&manifest, &text).unwrap();
-    let sums = std::fs::read_to_string(version.join("checksums")).unwrap();
-    let fixed: String = sums
-        .lines()
-        .map(|l| {
-            if l.ends_with("  manifest.ron") {
-                format!(
-                    "{}  manifest.ron\n",
-                    kiln_ir::artifact::file_digest(text.as_bytes())
-                )
-            } else {
-                format!("{l}\n")
-            }
-        })
-        .collect();
-    std::fs::write(version.join("checksums"), fixed).unwrap();
+    std::fs::write(&manifest, text).unwrap();
+    reseal_checksums(&version);
     refuse(
         &version,
         &format!(
             "manifest.ron: has format version 99; this runtime reads version {}",
             kiln_ir::artifact::FORMAT_VERSION
         ),
+    );
+
+    // A damaged checksum list is named as itself, not as the file whose hash it garbled: one
+    // flipped bit in the weights' hash, and a list without its own line.
+    let sums_flipped = copy("sums-flipped.kiln");
+    let sums = sums_flipped.join("checksums");
+    let text = std::fs::read_to_string(&sums).unwrap();
+    let at = text.find("  weights.safetensors").unwrap() - 1;
+    let mut bytes = text.clone().into_bytes();
+    bytes[at] = if bytes[at] == b'0' { b'1' } else { b'0' };
+    std::fs::write(&sums, bytes).unwrap();
+    refuse(
+        &sums_flipped,
+        "checksums: does not match its own checksum line: the checksums file itself is corrupt",
+    );
+    let unsealed = copy("unsealed.kiln");
+    let own = text
+        .rfind('\n')
+        .and_then(|end| text[..end].rfind('\n'))
+        .unwrap();
+    std::fs::write(unsealed.join("checksums"), &text[..=own]).unwrap();
+    refuse(
+        &unsealed,
+        "checksums: does not end with its own checksum line",
     );
 
     let no_sums = copy("nosums.kiln");
@@ -359,19 +369,7 @@ fn a_cubin_for_another_sm_is_refused() {
         .status()
         .unwrap();
     assert!(status.success());
-    let bytes = std::fs::read(&cubin).unwrap();
-    let sums: String = std::fs::read_to_string(dir.join("checksums"))
-        .unwrap()
-        .lines()
-        .map(|l| match l.split_once("  ") {
-            Some((_, "kernels.sm_90.cubin")) => format!(
-                "{}  kernels.sm_90.cubin\n",
-                kiln_ir::artifact::file_digest(&bytes)
-            ),
-            _ => format!("{l}\n"),
-        })
-        .collect();
-    std::fs::write(dir.join("checksums"), sums).unwrap();
+    reseal_checksums(&dir);
     let art = Artifact::open(&dir).unwrap();
     let err = choose_image(&art, 90).err().expect("refused").to_string();
     assert!(

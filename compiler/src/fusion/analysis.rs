@@ -22,9 +22,13 @@ pub struct ClassData {
     pub weight_only: bool,
 }
 
-/// The analysis that computes [`ClassData`].
+/// The analysis that computes [`ClassData`], and the matches rules declined because what their
+/// builders made disagrees with the matched class's type (one line each, naming the rule).
 #[derive(Default)]
-pub struct TypeAnalysis;
+pub struct TypeAnalysis {
+    /// The declined matches (each a bug in the named rule's builder).
+    pub declined: Vec<String>,
+}
 
 impl TypeAnalysis {
     /// The IR op and operand classes of an op e-node (`None` for leaves).

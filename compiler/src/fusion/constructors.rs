@@ -22,9 +22,9 @@ pub type Guard = fn(&KilnGraph, &Subst) -> Option<Bindings>;
 pub enum BuilderKind {
     /// Returns fused alternatives of the matched class (each is unioned with it).
     Alternatives(fn(&mut KilnGraph, &Subst) -> Vec<Id>),
-    /// Unions fused nodes into other classes (the matched class's consumers) itself; returns
-    /// the classes it changed.
-    Unions(fn(&mut KilnGraph, Id, &Subst) -> Vec<Id>),
+    /// Fused alternatives of other classes (the matched class's consumers), as `(class, node)`
+    /// pairs for the applier to union.
+    Unions(fn(&mut KilnGraph, Id, &Subst) -> Vec<(Id, Id)>),
 }
 
 /// A named builder.
@@ -301,7 +301,20 @@ fn mask_parts(eg: &KilnGraph, mask: Id) -> Vec<(Option<Id>, Option<Op>)> {
     out
 }
 
+/// Whether a masked match's factor `exp(reduce_max ?r ?mask)` takes its maximum over the mask's
+/// last (key) axis, as `kiln_ir::kernel::visible` does: only then is it 0 exactly for the queries
+/// that see no key. Unmasked matches have no factor.
+fn zeroes_unseen_queries(eg: &KilnGraph, s: &Subst) -> bool {
+    match get(s, "?mask") {
+        Some(mask) => is_last_axis_reduce(eg, at(s, "?r"), mask, ReduceOp::Max),
+        None => true,
+    }
+}
+
 fn attention(eg: &mut KilnGraph, s: &Subst) -> Vec<Id> {
+    if !zeroes_unseen_queries(eg, s) {
+        return vec![];
+    }
     let (q, k, v) = (at(s, "?q"), at(s, "?k"), at(s, "?v"));
     let Some(scale) = constant(eg, at(s, "?scale")) else {
         return vec![];
@@ -380,6 +393,9 @@ fn attention(eg: &mut KilnGraph, s: &Subst) -> Vec<Id> {
 }
 
 fn decode_attention(eg: &mut KilnGraph, s: &Subst) -> Vec<Id> {
+    if !zeroes_unseen_queries(eg, s) {
+        return vec![];
+    }
     let (q, k, v, mask) = (at(s, "?q"), at(s, "?k"), at(s, "?v"), at(s, "?mask"));
     let Some(scale) = constant(eg, at(s, "?scale")) else {
         return vec![];
@@ -429,9 +445,18 @@ fn is_weight_matrix(eg: &KilnGraph, w: Id) -> bool {
     eg[w].data.weight_only && rank(eg, w) == Some(2)
 }
 
+/// Whether class `w` is a transposed weight matrix, which `gemm-linear` reads in place.
+fn is_transposed_weight(eg: &KilnGraph, w: Id) -> bool {
+    nodes_named(eg, w, "permute")
+        .iter()
+        .any(|(op, args)| *op == Op::Permute(vec![1, 0]) && is_weight_matrix(eg, args[0]))
+}
+
 fn gemm(eg: &mut KilnGraph, s: &Subst, transposed: bool) -> Vec<Id> {
     let (x, w) = (at(s, "?x"), at(s, "?w"));
-    if !is_weight_matrix(eg, w) {
+    // A plain product over a transposed weight would make the folder store a transposed copy
+    // of the weight (a tied embedding: the whole table again); `gemm-linear` reads it in place.
+    if !is_weight_matrix(eg, w) || (!transposed && is_transposed_weight(eg, w)) {
         return vec![];
     }
     if transposed && !matches!(attr_op(eg, at(s, "?p")), Some(Op::Permute(p)) if *p == [1, 0]) {
@@ -454,8 +479,8 @@ fn gemms(eg: &KilnGraph, y: Id, accepts: impl Fn(&GemmSpec) -> bool) -> Vec<(Gem
 }
 
 /// Every GEMM that reads the norm class `eclass` as its `x` gets a variant that computes the norm
-/// in its prologue (reading the norm's input instead), unioned into the GEMM's own class.
-fn gemm_norm_prologue(eg: &mut KilnGraph, eclass: Id, s: &Subst) -> Vec<Id> {
+/// in its prologue (reading the norm's input instead), for the GEMM's own class.
+fn gemm_norm_prologue(eg: &mut KilnGraph, eclass: Id, s: &Subst) -> Vec<(Id, Id)> {
     let Some(Op::Norm(norm)) = attr_op(eg, at(s, "?n")).cloned() else {
         return vec![];
     };
@@ -474,23 +499,23 @@ fn gemm_norm_prologue(eg: &mut KilnGraph, eclass: Id, s: &Subst) -> Vec<Id> {
     let mut consumers: Vec<Id> = eg[eclass].parents().map(|p| eg.find(p)).collect();
     consumers.sort();
     consumers.dedup();
-    // Only when every consumer is a GEMM reading the norm as its input: a norm that is also
-    // needed elsewhere (a post-norm residual) is computed anyway, and recomputing it in a
-    // prologue would only add work.
+    // Only when every consumer is a GEMM reading the norm as its input and nowhere else: a norm
+    // that is also needed elsewhere (a post-norm residual, even of the same GEMM) is computed
+    // anyway, and recomputing it in a prologue would only add work.
     let feeds_gemm = |c: Id| {
         nodes_named(eg, c, "gemm")
             .iter()
-            .any(|(_, args)| eg.find(args[0]) == eclass)
+            .any(|(_, args)| reads_only_as_input(eg, args, eclass))
     };
     if !consumers.iter().all(|c| feeds_gemm(*c)) {
         return vec![];
     }
-    let mut changed = Vec::new();
+    let mut built = Vec::new();
     for consumer in consumers {
         let consumer = eg.find(consumer);
         for (op, args) in nodes_named(eg, consumer, "gemm") {
             let Op::Gemm(mut spec) = op else { continue };
-            if spec.prologue.is_some() || eg.find(args[0]) != eclass {
+            if spec.prologue.is_some() || !reads_only_as_input(eg, &args, eclass) {
                 continue;
             }
             spec.prologue = Some(norm.clone());
@@ -498,13 +523,16 @@ fn gemm_norm_prologue(eg: &mut KilnGraph, eclass: Id, s: &Subst) -> Vec<Id> {
             fused_args[0] = x;
             fused_args.extend(&params);
             if let Some(id) = add_op(eg, Op::Gemm(spec), &fused_args) {
-                if eg.union(consumer, id) {
-                    changed.push(consumer);
-                }
+                built.push((consumer, id));
             }
         }
     }
-    changed
+    built
+}
+
+/// Whether a GEMM with operand classes `args` reads `class` as its input `x` and as nothing else.
+fn reads_only_as_input(eg: &KilnGraph, args: &[Id], class: Id) -> bool {
+    eg.find(args[0]) == class && args[1..].iter().all(|a| eg.find(*a) != class)
 }
 
 fn no_epilogue(g: &GemmSpec) -> bool {

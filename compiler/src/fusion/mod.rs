@@ -91,10 +91,15 @@ pub struct PhaseStats {
 pub struct Saturated {
     egraph: KilnGraph,
     roots: Vec<(String, Id)>,
+    /// The class of every node of the saturated graph, by node index.
+    classes: Vec<Id>,
     /// Rule name -> number of times it applied.
     pub rule_counts: BTreeMap<String, usize>,
     /// Per-phase statistics.
     pub phases: Vec<PhaseStats>,
+    /// Matches declined because a rule built a node of another type than the matched class's,
+    /// each naming the rule (empty unless a builder has a bug).
+    pub declined: Vec<String>,
 }
 
 /// The rules, loaded once.
@@ -108,7 +113,7 @@ pub fn rules() -> Result<&'static [Rule], FusionError> {
 
 /// Puts `graph` into an e-graph; returns it with the class of every node.
 pub fn to_egraph(graph: &Graph) -> Result<(KilnGraph, Vec<Id>), FusionError> {
-    let mut eg = KilnGraph::new(TypeAnalysis);
+    let mut eg = KilnGraph::new(TypeAnalysis::default());
     let mut ids = Vec::with_capacity(graph.len());
     for (_, node) in graph.nodes() {
         let id = if node.op.is_leaf() {
@@ -142,7 +147,7 @@ pub fn saturate(graph: &Graph, limits: &Limits) -> Result<Saturated, FusionError
             .filter(|r| r.spec.phase == phase)
             .map(|r| &r.rewrite)
             .collect();
-        let runner = Runner::<ENode, TypeAnalysis, ()>::new(TypeAnalysis)
+        let runner = Runner::<ENode, TypeAnalysis, ()>::new(TypeAnalysis::default())
             .with_egraph(egraph)
             .with_scheduler(SimpleScheduler)
             .with_iter_limit(limits.iterations)
@@ -169,11 +174,14 @@ pub fn saturate(graph: &Graph, limits: &Limits) -> Result<Saturated, FusionError
         .iter()
         .map(|o| (o.name.clone(), egraph.find(ids[o.node.index()])))
         .collect();
+    let declined = std::mem::take(&mut egraph.analysis.declined);
     Ok(Saturated {
         egraph,
         roots,
+        classes: ids,
         rule_counts,
         phases,
+        declined,
     })
 }
 
@@ -203,26 +211,7 @@ impl Saturated {
     ) -> Result<(Graph, f64), FusionError> {
         let eg = &self.egraph;
         let wanted: Vec<&(String, Id)> = self.roots.iter().filter(|(n, _)| keep(n)).collect();
-        let own_cost = |class: Id, node: usize| -> f64 {
-            if eg[class].data.weight_only {
-                return 0.0; // folded at compile time
-            }
-            let Some((op, args)) = TypeAnalysis::op_and_args(eg, &eg[class].nodes[node]) else {
-                return 0.0;
-            };
-            let types: Vec<CostArg> = args
-                .iter()
-                .filter_map(|a| {
-                    let data = &eg[*a].data;
-                    Some(CostArg {
-                        ty: data.ty.as_ref()?,
-                        weight_only: data.weight_only,
-                    })
-                })
-                .collect();
-            let out = eg[class].data.ty.as_ref().expect("op classes are tensors");
-            kernel_work(&op, &types, out, bindings).map_or(0.0, |w| model.seconds(&w))
-        };
+        let own_cost = |class: Id, node: usize| self.own_cost(class, node, bindings, model);
         let roots: Vec<Id> = wanted.iter().map(|(_, id)| *id).collect();
         let choice = extract::extract(eg, &roots, own_cost).ok_or_else(|| {
             FusionError::NoExtraction(wanted.first().map_or(String::new(), |(n, _)| n.clone()))
@@ -234,6 +223,70 @@ impl Saturated {
             graph.set_output(name, id)?;
         }
         Ok((graph, choice.cost))
+    }
+
+    /// The modelled seconds of node `node` of class `class` alone, at `bindings`.
+    fn own_cost(
+        &self,
+        class: Id,
+        node: usize,
+        bindings: &BTreeMap<String, i64>,
+        model: &CostModel,
+    ) -> f64 {
+        let eg = &self.egraph;
+        if eg[class].data.weight_only {
+            return 0.0; // folded at compile time
+        }
+        let Some((op, args)) = TypeAnalysis::op_and_args(eg, &eg[class].nodes[node]) else {
+            return 0.0;
+        };
+        let types: Vec<CostArg> = args
+            .iter()
+            .filter_map(|a| {
+                let data = &eg[*a].data;
+                Some(CostArg {
+                    ty: data.ty.as_ref()?,
+                    weight_only: data.weight_only,
+                })
+            })
+            .collect();
+        let out = eg[class].data.ty.as_ref().expect("op classes are tensors");
+        kernel_work(&op, &types, out, bindings).map_or(0.0, |w| model.seconds(&w))
+    }
+
+    /// Every op alternative in the class of the saturated graph's node `node`, whichever one
+    /// extraction picks: its op and a graph (output `out`) computing the class through it, its
+    /// operands as extraction at `bindings` chooses them. An alternative whose operands need the
+    /// class itself (a cycle) has no such graph and is left out. Tests run these against the
+    /// interpreter, so that every alternative a rule adds is checked, not only the chosen one.
+    pub fn alternatives(
+        &self,
+        node: NodeId,
+        bindings: &BTreeMap<String, i64>,
+        model: &CostModel,
+    ) -> Result<Vec<(Op, Graph)>, FusionError> {
+        let eg = &self.egraph;
+        let class = eg.find(self.classes[node.index()]);
+        let own_cost = |c: Id, n: usize| self.own_cost(c, n, bindings, model);
+        let mut out = Vec::new();
+        for (index, enode) in eg[class].nodes.iter().enumerate() {
+            let Some((op, args)) = TypeAnalysis::op_and_args(eg, enode) else {
+                continue;
+            };
+            let Some(choice) = extract::extract(eg, &args, own_cost) else {
+                continue;
+            };
+            if choice.node.contains_key(&class) {
+                continue;
+            }
+            let mut choice = choice.node;
+            choice.insert(class, index);
+            let mut graph = Graph::new();
+            let id = build(eg, &choice, class, &mut graph, &mut BTreeMap::new())?;
+            graph.set_output("out", id)?;
+            out.push((op, graph));
+        }
+        Ok(out)
     }
 }
 

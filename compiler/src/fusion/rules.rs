@@ -121,10 +121,10 @@ impl Applier<ENode, TypeAnalysis> for RuleApplier {
         egraph: &mut KilnGraph,
         eclass: Id,
         subst: &Subst,
-        searcher_ast: Option<&PatternAst<ENode>>,
+        _searcher_ast: Option<&PatternAst<ENode>>,
         rule_name: Symbol,
     ) -> Vec<Id> {
-        match self.kind.as_ref() {
+        let built: Vec<(Id, Id)> = match self.kind.as_ref() {
             ApplyKind::Pattern { rhs, guard } => {
                 let mut subst = subst.clone();
                 if let Some(g) = guard {
@@ -136,20 +136,43 @@ impl Applier<ENode, TypeAnalysis> for RuleApplier {
                         subst.insert(var(name), id);
                     }
                 }
-                rhs.apply_one(egraph, eclass, &subst, searcher_ast, rule_name)
+                vec![(eclass, egraph.add_instantiation(&rhs.ast, &subst))]
             }
-            ApplyKind::Build(BuilderKind::Alternatives(b)) => {
-                let mut changed = Vec::new();
-                for id in b(egraph, subst) {
-                    if egraph.union(eclass, id) {
-                        changed.push(eclass);
-                    }
-                }
-                changed
-            }
+            ApplyKind::Build(BuilderKind::Alternatives(b)) => b(egraph, subst)
+                .into_iter()
+                .map(|id| (eclass, id))
+                .collect(),
             ApplyKind::Build(BuilderKind::Unions(b)) => b(egraph, eclass, subst),
-        }
+        };
+        built
+            .into_iter()
+            .filter(|&(class, id)| union_checked(egraph, class, id, rule_name.as_str()))
+            .map(|(class, _)| class)
+            .collect()
     }
+}
+
+/// Unions what rule `rule` built into `class` when both have the same type, and says whether the
+/// class changed. A node of another type is a bug in the rule's builder: the match is declined
+/// (nothing is unioned, so the e-graph stays sound) and an error naming the rule is recorded in
+/// the analysis and logged, instead of the analysis's merge panicking.
+pub fn union_checked(egraph: &mut KilnGraph, class: Id, built: Id, rule: &str) -> bool {
+    let (want, got) = (&egraph[class].data.ty, &egraph[built].data.ty);
+    if want != got {
+        let show = |t: &Option<kiln_ir::TensorType>| {
+            t.as_ref()
+                .map_or("an attribute".to_string(), |t| t.to_string())
+        };
+        let message = format!(
+            "rule `{rule}` built {} for a class of {}: the match is declined",
+            show(got),
+            show(want)
+        );
+        tracing::warn!("{message}");
+        egraph.analysis.declined.push(message);
+        return false;
+    }
+    egraph.union(class, built)
 }
 
 /// The pattern variable `?name` (`name` given with its `?`).

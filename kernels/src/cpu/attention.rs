@@ -4,7 +4,8 @@
 //! the accumulator rescaled once per block as the max grows; the weights' `exp` runs four lanes at
 //! a time, and the head dimension is unrolled. The key rules,
 //! GQA/MQA, padding masks, positions and RoPE on q (and on k when the keys are not from a cache)
-//! follow the GPU kernel, including its convention that a query seeing no key stores zeros. The
+//! follow the GPU kernel, including its convention (and the IR's) that a query seeing no key, or
+//! only keys its padding mask hides, stores zeros. The
 //! dot products and the accumulator update run four lanes at a time.
 //!
 //! Parameters: `q, k, v, out, [mask], [positions], [cos, sin]`; the parallel axis is query rows
@@ -77,8 +78,10 @@ fn dot(b: &mut FunctionBuilder, q_regs: &[(Value, Type, i64)], k: Value, k_row: 
     total
 }
 
-/// The score of an absent key: finite (as the IR's masks), so a row of only absent keys averages
-/// them instead of producing NaN, and far enough below any real score to weigh nothing beside it.
+/// The score of an absent key: finite (as the IR's masks), so that the running max and the
+/// weights of a block of only absent keys stay finite, and far enough below any real score to
+/// weigh nothing beside it. A row whose max stays below half of it saw only absent keys and
+/// stores zeros, as a row that saw no key does (the IR's `kernel::visible`).
 const MASKED: f32 = -1e30;
 
 /// The function's name for `cfg` (everything its code depends on).
@@ -304,7 +307,7 @@ fn body(b: &mut FunctionBuilder, p: super::module::KernelParams, cfg: &Attention
                 };
                 if let Some(mk) = mask {
                     // An absent key scores MASKED: its weight underflows to nothing beside a
-                    // present key's (and a row with none averages them, as the IR's finite mask).
+                    // present key's (and a row with none stores zeros, below).
                     let idx = b.ins().imul_imm_s(batch, t_len);
                     let idx = b.ins().iadd(idx, j);
                     let present = load_i64(b, mk, idx);
@@ -413,11 +416,15 @@ fn body(b: &mut FunctionBuilder, p: super::module::KernelParams, cfg: &Attention
             }
         });
 
-        // Normalise once (a row that saw no key stores zeros).
+        // Normalise once (a row that saw no key, or only absent ones, stores zeros).
         let l_total = b.use_var(l);
+        let m_total = b.use_var(m);
         let zero_f = b.ins().f32const(0.0);
         let one = b.ins().f32const(1.0);
-        let none = b.ins().fcmp(FloatCC::Equal, l_total, zero_f);
+        let half_masked = b.ins().f32const(MASKED / 2.0);
+        let no_weight = b.ins().fcmp(FloatCC::Equal, l_total, zero_f);
+        let only_absent = b.ins().fcmp(FloatCC::LessThan, m_total, half_masked);
+        let none = b.ins().bor(no_weight, only_absent);
         let safe = b.ins().select(none, one, l_total);
         let inv = b.ins().fdiv(one, safe);
         let inv = b.ins().select(none, zero_f, inv);
