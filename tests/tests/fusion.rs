@@ -338,10 +338,11 @@ fn bf16_plans_match_the_reference_within_half_precision_tolerance() {
 /// Kernel-aware extraction: for every family (the fixtures, and the real shapes of
 /// `../shared/configs` without weights), in f32 and bf16, at short and long buckets and in the
 /// KV-cached graph (decode steps and prompt chunks), the extracted graph is modelled no slower
-/// than the unfused graph it came from, and its modelled cost is what the cost model gives it.
+/// than the unfused graph it came from, its modelled cost is what the cost model gives it, and it
+/// leaves nothing to the host.
 #[test]
 fn extraction_is_never_modelled_slower_than_the_unfused_graph() {
-    use kiln_compiler::fusion::cost::{graph_seconds, CostModel};
+    use kiln_compiler::fusion::cost::{graph_seconds, graph_work, CostModel, Runs};
     use kiln_compiler::fusion::{saturate, Limits};
     use kiln_ir::dim::{BATCH, CONTEXT, SEQ};
     let configs = kiln_tests::workspace_root().join("../shared/configs");
@@ -395,6 +396,14 @@ fn extraction_is_never_modelled_slower_than_the_unfused_graph() {
                         modelled <= unfused * (1.0 + 1e-9),
                         "{what}: extracted {modelled:e} s > unfused {unfused:e} s"
                     );
+                    // Nothing is left to the host (which would cost the bucket its GPU plan),
+                    // however slow a kernel's fallback is.
+                    let host: Vec<_> = graph_work(&fused, &bindings)
+                        .into_iter()
+                        .filter(|(_, w)| w.runs == Runs::Host)
+                        .map(|(id, _)| fused.node(id).op.name())
+                        .collect();
+                    assert!(host.is_empty(), "{what}: host ops {host:?}");
                     let again = graph_seconds(&fused, &bindings, &cost);
                     assert!(
                         (again - modelled).abs() <= 1e-9 * modelled,

@@ -73,6 +73,10 @@ pub struct CostModel {
     pub host_link_bytes_per_second: f64,
     /// Where `host_link_bytes_per_second` comes from.
     pub host_link_source: String,
+    /// Added to every host op: a host op that a GPU kernel reads costs the bucket its GPU plan.
+    pub host_fallback_seconds: f64,
+    /// Why `host_fallback_seconds` is what it is.
+    pub host_fallback_source: String,
 }
 
 impl Default for CostModel {
@@ -126,6 +130,7 @@ impl CostModel {
                 return work.flops / self.host_flops_per_second
                     + work.bytes / self.host_link_bytes_per_second
                     + self.launch_seconds
+                    + self.host_fallback_seconds
             }
             Runs::Gpu(path) => path,
         };
@@ -254,6 +259,12 @@ pub fn kernel_work(
 /// The kernels of `graph` at `bindings`, with their work: every node that is not a leaf, a view,
 /// or a value computed from weights alone (those are folded when the artifact is written).
 pub fn graph_work(graph: &Graph, bindings: &BTreeMap<String, i64>) -> Vec<(NodeId, KernelWork)> {
+    let mut consumers: Vec<Vec<(&Op, usize)>> = vec![Vec::new(); graph.len()];
+    for (_, node) in graph.nodes() {
+        for (position, a) in node.args.iter().enumerate() {
+            consumers[a.index()].push((&node.op, position));
+        }
+    }
     let mut weight_only = vec![false; graph.len()];
     let mut out = Vec::new();
     for (id, node) in graph.nodes() {
@@ -262,7 +273,8 @@ pub fn graph_work(graph: &Graph, bindings: &BTreeMap<String, i64>) -> Vec<(NodeI
             Op::Input(_) => false,
             _ => node.args.iter().all(|a| weight_only[a.index()]),
         };
-        if weight_only[id.index()] {
+        let users = consumers[id.index()].iter().copied();
+        if weight_only[id.index()] || done_by_writes(&node.op, users) {
             continue;
         }
         let args: Vec<CostArg> = node
@@ -278,6 +290,14 @@ pub fn graph_work(graph: &Graph, bindings: &BTreeMap<String, i64>) -> Vec<(NodeI
         }
     }
     out
+}
+
+/// True when `op` is a RoPE whose every consumer is a KV-cache write of its result (`consumers`:
+/// each consumer's op and the operand position it reads it at): the writes rotate on the way, so
+/// it is no kernel of its own (`lower.rs`).
+pub fn done_by_writes<'a>(op: &Op, mut consumers: impl Iterator<Item = (&'a Op, usize)>) -> bool {
+    matches!(op, Op::Rope { .. })
+        && consumers.all(|(c, position)| matches!(c, Op::CacheWrite) && position == 1)
 }
 
 /// The modelled seconds of `graph` at `bindings`: the sum over [`graph_work`]'s kernels (what
@@ -527,6 +547,7 @@ mod tests {
             &m.copy_source,
             &m.host_source,
             &m.host_link_source,
+            &m.host_fallback_source,
         ] {
             assert!(!source.is_empty());
         }

@@ -28,7 +28,7 @@ use kiln_ir::{Graph, IrError, NodeId, Op};
 use serde::Serialize;
 
 use analysis::{KilnGraph, TypeAnalysis};
-use cost::{kernel_work, CostArg, CostModel};
+use cost::{done_by_writes, kernel_work, CostArg, CostModel};
 use lang::{has_attr, static_name, Attr, ENode};
 use rules::{load_rules, Rule, PHASES};
 
@@ -240,6 +240,9 @@ impl Saturated {
         let Some((op, args)) = TypeAnalysis::op_and_args(eg, &eg[class].nodes[node]) else {
             return 0.0;
         };
+        if done_by_writes(&op, consumers(eg, class).iter().map(|(o, p)| (o, *p))) {
+            return 0.0;
+        }
         let types: Vec<CostArg> = args
             .iter()
             .filter_map(|a| {
@@ -288,6 +291,24 @@ impl Saturated {
         }
         Ok(out)
     }
+}
+
+/// Every e-node that reads `class`: its op and the operand position it reads it at.
+fn consumers(eg: &KilnGraph, class: Id) -> Vec<(Op, usize)> {
+    let class = eg.find(class);
+    let mut out = Vec::new();
+    for parent in eg[class].parents() {
+        for node in &eg[eg.find(parent)].nodes {
+            if let Some((op, args)) = TypeAnalysis::op_and_args(eg, node) {
+                for (position, a) in args.iter().enumerate() {
+                    if eg.find(*a) == class {
+                        out.push((op.clone(), position));
+                    }
+                }
+            }
+        }
+    }
+    out
 }
 
 /// Emits the chosen node of `class` (after its operands) into `graph`.
