@@ -10,9 +10,8 @@
 //! f16/bf16; this one stays for f32, head dimensions the MMA shapes cannot take, and decode steps
 //! (flash-decoding: `splits` key ranges per query and [`attention_combine`]).
 //!
-//! One difference from the IR is deliberate: a query that sees no key at all (only a padding
-//! query of a left-padded batch can) stores zeros, where the IR's finite masks give the mean of the
-//! masked values. Such rows belong to padding tokens and carry no meaning.
+//! A query that sees no key at all (a padding query of a left-padded batch, or a row of padding
+//! only) stores zeros, as the IR's attention defines it (`kiln_ir::kernel::visible`).
 
 use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
 use crate::{GeneratedKernel, KernelPath, Launch};

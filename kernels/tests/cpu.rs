@@ -593,7 +593,6 @@ fn dropout_masks_match_the_interpreter_bit_for_bit() {
     }
 }
 
-
 /// A query that sees no key stores zeros, in the CPU kernel as in the interpreter (and the GPU
 /// kernels): a batch row of padding only, and the padding queries of a left-padded row under a
 /// causal mask, whose keys are all padding.

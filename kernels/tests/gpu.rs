@@ -777,6 +777,83 @@ fn dropout_masks_match_the_interpreter_bit_for_bit() {
     }
 }
 
+/// A query that sees no key stores exact zeros, on tensor cores (f16/bf16) and SIMT (f32), as the
+/// interpreter defines it: an encoder batch whose row 1 is all padding, and a causal decoder whose
+/// row 1 is left-padded by 3 (its first 3 queries see only padding keys).
+#[test]
+fn attention_of_a_query_that_sees_no_key_is_zero() {
+    use kiln_ir::kernel::AttentionSpec;
+    use kiln_kernels::attention::{attention, KeyRule};
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng::seed_from_u64(0x2e80_2e80);
+    let (b, h, t, d) = (2usize, 4usize, 70usize, 64usize);
+    for elem in ELEMS {
+        for (keys, unseen) in [(KeyRule::All, t), (KeyRule::Causal { window: None }, 3)] {
+            let case = AttentionCase {
+                keys,
+                padding: true,
+                ..AttentionCase::new(h as u32, h as u32, t as u32, t as u32, d as u32)
+            };
+            let cfg = attention_config(&case, elem, b as u32);
+            let kernel = attention(&cfg);
+            let q = values(&mut rng, b * h * t * d, 1.5, elem);
+            let k = values(&mut rng, b * h * t * d, 1.5, elem);
+            let v = values(&mut rng, b * h * t * d, 1.0, elem);
+            // Row 0 sees every key; row 1 hides its first `unseen` keys.
+            let mask: Vec<i64> = (0..b * t)
+                .map(|x| i64::from(x < t || x % t >= unseen))
+                .collect();
+            let (bq, bk, bv, bm) = (
+                gpu.upload(elem, &q),
+                gpu.upload(elem, &k),
+                gpu.upload(elem, &v),
+                gpu.upload_i64(&mask),
+            );
+            let out = gpu.poisoned(elem, b * h * t * d);
+            let args = BTreeMap::from([
+                ("q", Arg::Buf(&bq)),
+                ("k", Arg::Buf(&bk)),
+                ("v", Arg::Buf(&bv)),
+                ("out", Arg::Buf(&out)),
+                ("mask", Arg::Buf(&bm)),
+            ]);
+            gpu.launch(&kernel, &args);
+            let got = gpu.download(elem, &out);
+            let spec = AttentionSpec {
+                scale: f64::from(cfg.scale),
+                causal: matches!(keys, KeyRule::Causal { .. }),
+                window: None,
+                padding: true,
+                rope: None,
+                dropout: None,
+            };
+            let as_f = mask.iter().map(|v| *v as f32).collect();
+            let inputs = vec![
+                (vec![b, h, t, d], q),
+                (vec![b, h, t, d], k),
+                (vec![b, h, t, d], v),
+                (vec![b, t], as_f),
+            ];
+            let mut want = reference_with_seed(Op::Attention(spec), inputs, &[3], None);
+            for x in want.iter_mut() {
+                *x = round(elem, *x);
+            }
+            for head in 0..h {
+                for i in 0..unseen {
+                    let row = ((h + head) * t + i) * d;
+                    assert!(
+                        got[row..row + d].iter().all(|x| *x == 0.0),
+                        "{}: query {i} of batch row 1 sees no key but is not zero",
+                        kernel.name
+                    );
+                    assert!(want[row..row + d].iter().all(|x| *x == 0.0));
+                }
+            }
+            check(&kernel.name, elem, &got, &want);
+        }
+    }
+}
+
 fn cfg_name(cfg: &kiln_kernels::attention::AttentionConfig) -> String {
     kiln_kernels::attention::attention(cfg).name
 }

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::OnceLock;
 
 use kiln_ir::artifact::KernelPath;
+use kiln_ir::kernel::Activation;
 use kiln_ir::{Graph, NodeId, Op, TensorType};
 use kiln_kernels::attention::{AttentionConfig, Dropout, KeyRule};
 use kiln_kernels::gemm::GemmConfig;
@@ -425,16 +426,18 @@ pub fn fusions(op: &Op) -> Vec<&'static str> {
     let mut out = Vec::new();
     match op {
         Op::Attention(a) => {
-            out.push("attention");
+            // The softmax idiom, then the one attention rule that fused it (RoPE on q and k is
+            // taken in by that rule's builder).
             out.push("softmax");
-            if a.padding || a.causal {
-                out.push("attention-masked");
-            }
+            let masked = a.padding || a.causal;
+            out.push(match (masked, a.dropout.is_some()) {
+                (false, false) => "attention",
+                (true, false) => "attention-masked",
+                (false, true) => "attention-dropout",
+                (true, true) => "attention-masked-dropout",
+            });
             if a.dropout.is_some() {
                 out.push("softmax-dropout");
-            }
-            if a.rope.is_some() {
-                out.push("rope-prologue");
             }
         }
         Op::Gemm(g) => {
@@ -464,7 +467,10 @@ pub fn fusions(op: &Op) -> Vec<&'static str> {
                 kiln_ir::kernel::NormKind::RmsNorm => "rms-norm",
             });
             if n.residual {
-                out.push("norm-residual");
+                out.push(match n.kind {
+                    kiln_ir::kernel::NormKind::LayerNorm => "layer-norm-residual",
+                    kiln_ir::kernel::NormKind::RmsNorm => "rms-norm-residual",
+                });
             }
         }
         Op::Embedding(e) => {
@@ -473,15 +479,15 @@ pub fn fusions(op: &Op) -> Vec<&'static str> {
                 out.push("embedding-sum");
             }
         }
-        Op::DecodeAttention(a) => {
-            out.extend(["decode-attention", "softmax"]);
-            if a.rope.is_some() {
-                out.push("rope-prologue");
-            }
-        }
+        Op::DecodeAttention(_) => out.extend(["softmax", "decode-attention"]),
         Op::Softmax => out.push("softmax"),
         Op::SoftmaxDropout { .. } => out.extend(["softmax", "softmax-dropout"]),
-        Op::Activation(_) => out.push("activation"),
+        Op::Activation(a) => out.push(match a {
+            Activation::GeluTanh => "gelu-tanh",
+            Activation::GeluErf => "gelu-erf",
+            Activation::Silu => "silu",
+            Activation::Relu => "relu",
+        }),
         _ => {}
     }
     out
