@@ -468,20 +468,21 @@ pub fn attention_simt(cfg: &AttentionConfig) -> GeneratedKernel {
 
 /// Key ranges per query row for a decode step (one query row per sequence) over a cache of
 /// `kv_len` entries: none below 1024 entries, then one per 64 entries of capacity, between 16
-/// and 128. Each range is walked by one warp key by key, so the ranges must be short for the
+/// and 128 and a multiple of 8 (the combine's groups). Each range is walked by one warp key by key, so the ranges must be short for the
 /// steps to stay fast late in a long generation; the lowering and the tests share this rule.
 pub fn decode_splits(kv_len: u32) -> u32 {
     if kv_len < 1024 {
         1
     } else {
-        (kv_len / 64).clamp(16, 128)
+        (kv_len / 64).clamp(16, 128) & !7
     }
 }
 
 /// Merges the partial results of a split attention (`cfg.splits > 1`): one warp per (batch, head,
-/// query row), lanes over the head dimension, two passes over the splits (their largest max,
-/// then the rescaled sums), so that registers do not grow with the split count. Parameters:
-/// `partial_acc, partial_ml, out`.
+/// query row), lanes over the head dimension, one pass over the splits in groups whose loads are
+/// all in flight before any is used (a loop of one dependent load per split walked 128 splits at
+/// the memory latency each), the running max and sums rescaled per group as the online softmax
+/// does. Parameters: `partial_acc, partial_ml, out`.
 pub fn attention_combine(cfg: &AttentionConfig) -> GeneratedKernel {
     let name = format!("{}_combine", cfg.name());
     let mut k = Kernel::new(&name);
@@ -497,56 +498,74 @@ pub fn attention_combine(cfg: &AttentionConfig) -> GeneratedKernel {
     let row_id = k.mad_u32(&b, &cfg.heads, &h);
     let q_row_id = k.mad_u32(&row_id, &cfg.q_len, &i);
     let p0 = k.mul_u32(&q_row_id, &cfg.splits);
-    let split_loop = |k: &mut Kernel, what: &str, body: &mut dyn FnMut(&mut Kernel, Reg)| {
-        let s_i = k.mov(RegClass::B32, &0u32);
-        let top = k.label(what);
-        k.place(&top);
-        let p = k.add_u32(&p0, &s_i);
-        body(k, p);
-        k.emit(format!("add.u32 {s_i}, {s_i}, 1"));
-        let more = k.setp("lt.u32", &s_i, &cfg.splits);
-        k.bra(Some((more, true)), &top);
-    };
-    let load_ml = |k: &mut Kernel, p: Reg| -> (Reg, Reg) {
+    let per_lane = d.div_ceil(32);
+    let cols: Vec<Reg> = (0..per_lane).map(|c| k.add_u32(&lane, &(c * 32))).collect();
+    let valid: Vec<Reg> = cols.iter().map(|c| k.setp("lt.u32", c, &d)).collect();
+    let neg_inf = F32(f32::NEG_INFINITY);
+    // Running max (base 2) of the splits seen, their rescaled sum and accumulators.
+    let m_run = k.mov(RegClass::F32, &neg_inf);
+    let total = k.mov(RegClass::F32, &F32(0.0));
+    let sums: Vec<Reg> = (0..per_lane)
+        .map(|_| k.mov(RegClass::F32, &F32(0.0)))
+        .collect();
+    let group = [8u32, 4, 2, 1]
+        .into_iter()
+        .find(|g| cfg.splits.is_multiple_of(*g))
+        .expect("1 divides");
+    let s_i = k.mov(RegClass::B32, &0u32);
+    let top = k.label("split_groups");
+    k.place(&top);
+    k.comment("a group of splits: every load first");
+    let mut loaded = Vec::new();
+    for u in 0..group {
+        let p0u = k.add_u32(&p0, &s_i);
+        let p = k.add_u32(&p0u, &u);
         let mi = k.mul_u32(&p, &2u32);
         let ma = k.address(ml, &mi, 4);
         let m = k.ld_global(Elem::F32, ma);
         let la = k.op2("add.u64", RegClass::B64, &ma, &4u64);
-        (m, k.ld_global(Elem::F32, la))
-    };
-    k.comment("pass 1: the largest running max over the splits");
-    let m_max = k.mov(RegClass::F32, &F32(f32::NEG_INFINITY));
-    split_loop(&mut k, "max_splits", &mut |k, p| {
-        let (m, _) = load_ml(k, p);
-        k.emit(format!("max.f32 {m_max}, {m_max}, {m}"));
-    });
-    // Splits that saw no key have m = -inf; if no split saw one, the row stores zeros.
-    let none = k.setp("eq.f32", &m_max, &F32(f32::NEG_INFINITY));
-    let safe_max = k.selp(RegClass::F32, "f32", &F32(0.0), &m_max, none);
-    k.comment("pass 2: the rescaled sums and accumulators");
-    let per_lane = d.div_ceil(32);
-    let cols: Vec<Reg> = (0..per_lane).map(|c| k.add_u32(&lane, &(c * 32))).collect();
-    let valid: Vec<Reg> = cols.iter().map(|c| k.setp("lt.u32", c, &d)).collect();
-    let sums: Vec<Reg> = (0..per_lane)
-        .map(|_| k.mov(RegClass::F32, &F32(0.0)))
-        .collect();
-    let total = k.mov(RegClass::F32, &F32(0.0));
-    split_loop(&mut k, "sum_splits", &mut |k, p| {
-        let (m, l) = load_ml(k, p);
-        let dm = k.sub_f32(&m, &safe_max);
-        let scale = k.op1("ex2.approx.ftz.f32", RegClass::F32, &dm);
-        k.fma_into(total, &scale, &l);
+        let l = k.ld_global(Elem::F32, la);
         let pb = k.mul_u32(&p, &d);
-        for ((col, ok), sum) in cols.iter().zip(&valid).zip(&sums) {
-            let skip = k.label("skip_col");
-            k.bra(Some((*ok, false)), &skip);
-            let idx = k.add_u32(&pb, col);
-            let a = k.address(acc, &idx, 4);
-            let v = k.ld_global(Elem::F32, a);
-            k.fma_into(*sum, &scale, &v);
-            k.place(&skip);
+        let vals: Vec<Reg> = cols
+            .iter()
+            .zip(&valid)
+            .map(|(col, ok)| {
+                let idx = k.add_u32(&pb, col);
+                // Columns past the head dimension read column 0 (in bounds) and are not stored.
+                let safe = k.selp(RegClass::B32, "u32", &idx, &pb, *ok);
+                let a = k.address(acc, &safe, 4);
+                k.ld_global(Elem::F32, a)
+            })
+            .collect();
+        loaded.push((m, l, vals));
+    }
+    k.comment("rescale to the group's max and add its splits");
+    let mut m_new = m_run;
+    for (m, _, _) in &loaded {
+        m_new = k.max_f32(&m_new, m);
+    }
+    // Splits that saw no key have m = -inf; while every split so far has, use 0 (no NaN).
+    let none = k.setp("eq.f32", &m_new, &neg_inf);
+    let m_use = k.selp(RegClass::F32, "f32", &F32(0.0), &m_new, none);
+    let dm = k.sub_f32(&m_run, &m_use);
+    let corr = k.op1("ex2.approx.ftz.f32", RegClass::F32, &dm);
+    k.emit(format!("mul.rn.f32 {total}, {total}, {corr}"));
+    for sum in &sums {
+        k.emit(format!("mul.rn.f32 {sum}, {sum}, {corr}"));
+    }
+    for (m, l, vals) in &loaded {
+        let ds = k.sub_f32(m, &m_use);
+        let scale = k.op1("ex2.approx.ftz.f32", RegClass::F32, &ds);
+        k.fma_into(total, &scale, l);
+        for (sum, v) in sums.iter().zip(vals) {
+            k.fma_into(*sum, &scale, v);
         }
-    });
+    }
+    k.emit(format!("mov.f32 {m_run}, {m_new}"));
+    k.emit(format!("add.u32 {s_i}, {s_i}, {group}"));
+    let more = k.setp("lt.u32", &s_i, &cfg.splits);
+    k.bra(Some((more, true)), &top);
+    // If no split saw a key, the row stores zeros.
     let empty = k.setp("eq.f32", &total, &F32(0.0));
     let inv = k.rcp_f32(&total);
     let inv = k.selp(RegClass::F32, "f32", &F32(0.0), &inv, empty);

@@ -150,6 +150,7 @@ pub fn generate_timed(
     // The prompt but its last token fills the cache, chunk by chunk or one token per step (no
     // logits: the chunk bucket has none); the last token goes through a decode step, whose logits
     // (one row through the LM head) choose the first new token.
+    let started = std::time::Instant::now();
     let (head, last) = prompt.split_at(prompt.len() - 1);
     match chunk {
         Some(c) => {
@@ -164,6 +165,11 @@ pub fn generate_timed(
         }
     }
     let mut logits = run.step(bucket, last, head.len())?;
+    tracing::info!(
+        seconds = started.elapsed().as_secs_f64(),
+        tokens = prompt.len(),
+        "prompt in the cache, first logits"
+    );
     let mut out = Vec::with_capacity(max_new);
     let mut decode_seconds = 0.0;
     for i in 0..max_new {
@@ -175,6 +181,11 @@ pub fn generate_timed(
             decode_seconds += start.elapsed().as_secs_f64();
         }
     }
+    tracing::info!(
+        seconds = decode_seconds,
+        steps = max_new.saturating_sub(1),
+        "decode steps"
+    );
     Ok((out, decode_seconds))
 }
 
