@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use kiln_ir::kernel::{AttentionSpec, DecodeAttentionSpec};
 use kiln_ir::{Graph, NodeId, Op, RopeScaling, TensorType};
 use kiln_kernels::attention::{
-    attention, attention_combine, attention_simt, AttentionConfig, Dropout, KeyRule,
+    attention, attention_combine, attention_simt, AttentionConfig, KeyRule,
 };
 use kiln_kernels::elementwise::activation_kernel;
 use kiln_kernels::embedding::{embedding, EmbeddingConfig};
@@ -569,12 +569,7 @@ fn rope_tables(table: RopeTable) -> [(&'static str, Operand); 2] {
 /// The configuration every attention kernel of node `id` shares: shapes, the q/k/v layouts read
 /// in place, the `[B, S, H, D]` output layout, and the q/k/v element offsets. The caller sets the
 /// key rule and the features.
-fn base_config(
-    g: &Graph,
-    id: NodeId,
-    scale: f64,
-    elem: Elem,
-) -> Option<(AttentionConfig, [u32; 3])> {
+fn base_config(g: &Graph, id: NodeId, elem: Elem) -> Option<(AttentionConfig, [u32; 3])> {
     let node = g.node(id);
     let q = dims(g.ty(node.args[0]))?;
     let k = dims(g.ty(node.args[1]))?;
@@ -589,7 +584,7 @@ fn base_config(
         q_len,
         kv_len,
         head_dim,
-        scale: scale as f32,
+        scale: 1.0,
         keys: KeyRule::All,
         padding: false,
         rope: false,
@@ -613,16 +608,8 @@ fn lower_attention(
     spec: &AttentionSpec,
     elem: Elem,
 ) -> Option<(AttentionConfig, GeneratedKernel)> {
-    let (mut cfg, offsets) = base_config(g, id, spec.scale, elem)?;
-    if spec.causal {
-        cfg.keys = KeyRule::Causal {
-            window: spec.window.map(|w| w as u32),
-        };
-    }
-    cfg.padding = spec.padding;
-    cfg.rope = spec.rope.is_some();
-    cfg.rope_k = spec.rope.is_some();
-    cfg.dropout = spec.dropout.map(|(p, s)| Dropout::new(p, s));
+    let (mut cfg, offsets) = base_config(g, id, elem)?;
+    cfg.take_attention(spec);
     // The element offsets are applied to the pointers at launch; the tensor-core kernel's 16-byte
     // copies need them to be multiples of 8 elements.
     let kernel = if offsets.iter().all(|o| o % 8 == 0) {
@@ -639,11 +626,8 @@ fn lower_decode(
     spec: &DecodeAttentionSpec,
     elem: Elem,
 ) -> Option<(AttentionConfig, bool)> {
-    let (mut cfg, _) = base_config(g, id, spec.scale, elem)?;
-    cfg.keys = KeyRule::Position {
-        window: spec.window.map(|w| w as u32),
-    };
-    cfg.rope = spec.rope.is_some();
+    let (mut cfg, _) = base_config(g, id, elem)?;
+    cfg.take_decode(spec);
     // Decode steps (one query row) over long caches split each query's keys evenly across
     // several warps (flash-decoding); prompt chunks take the tensor-core kernel, whose blocks
     // already cover many rows.

@@ -102,6 +102,34 @@ pub struct AttentionConfig {
 }
 
 impl AttentionConfig {
+    /// Takes the scale, key rule, padding, RoPE and dropout of the IR's prefill attention `spec`
+    /// (q and k rotated), leaving shapes, layouts and splits as they are.
+    pub fn take_attention(&mut self, spec: &kiln_ir::kernel::AttentionSpec) {
+        self.scale = spec.scale as f32;
+        self.keys = if spec.causal {
+            KeyRule::Causal {
+                window: spec.window.map(|w| w as u32),
+            }
+        } else {
+            KeyRule::All
+        };
+        self.padding = spec.padding;
+        self.rope = spec.rope.is_some();
+        self.rope_k = spec.rope.is_some();
+        self.dropout = spec.dropout.map(|(p, s)| Dropout::new(p, s));
+    }
+
+    /// Takes the scale, position key rule and RoPE (of q only: the cache holds rotated keys) of
+    /// the IR's attention over a KV cache `spec`.
+    pub fn take_decode(&mut self, spec: &kiln_ir::kernel::DecodeAttentionSpec) {
+        self.scale = spec.scale as f32;
+        self.keys = KeyRule::Position {
+            window: spec.window.map(|w| w as u32),
+        };
+        self.rope = spec.rope.is_some();
+        self.rope_k = false;
+    }
+
     /// Contiguous `[B, H, S, D]` / `[B, KVH, T, D]` strides.
     pub fn contiguous_strides(&self) -> [[u32; 3]; 4] {
         let (h, kvh, s, t, d) = (

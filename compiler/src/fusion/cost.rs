@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 use kiln_ir::artifact::KernelPath;
 use kiln_ir::kernel::Activation;
 use kiln_ir::{Graph, NodeId, Op, TensorType};
-use kiln_kernels::attention::{AttentionConfig, Dropout, KeyRule};
+use kiln_kernels::attention::{AttentionConfig, KeyRule};
 use kiln_kernels::gemm::GemmConfig;
 use kiln_kernels::Elem;
 use serde::{Deserialize, Serialize};
@@ -397,25 +397,8 @@ pub fn attention_config(
     };
     cfg.strides = cfg.contiguous_strides();
     match op {
-        Op::Attention(spec) => {
-            cfg.scale = spec.scale as f32;
-            if spec.causal {
-                cfg.keys = KeyRule::Causal {
-                    window: spec.window.map(|w| w as u32),
-                };
-            }
-            cfg.padding = spec.padding;
-            cfg.rope = spec.rope.is_some();
-            cfg.rope_k = spec.rope.is_some();
-            cfg.dropout = spec.dropout.map(|(p, s)| Dropout::new(p, s));
-        }
-        Op::DecodeAttention(spec) => {
-            cfg.scale = spec.scale as f32;
-            cfg.keys = KeyRule::Position {
-                window: spec.window.map(|w| w as u32),
-            };
-            cfg.rope = spec.rope.is_some();
-        }
+        Op::Attention(spec) => cfg.take_attention(spec),
+        Op::DecodeAttention(spec) => cfg.take_decode(spec),
         _ => return None,
     }
     Some(cfg)
