@@ -5,6 +5,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use crate::bench::{bench, BenchOptions, BenchReport};
+use crate::executor::Work;
 use crate::generate::{generate, Sampling};
 use crate::{forward::forward, Artifact, Device, Executor};
 use anyhow::{bail, Result};
@@ -44,13 +45,18 @@ struct Placement {
 impl Placement {
     /// Loads `art` on the chosen executor.
     fn open(&self, art: &Artifact) -> Result<Executor> {
+        self.open_for(art, Work::All)
+    }
+
+    /// Loads what `work` runs of `art` on the chosen executor.
+    fn open_for(&self, art: &Artifact, work: Work) -> Result<Executor> {
         let device = match self.device {
             DeviceArg::Auto => Device::Auto,
             DeviceArg::Cpu => Device::Cpu,
             DeviceArg::Interpreter => Device::Interpreter,
             DeviceArg::Cuda => Device::Cuda,
         };
-        Ok(Executor::open(art, device)?)
+        Ok(Executor::open_for(art, device, work)?)
     }
 }
 
@@ -219,7 +225,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
                 (Some(t), Some(text)) => t.encode(text)?,
                 _ => prompt_ids,
             };
-            let mut exec = placement.open(&art)?;
+            let mut exec = placement.open_for(&art, Work::Generation)?;
             let tokens = generate(&art, &mut exec, &prompt_ids, max_new_tokens, &sampling)?;
             let text = tokenizer.map(|t| t.decode(&tokens)).transpose()?;
             let ids: Vec<String> = tokens.iter().map(i64::to_string).collect();

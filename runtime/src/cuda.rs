@@ -23,6 +23,7 @@ use cudarc::nvrtc::Ptx;
 use kiln_ir::artifact::{Arg, BucketEntry, ExecPlan, KernelEntry, ParamType, Region, TensorSlot};
 use kiln_ir::{DType, Data, Tensor};
 
+use crate::executor::Work;
 use crate::{Artifact, RuntimeError};
 
 mod counts;
@@ -221,7 +222,7 @@ impl CudaExecutor {
     /// Loads `art` on GPU 0: checks the GPU (compute capability against the cubin, free memory),
     /// allocates the plan, uploads the weights, loads the kernels and captures every bucket's
     /// graph, largest first.
-    pub fn load(art: &Artifact) -> Result<CudaExecutor, RuntimeError> {
+    pub fn load(art: &Artifact, work: Work) -> Result<CudaExecutor, RuntimeError> {
         let start = Instant::now();
         let m = &art.manifest;
         let region = art.weights_region()?;
@@ -230,8 +231,11 @@ impl CudaExecutor {
             .iter()
             .map(|k| (k.name.as_str(), k))
             .collect();
-        let buckets: Vec<(&BucketEntry, &ExecPlan)> = m
-            .prefill
+        let prefill: &[BucketEntry] = match work {
+            Work::All => &m.prefill,
+            Work::Generation => &[],
+        };
+        let buckets: Vec<(&BucketEntry, &ExecPlan)> = prefill
             .iter()
             .chain(&m.decode)
             .filter_map(|e| e.plan.as_ref().map(|p| (e, p)))

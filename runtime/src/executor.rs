@@ -38,9 +38,25 @@ pub enum Executor {
     Cpu(Box<CpuExecutor>),
 }
 
+/// The buckets a CUDA executor loads: all of them, or only what generation runs (the decode steps
+/// and the prompt chunk), which spares a generating process the prefill buckets' captures and an
+/// output buffer sized for their logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Work {
+    /// Every bucket.
+    All,
+    /// The KV-cached buckets only.
+    Generation,
+}
+
 impl Executor {
-    /// Loads `art` on `device` (`Auto`: CUDA when [`crate::cuda::probe`] finds a GPU).
+    /// Loads `art` on `device` (`Auto`: CUDA when [`crate::cuda::probe`] finds a GPU), every bucket.
     pub fn open(art: &Artifact, device: Device) -> Result<Executor, RuntimeError> {
+        Executor::open_for(art, device, Work::All)
+    }
+
+    /// Loads `art` on `device` for `work` (the CPU executor and the interpreter load everything).
+    pub fn open_for(art: &Artifact, device: Device, work: Work) -> Result<Executor, RuntimeError> {
         let cuda = match device {
             Device::Interpreter => return Ok(Executor::Interpreter),
             Device::Cpu => false,
@@ -48,7 +64,7 @@ impl Executor {
             Device::Auto => crate::cuda::probe().is_ok(),
         };
         if cuda {
-            return Ok(Executor::Cuda(Box::new(CudaExecutor::load(art)?)));
+            return Ok(Executor::Cuda(Box::new(CudaExecutor::load(art, work)?)));
         }
         let cpu = CpuExecutor::load(art).map_err(|e| match e {
             RuntimeError::Device(why) => {

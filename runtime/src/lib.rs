@@ -29,7 +29,7 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use artifact::Artifact;
-pub use executor::{Device, Executor};
+pub use executor::{Device, Executor, Work};
 
 /// Errors of the runtime, each one line.
 #[derive(Debug, thiserror::Error)]
