@@ -14,9 +14,7 @@ use std::collections::BTreeMap;
 
 use kiln_ir::kernel::{AttentionSpec, DecodeAttentionSpec};
 use kiln_ir::{Graph, NodeId, Op, RopeScaling, TensorType};
-use kiln_kernels::attention::{
-    attention, attention_combine, attention_simt, AttentionConfig, KeyRule,
-};
+use kiln_kernels::attention::{attention, attention_combine, attention_simt, AttentionConfig};
 use kiln_kernels::elementwise::activation_kernel;
 use kiln_kernels::embedding::{embedding, EmbeddingConfig};
 use kiln_kernels::gemm::{gemm, GemmConfig};
@@ -577,28 +575,13 @@ fn base_config(g: &Graph, id: NodeId, elem: Elem) -> Option<(AttentionConfig, [u
     let (qs, qo) = head_strides(g, node.args[0])?;
     let (ks, ko) = head_strides(g, node.args[1])?;
     let (vs, vo) = head_strides(g, node.args[2])?;
-    let cfg = AttentionConfig {
-        batch,
-        heads,
-        kv_heads,
-        q_len,
-        kv_len,
-        head_dim,
-        scale: 1.0,
-        keys: KeyRule::All,
-        padding: false,
-        rope: false,
-        rope_k: false,
-        dropout: None,
-        elem,
-        strides: [
-            qs,
-            ks,
-            vs,
-            [q_len * heads * head_dim, head_dim, heads * head_dim],
-        ],
-        splits: 1,
-    };
+    let mut cfg = AttentionConfig::plain([batch, heads, kv_heads, q_len, kv_len, head_dim], elem);
+    cfg.strides = [
+        qs,
+        ks,
+        vs,
+        [q_len * heads * head_dim, head_dim, heads * head_dim],
+    ];
     Some((cfg, [qo, ko, vo]))
 }
 

@@ -102,6 +102,34 @@ pub struct AttentionConfig {
 }
 
 impl AttentionConfig {
+    /// A configuration of these shapes and element type with no features (every key, no masks,
+    /// RoPE or dropout, scale 1), contiguous layouts and one key range: what lowering and the
+    /// cost model start from before taking an op's features.
+    pub fn plain(
+        [batch, heads, kv_heads, q_len, kv_len, head_dim]: [u32; 6],
+        elem: Elem,
+    ) -> AttentionConfig {
+        let mut cfg = AttentionConfig {
+            batch,
+            heads,
+            kv_heads,
+            q_len,
+            kv_len,
+            head_dim,
+            scale: 1.0,
+            keys: KeyRule::All,
+            padding: false,
+            rope: false,
+            rope_k: false,
+            dropout: None,
+            elem,
+            strides: [[0; 3]; 4],
+            splits: 1,
+        };
+        cfg.strides = cfg.contiguous_strides();
+        cfg
+    }
+
     /// Takes the scale, key rule, padding, RoPE and dropout of the IR's prefill attention `spec`
     /// (q and k rotated), leaving shapes, layouts and splits as they are.
     pub fn take_attention(&mut self, spec: &kiln_ir::kernel::AttentionSpec) {

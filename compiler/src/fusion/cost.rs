@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 use kiln_ir::artifact::KernelPath;
 use kiln_ir::kernel::Activation;
 use kiln_ir::{Graph, NodeId, Op, TensorType};
-use kiln_kernels::attention::{AttentionConfig, KeyRule};
+use kiln_kernels::attention::AttentionConfig;
 use kiln_kernels::gemm::GemmConfig;
 use kiln_kernels::Elem;
 use serde::{Deserialize, Serialize};
@@ -378,24 +378,8 @@ pub fn attention_config(
     let (&[batch, heads, q_len, head_dim], &[_, kv_heads, kv_len, _]) = (&q[..], &k[..]) else {
         return None;
     };
-    let mut cfg = AttentionConfig {
-        batch,
-        heads,
-        kv_heads,
-        q_len,
-        kv_len,
-        head_dim,
-        scale: 1.0,
-        keys: KeyRule::All,
-        padding: false,
-        rope: false,
-        rope_k: false,
-        dropout: None,
-        elem: Elem::of(out.dtype)?,
-        strides: [[0; 3]; 4],
-        splits: 1,
-    };
-    cfg.strides = cfg.contiguous_strides();
+    let shape = [batch, heads, kv_heads, q_len, kv_len, head_dim];
+    let mut cfg = AttentionConfig::plain(shape, Elem::of(out.dtype)?);
     match op {
         Op::Attention(spec) => cfg.take_attention(spec),
         Op::DecodeAttention(spec) => cfg.take_decode(spec),
