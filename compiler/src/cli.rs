@@ -8,7 +8,7 @@ use anyhow::{bail, Result};
 use clap::{Parser, Subcommand};
 use kiln_ir::artifact::{ExecPlan, KernelPath};
 use kiln_ir::dim::{BATCH, SEQ};
-use kiln_ir::{artifact, DType, Tensor};
+use kiln_ir::{artifact, checksum, DType, Tensor};
 use kiln_models::inputs::TokenBatch;
 use kiln_models::{ImportOptions, ModelKind};
 
@@ -730,12 +730,14 @@ fn write_artifact(
         } else {
             (None, None)
         };
-        let weights = if with_weights {
-            write_weights(&tmp, model, art)?;
-            Some(WEIGHTS.to_string())
+        let weights_digest = if with_weights {
+            let digest =
+                crate::weights::write_weights(&tmp.join(WEIGHTS), &model.checkpoint, art, &|_| {})?;
+            Some(digest)
         } else {
             None
         };
+        let weights = weights_digest.as_ref().map(|_| WEIGHTS.to_string());
         let tokenizer_src = model.checkpoint.dir().join(TOKENIZER);
         let tokenizer = if tokenizer_src.is_file() {
             std::fs::copy(&tokenizer_src, tmp.join(TOKENIZER))?;
@@ -748,10 +750,7 @@ fn write_artifact(
             compiler_version: env!("CARGO_PKG_VERSION").to_string(),
             compiler_git: env!("KILN_GIT_HASH").to_string(),
             model_config: std::fs::read_to_string(model.checkpoint.dir().join("config.json"))?,
-            weights_sha256: match &weights {
-                Some(file) => Some(artifact::file_digest(&std::fs::read(tmp.join(file))?)),
-                None => None,
-            },
+            weights_digest: weights_digest.clone(),
             architecture: model.architecture.clone(),
             model: artifact::ModelSummary::new(
                 model.contract(),
@@ -781,12 +780,12 @@ fn write_artifact(
         };
         let text = ron::ser::to_string_pretty(&manifest, ron::ser::PrettyConfig::new())?;
         std::fs::write(tmp.join(artifact::MANIFEST), text)?;
-        // Every file, the manifest included, gets a checksum.
+        // Every file, the manifest included, gets a checksum; the weights were hashed as they
+        // were written.
         let mut files: Vec<String> = vec![artifact::MANIFEST.to_string()];
         files.extend(manifest.kernels_ptx.iter().cloned());
         files.extend(manifest.kernels_cubin.iter().cloned());
         files.extend(manifest.kernels_cpu.iter().cloned());
-        files.extend(manifest.weights.iter().cloned());
         files.extend(manifest.tokenizer.iter().cloned());
         files.extend(
             manifest
@@ -795,9 +794,13 @@ fn write_artifact(
                 .chain(&manifest.decode)
                 .map(|b| b.graph.clone()),
         );
+        let mut sums = checksum::digest_files(&tmp, &files)?;
+        if let (Some(file), Some(digest)) = (&manifest.weights, weights_digest) {
+            sums.push((digest, file.clone()));
+        }
         std::fs::write(
             tmp.join(artifact::CHECKSUMS),
-            artifact::checksums(&tmp, &files)?,
+            checksum::render_checksums(&sums),
         )?;
         // Swap by renames: the old output stays whole until the new one is in place.
         let had_old = out_dir.exists();
@@ -828,47 +831,6 @@ const KERNELS_PTX: &str = "kernels.ptx";
 const KERNELS_CUBIN: &str = "kernels.sm_90.cubin";
 const WEIGHTS: &str = "weights.safetensors";
 const TOKENIZER: &str = "tokenizer.json";
-
-/// Writes `weights.safetensors` in the memory plan's layout: every weight the bucket graphs read,
-/// in the compiled dtype (checkpoint names; folded weights computed from their definitions) and
-/// the RoPE tables, each at its planned, aligned offset.
-fn write_weights(dir: &Path, model: &kiln_models::Model, plan: &ArtifactPlan) -> Result<()> {
-    use kiln_ir::WeightSource;
-    let mut tensors = BTreeMap::new();
-    for slot in &plan.memory.weights {
-        let name = &slot.name;
-        let t = if let Some(t) = plan.tables.get(name) {
-            t.clone()
-        } else if let Some(def) = plan.folded.get(name) {
-            let mut out = kiln_ir::evaluate(def, &BTreeMap::new(), &model.checkpoint)
-                .map_err(|e| anyhow::anyhow!("folded weight `{name}`: {e}"))?;
-            out.remove(crate::fold::VALUE)
-                .ok_or_else(|| anyhow::anyhow!("folded weight `{name}` has no value"))?
-        } else {
-            let ty = kiln_ir::TensorType::new(
-                slot.dtype,
-                slot.shape
-                    .iter()
-                    .map(|&d| kiln_ir::Dim::from(d as i64))
-                    .collect(),
-            );
-            model
-                .checkpoint
-                .load(name, &ty)
-                .map_err(|e| anyhow::anyhow!("weight `{name}`: {e}"))?
-                .as_ref()
-                .clone()
-        };
-        tensors.insert(name.clone(), t);
-    }
-    kiln_ir::io::write_aligned_tensors(
-        &dir.join(WEIGHTS),
-        &plan.memory.weights,
-        &tensors,
-        artifact::ALIGN,
-    )?;
-    Ok(())
-}
 
 /// Writes `kernels.ptx` (every generated kernel) and, when a ptxas is found (`$KILN_PTXAS` or
 /// PATH), `kernels.sm_90.cubin` assembled from it; returns the cubin's name if written.

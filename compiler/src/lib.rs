@@ -15,4 +15,5 @@ pub mod memory;
 pub mod plan;
 pub mod tensor_io;
 pub mod tokenize;
+pub mod weights;
 pub mod widen;

@@ -4,31 +4,26 @@
 //! An artifact is a folder: `manifest.ron` (this module's [`Manifest`]), the static graph of every
 //! bucket (`buckets/*.ron`), `kernels.ptx` (and `kernels.sm_90.cubin` when ptxas was found),
 //! `weights.safetensors` in the compiled dtype with the checkpoint's names, `tokenizer.json` when
-//! the checkpoint had one, and `checksums`: one `digest  path` line per file (the SHA-256 of the
-//! SHA-256 digests of its 64 MiB chunks, [`file_digest`]), then the list's own line, verified
-//! before anything runs.
+//! the checkpoint had one, and `checksums`: one `digest  path` line per file (BLAKE3, as `b3sum`
+//! prints it: [`crate::checksum`]), then the list's own line, verified before anything runs.
 //!
 //! Every bucket carries its [`ExecPlan`]: the kernel launches in order, each argument a place in
 //! the one device allocation the [`MemoryPlan`] lays out (weights, KV cache, activation arena) or
 //! a constant. A GPU executor needs nothing else: it allocates once, uploads the weights, and
 //! captures each plan as a CUDA graph.
 
-use std::path::Path;
-
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 
 use crate::inputs::InputContract;
 use crate::DType;
 
 /// The artifact format this build writes and reads.
-pub const FORMAT_VERSION: u32 = 5;
+pub const FORMAT_VERSION: u32 = 6;
 /// Every region and every tensor in the device allocation starts at a multiple of this many bytes.
 pub const ALIGN: u64 = 256;
 /// The manifest's file name.
 pub const MANIFEST: &str = "manifest.ron";
-/// The checksum list's file name.
-pub const CHECKSUMS: &str = "checksums";
+pub use crate::checksum::CHECKSUMS;
 
 /// What an artifact holds.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -41,9 +36,9 @@ pub struct Manifest {
     pub compiler_git: String,
     /// The checkpoint's `config.json`, verbatim.
     pub model_config: String,
-    /// SHA-256 of `weights.safetensors` (also in `checksums`; here so the manifest names the
+    /// The digest of `weights.safetensors` (also in `checksums`; here so the manifest names the
     /// exact weights its plans were made for).
-    pub weights_sha256: Option<String>,
+    pub weights_digest: Option<String>,
     /// The checkpoint's architecture (`GPT2LMHeadModel`, ...).
     pub architecture: String,
     /// What the runtime needs to know about the model's inputs and outputs.
@@ -431,172 +426,4 @@ pub struct BucketEntry {
     pub no_gpu: Vec<String>,
     /// `{op}_{node}` of the ops (or view outputs) that keep the bucket from having a CPU plan.
     pub no_cpu: Vec<String>,
-}
-
-/// The SHA-256 of `bytes`, lowercase hex.
-pub fn sha256_hex(bytes: &[u8]) -> String {
-    hex(&Sha256::digest(bytes))
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// Bytes per chunk of [`file_digest`].
-pub const CHECKSUM_CHUNK: usize = 64 << 20;
-
-/// An artifact file's checksum: the SHA-256 of the concatenated SHA-256 digests of its
-/// [`CHECKSUM_CHUNK`]-byte chunks (one chunk for a small or empty file), lowercase hex. The chunks
-/// hash in parallel, so verifying the weights of an 8B model at load takes a fraction of a second
-/// on a many-core host instead of one core's ten.
-pub fn file_digest(bytes: &[u8]) -> String {
-    use rayon::prelude::*;
-    let chunks: Vec<[u8; 32]> = if bytes.is_empty() {
-        vec![Sha256::digest(bytes).into()]
-    } else {
-        bytes
-            .par_chunks(CHECKSUM_CHUNK)
-            .map(|c| Sha256::digest(c).into())
-            .collect()
-    };
-    hex(&Sha256::digest(chunks.concat()))
-}
-
-/// The `checksums` text for `files` (paths relative to `dir`): one `digest  path` line per file
-/// ([`file_digest`]), sealed by [`render_checksums`].
-pub fn checksums(dir: &Path, files: &[String]) -> std::io::Result<String> {
-    let mut sums = Vec::with_capacity(files.len());
-    for f in files {
-        let bytes = std::fs::read(dir.join(f))?;
-        sums.push((file_digest(&bytes), f.clone()));
-    }
-    Ok(render_checksums(&sums))
-}
-
-/// The `checksums` text of `(digest, path)` pairs: one `digest  path` line each, then the file's
-/// own line, `sha256  checksums`, the plain SHA-256 of the lines above it, so that a damaged list is named as
-/// itself rather than as the file whose line it garbled.
-pub fn render_checksums(sums: &[(String, String)]) -> String {
-    let mut out: String = sums.iter().map(|(h, f)| format!("{h}  {f}\n")).collect();
-    let own = sha256_hex(out.as_bytes());
-    out.push_str(&format!("{own}  {CHECKSUMS}\n"));
-    out
-}
-
-/// Why a `checksums` text was refused.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum ChecksumsError {
-    /// The last line is not the list's own checksum.
-    #[error("does not end with its own checksum line (`SHA256  checksums`); the artifact was written by an older kiln or the list was edited")]
-    Unsealed,
-    /// The lines above the list's own line do not hash to it.
-    #[error("does not match its own checksum line: the checksums file itself is corrupt (the files it lists were not checked)")]
-    Corrupt,
-    /// A line is not `sha256  relative/path`.
-    #[error("line {0} is malformed")]
-    Malformed(usize),
-}
-
-/// Parses a `checksums` text into `(sha256, path)` pairs, after checking the list's own line.
-pub fn parse_checksums(text: &str) -> Result<Vec<(String, String)>, ChecksumsError> {
-    let body_end = text.trim_end_matches('\n').rfind('\n').map_or(0, |i| i + 1);
-    let (body, own) = text.split_at(body_end);
-    let own_hash = own
-        .trim_end_matches('\n')
-        .strip_suffix(&format!("  {CHECKSUMS}"))
-        .ok_or(ChecksumsError::Unsealed)?;
-    if own_hash != sha256_hex(body.as_bytes()) {
-        return Err(ChecksumsError::Corrupt);
-    }
-    body.lines()
-        .enumerate()
-        .map(|(i, l)| parse_line(l).ok_or(ChecksumsError::Malformed(i + 1)))
-        .collect()
-}
-
-/// One `sha256  path` line; `None` unless the hash is 64 hex digits and the path relative.
-fn parse_line(line: &str) -> Option<(String, String)> {
-    let (hash, path) = line.split_once("  ")?;
-    let ok = hash.len() == 64 && hash.bytes().all(|c| c.is_ascii_hexdigit());
-    let safe = !path.is_empty()
-        && path != CHECKSUMS
-        && !path.starts_with('/')
-        && !path.split('/').any(|p| p == "..");
-    (ok && safe).then(|| (hash.to_string(), path.to_string()))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sha256_known_answer() {
-        assert_eq!(
-            sha256_hex(b"abc"),
-            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
-        );
-    }
-
-    #[test]
-    fn checksum_lines_are_validated() {
-        let line = |path: &str| vec![("0".repeat(64), path.to_string())];
-        let good = render_checksums(&line("buckets/a.ron"));
-        assert_eq!(parse_checksums(&good).unwrap()[0].1, "buckets/a.ron");
-        let bad = |text: &str| parse_checksums(text).err();
-        assert_eq!(
-            bad(&render_checksums(&line("../etc/passwd"))),
-            Some(ChecksumsError::Malformed(1))
-        );
-        assert_eq!(
-            bad(&render_checksums(&line(CHECKSUMS))),
-            Some(ChecksumsError::Malformed(1))
-        );
-        let xyz = render_checksums(&[("xyz".into(), "a".into())]);
-        assert_eq!(bad(&xyz), Some(ChecksumsError::Malformed(1)));
-        // Without its own line (as older artifacts were written), or with nothing at all.
-        assert_eq!(
-            bad(&good[..good.find(CHECKSUMS).unwrap() - 66]),
-            Some(ChecksumsError::Unsealed)
-        );
-        assert_eq!(bad(""), Some(ChecksumsError::Unsealed));
-    }
-
-    #[test]
-    fn a_damaged_checksums_file_names_itself() {
-        let sums = vec![
-            (sha256_hex(b"weights"), "weights.safetensors".to_string()),
-            (sha256_hex(b"manifest"), MANIFEST.to_string()),
-        ];
-        let text = render_checksums(&sums);
-        assert_eq!(parse_checksums(&text).unwrap(), sums);
-        // Any one flipped bit, in a listed hash, a path or the list's own line, is the list's
-        // own corruption (or, in the own line's path, a missing own line).
-        for at in 0..text.len() {
-            for bit in 0..8 {
-                let mut bytes = text.clone().into_bytes();
-                bytes[at] ^= 1 << bit;
-                let Ok(flipped) = String::from_utf8(bytes) else {
-                    continue;
-                };
-                let err = parse_checksums(&flipped).expect_err("a flipped bit is detected");
-                assert!(
-                    matches!(err, ChecksumsError::Corrupt | ChecksumsError::Unsealed),
-                    "byte {at} bit {bit}: {err:?}"
-                );
-            }
-        }
-    }
-
-    #[test]
-    fn file_digest_hashes_chunk_digests() {
-        let one = |b: &[u8]| -> Vec<u8> { Sha256::digest(b).to_vec() };
-        assert_eq!(file_digest(b"abc"), sha256_hex(&one(b"abc")));
-        assert_eq!(file_digest(b""), sha256_hex(&one(b"")));
-        // Two chunks: the second starts at CHECKSUM_CHUNK, and a changed byte in it shows.
-        let mut big = vec![7u8; CHECKSUM_CHUNK + 3];
-        let want = sha256_hex(&[one(&big[..CHECKSUM_CHUNK]), one(&big[CHECKSUM_CHUNK..])].concat());
-        assert_eq!(file_digest(&big), want);
-        big[CHECKSUM_CHUNK + 1] ^= 1;
-        assert_ne!(file_digest(&big), want);
-    }
 }

@@ -54,26 +54,46 @@ fn le_chunks<const N: usize>(data: &[u8]) -> impl Iterator<Item = [u8; N]> + '_ 
 
 /// A tensor's safetensors dtype and little-endian bytes, in its own dtype.
 fn encode(t: &Tensor) -> (Dtype, Vec<u8>) {
-    match (&t.data, t.dtype) {
-        (Data::Float(v), DType::F16) => (
-            Dtype::F16,
-            v.iter()
-                .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
-                .collect(),
-        ),
-        (Data::Float(v), DType::BF16) => (
-            Dtype::BF16,
-            v.iter()
-                .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
-                .collect(),
-        ),
-        (Data::Float(v), _) => (Dtype::F32, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
-        (Data::Int(v), DType::I32) => (
-            Dtype::I32,
-            v.iter().flat_map(|x| (*x as i32).to_le_bytes()).collect(),
-        ),
-        (Data::Int(v), DType::Bool) => (Dtype::BOOL, v.iter().map(|x| u8::from(*x != 0)).collect()),
-        (Data::Int(v), _) => (Dtype::I64, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+    let bytes = match &t.data {
+        Data::Float(v) => float_bytes(v, t.dtype),
+        Data::Int(v) => match t.dtype {
+            DType::I32 => v.iter().flat_map(|x| (*x as i32).to_le_bytes()).collect(),
+            DType::Bool => v.iter().map(|x| u8::from(*x != 0)).collect(),
+            _ => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        },
+    };
+    (st_dtype(t.dtype), bytes)
+}
+
+/// The safetensors dtype of `dtype`.
+fn st_dtype(dtype: DType) -> Dtype {
+    match dtype {
+        DType::F32 => Dtype::F32,
+        DType::F16 => Dtype::F16,
+        DType::BF16 => Dtype::BF16,
+        DType::I32 => Dtype::I32,
+        DType::I64 => Dtype::I64,
+        DType::Bool => Dtype::BOOL,
+    }
+}
+
+/// The little-endian bytes of a tensor's contents: what an aligned file holds at its slot.
+pub fn tensor_bytes(t: &Tensor) -> Vec<u8> {
+    encode(t).1
+}
+
+/// `values` rounded to the float `dtype` (f16 and bf16 to nearest even), as little-endian bytes.
+pub fn float_bytes(values: &[f32], dtype: DType) -> Vec<u8> {
+    match dtype {
+        DType::F16 => values
+            .iter()
+            .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
+            .collect(),
+        DType::BF16 => values
+            .iter()
+            .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+            .collect(),
+        _ => values.iter().flat_map(|x| x.to_le_bytes()).collect(),
     }
 }
 
@@ -122,18 +142,113 @@ pub fn aligned_layout(tensors: &[(String, DType, Vec<usize>)], align: u64) -> Ve
         .collect()
 }
 
-/// Writes `tensors` at the offsets of `layout` (from [`aligned_layout`]): a valid safetensors
-/// file whose data section starts at a multiple of `align` bytes and has every tensor at its
-/// planned offset, the gaps filled by `u8` tensors named `__kiln_pad.N`. Memory-mapped, the data
-/// section can be copied to the device as it is. Written beside `path` and renamed into place.
+/// The safetensors header of an aligned file laid out by `layout` (from [`aligned_layout`]), with
+/// its 8-byte length in front and spaces after the JSON (allowed by the format) so that the data
+/// section starts at a multiple of `align`: every tensor at its planned offset, the gaps declared
+/// as `u8` tensors named `__kiln_pad.N`.
+pub fn aligned_header(layout: &[TensorSlot], align: u64) -> Vec<u8> {
+    let mut header = serde_json::Map::new();
+    let mut end = 0u64;
+    for slot in layout {
+        if slot.offset > end {
+            header.insert(
+                format!("{PAD_PREFIX}{}", header.len()),
+                serde_json::json!({"dtype": "U8", "shape": [slot.offset - end], "data_offsets": [end, slot.offset]}),
+            );
+        }
+        header.insert(
+            slot.name.clone(),
+            serde_json::json!({
+                "dtype": format!("{:?}", st_dtype(slot.dtype)),
+                "shape": slot.shape,
+                "data_offsets": [slot.offset, slot.offset + slot.bytes()],
+            }),
+        );
+        end = slot.offset + slot.bytes();
+    }
+    let mut json = serde_json::Value::Object(header).to_string().into_bytes();
+    let start = (8 + json.len() as u64).div_ceil(align) * align;
+    json.resize(start as usize - 8, b' ');
+    let mut bytes = (json.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(&json);
+    bytes
+}
+
+/// Writes an aligned safetensors file in order, one tensor at a time: the header first (known
+/// from the layout alone), then each slot's bytes after the zeros of the gap before it. Nothing
+/// but the tensor being written is held, whatever the file's size.
+pub struct AlignedWriter<'a, W: std::io::Write> {
+    out: W,
+    layout: &'a [TensorSlot],
+    next: usize,
+    /// Bytes of the data section written so far.
+    end: u64,
+}
+
+impl<'a, W: std::io::Write> AlignedWriter<'a, W> {
+    /// Writes the header of `layout` (whose slots ascend in offset) to `out`.
+    pub fn new(mut out: W, layout: &'a [TensorSlot], align: u64) -> std::io::Result<Self> {
+        out.write_all(&aligned_header(layout, align))?;
+        Ok(AlignedWriter {
+            out,
+            layout,
+            next: 0,
+            end: 0,
+        })
+    }
+
+    /// The slot whose bytes come next, or `None` once all are written.
+    pub fn next_slot(&self) -> Option<&'a TensorSlot> {
+        self.layout.get(self.next)
+    }
+
+    /// Writes the next slot's bytes (`bytes.len()` must be its size).
+    pub fn put(&mut self, bytes: &[u8]) -> Result<()> {
+        let Some(slot) = self.next_slot() else {
+            bail!("every planned tensor is already written");
+        };
+        if bytes.len() as u64 != slot.bytes() {
+            bail!(
+                "`{}` is {} bytes, planned {} ({} {:?})",
+                slot.name,
+                bytes.len(),
+                slot.bytes(),
+                slot.dtype,
+                slot.shape
+            );
+        }
+        let gap = vec![0u8; (slot.offset - self.end) as usize];
+        let written = self
+            .out
+            .write_all(&gap)
+            .and_then(|()| self.out.write_all(bytes));
+        written.map_err(|e| IoError(format!("cannot write `{}`: {e}", slot.name)))?;
+        self.end = slot.offset + slot.bytes();
+        self.next += 1;
+        Ok(())
+    }
+
+    /// The writer, once every slot is written.
+    pub fn finish(self) -> Result<W> {
+        if let Some(slot) = self.next_slot() {
+            bail!("`{}` was never written", slot.name);
+        }
+        Ok(self.out)
+    }
+}
+
+/// Writes `tensors` at the offsets of `layout` (from [`aligned_layout`]) through an
+/// [`AlignedWriter`]: a valid safetensors file whose data section starts at a multiple of `align`
+/// bytes, so that memory-mapped it can be copied to the device as it is. Written beside `path` and
+/// renamed into place.
 pub fn write_aligned_tensors(
     path: &Path,
     layout: &[TensorSlot],
     tensors: &BTreeMap<String, Tensor>,
     align: u64,
 ) -> Result<()> {
-    let mut header = serde_json::Map::new();
-    let mut data: Vec<u8> = Vec::new();
+    let mut w = AlignedWriter::new(Vec::new(), layout, align)
+        .map_err(|e| IoError(format!("cannot write {}: {e}", path.display())))?;
     for slot in layout {
         let Some(t) = tensors.get(&slot.name) else {
             bail!("cannot write {}: no tensor `{}`", path.display(), slot.name);
@@ -149,34 +264,10 @@ pub fn write_aligned_tensors(
                 slot.shape
             );
         }
-        let gap = slot.offset as usize - data.len();
-        if gap > 0 {
-            header.insert(
-                format!("{PAD_PREFIX}{}", header.len()),
-                serde_json::json!({"dtype": "U8", "shape": [gap], "data_offsets": [data.len(), slot.offset]}),
-            );
-            data.resize(slot.offset as usize, 0);
-        }
-        let (dtype, bytes) = encode(t);
-        header.insert(
-            slot.name.clone(),
-            serde_json::json!({
-                "dtype": format!("{dtype:?}"),
-                "shape": slot.shape,
-                "data_offsets": [data.len(), data.len() + bytes.len()],
-            }),
-        );
-        data.extend_from_slice(&bytes);
+        w.put(&tensor_bytes(t))
+            .map_err(|e| IoError(format!("cannot write {}: {e}", path.display())))?;
     }
-    let mut json = serde_json::Value::Object(header).to_string().into_bytes();
-    // Spaces after the JSON (allowed by the format) put the data section on an aligned offset.
-    let start = (8 + json.len() as u64).div_ceil(align) * align;
-    json.resize(start as usize - 8, b' ');
-    let mut bytes = Vec::with_capacity(start as usize + data.len());
-    bytes.extend_from_slice(&(json.len() as u64).to_le_bytes());
-    bytes.extend_from_slice(&json);
-    bytes.extend_from_slice(&data);
-    write_atomically(path, &bytes)
+    write_atomically(path, &w.finish()?)
 }
 
 /// The existing folder `path` will be written in (an error naming both if it is missing).

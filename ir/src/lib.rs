@@ -15,6 +15,7 @@
 //! This crate depends on nothing else of kiln's.
 
 pub mod artifact;
+pub mod checksum;
 pub mod dim;
 pub mod dtype;
 pub mod graph;

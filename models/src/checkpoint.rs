@@ -1,5 +1,6 @@
 //! A Hugging Face checkpoint folder: `config.json` plus `model.safetensors` or a sharded set
-//! described by `model.safetensors.index.json`, memory-mapped and read lazily.
+//! described by `model.safetensors.index.json`. Headers are read at open; a tensor's bytes are read
+//! (not mapped) when asked for, so reading a whole model one tensor at a time holds one tensor.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -15,7 +16,7 @@ use serde_json::Value;
 
 use crate::ModelError;
 
-/// Where one tensor lives: which mapped file, and its header entry.
+/// Where one tensor lives: which file, and its header entry.
 struct TensorLocation {
     file: usize,
     /// Start of the data section in the file (8 + header length).
@@ -27,7 +28,7 @@ struct TensorLocation {
 pub struct Checkpoint {
     dir: PathBuf,
     config: Value,
-    files: Vec<(PathBuf, Mmap)>,
+    files: Vec<(PathBuf, File)>,
     tensors: BTreeMap<String, TensorLocation>,
     /// Tensors already converted for the interpreter.
     cache: Mutex<BTreeMap<String, Arc<Tensor>>>,
@@ -36,7 +37,7 @@ pub struct Checkpoint {
 }
 
 impl Checkpoint {
-    /// Opens `dir`: parses `config.json` and maps every safetensors file.
+    /// Opens `dir`: parses `config.json` and the header of every safetensors file.
     pub fn open(dir: &Path) -> Result<Checkpoint, ModelError> {
         if !dir.is_dir() {
             return Err(ModelError::NotAFolder(dir.to_path_buf()));
@@ -80,7 +81,8 @@ impl Checkpoint {
                 path: path.clone(),
                 error,
             })?;
-            // SAFETY: the mapping is read-only and kiln never writes checkpoint files; a file
+            // SAFETY: the mapping is read-only, kiln never writes checkpoint files, and it lives
+            // only while the header is parsed (and checked against the file's length); a file
             // truncated underneath us by another process is outside what any reader can defend.
             let mmap = unsafe { Mmap::map(&file) }.map_err(|error| ModelError::Io {
                 path: path.clone(),
@@ -102,7 +104,8 @@ impl Checkpoint {
                     },
                 );
             }
-            files.push((path, mmap));
+            drop(mmap);
+            files.push((path, file));
         }
         Ok(Checkpoint {
             dir: dir.to_path_buf(),
@@ -155,6 +158,16 @@ impl Checkpoint {
         self.tensors.get(name).map(|t| t.info.shape.as_slice())
     }
 
+    /// The stored dtype of tensor `name`, if kiln reads it.
+    pub fn dtype(&self, name: &str) -> Option<DType> {
+        match self.tensors.get(name)?.info.dtype {
+            StDtype::F32 => Some(DType::F32),
+            StDtype::F16 => Some(DType::F16),
+            StDtype::BF16 => Some(DType::BF16),
+            _ => None,
+        }
+    }
+
     /// Checks that tensor `name` exists with shape `expected` and a float dtype kiln reads.
     pub fn expect(&self, name: &str, expected: &[usize]) -> Result<(), ModelError> {
         if self.config_only {
@@ -173,47 +186,98 @@ impl Checkpoint {
         }
         match loc.info.dtype {
             StDtype::F32 | StDtype::F16 | StDtype::BF16 => Ok(()),
-            other => Err(ModelError::TensorDtype {
-                name: name.to_string(),
-                dtype: format!("{other:?}"),
-            }),
+            other => Err(dtype_error(name, other)),
         }
     }
 
-    /// Reads tensor `name` as f32 values (converting f16 / bf16).
-    pub fn read_f32(&self, name: &str) -> Result<Vec<f32>, ModelError> {
+    /// Where tensor `name` is stored: its file, its dtype and its bytes' place in the file.
+    fn locate(&self, name: &str) -> Result<(&PathBuf, &File, StDtype, u64, usize), ModelError> {
         let loc = self
             .tensors
             .get(name)
             .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
-        let (path, mmap) = &self.files[loc.file];
+        let (path, file) = &self.files[loc.file];
         let (begin, end) = loc.info.data_offsets;
-        let bytes = mmap
-            .get(loc.data_start + begin..loc.data_start + end)
-            .ok_or_else(|| ModelError::Safetensors {
-                path: path.clone(),
-                message: format!("tensor `{name}` lies beyond the end of the file"),
-            })?;
-        Ok(match loc.info.dtype {
-            StDtype::F32 => bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            StDtype::F16 => bytes
-                .chunks_exact(2)
-                .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            StDtype::BF16 => bytes
-                .chunks_exact(2)
-                .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            other => {
-                return Err(ModelError::TensorDtype {
-                    name: name.to_string(),
-                    dtype: format!("{other:?}"),
-                })
-            }
+        Ok((
+            path,
+            file,
+            loc.info.dtype,
+            (loc.data_start + begin) as u64,
+            end - begin,
+        ))
+    }
+
+    /// Reads `buf.len()` bytes at `at` of `file`.
+    fn read_at(path: &Path, file: &File, buf: &mut [u8], at: u64) -> Result<(), ModelError> {
+        use std::os::unix::fs::FileExt;
+        file.read_exact_at(buf, at).map_err(|error| ModelError::Io {
+            path: path.to_path_buf(),
+            error,
         })
+    }
+
+    /// The stored bytes of tensor `name` and their dtype.
+    fn raw(&self, name: &str) -> Result<(StDtype, Vec<u8>), ModelError> {
+        let (path, file, dtype, at, len) = self.locate(name)?;
+        let mut bytes = vec![0u8; len];
+        Self::read_at(path, file, &mut bytes, at)?;
+        Ok((dtype, bytes))
+    }
+
+    /// Reads tensor `name` as f32 values (converting f16 / bf16).
+    pub fn read_f32(&self, name: &str) -> Result<Vec<f32>, ModelError> {
+        let (stored, bytes) = self.raw(name)?;
+        let width = float_width(name, stored)?;
+        Ok(bytes
+            .chunks_exact(width)
+            .map(|b| stored_value(stored, b))
+            .collect())
+    }
+
+    /// Tensor `name` as little-endian bytes of the float `dtype` (see [`Checkpoint::read_into`]).
+    pub fn read_as(&self, name: &str, dtype: DType) -> Result<Vec<u8>, ModelError> {
+        let elements: usize = self.shape(name).unwrap_or_default().iter().product();
+        let mut out = vec![0u8; elements * dtype.size_bytes()];
+        self.read_into(name, dtype, &mut out)?;
+        Ok(out)
+    }
+
+    /// Reads tensor `name` into `out` as little-endian bytes of the float `dtype`: the stored
+    /// bytes when it is stored so (straight from the file), else each value converted (rounded to
+    /// nearest even) without an f32 copy of the tensor; the same bits as reading it as f32 and
+    /// casting. `out` must hold the tensor exactly.
+    pub fn read_into(&self, name: &str, dtype: DType, out: &mut [u8]) -> Result<(), ModelError> {
+        let (path, file, stored, at, len) = self.locate(name)?;
+        let width = float_width(name, stored)?;
+        if out.len() != len / width * dtype.size_bytes() {
+            return Err(ModelError::Input(format!(
+                "tensor `{name}` is {len} bytes of {stored:?}, not {} bytes of {dtype}",
+                out.len()
+            )));
+        }
+        if self.dtype(name) == Some(dtype) {
+            return Self::read_at(path, file, out, at);
+        }
+        let (_, bytes) = self.raw(name)?;
+        for (b, o) in bytes
+            .chunks_exact(width)
+            .zip(out.chunks_exact_mut(dtype.size_bytes()))
+        {
+            let v = stored_value(stored, b);
+            match dtype {
+                DType::F16 => o.copy_from_slice(&f16::from_f32(v).to_le_bytes()),
+                DType::BF16 => o.copy_from_slice(&bf16::from_f32(v).to_le_bytes()),
+                _ => o.copy_from_slice(&v.to_le_bytes()),
+            }
+        }
+        Ok(())
+    }
+
+    /// Tensor `name` in the graph's type `ty`, read now and not kept.
+    pub fn read_tensor(&self, name: &str, ty: &TensorType) -> Result<Tensor, ModelError> {
+        let values = self.read_f32(name)?;
+        let shape = self.shape(name).unwrap_or_default().to_vec();
+        Ok(Tensor::f32(shape, values).cast(ty.dtype))
     }
 
     /// The dtype the checkpoint stores its float weights in (the most common one).
@@ -238,14 +302,37 @@ impl WeightSource for Checkpoint {
         if let Some(t) = self.cache.lock().map_err(|e| e.to_string())?.get(name) {
             return Ok(t.clone());
         }
-        let values = self.read_f32(name).map_err(|e| e.to_string())?;
-        let shape = self.shape(name).unwrap_or_default().to_vec();
-        let t = Arc::new(Tensor::f32(shape, values).cast(ty.dtype));
+        let t = Arc::new(self.read_tensor(name, ty).map_err(|e| e.to_string())?);
         self.cache
             .lock()
             .map_err(|e| e.to_string())?
             .insert(name.to_string(), t.clone());
         Ok(t)
+    }
+}
+
+/// Bytes per value of a float dtype kiln reads.
+fn float_width(name: &str, dtype: StDtype) -> Result<usize, ModelError> {
+    match dtype {
+        StDtype::F32 => Ok(4),
+        StDtype::F16 | StDtype::BF16 => Ok(2),
+        other => Err(dtype_error(name, other)),
+    }
+}
+
+/// One stored value (`b` is its bytes, of a dtype [`float_width`] accepted) as f32.
+fn stored_value(dtype: StDtype, b: &[u8]) -> f32 {
+    match dtype {
+        StDtype::F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        StDtype::F16 => f16::from_le_bytes([b[0], b[1]]).to_f32(),
+        _ => bf16::from_le_bytes([b[0], b[1]]).to_f32(),
+    }
+}
+
+fn dtype_error(name: &str, dtype: StDtype) -> ModelError {
+    ModelError::TensorDtype {
+        name: name.to_string(),
+        dtype: format!("{dtype:?}"),
     }
 }
 

@@ -6,8 +6,10 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use kiln_ir::artifact::{self, BucketEntry, Manifest, FORMAT_VERSION};
+use kiln_ir::checksum;
 use kiln_ir::Graph;
 use memmap2::Mmap;
+use rayon::prelude::*;
 
 use crate::tokenizer::TextTokenizer;
 use crate::weights::WeightStore;
@@ -58,19 +60,26 @@ impl Artifact {
                 "is not text: the checksums file itself is corrupt".into(),
             )
         })?;
-        let sums = artifact::parse_checksums(&sums_text)
+        let sums = checksum::parse_checksums(&sums_text)
             .map_err(|e| bad(artifact::CHECKSUMS, e.to_string()))?;
         let start = std::time::Instant::now();
-        let mut maps = BTreeMap::new();
-        for (hash, file) in &sums {
-            let map = map_file(&dir.join(file)).map_err(|e| bad(file, e))?;
-            if artifact::file_digest(map.as_deref().unwrap_or(&[])) != *hash {
-                return Err(bad(
-                    file,
-                    "does not match its checksum (corrupt or modified)".into(),
-                ));
+        // Every file at once, each streamed through the hash (constant memory); the first
+        // failure in list order is the one reported.
+        let found: Vec<Result<String, std::io::Error>> = sums
+            .par_iter()
+            .map(|(_, file)| checksum::digest_file(&dir.join(file)))
+            .collect();
+        for ((want, file), got) in sums.iter().zip(found) {
+            match got {
+                Ok(got) if got == *want => {}
+                Ok(_) => {
+                    return Err(bad(
+                        file,
+                        "does not match its checksum (corrupt or modified)".into(),
+                    ))
+                }
+                Err(e) => return Err(bad(file, format!("cannot be read: {e}"))),
             }
-            maps.insert(file.as_str(), map);
         }
         tracing::info!(
             seconds = start.elapsed().as_secs_f64(),
@@ -116,19 +125,18 @@ impl Artifact {
         if let Some(file) = manifest.tokenizer.as_ref().filter(|f| !listed(f)) {
             return Err(bad(file, "has no checksum".into()));
         }
-        if let (Some(file), Some(want)) = (&manifest.weights, &manifest.weights_sha256) {
+        if let (Some(file), Some(want)) = (&manifest.weights, &manifest.weights_digest) {
             if sums.iter().any(|(hash, p)| p == file && hash != want) {
                 return Err(bad(
                     file,
-                    "is not the weights the manifest's plans were made for (its SHA-256 differs from the manifest's)".into(),
+                    "is not the weights the manifest's plans were made for (its digest differs from the manifest's)".into(),
                 ));
             }
         }
         let weights = match &manifest.weights {
             Some(file) if listed(file) => {
-                let map = maps
-                    .remove(file.as_str())
-                    .flatten()
+                let map = map_file(&dir.join(file))
+                    .map_err(|e| bad(file, e))?
                     .ok_or_else(|| bad(file, "is empty".into()))?;
                 Some(WeightStore::from_map(map).map_err(|e| bad(file, e))?)
             }

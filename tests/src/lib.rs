@@ -496,15 +496,12 @@ pub fn compile_artifact(model: &Path, out: &Path, extra: &[&str]) -> kiln_runtim
 /// that still exists gets its current hash, deleted files lose their line, and the list gets its
 /// own line again, so that only the edit itself differs from what `kiln compile` writes.
 pub fn reseal_checksums(dir: &Path) {
-    use kiln_ir::artifact::{file_digest, parse_checksums, render_checksums, CHECKSUMS};
+    use kiln_ir::checksum::{digest_file, parse_checksums, render_checksums, CHECKSUMS};
     let text = std::fs::read_to_string(dir.join(CHECKSUMS)).unwrap();
     let sums: Vec<(String, String)> = parse_checksums(&text)
         .unwrap()
         .into_iter()
-        .filter_map(|(_, file)| {
-            let bytes = std::fs::read(dir.join(&file)).ok()?;
-            Some((file_digest(&bytes), file))
-        })
+        .filter_map(|(_, file)| Some((digest_file(&dir.join(&file)).ok()?, file)))
         .collect();
     std::fs::write(dir.join(CHECKSUMS), render_checksums(&sums)).unwrap();
 }
