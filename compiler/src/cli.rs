@@ -13,10 +13,12 @@ use kiln_models::inputs::TokenBatch;
 use kiln_models::{ImportOptions, ModelKind};
 
 use crate::bucket::BucketPlan;
-use crate::compile::{compile, CompileOptions, Compiled, CompiledBucket};
+use crate::compile::{compile, compile_with_progress, CompileOptions, Compiled, CompiledBucket};
 use crate::fusion::cost::CostModel;
 use crate::fusion::Limits;
 use crate::plan::ArtifactPlan;
+use crate::progress::Progress;
+use crate::staging::Staging;
 use crate::tensor_io::{parent_folder, read_tensors, write_tensors};
 use crate::tokenize::tokenize;
 
@@ -98,6 +100,9 @@ pub enum Command {
         /// (Cranelift; f16/bf16 builds computed in f32), or both.
         #[arg(long, value_enum, default_value_t = Target::All)]
         target: Target,
+        /// No progress bars (they are drawn only when standard error is a terminal).
+        #[arg(long, short = 'q')]
+        quiet: bool,
     },
     /// Print a readable summary of a compiled artifact (verified first): buckets, kernels per
     /// bucket, files.
@@ -200,6 +205,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
             max_context,
             prefill_chunk,
             target,
+            quiet,
         } => {
             let dtype = float_dtype(dtype)?;
             let import = ImportOptions {
@@ -230,8 +236,11 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
             if let Some(path) = report {
                 check_writable(path)?;
             }
+            let progress = Progress::new(*quiet);
             let total = std::time::Instant::now();
             let start = std::time::Instant::now();
+            let import_stage = progress.stage("import", 0);
+            import_stage.say(model_dir.display().to_string());
             let load = |options: &ImportOptions| {
                 if *no_weights {
                     kiln_models::import_config_only(model_dir, options)
@@ -269,6 +278,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                     (None, None)
                 }
             };
+            drop(import_stage);
             let import_seconds = start.elapsed().as_secs_f64();
             let opts = CompileOptions {
                 plan: plan.clone(),
@@ -281,20 +291,25 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                         .unwrap_or_else(|| 128.min(*plan.seq_lens.last().expect("buckets")).min(c))
                 }),
             };
-            let (mut compiled, buckets) = compile(&model.graph, cached.as_ref(), &opts)?;
+            let (mut compiled, buckets) =
+                compile_with_progress(&model.graph, cached.as_ref(), &opts, &progress)?;
             compiled
                 .stage_seconds
                 .insert("import".into(), import_seconds);
             let start = std::time::Instant::now();
-            write_artifact(
-                out_dir,
-                &model,
-                &plan,
-                &buckets,
-                !*no_weights,
+            let src = ArtifactSource {
+                model: &model,
+                plan: &plan,
+                compiled: &buckets,
+                with_weights: !*no_weights,
                 dtype,
-                *target,
-            )?;
+                target: *target,
+            };
+            for (stage, seconds) in write_artifact(out_dir, &src, &progress)? {
+                compiled
+                    .stage_seconds
+                    .insert(format!("write.{stage}"), seconds);
+            }
             compiled
                 .stage_seconds
                 .insert("write".into(), start.elapsed().as_secs_f64());
@@ -305,6 +320,8 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 let json = serde_json::to_vec_pretty(&compiled)?;
                 crate::tensor_io::write_atomically(path, &json)?;
             }
+            // The finished stages stay on screen; the summary goes below them.
+            drop(progress);
             let per_bucket: Vec<String> = compiled
                 .buckets
                 .iter()
@@ -624,206 +641,213 @@ fn read_histogram(path: &Path) -> Result<BTreeMap<usize, u64>> {
     Ok(h)
 }
 
-/// Writes the artifact (`manifest.ron`, `buckets/*.ron`, `kernels.ptx` and the cubin,
-/// `weights.safetensors`, `tokenizer.json`, `checksums`) into a fresh folder beside `out_dir`,
-/// then swaps it into place, so a failure leaves nothing half-written.
-#[allow(clippy::too_many_arguments)]
-fn write_artifact(
-    out_dir: &Path,
-    model: &kiln_models::Model,
-    plan: &BucketPlan,
-    compiled: &Compiled,
+/// What an artifact is written from.
+struct ArtifactSource<'a> {
+    model: &'a kiln_models::Model,
+    plan: &'a BucketPlan,
+    compiled: &'a Compiled,
     with_weights: bool,
     dtype: DType,
     target: Target,
-) -> Result<()> {
-    // A path without a final name (`.`, `..`, `dir/..`) is resolved first, so that the temporary
-    // and backup folders are siblings of the output, never inside it.
-    let resolved;
-    let out_dir = if out_dir.file_name().is_none() {
-        resolved = std::fs::canonicalize(out_dir)
-            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", out_dir.display()))?;
-        if resolved.file_name().is_none() {
-            bail!("cannot write {}: it is the root folder", out_dir.display());
-        }
-        resolved.as_path()
-    } else {
-        out_dir
+}
+
+/// Writes the artifact (`manifest.ron`, `buckets/*.ron`, `kernels.ptx` and the cubin,
+/// `weights.safetensors`, `tokenizer.json`, `checksums`) into a staging folder beside `out_dir`,
+/// then swaps it into place ([`Staging`]), so that a failure or an interruption leaves nothing at
+/// `out_dir` but the previous output, whole. Returns the seconds of each stage.
+fn write_artifact(
+    out_dir: &Path,
+    src: &ArtifactSource,
+    progress: &Progress,
+) -> Result<BTreeMap<String, f64>> {
+    let is_output = |dir: &Path| {
+        dir.join(artifact::MANIFEST).is_file()
+            || dir
+                .read_dir()
+                .map(|mut d| d.next().is_none())
+                .unwrap_or(false)
     };
-    if out_dir.exists() && !out_dir.join(artifact::MANIFEST).is_file() {
-        let empty = out_dir
-            .read_dir()
-            .map(|mut d| d.next().is_none())
-            .unwrap_or(false);
-        if !empty {
-            bail!(
-                "{} exists and is not a kiln output folder; refusing to replace it",
-                out_dir.display()
-            );
+    let staging = Staging::new(out_dir, is_output)?;
+    match fill_artifact(staging.path(), src, progress) {
+        Ok(seconds) => {
+            staging.commit()?;
+            Ok(seconds)
+        }
+        Err(e) => bail!("cannot write {}: {e:#}", staging.out().display()),
+    }
+}
+
+/// Writes every file of the artifact into `dir`.
+fn fill_artifact(
+    dir: &Path,
+    src: &ArtifactSource,
+    progress: &Progress,
+) -> Result<BTreeMap<String, f64>> {
+    let mut seconds = BTreeMap::new();
+    let mut timed = |stage: &str, start: std::time::Instant| {
+        seconds.insert(stage.to_string(), start.elapsed().as_secs_f64());
+    };
+    let start = std::time::Instant::now();
+    let compiled = src.compiled;
+    let graphs: Vec<&kiln_ir::Graph> = compiled
+        .prefill
+        .iter()
+        .chain(&compiled.decode)
+        .map(|b| &b.graph)
+        .collect();
+    let art = {
+        let _stage = progress.stage("plan", 0);
+        crate::plan::plan_artifact(&graphs, src.target.cpu())?
+    };
+    timed("plan", start);
+    std::fs::create_dir(dir.join("buckets"))?;
+    let mut planned = art.buckets.iter();
+    let mut entries = |kind: &str, buckets: &[CompiledBucket]| {
+        buckets
+            .iter()
+            .map(|b| {
+                let p = planned.next().expect("one planned bucket per bucket");
+                bucket_entry(dir, kind, b, p)
+            })
+            .collect::<std::io::Result<Vec<_>>>()
+    };
+    let prefill = entries("prefill", &compiled.prefill)?;
+    let decode = entries("decode", &compiled.decode)?;
+    let start = std::time::Instant::now();
+    let (ptx, cubin) = if src.target.cuda() {
+        let cubin = write_kernels(dir, &art.kernels, progress)?;
+        (Some(KERNELS_PTX.to_string()), cubin)
+    } else {
+        (None, None)
+    };
+    timed("ptx", start);
+    let start = std::time::Instant::now();
+    let sampler_vocab = match src.model.kind {
+        ModelKind::Decoder { vocab_size, .. } => Some(u32::try_from(vocab_size)?),
+        ModelKind::Encoder { .. } => None,
+    };
+    let (cpu_library, cpu_sampler) = if src.target.cpu() {
+        write_cpu_kernels(dir, &art, sampler_vocab, progress)?
+    } else {
+        (None, None)
+    };
+    timed("cpu", start);
+    let start = std::time::Instant::now();
+    let weights_digest = if src.with_weights {
+        let stage = progress.bytes(
+            "weights",
+            art.memory.weights.iter().map(|s| s.bytes()).sum(),
+        );
+        let digest =
+            crate::weights::write_weights(&dir.join(WEIGHTS), &src.model.checkpoint, &art, &|n| {
+                stage.inc(n)
+            })?;
+        Some(digest)
+    } else {
+        None
+    };
+    timed("weights", start);
+    let tokenizer_src = src.model.checkpoint.dir().join(TOKENIZER);
+    let tokenizer = if tokenizer_src.is_file() {
+        std::fs::copy(&tokenizer_src, dir.join(TOKENIZER))?;
+        Some(TOKENIZER.to_string())
+    } else {
+        None
+    };
+    let manifest = artifact::Manifest {
+        format_version: artifact::FORMAT_VERSION,
+        compiler_version: env!("CARGO_PKG_VERSION").to_string(),
+        compiler_git: env!("KILN_GIT_HASH").to_string(),
+        model_config: std::fs::read_to_string(src.model.checkpoint.dir().join("config.json"))?,
+        weights_digest: weights_digest.clone(),
+        architecture: src.model.architecture.clone(),
+        model: artifact::ModelSummary::new(
+            src.model.contract(),
+            src.model
+                .graph
+                .outputs()
+                .iter()
+                .map(|o| o.name.clone())
+                .collect(),
+        ),
+        dtype: src.dtype,
+        weights: weights_digest.as_ref().map(|_| WEIGHTS.to_string()),
+        tokenizer,
+        kernels_ptx: ptx,
+        targets: if cubin.is_some() { vec![90] } else { vec![] },
+        kernels_cubin: cubin,
+        kernels_cpu: cpu_library,
+        cpu_sampler,
+        seq_buckets: src.plan.seq_lens.clone(),
+        batch_buckets: src.plan.batch_sizes.clone(),
+        max_context: compiled.decode.first().and_then(|b| b.context),
+        prefill,
+        decode,
+        memory: art.memory.clone(),
+        cpu_memory: art.cpu_memory.clone(),
+        kernel_table: art.kernel_table(),
+    };
+    let text = ron::ser::to_string_pretty(&manifest, ron::ser::PrettyConfig::new())?;
+    std::fs::write(dir.join(artifact::MANIFEST), text)?;
+    write_checksums(dir, &manifest, weights_digest)?;
+    Ok(seconds)
+}
+
+/// Writes bucket `b`'s static graph under `buckets/` and returns its manifest entry, with the plan
+/// `p` made for it.
+fn bucket_entry(
+    dir: &Path,
+    kind: &str,
+    b: &CompiledBucket,
+    p: &crate::plan::PlannedBucket,
+) -> std::io::Result<artifact::BucketEntry> {
+    let file = format!("buckets/{kind}-{}.ron", b.bucket.label());
+    std::fs::write(dir.join(&file), p.graph.to_ron())?;
+    let mut kernels: Vec<String> = Vec::new();
+    for step in p.plan.iter().flat_map(|p| &p.steps) {
+        if kernels.last() != Some(&step.node) {
+            kernels.push(step.node.clone());
         }
     }
-    let parent = parent_folder(out_dir)?;
-    let name = out_dir
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
-    let backup = parent.join(format!(".{name}.old-{}", std::process::id()));
-    // A leftover from a crashed run with the same process id must not leak into this output.
-    for stale in [&tmp, &backup] {
-        if stale.exists() {
-            std::fs::remove_dir_all(stale)
-                .map_err(|e| anyhow::anyhow!("cannot remove {}: {e}", stale.display()))?;
-        }
-    }
-    let result = (|| -> Result<()> {
-        std::fs::create_dir(&tmp)?;
-        std::fs::create_dir(tmp.join("buckets"))?;
-        let graphs: Vec<&kiln_ir::Graph> = compiled
+    Ok(artifact::BucketEntry {
+        batch: b.bucket.batch,
+        seq: b.bucket.seq,
+        context: b.context,
+        graph: file,
+        kernels,
+        plan: p.plan.clone(),
+        no_gpu: p.unsupported.clone(),
+        no_cpu: p.no_cpu.clone(),
+    })
+}
+
+/// Writes `checksums`: every file the manifest names, the manifest included; the weights were
+/// hashed as they were written (`weights_digest`).
+fn write_checksums(
+    dir: &Path,
+    manifest: &artifact::Manifest,
+    weights_digest: Option<String>,
+) -> Result<()> {
+    let mut files: Vec<String> = vec![artifact::MANIFEST.to_string()];
+    files.extend(manifest.kernels_ptx.iter().cloned());
+    files.extend(manifest.kernels_cubin.iter().cloned());
+    files.extend(manifest.kernels_cpu.iter().cloned());
+    files.extend(manifest.tokenizer.iter().cloned());
+    files.extend(
+        manifest
             .prefill
             .iter()
-            .chain(&compiled.decode)
-            .map(|b| &b.graph)
-            .collect();
-        let planned_artifact = crate::plan::plan_artifact(&graphs, target.cpu())?;
-        let art = &planned_artifact;
-        let mut planned = art.buckets.iter();
-        let mut write = |kind: &str, buckets: &[CompiledBucket]| {
-            let mut entries = Vec::new();
-            for b in buckets {
-                let p = planned.next().expect("one planned bucket per bucket");
-                let file = format!("buckets/{kind}-{}.ron", b.bucket.label());
-                std::fs::write(tmp.join(&file), p.graph.to_ron())?;
-                let mut kernels: Vec<String> = Vec::new();
-                for step in p.plan.iter().flat_map(|p| &p.steps) {
-                    if kernels.last() != Some(&step.node) {
-                        kernels.push(step.node.clone());
-                    }
-                }
-                entries.push(artifact::BucketEntry {
-                    batch: b.bucket.batch,
-                    seq: b.bucket.seq,
-                    context: b.context,
-                    graph: file,
-                    kernels,
-                    plan: p.plan.clone(),
-                    no_gpu: p.unsupported.clone(),
-                    no_cpu: p.no_cpu.clone(),
-                });
-            }
-            Ok::<_, std::io::Error>(entries)
-        };
-        let entries = write("prefill", &compiled.prefill)?;
-        let decode_entries = write("decode", &compiled.decode)?;
-        let (ptx, cubin) = if target.cuda() {
-            let cubin = write_kernels(&tmp, &art.kernels)?;
-            (Some(KERNELS_PTX.to_string()), cubin)
-        } else {
-            (None, None)
-        };
-        let sampler_vocab = match model.kind {
-            ModelKind::Decoder { vocab_size, .. } => Some(u32::try_from(vocab_size)?),
-            ModelKind::Encoder { .. } => None,
-        };
-        let (cpu_library, cpu_sampler) = if target.cpu() {
-            write_cpu_kernels(&tmp, art, sampler_vocab)?
-        } else {
-            (None, None)
-        };
-        let weights_digest = if with_weights {
-            let digest =
-                crate::weights::write_weights(&tmp.join(WEIGHTS), &model.checkpoint, art, &|_| {})?;
-            Some(digest)
-        } else {
-            None
-        };
-        let weights = weights_digest.as_ref().map(|_| WEIGHTS.to_string());
-        let tokenizer_src = model.checkpoint.dir().join(TOKENIZER);
-        let tokenizer = if tokenizer_src.is_file() {
-            std::fs::copy(&tokenizer_src, tmp.join(TOKENIZER))?;
-            Some(TOKENIZER.to_string())
-        } else {
-            None
-        };
-        let manifest = artifact::Manifest {
-            format_version: artifact::FORMAT_VERSION,
-            compiler_version: env!("CARGO_PKG_VERSION").to_string(),
-            compiler_git: env!("KILN_GIT_HASH").to_string(),
-            model_config: std::fs::read_to_string(model.checkpoint.dir().join("config.json"))?,
-            weights_digest: weights_digest.clone(),
-            architecture: model.architecture.clone(),
-            model: artifact::ModelSummary::new(
-                model.contract(),
-                model
-                    .graph
-                    .outputs()
-                    .iter()
-                    .map(|o| o.name.clone())
-                    .collect(),
-            ),
-            dtype,
-            weights,
-            tokenizer,
-            kernels_ptx: ptx,
-            targets: if cubin.is_some() { vec![90] } else { vec![] },
-            kernels_cubin: cubin,
-            kernels_cpu: cpu_library,
-            cpu_sampler,
-            seq_buckets: plan.seq_lens.clone(),
-            batch_buckets: plan.batch_sizes.clone(),
-            max_context: compiled.decode.first().and_then(|b| b.context),
-            prefill: entries,
-            decode: decode_entries,
-            memory: art.memory.clone(),
-            cpu_memory: art.cpu_memory.clone(),
-            kernel_table: art.kernel_table(),
-        };
-        let text = ron::ser::to_string_pretty(&manifest, ron::ser::PrettyConfig::new())?;
-        std::fs::write(tmp.join(artifact::MANIFEST), text)?;
-        // Every file, the manifest included, gets a checksum; the weights were hashed as they
-        // were written.
-        let mut files: Vec<String> = vec![artifact::MANIFEST.to_string()];
-        files.extend(manifest.kernels_ptx.iter().cloned());
-        files.extend(manifest.kernels_cubin.iter().cloned());
-        files.extend(manifest.kernels_cpu.iter().cloned());
-        files.extend(manifest.tokenizer.iter().cloned());
-        files.extend(
-            manifest
-                .prefill
-                .iter()
-                .chain(&manifest.decode)
-                .map(|b| b.graph.clone()),
-        );
-        let mut sums = checksum::digest_files(&tmp, &files)?;
-        if let (Some(file), Some(digest)) = (&manifest.weights, weights_digest) {
-            sums.push((digest, file.clone()));
-        }
-        std::fs::write(
-            tmp.join(artifact::CHECKSUMS),
-            checksum::render_checksums(&sums),
-        )?;
-        // Swap by renames: the old output stays whole until the new one is in place.
-        let had_old = out_dir.exists();
-        if had_old {
-            std::fs::rename(out_dir, &backup)?;
-        }
-        if let Err(e) = std::fs::rename(&tmp, out_dir) {
-            if had_old {
-                let _ = std::fs::rename(&backup, out_dir);
-            }
-            return Err(e.into());
-        }
-        Ok(())
-    })();
-    if let Err(e) = result {
-        let _ = std::fs::remove_dir_all(&tmp);
-        bail!("cannot write {}: {e}", out_dir.display());
+            .chain(&manifest.decode)
+            .map(|b| b.graph.clone()),
+    );
+    let mut sums = checksum::digest_files(dir, &files)?;
+    if let (Some(file), Some(digest)) = (&manifest.weights, weights_digest) {
+        sums.push((digest, file.clone()));
     }
-    if backup.exists() {
-        std::fs::remove_dir_all(&backup).map_err(|e| {
-            anyhow::anyhow!("cannot remove the old output {}: {e}", backup.display())
-        })?;
-    }
+    std::fs::write(
+        dir.join(artifact::CHECKSUMS),
+        checksum::render_checksums(&sums),
+    )?;
     Ok(())
 }
 
@@ -834,11 +858,17 @@ const TOKENIZER: &str = "tokenizer.json";
 
 /// Writes `kernels.ptx` (every generated kernel) and, when a ptxas is found (`$KILN_PTXAS` or
 /// PATH), `kernels.sm_90.cubin` assembled from it; returns the cubin's name if written.
-fn write_kernels(dir: &Path, kernels: &crate::lower::Lowered) -> Result<Option<String>> {
+fn write_kernels(
+    dir: &Path,
+    kernels: &crate::lower::Lowered,
+    progress: &Progress,
+) -> Result<Option<String>> {
     let texts: Vec<String> = kernels.kernels.values().map(|k| k.ptx.clone()).collect();
     let ptx = dir.join(KERNELS_PTX);
     std::fs::write(&ptx, kiln_kernels::ptx::module(&texts))?;
     if let Some(ptxas) = find_ptxas() {
+        let stage = progress.stage("ptxas", 0);
+        stage.say(format!("{} kernels for sm_90", texts.len()));
         let cubin = dir.join(KERNELS_CUBIN);
         let out = std::process::Command::new(&ptxas)
             .arg("-arch=sm_90")
@@ -888,14 +918,17 @@ fn write_cpu_kernels(
     dir: &Path,
     plan: &ArtifactPlan,
     sampler_vocab: Option<u32>,
+    progress: &Progress,
 ) -> Result<(Option<String>, Option<String>)> {
     use crate::lower::CpuKernel;
     use kiln_kernels::cpu::{self, CpuModule};
     if plan.cpu_kernels.is_empty() {
         return Ok((None, None));
     }
+    let stage = progress.stage("cpu code", plan.cpu_kernels.len() as u64);
     let mut module = CpuModule::new()?;
     for (symbol, kernel) in &plan.cpu_kernels {
+        stage.inc(1);
         let made = match kernel {
             CpuKernel::Norm(c) => cpu::norm::norm(&mut module, c)?,
             CpuKernel::Activation(a) => cpu::elementwise::activation_kernel(&mut module, *a)?,

@@ -12,6 +12,7 @@ use serde::Serialize;
 use crate::bucket::{Bucket, BucketPlan};
 use crate::fusion::cost::{fusions, graph_work, CostModel, KernelKind};
 use crate::fusion::{saturate, FusionError, Limits, PhaseStats, Saturated};
+use crate::progress::Progress;
 
 /// The output generation samples from; prompt chunks leave it out.
 pub const LOGITS: &str = "logits";
@@ -125,19 +126,43 @@ pub fn compile(
     cached: Option<&Graph>,
     opts: &CompileOptions,
 ) -> Result<(CompileReport, Compiled), FusionError> {
+    compile_with_progress(graph, cached, opts, &Progress::shown(false))
+}
+
+/// [`compile`], showing the rule phases and each bucket's extraction on `progress`.
+pub fn compile_with_progress(
+    graph: &Graph,
+    cached: Option<&Graph>,
+    opts: &CompileOptions,
+    progress: &Progress,
+) -> Result<(CompileReport, Compiled), FusionError> {
     let mut stage_seconds = BTreeMap::new();
     let start = Instant::now();
+    let stage = progress.stage("rules", 0);
     let saturated = saturate(graph, &opts.limits)?;
     let saturated_cached = match (cached, opts.max_context) {
         (Some(g), Some(_)) => Some(saturate(g, &opts.limits)?),
         _ => None,
     };
+    drop(stage);
     stage_seconds.insert("saturate".to_string(), start.elapsed().as_secs_f64());
+    let decode_buckets = match (&saturated_cached, opts.max_context) {
+        (Some(_), Some(_)) => {
+            opts.plan.batch_sizes.len() + usize::from(opts.prefill_chunk.is_some_and(|c| c > 1))
+        }
+        _ => 0,
+    };
+    let stage = progress.stage(
+        "fusion",
+        (opts.plan.prefill().len() + decode_buckets) as u64,
+    );
 
     let start = Instant::now();
     let mut generated = crate::lower::Lowered::default();
     let mut prefill = Vec::new();
     for bucket in opts.plan.prefill() {
+        stage.say(format!("b{}-s{}", bucket.batch, bucket.seq));
+        stage.inc(1);
         prefill.push(compile_bucket(
             &saturated,
             bucket,
@@ -159,6 +184,8 @@ pub fn compile(
             .rev()
             .map(|&batch| Bucket { batch, seq: 1 });
         for bucket in chunk.into_iter().chain(steps) {
+            stage.say(format!("cached b{}-s{}", bucket.batch, bucket.seq));
+            stage.inc(1);
             decode.push(compile_bucket(
                 sat,
                 bucket,
@@ -168,6 +195,8 @@ pub fn compile(
             )?);
         }
     }
+    stage.say("");
+    drop(stage);
     stage_seconds.insert("extract".to_string(), start.elapsed().as_secs_f64());
     let padding = opts.histogram.as_ref().map(|h| {
         let (waste, too_long) = opts.plan.padding_waste(h);

@@ -13,6 +13,8 @@ pub mod fusion;
 pub mod lower;
 pub mod memory;
 pub mod plan;
+pub mod progress;
+pub mod staging;
 pub mod tensor_io;
 pub mod tokenize;
 pub mod weights;
