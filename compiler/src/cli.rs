@@ -865,29 +865,66 @@ fn write_kernels(
 ) -> Result<Option<String>> {
     let texts: Vec<String> = kernels.kernels.values().map(|k| k.ptx.clone()).collect();
     let ptx = dir.join(KERNELS_PTX);
-    std::fs::write(&ptx, kiln_kernels::ptx::module(&texts))?;
-    if let Some(ptxas) = find_ptxas() {
-        let stage = progress.stage("ptxas", 0);
-        stage.say(format!("{} kernels for sm_90", texts.len()));
-        let cubin = dir.join(KERNELS_CUBIN);
-        let out = std::process::Command::new(&ptxas)
-            .arg("-arch=sm_90")
-            .arg(&ptx)
-            .arg("-o")
-            .arg(&cubin)
-            .output()
-            .map_err(|e| anyhow::anyhow!("cannot run {}: {e}", ptxas.display()))?;
-        if !out.status.success() {
-            let first = String::from_utf8_lossy(&out.stderr)
-                .lines()
-                .next()
-                .unwrap_or("no message")
-                .to_string();
-            bail!("ptxas rejected kernels.ptx: {first}");
-        }
+    let module = kiln_kernels::ptx::module(&texts);
+    std::fs::write(&ptx, &module)?;
+    let Some(ptxas) = find_ptxas() else {
+        return Ok(None);
+    };
+    let stage = progress.stage("ptxas", 0);
+    let cubin = dir.join(KERNELS_CUBIN);
+    let cached = cubin_cache(&ptxas, &module);
+    if let Some(hit) = cached.as_ref().filter(|c| c.is_file()) {
+        stage.say("cached");
+        std::fs::copy(hit, &cubin)?;
         return Ok(Some(KERNELS_CUBIN.to_string()));
     }
-    Ok(None)
+    stage.say(format!("{} kernels for sm_90", texts.len()));
+    // `--split-compile 0`: optimise the module's functions on every core.
+    let out = std::process::Command::new(&ptxas)
+        .args(["-arch=sm_90", "--split-compile", "0"])
+        .arg(&ptx)
+        .arg("-o")
+        .arg(&cubin)
+        .output()
+        .map_err(|e| anyhow::anyhow!("cannot run {}: {e}", ptxas.display()))?;
+    if !out.status.success() {
+        let first = String::from_utf8_lossy(&out.stderr)
+            .lines()
+            .next()
+            .unwrap_or("no message")
+            .to_string();
+        bail!("ptxas rejected kernels.ptx: {first}");
+    }
+    if let Some(path) = cached {
+        // A cache that cannot be written only costs the next compile its ptxas run.
+        let _ = path
+            .parent()
+            .map(std::fs::create_dir_all)
+            .transpose()
+            .and_then(|_| std::fs::read(&cubin))
+            .map(|bytes| crate::tensor_io::write_atomically(&path, &bytes));
+    }
+    Ok(Some(KERNELS_CUBIN.to_string()))
+}
+
+/// Where the cubin ptxas makes of `module` is cached across compiles: under `$KILN_CACHE`, else
+/// `$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln`, named by the digest of the PTX and of the
+/// ptxas binary and flags (another ptxas or PTX is another entry); `None` without a home.
+fn cubin_cache(ptxas: &Path, module: &str) -> Option<PathBuf> {
+    let root = std::env::var_os("KILN_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|c| PathBuf::from(c).join("kiln")))
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kiln")))?;
+    let tool = checksum::digest_file(ptxas).ok()?;
+    let mut d = checksum::Digester::new();
+    for part in [tool.as_str(), "-arch=sm_90", module] {
+        d.update(part.as_bytes());
+        d.update(&[0]);
+    }
+    Some(
+        root.join("cubin")
+            .join(format!("{}.sm_90.cubin", d.finish())),
+    )
 }
 
 /// Which code `kiln compile` generates.

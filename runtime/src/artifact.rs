@@ -151,6 +151,15 @@ impl Artifact {
         })
     }
 
+    /// Lets the system drop the mapped pages of bytes `at..at + len` of the weights region (read
+    /// again from the file if touched later): an executor that has copied them elsewhere keeps
+    /// the host's memory from growing with the model.
+    pub fn release_weights(&self, at: usize, len: usize) {
+        if let Some(w) = &self.weights {
+            w.release(at, len);
+        }
+    }
+
     /// The weights region a native executor uses as it is: the weights file's data section,
     /// checked against the memory plan.
     pub fn weights_region(&self) -> Result<&[u8], RuntimeError> {

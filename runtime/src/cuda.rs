@@ -276,10 +276,11 @@ impl CudaExecutor {
         let mut counts = DriverCounts::default();
         counts.allocated();
         let mut memory = stream.alloc_zeros::<u8>(total as usize).map_err(dev)?;
-        stream
-            .memcpy_htod(region, &mut memory.slice_mut(0..region.len()))
-            .map_err(dev)?;
-        stream.synchronize().map_err(dev)?;
+        let base = {
+            let (ptr, _sync) = memory.device_ptr(&stream);
+            ptr
+        };
+        upload_weights(&ctx, &stream, base, art, region)?;
         tracing::info!(
             seconds = start.elapsed().as_secs_f64(),
             bytes = region.len(),
@@ -303,10 +304,6 @@ impl CudaExecutor {
         }
 
         tracing::info!(seconds = start.elapsed().as_secs_f64(), "kernels loaded");
-        let base = {
-            let (ptr, _sync) = memory.device_ptr(&stream);
-            ptr
-        };
         let addresses = Addresses {
             base,
             plan: m.memory.clone(),
@@ -572,6 +569,47 @@ fn plans_outputs_bytes(buckets: &[(&BucketEntry, &ExecPlan)]) -> usize {
         .map(|(_, p)| p.outputs.iter().map(|s| s.bytes() as usize).sum::<usize>())
         .max()
         .unwrap_or(0)
+}
+
+/// Bytes of each of the two page-locked chunks the weights go to the GPU through.
+const UPLOAD_CHUNK: usize = 64 << 20;
+
+/// Copies the weights `region` (mapped from the artifact) to the device at `base`, chunk by chunk
+/// through two page-locked buffers: the host copies one chunk while the GPU takes the other, and
+/// each chunk's mapped pages are released once copied, so the host holds about two chunks of the
+/// weights whatever their size.
+fn upload_weights(
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+    base: u64,
+    art: &Artifact,
+    region: &[u8],
+) -> Result<(), RuntimeError> {
+    let dev = |e: cudarc::driver::DriverError| RuntimeError::Device(format!("CUDA: {e}"));
+    let chunk = UPLOAD_CHUNK.min(region.len().max(1));
+    // SAFETY: page-locked host memory written only by this function, each half only after the
+    // copy that last read it has completed (the stream is synchronised before every new copy).
+    let mut pinned = unsafe { ctx.alloc_pinned_with_flags::<u8>(2 * chunk, 0) }.map_err(dev)?;
+    let pinned = pinned.as_mut_slice().map_err(dev)?;
+    for (k, src) in region.chunks(chunk).enumerate() {
+        let half = &mut pinned[(k % 2) * chunk..][..src.len()];
+        // The copy of chunk k - 1 (from the other half) runs while this one is filled.
+        half.copy_from_slice(src);
+        stream.synchronize().map_err(dev)?;
+        // SAFETY: the destination `base + k * chunk .. + src.len()` lies inside the weights
+        // region of the one allocation (`region` is that region's bytes); the source is the
+        // page-locked half just filled, not written again until the stream is synchronised.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(
+                base + (k * chunk) as u64,
+                &*half,
+                stream.cu_stream(),
+            )
+        }
+        .map_err(dev)?;
+        art.release_weights(k * chunk, src.len());
+    }
+    stream.synchronize().map_err(dev)
 }
 
 /// Device addresses of the plan's regions.

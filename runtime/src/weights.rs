@@ -65,6 +65,23 @@ impl WeightStore {
 }
 
 impl WeightStore {
+    /// Drops the mapped pages of bytes `at..at + len` of the data section (see
+    /// [`crate::Artifact::release_weights`]); advice the system may ignore.
+    pub fn release(&self, at: usize, len: usize) {
+        let Some(header) = self.mmap.get(..8) else {
+            return;
+        };
+        let start = 8 + u64::from_le_bytes(header.try_into().expect("8 bytes")) as usize + at;
+        let len = len.min(self.mmap.len().saturating_sub(start));
+        // SAFETY: the mapping is read-only and backed by the file, so dropping its pages loses
+        // nothing: a later read of them faults the same bytes in again from the file (which
+        // artifacts never modify). memmap2 aligns the range to whole pages.
+        let _ = unsafe {
+            self.mmap
+                .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, len)
+        };
+    }
+
     /// A weights region laid out by `plan` whose f32 slots hold the file's tensors of the same
     /// names widened to f32 (the CPU plans of f16/bf16 builds), as 8-byte words.
     pub fn widened(&self, plan: &MemoryPlan) -> Result<Vec<u64>, String> {
