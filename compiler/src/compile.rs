@@ -7,6 +7,7 @@ use std::time::Instant;
 use kiln_ir::artifact::KernelPath;
 use kiln_ir::dim::CONTEXT;
 use kiln_ir::{Graph, NodeId};
+use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::bucket::{Bucket, BucketPlan};
@@ -158,20 +159,14 @@ pub fn compile_with_progress(
     );
 
     let start = Instant::now();
-    let mut generated = crate::lower::Lowered::default();
-    let mut prefill = Vec::new();
-    for bucket in opts.plan.prefill() {
-        stage.say(format!("b{}-s{}", bucket.batch, bucket.seq));
-        stage.inc(1);
-        prefill.push(compile_bucket(
-            &saturated,
-            bucket,
-            None,
-            &opts.cost,
-            &mut generated,
-        )?);
-    }
-    let mut decode = Vec::new();
+    // Every bucket's extraction on every core; lowering then goes bucket after bucket, so the
+    // kernel table (names of kernels that clash included) is the same whatever the scheduling.
+    let mut jobs: Vec<(&Saturated, Bucket, Option<usize>)> = opts
+        .plan
+        .prefill()
+        .into_iter()
+        .map(|b| (&saturated, b, None))
+        .collect();
     if let (Some(sat), Some(context)) = (&saturated_cached, opts.max_context) {
         let chunk = opts
             .prefill_chunk
@@ -183,16 +178,29 @@ pub fn compile_with_progress(
             .iter()
             .rev()
             .map(|&batch| Bucket { batch, seq: 1 });
-        for bucket in chunk.into_iter().chain(steps) {
-            stage.say(format!("cached b{}-s{}", bucket.batch, bucket.seq));
+        jobs.extend(
+            chunk
+                .into_iter()
+                .chain(steps)
+                .map(|b| (sat, b, Some(context))),
+        );
+    }
+    let extracted: Vec<(Graph, f64)> = jobs
+        .par_iter()
+        .map(|&(sat, bucket, context)| {
+            let done = extract_bucket(sat, bucket, context, &opts.cost);
             stage.inc(1);
-            decode.push(compile_bucket(
-                sat,
-                bucket,
-                Some(context),
-                &opts.cost,
-                &mut generated,
-            )?);
+            done
+        })
+        .collect::<Result<_, _>>()?;
+    let mut generated = crate::lower::Lowered::default();
+    let mut prefill = Vec::new();
+    let mut decode = Vec::new();
+    for ((_, bucket, context), (graph, modelled)) in jobs.into_iter().zip(extracted) {
+        let done = lower_bucket(graph, bucket, context, modelled, &mut generated)?;
+        match context {
+            None => prefill.push(done),
+            Some(_) => decode.push(done),
         }
     }
     stage.say("");
@@ -230,17 +238,16 @@ pub fn compile_with_progress(
     ))
 }
 
-/// Extracts, specialises and lowers (into `generated`) one bucket of `sat`; a KV-cached bucket
-/// (`context`) of more than one token is a prompt chunk, which only fills the cache: its `logits`
-/// output, and the LM head with it, are left out (generation takes the prompt's last token through
-/// a decode step).
-fn compile_bucket(
+/// Extracts and specialises one bucket of `sat`, with the cost the model gives it; a KV-cached
+/// bucket (`context`) of more than one token is a prompt chunk, which only fills the cache: its
+/// `logits` output, and the LM head with it, are left out (generation takes the prompt's last
+/// token through a decode step).
+fn extract_bucket(
     sat: &Saturated,
     bucket: Bucket,
     context: Option<usize>,
     cost: &CostModel,
-    generated: &mut crate::lower::Lowered,
-) -> Result<(BucketReport, CompiledBucket), FusionError> {
+) -> Result<(Graph, f64), FusionError> {
     let mut bindings = bucket.bindings();
     if let Some(c) = context {
         bindings.insert(CONTEXT.to_string(), c as i64);
@@ -248,7 +255,17 @@ fn compile_bucket(
     let prompt_chunk = context.is_some() && bucket.seq > 1;
     let (fused, modelled_seconds) =
         sat.extract_outputs(&bindings, cost, |name| !(prompt_chunk && name == LOGITS))?;
-    let graph = fused.specialize(&bindings)?;
+    Ok((fused.specialize(&bindings)?, modelled_seconds))
+}
+
+/// Lowers one extracted bucket (its kernels into `generated`) and reports it.
+fn lower_bucket(
+    graph: Graph,
+    bucket: Bucket,
+    context: Option<usize>,
+    modelled_seconds: f64,
+    generated: &mut crate::lower::Lowered,
+) -> Result<(BucketReport, CompiledBucket), FusionError> {
     // Lowered as the artifact writer lowers it: product weights stored `[N, K]` (`fold.rs`).
     let (stored, moved) = crate::fold::weights_n_by_k(&graph)?;
     let lowered = crate::lower::lower(&stored, generated);

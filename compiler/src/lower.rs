@@ -156,6 +156,9 @@ impl NodeLaunches {
 pub struct Lowered {
     /// Kernels by entry name.
     pub kernels: BTreeMap<String, GeneratedKernel>,
+    /// Every kernel generated so far, by generator and configuration: the nodes of a model's
+    /// layers, and the buckets, share most of their kernels, and each is generated once.
+    generated: std::collections::HashMap<String, GeneratedKernel>,
 }
 
 /// How one graph runs: the launches of each lowered node, and the ops that have no generator yet.
@@ -173,6 +176,19 @@ pub struct GraphLaunches {
 }
 
 impl Lowered {
+    /// The kernel `make` generates for `cfg`, generated the first time it is asked for.
+    fn generate<C: std::fmt::Debug>(
+        &mut self,
+        cfg: &C,
+        make: impl FnOnce(&C) -> GeneratedKernel,
+    ) -> GeneratedKernel {
+        let key = format!("{}{cfg:?}", std::any::type_name_of_val(&make));
+        self.generated
+            .entry(key)
+            .or_insert_with(|| make(cfg))
+            .clone()
+    }
+
     /// Adds `kernel`, once, and returns the name it is kept under: another kernel under the same
     /// name is kept under a new name.
     pub fn add(&mut self, kernel: GeneratedKernel) -> String {
@@ -326,7 +342,7 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
                 tokens,
                 elem,
             };
-            let kernel = embedding(&cfg);
+            let kernel = out.generate(&cfg, embedding);
             let names: Vec<(String, String)> = (0..spec.tables)
                 .map(|i| (format!("table_{i}"), format!("ids_{i}")))
                 .collect();
@@ -350,7 +366,7 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
                 cols,
                 eps,
             };
-            let kernel = norm(&cfg);
+            let kernel = out.generate(&cfg, norm);
             // Operands: x, [residual], weight, [bias].
             let mut rest = 1;
             let mut bind = vec![("x", a(0)), ("out", this)];
@@ -402,7 +418,7 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
                 if let Some(b) = norm_bias {
                     bind.push(("bias", b));
                 }
-                let kernel = norm(&cfg);
+                let kernel = out.generate(&cfg, norm);
                 n.cpu_like(CpuKernel::Norm(cfg), &kernel, &bind, u64::from(m));
                 out.launch(n, kernel, &bind)?;
                 x_operand = Operand::Scratch(0);
@@ -418,7 +434,7 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
                 residual: spec.residual,
                 elem,
             };
-            let kernel = gemm(&cfg);
+            let kernel = out.generate(&cfg, gemm);
             let mut bind = vec![("x", x_operand), ("w", a(1)), ("out", this)];
             if let Some(b) = bias {
                 bind.push(("bias", b));
@@ -430,7 +446,7 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
             out.launch(n, kernel, &bind)?;
         }
         Op::Attention(spec) => {
-            let (cfg, kernel) = lower_attention(g, id, spec, elem)?;
+            let (cfg, kernel) = lower_attention(out, g, id, spec, elem)?;
             // Operands: q, k, v, [attention_mask], [positions], [seed].
             let mut rest = 3;
             let mut bind = vec![("q", a(0)), ("k", a(1)), ("v", a(2)), ("out", this)];
@@ -475,21 +491,26 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
                 n.scratch.push(rows * 2 * 4);
                 bind.push(("partial_acc", Operand::Scratch(0)));
                 bind.push(("partial_ml", Operand::Scratch(1)));
-                out.launch(n, attention(&cfg), &bind)?;
+                let kernel = out.generate(&cfg, attention);
+                out.launch(n, kernel, &bind)?;
                 let bind = [
                     ("partial_acc", Operand::Scratch(0)),
                     ("partial_ml", Operand::Scratch(1)),
                     ("out", this),
                 ];
-                out.launch(n, attention_combine(&cfg), &bind)?;
+                let kernel = out.generate(&cfg, attention_combine);
+                out.launch(n, kernel, &bind)?;
             } else {
                 bind.push(("out", this));
-                out.launch(n, attention(&cfg), &bind)?;
+                let kernel = out.generate(&cfg, attention);
+                out.launch(n, kernel, &bind)?;
             }
         }
         Op::Activation(act) => {
             let count = numel(&node.ty)?;
-            let kernel = activation_kernel(*act, elem, count);
+            let kernel = out.generate(&(*act, elem, count), |&(act, elem, count)| {
+                activation_kernel(act, elem, count)
+            });
             let bind = [("x", a(0)), ("out", this), ("n", Operand::U32(count))];
             n.cpu(
                 CpuKernel::Activation(*act),
@@ -522,7 +543,7 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
                 rope: rope.is_some(),
                 elem,
             };
-            let kernel = kv_write(&cfg);
+            let kernel = out.generate(&cfg, kv_write);
             let mut bind = vec![
                 ("cache", a(0)),
                 ("new", Value(values)),
@@ -586,6 +607,7 @@ fn base_config(g: &Graph, id: NodeId, elem: Elem) -> Option<(AttentionConfig, [u
 }
 
 fn lower_attention(
+    out: &mut Lowered,
     g: &Graph,
     id: NodeId,
     spec: &AttentionSpec,
@@ -596,9 +618,9 @@ fn lower_attention(
     // The element offsets are applied to the pointers at launch; the tensor-core kernel's 16-byte
     // copies need them to be multiples of 8 elements.
     let kernel = if offsets.iter().all(|o| o % 8 == 0) {
-        attention(&cfg)
+        out.generate(&cfg, attention)
     } else {
-        attention_simt(&cfg)
+        out.generate(&cfg, attention_simt)
     };
     Some((cfg, kernel))
 }
