@@ -103,8 +103,8 @@ fn cut(layout: &[TensorSlot], cost: impl Fn(&TensorSlot) -> u64) -> Vec<&[Tensor
     out
 }
 
-/// Bytes held while `slot` is transformed: the result, plus the stored tensor when it is
-/// converted, plus the interpreter's f32 copies of inputs and result when it is folded.
+/// Bytes held while `slot` is transformed: the result, plus a piece of the stored tensor when it
+/// is converted, plus the interpreter's f32 copies of inputs and result when it is folded.
 fn footprint(slot: &TensorSlot, plan: &ArtifactPlan, checkpoint: &Checkpoint) -> u64 {
     let elements = slot.shape.iter().product::<usize>() as u64;
     let bytes = slot.bytes();
@@ -112,9 +112,11 @@ fn footprint(slot: &TensorSlot, plan: &ArtifactPlan, checkpoint: &Checkpoint) ->
         return bytes + 8 * elements;
     }
     match checkpoint.dtype(&slot.name) {
-        Some(stored) if stored == slot.dtype => bytes,
-        Some(stored) => bytes + elements * stored.size_bytes() as u64,
-        None => bytes,
+        // A conversion reads the stored tensor 16 MiB at a time.
+        Some(stored) if stored != slot.dtype => {
+            bytes + (elements * stored.size_bytes() as u64).min(16 << 20)
+        }
+        _ => bytes,
     }
 }
 

@@ -244,8 +244,8 @@ impl Checkpoint {
 
     /// Reads tensor `name` into `out` as little-endian bytes of the float `dtype`: the stored
     /// bytes when it is stored so (straight from the file), else each value converted (rounded to
-    /// nearest even) without an f32 copy of the tensor; the same bits as reading it as f32 and
-    /// casting. `out` must hold the tensor exactly.
+    /// nearest even) a piece at a time, without an f32 copy of the tensor; the same bits as
+    /// reading it as f32 and casting. `out` must hold the tensor exactly.
     pub fn read_into(&self, name: &str, dtype: DType, out: &mut [u8]) -> Result<(), ModelError> {
         let (path, file, stored, at, len) = self.locate(name)?;
         let width = float_width(name, stored)?;
@@ -258,16 +258,20 @@ impl Checkpoint {
         if self.dtype(name) == Some(dtype) {
             return Self::read_at(path, file, out, at);
         }
-        let (_, bytes) = self.raw(name)?;
-        for (b, o) in bytes
-            .chunks_exact(width)
-            .zip(out.chunks_exact_mut(dtype.size_bytes()))
-        {
-            let v = stored_value(stored, b);
-            match dtype {
-                DType::F16 => o.copy_from_slice(&f16::from_f32(v).to_le_bytes()),
-                DType::BF16 => o.copy_from_slice(&bf16::from_f32(v).to_le_bytes()),
-                _ => o.copy_from_slice(&v.to_le_bytes()),
+        // Converted a piece at a time: what is held besides `out` is one piece of stored bytes.
+        const PIECE: usize = 16 << 20;
+        let size = dtype.size_bytes();
+        let mut stored_bytes = vec![0u8; PIECE.min(len)];
+        for (i, dst) in out.chunks_mut(PIECE / width * size).enumerate() {
+            let src = &mut stored_bytes[..dst.len() / size * width];
+            Self::read_at(path, file, src, at + (i * (PIECE / width * width)) as u64)?;
+            for (b, o) in src.chunks_exact(width).zip(dst.chunks_exact_mut(size)) {
+                let v = stored_value(stored, b);
+                match dtype {
+                    DType::F16 => o.copy_from_slice(&f16::from_f32(v).to_le_bytes()),
+                    DType::BF16 => o.copy_from_slice(&bf16::from_f32(v).to_le_bytes()),
+                    _ => o.copy_from_slice(&v.to_le_bytes()),
+                }
             }
         }
         Ok(())
@@ -346,4 +350,33 @@ pub(crate) fn read_json(path: &Path) -> Result<Value, ModelError> {
         path: path.to_path_buf(),
         message: e.to_string(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conversions_read_in_pieces_match_casting_every_value() {
+        let dir = std::env::temp_dir().join(format!("kiln-ckpt-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("config.json"), "{}").unwrap();
+        // More than one 16 MiB piece of f32, ending in a partial one.
+        let n = (5 << 20) + 3;
+        let values: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let view = safetensors::tensor::TensorView::new(StDtype::F32, vec![n], &bytes).unwrap();
+        safetensors::serialize_to_file([("w", view)], None, &dir.join("model.safetensors"))
+            .unwrap();
+        let ck = Checkpoint::open(&dir).unwrap();
+        let mut out = vec![0u8; 2 * n];
+        ck.read_into("w", DType::BF16, &mut out).unwrap();
+        let want: Vec<u8> = values
+            .iter()
+            .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
+            .collect();
+        assert!(out == want, "bf16 bytes differ");
+        assert_eq!(ck.read_as("w", DType::F32).unwrap(), bytes);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
