@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Result};
 use clap::{Parser, Subcommand};
-use kiln_ir::artifact::{ExecPlan, KernelPath};
+use kiln_ir::artifact::{ExecPlan, Image, KernelPath};
 use kiln_ir::dim::{BATCH, SEQ};
 use kiln_ir::{artifact, checksum, DType, Tensor};
 use kiln_models::inputs::TokenBatch;
@@ -375,6 +375,8 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 [
                     m.kernels_ptx.as_deref(),
                     m.kernels_cubin.as_deref(),
+                    m.kernels_sm90a_ptx.as_deref(),
+                    m.kernels_sm90a_cubin.as_deref(),
                     m.kernels_cpu.as_deref()
                 ]
                 .into_iter()
@@ -714,11 +716,10 @@ fn fill_artifact(
     let prefill = entries("prefill", &compiled.prefill)?;
     let decode = entries("decode", &compiled.decode)?;
     let start = std::time::Instant::now();
-    let (ptx, cubin) = if src.target.cuda() {
-        let cubin = write_kernels(dir, &art.kernels, progress)?;
-        (Some(KERNELS_PTX.to_string()), cubin)
+    let kernel_files = if src.target.cuda() {
+        write_kernels(dir, &art.kernels, progress)?
     } else {
-        (None, None)
+        KernelFiles::default()
     };
     timed("ptx", start);
     let start = std::time::Instant::now();
@@ -773,9 +774,15 @@ fn fill_artifact(
         dtype: src.dtype,
         weights: weights_digest.as_ref().map(|_| WEIGHTS.to_string()),
         tokenizer,
-        kernels_ptx: ptx,
-        targets: if cubin.is_some() { vec![90] } else { vec![] },
-        kernels_cubin: cubin,
+        kernels_ptx: kernel_files.ptx,
+        targets: if kernel_files.cubin.is_some() {
+            vec![90]
+        } else {
+            vec![]
+        },
+        kernels_cubin: kernel_files.cubin,
+        kernels_sm90a_ptx: kernel_files.sm90a_ptx,
+        kernels_sm90a_cubin: kernel_files.sm90a_cubin,
         kernels_cpu: cpu_library,
         cpu_sampler,
         seq_buckets: src.plan.seq_lens.clone(),
@@ -831,6 +838,8 @@ fn write_checksums(
     let mut files: Vec<String> = vec![artifact::MANIFEST.to_string()];
     files.extend(manifest.kernels_ptx.iter().cloned());
     files.extend(manifest.kernels_cubin.iter().cloned());
+    files.extend(manifest.kernels_sm90a_ptx.iter().cloned());
+    files.extend(manifest.kernels_sm90a_cubin.iter().cloned());
     files.extend(manifest.kernels_cpu.iter().cloned());
     files.extend(manifest.tokenizer.iter().cloned());
     files.extend(
@@ -851,38 +860,81 @@ fn write_checksums(
     Ok(())
 }
 
-const KERNELS_PTX: &str = "kernels.ptx";
-const KERNELS_CUBIN: &str = "kernels.sm_90.cubin";
 const WEIGHTS: &str = "weights.safetensors";
 const TOKENIZER: &str = "tokenizer.json";
 
-/// Writes `kernels.ptx` (every generated kernel) and, when a ptxas is found (`$KILN_PTXAS` or
-/// PATH), `kernels.sm_90.cubin` assembled from it; returns the cubin's name if written.
+/// The kernel files of an artifact: each image's PTX module and, when ptxas was found, its cubin.
+#[derive(Default)]
+struct KernelFiles {
+    ptx: Option<String>,
+    cubin: Option<String>,
+    sm90a_ptx: Option<String>,
+    sm90a_cubin: Option<String>,
+}
+
+/// Writes each image's module (`kernels.ptx`; `kernels.sm_90a.ptx` when some kernel needs sm_90a)
+/// and, when a ptxas is found (`$KILN_PTXAS` or PATH), the cubin of each.
 fn write_kernels(
     dir: &Path,
     kernels: &crate::lower::Lowered,
     progress: &Progress,
-) -> Result<Option<String>> {
-    let texts: Vec<String> = kernels.kernels.values().map(|k| k.ptx.clone()).collect();
-    let ptx = dir.join(KERNELS_PTX);
-    let module = kiln_kernels::ptx::module(&texts);
-    std::fs::write(&ptx, &module)?;
-    let Some(ptxas) = find_ptxas() else {
-        return Ok(None);
-    };
+) -> Result<KernelFiles> {
+    let ptxas = find_ptxas();
+    let mut files = KernelFiles::default();
+    for image in [Image::Sm90, Image::Sm90a] {
+        let texts: Vec<String> = kernels
+            .kernels
+            .values()
+            .filter(|k| k.image == image)
+            .map(|k| k.ptx.clone())
+            .collect();
+        if texts.is_empty() && image == Image::Sm90a {
+            continue;
+        }
+        let target = image.target();
+        let ptx_name = match image {
+            Image::Sm90 => "kernels.ptx".to_string(),
+            Image::Sm90a => format!("kernels.{target}.ptx"),
+        };
+        let module = kiln_kernels::ptx::module_for(target, &texts);
+        std::fs::write(dir.join(&ptx_name), &module)?;
+        let cubin = match &ptxas {
+            Some(ptxas) => Some(assemble(dir, ptxas, &ptx_name, &module, target, progress)?),
+            None => None,
+        };
+        match image {
+            Image::Sm90 => (files.ptx, files.cubin) = (Some(ptx_name), cubin),
+            Image::Sm90a => (files.sm90a_ptx, files.sm90a_cubin) = (Some(ptx_name), cubin),
+        }
+    }
+    Ok(files)
+}
+
+/// Assembles `dir/ptx_name` (whose text is `module`) for `target` into `kernels.{target}.cubin`,
+/// or copies the cached cubin of the same PTX and ptxas; returns the cubin's name.
+fn assemble(
+    dir: &Path,
+    ptxas: &Path,
+    ptx_name: &str,
+    module: &str,
+    target: &str,
+    progress: &Progress,
+) -> Result<String> {
     let stage = progress.stage("ptxas", 0);
-    let cubin = dir.join(KERNELS_CUBIN);
-    let cached = cubin_cache(&ptxas, &module);
+    let name = format!("kernels.{target}.cubin");
+    let cubin = dir.join(&name);
+    let cached = cubin_cache(ptxas, module, target);
     if let Some(hit) = cached.as_ref().filter(|c| c.is_file()) {
         stage.say("cached");
         std::fs::copy(hit, &cubin)?;
-        return Ok(Some(KERNELS_CUBIN.to_string()));
+        return Ok(name);
     }
-    stage.say(format!("{} kernels for sm_90", texts.len()));
+    stage.say(format!("kernels for {target}"));
     // `--split-compile 0`: optimise the module's functions on every core.
-    let out = std::process::Command::new(&ptxas)
-        .args(["-arch=sm_90", "--split-compile", "0"])
-        .arg(&ptx)
+    let out = std::process::Command::new(ptxas)
+        .arg(format!("-arch={target}"))
+        .args(["--split-compile", "0"])
+        .arg(dir.join(ptx_name))
         .arg("-o")
         .arg(&cubin)
         .output()
@@ -893,7 +945,7 @@ fn write_kernels(
             .next()
             .unwrap_or("no message")
             .to_string();
-        bail!("ptxas rejected kernels.ptx: {first}");
+        bail!("ptxas rejected {ptx_name}: {first}");
     }
     if let Some(path) = cached {
         // A cache that cannot be written only costs the next compile its ptxas run.
@@ -904,26 +956,28 @@ fn write_kernels(
             .and_then(|_| std::fs::read(&cubin))
             .map(|bytes| crate::tensor_io::write_atomically(&path, &bytes));
     }
-    Ok(Some(KERNELS_CUBIN.to_string()))
+    Ok(name)
 }
 
-/// Where the cubin ptxas makes of `module` is cached across compiles: under `$KILN_CACHE`, else
-/// `$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln`, named by the digest of the PTX and of the
-/// ptxas binary and flags (another ptxas or PTX is another entry); `None` without a home.
-fn cubin_cache(ptxas: &Path, module: &str) -> Option<PathBuf> {
+/// Where the cubin ptxas makes of `module` for `target` is cached across compiles: under
+/// `$KILN_CACHE`, else `$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln`, named by the digest of the
+/// PTX and of the ptxas binary and flags (another ptxas or PTX is another entry); `None` without
+/// a home.
+fn cubin_cache(ptxas: &Path, module: &str, target: &str) -> Option<PathBuf> {
     let root = std::env::var_os("KILN_CACHE")
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|c| PathBuf::from(c).join("kiln")))
         .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kiln")))?;
     let tool = checksum::digest_file(ptxas).ok()?;
     let mut d = checksum::Digester::new();
-    for part in [tool.as_str(), "-arch=sm_90", module] {
+    let arch = format!("-arch={target}");
+    for part in [tool.as_str(), arch.as_str(), module] {
         d.update(part.as_bytes());
         d.update(&[0]);
     }
     Some(
         root.join("cubin")
-            .join(format!("{}.sm_90.cubin", d.finish())),
+            .join(format!("{}.{target}.cubin", d.finish())),
     )
 }
 

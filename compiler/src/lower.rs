@@ -17,10 +17,10 @@ use kiln_ir::{Graph, NodeId, Op, RopeScaling, TensorType};
 use kiln_kernels::attention::{attention, attention_combine, attention_simt, AttentionConfig};
 use kiln_kernels::elementwise::activation_kernel;
 use kiln_kernels::embedding::{embedding, EmbeddingConfig};
-use kiln_kernels::gemm::{gemm, GemmConfig};
+use kiln_kernels::gemm::{gemm, gemm_base, GemmConfig};
 use kiln_kernels::kv_cache::{kv_write, KvWriteConfig};
 use kiln_kernels::norm::{norm, NormConfig};
-use kiln_kernels::{Elem, GeneratedKernel};
+use kiln_kernels::{Elem, GeneratedKernel, Image};
 
 use crate::fusion::cost::is_view;
 
@@ -69,6 +69,8 @@ pub struct KernelLaunch {
     /// The launch configuration for this node's shapes (deduplicated kernels may share code
     /// across shapes, never launch configurations).
     pub launch: kiln_kernels::Launch,
+    /// The same work on base-image kernels, when `kernel` needs sm_90a.
+    pub fallback: Option<Box<KernelLaunch>>,
 }
 
 /// The CPU version of a launch: the generated kernel (or the library product) it calls.
@@ -219,6 +221,28 @@ impl Lowered {
         kernel: GeneratedKernel,
         bind: &[(&str, Operand)],
     ) -> Option<()> {
+        let launch = self.bound(kernel, bind)?;
+        node.launches.push(launch);
+        Some(())
+    }
+
+    /// Like [`Lowered::launch`], with `fallback` (a base-image kernel under the same parameter
+    /// names) launched instead where the GPU cannot run `kernel`'s sm_90a image.
+    fn launch_with_fallback(
+        &mut self,
+        node: &mut NodeLaunches,
+        kernel: GeneratedKernel,
+        fallback: GeneratedKernel,
+        bind: &[(&str, Operand)],
+    ) -> Option<()> {
+        let mut launch = self.bound(kernel, bind)?;
+        launch.fallback = Some(Box::new(self.bound(fallback, bind)?));
+        node.launches.push(launch);
+        Some(())
+    }
+
+    /// Adds `kernel` and returns its launch with the parameters bound from `bind`.
+    fn bound(&mut self, kernel: GeneratedKernel, bind: &[(&str, Operand)]) -> Option<KernelLaunch> {
         let mut args = Vec::new();
         for (param, _) in &kernel.signature {
             let (_, op) = bind.iter().find(|(name, _)| name == param)?;
@@ -226,12 +250,12 @@ impl Lowered {
         }
         let launch = kernel.launch;
         let kernel = self.add(kernel);
-        node.launches.push(KernelLaunch {
+        Some(KernelLaunch {
             kernel,
             args,
             launch,
-        });
-        Some(())
+            fallback: None,
+        })
     }
 }
 
@@ -442,8 +466,13 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
             if let Some(r) = residual {
                 bind.push(("residual", r));
             }
-            n.cpu_like(CpuKernel::Gemm(cfg), &kernel, &bind, u64::from(m));
-            out.launch(n, kernel, &bind)?;
+            n.cpu_like(CpuKernel::Gemm(cfg.clone()), &kernel, &bind, u64::from(m));
+            if kernel.image == Image::Sm90a {
+                let fallback = out.generate(&cfg, gemm_base);
+                out.launch_with_fallback(n, kernel, fallback, &bind)?;
+            } else {
+                out.launch(n, kernel, &bind)?;
+            }
         }
         Op::Attention(spec) => {
             let (cfg, kernel) = lower_attention(out, g, id, spec, elem)?;

@@ -17,15 +17,15 @@
 use std::collections::BTreeMap;
 
 use kiln_ir::artifact::{
-    align, Arg, CpuCall, CpuPlan, CpuStep, ExecPlan, KernelEntry, MemoryPlan, Region, Step,
-    TensorSlot, ALIGN,
+    align, Arg, CpuCall, CpuPlan, CpuStep, ExecPlan, KernelEntry, MemoryPlan, ParamType, Region,
+    Step, TensorSlot, ALIGN,
 };
 use kiln_ir::io::aligned_layout;
 use kiln_ir::{DType, Graph, NodeId, Op, Tensor};
 
 use crate::fold::{fold_weights, Folded};
 use crate::fusion::cost::is_view;
-use crate::lower::{lower, CpuKernel, CpuLaunch, Lowered, Operand, RopeTable};
+use crate::lower::{lower, CpuKernel, CpuLaunch, KernelLaunch, Lowered, Operand, RopeTable};
 
 /// Why an artifact cannot be planned.
 #[derive(Debug, thiserror::Error)]
@@ -72,11 +72,11 @@ impl ArtifactPlan {
     /// The kernel table of the manifest.
     pub fn kernel_table(&self) -> Vec<KernelEntry> {
         let mut shared: BTreeMap<&str, u32> = BTreeMap::new();
-        for step in self
+        let steps = self
             .buckets
             .iter()
-            .flat_map(|b| b.plan.iter().flat_map(|p| &p.steps))
-        {
+            .flat_map(|b| b.plan.iter().flat_map(|p| &p.steps));
+        for step in steps.flat_map(|s| std::iter::once(s).chain(s.fallback.as_deref())) {
             let s = shared.entry(&step.kernel).or_default();
             *s = (*s).max(step.launch.shared_bytes);
         }
@@ -88,6 +88,7 @@ impl ArtifactPlan {
                 params: k.signature.clone(),
                 max_shared_bytes: shared.get(k.name.as_str()).copied().unwrap_or(0),
                 path: k.path,
+                image: k.image,
             })
             .collect()
     }
@@ -538,21 +539,36 @@ fn plan_bucket(
             Operand::Arena(offset) => Arg::Ptr(Region::Arena, *offset),
         })
     };
+    let step = |id: NodeId, launch: &KernelLaunch| -> Result<Step, PlanError> {
+        let signature = &kernels.kernels[&launch.kernel].signature;
+        let args = launch
+            .args
+            .iter()
+            .zip(signature)
+            .map(|((_, op), (_, ty))| {
+                Ok(match (operand(id, op)?, ty) {
+                    (Arg::Ptr(region, at), ParamType::TensorMap(_)) => Arg::TensorMap(region, at),
+                    (arg, _) => arg,
+                })
+            })
+            .collect::<Result<Vec<_>, PlanError>>()?;
+        debug_assert_eq!(args.len(), signature.len());
+        Ok(Step {
+            kernel: launch.kernel.clone(),
+            args,
+            launch: launch.launch,
+            node: format!("{}_{}", g.node(id).op.name(), id.0),
+            fallback: None,
+        })
+    };
     let mut steps = Vec::new();
     for (id, node) in &launches.nodes {
         for launch in &node.launches {
-            let args = launch
-                .args
-                .iter()
-                .map(|(_, op)| operand(*id, op))
-                .collect::<Result<Vec<_>, _>>()?;
-            debug_assert_eq!(args.len(), kernels.kernels[&launch.kernel].signature.len());
-            steps.push(Step {
-                kernel: launch.kernel.clone(),
-                args,
-                launch: launch.launch,
-                node: format!("{}_{}", g.node(*id).op.name(), id.0),
-            });
+            let mut s = step(*id, launch)?;
+            if let Some(fallback) = &launch.fallback {
+                s.fallback = Some(Box::new(step(*id, fallback)?));
+            }
+            steps.push(s);
         }
     }
     // The CPU plan: every kernel node's calls and every primitive's strided calls, in graph

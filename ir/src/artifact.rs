@@ -2,7 +2,8 @@
 //! (which reads it, and links nothing of the compiler's).
 //!
 //! An artifact is a folder: `manifest.ron` (this module's [`Manifest`]), the static graph of every
-//! bucket (`buckets/*.ron`), `kernels.ptx` (and `kernels.sm_90.cubin` when ptxas was found),
+//! bucket (`buckets/*.ron`), `kernels.ptx` (and `kernels.sm_90.cubin` when ptxas was found), the
+//! Hopper-only kernels ([`Image::Sm90a`]) as `kernels.sm_90a.ptx` (and `kernels.sm_90a.cubin`),
 //! `weights.safetensors` in the compiled dtype with the checkpoint's names, `tokenizer.json` when
 //! the checkpoint had one, and `checksums`: one `digest  path` line per file (BLAKE3, as `b3sum`
 //! prints it: [`crate::checksum`]), then the list's own line, verified before anything runs.
@@ -18,7 +19,7 @@ use crate::inputs::InputContract;
 use crate::DType;
 
 /// The artifact format this build writes and reads.
-pub const FORMAT_VERSION: u32 = 6;
+pub const FORMAT_VERSION: u32 = 7;
 /// Every region and every tensor in the device allocation starts at a multiple of this many bytes.
 pub const ALIGN: u64 = 256;
 /// The manifest's file name.
@@ -53,6 +54,12 @@ pub struct Manifest {
     pub kernels_ptx: Option<String>,
     /// The sm_90 cubin assembled from it, when ptxas was found.
     pub kernels_cubin: Option<String>,
+    /// The PTX module of the kernels that need `sm_90a` (wgmma, setmaxnreg), when any does.
+    #[serde(default)]
+    pub kernels_sm90a_ptx: Option<String>,
+    /// The sm_90a cubin assembled from it, when ptxas was found.
+    #[serde(default)]
+    pub kernels_sm90a_cubin: Option<String>,
     /// The CPU kernels (a shared library for this architecture), when the build has CPU plans.
     pub kernels_cpu: Option<String>,
     /// The generated token sampler in `kernels_cpu` (decoders): `kiln_kernels::cpu::sampling`'s
@@ -190,6 +197,83 @@ pub enum ParamType {
     U32,
     /// A 32-bit float.
     F32,
+    /// A TMA tensor map over the matrix an [`Arg::TensorMap`] points at, passed by value (128
+    /// bytes, `.param .align 64 .b8 [128]`), encoded once at load.
+    TensorMap(TensorMapSpec),
+}
+
+/// The layout a TMA tensor map describes: a row-major matrix of `rows` x `cols` elements of
+/// `dtype`, `row_bytes` apart, copied in boxes of `box_rows` x `box_cols` with `swizzle_bytes`
+/// (0, 32, 64 or 128) shared-memory swizzle. Elements outside the matrix read as zero.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TensorMapSpec {
+    /// Element type.
+    pub dtype: DType,
+    /// Rows (the outer dimension).
+    pub rows: u64,
+    /// Elements per row (the contiguous dimension).
+    pub cols: u64,
+    /// Bytes from one row to the next.
+    pub row_bytes: u64,
+    /// Rows per box.
+    pub box_rows: u32,
+    /// Elements per box row.
+    pub box_cols: u32,
+    /// Shared-memory swizzle span, bytes.
+    pub swizzle_bytes: u32,
+}
+
+impl TensorMapSpec {
+    /// Bytes from the matrix's start to the end of its last element.
+    pub fn extent_bytes(&self) -> u64 {
+        let elem = self.dtype.size_bytes() as u64;
+        match self.rows {
+            0 => 0,
+            r => (r - 1) * self.row_bytes + self.cols * elem,
+        }
+    }
+
+    /// Why the driver would refuse to encode it (`cuTensorMapEncodeTiled`'s rules), if it would.
+    pub fn check(&self) -> Result<(), String> {
+        let elem = self.dtype.size_bytes() as u64;
+        let box_row_bytes = u64::from(self.box_cols) * elem;
+        if !matches!(self.dtype, DType::F32 | DType::F16 | DType::BF16) {
+            return Err(format!(
+                "element type {:?} has no tensor-map form",
+                self.dtype
+            ));
+        }
+        if self.rows == 0 || self.cols == 0 || self.rows >= 1 << 32 || self.cols >= 1 << 32 {
+            return Err(format!(
+                "{} x {} is not a matrix TMA can address",
+                self.rows, self.cols
+            ));
+        }
+        if !self.row_bytes.is_multiple_of(16) || self.row_bytes < self.cols * elem {
+            return Err(format!(
+                "row stride {} bytes is not a multiple of 16 covering a row",
+                self.row_bytes
+            ));
+        }
+        if !(1..=256).contains(&self.box_rows) || !(1..=256).contains(&self.box_cols) {
+            return Err(format!(
+                "box {} x {} exceeds 256 per side",
+                self.box_rows, self.box_cols
+            ));
+        }
+        if !box_row_bytes.is_multiple_of(16) {
+            return Err(format!(
+                "a box row of {box_row_bytes} bytes is not a multiple of 16"
+            ));
+        }
+        match self.swizzle_bytes {
+            0 => Ok(()),
+            32 | 64 | 128 if box_row_bytes <= u64::from(self.swizzle_bytes) => Ok(()),
+            s => Err(format!(
+                "swizzle {s} does not hold a box row of {box_row_bytes} bytes"
+            )),
+        }
+    }
 }
 
 /// Grid, block and dynamic shared memory of a launch.
@@ -260,6 +344,34 @@ pub struct KernelEntry {
     /// The hardware path it runs on (`Other` in artifacts written before it was recorded).
     #[serde(default)]
     pub path: KernelPath,
+    /// The module image that holds it.
+    #[serde(default)]
+    pub image: Image,
+}
+
+/// The kernel image a kernel is built into: the base module (sm_90 cubin and PTX, nothing newer
+/// than sm_80 in it) or the Hopper-only module (`sm_90a`: wgmma, setmaxnreg), which only a GPU of
+/// compute capability 9.0 runs. A step on an `Sm90a` kernel carries a fallback on `Sm90` kernels.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Image {
+    /// `kernels.ptx` / `kernels.sm_90.cubin`.
+    #[default]
+    Sm90,
+    /// `kernels.sm_90a.ptx` / `kernels.sm_90a.cubin`.
+    Sm90a,
+}
+
+impl Image {
+    /// The PTX `.target` of its module.
+    pub fn target(self) -> &'static str {
+        match self {
+            Image::Sm90 => "sm_90",
+            Image::Sm90a => "sm_90a",
+        }
+    }
 }
 
 /// A kernel argument.
@@ -271,6 +383,9 @@ pub enum Arg {
     U32(u32),
     /// A 32-bit float constant.
     F32(f32),
+    /// A tensor map (the kernel's [`ParamType::TensorMap`] gives its layout) over the matrix at
+    /// `base(region) + offset`.
+    TensorMap(Region, u64),
 }
 
 /// One launch of a plan.
@@ -284,6 +399,10 @@ pub struct Step {
     pub launch: Launch,
     /// The graph node it computes (`{op}_{node}`), for `kiln inspect` and error messages.
     pub node: String,
+    /// The same work on base-image kernels, for a step whose kernel needs [`Image::Sm90a`] when
+    /// the GPU cannot run that image.
+    #[serde(default)]
+    pub fallback: Option<Box<Step>>,
 }
 
 /// A bucket's execution plan: copy the inputs into their arena slots, run the steps in order,

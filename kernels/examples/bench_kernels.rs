@@ -4,27 +4,30 @@
 //!
 //! `cargo run --release -p kiln-kernels --example bench_kernels`
 
-use std::time::Instant;
-
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
-use kiln_ir::kernel::NormKind;
+use kiln_ir::kernel::{Activation, NormKind};
 use kiln_kernels::attention::{attention, AttentionConfig, KeyRule};
-use kiln_kernels::gemm::{gemm, GemmConfig};
+use kiln_kernels::gemm::{gemm, gemm_base, GemmConfig};
 use kiln_kernels::norm::{norm, NormConfig};
-use kiln_kernels::{Elem, GeneratedKernel};
+use kiln_kernels::{Elem, GeneratedKernel, ParamType};
+use kiln_runtime::cuda::{encode_tensor_map, TensorMap};
 
+/// The median of 20 launches of `run` (after 3 warm-ups), each timed with CUDA events around it
+/// on `stream`, as the PyTorch peers are timed.
 fn time_ms(stream: &CudaStream, mut run: impl FnMut()) -> f64 {
     for _ in 0..3 {
         run();
     }
     stream.synchronize().unwrap();
+    let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
     let mut times = Vec::new();
     for _ in 0..20 {
-        let start = Instant::now();
+        let start = stream.record_event(timing).unwrap();
         run();
-        stream.synchronize().unwrap();
-        times.push(start.elapsed().as_secs_f64() * 1e3);
+        let end = stream.record_event(timing).unwrap();
+        end.synchronize().unwrap();
+        times.push(f64::from(start.elapsed_ms(&end).unwrap()));
     }
     times.sort_by(f64::total_cmp);
     times[times.len() / 2]
@@ -52,11 +55,26 @@ fn launch(
         shared_mem_bytes: l.shared_bytes,
     };
     let bufs: Vec<CudaSlice<u16>> = bufs.iter().map(|b| (*b).clone()).collect();
+    // Tensor maps over the buffers bound to them, in parameter order (encoded once, as at load).
+    let maps: Vec<Option<TensorMap>> = k
+        .signature
+        .iter()
+        .zip(&bufs)
+        .map(|((_, ty), b)| match ty {
+            ParamType::TensorMap(spec) => {
+                Some(encode_tensor_map(spec, b.device_ptr(stream).0).unwrap())
+            }
+            _ => None,
+        })
+        .collect();
     let stream = stream.clone();
     move || {
         let mut b = stream.launch_builder(&f);
-        for buf in &bufs {
-            b.arg(buf);
+        for (buf, map) in bufs.iter().zip(&maps) {
+            match map {
+                Some(m) => b.arg(m),
+                None => b.arg(buf),
+            };
         }
         // SAFETY: the buffers are sized for the kernel's shapes and passed in signature order.
         unsafe { b.launch(cfg) }.unwrap();
@@ -112,27 +130,7 @@ fn main() {
         );
     }
 
-    let s = 4096u32;
-    let a = stream.clone_htod(&random((s * s) as usize, 4)).unwrap();
-    let bm = stream.clone_htod(&random((s * s) as usize, 5)).unwrap();
-    let c = stream.clone_htod(&vec![0u16; (s * s) as usize]).unwrap();
-    let k = gemm(&GemmConfig {
-        m: s,
-        k: s,
-        n: s,
-        transpose_b: true,
-        bias: false,
-        activation: None,
-        swiglu: false,
-        residual: false,
-        elem: Elem::BF16,
-    });
-    let ms = time_ms(&stream, launch(&stream, &ctx, &k, &[&a, &bm, &c]));
-    println!(
-        "{{\"kernel\": \"{}\", \"m\": {s}, \"n\": {s}, \"k\": {s}, \"ms\": {ms:.4}, \"TFLOPs\": {:.2}}}",
-        k.name,
-        2.0 * f64::from(s).powi(3) / ms / 1e9
-    );
+    gemms(&stream, &ctx, &random);
 
     // Attention bf16, head dim 128, seq 4096, causal, 16 heads, batch 4 (the point).
     let (b, h, sq, d) = (4u32, 16u32, 4096u32, 128u32);
@@ -389,5 +387,50 @@ fn swiglu_gemms(
             k.name,
             2.0 * f64::from(m) * f64::from(n) * f64::from(kd) / ms / 1e9
         );
+    }
+}
+
+/// bf16 GEMMs `[M, K] x [N, K]^T`: 4096^3 and 8192^3 plain, 4096^3 with bias + GELU(tanh), each on
+/// the kernel lowering picks (wgmma on sm_90a) and on its base-image fallback (mma.sync).
+fn gemms(
+    stream: &std::sync::Arc<CudaStream>,
+    ctx: &std::sync::Arc<CudaContext>,
+    random: &dyn Fn(usize, u64) -> Vec<u16>,
+) {
+    for (s, bias, activation) in [
+        (4096u32, false, None),
+        (8192, false, None),
+        (4096, true, Some(Activation::GeluTanh)),
+    ] {
+        let n = (s as usize) * (s as usize);
+        let a = stream.clone_htod(&random(n, 4)).unwrap();
+        let w = stream.clone_htod(&random(n, 5)).unwrap();
+        let b = stream.clone_htod(&random(s as usize, 6)).unwrap();
+        let c = stream.clone_htod(&vec![0u16; n]).unwrap();
+        let cfg = GemmConfig {
+            m: s,
+            k: s,
+            n: s,
+            transpose_b: true,
+            bias,
+            activation,
+            swiglu: false,
+            residual: false,
+            elem: Elem::BF16,
+        };
+        for k in [gemm(&cfg), gemm_base(&cfg)] {
+            let bufs: Vec<&CudaSlice<u16>> = if bias {
+                vec![&a, &w, &b, &c]
+            } else {
+                vec![&a, &w, &c]
+            };
+            let ms = time_ms(stream, launch(stream, ctx, &k, &bufs));
+            println!(
+                "{{\"kernel\": \"{}\", \"path\": \"{}\", \"m\": {s}, \"n\": {s}, \"k\": {s}, \"ms\": {ms:.4}, \"TFLOPs\": {:.2}}}",
+                k.name,
+                k.path.name(),
+                2.0 * f64::from(s).powi(3) / ms / 1e9
+            );
+        }
     }
 }

@@ -6,11 +6,11 @@ use kiln_ir::kernel::{Activation, NormKind};
 use crate::attention::{attention, AttentionConfig, Dropout, KeyRule};
 use crate::elementwise::activation_kernel;
 use crate::embedding::{embedding, EmbeddingConfig};
-use crate::gemm::{gemm, GemmConfig};
+use crate::gemm::{gemm, gemm_base, GemmConfig};
 use crate::norm::{norm, NormConfig};
 use crate::ptx::Elem;
 use crate::sampling::{argmax, top_k_top_p};
-use crate::GeneratedKernel;
+use crate::{GeneratedKernel, Image};
 
 /// Every configuration the tests assemble: `(kind, kernel)`.
 pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
@@ -152,9 +152,26 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
                     residual,
                     elem,
                 };
-                out.push(("gemm", gemm(&cfg)));
+                let kernel = gemm(&cfg);
+                if kernel.image == Image::Sm90a {
+                    out.push(("gemm", gemm_base(&cfg)));
+                }
+                out.push(("gemm", kernel));
             }
         }
+        // An odd number of output columns (GPT-2's vocabulary is 50257): element stores.
+        let odd = GemmConfig {
+            m: 127,
+            k: 768,
+            n: 1001,
+            transpose_b: true,
+            bias: true,
+            activation: None,
+            swiglu: false,
+            residual: false,
+            elem,
+        };
+        out.push(("gemm", gemm(&odd)));
     }
     out
 }

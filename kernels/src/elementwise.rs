@@ -17,7 +17,8 @@ pub fn activation(k: &mut Kernel, x: Reg, act: Activation) -> Reg {
             let neg = k.op1("neg.f32", RegClass::F32, &x);
             let e = k.exp_f32(&neg);
             let d = k.add_f32(&e, &F32(1.0));
-            k.div_f32(&x, &d)
+            // d >= 1: the full-range division is within 2 ulp.
+            k.div_full_f32(&x, &d)
         }
         Activation::GeluTanh => {
             // 0.5 x (1 + tanh(u)) = x / (1 + e^(-2u)), u = sqrt(2/pi) (x + 0.044715 x^3): the
@@ -31,7 +32,7 @@ pub fn activation(k: &mut Kernel, x: Reg, act: Activation) -> Reg {
             );
             let e = k.exp_f32(&minus_2u);
             let d = k.add_f32(&e, &F32(1.0));
-            k.div_f32(&x, &d)
+            k.div_full_f32(&x, &d)
         }
         Activation::GeluErf => {
             // 0.5 x (1 + erf(x / sqrt 2)), with 1 + erf computed without cancellation.

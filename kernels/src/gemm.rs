@@ -79,12 +79,15 @@ impl GemmConfig {
 }
 
 /// The path [`gemm`] takes for `cfg`: the matrix-vector kernel (`crate::gemv`) for at most 8 rows
-/// against `[N, K]` weights, the tensor-core kernel (`crate::gemm_tc`) where it applies (f16/bf16,
-/// `[N, K]` weights, K a multiple of 8), the SIMT kernel otherwise. The compiler's cost model asks
-/// the same question, so extraction prices the kernel lowering will pick.
+/// against `[N, K]` weights, the Hopper kernel (`crate::gemm_wgmma`) where it applies (f16/bf16,
+/// `[N, K]` weights, K a multiple of 8; its launches carry [`gemm_base`]'s kernel for GPUs
+/// without sm_90a), the SIMT kernel otherwise. The compiler's cost model asks the same question,
+/// so extraction prices the kernel lowering will pick.
 pub fn path(cfg: &GemmConfig) -> KernelPath {
     if crate::gemv::supports(cfg) {
         KernelPath::Gemv
+    } else if crate::gemm_wgmma::supports(cfg) {
+        KernelPath::Wgmma
     } else if crate::gemm_tc::supports(cfg) {
         KernelPath::Mma
     } else {
@@ -96,8 +99,18 @@ pub fn path(cfg: &GemmConfig) -> KernelPath {
 pub fn gemm(cfg: &GemmConfig) -> GeneratedKernel {
     match path(cfg) {
         KernelPath::Gemv => crate::gemv::gemv(cfg, format!("{}_gemv", cfg.name())),
+        KernelPath::Wgmma => crate::gemm_wgmma::gemm_wgmma(cfg, format!("{}_wgmma", cfg.name())),
         KernelPath::Mma => crate::gemm_tc::gemm_tc(cfg, format!("{}_tc", cfg.name())),
         _ => gemm_simt(cfg),
+    }
+}
+
+/// The kernel [`gemm`] picks where sm_90a is not available: the same work under the same
+/// parameter names (pointers where the Hopper kernel takes tensor maps), in the base image.
+pub fn gemm_base(cfg: &GemmConfig) -> GeneratedKernel {
+    match path(cfg) {
+        KernelPath::Wgmma => crate::gemm_tc::gemm_tc(cfg, format!("{}_tc", cfg.name())),
+        _ => gemm(cfg),
     }
 }
 
@@ -276,45 +289,105 @@ impl EpiloguePtrs {
     }
 
     /// Finishes the product element `v` of output column `col` (`up`: the matching SwiGLU up
-    /// column's sum) and stores it: bias, activation or SwiGLU, then the residual, at element
-    /// `out_index(k)` of `out` (and of `residual`). Every product kernel ends this way.
+    /// column's sum) and stores it at element `out_index(k)` of `out`. Every product kernel but
+    /// the Hopper one (which stores pairs) ends this way.
     pub(crate) fn finish(
         &self,
         k: &mut Kernel,
         cfg: &GemmConfig,
-        mut v: Reg,
-        mut up: Option<Reg>,
+        v: Reg,
+        up: Option<Reg>,
         col: &Reg,
         out_index: impl FnOnce(&mut Kernel) -> Reg,
     ) {
+        let oi = out_index(k);
+        let v = self.value(k, cfg, v, up, col, &oi);
+        let oa = k.address(self.out, &oi, cfg.elem.bytes());
+        k.st_global(cfg.elem, oa, v);
+    }
+
+    /// The finished value of product element `v` at output column `col`, element `oi` of the
+    /// output: bias, activation or SwiGLU, then the residual.
+    pub(crate) fn value(
+        &self,
+        k: &mut Kernel,
+        cfg: &GemmConfig,
+        v: Reg,
+        up: Option<Reg>,
+        col: &Reg,
+        oi: &Reg,
+    ) -> Reg {
         let e = cfg.elem;
+        let mut addends = Addends::default();
         if let Some(b) = self.bias {
             let ba = k.address(b, col, e.bytes());
-            let bv = k.ld_global(e, ba);
-            v = k.add_f32(&v, &bv);
-            if let Some(u) = up {
+            addends.bias = Some(k.ld_global(e, ba));
+            if up.is_some() {
                 let uc = k.add_u32(col, &cfg.n_out());
                 let ua = k.address(b, &uc, e.bytes());
-                let uv = k.ld_global(e, ua);
-                up = Some(k.add_f32(&u, &uv));
+                addends.bias_up = Some(k.ld_global(e, ua));
             }
         }
-        if let Some(a) = cfg.activation {
-            v = activation(k, v, a);
-        }
-        if let Some(u) = up {
-            let g = activation(k, v, Activation::Silu);
-            v = k.mul_f32(&g, &u);
-        }
-        let oi = out_index(k);
         if let Some(r) = self.residual {
-            let ra = k.address(r, &oi, e.bytes());
-            let rv = k.ld_global(e, ra);
-            v = k.add_f32(&v, &rv);
+            let ra = k.address(r, oi, e.bytes());
+            addends.residual = Some(k.ld_global(e, ra));
         }
-        let oa = k.address(self.out, &oi, e.bytes());
-        k.st_global(e, oa, v);
+        apply(k, cfg, v, up, &addends)
     }
+
+    /// The bias pointer, when `cfg` has one.
+    pub(crate) fn bias(&self) -> Option<Reg> {
+        self.bias
+    }
+
+    /// The residual pointer, when `cfg` has one.
+    pub(crate) fn residual(&self) -> Option<Reg> {
+        self.residual
+    }
+
+    /// The output pointer.
+    pub(crate) fn out(&self) -> Reg {
+        self.out
+    }
+}
+
+/// The loaded operands of one output element's epilogue, as f32.
+#[derive(Default)]
+pub(crate) struct Addends {
+    /// The bias of its column.
+    pub bias: Option<Reg>,
+    /// With SwiGLU, the bias of the matching up column.
+    pub bias_up: Option<Reg>,
+    /// The residual at its place.
+    pub residual: Option<Reg>,
+}
+
+/// The epilogue's arithmetic on product element `v` (`up`: the SwiGLU up column's sum): bias,
+/// activation or SwiGLU, then the residual, with the operands `cfg` needs already loaded.
+pub(crate) fn apply(
+    k: &mut Kernel,
+    cfg: &GemmConfig,
+    mut v: Reg,
+    mut up: Option<Reg>,
+    addends: &Addends,
+) -> Reg {
+    if let Some(b) = addends.bias {
+        v = k.add_f32(&v, &b);
+    }
+    if let (Some(u), Some(b)) = (up, addends.bias_up) {
+        up = Some(k.add_f32(&u, &b));
+    }
+    if let Some(a) = cfg.activation {
+        v = activation(k, v, a);
+    }
+    if let Some(u) = up {
+        let g = activation(k, v, Activation::Silu);
+        v = k.mul_f32(&g, &u);
+    }
+    if let Some(r) = addends.residual {
+        v = k.add_f32(&v, &r);
+    }
+    v
 }
 
 /// `base[r * stride + c]` as f32 when `r < rows` and `c < cols`, else 0.

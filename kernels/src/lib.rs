@@ -10,6 +10,8 @@
 //! - [`embedding`] — summed embedding lookups;
 //! - [`gemm`] — matrix products with their fused epilogues (SIMT, every configuration);
 //! - [`gemm_tc`] — the tensor-core GEMM (f16/bf16, `mma.sync`, `ldmatrix`, `cp.async`);
+//! - [`gemm_wgmma`] — the Hopper GEMM (sm_90a: TMA, `wgmma`, warp specialisation);
+//! - [`hopper`] — the PTX of Hopper's asynchronous machinery (mbarriers, TMA, wgmma);
 //! - [`gemv`] — products with at most 8 rows (decode): a warp per output column;
 //! - [`kv_cache`] — writing new keys/values into a KV cache in place (RoPE on the way);
 //! - [`sampling`] — token choice: greedy (argmax) and top-k / top-p with temperature;
@@ -28,7 +30,9 @@ pub mod elementwise;
 pub mod embedding;
 pub mod gemm;
 pub mod gemm_tc;
+pub mod gemm_wgmma;
 pub mod gemv;
+pub mod hopper;
 pub mod kv_cache;
 pub mod norm;
 pub mod ptx;
@@ -37,6 +41,7 @@ pub mod sampling;
 
 use serde::{Deserialize, Serialize};
 
+pub use kiln_ir::artifact::{Image, TensorMapSpec};
 pub use ptx::{Elem, ParamType};
 
 /// Grid, block and dynamic shared memory of a launch, and the hardware path a kernel runs on
@@ -57,6 +62,8 @@ pub struct GeneratedKernel {
     pub launch: Launch,
     /// Which hardware path it runs on.
     pub path: KernelPath,
+    /// The module image it needs.
+    pub image: Image,
 }
 
 impl GeneratedKernel {
@@ -68,7 +75,14 @@ impl GeneratedKernel {
             ptx: kernel.finish(),
             launch,
             path: KernelPath::Other,
+            image: Image::Sm90,
         }
+    }
+
+    /// The same kernel, built into `image`.
+    pub fn in_image(mut self, image: Image) -> GeneratedKernel {
+        self.image = image;
+        self
     }
 
     /// The same kernel, marked as running on `path`.
@@ -77,9 +91,9 @@ impl GeneratedKernel {
         self
     }
 
-    /// A complete PTX module holding only this kernel.
+    /// A complete PTX module holding only this kernel, for its image's target.
     pub fn module(&self) -> String {
-        ptx::module(std::slice::from_ref(&self.ptx))
+        ptx::module_for(self.image.target(), std::slice::from_ref(&self.ptx))
     }
 }
 

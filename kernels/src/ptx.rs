@@ -183,6 +183,7 @@ pub struct Kernel {
     counts: [u32; 5],
     shared: Vec<String>,
     preamble: Vec<String>,
+    directives: Vec<String>,
     body: String,
     labels: u32,
 }
@@ -196,6 +197,7 @@ impl Kernel {
             counts: [0; 5],
             shared: Vec::new(),
             preamble: Vec::new(),
+            directives: Vec::new(),
             body: String::new(),
             labels: 0,
         }
@@ -252,6 +254,31 @@ impl Kernel {
         self.preamble
             .push(format!(".extern .shared .align 16 .b8 {name}[];"));
         name.to_string()
+    }
+
+    /// Adds a performance directive after the parameter list (`.maxntid 384, 1, 1`).
+    pub fn directive(&mut self, text: impl Into<String>) {
+        self.directives.push(text.into());
+    }
+
+    /// Declares the dynamic shared memory aligned to `align` bytes (sized at launch); returns the
+    /// name.
+    pub fn dynamic_shared_aligned(&mut self, name: &str, align: u32) -> String {
+        self.preamble
+            .push(format!(".extern .shared .align {align} .b8 {name}[];"));
+        name.to_string()
+    }
+
+    /// A tensor-map parameter passed by value (128 bytes); returns its generic address, as
+    /// `cp.async.bulk.tensor` takes it.
+    pub fn param_tensor_map(&mut self, name: &str, spec: crate::TensorMapSpec) -> Reg {
+        self.params
+            .push((name.to_string(), ParamType::TensorMap(spec)));
+        let param = self.reg(RegClass::B64);
+        self.emit(format!("mov.b64 {param}, {name}"));
+        let generic = self.reg(RegClass::B64);
+        self.emit(format!("cvta.param.u64 {generic}, {param}"));
+        generic
     }
 
     /// A pointer parameter, loaded and converted to a global address.
@@ -408,6 +435,12 @@ impl Kernel {
     /// `d = a / b` (f32, IEEE round to nearest).
     pub fn div_f32(&mut self, a: &dyn Operand, b: &dyn Operand) -> Reg {
         self.op2("div.rn.f32", RegClass::F32, a, b)
+    }
+
+    /// `d = a / b` (f32, full range, at most 2 ulp, no slow path): for divisors that are never
+    /// subnormal, where the IEEE division's branchy sequence is not worth it.
+    pub fn div_full_f32(&mut self, a: &dyn Operand, b: &dyn Operand) -> Reg {
+        self.op2("div.full.f32", RegClass::F32, a, b)
     }
 
     /// `d = 1 / sqrt(a)` (f32, IEEE sqrt then IEEE division).
@@ -571,22 +604,24 @@ impl Kernel {
         let params: Vec<String> = self
             .params
             .iter()
-            .map(|(n, t)| {
-                let ty = match t {
-                    ParamType::Ptr => ".u64",
-                    ParamType::U32 => ".u32",
-                    ParamType::F32 => ".f32",
-                };
-                format!("\t.param {ty} {n}")
+            .map(|(n, t)| match t {
+                ParamType::Ptr => format!("\t.param .u64 {n}"),
+                ParamType::U32 => format!("\t.param .u32 {n}"),
+                ParamType::F32 => format!("\t.param .f32 {n}"),
+                ParamType::TensorMap(_) => format!("\t.param .align 64 .b8 {n}[128]"),
             })
             .collect();
         writeln!(
             out,
-            ".visible .entry {}(\n{}\n)\n{{",
+            ".visible .entry {}(\n{}\n)",
             self.name,
             params.join(",\n")
         )
         .expect("writing to a String");
+        for d in &self.directives {
+            writeln!(out, "{d}").expect("writing to a String");
+        }
+        out.push_str("{\n");
         for class in RegClass::ALL {
             let n = self.counts[class.index()];
             if n > 0 {
@@ -617,8 +652,9 @@ pub fn module(kernels: &[String]) -> String {
     module_for(TARGET, kernels)
 }
 
-/// A PTX module for another target. The generated kernels use nothing newer than sm_80 (Ampere:
-/// `cp.async`, `ldmatrix`, `mma.sync` with bf16), so `sm_80` modules assemble too.
+/// A PTX module for another target. The base image's kernels use nothing newer than sm_80
+/// (Ampere: `cp.async`, `ldmatrix`, `mma.sync` with bf16), so `sm_80` modules of them assemble
+/// too; the [`crate::Image::Sm90a`] kernels need `sm_90a`.
 pub fn module_for(target: &str, kernels: &[String]) -> String {
     let mut out = format!(".version {PTX_VERSION}\n.target {target}\n.address_size 64\n\n");
     for k in kernels {

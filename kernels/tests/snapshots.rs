@@ -4,7 +4,7 @@
 use kiln_ir::kernel::{Activation, NormKind};
 use kiln_kernels::elementwise::activation_kernel;
 use kiln_kernels::embedding::{embedding, EmbeddingConfig};
-use kiln_kernels::gemm::{gemm, GemmConfig};
+use kiln_kernels::gemm::{gemm, gemm_base, GemmConfig};
 use kiln_kernels::norm::{norm, NormConfig};
 use kiln_kernels::sampling::argmax;
 use kiln_kernels::Elem;
@@ -56,16 +56,48 @@ fn argmax_bf16() {
     insta::assert_snapshot!(argmax(Elem::BF16, 2, 512).module());
 }
 
-#[test]
-fn gemm_swiglu_bf16() {
-    let k = gemm(&GemmConfig {
-        m: 16,
+fn swiglu_bf16(m: u32, bias: bool) -> GemmConfig {
+    GemmConfig {
+        m,
         k: 64,
         n: 320,
         transpose_b: true,
-        bias: false,
+        bias,
         activation: None,
         swiglu: true,
+        residual: false,
+        elem: Elem::BF16,
+    }
+}
+
+/// The Hopper kernel (sm_90a: TMA, wgmma, warp specialisation) lowering picks for a prefill.
+#[test]
+fn gemm_swiglu_bf16() {
+    let k = gemm(&swiglu_bf16(16, false));
+    assert!(k.name.ends_with("_wgmma"), "{}", k.name);
+    insta::assert_snapshot!(k.module());
+}
+
+/// Its fallback for GPUs without sm_90a: `mma.sync` from `cp.async` stages.
+#[test]
+fn gemm_swiglu_bf16_base_image() {
+    let k = gemm_base(&swiglu_bf16(16, false));
+    assert!(k.name.ends_with("_tc"), "{}", k.name);
+    insta::assert_snapshot!(k.module());
+}
+
+/// A GEMM with a bias and GELU on the Hopper kernel, over an odd number of columns: the
+/// element-by-element epilogue.
+#[test]
+fn gemm_bias_gelu_odd_columns_bf16() {
+    let k = gemm(&GemmConfig {
+        m: 130,
+        k: 64,
+        n: 1001,
+        transpose_b: true,
+        bias: true,
+        activation: Some(Activation::GeluTanh),
+        swiglu: false,
         residual: false,
         elem: Elem::BF16,
     });
@@ -75,17 +107,7 @@ fn gemm_swiglu_bf16() {
 /// One decode row against `[N, K]` gate/up weights: the matrix-vector kernel.
 #[test]
 fn gemv_swiglu_bias_bf16_decode() {
-    let k = gemm(&GemmConfig {
-        m: 1,
-        k: 64,
-        n: 320,
-        transpose_b: true,
-        bias: true,
-        activation: None,
-        swiglu: true,
-        residual: false,
-        elem: Elem::BF16,
-    });
+    let k = gemm(&swiglu_bf16(1, true));
     assert!(k.name.ends_with("_gemv"), "{}", k.name);
     insta::assert_snapshot!(k.module());
 }

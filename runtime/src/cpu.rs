@@ -297,7 +297,8 @@ impl CpuExecutor {
             .args
             .iter()
             .map(|a| match *a {
-                Arg::Ptr(r, o) => self.address(r, o),
+                // A CPU call takes every matrix by its address.
+                Arg::Ptr(r, o) | Arg::TensorMap(r, o) => self.address(r, o),
                 Arg::U32(v) => u64::from(v),
                 Arg::F32(v) => u64::from(v.to_bits()),
             })

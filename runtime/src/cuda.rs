@@ -20,14 +20,18 @@ use cudarc::driver::{
     LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
-use kiln_ir::artifact::{Arg, BucketEntry, ExecPlan, KernelEntry, ParamType, Region, TensorSlot};
+use kiln_ir::artifact::{
+    Arg, BucketEntry, ExecPlan, Image, KernelEntry, ParamType, Region, Step, TensorSlot,
+};
 use kiln_ir::{DType, Data, Tensor};
 
 use crate::executor::Work;
 use crate::{Artifact, RuntimeError};
 
 mod counts;
+mod tma;
 pub use counts::DriverCounts;
+pub use tma::{encode as encode_tensor_map, TensorMap};
 
 /// What the executor has done: replays since load, and the driver work it did during load and
 /// since.
@@ -45,7 +49,7 @@ pub struct Counters {
 pub struct CudaExecutor {
     /// Page-locked host memory the outputs are copied into (the largest bucket's outputs).
     staging: PinnedHostSlice<u8>,
-    functions: BTreeMap<String, CudaFunction>,
+    functions: BTreeMap<String, LoadedKernel>,
     addresses: Addresses,
     /// `KILN_EAGER` set: replays launch the steps one by one and synchronise after each, so that
     /// a failing kernel is named and each kernel's time measured (debugging and profiling; the
@@ -68,6 +72,14 @@ pub struct CudaExecutor {
     pub load_seconds: f64,
     /// The GPU's name and compute capability.
     pub device: String,
+    /// Whether the sm_90a kernels run (else their steps' fallbacks do).
+    pub sm90a: bool,
+}
+
+/// A kernel of the loaded modules, with its parameter kinds (tensor maps are encoded from them).
+struct LoadedKernel {
+    function: CudaFunction,
+    params: Vec<ParamType>,
 }
 
 /// `Err` with a one-line message when this machine has no usable CUDA GPU.
@@ -148,6 +160,67 @@ pub fn choose_image(art: &Artifact, sm: u32) -> Result<KernelImage, RuntimeError
     }
 }
 
+/// The Hopper-only module to load on a GPU of SM version `sm`: its cubin when the artifact has
+/// one, else its PTX; `None` when the GPU cannot run sm_90a code (compute capability other than
+/// 9.0), the artifact has no such kernels, or `KILN_SM90A=0` asks for the fallbacks.
+pub fn choose_sm90a_image(art: &Artifact, sm: u32) -> Result<Option<KernelImage>, RuntimeError> {
+    let m = &art.manifest;
+    let disabled = std::env::var("KILN_SM90A").is_ok_and(|v| v == "0");
+    if sm != 90 || disabled {
+        return Ok(None);
+    }
+    let read = |file: &str| {
+        std::fs::read(art.dir.join(file)).map_err(|e| RuntimeError::Artifact {
+            file: art.dir.join(file).display().to_string(),
+            message: format!("cannot be read: {e}"),
+        })
+    };
+    if let Some(file) = &m.kernels_sm90a_cubin {
+        let bytes = read(file)?;
+        if cubin_sm(&bytes) != Some(90) {
+            return Err(RuntimeError::Artifact {
+                file: art.dir.join(file).display().to_string(),
+                message: "is not an sm_90a cubin".into(),
+            });
+        }
+        return Ok(Some(KernelImage::Cubin(bytes)));
+    }
+    match &m.kernels_sm90a_ptx {
+        Some(file) => {
+            let text = String::from_utf8(read(file)?).map_err(|_| RuntimeError::Artifact {
+                file: art.dir.join(file).display().to_string(),
+                message: "is not UTF-8 text".into(),
+            })?;
+            Ok(Some(KernelImage::Ptx(text)))
+        }
+        None => Ok(None),
+    }
+}
+
+/// `plan` with every step whose kernel needs sm_90a replaced by its fallback when `sm90a` is off.
+pub fn resolve_plan(
+    plan: &ExecPlan,
+    table: &BTreeMap<&str, &KernelEntry>,
+    sm90a: bool,
+) -> Result<ExecPlan, RuntimeError> {
+    let mut out = plan.clone();
+    if sm90a {
+        return Ok(out);
+    }
+    for step in &mut out.steps {
+        if table[step.kernel.as_str()].image == Image::Sm90a {
+            let fallback = step.fallback.take().ok_or_else(|| {
+                RuntimeError::Device(format!(
+                    "step {} runs `{}`, which needs an sm_90a GPU, and has no fallback",
+                    step.node, step.kernel
+                ))
+            })?;
+            *step = *fallback;
+        }
+    }
+    Ok(out)
+}
+
 /// A kernel module image.
 pub enum KernelImage {
     /// SASS for this GPU.
@@ -175,37 +248,13 @@ pub fn check_plan(
         )));
     }
     for step in &plan.steps {
-        let kernel = table.get(step.kernel.as_str()).ok_or_else(|| {
-            bad(format!(
-                "step {} launches unknown kernel `{}`",
-                step.node, step.kernel
-            ))
-        })?;
-        if kernel.params.len() != step.args.len() {
-            return Err(bad(format!(
-                "step {} passes {} arguments to `{}`, which takes {}",
-                step.node,
-                step.args.len(),
-                step.kernel,
-                kernel.params.len()
-            )));
-        }
-        if step.launch.shared_bytes > kernel.max_shared_bytes {
-            return Err(bad(format!(
-                "step {} asks `{}` for {} bytes of shared memory; the kernel table allows {}",
-                step.node, step.kernel, step.launch.shared_bytes, kernel.max_shared_bytes
-            )));
-        }
-        for ((name, ty), arg) in kernel.params.iter().zip(&step.args) {
-            let ok = match (ty, arg) {
-                (ParamType::Ptr, Arg::Ptr(region, offset)) => *offset < size(*region).max(1),
-                (ParamType::U32, Arg::U32(_)) | (ParamType::F32, Arg::F32(_)) => true,
-                _ => false,
-            };
-            if !ok {
+        check_step(step, table, &size).map_err(&bad)?;
+        if let Some(fallback) = &step.fallback {
+            check_step(fallback, table, &size).map_err(&bad)?;
+            if table[fallback.kernel.as_str()].image != Image::Sm90 || fallback.fallback.is_some() {
                 return Err(bad(format!(
-                    "step {} binds `{name}` of `{}` to {arg:?}, which is not a {ty:?} inside the plan",
-                    step.node, step.kernel
+                    "step {}'s fallback `{}` is not a base-image kernel",
+                    step.node, fallback.kernel
                 )));
             }
         }
@@ -213,6 +262,59 @@ pub fn check_plan(
     for slot in plan.inputs.iter().chain(&plan.outputs) {
         if slot.offset + slot.bytes() > m.memory.arena_bytes {
             return Err(bad(format!("`{}` lies outside the arena", slot.name)));
+        }
+    }
+    Ok(())
+}
+
+/// Checks one launch: a known kernel, one argument of the right kind per parameter, every
+/// pointer (and every tensor map's matrix) inside its region, shared memory within the table's.
+fn check_step(
+    step: &Step,
+    table: &BTreeMap<&str, &KernelEntry>,
+    size: &dyn Fn(Region) -> u64,
+) -> Result<(), String> {
+    let kernel = table.get(step.kernel.as_str()).ok_or_else(|| {
+        format!(
+            "step {} launches unknown kernel `{}`",
+            step.node, step.kernel
+        )
+    })?;
+    if kernel.params.len() != step.args.len() {
+        return Err(format!(
+            "step {} passes {} arguments to `{}`, which takes {}",
+            step.node,
+            step.args.len(),
+            step.kernel,
+            kernel.params.len()
+        ));
+    }
+    if step.launch.shared_bytes > kernel.max_shared_bytes {
+        return Err(format!(
+            "step {} asks `{}` for {} bytes of shared memory; the kernel table allows {}",
+            step.node, step.kernel, step.launch.shared_bytes, kernel.max_shared_bytes
+        ));
+    }
+    for ((name, ty), arg) in kernel.params.iter().zip(&step.args) {
+        let ok = match (ty, arg) {
+            (ParamType::Ptr, Arg::Ptr(region, offset)) => *offset < size(*region).max(1),
+            (ParamType::TensorMap(spec), Arg::TensorMap(region, offset)) => {
+                if let Err(why) = spec.check() {
+                    return Err(format!(
+                        "step {}: the tensor map `{name}` of `{}`: {why}",
+                        step.node, step.kernel
+                    ));
+                }
+                offset.is_multiple_of(16) && offset + spec.extent_bytes() <= size(*region)
+            }
+            (ParamType::U32, Arg::U32(_)) | (ParamType::F32, Arg::F32(_)) => true,
+            _ => false,
+        };
+        if !ok {
+            return Err(format!(
+                "step {} binds `{name}` of `{}` to {arg:?}, which is not a {ty:?} inside the plan",
+                step.node, step.kernel
+            ));
         }
     }
     Ok(())
@@ -258,6 +360,12 @@ impl CudaExecutor {
         let sm = (major * 10 + minor) as u32;
         let device = format!("{} (sm_{sm})", ctx.name().map_err(dev)?);
         let image = choose_image(art, sm)?;
+        let hopper = choose_sm90a_image(art, sm)?;
+        let sm90a = hopper.is_some();
+        let buckets: Vec<(&BucketEntry, ExecPlan)> = buckets
+            .into_iter()
+            .map(|(e, p)| Ok((e, resolve_plan(p, &table, sm90a)?)))
+            .collect::<Result<_, RuntimeError>>()?;
         let total = m.memory.total_bytes();
         let (free, _) = ctx.mem_get_info().map_err(dev)?;
         if (free as u64) < total {
@@ -288,8 +396,16 @@ impl CudaExecutor {
         );
 
         let module = load_image(&ctx, image, &mut counts)?;
-        let mut functions: BTreeMap<String, CudaFunction> = BTreeMap::new();
+        let hopper = hopper
+            .map(|h| load_image(&ctx, h, &mut counts))
+            .transpose()?;
+        let mut functions: BTreeMap<String, LoadedKernel> = BTreeMap::new();
         for k in &m.kernel_table {
+            let module = match (k.image, &hopper) {
+                (Image::Sm90, _) => &module,
+                (Image::Sm90a, Some(h)) => h,
+                (Image::Sm90a, None) => continue,
+            };
             let f = module.load_function(&k.name).map_err(|e| {
                 RuntimeError::Device(format!("kernel `{}` is not in the module: {e}", k.name))
             })?;
@@ -300,7 +416,14 @@ impl CudaExecutor {
                 )
                 .map_err(dev)?;
             }
-            functions.insert(k.name.clone(), f);
+            let params = k.params.iter().map(|(_, t)| *t).collect();
+            functions.insert(
+                k.name.clone(),
+                LoadedKernel {
+                    function: f,
+                    params,
+                },
+            );
         }
 
         tracing::info!(seconds = start.elapsed().as_secs_f64(), "kernels loaded");
@@ -351,7 +474,7 @@ impl CudaExecutor {
         stream.synchronize().map_err(dev)?;
         let plans = buckets
             .iter()
-            .map(|(e, p)| (e.graph.clone(), (*p).clone()))
+            .map(|(e, p)| (e.graph.clone(), p.clone()))
             .collect();
         let staging_bytes = plans_outputs_bytes(&buckets);
         counts.allocated();
@@ -385,6 +508,7 @@ impl CudaExecutor {
             replays: BTreeMap::new(),
             load_seconds: start.elapsed().as_secs_f64(),
             device,
+            sm90a,
         })
     }
 
@@ -542,7 +666,7 @@ fn load_image(
 /// Captures `plan`'s launches on `stream` as a CUDA graph, instantiated and uploaded, counted.
 fn capture(
     stream: &Arc<CudaStream>,
-    functions: &BTreeMap<String, CudaFunction>,
+    functions: &BTreeMap<String, LoadedKernel>,
     plan: &ExecPlan,
     addresses: &Addresses,
     graph: &str,
@@ -563,7 +687,7 @@ fn capture(
 }
 
 /// The most output bytes any bucket returns.
-fn plans_outputs_bytes(buckets: &[(&BucketEntry, &ExecPlan)]) -> usize {
+fn plans_outputs_bytes(buckets: &[(&BucketEntry, ExecPlan)]) -> usize {
     buckets
         .iter()
         .map(|(_, p)| p.outputs.iter().map(|s| s.bytes() as usize).sum::<usize>())
@@ -623,7 +747,7 @@ struct Addresses {
 /// (launch to completion) to its kernel's entry.
 fn launch_steps(
     stream: &Arc<CudaStream>,
-    functions: &BTreeMap<String, CudaFunction>,
+    functions: &BTreeMap<String, LoadedKernel>,
     plan: &ExecPlan,
     addresses: &Addresses,
     graph: &str,
@@ -631,22 +755,38 @@ fn launch_steps(
 ) -> Result<(), RuntimeError> {
     for step in &plan.steps {
         let start = Instant::now();
-        let f = &functions[step.kernel.as_str()];
+        let kernel = &functions[step.kernel.as_str()];
+        let failed = |e: String| {
+            RuntimeError::Device(format!(
+                "{graph}: step {} (`{}`) failed: {e}",
+                step.node, step.kernel
+            ))
+        };
+        let address = |r: Region, o: u64| addresses.base + addresses.plan.base(r) + o;
         let values: Vec<ArgValue> = step
             .args
             .iter()
-            .map(|a| match *a {
-                Arg::Ptr(r, o) => ArgValue::U64(addresses.base + addresses.plan.base(r) + o),
-                Arg::U32(v) => ArgValue::U32(v),
-                Arg::F32(v) => ArgValue::F32(v),
+            .zip(&kernel.params)
+            .map(|(a, ty)| {
+                Ok(match (*a, ty) {
+                    (Arg::Ptr(r, o), _) => ArgValue::U64(address(r, o)),
+                    (Arg::U32(v), _) => ArgValue::U32(v),
+                    (Arg::F32(v), _) => ArgValue::F32(v),
+                    (Arg::TensorMap(r, o), ParamType::TensorMap(spec)) => {
+                        ArgValue::Map(tma::encode(spec, address(r, o))?)
+                    }
+                    (Arg::TensorMap(..), _) => return Err("a tensor map for another kind".into()),
+                })
             })
-            .collect();
-        let mut launch = stream.launch_builder(f);
+            .collect::<Result<_, String>>()
+            .map_err(&failed)?;
+        let mut launch = stream.launch_builder(&kernel.function);
         for v in &values {
             match v {
                 ArgValue::U64(p) => launch.arg(p),
                 ArgValue::U32(x) => launch.arg(x),
                 ArgValue::F32(x) => launch.arg(x),
+                ArgValue::Map(m) => launch.arg(m),
             };
         }
         let l = step.launch;
@@ -655,18 +795,13 @@ fn launch_steps(
             block_dim: (l.block[0], l.block[1], l.block[2]),
             shared_mem_bytes: l.shared_bytes,
         };
-        let failed = |e: cudarc::driver::DriverError| {
-            RuntimeError::Device(format!(
-                "{graph}: step {} (`{}`) failed: {e}",
-                step.node, step.kernel
-            ))
-        };
-        // SAFETY: `check_plan` verified one argument of the declared kind per parameter and
-        // every pointer inside the one allocation, whose regions the compiler sized for these
-        // kernels' shapes.
-        unsafe { launch.launch(cfg) }.map_err(failed)?;
+        let driver = |e: cudarc::driver::DriverError| failed(e.to_string());
+        // SAFETY: `check_plan` verified one argument of the declared kind per parameter, every
+        // pointer inside the one allocation and every tensor map's matrix inside its region,
+        // whose regions the compiler sized for these kernels' shapes.
+        unsafe { launch.launch(cfg) }.map_err(driver)?;
         if let Some(profile) = profile.as_deref_mut() {
-            stream.synchronize().map_err(failed)?;
+            stream.synchronize().map_err(driver)?;
             let e = profile.entry(step.kernel.clone()).or_default();
             e.0 += 1;
             e.1 += start.elapsed().as_secs_f64();
@@ -679,6 +814,7 @@ enum ArgValue {
     U64(u64),
     U32(u32),
     F32(f32),
+    Map(TensorMap),
 }
 
 /// A host tensor's bytes in `dtype` (little endian), as the device reads them.

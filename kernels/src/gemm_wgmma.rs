@@ -1,0 +1,497 @@
+//! The Hopper GEMM (sm_90a) for f16 / bf16 with weights stored `[N, K]`: warp-specialised, TMA
+//! feeding `wgmma.mma_async` through an mbarrier pipeline.
+//!
+//! The grid is persistent (at most one block per SM of an H100/H200, each taking every
+//! `gridDim`-th tile), and each block of three warpgroups computes 128 x 256 output tiles
+//! (128 x 128 with SwiGLU):
+//! - warpgroup 0, the producer, gives up registers (`setmaxnreg`) and one of its threads copies
+//!   the x and w tiles of each 64-wide K step into a stage of shared memory with TMA (128-byte
+//!   swizzle, zeros past the matrix edges), `STAGES` deep: it waits on the stage's `empty`
+//!   barrier, then arms its `full` barrier with the stage's bytes;
+//! - warpgroups 1 and 2, the consumers, take the registers and each multiplies 64 rows of the
+//!   tile: per stage, four `m64n256k16` wgmmas straight from shared memory, one group kept in
+//!   flight while the next stage is awaited; a stage is released (each warp arrives on `empty`)
+//!   once the group that read it has retired. The epilogue (bias, activation, SwiGLU, residual)
+//!   runs on the accumulators and stores element pairs, without branches (predicated stores,
+//!   clamped loads) so that its loads are all in flight at once; meanwhile the producer already
+//!   fills the stages with the block's next tile.
+//!
+//! With SwiGLU the B stage holds 128 gate rows and the matching 128 up rows (`[gate; up]` weight
+//! rows), so a thread's accumulators for gate column `c` and up column `c` are 64 registers apart.
+//! Tiles are visited in groups of 8 tile rows, so that a wave of blocks shares its weight tiles
+//! in L2.
+
+use crate::gemm::{apply, Addends, EpiloguePtrs, GemmConfig};
+use crate::hopper::{
+    mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_init_fence, mbarrier_wait,
+    prefetch_tensor_map, setmaxnreg, tma_load_2d, wgmma, wgmma_commit, wgmma_descriptor,
+    wgmma_fence, wgmma_wait, MBARRIER_BYTES,
+};
+use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
+use crate::{GeneratedKernel, Image, KernelPath, Launch, TensorMapSpec};
+
+/// Output rows per block (64 per consumer warpgroup).
+const BM: u32 = 128;
+/// Weight rows per stage: output columns, or 128 gate and 128 up rows with SwiGLU.
+const BN: u32 = 256;
+/// K per stage: one 128-byte swizzle row of halves.
+const BK: u32 = 64;
+/// Pipeline depth.
+pub const STAGES: u32 = 4;
+const THREADS: u32 = 384;
+/// Tile rows per group of the L2-friendly tile order.
+const GROUP_M: u32 = 8;
+/// Blocks of the persistent grid: the SMs of an H100 / H200 SXM (fewer SMs only means more
+/// tiles per block).
+const GRID: u32 = 132;
+const A_BYTES: u32 = BM * BK * 2;
+const B_BYTES: u32 = BN * BK * 2;
+const STAGE_BYTES: u32 = A_BYTES + B_BYTES;
+/// Registers per thread after reallocation: the producer's and the consumers' (128 accumulators
+/// each); 128 x 40 + 256 x 232 fits the 64K register file.
+const PRODUCER_REGS: u32 = 40;
+const CONSUMER_REGS: u32 = 232;
+
+/// Whether `cfg` can use the Hopper kernel: f16/bf16, `[N, K]` weights, rows of 16-byte
+/// multiples for TMA (K % 8 == 0), an even N with SwiGLU.
+pub fn supports(cfg: &GemmConfig) -> bool {
+    let (m, n, k) = (u64::from(cfg.m), u64::from(cfg.n), u64::from(cfg.k));
+    cfg.elem != Elem::F32
+        && cfg.transpose_b
+        && cfg.m > 0
+        && cfg.n > 0
+        && (!cfg.swiglu || cfg.n.is_multiple_of(2))
+        && cfg.k.is_multiple_of(8)
+        && crate::check_index_range(&[m * n, m * k, n * k])
+}
+
+/// Output columns per block.
+fn bn_out(cfg: &GemmConfig) -> u32 {
+    if cfg.swiglu {
+        BN / 2
+    } else {
+        BN
+    }
+}
+
+/// The tensor maps of x (`[M, K]`) and w (`[N, K]`).
+fn tensor_maps(cfg: &GemmConfig) -> (TensorMapSpec, TensorMapSpec) {
+    let dtype = match cfg.elem {
+        Elem::F16 => kiln_ir::DType::F16,
+        _ => kiln_ir::DType::BF16,
+    };
+    let map = |rows: u32, box_rows: u32| TensorMapSpec {
+        dtype,
+        rows: u64::from(rows),
+        cols: u64::from(cfg.k),
+        row_bytes: u64::from(cfg.k) * 2,
+        box_rows,
+        box_cols: BK,
+        swizzle_bytes: crate::hopper::SWIZZLE_BYTES,
+    };
+    let w_box = if cfg.swiglu { BN / 2 } else { BN };
+    (map(cfg.m, BM), map(cfg.n, w_box))
+}
+
+/// Generates the kernel. Parameters: `x` and `w` (tensor maps), `[bias], [residual], out`.
+pub fn gemm_wgmma(cfg: &GemmConfig, name: String) -> GeneratedKernel {
+    assert!(
+        supports(cfg),
+        "the Hopper GEMM needs f16/bf16, [N, K] weights, K % 8 == 0 (N even with SwiGLU)"
+    );
+    let mut k = Kernel::new(&name);
+    k.directive(format!(".maxntid {THREADS}, 1, 1"));
+    k.directive(".minnctapersm 1");
+    let (x_spec, w_spec) = tensor_maps(cfg);
+    let x = k.param_tensor_map("x", x_spec);
+    let w = k.param_tensor_map("w", w_spec);
+    let epilogue = EpiloguePtrs::declare(&mut k, cfg);
+    let smem = k.dynamic_shared_aligned("gemm_stages", 1024);
+    k.shared("gemm_barriers", 2 * STAGES * MBARRIER_BYTES);
+
+    let tid = k.special("tid.x");
+    // The stages, 1024-byte aligned (the launch asks for 1 KB more than they need).
+    let raw = k.reg(RegClass::B32);
+    k.emit(format!("mov.u32 {raw}, {smem}"));
+    let padded = k.add_u32(&raw, &1023u32);
+    let stages = k.op2("and.b32", RegClass::B32, &padded, &!1023u32);
+    let full = k.reg(RegClass::B32);
+    k.emit(format!("mov.u32 {full}, gemm_barriers"));
+    let empty = k.add_u32(&full, &(STAGES * MBARRIER_BYTES));
+
+    k.comment("barriers: full (one arrival plus the stage's bytes), empty (one per consumer warp)");
+    let first = k.setp("eq.u32", &tid, &0u32);
+    let init_done = k.label("init_done");
+    k.bra(Some((first, false)), &init_done);
+    for s in 0..STAGES {
+        let f = k.add_u32(&full, &(s * MBARRIER_BYTES));
+        mbarrier_init(&mut k, &f, 1);
+        let e = k.add_u32(&empty, &(s * MBARRIER_BYTES));
+        mbarrier_init(&mut k, &e, 8);
+    }
+    mbarrier_init_fence(&mut k);
+    k.place(&init_done);
+    k.barrier();
+
+    let warpgroup = k.op2("shr.u32", RegClass::B32, &tid, &7u32);
+    let consumers = k.label("consumers");
+    let is_producer = k.setp("eq.u32", &warpgroup, &0u32);
+    k.bra(Some((is_producer, false)), &consumers);
+    let pipe = Pipeline {
+        stages,
+        full,
+        empty,
+        k_tiles: cfg.k.div_ceil(BK),
+    };
+    producer(&mut k, cfg, &pipe, &tid, [x, w]);
+    k.place(&consumers);
+    consumer(&mut k, cfg, &pipe, &epilogue, &tid, &warpgroup);
+
+    let tiles = tile_count(cfg);
+    GeneratedKernel::new(
+        k,
+        Launch {
+            grid: [tiles.min(GRID), 1, 1],
+            block: [THREADS, 1, 1],
+            shared_bytes: STAGES * STAGE_BYTES + 1024,
+        },
+    )
+    .on(KernelPath::Wgmma)
+    .in_image(Image::Sm90a)
+}
+
+fn tile_count(cfg: &GemmConfig) -> u32 {
+    cfg.m.div_ceil(BM) * cfg.n_out().div_ceil(bn_out(cfg))
+}
+
+/// Runs `body` for each tile of this block (`ctaid.x`, then every `nctaid.x`-th), with the
+/// tile's first output row and column.
+fn for_each_tile(k: &mut Kernel, cfg: &GemmConfig, mut body: impl FnMut(&mut Kernel, Reg, Reg)) {
+    let tile = k.special("ctaid.x");
+    let step = k.special("nctaid.x");
+    let top = k.label("tile");
+    let done = k.label("tiles_done");
+    k.place(&top);
+    let past = k.setp("ge.u32", &tile, &tile_count(cfg));
+    k.bra(Some((past, true)), &done);
+    let (m0, n0) = tile_origin(k, cfg, &tile);
+    body(k, m0, n0);
+    k.emit(format!("add.u32 {tile}, {tile}, {step}"));
+    k.bra(None, &top);
+    k.place(&done);
+}
+
+/// The block's first output row and column, visiting tiles in groups of [`GROUP_M`] tile rows
+/// (column by column within a group).
+fn tile_origin(k: &mut Kernel, cfg: &GemmConfig, pid: &Reg) -> (Reg, Reg) {
+    let tiles_m = cfg.m.div_ceil(BM);
+    let tiles_n = cfg.n_out().div_ceil(bn_out(cfg));
+    let span = GROUP_M * tiles_n;
+    let group = k.op2("div.u32", RegClass::B32, pid, &span);
+    let first_m = k.mul_u32(&group, &GROUP_M);
+    let left = k.sub_u32(&tiles_m, &first_m);
+    let rows = k.op2("min.u32", RegClass::B32, &left, &GROUP_M);
+    let within = k.op2("rem.u32", RegClass::B32, pid, &span);
+    let dm = k.op2("rem.u32", RegClass::B32, &within, &rows);
+    let tm = k.add_u32(&first_m, &dm);
+    let tn = k.op2("div.u32", RegClass::B32, &within, &rows);
+    (k.mul_u32(&tm, &BM), k.mul_u32(&tn, &bn_out(cfg)))
+}
+
+/// Shared-memory stages and their barriers.
+struct Pipeline {
+    stages: Reg,
+    full: Reg,
+    empty: Reg,
+    k_tiles: u32,
+}
+
+impl Pipeline {
+    /// Stage `s`'s A tile, B tile, full and empty barriers for K step `kt`, and the parity of
+    /// the step's round through the stages.
+    fn at(&self, k: &mut Kernel, kt: &Reg) -> StageRefs {
+        let s = k.op2("and.b32", RegClass::B32, kt, &(STAGES - 1));
+        let round = k.op2("shr.u32", RegClass::B32, kt, &STAGES.trailing_zeros());
+        let parity = k.op2("and.b32", RegClass::B32, &round, &1u32);
+        let a = k.mad_u32(&s, &STAGE_BYTES, &self.stages);
+        let b = k.add_u32(&a, &A_BYTES);
+        let full = k.mad_u32(&s, &MBARRIER_BYTES, &self.full);
+        let empty = k.mad_u32(&s, &MBARRIER_BYTES, &self.empty);
+        StageRefs {
+            a,
+            b,
+            full,
+            empty,
+            parity,
+        }
+    }
+}
+
+struct StageRefs {
+    a: Reg,
+    b: Reg,
+    full: Reg,
+    empty: Reg,
+    parity: Reg,
+}
+
+/// Warpgroup 0: gives up registers; thread 0 streams the K steps of the block's tiles into the
+/// stages (`step` counts them across tiles), then the warpgroup leaves.
+fn producer(k: &mut Kernel, cfg: &GemmConfig, pipe: &Pipeline, tid: &Reg, [x, w]: [Reg; 2]) {
+    setmaxnreg(k, false, PRODUCER_REGS);
+    let exit = k.label("producer_done");
+    let first = k.setp("eq.u32", tid, &0u32);
+    k.bra(Some((first, false)), &exit);
+    prefetch_tensor_map(k, &x);
+    prefetch_tensor_map(k, &w);
+    let step = k.mov(RegClass::B32, &0u32);
+    for_each_tile(k, cfg, |k, m0, n0| {
+        let kt = k.mov(RegClass::B32, &0u32);
+        let top = k.label("produce");
+        k.place(&top);
+        let st = pipe.at(k, &step);
+        k.comment("wait until the consumers released the stage (from the second round on)");
+        let refill = k.setp("ge.u32", &step, &STAGES);
+        let fresh = k.label("fresh_stage");
+        k.bra(Some((refill, false)), &fresh);
+        let released = k.op2("xor.b32", RegClass::B32, &st.parity, &1u32);
+        mbarrier_wait(k, &st.empty, &released);
+        k.place(&fresh);
+        mbarrier_arrive_expect_tx(k, &st.full, STAGE_BYTES);
+        let k0 = k.mul_u32(&kt, &BK);
+        tma_load_2d(k, &st.a, &x, &k0, &m0, &st.full);
+        tma_load_2d(k, &st.b, &w, &k0, &n0, &st.full);
+        if cfg.swiglu {
+            let up = k.add_u32(&n0, &cfg.n_out());
+            let b_up = k.add_u32(&st.b, &(B_BYTES / 2));
+            tma_load_2d(k, &b_up, &w, &k0, &up, &st.full);
+        }
+        k.emit(format!("add.u32 {step}, {step}, 1"));
+        k.emit(format!("add.u32 {kt}, {kt}, 1"));
+        let more = k.setp("lt.u32", &kt, &pipe.k_tiles);
+        k.bra(Some((more, true)), &top);
+    });
+    k.place(&exit);
+    k.emit("ret");
+}
+
+/// Warpgroups 1 and 2: take the registers; for each tile, multiply their 64 rows of every stage
+/// (`step` counts stages across tiles, as the producer's does), then run the epilogue.
+fn consumer(
+    k: &mut Kernel,
+    cfg: &GemmConfig,
+    pipe: &Pipeline,
+    epilogue: &EpiloguePtrs,
+    tid: &Reg,
+    warpgroup: &Reg,
+) {
+    setmaxnreg(k, true, CONSUMER_REGS);
+    let acc: Vec<Reg> = (0..BN / 2).map(|_| k.reg(RegClass::F32)).collect();
+    let consumer = k.sub_u32(warpgroup, &1u32);
+    // This warpgroup's 64 rows of the A tile: 64 rows of 128 bytes further per consumer.
+    let a_rows = k.mul_u32(&consumer, &(64 * BK * 2));
+    let lane = k.op2("and.b32", RegClass::B32, tid, &31u32);
+    let lane0 = k.setp("eq.u32", &lane, &0u32);
+    let step = k.mov(RegClass::B32, &0u32);
+    for_each_tile(k, cfg, |k, m0, n0| {
+        for a in &acc {
+            k.set(*a, &F32(0.0));
+        }
+        let kt = k.mov(RegClass::B32, &0u32);
+        let top = k.label("consume");
+        k.place(&top);
+        let st = pipe.at(k, &step);
+        mbarrier_wait(k, &st.full, &st.parity);
+        wgmma_fence(k);
+        let a_tile = k.add_u32(&st.a, &a_rows);
+        let a_desc = wgmma_descriptor(k, &a_tile);
+        let b_desc = wgmma_descriptor(k, &st.b);
+        for kk in 0..BK / 16 {
+            // Each k16 step is 32 bytes further along the swizzled rows: 2 descriptor units.
+            let (a, b) = if kk == 0 {
+                (a_desc, b_desc)
+            } else {
+                (
+                    k.op2("add.u64", RegClass::B64, &a_desc, &(2 * u64::from(kk))),
+                    k.op2("add.u64", RegClass::B64, &b_desc, &(2 * u64::from(kk))),
+                )
+            };
+            wgmma(k, cfg.elem, &acc, &a, &b);
+        }
+        wgmma_commit(k);
+        k.comment("the previous step's group has retired: release its stage");
+        wgmma_wait(k, 1);
+        let had_previous = k.setp("ne.u32", &kt, &0u32);
+        let release = k.reg(RegClass::Pred);
+        k.emit(format!("and.pred {release}, {had_previous}, {lane0}"));
+        let prev = k.add_u32(&step, &(STAGES - 1));
+        let prev = k.op2("and.b32", RegClass::B32, &prev, &(STAGES - 1));
+        let prev_empty = k.mad_u32(&prev, &MBARRIER_BYTES, &pipe.empty);
+        mbarrier_arrive(k, &prev_empty, Some(release));
+        k.emit(format!("add.u32 {step}, {step}, 1"));
+        k.emit(format!("add.u32 {kt}, {kt}, 1"));
+        let more = k.setp("lt.u32", &kt, &pipe.k_tiles);
+        k.bra(Some((more, true)), &top);
+        k.comment("the tile's last group: wait for it and release its stage");
+        wgmma_wait(k, 0);
+        let last = k.add_u32(&step, &(STAGES - 1));
+        let last = k.op2("and.b32", RegClass::B32, &last, &(STAGES - 1));
+        let last_empty = k.mad_u32(&last, &MBARRIER_BYTES, &pipe.empty);
+        mbarrier_arrive(k, &last_empty, Some(lane0));
+        store(k, cfg, epilogue, &acc, tid, warpgroup, m0, n0);
+    });
+}
+
+/// The epilogue: thread `t` of a consumer warpgroup holds, for each 8-column chunk `j`, the
+/// columns `8 j + 2 (t % 4) + {0, 1}` of rows `16 (t / 32) + (t % 32) / 4 + {0, 8}` (registers
+/// `4 j + {0, 1}` and `4 j + {2, 3}`).
+#[allow(clippy::too_many_arguments)]
+fn store(
+    k: &mut Kernel,
+    cfg: &GemmConfig,
+    epilogue: &EpiloguePtrs,
+    acc: &[Reg],
+    tid: &Reg,
+    warpgroup: &Reg,
+    m0: Reg,
+    n0: Reg,
+) {
+    k.comment("epilogue on the accumulators");
+    let consumer = k.sub_u32(warpgroup, &1u32);
+    let lane = k.op2("and.b32", RegClass::B32, tid, &31u32);
+    let warp = k.op2("shr.u32", RegClass::B32, tid, &5u32);
+    let warp = k.op2("and.b32", RegClass::B32, &warp, &3u32);
+    let quad = k.op2("shr.u32", RegClass::B32, &lane, &2u32);
+    let pair = k.op2("and.b32", RegClass::B32, &lane, &3u32);
+    let rows0 = k.mad_u32(&consumer, &64u32, &m0);
+    let rows1 = k.mad_u32(&warp, &16u32, &rows0);
+    let row0 = k.add_u32(&rows1, &quad);
+    let col0 = k.mad_u32(&pair, &2u32, &n0);
+    let frag = Fragment { acc, row0, col0 };
+    if cfg.n_out().is_multiple_of(2) {
+        store_pairs(k, cfg, epilogue, &frag);
+    } else {
+        store_elements(k, cfg, epilogue, &frag);
+    }
+}
+
+/// A thread's accumulators and the output row and column of its first one.
+struct Fragment<'a> {
+    acc: &'a [Reg],
+    row0: Reg,
+    col0: Reg,
+}
+
+impl Fragment<'_> {
+    /// Chunks of 8 output columns per tile.
+    fn chunks(cfg: &GemmConfig) -> u32 {
+        bn_out(cfg) / 8
+    }
+
+    /// The accumulator of chunk `j`, row half `h`, column `c` (0, 1), and with SwiGLU the
+    /// matching up column's (64 registers further).
+    fn at(&self, cfg: &GemmConfig, j: u32, h: u32, c: u32) -> (Reg, Option<Reg>) {
+        let i = (4 * j + 2 * h + c) as usize;
+        (
+            self.acc[i],
+            cfg.swiglu.then(|| self.acc[i + (BN / 4) as usize]),
+        )
+    }
+}
+
+/// The epilogue for an even N: each pair of columns is finished and stored as one 32-bit word,
+/// its bias and residual read as words too; out-of-range places load from element 0 and store
+/// nothing, so there are no branches and every load of a chunk can be in flight at once.
+fn store_pairs(k: &mut Kernel, cfg: &GemmConfig, epilogue: &EpiloguePtrs, frag: &Fragment) {
+    let n_out = cfg.n_out();
+    let rows: Vec<(Reg, Reg)> = (0..2u32)
+        .map(|h| {
+            let row = k.add_u32(&frag.row0, &(8 * h));
+            let ok = k.setp("lt.u32", &row, &cfg.m);
+            (ok, k.mul_u32(&row, &n_out))
+        })
+        .collect();
+    for j in 0..Fragment::chunks(cfg) {
+        let col = k.add_u32(&frag.col0, &(8 * j));
+        let col_ok = k.setp("lt.u32", &col, &n_out);
+        let safe_col = k.selp(RegClass::B32, "u32", &col, &0u32, col_ok);
+        let bias = epilogue
+            .bias()
+            .map(|b| load_pair(k, cfg.elem, b, &safe_col));
+        let bias_up = match (epilogue.bias(), cfg.swiglu) {
+            (Some(b), true) => {
+                let up = k.add_u32(&safe_col, &n_out);
+                Some(load_pair(k, cfg.elem, b, &up))
+            }
+            _ => None,
+        };
+        for (h, (row_ok, row_start)) in rows.iter().enumerate() {
+            let ok = k.reg(RegClass::Pred);
+            k.emit(format!("and.pred {ok}, {row_ok}, {col_ok}"));
+            let oi = k.add_u32(row_start, &col);
+            let safe_oi = k.selp(RegClass::B32, "u32", &oi, &0u32, ok);
+            let residual = epilogue
+                .residual()
+                .map(|r| load_pair(k, cfg.elem, r, &safe_oi));
+            let v: Vec<Reg> = (0..2)
+                .map(|c| {
+                    let (v, up) = frag.at(cfg, j, h as u32, c);
+                    let addends = Addends {
+                        bias: bias.map(|p| p[c as usize]),
+                        bias_up: bias_up.map(|p| p[c as usize]),
+                        residual: residual.map(|p| p[c as usize]),
+                    };
+                    apply(k, cfg, v, up, &addends)
+                })
+                .collect();
+            let word = k.reg(RegClass::B32);
+            // The first operand goes to the upper half.
+            k.emit(format!(
+                "cvt.rn.{}x2.f32 {word}, {}, {}",
+                cfg.elem.name(),
+                v[1],
+                v[0]
+            ));
+            let addr = k.address(epilogue.out(), &safe_oi, 2);
+            k.emit(format!("@{ok} st.global.b32 [{addr}], {word}"));
+        }
+    }
+}
+
+/// Two adjacent halves at element `i` (even) of `base`, as f32.
+fn load_pair(k: &mut Kernel, elem: Elem, base: Reg, i: &Reg) -> [Reg; 2] {
+    let addr = k.address(base, i, 2);
+    let word = k.reg(RegClass::B32);
+    k.emit(format!("ld.global.b32 {word}, [{addr}]"));
+    let (lo, hi) = (k.reg(RegClass::B16), k.reg(RegClass::B16));
+    k.emit(format!("mov.b32 {{{lo}, {hi}}}, {word}"));
+    let cvt = format!("cvt.f32.{}", elem.name());
+    [
+        k.op1(&cvt, RegClass::F32, &lo),
+        k.op1(&cvt, RegClass::F32, &hi),
+    ]
+}
+
+/// The epilogue for an odd N (rows are not 4-byte aligned): element by element, each finished
+/// and stored by [`EpiloguePtrs::finish`] when inside the matrix.
+fn store_elements(k: &mut Kernel, cfg: &GemmConfig, epilogue: &EpiloguePtrs, frag: &Fragment) {
+    let n_out = cfg.n_out();
+    for h in 0..2u32 {
+        let skip_rows = k.label("rows_done");
+        let row = k.add_u32(&frag.row0, &(8 * h));
+        let out_row = k.setp("ge.u32", &row, &cfg.m);
+        k.bra(Some((out_row, true)), &skip_rows);
+        for j in 0..Fragment::chunks(cfg) {
+            for c in 0..2u32 {
+                let skip = k.label("element_done");
+                let col = k.add_u32(&frag.col0, &(8 * j + c));
+                let out_col = k.setp("ge.u32", &col, &n_out);
+                k.bra(Some((out_col, true)), &skip);
+                let (v, up) = frag.at(cfg, j, h, c);
+                epilogue.finish(k, cfg, v, up, &col, |k| k.mad_u32(&row, &n_out, &col));
+                k.place(&skip);
+            }
+        }
+        k.place(&skip_rows);
+    }
+}

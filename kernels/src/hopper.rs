@@ -1,0 +1,133 @@
+//! The PTX of Hopper's asynchronous machinery, for the sm_90a kernels: mbarriers with
+//! transaction counts and phase parity, TMA tile copies (`cp.async.bulk.tensor`), wgmma
+//! shared-memory descriptors and the warpgroup MMA itself, and warpgroup register reallocation.
+//!
+//! Shared-memory addresses are 32-bit registers (`.shared::cta` window); tensor maps are the
+//! generic addresses [`Kernel::param_tensor_map`] returns.
+
+use crate::ptx::{Elem, Kernel, Operand, Reg, RegClass};
+
+/// Bytes of one mbarrier.
+pub const MBARRIER_BYTES: u32 = 8;
+
+/// The 128-byte swizzle span: a K-major tile row of 64 halves, and the unit TMA and wgmma agree
+/// on (8 rows of it, 1024 bytes, repeat the swizzle pattern).
+pub const SWIZZLE_BYTES: u32 = 128;
+
+/// `mbarrier.init` of the barrier at `bar` for `count` arrivals.
+pub fn mbarrier_init(k: &mut Kernel, bar: &dyn Operand, count: u32) {
+    k.emit(format!(
+        "mbarrier.init.shared::cta.b64 [{}], {count}",
+        bar.text()
+    ));
+}
+
+/// Makes barrier initialisation visible to the other threads and to the asynchronous proxy (TMA
+/// completing transactions); a `bar.sync` must follow before any use.
+pub fn mbarrier_init_fence(k: &mut Kernel) {
+    k.emit("fence.mbarrier_init.release.cluster");
+    k.emit("fence.proxy.async.shared::cta");
+}
+
+/// One arrival on `bar`, by the threads where `when` holds (all with `None`).
+pub fn mbarrier_arrive(k: &mut Kernel, bar: &dyn Operand, when: Option<Reg>) {
+    let guard = when.map(|p| format!("@{p} ")).unwrap_or_default();
+    k.emit(format!(
+        "{guard}mbarrier.arrive.shared::cta.b64 _, [{}]",
+        bar.text()
+    ));
+}
+
+/// One arrival on `bar` that also expects `bytes` of asynchronous copies to complete on it.
+pub fn mbarrier_arrive_expect_tx(k: &mut Kernel, bar: &dyn Operand, bytes: u32) {
+    k.emit(format!(
+        "mbarrier.arrive.expect_tx.shared::cta.b64 _, [{}], {bytes}",
+        bar.text()
+    ));
+}
+
+/// Waits until the phase of `bar` with parity `parity` (0 or 1) has completed.
+pub fn mbarrier_wait(k: &mut Kernel, bar: &dyn Operand, parity: &dyn Operand) {
+    let again = k.label("mbarrier_wait");
+    let done = k.reg(RegClass::Pred);
+    k.place(&again);
+    k.emit(format!(
+        "mbarrier.try_wait.parity.shared::cta.b64 {done}, [{}], {}",
+        bar.text(),
+        parity.text()
+    ));
+    k.bra(Some((done, false)), &again);
+}
+
+/// Prefetches the tensor map at generic address `map` into the TMA unit's descriptor cache.
+pub fn prefetch_tensor_map(k: &mut Kernel, map: &Reg) {
+    k.emit(format!("prefetch.tensormap [{map}]"));
+}
+
+/// Copies the box at element `(col, row)` of the matrix `map` describes to shared memory at
+/// `dst`, completing `bar`'s transaction bytes (elements outside the matrix arrive as zeros).
+pub fn tma_load_2d(
+    k: &mut Kernel,
+    dst: &dyn Operand,
+    map: &Reg,
+    col: &dyn Operand,
+    row: &dyn Operand,
+    bar: &dyn Operand,
+) {
+    k.emit(format!(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [{}], [{map}, {{{}, {}}}], [{}]",
+        dst.text(),
+        col.text(),
+        row.text(),
+        bar.text()
+    ));
+}
+
+/// The wgmma descriptor of a K-major tile at shared address `addr` (1024-byte aligned rows of
+/// [`SWIZZLE_BYTES`], as TMA writes them with 128-byte swizzle): start address, leading byte
+/// offset 1 (unused in this layout), stride byte offset 1024 (8 rows), layout "128-byte
+/// swizzle". Adding `n` to the descriptor moves its start `16 n` bytes along K.
+pub fn wgmma_descriptor(k: &mut Kernel, addr: &Reg) -> Reg {
+    const FIXED: u64 = (1 << 62) | ((1024 >> 4) << 32) | (1 << 16);
+    let wide = k.reg(RegClass::B64);
+    k.emit(format!("cvt.u64.u32 {wide}, {addr}"));
+    let start = k.op2("shr.u64", RegClass::B64, &wide, &4u32);
+    let start = k.op2("and.b64", RegClass::B64, &start, &0x3FFFu64);
+    k.op2("or.b64", RegClass::B64, &start, &FIXED)
+}
+
+/// `wgmma.fence`: orders register accesses to the accumulators before the next wgmma.
+pub fn wgmma_fence(k: &mut Kernel) {
+    k.emit("wgmma.fence.sync.aligned");
+}
+
+/// Closes the wgmma operations issued since the last commit into one group.
+pub fn wgmma_commit(k: &mut Kernel) {
+    k.emit("wgmma.commit_group.sync.aligned");
+}
+
+/// Waits until at most `pending` committed wgmma groups are still running.
+pub fn wgmma_wait(k: &mut Kernel, pending: u32) {
+    k.emit(format!("wgmma.wait_group.sync.aligned {pending}"));
+}
+
+/// `acc += A B^T` for one k16 step of a warpgroup: A 64 x 16 and B `n` x 16, both K-major in
+/// shared memory (descriptors `a`, `b`), `acc` the `n / 2` f32 accumulators of each thread.
+pub fn wgmma(k: &mut Kernel, elem: Elem, acc: &[Reg], a: &Reg, b: &Reg) {
+    let n = acc.len() * 2;
+    let ty = elem.name();
+    let list = acc
+        .iter()
+        .map(|r| r.to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
+    k.emit(format!(
+        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ty}.{ty} {{{list}}}, {a}, {b}, 1, 1, 1, 0, 0"
+    ));
+}
+
+/// Raises (`grow`) or lowers this warpgroup's register budget to `count` per thread.
+pub fn setmaxnreg(k: &mut Kernel, grow: bool, count: u32) {
+    let dir = if grow { "inc" } else { "dec" };
+    k.emit(format!("setmaxnreg.{dir}.sync.aligned.u32 {count}"));
+}

@@ -1,0 +1,178 @@
+"""kiln's kernels against their PyTorch peers, in one process on the GPU machine.
+
+usage (on the GPU machine; the cases come from the kernels crate's example, built anywhere):
+  bench_kernels --emit CASES_DIR            # cargo run --release -p kiln-kernels --example bench_kernels -- --emit DIR
+  python3 scripts/bench-kernels.py CASES_DIR [--json OUT.json]
+
+Each case is a generated kernel (PTX, parameter list with tensor-map layouts, launch) and the
+tensors it reads and writes. This script allocates those tensors with torch, loads the kernel
+through the CUDA driver (ctypes, in torch's context), encodes its tensor maps as kiln's runtime
+does, and times it with CUDA events on torch's stream exactly as it times the peer on the same
+tensors: torch.matmul (cuBLAS) for products, scaled_dot_product_attention with the flash and cuDNN
+backends for attention. It prints a table of times and ratios (peer time / kiln time: above 1 is
+kiln faster) and checks that kiln's output matches the peer's where both are deterministic.
+"""
+import argparse, ctypes, json, math, os, sys
+import torch
+import torch.nn.functional as F
+
+CUDA = ctypes.CDLL("libcuda.so.1")
+SHARED_LIMIT = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+TMAP_DTYPE = {"F16": 6, "BF16": 9, "F32": 7}
+SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}
+TORCH_DTYPE = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "i64": torch.int64}
+
+
+def check(status, what):
+    if status != 0:
+        name = ctypes.c_char_p()
+        CUDA.cuGetErrorName(status, ctypes.byref(name))
+        raise RuntimeError(f"{what}: {name.value.decode() if name.value else status}")
+
+
+def bench(fn, warm=3, rep=20):
+    """Median milliseconds of `fn` over `rep` runs, CUDA events around each (warm-ups first)."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rep):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record(); fn(); b.record(); torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+class TensorMap:
+    """A 128-byte, 64-byte-aligned CUtensorMap encoded over a torch tensor, as kiln's runtime
+    encodes them at load (runtime/src/cuda/tma.rs)."""
+
+    def __init__(self, spec, tensor):
+        self.raw = (ctypes.c_uint8 * 192)()
+        base = ctypes.addressof(self.raw)
+        self.address = (base + 63) // 64 * 64
+        dims = (ctypes.c_uint64 * 2)(spec["cols"], spec["rows"])
+        strides = (ctypes.c_uint64 * 1)(spec["row_bytes"])
+        box = (ctypes.c_uint32 * 2)(spec["box_cols"], spec["box_rows"])
+        unit = (ctypes.c_uint32 * 2)(1, 1)
+        check(CUDA.cuTensorMapEncodeTiled(
+            ctypes.c_void_p(self.address), ctypes.c_int(TMAP_DTYPE[spec["dtype"]]), ctypes.c_uint32(2),
+            ctypes.c_void_p(tensor.data_ptr()), dims, strides, box, unit,
+            ctypes.c_int(0), ctypes.c_int(SWIZZLE[spec["swizzle_bytes"]]), ctypes.c_int(3), ctypes.c_int(0)),
+            "cuTensorMapEncodeTiled")
+
+
+class Kernel:
+    """One generated kernel loaded into torch's context, launched on torch's current stream."""
+
+    def __init__(self, case, directory):
+        k = case["kernel"]
+        self.name, self.launch_cfg = k["name"], k["launch"]
+        ptx = open(os.path.join(directory, case["module"]), "rb").read() + b"\0"
+        self.module = ctypes.c_void_p()
+        check(CUDA.cuModuleLoadData(ctypes.byref(self.module), ptx), f"loading {self.name}")
+        self.function = ctypes.c_void_p()
+        check(CUDA.cuModuleGetFunction(ctypes.byref(self.function), self.module, self.name.encode()), self.name)
+        shared = self.launch_cfg["shared_bytes"]
+        if shared > 48 * 1024:
+            check(CUDA.cuFuncSetAttribute(self.function, SHARED_LIMIT, shared), "shared memory limit")
+        self.signature = k["signature"]
+
+    def bind(self, tensors):
+        """Keeps the argument values alive and returns the `void**` cuLaunchKernel takes."""
+        self.values = []
+        for name, kind in self.signature:
+            if isinstance(kind, dict) and "TensorMap" in kind:
+                self.values.append(TensorMap(kind["TensorMap"], tensors[name]))
+            elif kind == "Ptr":
+                self.values.append(ctypes.c_uint64(tensors[name].data_ptr()))
+            else:
+                raise ValueError(f"{self.name}: parameter {name} of kind {kind} has no binding here")
+        pointers = [ctypes.c_void_p(v.address) if isinstance(v, TensorMap) else ctypes.cast(ctypes.pointer(v), ctypes.c_void_p)
+                    for v in self.values]
+        self.params = (ctypes.c_void_p * len(pointers))(*[p.value for p in pointers])
+
+    def __call__(self):
+        g, b = self.launch_cfg["grid"], self.launch_cfg["block"]
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        check(CUDA.cuLaunchKernel(self.function, g[0], g[1], g[2], b[0], b[1], b[2],
+                                  self.launch_cfg["shared_bytes"], stream, self.params, None), self.name)
+
+
+def tensors_of(case):
+    out = {}
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for name, (shape, dtype, scale) in case["buffers"].items():
+        if dtype == "i64":
+            out[name] = torch.full(shape, 1234, dtype=torch.int64, device="cuda")
+        else:
+            out[name] = (torch.rand(shape, generator=gen, device="cuda") * 2 - 1).mul_(scale).to(TORCH_DTYPE[dtype])
+    return out
+
+
+def peers(case, t):
+    """The peer computations of `case` over its tensors: name -> callable returning the output."""
+    p = case["peer"]
+    if p["kind"] == "matmul":
+        if p.get("epilogue") == "bias_gelu":
+            return {"torch.matmul + eager bias, GELU": lambda: F.gelu(t["x"] @ t["w"].T + t["bias"], approximate="tanh")}
+        return {"torch.matmul": lambda: t["x"] @ t["w"].T}
+    from torch.nn.attention import sdpa_kernel, SDPBackend
+    q, k, v = t["q"], t["k"], t["v"]
+    causal, dropout = p["causal"], p["dropout"]
+
+    def sdpa(backend):
+        def run():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout, scale=p["scale"])
+        return run
+    return {"sdpa flash": sdpa(SDPBackend.FLASH_ATTENTION), "sdpa cudnn": sdpa(SDPBackend.CUDNN_ATTENTION)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cases")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    torch.zeros(1, device="cuda")  # torch's primary context is current from here on
+    cases = json.load(open(os.path.join(a.cases, "cases.json")))
+    rows, records = [], []
+    for case in cases:
+        t = tensors_of(case)
+        kernel = Kernel(case, a.cases)
+        kernel.bind(t)
+        kiln_ms = bench(kernel)
+        record = {"case": case["case"], "kernel": kernel.name, "path": case["kernel"]["path"],
+                  "kiln_ms": kiln_ms, "kiln_TFLOPs": case["flops"] / kiln_ms / 1e9, "peers": {}}
+        kernel(); torch.cuda.synchronize()
+        got = t["out"].float()
+        for name, fn in peers(case, t).items():
+            try:
+                ms = bench(fn)
+            except Exception as e:  # a backend may refuse the configuration
+                record["peers"][name] = {"error": str(e)[:160]}
+                continue
+            entry = {"ms": ms, "TFLOPs": case["flops"] / ms / 1e9, "ratio": ms / kiln_ms}
+            if not case["peer"].get("dropout"):
+                want = fn().float().reshape(got.shape)
+                entry["rel_err"] = ((got - want).abs().max() / want.abs().max()).item()
+            record["peers"][name] = entry
+        records.append(record)
+        for name, e in record["peers"].items():
+            if "error" in e:
+                rows.append(f"{case['case']:<40} {kernel.name[:44]:<44} {kiln_ms:8.4f}  {name:<30} {'refused':>8}")
+                continue
+            err = f"{e['rel_err']:.1e}" if "rel_err" in e else "-"
+            rows.append(f"{case['case']:<40} {kernel.name[:44]:<44} {kiln_ms:8.4f}  {name:<30} {e['ms']:8.4f}  {e['ratio']:5.2f}x  {record['kiln_TFLOPs']:6.1f} vs {e['TFLOPs']:6.1f} TFLOP/s  err {err}")
+        del t
+        torch.cuda.empty_cache()
+    print(f"{'case':<40} {'kiln kernel':<44} {'kiln ms':>8}  {'peer':<30} {'peer ms':>8}  ratio (peer/kiln)")
+    print("\n".join(rows))
+    if a.json:
+        json.dump(records, open(a.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
