@@ -53,12 +53,12 @@ class TensorMap:
         self.raw = (ctypes.c_uint8 * 192)()
         base = ctypes.addressof(self.raw)
         self.address = (base + 63) // 64 * 64
-        dims = (ctypes.c_uint64 * 2)(spec["cols"], spec["rows"])
-        strides = (ctypes.c_uint64 * 1)(spec["row_bytes"])
-        box = (ctypes.c_uint32 * 2)(spec["box_cols"], spec["box_rows"])
-        unit = (ctypes.c_uint32 * 2)(1, 1)
+        dims = (ctypes.c_uint64 * 4)(*spec["dims"])
+        strides = (ctypes.c_uint64 * 3)(*spec["strides"])
+        box = (ctypes.c_uint32 * 4)(*spec["box_dims"])
+        unit = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
         check(CUDA.cuTensorMapEncodeTiled(
-            ctypes.c_void_p(self.address), ctypes.c_int(TMAP_DTYPE[spec["dtype"]]), ctypes.c_uint32(2),
+            ctypes.c_void_p(self.address), ctypes.c_int(TMAP_DTYPE[spec["dtype"]]), ctypes.c_uint32(4),
             ctypes.c_void_p(tensor.data_ptr()), dims, strides, box, unit,
             ctypes.c_int(0), ctypes.c_int(SWIZZLE[spec["swizzle_bytes"]]), ctypes.c_int(3), ctypes.c_int(0)),
             "cuTensorMapEncodeTiled")

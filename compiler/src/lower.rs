@@ -14,7 +14,9 @@ use std::collections::BTreeMap;
 
 use kiln_ir::kernel::{AttentionSpec, DecodeAttentionSpec};
 use kiln_ir::{Graph, NodeId, Op, RopeScaling, TensorType};
-use kiln_kernels::attention::{attention, attention_combine, attention_simt, AttentionConfig};
+use kiln_kernels::attention::{
+    attention, attention_base, attention_combine, attention_simt, AttentionConfig,
+};
 use kiln_kernels::elementwise::activation_kernel;
 use kiln_kernels::embedding::{embedding, EmbeddingConfig};
 use kiln_kernels::gemm::{gemm, gemm_base, GemmConfig};
@@ -493,8 +495,13 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
                 bind.push(("seed", a(rest)));
             }
             let rows = u64::from(cfg.batch * cfg.heads * cfg.q_len);
-            n.cpu_like(CpuKernel::Attention(cfg), &kernel, &bind, rows);
-            out.launch(n, kernel, &bind)?;
+            n.cpu_like(CpuKernel::Attention(cfg.clone()), &kernel, &bind, rows);
+            if kernel.image == Image::Sm90a {
+                let fallback = out.generate(&cfg, attention_base);
+                out.launch_with_fallback(n, kernel, fallback, &bind)?;
+            } else {
+                out.launch(n, kernel, &bind)?;
+            }
         }
         Op::DecodeAttention(spec) => {
             let (cfg, combine) = lower_decode(g, id, spec, elem)?;

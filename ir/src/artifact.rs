@@ -202,64 +202,90 @@ pub enum ParamType {
     TensorMap(TensorMapSpec),
 }
 
-/// The layout a TMA tensor map describes: a row-major matrix of `rows` x `cols` elements of
-/// `dtype`, `row_bytes` apart, copied in boxes of `box_rows` x `box_cols` with `swizzle_bytes`
-/// (0, 32, 64 or 128) shared-memory swizzle. Elements outside the matrix read as zero.
+/// The layout a TMA tensor map describes: a tensor of up to 4 dimensions of `dtype` elements,
+/// innermost (contiguous) first (`dims`, unused ones 1), `strides` bytes apart in the outer three,
+/// copied in boxes of `box_dims` with `swizzle_bytes` (0, 32, 64 or 128) shared-memory swizzle.
+/// Elements outside the tensor read as zero.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct TensorMapSpec {
     /// Element type.
     pub dtype: DType,
-    /// Rows (the outer dimension).
-    pub rows: u64,
-    /// Elements per row (the contiguous dimension).
-    pub cols: u64,
-    /// Bytes from one row to the next.
-    pub row_bytes: u64,
-    /// Rows per box.
-    pub box_rows: u32,
-    /// Elements per box row.
-    pub box_cols: u32,
+    /// Elements per dimension, innermost first.
+    pub dims: [u64; 4],
+    /// Bytes from one index to the next in dimensions 1, 2 and 3.
+    pub strides: [u64; 3],
+    /// Box extent per dimension, elements.
+    pub box_dims: [u32; 4],
     /// Shared-memory swizzle span, bytes.
     pub swizzle_bytes: u32,
 }
 
 impl TensorMapSpec {
-    /// Bytes from the matrix's start to the end of its last element.
+    /// A row-major matrix of `rows` x `cols` (rows `cols` elements apart), in boxes of
+    /// `box_rows` x `box_cols`.
+    pub fn matrix(dtype: DType, [rows, cols]: [u64; 2], [box_rows, box_cols]: [u32; 2]) -> Self {
+        let row_bytes = cols * dtype.size_bytes() as u64;
+        TensorMapSpec {
+            dtype,
+            dims: [cols, rows, 1, 1],
+            strides: [row_bytes, row_bytes * rows, row_bytes * rows],
+            box_dims: [box_cols, box_rows, 1, 1],
+            swizzle_bytes: 0,
+        }
+    }
+
+    /// The same with `bytes` of swizzle.
+    pub fn swizzled(self, bytes: u32) -> Self {
+        TensorMapSpec {
+            swizzle_bytes: bytes,
+            ..self
+        }
+    }
+
+    /// Bytes from the tensor's start to the end of its last element.
     pub fn extent_bytes(&self) -> u64 {
         let elem = self.dtype.size_bytes() as u64;
-        match self.rows {
-            0 => 0,
-            r => (r - 1) * self.row_bytes + self.cols * elem,
-        }
+        let outer: u64 = (1..4)
+            .map(|i| self.dims[i].saturating_sub(1) * self.strides[i - 1])
+            .sum();
+        outer + self.dims[0] * elem
     }
 
     /// Why the driver would refuse to encode it (`cuTensorMapEncodeTiled`'s rules), if it would.
     pub fn check(&self) -> Result<(), String> {
         let elem = self.dtype.size_bytes() as u64;
-        let box_row_bytes = u64::from(self.box_cols) * elem;
+        let box_row_bytes = u64::from(self.box_dims[0]) * elem;
         if !matches!(self.dtype, DType::F32 | DType::F16 | DType::BF16) {
             return Err(format!(
                 "element type {:?} has no tensor-map form",
                 self.dtype
             ));
         }
-        if self.rows == 0 || self.cols == 0 || self.rows >= 1 << 32 || self.cols >= 1 << 32 {
+        if self.dims.iter().any(|&d| d == 0 || d >= 1 << 32) {
             return Err(format!(
-                "{} x {} is not a matrix TMA can address",
-                self.rows, self.cols
+                "dimensions {:?} are not ones TMA can address",
+                self.dims
             ));
         }
-        if !self.row_bytes.is_multiple_of(16) || self.row_bytes < self.cols * elem {
+        if self
+            .strides
+            .iter()
+            .any(|&s| !s.is_multiple_of(16) || s >= 1 << 40)
+        {
             return Err(format!(
-                "row stride {} bytes is not a multiple of 16 covering a row",
-                self.row_bytes
+                "strides {:?} are not multiples of 16 bytes below 2^40",
+                self.strides
             ));
         }
-        if !(1..=256).contains(&self.box_rows) || !(1..=256).contains(&self.box_cols) {
+        if self.strides[0] < self.dims[0] * elem {
             return Err(format!(
-                "box {} x {} exceeds 256 per side",
-                self.box_rows, self.box_cols
+                "rows of {} bytes overlap (stride {})",
+                self.dims[0] * elem,
+                self.strides[0]
             ));
+        }
+        if self.box_dims.iter().any(|&b| !(1..=256).contains(&b)) {
+            return Err(format!("box {:?} exceeds 256 per side", self.box_dims));
         }
         if !box_row_bytes.is_multiple_of(16) {
             return Err(format!(

@@ -3,6 +3,10 @@
 //! JSON object per line; run `shared/gpu/peers.py` in the same script for the peers.
 //!
 //! `cargo run --release -p kiln-kernels --example bench_kernels`
+//!
+//! With `--emit DIR` it times nothing and writes the benchmark cases (`cases.json`: each kernel,
+//! its launch and the tensors it takes, and the peer that does the same work; one PTX module per
+//! kernel) for `scripts/bench-kernels.py`, which runs them and their PyTorch peers in one process.
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
@@ -82,6 +86,12 @@ fn launch(
 }
 
 fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if let [_, flag, dir] = &args[..] {
+        assert_eq!(flag, "--emit", "usage: bench_kernels [--emit DIR]");
+        emit_cases(std::path::Path::new(dir));
+        return;
+    }
     // SAFETY: only probes whether libcuda can be opened.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
         println!("no GPU driver: nothing to time");
@@ -433,4 +443,118 @@ fn gemms(
             );
         }
     }
+}
+
+/// One tensor a benchmark case binds: shape, dtype name, and the scale of its uniform values.
+type Buffer = (Vec<usize>, &'static str, f64);
+
+/// Writes the cases `scripts/bench-kernels.py` runs against PyTorch: the GEMMs of [`gemms`] and
+/// attention bf16 at head dims 128 and 64 over 4096 tokens (batch 4, 16 heads), causal or not, and
+/// with dropout 0.1.
+fn emit_cases(dir: &std::path::Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    let mut cases = Vec::new();
+    let mut add = |case: String,
+                   kernel: GeneratedKernel,
+                   buffers: Vec<(&str, Buffer)>,
+                   peer: serde_json::Value,
+                   flops: f64| {
+        let module = format!("{}.ptx", kernel.name);
+        std::fs::write(dir.join(&module), kernel.module()).unwrap();
+        let buffers: serde_json::Map<String, serde_json::Value> = buffers
+            .into_iter()
+            .map(|(n, b)| (n.to_string(), serde_json::json!(b)))
+            .collect();
+        cases.push(serde_json::json!({
+            "case": case, "kernel": kernel, "module": module, "buffers": buffers,
+            "peer": peer, "flops": flops,
+        }));
+    };
+    for (s, bias_gelu) in [(4096usize, false), (8192, false), (4096, true)] {
+        let cfg = GemmConfig {
+            m: s as u32,
+            k: s as u32,
+            n: s as u32,
+            transpose_b: true,
+            bias: bias_gelu,
+            activation: bias_gelu.then_some(Activation::GeluTanh),
+            swiglu: false,
+            residual: false,
+            elem: Elem::BF16,
+        };
+        let mut buffers = vec![
+            ("x", (vec![s, s], "bf16", 1.0)),
+            ("w", (vec![s, s], "bf16", 1.0 / (s as f64).sqrt())),
+            ("out", (vec![s, s], "bf16", 0.0)),
+        ];
+        if bias_gelu {
+            buffers.push(("bias", (vec![s], "bf16", 0.5)));
+        }
+        let epilogue = if bias_gelu { "bias_gelu" } else { "none" };
+        let peer = serde_json::json!({"kind": "matmul", "epilogue": epilogue});
+        let name = format!(
+            "gemm bf16 {s}^3{}",
+            if bias_gelu { " bias+gelu" } else { "" }
+        );
+        add(name, gemm(&cfg), buffers, peer, 2.0 * (s as f64).powi(3));
+    }
+    for (d, causal, dropout) in [
+        (128u32, true, None),
+        (128, false, None),
+        (64, true, None),
+        (64, false, None),
+        (128, false, Some(0.1f64)),
+    ] {
+        let (b, h, sq) = (4u32, 16u32, 4096u32);
+        let mut cfg = AttentionConfig {
+            batch: b,
+            heads: h,
+            kv_heads: h,
+            q_len: sq,
+            kv_len: sq,
+            head_dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+            keys: if causal {
+                KeyRule::Causal { window: None }
+            } else {
+                KeyRule::All
+            },
+            padding: false,
+            rope: false,
+            rope_k: false,
+            dropout: dropout.map(|p| kiln_kernels::attention::Dropout::new(p, 0)),
+            elem: Elem::BF16,
+            strides: [[0; 3]; 4],
+            splits: 1,
+        };
+        cfg.strides = cfg.contiguous_strides();
+        let shape = vec![b as usize, h as usize, sq as usize, d as usize];
+        let mut buffers: Vec<(&str, Buffer)> = ["q", "k", "v"]
+            .into_iter()
+            .map(|n| (n, (shape.clone(), "bf16", 1.0)))
+            .collect();
+        buffers.push(("out", (shape, "bf16", 0.0)));
+        if dropout.is_some() {
+            buffers.push(("seed", (vec![1], "i64", 0.0)));
+        }
+        let peer = serde_json::json!({
+            "kind": "sdpa", "causal": causal, "dropout": dropout.unwrap_or(0.0),
+            "scale": cfg.scale,
+        });
+        let flops = 4.0 * f64::from(b * h) * f64::from(sq).powi(2) * f64::from(d)
+            / if causal { 2.0 } else { 1.0 };
+        let name = format!(
+            "attention bf16 d{d} s{sq}{}{}",
+            if causal { " causal" } else { "" },
+            if dropout.is_some() {
+                " dropout 0.1"
+            } else {
+                ""
+            }
+        );
+        add(name, attention(&cfg), buffers, peer, flops);
+    }
+    let text = serde_json::to_string_pretty(&cases).unwrap();
+    std::fs::write(dir.join("cases.json"), text).unwrap();
+    println!("{} cases in {}", cases.len(), dir.display());
 }

@@ -213,10 +213,14 @@ impl AttentionConfig {
     }
 }
 
-/// The path [`attention`] takes for `cfg`: tensor cores where `crate::attention_tc` applies, the
-/// SIMT kernel otherwise. The compiler's cost model asks the same question.
+/// The path [`attention`] takes for `cfg`: the Hopper kernel where `crate::attention_wgmma`
+/// applies (its launches carry [`attention_base`]'s kernel for GPUs without sm_90a), tensor cores
+/// where `crate::attention_tc` applies, the SIMT kernel otherwise. The compiler's cost model asks
+/// the same question.
 pub fn path(cfg: &AttentionConfig) -> KernelPath {
-    if crate::attention_tc::supports(cfg) {
+    if crate::attention_wgmma::supports(cfg) {
+        KernelPath::Wgmma
+    } else if crate::attention_tc::supports(cfg) {
         KernelPath::Mma
     } else {
         KernelPath::Simt
@@ -227,8 +231,20 @@ pub fn path(cfg: &AttentionConfig) -> KernelPath {
 /// partial_ml` when split), `[mask], [positions], [cos, sin], [seed]`.
 pub fn attention(cfg: &AttentionConfig) -> GeneratedKernel {
     match path(cfg) {
-        KernelPath::Mma => crate::attention_tc::attention_tc(cfg, format!("{}_tc", cfg.name())),
-        _ => attention_simt(cfg),
+        KernelPath::Wgmma => {
+            crate::attention_wgmma::attention_wgmma(cfg, format!("{}_wgmma", cfg.name()))
+        }
+        _ => attention_base(cfg),
+    }
+}
+
+/// The kernel [`attention`] picks where sm_90a is not available: the same work under the same
+/// parameter names (pointers where the Hopper kernel takes tensor maps), in the base image.
+pub fn attention_base(cfg: &AttentionConfig) -> GeneratedKernel {
+    if crate::attention_tc::supports(cfg) {
+        crate::attention_tc::attention_tc(cfg, format!("{}_tc", cfg.name()))
+    } else {
+        attention_simt(cfg)
     }
 }
 

@@ -124,7 +124,11 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
                 splits: 1,
             };
             cfg.strides = cfg.contiguous_strides();
-            out.push(("attention", attention(&cfg)));
+            let kernel = attention(&cfg);
+            if kernel.image == Image::Sm90a {
+                out.push(("attention", crate::attention::attention_base(&cfg)));
+            }
+            out.push(("attention", kernel));
             if matches!(keys, KeyRule::Position { .. }) && q_len == 1 {
                 cfg.splits = crate::attention::decode_splits(kv_len);
                 out.push(("attention", attention(&cfg)));

@@ -24,8 +24,8 @@
 use crate::gemm::{apply, Addends, EpiloguePtrs, GemmConfig};
 use crate::hopper::{
     mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_init_fence, mbarrier_wait,
-    prefetch_tensor_map, setmaxnreg, tma_load_2d, wgmma, wgmma_commit, wgmma_descriptor,
-    wgmma_fence, wgmma_wait, MBARRIER_BYTES,
+    prefetch_tensor_map, setmaxnreg, tma_load, wgmma, wgmma_commit, wgmma_descriptor, wgmma_fence,
+    wgmma_wait, WgmmaA, WgmmaB, MBARRIER_BYTES,
 };
 use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
 use crate::{GeneratedKernel, Image, KernelPath, Launch, TensorMapSpec};
@@ -80,14 +80,9 @@ fn tensor_maps(cfg: &GemmConfig) -> (TensorMapSpec, TensorMapSpec) {
         Elem::F16 => kiln_ir::DType::F16,
         _ => kiln_ir::DType::BF16,
     };
-    let map = |rows: u32, box_rows: u32| TensorMapSpec {
-        dtype,
-        rows: u64::from(rows),
-        cols: u64::from(cfg.k),
-        row_bytes: u64::from(cfg.k) * 2,
-        box_rows,
-        box_cols: BK,
-        swizzle_bytes: crate::hopper::SWIZZLE_BYTES,
+    let map = |rows: u32, box_rows: u32| {
+        TensorMapSpec::matrix(dtype, [rows.into(), cfg.k.into()], [box_rows, BK])
+            .swizzled(crate::hopper::SWIZZLE_BYTES)
     };
     let w_box = if cfg.swiglu { BN / 2 } else { BN };
     (map(cfg.m, BM), map(cfg.n, w_box))
@@ -259,12 +254,12 @@ fn producer(k: &mut Kernel, cfg: &GemmConfig, pipe: &Pipeline, tid: &Reg, [x, w]
         k.place(&fresh);
         mbarrier_arrive_expect_tx(k, &st.full, STAGE_BYTES);
         let k0 = k.mul_u32(&kt, &BK);
-        tma_load_2d(k, &st.a, &x, &k0, &m0, &st.full);
-        tma_load_2d(k, &st.b, &w, &k0, &n0, &st.full);
+        tma_load(k, &st.a, &x, &[&k0, &m0], &st.full);
+        tma_load(k, &st.b, &w, &[&k0, &n0], &st.full);
         if cfg.swiglu {
             let up = k.add_u32(&n0, &cfg.n_out());
             let b_up = k.add_u32(&st.b, &(B_BYTES / 2));
-            tma_load_2d(k, &b_up, &w, &k0, &up, &st.full);
+            tma_load(k, &b_up, &w, &[&k0, &up], &st.full);
         }
         k.emit(format!("add.u32 {step}, {step}, 1"));
         k.emit(format!("add.u32 {kt}, {kt}, 1"));
@@ -304,8 +299,8 @@ fn consumer(
         mbarrier_wait(k, &st.full, &st.parity);
         wgmma_fence(k);
         let a_tile = k.add_u32(&st.a, &a_rows);
-        let a_desc = wgmma_descriptor(k, &a_tile);
-        let b_desc = wgmma_descriptor(k, &st.b);
+        let a_desc = wgmma_descriptor(k, &a_tile, 16, 1024);
+        let b_desc = wgmma_descriptor(k, &st.b, 16, 1024);
         for kk in 0..BK / 16 {
             // Each k16 step is 32 bytes further along the swizzled rows: 2 descriptor units.
             let (a, b) = if kk == 0 {
@@ -316,7 +311,11 @@ fn consumer(
                     k.op2("add.u64", RegClass::B64, &b_desc, &(2 * u64::from(kk))),
                 )
             };
-            wgmma(k, cfg.elem, &acc, &a, &b);
+            let b = WgmmaB {
+                desc: &b,
+                transposed: false,
+            };
+            wgmma(k, cfg.elem, &acc, WgmmaA::Shared(&a), b, true);
         }
         wgmma_commit(k);
         k.comment("the previous step's group has retired: release its stage");

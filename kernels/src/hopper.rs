@@ -64,36 +64,58 @@ pub fn prefetch_tensor_map(k: &mut Kernel, map: &Reg) {
     k.emit(format!("prefetch.tensormap [{map}]"));
 }
 
-/// Copies the box at element `(col, row)` of the matrix `map` describes to shared memory at
-/// `dst`, completing `bar`'s transaction bytes (elements outside the matrix arrive as zeros).
-pub fn tma_load_2d(
+/// Copies the box at `coords` (innermost first; missing outer ones are 0) of the tensor `map`
+/// describes (4 dimensions, [`crate::TensorMapSpec`]) to shared memory at `dst`, completing
+/// `bar`'s transaction bytes; elements outside the tensor arrive as zeros.
+pub fn tma_load(
     k: &mut Kernel,
     dst: &dyn Operand,
     map: &Reg,
-    col: &dyn Operand,
-    row: &dyn Operand,
+    coords: &[&dyn Operand],
     bar: &dyn Operand,
 ) {
+    let mut c: Vec<String> = coords.iter().map(|c| c.text()).collect();
+    c.resize(4, "0".into());
     k.emit(format!(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [{}], [{map}, {{{}, {}}}], [{}]",
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [{}], [{map}, {{{}}}], [{}]",
         dst.text(),
-        col.text(),
-        row.text(),
+        c.join(", "),
         bar.text()
     ));
 }
 
-/// The wgmma descriptor of a K-major tile at shared address `addr` (1024-byte aligned rows of
-/// [`SWIZZLE_BYTES`], as TMA writes them with 128-byte swizzle): start address, leading byte
-/// offset 1 (unused in this layout), stride byte offset 1024 (8 rows), layout "128-byte
-/// swizzle". Adding `n` to the descriptor moves its start `16 n` bytes along K.
-pub fn wgmma_descriptor(k: &mut Kernel, addr: &Reg) -> Reg {
-    const FIXED: u64 = (1 << 62) | ((1024 >> 4) << 32) | (1 << 16);
+/// The wgmma descriptor of a tile at shared address `addr` laid out as TMA writes boxes with
+/// 128-byte swizzle (1024-byte aligned groups of 8 rows of [`SWIZZLE_BYTES`]): layout "128-byte
+/// swizzle", `leading` and `stride` byte offsets. For a K-major operand (K contiguous) the
+/// leading offset is unused and the stride is 1024 (8 rows); adding `n` to the descriptor moves
+/// its start `16 n` bytes along K. For an MN-major one (N contiguous, [`WgmmaB::transposed`]) the
+/// leading offset is the distance between 64-element column blocks and the stride 1024 (8 rows
+/// of K).
+pub fn wgmma_descriptor(k: &mut Kernel, addr: &Reg, leading: u32, stride: u32) -> Reg {
+    let fixed: u64 =
+        (1 << 62) | ((u64::from(stride) >> 4) << 32) | (u64::from(leading.max(16)) >> 4) << 16;
     let wide = k.reg(RegClass::B64);
     k.emit(format!("cvt.u64.u32 {wide}, {addr}"));
     let start = k.op2("shr.u64", RegClass::B64, &wide, &4u32);
     let start = k.op2("and.b64", RegClass::B64, &start, &0x3FFFu64);
-    k.op2("or.b64", RegClass::B64, &start, &FIXED)
+    k.op2("or.b64", RegClass::B64, &start, &fixed)
+}
+
+/// The A operand of a wgmma: a shared-memory descriptor (K-major), or four registers per thread
+/// holding the 64 x 16 tile in the `mma.sync` A-fragment layout of each warp's 16 rows.
+pub enum WgmmaA<'a> {
+    /// From shared memory.
+    Shared(&'a Reg),
+    /// From registers (f16x2 / bf16x2).
+    Registers(&'a [Reg]),
+}
+
+/// The B operand of a wgmma: a shared-memory descriptor, K-major unless `transposed`.
+pub struct WgmmaB<'a> {
+    /// The descriptor.
+    pub desc: &'a Reg,
+    /// N is the contiguous dimension (MN-major).
+    pub transposed: bool,
 }
 
 /// `wgmma.fence`: orders register accesses to the accumulators before the next wgmma.
@@ -111,18 +133,28 @@ pub fn wgmma_wait(k: &mut Kernel, pending: u32) {
     k.emit(format!("wgmma.wait_group.sync.aligned {pending}"));
 }
 
-/// `acc += A B^T` for one k16 step of a warpgroup: A 64 x 16 and B `n` x 16, both K-major in
-/// shared memory (descriptors `a`, `b`), `acc` the `n / 2` f32 accumulators of each thread.
-pub fn wgmma(k: &mut Kernel, elem: Elem, acc: &[Reg], a: &Reg, b: &Reg) {
+/// `acc (+)= A B` for one k16 step of a warpgroup: A 64 x 16, B 16 x `n` (`n / 2` f32
+/// accumulators per thread in `acc`); `accumulate: false` overwrites `acc`.
+pub fn wgmma(k: &mut Kernel, elem: Elem, acc: &[Reg], a: WgmmaA, b: WgmmaB, accumulate: bool) {
     let n = acc.len() * 2;
     let ty = elem.name();
-    let list = acc
-        .iter()
-        .map(|r| r.to_string())
-        .collect::<Vec<_>>()
-        .join(", ");
+    let list = |regs: &[Reg]| {
+        regs.iter()
+            .map(|r| r.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let scale_d = u32::from(accumulate);
+    let trans_b = u32::from(b.transposed);
+    let a = match a {
+        WgmmaA::Shared(desc) => format!("{desc}"),
+        WgmmaA::Registers(regs) => format!("{{{}}}", list(regs)),
+    };
+    let trans_a = if a.starts_with('{') { "" } else { "0, " };
     k.emit(format!(
-        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ty}.{ty} {{{list}}}, {a}, {b}, 1, 1, 1, 0, 0"
+        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ty}.{ty} {{{}}}, {a}, {}, {scale_d}, 1, 1, {trans_a}{trans_b}",
+        list(acc),
+        b.desc
     ));
 }
 

@@ -4,6 +4,7 @@
 //! - [`ptx`] — the typed PTX builder;
 //! - [`attention`] — fused attention, prefill and decode (GQA, masks, RoPE, dropout), SIMT;
 //! - [`attention_tc`] — FlashAttention-2 style prefill attention on tensor cores;
+//! - [`attention_wgmma`] — FlashAttention-3 style prefill attention on sm_90a (TMA, wgmma);
 //! - [`reduce`] — block-wide reductions the row kernels share;
 //! - [`norm`] — LayerNorm / RMSNorm (with the residual add);
 //! - [`elementwise`] — activations;
@@ -24,6 +25,7 @@
 
 pub mod attention;
 pub mod attention_tc;
+pub mod attention_wgmma;
 pub mod catalog;
 pub mod cpu;
 pub mod elementwise;

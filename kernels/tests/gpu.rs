@@ -653,6 +653,14 @@ fn attention_matches_the_interpreter() {
             rope: true,
             ..AttentionCase::new(6, 3, 200, 200, 48)
         },
+        // The Hopper kernel: several query blocks and key tiles, GQA, causal + padding, d 128;
+        // every key, d 64.
+        AttentionCase {
+            keys: KeyRule::Causal { window: None },
+            padding: true,
+            ..AttentionCase::new(4, 2, 300, 300, 128)
+        },
+        AttentionCase::new(2, 2, 260, 260, 64),
         // Training-mode dropout.
         AttentionCase {
             heads: 4,
@@ -981,19 +989,6 @@ fn attention_case(
         gpu.upload_i64(&[seed]),
     );
     let (bc, bn) = (gpu.upload(Elem::F32, &cos), gpu.upload(Elem::F32, &sin));
-    let out = gpu.poisoned(elem, b * h * s * d);
-    let args = BTreeMap::from([
-        ("q", Arg::Buf(&bq)),
-        ("k", Arg::Buf(&bk)),
-        ("v", Arg::Buf(&bv)),
-        ("out", Arg::Buf(&out)),
-        ("mask", Arg::Buf(&bm)),
-        ("positions", Arg::Buf(&bp)),
-        ("cos", Arg::Buf(&bc)),
-        ("sin", Arg::Buf(&bn)),
-        ("seed", Arg::Buf(&bs)),
-    ]);
-    gpu.launch(&kernel, &args);
     let as_f = |x: &[i64]| x.iter().map(|v| *v as f32).collect::<Vec<f32>>();
     let rope = case.rope.then_some((theta, scaling.clone()));
     let mut inputs = vec![
@@ -1045,12 +1040,32 @@ fn attention_case(
     for v in reference_out.iter_mut() {
         *v = round(elem, *v);
     }
-    check(
-        &format!("{} b={b}", kernel.name),
-        elem,
-        &gpu.download(elem, &out),
-        &reference_out,
-    );
+    // The kernel lowering picks, and the base-image kernel its launches fall back to.
+    let mut kernels = vec![kernel];
+    if kernels[0].image == Image::Sm90a {
+        kernels.push(kiln_kernels::attention::attention_base(&cfg));
+    }
+    for kernel in &kernels {
+        let out = gpu.poisoned(elem, b * h * s * d);
+        let mut args = BTreeMap::from([
+            ("q", Arg::Buf(&bq)),
+            ("k", Arg::Buf(&bk)),
+            ("v", Arg::Buf(&bv)),
+            ("mask", Arg::Buf(&bm)),
+            ("positions", Arg::Buf(&bp)),
+            ("cos", Arg::Buf(&bc)),
+            ("sin", Arg::Buf(&bn)),
+            ("seed", Arg::Buf(&bs)),
+        ]);
+        args.insert("out", Arg::Buf(&out));
+        gpu.launch(kernel, &args);
+        check(
+            &format!("{} b={b}", kernel.name),
+            elem,
+            &gpu.download(elem, &out),
+            &reference_out,
+        );
+    }
     if cached {
         // The same through key ranges (flash-decoding) and the combine kernel.
         let splits = kiln_kernels::attention::decode_splits(t as u32).max(4);

@@ -112,6 +112,19 @@ fn gemv_swiglu_bias_bf16_decode() {
     insta::assert_snapshot!(k.module());
 }
 
+/// The Hopper attention (sm_90a: TMA, wgmma, P from registers): GQA, causal, padding, d 128.
+#[test]
+fn attention_gqa_causal_padded_bf16_wgmma() {
+    use kiln_kernels::attention::{attention, AttentionConfig, KeyRule};
+    let mut cfg = AttentionConfig::plain([2, 8, 2, 300, 300, 128], Elem::BF16);
+    cfg.keys = KeyRule::Causal { window: None };
+    cfg.padding = true;
+    cfg.scale = 0.125;
+    let k = attention(&cfg);
+    assert!(k.name.ends_with("_wgmma"), "{}", k.name);
+    insta::assert_snapshot!(k.module());
+}
+
 #[test]
 fn attention_gqa_causal_rope_dropout_bf16() {
     use kiln_kernels::attention::{attention, AttentionConfig, KeyRule};
@@ -138,7 +151,7 @@ fn attention_gqa_causal_rope_dropout_bf16() {
 
 #[test]
 fn attention_tensor_cores_bf16_d64_causal() {
-    use kiln_kernels::attention::{attention, AttentionConfig, KeyRule};
+    use kiln_kernels::attention::{AttentionConfig, KeyRule};
     let mut cfg = AttentionConfig {
         batch: 1,
         heads: 2,
@@ -157,7 +170,8 @@ fn attention_tensor_cores_bf16_d64_causal() {
         splits: 1,
     };
     cfg.strides = cfg.contiguous_strides();
-    let k = attention(&cfg);
+    // The base image's kernel (the Hopper one is `attention_gqa_causal_padded_bf16_wgmma`).
+    let k = kiln_kernels::attention::attention_base(&cfg);
     assert!(k.name.ends_with("_tc"), "the tensor-core path: {}", k.name);
     insta::assert_snapshot!(k.module());
 }

@@ -43,23 +43,19 @@ pub fn encode(spec: &TensorMapSpec, address: u64) -> Result<TensorMap, String> {
         128 => CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
         _ => CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
     };
-    let dims = [spec.cols, spec.rows];
-    // The stride of every dimension but the innermost.
-    let strides = [spec.row_bytes];
-    let boxes = [spec.box_cols, spec.box_rows];
-    let unit = [1u32, 1];
+    let unit = [1u32; 4];
     let mut map = CUtensorMap { opaque: [0; 16] };
-    // SAFETY: every array outlives the call and holds `rank` (or `rank - 1`) entries; the driver
+    // SAFETY: every array outlives the call and holds 4 (strides: 3) entries; the driver
     // only writes `map`. The address is not dereferenced here.
     let status = unsafe {
         sys::cuTensorMapEncodeTiled(
             &mut map,
             dtype,
-            2,
+            4,
             address as *mut std::ffi::c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxes.as_ptr(),
+            spec.dims.as_ptr(),
+            spec.strides.as_ptr(),
+            spec.box_dims.as_ptr(),
             unit.as_ptr(),
             CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
             swizzle,

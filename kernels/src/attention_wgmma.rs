@@ -1,0 +1,634 @@
+//! FlashAttention-3 style prefill attention on sm_90a (f16 / bf16, head dims 64 and 128): TMA
+//! feeds K/V tiles through an mbarrier pipeline to two consumer warpgroups on `wgmma`.
+//!
+//! A block of three warpgroups takes 128 query rows of one head:
+//! - warpgroup 0, the producer, gives up registers; its first thread copies the block's Q tile
+//!   once, then the K and V tiles of 128 keys, two stages deep (TMA, 128-byte swizzle, zeros past
+//!   the tensor's edges), each stage armed on its `full` barrier and refilled once both consumers
+//!   released it on its `empty` barrier;
+//! - warpgroups 1 and 2 each own 64 query rows: per key tile, `S = Q K^T` (wgmma, both operands
+//!   from shared memory), the online softmax in registers (base 2, the scale folded into the
+//!   exponent's FMA, quad shuffles for the row max), then `O += P V` with P taken straight from
+//!   the score registers as the A operand (the accumulator layout of S is the A-fragment layout)
+//!   and V read N-major (transposed) from its stage.
+//!
+//! Key rules: every key, or causal (query `i` sees keys `j <= i + T - S`), masked per element on
+//! the tiles that cross a row's last key or the end of the keys only; causal blocks are visited
+//! longest first. A padding mask `[B, T]` is staged per key tile in shared memory as an additive
+//! 0 / -inf row by each consumer warpgroup. A row that sees no key stores zeros. GQA reads the
+//! K/V head `h / (heads / kv_heads)`. RoPE and dropout take the `mma.sync` kernel.
+
+use crate::attention::{AttentionConfig, KeyRule};
+use crate::hopper::{
+    mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_init_fence, mbarrier_wait,
+    prefetch_tensor_map, setmaxnreg, tma_load, wgmma, wgmma_commit, wgmma_descriptor, wgmma_fence,
+    wgmma_wait, WgmmaA, WgmmaB, MBARRIER_BYTES, SWIZZLE_BYTES,
+};
+use crate::ptx::{Elem, Kernel, Operand, Reg, RegClass, F32};
+use crate::{GeneratedKernel, Image, KernelPath, Launch, TensorMapSpec};
+
+/// Query rows per block (64 per consumer warpgroup).
+const BM: u32 = 128;
+/// Keys per tile.
+const BKV: u32 = 128;
+/// K/V stages.
+const STAGES: u32 = 2;
+const THREADS: u32 = 384;
+/// Elements of one 128-byte swizzle row: the head dimension is copied in blocks of this many.
+const COLS: u32 = SWIZZLE_BYTES / 2;
+const PRODUCER_REGS: u32 = 24;
+const CONSUMER_REGS: u32 = 240;
+
+/// Whether `cfg` can use the Hopper kernel.
+pub fn supports(cfg: &AttentionConfig) -> bool {
+    let keys = match cfg.keys {
+        KeyRule::All => true,
+        KeyRule::Causal { window: None } => cfg.kv_len >= cfg.q_len,
+        _ => false,
+    };
+    cfg.elem != Elem::F32
+        && matches!(cfg.head_dim, 64 | 128)
+        && keys
+        && cfg.splits == 1
+        && cfg.scale > 0.0
+        && !cfg.rope
+        && cfg.dropout.is_none()
+        && cfg.q_len > 0
+        && cfg.kv_len > 0
+        && cfg.heads.is_multiple_of(cfg.kv_heads)
+        && cfg.strides.iter().all(|s| s.iter().all(|v| v % 8 == 0))
+}
+
+/// Bytes of `rows` rows of the head dimension in shared memory: `D / 64` blocks of 128-byte rows.
+fn tile_bytes(cfg: &AttentionConfig, rows: u32) -> u32 {
+    rows * cfg.head_dim * 2
+}
+
+/// Shared-memory offsets from the 1024-aligned base.
+struct Layout {
+    q: u32,
+    /// Stage `s`'s K tile at `kv + s * stage`, its V tile `kv_tile` further.
+    kv: u32,
+    kv_tile: u32,
+    stage: u32,
+    total: u32,
+}
+
+impl Layout {
+    fn new(cfg: &AttentionConfig) -> Layout {
+        let q_bytes = tile_bytes(cfg, BM);
+        let kv_tile = tile_bytes(cfg, BKV);
+        Layout {
+            q: 0,
+            kv: q_bytes,
+            kv_tile,
+            stage: 2 * kv_tile,
+            total: q_bytes + STAGES * 2 * kv_tile,
+        }
+    }
+}
+
+/// The tensor map of operand `i` (q, k, v) over `[B, heads, rows, D]` with its strides, in boxes
+/// of `box_rows` x 64.
+fn map(cfg: &AttentionConfig, i: usize, heads: u32, rows: u32, box_rows: u32) -> TensorMapSpec {
+    let dtype = match cfg.elem {
+        Elem::F16 => kiln_ir::DType::F16,
+        _ => kiln_ir::DType::BF16,
+    };
+    let [batch, head, row] = cfg.strides[i].map(|s| u64::from(s) * 2);
+    TensorMapSpec {
+        dtype,
+        dims: [
+            cfg.head_dim.into(),
+            rows.into(),
+            heads.into(),
+            cfg.batch.into(),
+        ],
+        strides: [row, head, batch],
+        box_dims: [COLS, box_rows, 1, 1],
+        swizzle_bytes: SWIZZLE_BYTES,
+    }
+}
+
+/// Generates the kernel. Parameters: `q, k, v` (tensor maps), `out, [mask]`.
+pub fn attention_wgmma(cfg: &AttentionConfig, name: String) -> GeneratedKernel {
+    assert!(
+        supports(cfg),
+        "configuration needs another attention kernel"
+    );
+    let mut k = Kernel::new(&name);
+    k.directive(format!(".maxntid {THREADS}, 1, 1"));
+    k.directive(".minnctapersm 1");
+    let maps = [
+        k.param_tensor_map("q", map(cfg, 0, cfg.heads, cfg.q_len, BM)),
+        k.param_tensor_map("k", map(cfg, 1, cfg.kv_heads, cfg.kv_len, BKV)),
+        k.param_tensor_map("v", map(cfg, 2, cfg.kv_heads, cfg.kv_len, BKV)),
+    ];
+    let out = k.param_ptr("out");
+    let mask = cfg.padding.then(|| k.param_ptr("mask"));
+    let smem = k.dynamic_shared_aligned("attention_tiles", 1024);
+    // q_full, then full[STAGES], then empty[STAGES].
+    k.shared("attention_barriers", (1 + 2 * STAGES) * MBARRIER_BYTES);
+    k.shared("attention_mask", 2 * 2 * BKV * 4);
+    let layout = Layout::new(cfg);
+
+    let tid = k.special("tid.x");
+    let raw = k.reg(RegClass::B32);
+    k.emit(format!("mov.u32 {raw}, {smem}"));
+    let padded = k.add_u32(&raw, &1023u32);
+    let base = k.op2("and.b32", RegClass::B32, &padded, &!1023u32);
+    let bars = k.reg(RegClass::B32);
+    k.emit(format!("mov.u32 {bars}, attention_barriers"));
+    let first = k.setp("eq.u32", &tid, &0u32);
+    let init_done = k.label("init_done");
+    k.bra(Some((first, false)), &init_done);
+    mbarrier_init(&mut k, &bars, 1);
+    for s in 0..STAGES {
+        let f = k.add_u32(&bars, &((1 + s) * MBARRIER_BYTES));
+        mbarrier_init(&mut k, &f, 1);
+        let e = k.add_u32(&bars, &((1 + STAGES + s) * MBARRIER_BYTES));
+        mbarrier_init(&mut k, &e, 8);
+    }
+    mbarrier_init_fence(&mut k);
+    k.place(&init_done);
+    k.barrier();
+
+    let block = Block::new(&mut k, cfg);
+    let warpgroup = k.op2("shr.u32", RegClass::B32, &tid, &7u32);
+    let consumers = k.label("consumers");
+    let is_producer = k.setp("eq.u32", &warpgroup, &0u32);
+    k.bra(Some((is_producer, false)), &consumers);
+    producer(&mut k, cfg, &layout, &block, &base, &bars, &tid, maps);
+    k.place(&consumers);
+    let c = Consumer::new(&mut k, &tid, &warpgroup);
+    let state = c.main_loop(&mut k, cfg, &layout, &block, &base, &bars, mask);
+    c.store(&mut k, cfg, &block, &state, out);
+
+    GeneratedKernel::new(
+        k,
+        Launch {
+            grid: [cfg.q_len.div_ceil(BM), cfg.heads, cfg.batch],
+            block: [THREADS, 1, 1],
+            shared_bytes: layout.total + 1024,
+        },
+    )
+    .on(KernelPath::Wgmma)
+    .in_image(Image::Sm90a)
+}
+
+/// The block's place: batch, head, K/V head, first query row, and its key tiles.
+struct Block {
+    b: Reg,
+    h: Reg,
+    kvh: Reg,
+    q0: Reg,
+    /// Key tiles to visit: `0..tiles`.
+    tiles: Reg,
+    /// Tiles from this one on need per-element masks (they cross a row's last key or the end).
+    edge_from: Reg,
+}
+
+impl Block {
+    fn new(k: &mut Kernel, cfg: &AttentionConfig) -> Block {
+        let blocks = cfg.q_len.div_ceil(BM);
+        let x = k.special("ctaid.x");
+        let h = k.special("ctaid.y");
+        let b = k.special("ctaid.z");
+        let causal = matches!(cfg.keys, KeyRule::Causal { .. });
+        // Causal blocks run longest first: the last query block has the most keys.
+        let qb = if causal {
+            k.sub_u32(&(blocks - 1), &x)
+        } else {
+            x
+        };
+        let q0 = k.mul_u32(&qb, &BM);
+        let kvh = k.op2("div.u32", RegClass::B32, &h, &(cfg.heads / cfg.kv_heads));
+        let all = cfg.kv_len.div_ceil(BKV);
+        let whole = cfg.kv_len / BKV;
+        let (tiles, edge_from) = if causal {
+            // The block's last row sees keys up to q0 + BM - 1 + T - S; its first row up to q0 + T - S.
+            let shift = cfg.kv_len - cfg.q_len;
+            let end = k.add_u32(&q0, &(BM + shift));
+            let needed = k.add_u32(&end, &(BKV - 1));
+            let needed = k.op2("shr.u32", RegClass::B32, &needed, &BKV.trailing_zeros());
+            let tiles = k.op2("min.u32", RegClass::B32, &needed, &all);
+            let first_last = k.add_u32(&q0, &(shift + 1));
+            let clean = k.op2("shr.u32", RegClass::B32, &first_last, &BKV.trailing_zeros());
+            (tiles, k.op2("min.u32", RegClass::B32, &clean, &whole))
+        } else {
+            (k.mov(RegClass::B32, &all), k.mov(RegClass::B32, &whole))
+        };
+        Block {
+            b,
+            h,
+            kvh,
+            q0,
+            tiles,
+            edge_from,
+        }
+    }
+}
+
+/// Warpgroup 0: thread 0 copies Q, then streams the K/V tiles; the warpgroup then leaves.
+#[allow(clippy::too_many_arguments)]
+fn producer(
+    k: &mut Kernel,
+    cfg: &AttentionConfig,
+    layout: &Layout,
+    block: &Block,
+    base: &Reg,
+    bars: &Reg,
+    tid: &Reg,
+    [q, kk, v]: [Reg; 3],
+) {
+    setmaxnreg(k, false, PRODUCER_REGS);
+    let exit = k.label("producer_done");
+    let first = k.setp("eq.u32", tid, &0u32);
+    k.bra(Some((first, false)), &exit);
+    for map in [&q, &kk, &v] {
+        prefetch_tensor_map(k, map);
+    }
+    let blocks = cfg.head_dim / COLS;
+    mbarrier_arrive_expect_tx(k, bars, tile_bytes(cfg, BM));
+    for i in 0..blocks {
+        let dst = k.add_u32(base, &(layout.q + i * BM * SWIZZLE_BYTES));
+        tma_load(
+            k,
+            &dst,
+            &q,
+            &[&(i * COLS), &block.q0, &block.h, &block.b],
+            bars,
+        );
+    }
+    let j = k.mov(RegClass::B32, &0u32);
+    let top = k.label("produce");
+    let done = k.label("produced");
+    k.place(&top);
+    let past = k.setp("ge.u32", &j, &block.tiles);
+    k.bra(Some((past, true)), &done);
+    let (s, parity) = stage_of(k, &j);
+    let full = k.mad_u32(&s, &MBARRIER_BYTES, &(bars_offset(1)));
+    let full = k.add_u32(&full, bars);
+    let empty = k.add_u32(&full, &(STAGES * MBARRIER_BYTES));
+    let refill = k.setp("ge.u32", &j, &STAGES);
+    let fresh = k.label("fresh_stage");
+    k.bra(Some((refill, false)), &fresh);
+    let released = k.op2("xor.b32", RegClass::B32, &parity, &1u32);
+    mbarrier_wait(k, &empty, &released);
+    k.place(&fresh);
+    mbarrier_arrive_expect_tx(k, &full, 2 * layout.kv_tile);
+    let key0 = k.mul_u32(&j, &BKV);
+    let stage = k.mad_u32(&s, &layout.stage, &layout.kv);
+    let stage = k.add_u32(&stage, base);
+    for (t, map) in [&kk, &v].into_iter().enumerate() {
+        for i in 0..blocks {
+            let off = t as u32 * layout.kv_tile + i * BKV * SWIZZLE_BYTES;
+            let dst = k.add_u32(&stage, &off);
+            tma_load(
+                k,
+                &dst,
+                map,
+                &[&(i * COLS), &key0, &block.kvh, &block.b],
+                &full,
+            );
+        }
+    }
+    k.emit(format!("add.u32 {j}, {j}, 1"));
+    k.bra(None, &top);
+    k.place(&done);
+    k.place(&exit);
+    k.emit("ret");
+}
+
+/// Byte offset of barrier `i` (0: Q, 1..: full, then empty).
+fn bars_offset(i: u32) -> u32 {
+    i * MBARRIER_BYTES
+}
+
+/// The stage and round parity of key tile `j`.
+fn stage_of(k: &mut Kernel, j: &Reg) -> (Reg, Reg) {
+    let s = k.op2("and.b32", RegClass::B32, j, &(STAGES - 1));
+    let round = k.op2("shr.u32", RegClass::B32, j, &STAGES.trailing_zeros());
+    (s, k.op2("and.b32", RegClass::B32, &round, &1u32))
+}
+
+/// A consumer thread's place: its warpgroup (0 or 1), thread in the warpgroup, warp, quad row
+/// `g` and column pair `t`.
+struct Consumer {
+    c: Reg,
+    wt: Reg,
+    lane0: Reg,
+    /// Its two query rows in the block: `64 c + 16 warp + g` and 8 further.
+    row: Reg,
+    /// `2 t`: its first column in each 8-column chunk.
+    t2: Reg,
+}
+
+/// The online softmax state of a thread's two rows and its output accumulators.
+struct State {
+    m: [Reg; 2],
+    l: [Reg; 2],
+    o: Vec<Reg>,
+}
+
+impl Consumer {
+    fn new(k: &mut Kernel, tid: &Reg, warpgroup: &Reg) -> Consumer {
+        setmaxnreg(k, true, CONSUMER_REGS);
+        let c = k.sub_u32(warpgroup, &1u32);
+        let wt = k.op2("and.b32", RegClass::B32, tid, &127u32);
+        let lane = k.op2("and.b32", RegClass::B32, tid, &31u32);
+        let lane0 = k.setp("eq.u32", &lane, &0u32);
+        let warp = k.op2("shr.u32", RegClass::B32, &wt, &5u32);
+        let g = k.op2("shr.u32", RegClass::B32, &lane, &2u32);
+        let t = k.op2("and.b32", RegClass::B32, &lane, &3u32);
+        let r0 = k.mul_u32(&c, &64u32);
+        let r1 = k.mad_u32(&warp, &16u32, &r0);
+        let row = k.add_u32(&r1, &g);
+        let t2 = k.mul_u32(&t, &2u32);
+        Consumer {
+            c,
+            wt,
+            lane0,
+            row,
+            t2,
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn main_loop(
+        &self,
+        k: &mut Kernel,
+        cfg: &AttentionConfig,
+        layout: &Layout,
+        block: &Block,
+        base: &Reg,
+        bars: &Reg,
+        mask: Option<Reg>,
+    ) -> State {
+        let neg_inf = F32(f32::NEG_INFINITY);
+        let state = State {
+            m: [
+                k.mov(RegClass::F32, &neg_inf),
+                k.mov(RegClass::F32, &neg_inf),
+            ],
+            l: [
+                k.mov(RegClass::F32, &F32(0.0)),
+                k.mov(RegClass::F32, &F32(0.0)),
+            ],
+            o: (0..cfg.head_dim / 2)
+                .map(|_| k.mov(RegClass::F32, &F32(0.0)))
+                .collect(),
+        };
+        let s: Vec<Reg> = (0..BKV / 2).map(|_| k.reg(RegClass::F32)).collect();
+        // The last key each of the thread's rows sees (T - 1 without a causal rule).
+        let last: Vec<Reg> = (0..2u32)
+            .map(|h| {
+                let row = k.add_u32(&self.row, &(8 * h));
+                let row = k.add_u32(&row, &block.q0);
+                match cfg.keys {
+                    KeyRule::Causal { .. } => {
+                        let l = k.add_u32(&row, &(cfg.kv_len - cfg.q_len));
+                        k.op2("min.u32", RegClass::B32, &l, &(cfg.kv_len - 1))
+                    }
+                    _ => k.mov(RegClass::B32, &(cfg.kv_len - 1)),
+                }
+            })
+            .collect();
+        // This warpgroup's 64 rows of each 128-row Q block.
+        let q_rows = k.mul_u32(&self.c, &(64 * SWIZZLE_BYTES));
+        let q_tile = k.add_u32(base, &q_rows);
+        mbarrier_wait(k, bars, &0u32);
+
+        let j = k.mov(RegClass::B32, &0u32);
+        let top = k.label("consume");
+        let done = k.label("consumed");
+        k.place(&top);
+        let past = k.setp("ge.u32", &j, &block.tiles);
+        k.bra(Some((past, true)), &done);
+        let (st, parity) = stage_of(k, &j);
+        let full = k.mad_u32(&st, &MBARRIER_BYTES, &bars_offset(1));
+        let full = k.add_u32(&full, bars);
+        let empty = k.add_u32(&full, &(STAGES * MBARRIER_BYTES));
+        let stage = k.mad_u32(&st, &layout.stage, &layout.kv);
+        let k_tile = k.add_u32(&stage, base);
+        let v_tile = k.add_u32(&k_tile, &layout.kv_tile);
+        let key0 = k.mul_u32(&j, &BKV);
+        if let Some(mask) = mask {
+            self.stage_mask(k, cfg, block, &key0, &j, mask);
+        }
+        mbarrier_wait(k, &full, &parity);
+
+        k.comment("S = Q K^T");
+        wgmma_fence(k);
+        for kk in 0..cfg.head_dim / 16 {
+            let (blk, within) = (kk / 4, (kk % 4) * 32);
+            let qa = k.add_u32(&q_tile, &(blk * BM * SWIZZLE_BYTES + within));
+            let ka = k.add_u32(&k_tile, &(blk * BKV * SWIZZLE_BYTES + within));
+            let qd = wgmma_descriptor(k, &qa, 16, 1024);
+            let kd = wgmma_descriptor(k, &ka, 16, 1024);
+            let b = WgmmaB {
+                desc: &kd,
+                transposed: false,
+            };
+            wgmma(k, cfg.elem, &s, WgmmaA::Shared(&qd), b, kk > 0);
+        }
+        wgmma_commit(k);
+        wgmma_wait(k, 0);
+
+        if mask.is_some() {
+            self.add_mask(k, &s, &j);
+        }
+        self.mask_edges(k, &s, block, &j, &key0, &last);
+        let p = self.softmax(k, cfg, &s, &state);
+
+        k.comment("O += P V");
+        wgmma_fence(k);
+        for kk in 0..BKV / 16 {
+            let va = k.add_u32(&v_tile, &(kk * 16 * SWIZZLE_BYTES));
+            let vd = wgmma_descriptor(k, &va, BKV * SWIZZLE_BYTES, 1024);
+            let b = WgmmaB {
+                desc: &vd,
+                transposed: true,
+            };
+            let a = &p[(4 * kk) as usize..(4 * kk + 4) as usize];
+            wgmma(k, cfg.elem, &state.o, WgmmaA::Registers(a), b, true);
+        }
+        wgmma_commit(k);
+        wgmma_wait(k, 0);
+        mbarrier_arrive(k, &empty, Some(self.lane0));
+        k.emit(format!("add.u32 {j}, {j}, 1"));
+        k.bra(None, &top);
+        k.place(&done);
+        state
+    }
+
+    /// Each warpgroup writes the key tile's additive padding mask (0 present, -inf absent or past
+    /// the end) into its half of a double-buffered row, then waits for its 128 threads.
+    fn stage_mask(
+        &self,
+        k: &mut Kernel,
+        cfg: &AttentionConfig,
+        block: &Block,
+        key0: &Reg,
+        j: &Reg,
+        mask: Reg,
+    ) {
+        let key = k.add_u32(key0, &self.wt);
+        let value = k.mov(RegClass::F32, &F32(f32::NEG_INFINITY));
+        let past = k.setp("ge.u32", &key, &cfg.kv_len);
+        let absent = k.label("mask_absent");
+        k.bra(Some((past, true)), &absent);
+        let mi = k.mad_u32(&block.b, &cfg.kv_len, &key);
+        let ma = k.address(mask, &mi, 8);
+        let present = k.ld_global_i64(ma);
+        let keep = k.setp("ne.s64", &present, &0u64);
+        k.emit(format!("@{keep} mov.f32 {value}, 0f00000000"));
+        k.place(&absent);
+        let addr = self.mask_row(k, j);
+        let at = k.mad_u32(&self.wt, &4u32, &addr);
+        k.emit(format!("st.shared.f32 [{at}], {value}"));
+        // Named barrier 1 + c: this warpgroup's 128 threads.
+        let id = k.add_u32(&self.c, &1u32);
+        k.emit(format!("bar.sync {id}, 128"));
+    }
+
+    /// The shared address of this warpgroup's mask row for key tile `j`.
+    fn mask_row(&self, k: &mut Kernel, j: &Reg) -> Reg {
+        let slot = k.op2("and.b32", RegClass::B32, j, &1u32);
+        let which = k.mad_u32(&self.c, &2u32, &slot);
+        let start = k.reg(RegClass::B32);
+        k.emit(format!("mov.u32 {start}, attention_mask"));
+        k.mad_u32(&which, &(BKV * 4), &start)
+    }
+
+    fn add_mask(&self, k: &mut Kernel, s: &[Reg], j: &Reg) {
+        k.comment("padding: the tile's additive mask");
+        let row = self.mask_row(k, j);
+        let at = k.mad_u32(&self.t2, &4u32, &row);
+        for chunk in 0..BKV / 8 {
+            let (a, b) = (k.reg(RegClass::F32), k.reg(RegClass::F32));
+            k.emit(format!(
+                "ld.shared.v2.f32 {{{a}, {b}}}, [{at}+{}]",
+                chunk * 32
+            ));
+            for (r, add) in [a, b, a, b].iter().enumerate() {
+                let reg = s[(chunk * 4) as usize + r];
+                k.emit(format!("add.f32 {reg}, {reg}, {add}"));
+            }
+        }
+    }
+
+    /// On tiles from `block.edge_from` on, scores of keys past each row's last are -inf.
+    fn mask_edges(
+        &self,
+        k: &mut Kernel,
+        s: &[Reg],
+        block: &Block,
+        j: &Reg,
+        key0: &Reg,
+        last: &[Reg],
+    ) {
+        let interior = k.label("interior_tile");
+        let inside = k.setp("lt.u32", j, &block.edge_from);
+        k.bra(Some((inside, true)), &interior);
+        k.comment("edge tile: keys past each row's last");
+        let col0 = k.add_u32(key0, &self.t2);
+        let neg_inf = F32(f32::NEG_INFINITY).text();
+        for chunk in 0..BKV / 8 {
+            for c in 0..2u32 {
+                let col = k.add_u32(&col0, &(chunk * 8 + c));
+                for (h, last) in last.iter().enumerate() {
+                    let after = k.setp("gt.u32", &col, last);
+                    let reg = s[(chunk * 4 + h as u32 * 2 + c) as usize];
+                    k.emit(format!("@{after} mov.f32 {reg}, {neg_inf}"));
+                }
+            }
+        }
+        k.place(&interior);
+    }
+
+    /// The online softmax of one tile's scores: new row maxima, the correction of `o` and `l`,
+    /// and the probabilities packed in pairs as the A operand of `P V` (4 registers per 16 keys).
+    fn softmax(&self, k: &mut Kernel, cfg: &AttentionConfig, s: &[Reg], state: &State) -> Vec<Reg> {
+        let scale = cfg.scale * std::f32::consts::LOG2_E;
+        let neg_inf = F32(f32::NEG_INFINITY);
+        let mut m_use = Vec::new();
+        for h in 0..2usize {
+            let mut mx = k.mov(RegClass::F32, &neg_inf);
+            for chunk in 0..(BKV / 8) as usize {
+                for c in 0..2 {
+                    mx = k.max_f32(&mx, &s[chunk * 4 + h * 2 + c]);
+                }
+            }
+            for lanes in [1u32, 2] {
+                let other = k.reg(RegClass::F32);
+                k.emit(format!("shfl.sync.bfly.b32 {other}, {mx}, {lanes}, 31, -1"));
+                mx = k.max_f32(&mx, &other);
+            }
+            let scaled = k.mul_f32(&mx, &F32(scale));
+            let m_new = k.max_f32(&state.m[h], &scaled);
+            // A row with no visible key so far keeps -inf: exponents are taken against 0.
+            let none = k.setp("eq.f32", &m_new, &neg_inf);
+            let m_safe = k.selp(RegClass::F32, "f32", &F32(0.0), &m_new, none);
+            let diff = k.sub_f32(&state.m[h], &m_safe);
+            let corr = k.op1("ex2.approx.ftz.f32", RegClass::F32, &diff);
+            k.emit(format!("mul.f32 {0}, {0}, {corr}", state.l[h]));
+            for chunk in 0..state.o.len() / 4 {
+                for c in 0..2 {
+                    let o = state.o[chunk * 4 + h * 2 + c];
+                    k.emit(format!("mul.f32 {o}, {o}, {corr}"));
+                }
+            }
+            k.emit(format!("mov.f32 {}, {m_new}", state.m[h]));
+            m_use.push(k.op1("neg.f32", RegClass::F32, &m_safe));
+        }
+        for (i, v) in s.iter().enumerate() {
+            let h = (i % 4) / 2;
+            let e = k.fma_f32(v, &F32(scale), &m_use[h]);
+            k.emit(format!("ex2.approx.ftz.f32 {v}, {e}"));
+            k.emit(format!("add.f32 {0}, {0}, {v}", state.l[h]));
+        }
+        let cvt = format!("cvt.rn.{}x2.f32", cfg.elem.name());
+        s.chunks(2)
+            .map(|pair| {
+                let w = k.reg(RegClass::B32);
+                // The first operand goes to the upper half.
+                k.emit(format!("{cvt} {w}, {}, {}", pair[1], pair[0]));
+                w
+            })
+            .collect()
+    }
+
+    /// Rows normalised (zeros for a row that saw no key) and stored as pairs.
+    fn store(&self, k: &mut Kernel, cfg: &AttentionConfig, block: &Block, state: &State, out: Reg) {
+        k.comment("epilogue: normalise and store");
+        let [ob, oh, orow] = cfg.strides[3];
+        let b_off = k.mul_u32(&block.b, &ob);
+        let head = k.mad_u32(&block.h, &oh, &b_off);
+        for h in 0..2usize {
+            let mut l = state.l[h];
+            for lanes in [1u32, 2] {
+                let other = k.reg(RegClass::F32);
+                k.emit(format!("shfl.sync.bfly.b32 {other}, {l}, {lanes}, 31, -1"));
+                l = k.add_f32(&l, &other);
+            }
+            let empty = k.setp("eq.f32", &l, &F32(0.0));
+            let inv = k.rcp_f32(&l);
+            let inv = k.selp(RegClass::F32, "f32", &F32(0.0), &inv, empty);
+            let row = k.add_u32(&self.row, &(8 * h as u32));
+            let row = k.add_u32(&row, &block.q0);
+            let inside = k.setp("lt.u32", &row, &cfg.q_len);
+            let start = k.mad_u32(&row, &orow, &head);
+            let start = k.add_u32(&start, &self.t2);
+            for chunk in 0..state.o.len() / 4 {
+                let v0 = k.mul_f32(&state.o[chunk * 4 + h * 2], &inv);
+                let v1 = k.mul_f32(&state.o[chunk * 4 + h * 2 + 1], &inv);
+                let w = k.reg(RegClass::B32);
+                k.emit(format!("cvt.rn.{}x2.f32 {w}, {v1}, {v0}", cfg.elem.name()));
+                let i = k.add_u32(&start, &(chunk as u32 * 8));
+                let addr = k.address(out, &i, 2);
+                k.emit(format!("@{inside} st.global.b32 [{addr}], {w}"));
+            }
+        }
+    }
+}
