@@ -10,7 +10,9 @@
 //!   from shared memory), the online softmax in registers (base 2, the scale folded into the
 //!   exponent's FMA, quad shuffles for the row max), then `O += P V` with P taken straight from
 //!   the score registers as the A operand (the accumulator layout of S is the A-fragment layout)
-//!   and V read N-major (transposed) from its stage.
+//!   and V read N-major (transposed) from its stage. The scores of tile `j + 1` are issued in
+//!   the same wgmma group as `O += P V` of tile `j`, and the two warpgroups take turns issuing
+//!   (named barriers, ping-pong), so that one's softmax runs while the other's products do.
 //!
 //! Key rules: every key, or causal (query `i` sees keys `j <= i + T - S`), masked per element on
 //! the tiles that cross a row's last key or the end of the keys only; causal blocks are visited
@@ -324,6 +326,72 @@ struct Consumer {
     t2: Reg,
 }
 
+/// A consumer's view of the stages: Q, the K/V stage of each tile, and the score and
+/// probability registers the tiles reuse.
+struct Tiles<'a> {
+    cfg: &'a AttentionConfig,
+    layout: &'a Layout,
+    base: Reg,
+    bars: Reg,
+    /// This warpgroup's rows of Q.
+    q: Reg,
+    s: Vec<Reg>,
+    p: Vec<Reg>,
+}
+
+impl Tiles<'_> {
+    /// Stage `j`'s K and V tiles and its full and empty barriers.
+    fn stage(&self, k: &mut Kernel, j: &Reg) -> (Reg, Reg, Reg, Reg, Reg) {
+        let (st, parity) = stage_of(k, j);
+        let full = k.mad_u32(&st, &MBARRIER_BYTES, &bars_offset(1));
+        let full = k.add_u32(&full, &self.bars);
+        let empty = k.add_u32(&full, &(STAGES * MBARRIER_BYTES));
+        let stage = k.mad_u32(&st, &self.layout.stage, &self.layout.kv);
+        let k_tile = k.add_u32(&stage, &self.base);
+        let v_tile = k.add_u32(&k_tile, &self.layout.kv_tile);
+        (k_tile, v_tile, full, empty, parity)
+    }
+
+    /// Waits for tile `j`'s K/V stage and issues `S = Q K^T` into `s`.
+    fn issue_scores(&self, k: &mut Kernel, j: &Reg) {
+        let (k_tile, _, full, _, parity) = self.stage(k, j);
+        mbarrier_wait(k, &full, &parity);
+        for kk in 0..self.cfg.head_dim / 16 {
+            let (blk, within) = (kk / 4, (kk % 4) * 32);
+            let qa = k.add_u32(&self.q, &(blk * BM * SWIZZLE_BYTES + within));
+            let ka = k.add_u32(&k_tile, &(blk * BKV * SWIZZLE_BYTES + within));
+            let qd = wgmma_descriptor(k, &qa, 16, 1024);
+            let kd = wgmma_descriptor(k, &ka, 16, 1024);
+            let b = WgmmaB {
+                desc: &kd,
+                transposed: false,
+            };
+            wgmma(k, self.cfg.elem, &self.s, WgmmaA::Shared(&qd), b, kk > 0);
+        }
+    }
+
+    /// Issues `O += P V` of tile `j` (P in `p`, V read N-major from its stage).
+    fn issue_pv(&self, k: &mut Kernel, j: &Reg, o: &[Reg]) {
+        let (_, v_tile, _, _, _) = self.stage(k, j);
+        for kk in 0..BKV / 16 {
+            let va = k.add_u32(&v_tile, &(kk * 16 * SWIZZLE_BYTES));
+            let vd = wgmma_descriptor(k, &va, BKV * SWIZZLE_BYTES, 1024);
+            let b = WgmmaB {
+                desc: &vd,
+                transposed: true,
+            };
+            let a = &self.p[(4 * kk) as usize..(4 * kk + 4) as usize];
+            wgmma(k, self.cfg.elem, o, WgmmaA::Registers(a), b, true);
+        }
+    }
+
+    /// Releases tile `j`'s stage (lane 0 of each warp arrives).
+    fn release(&self, k: &mut Kernel, j: &Reg, lane0: Reg) {
+        let (_, _, _, empty, _) = self.stage(k, j);
+        mbarrier_arrive(k, &empty, Some(lane0));
+    }
+}
+
 /// The online softmax state of a thread's two rows and its output accumulators.
 struct State {
     m: [Reg; 2],
@@ -354,6 +422,9 @@ impl Consumer {
         }
     }
 
+    /// The key tiles: scores of tile `j + 1` are issued right behind `O += P V` of tile `j`
+    /// (one wgmma group), and the two warpgroups take turns issuing (named barriers 3 and 4), so
+    /// that one's softmax runs while the other's products do.
     #[allow(clippy::too_many_arguments)]
     fn main_loop(
         &self,
@@ -379,7 +450,6 @@ impl Consumer {
                 .map(|_| k.mov(RegClass::F32, &F32(0.0)))
                 .collect(),
         };
-        let s: Vec<Reg> = (0..BKV / 2).map(|_| k.reg(RegClass::F32)).collect();
         // The last key each of the thread's rows sees (T - 1 without a causal rule).
         let last: Vec<Reg> = (0..2u32)
             .map(|h| {
@@ -396,84 +466,88 @@ impl Consumer {
             .collect();
         // This warpgroup's 64 rows of each 128-row Q block.
         let q_rows = k.mul_u32(&self.c, &(64 * SWIZZLE_BYTES));
-        let q_tile = k.add_u32(base, &q_rows);
+        let tiles = Tiles {
+            cfg,
+            layout,
+            base: *base,
+            bars: *bars,
+            q: k.add_u32(base, &q_rows),
+            s: (0..BKV / 2).map(|_| k.reg(RegClass::F32)).collect(),
+            p: (0..BKV / 4).map(|_| k.reg(RegClass::B32)).collect(),
+        };
+        let mine = k.add_u32(&self.c, &3u32);
+        let other = k.sub_u32(&4u32, &self.c);
+        let second = k.setp("eq.u32", &self.c, &1u32);
+        let first_goes = k.label("first_goes");
+        k.bra(Some((second, false)), &first_goes);
+        k.emit("bar.arrive 3, 256");
+        k.place(&first_goes);
         mbarrier_wait(k, bars, &0u32);
 
         let j = k.mov(RegClass::B32, &0u32);
-        let top = k.label("consume");
-        let done = k.label("consumed");
-        k.place(&top);
-        let past = k.setp("ge.u32", &j, &block.tiles);
-        k.bra(Some((past, true)), &done);
-        let (st, parity) = stage_of(k, &j);
-        let full = k.mad_u32(&st, &MBARRIER_BYTES, &bars_offset(1));
-        let full = k.add_u32(&full, bars);
-        let empty = k.add_u32(&full, &(STAGES * MBARRIER_BYTES));
-        let stage = k.mad_u32(&st, &layout.stage, &layout.kv);
-        let k_tile = k.add_u32(&stage, base);
-        let v_tile = k.add_u32(&k_tile, &layout.kv_tile);
-        let key0 = k.mul_u32(&j, &BKV);
+        let probabilities = |k: &mut Kernel, j: &Reg| {
+            if mask.is_some() {
+                self.add_mask(k, &tiles.s, j);
+            }
+            let key0 = k.mul_u32(j, &BKV);
+            self.mask_edges(k, &tiles.s, block, j, &key0, &last);
+            self.softmax(k, cfg, &tiles.s, &tiles.p, &state);
+        };
+        k.comment("tile 0: its scores and probabilities");
         if let Some(mask) = mask {
-            self.stage_mask(k, cfg, block, &key0, &j, mask);
+            self.stage_mask(k, cfg, block, &j, mask);
         }
-        mbarrier_wait(k, &full, &parity);
-
-        k.comment("S = Q K^T");
+        k.emit(format!("bar.sync {mine}, 256"));
         wgmma_fence(k);
-        for kk in 0..cfg.head_dim / 16 {
-            let (blk, within) = (kk / 4, (kk % 4) * 32);
-            let qa = k.add_u32(&q_tile, &(blk * BM * SWIZZLE_BYTES + within));
-            let ka = k.add_u32(&k_tile, &(blk * BKV * SWIZZLE_BYTES + within));
-            let qd = wgmma_descriptor(k, &qa, 16, 1024);
-            let kd = wgmma_descriptor(k, &ka, 16, 1024);
-            let b = WgmmaB {
-                desc: &kd,
-                transposed: false,
-            };
-            wgmma(k, cfg.elem, &s, WgmmaA::Shared(&qd), b, kk > 0);
-        }
+        tiles.issue_scores(k, &j);
         wgmma_commit(k);
+        k.emit(format!("bar.arrive {other}, 256"));
         wgmma_wait(k, 0);
+        probabilities(k, &j);
 
-        if mask.is_some() {
-            self.add_mask(k, &s, &j);
+        let top = k.label("tiles");
+        let done = k.label("tiles_done");
+        k.place(&top);
+        let next = k.add_u32(&j, &1u32);
+        let past = k.setp("ge.u32", &next, &block.tiles);
+        k.bra(Some((past, true)), &done);
+        if let Some(mask) = mask {
+            self.stage_mask(k, cfg, block, &next, mask);
         }
-        self.mask_edges(k, &s, block, &j, &key0, &last);
-        let p = self.softmax(k, cfg, &s, &state);
-
-        k.comment("O += P V");
+        k.comment("O += P V of tile j, then the scores of tile j + 1");
+        k.emit(format!("bar.sync {mine}, 256"));
         wgmma_fence(k);
-        for kk in 0..BKV / 16 {
-            let va = k.add_u32(&v_tile, &(kk * 16 * SWIZZLE_BYTES));
-            let vd = wgmma_descriptor(k, &va, BKV * SWIZZLE_BYTES, 1024);
-            let b = WgmmaB {
-                desc: &vd,
-                transposed: true,
-            };
-            let a = &p[(4 * kk) as usize..(4 * kk + 4) as usize];
-            wgmma(k, cfg.elem, &state.o, WgmmaA::Registers(a), b, true);
-        }
+        tiles.issue_pv(k, &j, &state.o);
+        tiles.issue_scores(k, &next);
         wgmma_commit(k);
+        k.emit(format!("bar.arrive {other}, 256"));
         wgmma_wait(k, 0);
-        mbarrier_arrive(k, &empty, Some(self.lane0));
-        k.emit(format!("add.u32 {j}, {j}, 1"));
+        tiles.release(k, &j, self.lane0);
+        probabilities(k, &next);
+        k.emit(format!("mov.u32 {j}, {next}"));
         k.bra(None, &top);
         k.place(&done);
+
+        k.comment("the last tile's O += P V");
+        k.emit(format!("bar.sync {mine}, 256"));
+        wgmma_fence(k);
+        tiles.issue_pv(k, &j, &state.o);
+        wgmma_commit(k);
+        // Warpgroup 1 made the first arrival, so warpgroup 0 makes the last.
+        let no_turn = k.label("no_turn");
+        k.bra(Some((second, true)), &no_turn);
+        k.emit(format!("bar.arrive {other}, 256"));
+        k.place(&no_turn);
+        wgmma_wait(k, 0);
+        tiles.release(k, &j, self.lane0);
         state
     }
 
     /// Each warpgroup writes the key tile's additive padding mask (0 present, -inf absent or past
     /// the end) into its half of a double-buffered row, then waits for its 128 threads.
-    fn stage_mask(
-        &self,
-        k: &mut Kernel,
-        cfg: &AttentionConfig,
-        block: &Block,
-        key0: &Reg,
-        j: &Reg,
-        mask: Reg,
-    ) {
-        let key = k.add_u32(key0, &self.wt);
+    fn stage_mask(&self, k: &mut Kernel, cfg: &AttentionConfig, block: &Block, j: &Reg, mask: Reg) {
+        let key0 = k.mul_u32(j, &BKV);
+        let key = k.add_u32(&key0, &self.wt);
         let value = k.mov(RegClass::F32, &F32(f32::NEG_INFINITY));
         let past = k.setp("ge.u32", &key, &cfg.kv_len);
         let absent = k.label("mask_absent");
@@ -548,8 +622,9 @@ impl Consumer {
     }
 
     /// The online softmax of one tile's scores: new row maxima, the correction of `o` and `l`,
-    /// and the probabilities packed in pairs as the A operand of `P V` (4 registers per 16 keys).
-    fn softmax(&self, k: &mut Kernel, cfg: &AttentionConfig, s: &[Reg], state: &State) -> Vec<Reg> {
+    /// and the probabilities packed in pairs into `p`, the A operand of `P V` (4 registers per 16
+    /// keys).
+    fn softmax(&self, k: &mut Kernel, cfg: &AttentionConfig, s: &[Reg], p: &[Reg], state: &State) {
         let scale = cfg.scale * std::f32::consts::LOG2_E;
         let neg_inf = F32(f32::NEG_INFINITY);
         let mut m_use = Vec::new();
@@ -589,14 +664,10 @@ impl Consumer {
             k.emit(format!("add.f32 {0}, {0}, {v}", state.l[h]));
         }
         let cvt = format!("cvt.rn.{}x2.f32", cfg.elem.name());
-        s.chunks(2)
-            .map(|pair| {
-                let w = k.reg(RegClass::B32);
-                // The first operand goes to the upper half.
-                k.emit(format!("{cvt} {w}, {}, {}", pair[1], pair[0]));
-                w
-            })
-            .collect()
+        for (pair, w) in s.chunks(2).zip(p) {
+            // The first operand goes to the upper half.
+            k.emit(format!("{cvt} {w}, {}, {}", pair[1], pair[0]));
+        }
     }
 
     /// Rows normalised (zeros for a row that saw no key) and stored as pairs.
