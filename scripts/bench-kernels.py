@@ -16,6 +16,8 @@ import argparse, ctypes, json, math, os, sys
 import torch
 import torch.nn.functional as F
 
+from cuda_timing import bench
+
 CUDA = ctypes.CDLL("libcuda.so.1")
 SHARED_LIMIT = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 TMAP_DTYPE = {"F16": 6, "BF16": 9, "F32": 7}
@@ -28,21 +30,6 @@ def check(status, what):
         name = ctypes.c_char_p()
         CUDA.cuGetErrorName(status, ctypes.byref(name))
         raise RuntimeError(f"{what}: {name.value.decode() if name.value else status}")
-
-
-def bench(fn, warm=3, rep=20):
-    """Median milliseconds of `fn` over `rep` runs, CUDA events around each (warm-ups first)."""
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rep):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
 
 
 class TensorMap:

@@ -12,7 +12,7 @@
 
 use std::collections::BTreeMap;
 
-use kiln_ir::kernel::{AttentionSpec, DecodeAttentionSpec};
+use kiln_ir::kernel::DecodeAttentionSpec;
 use kiln_ir::{Graph, NodeId, Op, RopeScaling, TensorType};
 use kiln_kernels::attention::{
     attention, attention_base, attention_combine, attention_simt, AttentionConfig,
@@ -22,6 +22,7 @@ use kiln_kernels::embedding::{embedding, EmbeddingConfig};
 use kiln_kernels::gemm::{gemm, gemm_base, GemmConfig};
 use kiln_kernels::kv_cache::{kv_write, KvWriteConfig};
 use kiln_kernels::norm::{norm, NormConfig};
+use kiln_kernels::rope::rotate;
 use kiln_kernels::{Elem, GeneratedKernel, Image};
 
 use crate::fusion::cost::is_view;
@@ -477,7 +478,8 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
             }
         }
         Op::Attention(spec) => {
-            let (cfg, kernel) = lower_attention(out, g, id, spec, elem)?;
+            let (mut cfg, offsets) = base_config(g, id, elem)?;
+            cfg.take_attention(spec);
             // Operands: q, k, v, [attention_mask], [positions], [seed].
             let mut rest = 3;
             let mut bind = vec![("q", a(0)), ("k", a(1)), ("v", a(2)), ("out", this)];
@@ -495,12 +497,23 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
                 bind.push(("seed", a(rest)));
             }
             let rows = u64::from(cfg.batch * cfg.heads * cfg.q_len);
-            n.cpu_like(CpuKernel::Attention(cfg.clone()), &kernel, &bind, rows);
-            if kernel.image == Image::Sm90a {
-                let fallback = out.generate(&cfg, attention_base);
-                out.launch_with_fallback(n, kernel, fallback, &bind)?;
+            // The rotations' and the Hopper kernel's 16-byte accesses need 8-element offsets.
+            let prerotated = kiln_kernels::attention::prerotated(&cfg)
+                .filter(|_| offsets.iter().all(|o| o % 8 == 0));
+            if let Some(plain) = prerotated {
+                // The CPU runs the fused kernel, RoPE included; the GPU rotates first.
+                let params: Vec<&str> = bind.iter().map(|(p, _)| *p).collect();
+                n.cpu(CpuKernel::Attention(cfg.clone()), &bind, &params, rows);
+                lower_prerotated(out, n, &cfg, plain, &bind)?;
             } else {
-                out.launch(n, kernel, &bind)?;
+                let kernel = attention_kernel(out, &cfg, offsets);
+                n.cpu_like(CpuKernel::Attention(cfg.clone()), &kernel, &bind, rows);
+                if kernel.image == Image::Sm90a {
+                    let fallback = out.generate(&cfg, attention_base);
+                    out.launch_with_fallback(n, kernel, fallback, &bind)?;
+                } else {
+                    out.launch(n, kernel, &bind)?;
+                }
             }
         }
         Op::DecodeAttention(spec) => {
@@ -642,23 +655,64 @@ fn base_config(g: &Graph, id: NodeId, elem: Elem) -> Option<(AttentionConfig, [u
     Some((cfg, [qo, ko, vo]))
 }
 
-fn lower_attention(
+/// The kernel of attention `cfg` with q/k/v element offsets `offsets`.
+fn attention_kernel(
     out: &mut Lowered,
-    g: &Graph,
-    id: NodeId,
-    spec: &AttentionSpec,
-    elem: Elem,
-) -> Option<(AttentionConfig, GeneratedKernel)> {
-    let (mut cfg, offsets) = base_config(g, id, elem)?;
-    cfg.take_attention(spec);
-    // The element offsets are applied to the pointers at launch; the tensor-core kernel's 16-byte
+    cfg: &AttentionConfig,
+    offsets: [u32; 3],
+) -> GeneratedKernel {
+    // The element offsets are applied to the pointers at launch; the tensor-core kernels' 16-byte
     // copies need them to be multiples of 8 elements.
-    let kernel = if offsets.iter().all(|o| o % 8 == 0) {
-        out.generate(&cfg, attention)
+    if offsets.iter().all(|o| o % 8 == 0) {
+        out.generate(cfg, attention)
     } else {
-        out.generate(&cfg, attention_simt)
+        out.generate(cfg, attention_simt)
+    }
+}
+
+/// Attention `cfg` (with RoPE) as [`kiln_kernels::attention::prerotated`] runs it: q (and k) rotated
+/// into scratch buffers, then `plain`'s Hopper kernel over them (the base-image kernel of `plain`
+/// as its fallback). `bind` binds `cfg`'s parameters.
+fn lower_prerotated(
+    out: &mut Lowered,
+    n: &mut NodeLaunches,
+    cfg: &AttentionConfig,
+    plain: AttentionConfig,
+    bind: &[(&str, Operand)],
+) -> Option<()> {
+    let operand = |name: &str| {
+        bind.iter()
+            .find(|(p, _)| *p == name)
+            .map(|(_, o)| o.clone())
     };
-    Some((cfg, kernel))
+    let mut attention_bind: Vec<(&str, Operand)> = bind
+        .iter()
+        .filter(|(p, _)| !matches!(*p, "positions" | "cos" | "sin"))
+        .cloned()
+        .collect();
+    for (rotation, name) in kiln_kernels::attention::rotations(cfg)
+        .into_iter()
+        .zip(["q", "k"])
+    {
+        let Some(rotation) = rotation else { continue };
+        let bytes = rotation.batch * rotation.heads * rotation.len * rotation.head_dim;
+        let scratch = Operand::Scratch(n.scratch.len());
+        n.scratch
+            .push(u64::from(bytes) * u64::from(cfg.elem.bytes()));
+        let rotate_bind = [
+            ("x", operand(name)?),
+            ("out", scratch.clone()),
+            ("positions", operand("positions")?),
+            ("cos", operand("cos")?),
+            ("sin", operand("sin")?),
+        ];
+        let kernel = out.generate(&rotation, rotate);
+        out.launch(n, kernel, &rotate_bind)?;
+        attention_bind.iter_mut().find(|(p, _)| *p == name)?.1 = scratch;
+    }
+    let kernel = out.generate(&plain, attention);
+    let fallback = out.generate(&plain, attention_base);
+    out.launch_with_fallback(n, kernel, fallback, &attention_bind)
 }
 
 fn lower_decode(

@@ -14,6 +14,7 @@
 //! only) stores zeros, as the IR's attention defines it (`kiln_ir::kernel::visible`).
 
 use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
+use crate::rope::RotateConfig;
 use crate::{GeneratedKernel, KernelPath, Launch};
 
 /// Query rows (warps) per block.
@@ -136,7 +137,7 @@ impl AttentionConfig {
         self.scale = spec.scale as f32;
         self.keys = if spec.causal {
             KeyRule::Causal {
-                window: spec.window.map(|w| w as u32),
+                window: self.window(spec.window),
             }
         } else {
             KeyRule::All
@@ -147,12 +148,21 @@ impl AttentionConfig {
         self.dropout = spec.dropout.map(|(p, s)| Dropout::new(p, s));
     }
 
+    /// A sliding window of `window` keys, or none when it covers every key (a query at most
+    /// `kv_len - 1` positions past a key sees it): Mistral's 4096-key window in buckets of up to
+    /// 4096 keys is no window, and the kernels without window support can take it.
+    fn window(&self, window: Option<i64>) -> Option<u32> {
+        window
+            .filter(|&w| w < i64::from(self.kv_len))
+            .map(|w| w as u32)
+    }
+
     /// Takes the scale, position key rule and RoPE (of q only: the cache holds rotated keys) of
     /// the IR's attention over a KV cache `spec`.
     pub fn take_decode(&mut self, spec: &kiln_ir::kernel::DecodeAttentionSpec) {
         self.scale = spec.scale as f32;
         self.keys = KeyRule::Position {
-            window: spec.window.map(|w| w as u32),
+            window: self.window(spec.window),
         };
         self.rope = spec.rope.is_some();
         self.rope_k = false;
@@ -214,11 +224,11 @@ impl AttentionConfig {
 }
 
 /// The path [`attention`] takes for `cfg`: the Hopper kernel where `crate::attention_wgmma`
-/// applies (its launches carry [`attention_base`]'s kernel for GPUs without sm_90a), tensor cores
-/// where `crate::attention_tc` applies, the SIMT kernel otherwise. The compiler's cost model asks
-/// the same question.
+/// applies (its launches carry [`attention_base`]'s kernel for GPUs without sm_90a), or applies
+/// once [`prerotated`] has taken RoPE out of the kernel; tensor cores where `crate::attention_tc`
+/// applies; the SIMT kernel otherwise. The compiler's cost model asks the same question.
 pub fn path(cfg: &AttentionConfig) -> KernelPath {
-    if crate::attention_wgmma::supports(cfg) {
+    if crate::attention_wgmma::supports(cfg) || prerotated(cfg).is_some() {
         KernelPath::Wgmma
     } else if crate::attention_tc::supports(cfg) {
         KernelPath::Mma
@@ -227,14 +237,52 @@ pub fn path(cfg: &AttentionConfig) -> KernelPath {
     }
 }
 
-/// Generates the kernel on [`path`]'s choice. Parameters: `q, k, v, out` (or `partial_acc,
+/// What runs on the Hopper kernel after [`crate::rope::rotate`] has rotated q (and k, when
+/// `rope_k`) into contiguous `[B, H, S, D]` buffers: `cfg` without RoPE, reading those buffers,
+/// when that configuration takes the Hopper path (`None` otherwise, and without RoPE). The
+/// rotations (the two [`RotateConfig`]s) read the `positions` operand `[B, S]`.
+pub fn prerotated(cfg: &AttentionConfig) -> Option<AttentionConfig> {
+    if !cfg.rope || (cfg.rope_k && cfg.kv_len != cfg.q_len) {
+        return None;
+    }
+    let mut plain = cfg.clone();
+    plain.rope = false;
+    plain.rope_k = false;
+    let [Some(q), k] = rotations(cfg) else {
+        return None;
+    };
+    plain.strides[0] = q.out_strides();
+    if let Some(k) = k {
+        plain.strides[1] = k.out_strides();
+    }
+    crate::attention_wgmma::supports(&plain).then_some(plain)
+}
+
+/// The rotations of q, and of k when `cfg.rope_k`, that [`prerotated`] runs first.
+pub fn rotations(cfg: &AttentionConfig) -> [Option<RotateConfig>; 2] {
+    let rotation = |heads, len, strides| RotateConfig {
+        batch: cfg.batch,
+        heads,
+        len,
+        head_dim: cfg.head_dim,
+        strides,
+        elem: cfg.elem,
+    };
+    [
+        cfg.rope
+            .then(|| rotation(cfg.heads, cfg.q_len, cfg.strides[0])),
+        (cfg.rope && cfg.rope_k).then(|| rotation(cfg.kv_heads, cfg.kv_len, cfg.strides[1])),
+    ]
+}
+
+/// Generates the kernel on [`path`]'s choice (a configuration with RoPE gets [`attention_base`]'s
+/// kernel: lowering runs [`prerotated`]'s instead). Parameters: `q, k, v, out` (or `partial_acc,
 /// partial_ml` when split), `[mask], [positions], [cos, sin], [seed]`.
 pub fn attention(cfg: &AttentionConfig) -> GeneratedKernel {
-    match path(cfg) {
-        KernelPath::Wgmma => {
-            crate::attention_wgmma::attention_wgmma(cfg, format!("{}_wgmma", cfg.name()))
-        }
-        _ => attention_base(cfg),
+    if crate::attention_wgmma::supports(cfg) {
+        crate::attention_wgmma::attention_wgmma(cfg, format!("{}_wgmma", cfg.name()))
+    } else {
+        attention_base(cfg)
     }
 }
 

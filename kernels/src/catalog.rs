@@ -66,6 +66,16 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
             };
             out.push(("kv_cache", crate::kv_cache::kv_write(&cfg)));
         }
+        // RoPE ahead of the Hopper attention: q of a fused QKV product (Llama-1B rows), ragged.
+        let rotation = crate::rope::RotateConfig {
+            batch: 2,
+            heads: 32,
+            len: 127,
+            head_dim: 64,
+            strides: [127 * 3072, 64, 3072],
+            elem,
+        };
+        out.push(("rope", crate::rope::rotate(&rotation)));
         for (head_dim, keys, padding, rope, dropout, q_len, kv_len) in [
             (
                 64,

@@ -3,6 +3,7 @@
 //! rotates the keys just before the write. One warp per (token, head), lanes over the head dim.
 
 use crate::ptx::{Elem, Kernel, RegClass};
+use crate::rope::rotated;
 use crate::{GeneratedKernel, Launch};
 
 /// A cache-write kernel's static configuration.
@@ -68,40 +69,48 @@ pub fn kv_write(cfg: &KvWriteConfig) -> GeneratedKernel {
     let c0 = k.mad_u32(&b, &cfg.kv_heads, &h);
     let c1 = k.mad_u32(&c0, &cfg.capacity, &pos);
     let dst_row = k.mul_u32(&c1, &d);
-    for c in 0..d.div_ceil(32) {
-        let col = k.add_u32(&lane, &(c * 32));
-        let skip = k.label("skip_col");
-        let past = k.setp("ge.u32", &col, &d);
-        k.bra(Some((past, true)), &skip);
-        let si = k.add_u32(&src_row, &col);
-        let sa = k.address(new, &si, e.bytes());
-        let x = k.ld_global(e, sa);
-        let value = match tables {
-            None => x,
-            Some((cos, sin)) => {
-                let upper = k.setp("ge.u32", &col, &half);
-                let c_low = k.sub_u32(&col, &half);
-                let ci = k.selp(RegClass::B32, "u32", &c_low, &col, upper);
-                let partner_hi = k.add_u32(&col, &half);
-                let partner = k.selp(RegClass::B32, "u32", &c_low, &partner_hi, upper);
-                let pi = k.add_u32(&src_row, &partner);
-                let pa = k.address(new, &pi, e.bytes());
-                let px = k.ld_global(e, pa);
-                let t = k.mad_u32(&pos, &half, &ci);
-                let cv = k.address(cos, &t, 4);
-                let sv = k.address(sin, &t, 4);
-                let cosv = k.ld_global(Elem::F32, cv);
-                let sinv = k.ld_global(Elem::F32, sv);
-                let neg = k.op1("neg.f32", RegClass::F32, &px);
-                let signed = k.selp(RegClass::F32, "f32", &px, &neg, upper);
-                let xc = k.mul_f32(&x, &cosv);
-                k.fma_f32(&signed, &sinv, &xc)
+    match tables {
+        None => {
+            for c in 0..d.div_ceil(32) {
+                let col = k.add_u32(&lane, &(c * 32));
+                let skip = k.label("skip_col");
+                let past = k.setp("ge.u32", &col, &d);
+                k.bra(Some((past, true)), &skip);
+                let si = k.add_u32(&src_row, &col);
+                let sa = k.address(new, &si, e.bytes());
+                let x = k.ld_global(e, sa);
+                let di = k.add_u32(&dst_row, &col);
+                let da = k.address(cache, &di, e.bytes());
+                k.st_global(e, da, x);
+                k.place(&skip);
             }
-        };
-        let di = k.add_u32(&dst_row, &col);
-        let da = k.address(cache, &di, e.bytes());
-        k.st_global(e, da, value);
-        k.place(&skip);
+        }
+        Some(tables) => {
+            let pair = u64::from(half * e.bytes());
+            for c in 0..half.div_ceil(32) {
+                let col = k.add_u32(&lane, &(c * 32));
+                let skip = k.label("skip_pair");
+                let past = k.setp("ge.u32", &col, &half);
+                k.bra(Some((past, true)), &skip);
+                let si = k.add_u32(&src_row, &col);
+                let lo_a = k.address(new, &si, e.bytes());
+                let hi_a = k.op2("add.u64", RegClass::B64, &lo_a, &pair);
+                let lo = k.ld_global(e, lo_a);
+                let hi = k.ld_global(e, hi_a);
+                let t = k.mad_u32(&pos, &half, &col);
+                let ca = k.address(tables.0, &t, 4);
+                let sa = k.address(tables.1, &t, 4);
+                let c = k.ld_global(Elem::F32, ca);
+                let sn = k.ld_global(Elem::F32, sa);
+                let (rlo, rhi) = rotated(&mut k, lo, hi, c, sn);
+                let di = k.add_u32(&dst_row, &col);
+                let da = k.address(cache, &di, e.bytes());
+                let dh = k.op2("add.u64", RegClass::B64, &da, &pair);
+                k.st_global(e, da, rlo);
+                k.st_global(e, dh, rhi);
+                k.place(&skip);
+            }
+        }
     }
     k.place(&exit);
     GeneratedKernel::new(

@@ -15,6 +15,7 @@
 //! - [`hopper`] — the PTX of Hopper's asynchronous machinery (mbarriers, TMA, wgmma);
 //! - [`gemv`] — products with at most 8 rows (decode): a warp per output column;
 //! - [`kv_cache`] — writing new keys/values into a KV cache in place (RoPE on the way);
+//! - [`rope`] — RoPE into a contiguous buffer, ahead of the Hopper attention kernel;
 //! - [`sampling`] — token choice: greedy (argmax) and top-k / top-p with temperature;
 //! - [`catalog`] — the configurations the snapshot, assembler and GPU tests cover.
 //!
@@ -39,6 +40,7 @@ pub mod kv_cache;
 pub mod norm;
 pub mod ptx;
 pub mod reduce;
+pub mod rope;
 pub mod sampling;
 
 use serde::{Deserialize, Serialize};

@@ -592,6 +592,12 @@ fn attention_matches_the_interpreter() {
             rope: true,
             dropout: None,
         },
+        // RoPE ahead of the Hopper kernel: MQA, head dim 128, ragged length, causal.
+        AttentionCase {
+            keys: KeyRule::Causal { window: None },
+            rope: true,
+            ..AttentionCase::new(2, 1, 520, 520, 128)
+        },
         // Mistral-like sliding window, MQA, head dim 128.
         AttentionCase {
             heads: 4,
@@ -712,7 +718,7 @@ fn attention_matches_the_interpreter() {
     }
 }
 
-/// The tensor-core kernel at the shapes prefill benchmarks run (4096 keys, head dims 64 and 128,
+/// The tensor-core kernels at the shapes prefill benchmarks run (4096 keys, head dims 64 and 128,
 /// GQA 4:1, llama3 RoPE, a Mistral window, a prompt chunk over a cache, dropout 0.1), bf16.
 #[test]
 fn attention_on_tensor_cores_at_benchmark_shapes() {
@@ -753,14 +759,16 @@ fn attention_on_tensor_cores_at_benchmark_shapes() {
             ..AttentionCase::new(8, 2, 4096, 4096, 64)
         },
     ];
-    for case in &cases {
+    // Llama's RoPE leaves the kernel (`prerotated`); windows, cache chunks and dropout stay on mma.
+    let paths = [
+        kiln_kernels::KernelPath::Wgmma,
+        kiln_kernels::KernelPath::Mma,
+        kiln_kernels::KernelPath::Mma,
+        kiln_kernels::KernelPath::Mma,
+    ];
+    for (case, expected) in cases.iter().zip(paths) {
         let cfg = attention_config(case, Elem::BF16, 1);
-        assert_eq!(
-            path(&cfg),
-            kiln_kernels::KernelPath::Mma,
-            "{}",
-            cfg_name(&cfg)
-        );
+        assert_eq!(path(&cfg), expected, "{}", cfg_name(&cfg));
         attention_case(&gpu, &mut rng, case, Elem::BF16, 1, &llama3);
     }
 }
@@ -1066,6 +1074,45 @@ fn attention_case(
             &reference_out,
         );
     }
+    if let Some(plain) = kiln_kernels::attention::prerotated(&cfg) {
+        // RoPE ahead of the Hopper kernel, as lowering runs it: rotated q and k in buffers, then
+        // the kernel without RoPE over them (and its base-image fallback).
+        let [rq, rk] = kiln_kernels::attention::rotations(&cfg);
+        let mut args = BTreeMap::from([
+            ("v", Arg::Buf(&bv)),
+            ("mask", Arg::Buf(&bm)),
+            ("positions", Arg::Buf(&bp)),
+            ("cos", Arg::Buf(&bc)),
+            ("sin", Arg::Buf(&bn)),
+        ]);
+        let q_rot = gpu.poisoned(elem, b * h * s * d);
+        let k_rot = gpu.poisoned(elem, b * kvh * t * d);
+        for (rotation, (x, rotated)) in [rq, rk].iter().zip([(&bq, &q_rot), (&bk, &k_rot)]) {
+            let rotation = rotation.as_ref().expect("prefill rotates q and k");
+            args.insert("x", Arg::Buf(x));
+            args.insert("out", Arg::Buf(rotated));
+            gpu.launch(&kiln_kernels::rope::rotate(rotation), &args);
+        }
+        args.insert("q", Arg::Buf(&q_rot));
+        args.insert("k", Arg::Buf(&k_rot));
+        let kernels = [
+            attention(&plain),
+            kiln_kernels::attention::attention_base(&plain),
+        ];
+        let outs = kernels
+            .each_ref()
+            .map(|_| gpu.poisoned(elem, b * h * s * d));
+        for (kernel, out) in kernels.iter().zip(&outs) {
+            args.insert("out", Arg::Buf(out));
+            gpu.launch(kernel, &args);
+            check(
+                &format!("rope + {} b={b}", kernel.name),
+                elem,
+                &gpu.download(elem, out),
+                &reference_out,
+            );
+        }
+    }
     if cached {
         // The same through key ranges (flash-decoding) and the combine kernel.
         let splits = kiln_kernels::attention::decode_splits(t as u32).max(4);
@@ -1098,6 +1145,80 @@ fn attention_case(
             &gpu.download(elem, &out2),
             &reference_out,
         );
+    }
+}
+
+/// RoPE ahead of the Hopper attention (`kiln_kernels::rope::rotate`): from a strided view (a head
+/// split of a fused QKV product) into a contiguous buffer, with 16-byte chunks and, for a head
+/// dim whose half is not a multiple of the chunk, one pair per thread; at random positions.
+#[test]
+fn rotations_match_the_interpreter() {
+    use kiln_kernels::rope::{rotate, RotateConfig};
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng::seed_from_u64(0x0e0e_d0d0_4242_1717);
+    let theta = 500000.0;
+    let table_rows = 300;
+    let (cos, sin) = rope_tables(theta, 64, table_rows);
+    for elem in ELEMS {
+        // (batch, heads, len, head dim, row stride = heads of the fused product x head dim)
+        for (batch, heads, len, d, row) in [(2u32, 3u32, 17u32, 64u32, 5 * 64), (1, 2, 5, 6, 12)] {
+            let cfg = RotateConfig {
+                batch,
+                heads,
+                len,
+                head_dim: d,
+                strides: [len * row, d, row],
+                elem,
+            };
+            let (b, h, l, dd) = (batch as usize, heads as usize, len as usize, d as usize);
+            let stored = values(&mut rng, b * l * row as usize, 1.5, elem);
+            let dense: Vec<f32> = (0..b * h * l * dd)
+                .map(|i| {
+                    let (c, r) = (i % dd, i / dd);
+                    let (s, bh) = (r % l, r / l);
+                    let (hh, bb) = (bh % h, bh / h);
+                    stored[bb * l * row as usize + s * row as usize + hh * dd + c]
+                })
+                .collect();
+            let positions: Vec<i64> = (0..b * l)
+                .map(|_| (rng.random::<u64>() % table_rows as u64) as i64)
+                .collect();
+            let (tc, ts) = if d == 64 {
+                (cos.clone(), sin.clone())
+            } else {
+                rope_tables(theta, dd, table_rows)
+            };
+            let want = reference(
+                Op::Rope {
+                    theta,
+                    scaling: kiln_ir::RopeScaling::Default,
+                },
+                vec![
+                    (vec![b, h, l, dd], dense),
+                    (vec![b, l], positions.iter().map(|p| *p as f32).collect()),
+                ],
+                &[1],
+            );
+            let want: Vec<f32> = want
+                .as_f32()
+                .unwrap()
+                .iter()
+                .map(|v| round(elem, *v))
+                .collect();
+            let (bx, bp) = (gpu.upload(elem, &stored), gpu.upload_i64(&positions));
+            let (bc, bs) = (gpu.upload(Elem::F32, &tc), gpu.upload(Elem::F32, &ts));
+            let out = gpu.poisoned(elem, b * h * l * dd);
+            let kernel = rotate(&cfg);
+            let args = BTreeMap::from([
+                ("x", Arg::Buf(&bx)),
+                ("out", Arg::Buf(&out)),
+                ("positions", Arg::Buf(&bp)),
+                ("cos", Arg::Buf(&bc)),
+                ("sin", Arg::Buf(&bs)),
+            ]);
+            gpu.launch(&kernel, &args);
+            check(&kernel.name, elem, &gpu.download(elem, &out), &want);
+        }
     }
 }
 

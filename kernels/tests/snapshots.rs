@@ -56,6 +56,19 @@ fn argmax_bf16() {
     insta::assert_snapshot!(argmax(Elem::BF16, 2, 512).module());
 }
 
+#[test]
+fn rope_of_fused_qkv_bf16() {
+    let k = kiln_kernels::rope::rotate(&kiln_kernels::rope::RotateConfig {
+        batch: 1,
+        heads: 4,
+        len: 16,
+        head_dim: 64,
+        strides: [16 * 384, 64, 384],
+        elem: Elem::BF16,
+    });
+    insta::assert_snapshot!(k.module());
+}
+
 fn swiglu_bf16(m: u32, bias: bool) -> GemmConfig {
     GemmConfig {
         m,

@@ -144,3 +144,26 @@ fn f32_builds_name_their_simt_kernels() {
         "{attention} attention, {gemm} gemm"
     );
 }
+
+/// RoPE is applied ahead of the Hopper kernel (`kiln_kernels::attention::prerotated`), so the
+/// prefill attention of Llama-, Mistral- and Qwen2-shaped bf16 builds (RoPE, GQA, causal, head
+/// dim 128; Mistral's window covers these buckets) runs on wgmma.
+#[test]
+fn rope_prefill_attention_runs_on_wgmma() {
+    for name in ["llama-3.1-8b", "mistral-7b", "qwen2-7b"] {
+        let r = report(
+            &configs_dir().join(name),
+            &["--no-weights", "--dtype", "bf16"],
+        );
+        let mut checked = 0;
+        for bucket in r["buckets"].as_array().unwrap() {
+            for k in bucket["kernels"].as_array().unwrap() {
+                if k["kind"] == "attention" {
+                    assert_eq!(k["path"], "wgmma", "{name}: {}", k["name"]);
+                    checked += 1;
+                }
+            }
+        }
+        assert!(checked >= 2, "{name}: {checked} attention kernels checked");
+    }
+}

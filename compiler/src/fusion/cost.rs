@@ -198,7 +198,14 @@ pub fn kernel_work(
             bytes: 2.0 * bytes(args[1], bindings),
         });
     }
-    let io: f64 = args.iter().map(|a| bytes(a, bindings)).sum::<f64>() + bytes(out, bindings);
+    let mut io: f64 = args.iter().map(|a| bytes(a, bindings)).sum::<f64>() + bytes(out, bindings);
+    if let (Op::Attention(spec), Runs::Gpu(KernelPath::Wgmma)) = (op, runs) {
+        if spec.rope.is_some() {
+            // `kiln_kernels::attention::prerotated`: q and k are rotated into buffers first,
+            // written once and read again.
+            io += 2.0 * (bytes(args[0], bindings) + bytes(args[1], bindings));
+        }
+    }
     let dim = |t: &TensorType, i: usize| t.shape[i].eval(bindings).unwrap_or(1) as f64;
     let (kind, flops) = match op {
         Op::Attention(_) => {
