@@ -12,7 +12,7 @@ use kiln_ir::philox::{philox4x32_10, seed_key};
 use serde::Serialize;
 
 use crate::forward::{forward, prefill_bucket, prepare};
-use crate::generate::{generate_timed, Sampling};
+use crate::generate::{generate_batch, Sampling};
 use crate::{Artifact, Executor, RuntimeError};
 
 /// What the benchmark sends.
@@ -80,8 +80,11 @@ pub struct BenchReport {
     pub rss_before_kib: Option<u64>,
     /// Resident set size after the last request, in KiB (Linux only).
     pub rss_after_kib: Option<u64>,
-    /// Decode latency per token at batch 1, in milliseconds, when measured.
+    /// Decode latency per step (one token for each of `decode_batch` sequences), in
+    /// milliseconds, when measured.
     pub decode_ms_per_token: Option<f64>,
+    /// Sequences decoded together in the decode measurement (`--batch`).
+    pub decode_batch: usize,
     /// GPU memory in use (device-wide) before the first request, bytes (CUDA only).
     pub gpu_used_before_bytes: Option<u64>,
     /// GPU memory in use after the last request, bytes (CUDA only).
@@ -169,10 +172,14 @@ pub fn bench(
     let rss_after_kib = resident_kib();
     let gpu_after = gpu_used(exec)?;
     let decode_ms_per_token = if opts.decode_tokens > 0 && art.manifest.model.decoder {
-        // A one-token prompt, then `decode_tokens` new tokens: the first comes from the prompt's
-        // run, each other from one decode step, and only those steps are timed.
+        // `--batch` one-token prompts decoded together, then `decode_tokens` new tokens each:
+        // the first comes from the prompts' run, each other from one batched decode step, and
+        // only those steps are timed.
+        let vocab = art.manifest.model.vocab_size as i64;
+        let prompts: Vec<Vec<i64>> = (0..opts.batch as i64).map(|i| vec![i % vocab]).collect();
         let t0 = Instant::now();
-        let (_, steps) = generate_timed(art, exec, &[0], opts.decode_tokens, &Sampling::greedy())?;
+        let greedy = Sampling::greedy();
+        let (_, steps) = generate_batch(art, exec, &prompts, opts.decode_tokens, &greedy)?;
         Some(if opts.decode_tokens > 1 {
             steps * 1e3 / (opts.decode_tokens - 1) as f64
         } else {
@@ -204,6 +211,7 @@ pub fn bench(
         rss_before_kib,
         rss_after_kib,
         decode_ms_per_token,
+        decode_batch: opts.batch,
     })
 }
 

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use crate::bench::{bench, BenchOptions, BenchReport};
 use crate::executor::Work;
-use crate::generate::{generate, Sampling};
+use crate::generate::{generate_batch, Sampling};
 use crate::{forward::forward, Artifact, Device, Executor};
 use anyhow::{bail, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -78,22 +78,20 @@ enum Command {
         #[command(flatten)]
         placement: Placement,
     },
-    /// Generate tokens after a prompt through the decode graph and its KV cache (batch 1).
+    /// Generate tokens after one or more prompts through the decode graphs and their KV cache:
+    /// several prompts are decoded together through the smallest decode batch bucket that holds
+    /// them, each getting the tokens it gets alone; the output has one line (one JSON object per
+    /// line with `--json`) per sequence, in order.
     Generate {
         /// The artifact folder.
         artifact: PathBuf,
-        /// The prompt's token ids, comma-separated.
-        #[arg(
-            long,
-            value_delimiter = ',',
-            conflicts_with = "prompt",
-            required_unless_present = "prompt"
-        )]
-        prompt_ids: Vec<i64>,
-        /// The prompt as text, tokenised with the artifact's tokenizer.json; the output then
-        /// also has the generated text.
+        /// A prompt's token ids, comma-separated (repeat for several sequences).
+        #[arg(long, conflicts_with = "prompt", required_unless_present = "prompt")]
+        prompt_ids: Vec<String>,
+        /// A prompt as text, tokenised with the artifact's tokenizer.json (repeat for several
+        /// sequences); each sequence's line is followed by its generated text.
         #[arg(long)]
-        prompt: Option<String>,
+        prompt: Vec<String>,
         /// How many tokens to generate.
         #[arg(long)]
         max_new_tokens: usize,
@@ -149,7 +147,8 @@ enum Command {
         /// prefill bucket.
         #[arg(long, value_parser = parse_range)]
         lengths: Option<(usize, usize)>,
-        /// Tokens to generate for the decode latency per token (decoders; 0 skips).
+        /// Tokens to generate per sequence for the decode latency per step, with `--batch` sequences
+        /// decoded together (decoders; 0 skips).
         #[arg(long, default_value_t = 0)]
         decode_tokens: usize,
         /// Seed of the lengths and token ids.
@@ -158,6 +157,11 @@ enum Command {
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
+        /// Time every kernel (steps launched one by one instead of graph replays, so the
+        /// latencies include launch gaps) and print where the time went, heaviest first, to
+        /// stderr; `KILN_EAGER=1` does the same.
+        #[arg(long)]
+        profile: bool,
         #[command(flatten)]
         placement: Placement,
     },
@@ -174,6 +178,17 @@ fn parse_range(text: &str) -> Result<(usize, usize), String> {
             .map_err(|_| format!("`{s}` in `{text}` is not a count"))
     };
     Ok((num(lo)?, num(hi)?))
+}
+
+/// Parses one `--prompt-ids` list: comma-separated token ids.
+fn parse_ids(list: &str) -> Result<Vec<i64>> {
+    list.split(',')
+        .map(|id| {
+            id.trim()
+                .parse::<i64>()
+                .map_err(|_| anyhow::anyhow!("--prompt-ids: `{id}` in `{list}` is not a token id"))
+        })
+        .collect()
 }
 
 /// Runs one `kiln-run` command, writing what it prints to `out` (progress and profiles go to
@@ -219,26 +234,36 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
                 seed,
             };
             sampling.validate()?;
+            let prompts = prompt_ids
+                .iter()
+                .map(|list| parse_ids(list))
+                .collect::<Result<Vec<_>>>()?;
             let art = Artifact::open(&artifact)?;
-            let tokenizer = prompt.as_ref().map(|_| art.tokenizer()).transpose()?;
-            let prompt_ids = match (&tokenizer, &prompt) {
-                (Some(t), Some(text)) => t.encode(text)?,
-                _ => prompt_ids,
+            let tokenizer = (!prompt.is_empty()).then(|| art.tokenizer()).transpose()?;
+            let prompts = match &tokenizer {
+                Some(t) => prompt
+                    .iter()
+                    .map(|text| t.encode(text))
+                    .collect::<Result<Vec<_>, _>>()?,
+                None => prompts,
             };
             let mut exec = placement.open_for(&art, Work::Generation)?;
-            let tokens = generate(&art, &mut exec, &prompt_ids, max_new_tokens, &sampling)?;
-            let text = tokenizer.map(|t| t.decode(&tokens)).transpose()?;
-            let ids: Vec<String> = tokens.iter().map(i64::to_string).collect();
-            match (json, text) {
-                (true, Some(text)) => writeln!(
-                    out,
-                    "{{\"tokens\": [{}], \"text\": {}}}",
-                    ids.join(", "),
-                    serde_json::to_string(&text)?
-                )?,
-                (true, None) => writeln!(out, "{{\"tokens\": [{}]}}", ids.join(", "))?,
-                (false, Some(text)) => writeln!(out, "{}\n{text}", ids.join(" "))?,
-                (false, None) => writeln!(out, "{}", ids.join(" "))?,
+            let (sequences, _) =
+                generate_batch(&art, &mut exec, &prompts, max_new_tokens, &sampling)?;
+            for tokens in &sequences {
+                let text = tokenizer.as_ref().map(|t| t.decode(tokens)).transpose()?;
+                let ids: Vec<String> = tokens.iter().map(i64::to_string).collect();
+                match (json, text) {
+                    (true, Some(text)) => writeln!(
+                        out,
+                        "{{\"tokens\": [{}], \"text\": {}}}",
+                        ids.join(", "),
+                        serde_json::to_string(&text)?
+                    )?,
+                    (true, None) => writeln!(out, "{{\"tokens\": [{}]}}", ids.join(", "))?,
+                    (false, Some(text)) => writeln!(out, "{}\n{text}", ids.join(" "))?,
+                    (false, None) => writeln!(out, "{}", ids.join(" "))?,
+                }
             }
         }
         Command::Embed {
@@ -295,12 +320,16 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
             decode_tokens,
             seed,
             json,
+            profile,
             placement,
         } => {
             let art = Artifact::open(&artifact)?;
             let largest = art.longest_prefill();
             let (min_len, max_len) = lengths.unwrap_or((1, largest));
             let mut exec = placement.open(&art)?;
+            if profile {
+                exec.set_profiling(true);
+            }
             let report = bench(
                 &art,
                 &mut exec,
@@ -324,7 +353,8 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
                 Executor::Interpreter => None,
             };
             if let Some(profile) = profile {
-                // KILN_EAGER: where the time went, heaviest kernels first (to stderr).
+                // --profile (or KILN_EAGER): where the time went, heaviest kernels first (to
+                // stderr).
                 let mut rows: Vec<_> = profile.iter().collect();
                 rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
                 for (kernel, (n, secs)) in rows.iter().take(25) {
@@ -370,7 +400,12 @@ fn print_bench(r: &BenchReport, out: &mut dyn Write) -> Result<()> {
         kib(r.rss_after_kib)
     )?;
     if let Some(ms) = r.decode_ms_per_token {
-        writeln!(out, "decode {ms:.3} ms/token (batch 1)")?;
+        let b = r.decode_batch;
+        writeln!(
+            out,
+            "decode {ms:.3} ms/step at batch {b} ({:.0} tokens/s)",
+            b as f64 * 1e3 / ms
+        )?;
     }
     let mib = |v: Option<u64>| v.map_or("-".to_string(), |b| format!("{} MiB", b >> 20));
     if r.gpu_used_before_bytes.is_some() {

@@ -223,6 +223,26 @@ impl CpuExecutor {
         self.cache.fill(0);
     }
 
+    /// Times every later call per kernel into [`Self::profile`] (what `KILN_EAGER` asks for at
+    /// load), or stops timing.
+    pub fn set_profiling(&mut self, on: bool) {
+        match (on, self.profile.is_some()) {
+            (true, false) => self.profile = Some(BTreeMap::new()),
+            (false, true) => self.profile = None,
+            _ => {}
+        }
+    }
+
+    /// Copies row `from` of every KV-cache slot to row `to`.
+    pub fn copy_cache_row(&mut self, from: usize, to: usize) -> Result<(), RuntimeError> {
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut self.cache);
+        for (src, dst, n) in crate::executor::cache_row_copies(&self.memory.cache, from, to)? {
+            let (src, dst, n) = (src as usize, dst as usize, n as usize);
+            bytes.copy_within(src..src + n, dst);
+        }
+        Ok(())
+    }
+
     /// Runs one bucket: inputs into their arena slots, the steps in order, outputs back.
     pub fn run(
         &mut self,

@@ -64,6 +64,8 @@ pub struct CudaExecutor {
     arena: u64,
     cache: u64,
     cache_bytes: u64,
+    /// The cache region's slots (offsets within it).
+    cache_slots: Vec<TensorSlot>,
     /// Driver work so far, and as it stood when `load` returned.
     counts: DriverCounts,
     at_load: DriverCounts,
@@ -498,6 +500,7 @@ impl CudaExecutor {
             arena: m.memory.base(Region::Arena),
             cache,
             cache_bytes,
+            cache_slots: m.memory.cache.clone(),
             ctx,
             stream,
             memory,
@@ -617,6 +620,32 @@ impl CudaExecutor {
                 .map_err(|e| RuntimeError::Device(format!("CUDA: {e}")))?;
         }
         Ok(())
+    }
+
+    /// Copies row `from` of every KV-cache slot to row `to` (device to device, in stream order).
+    pub fn copy_cache_row(&mut self, from: usize, to: usize) -> Result<(), RuntimeError> {
+        let (base, _sync) = self.memory.device_ptr(&self.stream);
+        for (src, dst, bytes) in crate::executor::cache_row_copies(&self.cache_slots, from, to)? {
+            // SAFETY: both ranges lie inside the cache region of `memory` (the slots are the
+            // plan's, checked against the allocation at load), and rows of one slot never
+            // overlap; the copy is ordered on `stream` with every launch.
+            unsafe {
+                cudarc::driver::result::memcpy_dtod_async(
+                    base + self.cache + dst,
+                    base + self.cache + src,
+                    bytes as usize,
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(|e| RuntimeError::Device(format!("CUDA: copying a cache row: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// Launches the steps of every later request one by one, each timed into [`Self::profile`]
+    /// (what `KILN_EAGER` asks for at load), or replays the graphs again.
+    pub fn set_profiling(&mut self, on: bool) {
+        self.eager = on;
     }
 
     /// Per kernel: launches and seconds (launch to completion), measured when `KILN_EAGER` is
@@ -835,20 +864,22 @@ pub(crate) fn encode(t: &Tensor, dtype: DType) -> Vec<u8> {
     }
 }
 
-/// Device bytes of `dtype` as a host tensor.
+/// Device bytes of `dtype` as a host tensor. Half-precision values widen to f32 exactly, so the
+/// tensor is built as is rather than rounded again (a decode step's logits are 10^5-10^6 values).
 pub(crate) fn decode(bytes: &[u8], dtype: DType, shape: Vec<usize>) -> Tensor {
+    let widened = |values: Vec<f32>| Tensor {
+        dtype,
+        shape: shape.clone(),
+        data: Data::Float(values),
+    };
     match dtype {
-        DType::BF16 => Tensor::float(
-            dtype,
-            shape,
+        DType::BF16 => widened(
             bytes
                 .chunks_exact(2)
                 .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect(),
         ),
-        DType::F16 => Tensor::float(
-            dtype,
-            shape,
+        DType::F16 => widened(
             bytes
                 .chunks_exact(2)
                 .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())

@@ -146,6 +146,27 @@ impl Executor {
         Ok(crate::generate::choose(logits, sampling, step))
     }
 
+    /// Per-kernel timing of later requests (`kiln-run bench --profile`): CUDA launches the steps
+    /// one by one instead of replaying graphs; the interpreter has no kernels to time.
+    pub fn set_profiling(&mut self, on: bool) {
+        match self {
+            Executor::Interpreter => {}
+            Executor::Cpu(c) => c.set_profiling(on),
+            Executor::Cuda(c) => c.set_profiling(on),
+        }
+    }
+
+    /// Copies row `from` of every KV-cache slot the executor keeps to row `to` (a prompt entered
+    /// through the batch-1 chunk bucket, moved to its sequence's row of a batched decode); the
+    /// interpreter's cache is the caller's.
+    pub fn copy_cache_row(&mut self, from: usize, to: usize) -> Result<(), RuntimeError> {
+        match self {
+            Executor::Interpreter => Ok(()),
+            Executor::Cpu(c) => c.copy_cache_row(from, to),
+            Executor::Cuda(c) => c.copy_cache_row(from, to),
+        }
+    }
+
     /// Empties the KV cache the executor keeps (a new generation).
     pub fn reset_cache(&mut self) -> Result<(), RuntimeError> {
         match self {
@@ -189,4 +210,32 @@ fn host_tail(
     outputs.retain(|name, _| !name.starts_with(HOST_VALUE));
     outputs.extend(host);
     Ok(outputs)
+}
+
+/// The copies that move row `from` of every cache slot to row `to`: `(source, destination,
+/// bytes)`, offsets within the cache region (a slot's leading axis is the decode batch).
+pub(crate) fn cache_row_copies(
+    slots: &[kiln_ir::artifact::TensorSlot],
+    from: usize,
+    to: usize,
+) -> Result<Vec<(u64, u64, u64)>, RuntimeError> {
+    slots
+        .iter()
+        .map(|slot| {
+            let rows = slot.shape.first().copied().unwrap_or(0);
+            if from >= rows || to >= rows {
+                return Err(RuntimeError::Request(format!(
+                    "cache row {} is outside {}'s {rows} rows",
+                    from.max(to),
+                    slot.name
+                )));
+            }
+            let row = slot.bytes() / rows as u64;
+            Ok((
+                slot.offset + from as u64 * row,
+                slot.offset + to as u64 * row,
+                row,
+            ))
+        })
+        .collect()
 }

@@ -76,6 +76,23 @@ pub fn generate_timed(
     max_new: usize,
     sampling: &Sampling,
 ) -> Result<(Vec<i64>, f64), RuntimeError> {
+    let (mut out, seconds) = generate_batch(art, exec, &[prompt.to_vec()], max_new, sampling)?;
+    Ok((out.pop().unwrap_or_default(), seconds))
+}
+
+/// Generates `max_new` tokens after each of `prompts`, decoded together through the smallest
+/// decode bucket whose batch holds them all (row `i` is sequence `i`; rows beyond them are
+/// masked, so they write nothing). Each prompt enters the cache alone (through the batch-1 chunk
+/// bucket into row 0, then copied to its row; one token per batched step without a chunk
+/// bucket), so each sequence gets what it gets alone: the same tokens under the same sampling.
+/// Also returns the seconds spent in batched decode steps.
+pub fn generate_batch(
+    art: &Artifact,
+    exec: &mut Executor,
+    prompts: &[Vec<i64>],
+    max_new: usize,
+    sampling: &Sampling,
+) -> Result<(Vec<Vec<i64>>, f64), RuntimeError> {
     sampling.validate()?;
     let m = &art.manifest;
     if !m.model.decoder {
@@ -84,109 +101,162 @@ pub fn generate_timed(
             m.architecture
         )));
     }
-    // Decode steps run the one-token bucket of the smallest batch; a prompt enters through the
-    // chunk bucket (batch 1, several tokens) when the artifact has one.
-    let bucket = m
-        .decode
-        .iter()
-        .filter(|e| e.seq == 1)
-        .min_by_key(|e| e.batch)
+    if prompts.is_empty() {
+        return Err(RuntimeError::Request("no prompt to generate from".into()));
+    }
+    // Decode steps run the one-token bucket of the smallest batch that holds every sequence; a
+    // prompt enters through the chunk bucket (batch 1, several tokens) when the artifact has one.
+    let steps = m.decode.iter().filter(|e| e.seq == 1);
+    let largest = steps
+        .clone()
+        .map(|e| e.batch)
+        .max()
         .ok_or_else(|| RuntimeError::Request("the artifact has no decode bucket".into()))?;
+    let bucket = steps
+        .filter(|e| e.batch >= prompts.len())
+        .min_by_key(|e| e.batch)
+        .ok_or_else(|| {
+            RuntimeError::Request(format!(
+                "{} prompts exceed the largest decode batch, {largest}",
+                prompts.len()
+            ))
+        })?;
     let chunk = m
         .decode
         .iter()
         .filter(|e| e.seq > 1 && e.batch == 1)
         .max_by_key(|e| e.seq);
     let context = bucket.context.unwrap_or(0);
-    if prompt.is_empty() {
-        return Err(RuntimeError::Request("the prompt is empty".into()));
-    }
-    if prompt.len() + max_new > context {
-        return Err(RuntimeError::Request(format!(
-            "prompt ({}) plus new tokens ({max_new}) exceed the compiled context of {context}",
-            prompt.len()
-        )));
-    }
-    if let Some(&bad) = prompt
-        .iter()
-        .find(|&&t| t < 0 || t as usize >= m.model.vocab_size)
-    {
-        return Err(RuntimeError::Request(format!(
-            "prompt token {bad} is out of range for vocab size {}",
-            m.model.vocab_size
-        )));
+    for (i, prompt) in prompts.iter().enumerate() {
+        check_prompt(prompt, max_new, context, m.model.vocab_size)
+            .map_err(|e| prompt_error(e, i, prompts.len()))?;
     }
     if max_new == 0 {
-        return Ok((Vec::new(), 0.0));
+        return Ok((vec![Vec::new(); prompts.len()], 0.0));
     }
-    // The executor keeps its own cache (on the device), or the cache is passed along here.
-    exec.reset_cache()?;
-    let mut run = Session {
-        art,
-        exec,
-        caches: BTreeMap::new(),
-        vocab: m.model.vocab_size,
-        context,
-    };
-    if !run.exec.keeps_cache() {
-        let graph: &Graph = &art.graphs[&bucket.graph];
-        run.caches = graph
-            .inputs()
-            .filter(|(_, n, _)| n.starts_with("past_"))
-            .map(|(_, n, ty)| {
-                let shape: Vec<usize> = ty
-                    .shape
-                    .iter()
-                    .map(|d| d.as_const().unwrap_or(0) as usize)
-                    .collect();
-                let n_el = shape.iter().product();
-                (
-                    n.to_string(),
-                    Tensor::f32(shape, vec![0.0; n_el]).cast(ty.dtype),
-                )
-            })
-            .collect();
-    }
-    // The prompt but its last token fills the cache, chunk by chunk or one token per step (no
-    // logits: the chunk bucket has none); the last token goes through a decode step, whose logits
-    // (one row through the LM head) choose the first new token.
+    let mut run = Session::new(art, exec, bucket, context)?;
+    // Each prompt but its last token fills the cache, chunk by chunk or one token per step (no
+    // logits: the chunk bucket has none); the last tokens go through one decode step, whose
+    // logits (one row each through the LM head) choose the first new tokens.
     let started = std::time::Instant::now();
-    let (head, last) = prompt.split_at(prompt.len() - 1);
+    let heads: Vec<&[i64]> = prompts.iter().map(|p| &p[..p.len() - 1]).collect();
     match chunk {
         Some(c) => {
-            for (i, part) in head.chunks(c.seq).enumerate() {
-                run.fill(c, part, i * c.seq)?;
+            // Row 0 takes each prompt in turn and hands it to its row; sequence 0 stays there.
+            for (row, head) in heads.iter().enumerate().rev() {
+                for (i, part) in head.chunks(c.seq).enumerate() {
+                    run.fill(c, &[Row::new(part, i * c.seq)])?;
+                }
+                if row > 0 {
+                    run.copy_row(0, row)?;
+                }
             }
         }
         None => {
-            for (pos, &t) in head.iter().enumerate() {
-                run.fill(bucket, &[t], pos)?;
+            let longest = heads.iter().map(|h| h.len()).max().unwrap_or(0);
+            for pos in 0..longest {
+                let rows: Vec<Row> = heads
+                    .iter()
+                    .map(|h| Row::new(h.get(pos..=pos).unwrap_or(&[]), pos))
+                    .collect();
+                run.fill(bucket, &rows)?;
             }
         }
     }
-    let mut logits = run.step(bucket, last, head.len())?;
+    let lasts: Vec<Row> = prompts
+        .iter()
+        .map(|p| Row::new(&p[p.len() - 1..], p.len() - 1))
+        .collect();
+    let mut logits = run.step(bucket, &lasts)?;
     tracing::info!(
         seconds = started.elapsed().as_secs_f64(),
-        tokens = prompt.len(),
-        "prompt in the cache, first logits"
+        sequences = prompts.len(),
+        "prompts in the cache, first logits"
     );
-    let mut out = Vec::with_capacity(max_new);
+    let mut out = vec![Vec::with_capacity(max_new); prompts.len()];
     let mut decode_seconds = 0.0;
     for i in 0..max_new {
-        let next = run.exec.choose(&logits, sampling, i as u32)? as i64;
-        out.push(next);
+        for (r, tokens) in out.iter_mut().enumerate() {
+            tokens.push(run.exec.choose(logits.row(r), sampling, i as u32)? as i64);
+        }
         if i + 1 < max_new {
             let start = std::time::Instant::now();
-            logits = run.step(bucket, &[next], prompt.len() + i)?;
+            let rows: Vec<Row> = out
+                .iter()
+                .zip(prompts)
+                .map(|(t, p)| Row::new(&t[i..=i], p.len() + i))
+                .collect();
+            logits = run.step(bucket, &rows)?;
             decode_seconds += start.elapsed().as_secs_f64();
         }
     }
     tracing::info!(
         seconds = decode_seconds,
         steps = max_new.saturating_sub(1),
+        sequences = prompts.len(),
         "decode steps"
     );
     Ok((out, decode_seconds))
+}
+
+/// `Err` naming what is wrong with `prompt`: empty, a token outside the vocabulary, or too long
+/// for the compiled context with `max_new` tokens after it.
+fn check_prompt(
+    prompt: &[i64],
+    max_new: usize,
+    context: usize,
+    vocab: usize,
+) -> Result<(), String> {
+    if prompt.is_empty() {
+        return Err("the prompt is empty".into());
+    }
+    if prompt.len() + max_new > context {
+        return Err(format!(
+            "prompt ({}) plus new tokens ({max_new}) exceed the compiled context of {context}",
+            prompt.len()
+        ));
+    }
+    match prompt.iter().find(|&&t| t < 0 || t as usize >= vocab) {
+        Some(bad) => Err(format!(
+            "prompt token {bad} is out of range for vocab size {vocab}"
+        )),
+        None => Ok(()),
+    }
+}
+
+/// A request error for prompt `i` of `n` (named when there are several).
+fn prompt_error(message: String, i: usize, n: usize) -> RuntimeError {
+    if n > 1 {
+        RuntimeError::Request(format!("prompt {}: {message}", i + 1))
+    } else {
+        RuntimeError::Request(message)
+    }
+}
+
+/// One batch row of a cached step: its tokens, from position `start` on.
+struct Row<'t> {
+    tokens: &'t [i64],
+    start: usize,
+}
+
+impl<'t> Row<'t> {
+    fn new(tokens: &'t [i64], start: usize) -> Row<'t> {
+        Row { tokens, start }
+    }
+}
+
+/// A step's logits: the bucket's whole output, and where each sequence's row starts in it.
+struct Logits {
+    values: Vec<f32>,
+    starts: Vec<usize>,
+    vocab: usize,
+}
+
+impl Logits {
+    /// Sequence `i`'s row.
+    fn row(&self, i: usize) -> &[f32] {
+        &self.values[self.starts[i]..self.starts[i] + self.vocab]
+    }
 }
 
 /// One generation's state: the executor and (for the interpreter) the KV cache tensors.
@@ -198,61 +268,119 @@ struct Session<'a> {
     context: usize,
 }
 
-impl Session<'_> {
-    /// Runs `tokens` (at positions `start..`) through the KV-cached bucket `entry` and returns
-    /// the logits of the last token.
-    fn step(
-        &mut self,
-        entry: &BucketEntry,
-        tokens: &[i64],
-        start: usize,
-    ) -> Result<Vec<f32>, RuntimeError> {
-        let outputs = self.fill(entry, tokens, start)?;
-        let logits = outputs
-            .get("logits")
-            .and_then(|t| t.as_f32())
-            .ok_or_else(|| RuntimeError::Request("the decode graph has no logits".into()))?;
-        let at = (tokens.len() - 1) * self.vocab;
-        Ok(logits[at..at + self.vocab].to_vec())
+impl<'a> Session<'a> {
+    /// An empty cache for the decode bucket `bucket`'s graphs: the executor's own, or tensors
+    /// passed along (the interpreter).
+    fn new(
+        art: &'a Artifact,
+        exec: &'a mut Executor,
+        bucket: &BucketEntry,
+        context: usize,
+    ) -> Result<Session<'a>, RuntimeError> {
+        exec.reset_cache()?;
+        let mut caches = BTreeMap::new();
+        if !exec.keeps_cache() {
+            // The largest decode batch's cache, as the executors' cache regions hold it.
+            let rows = art
+                .manifest
+                .decode
+                .iter()
+                .map(|e| e.batch)
+                .max()
+                .unwrap_or(1);
+            let graph: &Graph = &art.graphs[&bucket.graph];
+            caches = graph
+                .inputs()
+                .filter(|(_, n, _)| n.starts_with("past_"))
+                .map(|(_, n, ty)| {
+                    let mut shape: Vec<usize> = ty
+                        .shape
+                        .iter()
+                        .map(|d| d.as_const().unwrap_or(0) as usize)
+                        .collect();
+                    shape[0] = rows;
+                    let n_el = shape.iter().product();
+                    (
+                        n.to_string(),
+                        Tensor::f32(shape, vec![0.0; n_el]).cast(ty.dtype),
+                    )
+                })
+                .collect();
+        }
+        Ok(Session {
+            art,
+            exec,
+            caches,
+            vocab: art.manifest.model.vocab_size,
+            context,
+        })
     }
 
-    /// Runs `tokens` (at positions `start..`) through the KV-cached bucket `entry` in row 0 (the
-    /// bucket's other rows repeat it, their results unused), so that their keys and values enter
-    /// the cache; the tail of a chunk is masked, so nothing of it reaches the cache. Returns the
-    /// bucket's other outputs.
+    /// Runs `rows` through the KV-cached bucket `entry` and returns the logits of each row's
+    /// last token.
+    fn step(&mut self, entry: &BucketEntry, rows: &[Row]) -> Result<Logits, RuntimeError> {
+        let mut outputs = self.fill(entry, rows)?;
+        let Some(Data::Float(values)) = outputs.remove("logits").map(|t| t.data) else {
+            return Err(RuntimeError::Request(
+                "the decode graph has no float logits".into(),
+            ));
+        };
+        let starts = rows
+            .iter()
+            .enumerate()
+            .map(|(r, row)| (r * entry.seq + row.tokens.len() - 1) * self.vocab)
+            .collect();
+        Ok(Logits {
+            values,
+            starts,
+            vocab: self.vocab,
+        })
+    }
+
+    /// Runs `rows` (row `r` of the bucket: its tokens at positions `start..`) through the
+    /// KV-cached bucket `entry`, so that their keys and values enter the cache; a row's tail
+    /// past its tokens, and the bucket's rows past `rows`, are masked, so nothing of them reaches
+    /// the cache. Returns the bucket's other outputs.
     fn fill(
         &mut self,
         entry: &BucketEntry,
-        tokens: &[i64],
-        start: usize,
+        rows: &[Row],
     ) -> Result<BTreeMap<String, Tensor>, RuntimeError> {
         let (b, s) = (entry.batch, entry.seq);
-        let row = |f: &dyn Fn(usize) -> i64| -> Vec<i64> {
-            let one: Vec<i64> = (0..s).map(f).collect();
-            one.repeat(b)
-        };
         let last = self.context.saturating_sub(1);
+        let grid = |f: &dyn Fn(&Row, usize) -> i64| -> Vec<i64> {
+            let empty = Row::new(&[], 0);
+            (0..b)
+                .flat_map(|r| {
+                    let row = rows.get(r).unwrap_or(&empty);
+                    (0..s).map(move |i| f(row, i)).collect::<Vec<_>>()
+                })
+                .collect()
+        };
         let mut inputs = BTreeMap::from([
             (
                 "input_ids".to_string(),
-                Tensor::i64(vec![b, s], row(&|i| tokens.get(i).copied().unwrap_or(0))),
+                Tensor::i64(
+                    vec![b, s],
+                    grid(&|row, i| row.tokens.get(i).copied().unwrap_or(0)),
+                ),
             ),
             (
                 "attention_mask".to_string(),
-                Tensor::i64(vec![b, s], row(&|i| i64::from(i < tokens.len()))),
+                Tensor::i64(vec![b, s], grid(&|row, i| i64::from(i < row.tokens.len()))),
             ),
             (
                 "position_ids".to_string(),
-                Tensor::i64(vec![b, s], row(&|i| (start + i).min(last) as i64)),
+                Tensor::i64(vec![b, s], grid(&|row, i| (row.start + i).min(last) as i64)),
             ),
         ]);
-        // Caches are kept for the decode bucket's batch; a bucket of fewer rows (the prompt chunk's
-        // batch 1) reads and updates the leading ones, as the executors' cache regions do.
-        let rows = |t: &Tensor| t.numel() / t.shape[0].max(1) * b;
+        // Caches are kept for the largest decode batch; a bucket of fewer rows reads and updates
+        // the leading ones, as the executors' cache regions do.
+        let lead = |t: &Tensor| t.numel() / t.shape[0].max(1) * b;
         for (name, cache) in &self.caches {
             let mut part = cache.clone();
             if let Data::Float(v) = &mut part.data {
-                v.truncate(rows(cache));
+                v.truncate(lead(cache));
             }
             part.shape[0] = b;
             inputs.insert(name.clone(), part);
@@ -264,12 +392,26 @@ impl Session<'_> {
                 .ok_or_else(|| {
                     RuntimeError::Request(format!("the decode graph lacks an output for {name}"))
                 })?;
-            let n = rows(cache);
+            let n = lead(cache);
             if let (Data::Float(all), Data::Float(new)) = (&mut cache.data, &present.data) {
                 all[..n].copy_from_slice(&new[..n]);
             }
         }
         Ok(outputs)
+    }
+
+    /// Copies cache row `from` to row `to`.
+    fn copy_row(&mut self, from: usize, to: usize) -> Result<(), RuntimeError> {
+        if self.exec.keeps_cache() {
+            return self.exec.copy_cache_row(from, to);
+        }
+        for cache in self.caches.values_mut() {
+            let row = cache.numel() / cache.shape[0].max(1);
+            if let Data::Float(v) = &mut cache.data {
+                v.copy_within(from * row..(from + 1) * row, to * row);
+            }
+        }
+        Ok(())
     }
 }
 

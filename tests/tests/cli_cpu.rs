@@ -136,3 +136,88 @@ fn kiln_run_refuses_bad_input_in_one_line() {
     let err = kiln_run(&["embed", missing.to_str().unwrap(), "--text", "x"]).unwrap_err();
     assert!(err.contains("missing.kiln"), "names the artifact: {err}");
 }
+
+/// Several prompts decoded together: `kiln-run generate` with `--prompt-ids` repeated runs them
+/// through the smallest decode batch bucket that holds them (batch 4 for three prompts) and prints
+/// one line per sequence, in order, each what that prompt gets alone, greedy and sampled, with
+/// prompts entering through the chunk bucket (then copied to their rows) or one token per batched
+/// step; the interpreter, whose cache the caller holds, agrees; five prompts are refused.
+#[test]
+fn several_prompts_decode_together_as_each_alone() {
+    use kiln_runtime::generate::{generate_batch, Sampling};
+    let tmp = tempfile::tempdir().unwrap();
+    let ids = |t: &Tensor| -> Vec<i64> { t.as_i64().unwrap().to_vec() };
+    let joined = |p: &[i64]| p.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
+    for name in ["gpt2-tiny", "llama-tiny"] {
+        let r = reference(name);
+        let prompts = [
+            ids(&r["batch_a"]),
+            ids(&r["batch_b"]),
+            ids(&r["greedy_prompt"]),
+        ];
+        for chunk in ["16", "1"] {
+            let art = tmp.path().join(format!("{name}-{chunk}.kiln"));
+            let buckets = ["--buckets", "16,64", "--batch-buckets", "1,4"];
+            let rest = ["--max-context", "64", "--prefill-chunk", chunk];
+            compile(&fixture(name), &art, &[&buckets[..], &rest[..]].concat());
+            let a = art.to_str().unwrap();
+            let sampled = ["--temperature", "0.8", "--top-k", "20", "--seed", "7"];
+            for sampling in [&[][..], &sampled[..]] {
+                let run = |which: &[&Vec<i64>]| -> Vec<String> {
+                    let lists: Vec<String> = which.iter().map(|p| joined(p)).collect();
+                    let mut args = vec!["generate", a, "--max-new-tokens", "12"];
+                    for list in &lists {
+                        args.extend(["--prompt-ids", list.as_str()]);
+                    }
+                    args.extend(["--device", "cpu"]);
+                    args.extend(sampling);
+                    let out = kiln_run(&args).unwrap();
+                    out.lines().map(str::to_string).collect()
+                };
+                let together = run(&prompts.iter().collect::<Vec<_>>());
+                assert_eq!(together.len(), 3, "{name}: one line per sequence");
+                for (i, p) in prompts.iter().enumerate() {
+                    let alone = run(&[p]);
+                    assert_eq!(
+                        together[i], alone[0],
+                        "{name} chunk {chunk} {sampling:?}: sequence {i} decoded together"
+                    );
+                }
+                if sampling.is_empty() {
+                    let want: Vec<String> = ids(&r["greedy_tokens"])[..12]
+                        .iter()
+                        .map(i64::to_string)
+                        .collect();
+                    assert_eq!(together[2], want.join(" "), "{name}: greedy_tokens");
+                    let artifact = kiln_runtime::Artifact::open(&art).unwrap();
+                    let mut interp = kiln_runtime::Executor::Interpreter;
+                    let (seqs, _) =
+                        generate_batch(&artifact, &mut interp, &prompts, 12, &Sampling::greedy())
+                            .unwrap();
+                    let printed: Vec<String> = seqs
+                        .iter()
+                        .map(|s| s.iter().map(i64::to_string).collect::<Vec<_>>().join(" "))
+                        .collect();
+                    assert_eq!(printed, together, "{name} chunk {chunk}: the interpreter");
+                }
+            }
+            let five: Vec<String> = (0..5).map(|i| i.to_string()).collect();
+            let mut args = vec!["generate", a, "--max-new-tokens", "2", "--device", "cpu"];
+            for p in &five {
+                args.extend(["--prompt-ids", p.as_str()]);
+            }
+            let err = kiln_run(&args).unwrap_err();
+            assert!(err.contains("5 prompts") && err.contains('4'), "{err}");
+            let err = kiln_run(&[
+                "generate",
+                a,
+                "--prompt-ids",
+                "1,x",
+                "--max-new-tokens",
+                "2",
+            ])
+            .unwrap_err();
+            assert!(err.contains("`x`"), "names the bad id: {err}");
+        }
+    }
+}
