@@ -786,3 +786,82 @@ pub(crate) fn philox_words(
     }
     c
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_ir::kernel::AttentionSpec;
+
+    /// Llama-3.2-1B's prefill attention at 512 tokens: bf16, 32/8 heads, d 64, causal, padding,
+    /// RoPE on q and k read in place from the fused QKV product (`[B, S, 3072]`).
+    fn llama(elem: Elem, window: Option<i64>, dropout: Option<(f64, u32)>) -> AttentionConfig {
+        let mut cfg = AttentionConfig::plain([1, 32, 8, 512, 512, 64], elem);
+        let row = 3072;
+        cfg.strides[0] = [512 * row, 64, row];
+        cfg.strides[1] = [512 * row, 64, row];
+        cfg.take_attention(&AttentionSpec {
+            scale: 0.125,
+            causal: true,
+            window,
+            padding: true,
+            rope: Some((500000.0, kiln_ir::RopeScaling::Default)),
+            dropout,
+        });
+        cfg
+    }
+
+    #[test]
+    fn rope_moves_ahead_of_the_hopper_kernel() {
+        let cfg = llama(Elem::BF16, None, None);
+        assert!(
+            !crate::attention_wgmma::supports(&cfg),
+            "RoPE is not in the kernel"
+        );
+        let plain = prerotated(&cfg).expect("the plain form takes the Hopper kernel");
+        assert!(!plain.rope && !plain.rope_k && plain.padding);
+        assert_eq!(plain.strides[0], [32 * 512 * 64, 512 * 64, 64]);
+        assert_eq!(plain.strides[1], [8 * 512 * 64, 512 * 64, 64]);
+        assert_eq!(plain.strides[2], cfg.strides[2], "v is read in place");
+        assert_eq!(path(&cfg), KernelPath::Wgmma);
+        let [q, k] = rotations(&cfg);
+        let (q, k) = (q.unwrap(), k.unwrap());
+        assert_eq!((q.heads, q.len, q.strides), (32, 512, cfg.strides[0]));
+        assert_eq!((k.heads, k.len, k.strides), (8, 512, cfg.strides[1]));
+    }
+
+    #[test]
+    fn near_misses_keep_rope_in_the_mma_kernel() {
+        let cases = [
+            ("f32", llama(Elem::F32, None, None)),
+            (
+                "a window inside the keys",
+                llama(Elem::BF16, Some(256), None),
+            ),
+            ("dropout", llama(Elem::BF16, None, Some((0.1, 0)))),
+        ];
+        for (what, cfg) in cases {
+            assert_eq!(prerotated(&cfg), None, "{what}");
+            assert_ne!(path(&cfg), KernelPath::Wgmma, "{what}");
+        }
+        let mut over_cache = llama(Elem::BF16, None, None);
+        over_cache.rope_k = false;
+        over_cache.keys = KeyRule::Position { window: None };
+        assert_eq!(prerotated(&over_cache), None, "position keys over a cache");
+        assert_eq!(
+            prerotated(&AttentionConfig::plain([1, 2, 2, 8, 8, 64], Elem::BF16)),
+            None
+        );
+    }
+
+    #[test]
+    fn windows_that_cover_every_key_are_no_window() {
+        for (window, kept) in [
+            (Some(512), None),
+            (Some(4096), None),
+            (Some(511), Some(511)),
+        ] {
+            let cfg = llama(Elem::BF16, window, None);
+            assert_eq!(cfg.keys, KeyRule::Causal { window: kept }, "{window:?}");
+        }
+    }
+}

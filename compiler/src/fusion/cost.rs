@@ -607,4 +607,41 @@ mod tests {
         let host = CostModel::default().seconds(&work);
         assert!(host > product(DType::F32, 4096, 4096, 4096, false).0);
     }
+
+    /// An attention with RoPE runs on the Hopper kernel after q and k are rotated into buffers
+    /// (`kiln_kernels::attention::prerotated`): the same FLOPs, and the rotated q and k written
+    /// and read once more; in f32 (no Hopper kernel) no such bytes are added.
+    #[test]
+    fn rope_ahead_of_attention_costs_its_bytes() {
+        let work = |dtype: DType, rope: bool| {
+            let q = ty(dtype, &[2, 32, 1024, 128]);
+            let kv = ty(dtype, &[2, 8, 1024, 128]);
+            let pos = ty(DType::I64, &[2, 1024]);
+            let op = Op::Attention(AttentionSpec {
+                scale: 128f64.powf(-0.5),
+                causal: true,
+                window: None,
+                padding: false,
+                rope: rope.then_some((5e5, kiln_ir::RopeScaling::Default)),
+                dropout: None,
+            });
+            let mut args = vec![arg(&q), arg(&kv), arg(&kv)];
+            if rope {
+                args.push(arg(&pos));
+            }
+            kernel_work(&op, &args, &q, &BTreeMap::new()).unwrap()
+        };
+        let (plain, roped) = (work(DType::BF16, false), work(DType::BF16, true));
+        assert_eq!(roped.runs, Runs::Gpu(KernelPath::Wgmma));
+        assert_eq!(roped.flops, plain.flops);
+        let (q, k, pos) = (
+            2.0 * 32.0 * 1024.0 * 128.0 * 2.0,
+            2.0 * 8.0 * 1024.0 * 128.0 * 2.0,
+            2.0 * 1024.0 * 8.0,
+        );
+        assert_eq!(roped.bytes, plain.bytes + pos + 2.0 * (q + k));
+        let (plain, roped) = (work(DType::F32, false), work(DType::F32, true));
+        assert_ne!(roped.runs, Runs::Gpu(KernelPath::Wgmma));
+        assert_eq!(roped.bytes, plain.bytes + 2.0 * 1024.0 * 8.0);
+    }
 }
