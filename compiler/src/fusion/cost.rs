@@ -496,10 +496,16 @@ mod tests {
         (CostModel::default().seconds(&work), work.runs)
     }
 
-    /// Seconds of causal attention over `s` tokens (16 heads, d 128, batch 4), and where it runs.
-    fn attention(dtype: DType, s: usize, rope: bool) -> (f64, Runs) {
-        let q = ty(dtype, &[4, 16, s, 128]);
-        let pos = ty(DType::I64, &[4, s]);
+    /// The work of causal attention, d 128, over `s` tokens of `batch` sequences with `heads`
+    /// query and `kv_heads` K/V heads.
+    fn attention_work(
+        dtype: DType,
+        [batch, heads, kv_heads, s]: [usize; 4],
+        rope: bool,
+    ) -> KernelWork {
+        let q = ty(dtype, &[batch, heads, s, 128]);
+        let kv = ty(dtype, &[batch, kv_heads, s, 128]);
+        let pos = ty(DType::I64, &[batch, s]);
         let op = Op::Attention(AttentionSpec {
             scale: 128f64.powf(-0.5),
             causal: true,
@@ -508,11 +514,16 @@ mod tests {
             rope: rope.then_some((1e4, kiln_ir::RopeScaling::Default)),
             dropout: None,
         });
-        let mut args = vec![arg(&q), arg(&q), arg(&q)];
+        let mut args = vec![arg(&q), arg(&kv), arg(&kv)];
         if rope {
             args.push(arg(&pos));
         }
-        let work = kernel_work(&op, &args, &q, &BTreeMap::new()).unwrap();
+        kernel_work(&op, &args, &q, &BTreeMap::new()).unwrap()
+    }
+
+    /// Seconds of causal attention over `s` tokens (16 heads, d 128, batch 4), and where it runs.
+    fn attention(dtype: DType, s: usize, rope: bool) -> (f64, Runs) {
+        let work = attention_work(dtype, [4, 16, 16, s], rope);
         (CostModel::default().seconds(&work), work.runs)
     }
 
@@ -613,24 +624,7 @@ mod tests {
     /// and read once more; in f32 (no Hopper kernel) no such bytes are added.
     #[test]
     fn rope_ahead_of_attention_costs_its_bytes() {
-        let work = |dtype: DType, rope: bool| {
-            let q = ty(dtype, &[2, 32, 1024, 128]);
-            let kv = ty(dtype, &[2, 8, 1024, 128]);
-            let pos = ty(DType::I64, &[2, 1024]);
-            let op = Op::Attention(AttentionSpec {
-                scale: 128f64.powf(-0.5),
-                causal: true,
-                window: None,
-                padding: false,
-                rope: rope.then_some((5e5, kiln_ir::RopeScaling::Default)),
-                dropout: None,
-            });
-            let mut args = vec![arg(&q), arg(&kv), arg(&kv)];
-            if rope {
-                args.push(arg(&pos));
-            }
-            kernel_work(&op, &args, &q, &BTreeMap::new()).unwrap()
-        };
+        let work = |dtype, rope| attention_work(dtype, [2, 32, 8, 1024], rope);
         let (plain, roped) = (work(DType::BF16, false), work(DType::BF16, true));
         assert_eq!(roped.runs, Runs::Gpu(KernelPath::Wgmma));
         assert_eq!(roped.flops, plain.flops);
