@@ -209,6 +209,26 @@ fn several_prompts_decode_together_as_each_alone() {
                     assert_eq!(printed, together, "{name} chunk {chunk}: the interpreter");
                 }
             }
+            // --json: one object per line, per sequence, in order.
+            let (pa, pb) = (joined(&prompts[0]), joined(&prompts[1]));
+            let args = ["generate", a, "--prompt-ids", &pa, "--prompt-ids", &pb];
+            let tail = ["--max-new-tokens", "5", "--device", "cpu", "--json"];
+            let printed = kiln_run(&[&args[..], &tail[..]].concat()).unwrap();
+            let lines: Vec<serde_json::Value> = printed
+                .lines()
+                .map(|l| serde_json::from_str(l).unwrap())
+                .collect();
+            assert_eq!(lines.len(), 2, "{printed}");
+            for (line, p) in lines.iter().zip(&prompts) {
+                let alone = kiln_run_greedy(&art, p, 5, "cpu");
+                let tokens: Vec<i64> = line["tokens"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|t| t.as_i64().unwrap())
+                    .collect();
+                assert_eq!(tokens, alone, "{name} {dtype}: --json");
+            }
             let five: Vec<String> = (0..5).map(|i| i.to_string()).collect();
             let mut args = vec!["generate", a, "--max-new-tokens", "2", "--device", "cpu"];
             for p in &five {
