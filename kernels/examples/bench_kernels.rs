@@ -144,24 +144,9 @@ fn main() {
 
     // Attention bf16, head dim 128, seq 4096, causal, 16 heads, batch 4 (the point).
     let (b, h, sq, d) = (4u32, 16u32, 4096u32, 128u32);
-    let mut cfg = AttentionConfig {
-        batch: b,
-        heads: h,
-        kv_heads: h,
-        q_len: sq,
-        kv_len: sq,
-        head_dim: d,
-        scale: 1.0 / (d as f32).sqrt(),
-        keys: KeyRule::Causal { window: None },
-        padding: false,
-        rope: false,
-        rope_k: false,
-        dropout: None,
-        elem: Elem::BF16,
-        strides: [[0; 3]; 4],
-        splits: 1,
-    };
-    cfg.strides = cfg.contiguous_strides();
+    let mut cfg = AttentionConfig::plain([b, h, h, sq, sq, d], Elem::BF16);
+    cfg.scale = 1.0 / (d as f32).sqrt();
+    cfg.keys = KeyRule::Causal { window: None };
     let n = (b * h * sq * d) as usize;
     let (q, kk, v) = (
         stream.clone_htod(&random(n, 6)).unwrap(),
@@ -506,28 +491,12 @@ fn emit_cases(dir: &std::path::Path) {
         (128, false, Some(0.1f64)),
     ] {
         let (b, h, sq) = (4u32, 16u32, 4096u32);
-        let mut cfg = AttentionConfig {
-            batch: b,
-            heads: h,
-            kv_heads: h,
-            q_len: sq,
-            kv_len: sq,
-            head_dim: d,
-            scale: 1.0 / (d as f32).sqrt(),
-            keys: if causal {
-                KeyRule::Causal { window: None }
-            } else {
-                KeyRule::All
-            },
-            padding: false,
-            rope: false,
-            rope_k: false,
-            dropout: dropout.map(|p| kiln_kernels::attention::Dropout::new(p, 0)),
-            elem: Elem::BF16,
-            strides: [[0; 3]; 4],
-            splits: 1,
-        };
-        cfg.strides = cfg.contiguous_strides();
+        let mut cfg = AttentionConfig::plain([b, h, h, sq, sq, d], Elem::BF16);
+        cfg.scale = 1.0 / (d as f32).sqrt();
+        if causal {
+            cfg.keys = KeyRule::Causal { window: None };
+        }
+        cfg.dropout = dropout.map(|p| kiln_kernels::attention::Dropout::new(p, 0));
         let shape = vec![b as usize, h as usize, sq as usize, d as usize];
         let mut buffers: Vec<(&str, Buffer)> = ["q", "k", "v"]
             .into_iter()

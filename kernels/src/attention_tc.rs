@@ -149,12 +149,33 @@ struct BlockKeys {
     first: Option<Vec<[Reg; 2]>>,
 }
 
-/// Per thread and m16 tile: the online-softmax state of its two rows (running max in base 2,
-/// scaled; running sum) and its output accumulators.
-struct RowState {
-    m: [Reg; 2],
-    l: [Reg; 2],
-    o: Vec<Reg>,
+/// Per thread and m16 tile (or, on Hopper, wgmma m64 accumulator): the online-softmax state of
+/// its two rows (running max in base 2, scaled; running sum) and its output accumulators.
+pub(crate) struct RowState {
+    pub(crate) m: [Reg; 2],
+    pub(crate) l: [Reg; 2],
+    pub(crate) o: Vec<Reg>,
+}
+
+impl RowState {
+    /// Maxima -inf, sums 0 and `head_dim / 2` zeroed accumulators (the thread's two columns of
+    /// each 8-column group, for both rows).
+    pub(crate) fn new(k: &mut Kernel, head_dim: u32) -> RowState {
+        let neg_inf = F32(f32::NEG_INFINITY);
+        RowState {
+            m: [
+                k.mov(RegClass::F32, &neg_inf),
+                k.mov(RegClass::F32, &neg_inf),
+            ],
+            l: [
+                k.mov(RegClass::F32, &F32(0.0)),
+                k.mov(RegClass::F32, &F32(0.0)),
+            ],
+            o: (0..head_dim / 2)
+                .map(|_| k.mov(RegClass::F32, &F32(0.0)))
+                .collect(),
+        }
+    }
 }
 
 /// Dropout's per-block constants: the Philox key, the (batch, head) plane.
@@ -712,21 +733,8 @@ impl<'a> Attn<'a> {
     fn main_loop(&mut self, keys: &BlockKeys, q_frag: &[Vec<Vec<Reg>>]) -> Vec<RowState> {
         let cfg = self.cfg;
         let k = &mut self.k;
-        let neg_inf = F32(f32::NEG_INFINITY);
         let mut state: Vec<RowState> = (0..self.m_tiles)
-            .map(|_| RowState {
-                m: [
-                    k.mov(RegClass::F32, &neg_inf),
-                    k.mov(RegClass::F32, &neg_inf),
-                ],
-                l: [
-                    k.mov(RegClass::F32, &F32(0.0)),
-                    k.mov(RegClass::F32, &F32(0.0)),
-                ],
-                o: (0..cfg.head_dim / 2)
-                    .map(|_| k.mov(RegClass::F32, &F32(0.0)))
-                    .collect(),
-            })
+            .map(|_| RowState::new(k, cfg.head_dim))
             .collect();
         let dropout = self.dropout_key();
         let (k_lane, v_lane) = self.lane_offsets();

@@ -21,6 +21,7 @@
 //! K/V head `h / (heads / kv_heads)`. RoPE and dropout take the `mma.sync` kernel.
 
 use crate::attention::{AttentionConfig, KeyRule};
+use crate::attention_tc::RowState;
 use crate::hopper::{
     mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_init_fence, mbarrier_wait,
     prefetch_tensor_map, setmaxnreg, tma_load, wgmma, wgmma_commit, wgmma_descriptor, wgmma_fence,
@@ -392,13 +393,6 @@ impl Tiles<'_> {
     }
 }
 
-/// The online softmax state of a thread's two rows and its output accumulators.
-struct State {
-    m: [Reg; 2],
-    l: [Reg; 2],
-    o: Vec<Reg>,
-}
-
 impl Consumer {
     fn new(k: &mut Kernel, tid: &Reg, warpgroup: &Reg) -> Consumer {
         setmaxnreg(k, true, CONSUMER_REGS);
@@ -435,21 +429,8 @@ impl Consumer {
         base: &Reg,
         bars: &Reg,
         mask: Option<Reg>,
-    ) -> State {
-        let neg_inf = F32(f32::NEG_INFINITY);
-        let state = State {
-            m: [
-                k.mov(RegClass::F32, &neg_inf),
-                k.mov(RegClass::F32, &neg_inf),
-            ],
-            l: [
-                k.mov(RegClass::F32, &F32(0.0)),
-                k.mov(RegClass::F32, &F32(0.0)),
-            ],
-            o: (0..cfg.head_dim / 2)
-                .map(|_| k.mov(RegClass::F32, &F32(0.0)))
-                .collect(),
-        };
+    ) -> RowState {
+        let state = RowState::new(k, cfg.head_dim);
         // The last key each of the thread's rows sees (T - 1 without a causal rule).
         let last: Vec<Reg> = (0..2u32)
             .map(|h| {
@@ -624,7 +605,14 @@ impl Consumer {
     /// The online softmax of one tile's scores: new row maxima, the correction of `o` and `l`,
     /// and the probabilities packed in pairs into `p`, the A operand of `P V` (4 registers per 16
     /// keys).
-    fn softmax(&self, k: &mut Kernel, cfg: &AttentionConfig, s: &[Reg], p: &[Reg], state: &State) {
+    fn softmax(
+        &self,
+        k: &mut Kernel,
+        cfg: &AttentionConfig,
+        s: &[Reg],
+        p: &[Reg],
+        state: &RowState,
+    ) {
         let scale = cfg.scale * std::f32::consts::LOG2_E;
         let neg_inf = F32(f32::NEG_INFINITY);
         let mut m_use = Vec::new();
@@ -671,7 +659,14 @@ impl Consumer {
     }
 
     /// Rows normalised (zeros for a row that saw no key) and stored as pairs.
-    fn store(&self, k: &mut Kernel, cfg: &AttentionConfig, block: &Block, state: &State, out: Reg) {
+    fn store(
+        &self,
+        k: &mut Kernel,
+        cfg: &AttentionConfig,
+        block: &Block,
+        state: &RowState,
+        out: Reg,
+    ) {
         k.comment("epilogue: normalise and store");
         let [ob, oh, orow] = cfg.strides[3];
         let b_off = k.mul_u32(&block.b, &ob);
