@@ -59,6 +59,8 @@ pub enum Operand {
     U32(u32),
     /// A byte offset in the arena that the plan fixed (the copy of an output that is a view).
     Arena(u64),
+    /// The bucket's chosen-token slot (`ExecPlan::tokens`), which the plan places.
+    Tokens,
 }
 
 /// One kernel launch of a node: the kernel's (deduplicated) entry name and an operand per
@@ -178,6 +180,18 @@ pub struct GraphLaunches {
     /// Their CPU versions (strided primitive kernels), in the same order; `None` for an op
     /// without one.
     pub unsupported_cpu: Vec<Option<Vec<CpuLaunch>>>,
+    /// A decode step's greedy token choice after everything else (see [`greedy_tokens`]).
+    pub tokens: Option<TokenChoice>,
+}
+
+/// The launch that writes a decode step's chosen tokens (one i64 per row) into
+/// [`Operand::Tokens`].
+#[derive(Clone, Debug)]
+pub struct TokenChoice {
+    /// The argmax launch.
+    pub launch: KernelLaunch,
+    /// Rows (the bucket's batch).
+    pub rows: u32,
 }
 
 impl Lowered {
@@ -342,7 +356,33 @@ pub fn lower(g: &Graph, kernels: &mut Lowered) -> GraphLaunches {
             out.unsupported_cpu.push(strided::lower_primitive(g, id));
         }
     }
+    out.tokens = greedy_tokens(g, kernels);
     out
+}
+
+/// The greedy token choice a decode step (a KV-cached graph whose `logits` are `[B, 1, V]`)
+/// ends with: each row's largest logit, the first on ties (`kiln_runtime::generate::choose` at
+/// temperature 0), as i64, so generation reads back `B` token ids instead of `B` rows of
+/// logits. `None` for other graphs.
+pub fn greedy_tokens(g: &Graph, kernels: &mut Lowered) -> Option<TokenChoice> {
+    g.inputs().find(|(_, name, _)| name.starts_with("past_"))?;
+    let logits = g.outputs().iter().find(|o| o.name == "logits")?;
+    let ty = g.ty(logits.node);
+    let [rows, 1, vocab] = dims(ty)?[..] else {
+        return None;
+    };
+    let elem = Elem::of(ty.dtype)?;
+    let kernel = kernels.generate(&(elem, rows, vocab), |&(e, r, v)| {
+        kiln_kernels::sampling::argmax(e, r, v)
+    });
+    let launch = kernels.bound(
+        kernel,
+        &[
+            ("logits", Operand::Value(logits.node)),
+            ("out", Operand::Tokens),
+        ],
+    )?;
+    Some(TokenChoice { launch, rows })
 }
 
 fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) -> Option<()> {

@@ -516,6 +516,16 @@ fn plan_bucket(
             copied_outputs.push((i, buffers.len() - 1));
         }
     }
+    // A decode step's chosen tokens (i64, one per row) are written after every other step.
+    let tokens_buffer = launches.tokens.as_ref().map(|t| {
+        buffers.push(crate::memory::Lifetime {
+            bytes: u64::from(t.rows) * 8,
+            first: end,
+            last: end,
+        });
+        buffer_node.push(None);
+        buffers.len() - 1
+    });
     let (offsets, arena_bytes) = crate::memory::place(&buffers);
 
     let address = |id: NodeId| -> Result<Arg, PlanError> {
@@ -537,9 +547,15 @@ fn plan_bucket(
             }
             Operand::U32(v) => Arg::U32(*v),
             Operand::Arena(offset) => Arg::Ptr(Region::Arena, *offset),
+            Operand::Tokens => {
+                let b = tokens_buffer.ok_or_else(|| {
+                    PlanError::Layout("a launch writes tokens the bucket does not choose".into())
+                })?;
+                Arg::Ptr(Region::Arena, offsets[b])
+            }
         })
     };
-    let step = |id: NodeId, launch: &KernelLaunch| -> Result<Step, PlanError> {
+    let step = |id: NodeId, launch: &KernelLaunch, node: String| -> Result<Step, PlanError> {
         let signature = &kernels.kernels[&launch.kernel].signature;
         let args = launch
             .args
@@ -557,19 +573,32 @@ fn plan_bucket(
             kernel: launch.kernel.clone(),
             args,
             launch: launch.launch,
-            node: format!("{}_{}", g.node(id).op.name(), id.0),
+            node,
             fallback: None,
         })
     };
     let mut steps = Vec::new();
     for (id, node) in &launches.nodes {
+        let name = format!("{}_{}", g.node(*id).op.name(), id.0);
         for launch in &node.launches {
-            let mut s = step(*id, launch)?;
+            let mut s = step(*id, launch, name.clone())?;
             if let Some(fallback) = &launch.fallback {
-                s.fallback = Some(Box::new(step(*id, fallback)?));
+                s.fallback = Some(Box::new(step(*id, fallback, name.clone())?));
             }
             steps.push(s);
         }
+    }
+    let mut tokens = None;
+    if let (Some(choice), Some(b)) = (&launches.tokens, tokens_buffer) {
+        // Its operands are graph values and the token slot: no node's scratch.
+        let after = NodeId(g.len() as u32 - 1);
+        steps.push(step(after, &choice.launch, "greedy_tokens".into())?);
+        tokens = Some(TensorSlot {
+            name: "tokens".into(),
+            offset: offsets[b],
+            dtype: DType::I64,
+            shape: vec![choice.rows as usize],
+        });
     }
     // The CPU plan: every kernel node's calls and every primitive's strided calls, in graph
     // order, then the copies of view outputs.
@@ -697,6 +726,7 @@ fn plan_bucket(
         outputs,
         cache_outputs,
         steps,
+        tokens,
         host_tail: tail.map(|t| t.graph),
         cpu,
     };

@@ -19,7 +19,7 @@ use crate::inputs::InputContract;
 use crate::DType;
 
 /// The artifact format this build writes and reads.
-pub const FORMAT_VERSION: u32 = 7;
+pub const FORMAT_VERSION: u32 = 8;
 /// Every region and every tensor in the device allocation starts at a multiple of this many bytes.
 pub const ALIGN: u64 = 256;
 /// The manifest's file name.
@@ -447,6 +447,10 @@ pub struct ExecPlan {
     pub cache_outputs: Vec<String>,
     /// The launches, in order.
     pub steps: Vec<Step>,
+    /// A decode step's greedy choice (i64 `[batch]`, the first largest logit of each row),
+    /// written by the last step: generation reads these instead of the logits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<TensorSlot>,
     /// Ops without a GPU kernel at the end of the graph (sentence-transformers pooling), run on
     /// the host after the replay: a graph whose inputs are request inputs and GPU values
     /// (`kiln.value.N`, among `outputs`), and whose outputs are the remaining graph outputs.

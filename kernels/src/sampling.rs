@@ -1,6 +1,7 @@
 //! Greedy token choice: the index of the largest logit of each row (the first one on ties), as
-//! i64. One block per row; each thread scans a strided slice, then a butterfly over the warp and a
-//! pass over the warps' winners.
+//! i64, with the semantics of `kiln_runtime::generate::choose` at temperature 0: NaN never wins,
+//! and a row without a value above -inf picks 0. One block per row; each thread scans a strided
+//! slice, then a butterfly over the warp and a pass over the warps' winners.
 
 use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
 use crate::reduce::WARPS;
@@ -28,11 +29,8 @@ pub fn argmax(elem: Elem, rows: u32, vocab: u32) -> GeneratedKernel {
     let i = k.add_u32(&base, &col);
     let a = k.address(logits, &i, elem.bytes());
     let v = k.ld_global(elem, a);
-    // Strictly greater (or the first value seen, so a row of NaN/-inf still picks an index).
-    let greater = k.setp("gt.f32", &v, &best);
-    let unset = k.setp("eq.u32", &best_i, &u32::MAX);
-    let take = k.reg(RegClass::Pred);
-    k.emit(format!("or.pred {take}, {greater}, {unset}"));
+    // Strictly greater: NaN and -inf never win; a thread that saw neither keeps index MAX.
+    let take = k.setp("gt.f32", &v, &best);
     k.emit(format!("@{take} mov.f32 {best}, {v}"));
     k.emit(format!("@{take} mov.u32 {best_i}, {col}"));
     k.emit(format!("add.u32 {col}, {col}, {ROW_THREADS}"));
@@ -45,12 +43,8 @@ pub fn argmax(elem: Elem, rows: u32, vocab: u32) -> GeneratedKernel {
         let lower = k.setp("lt.u32", &other_i, &best_i);
         let tie = k.reg(RegClass::Pred);
         k.emit(format!("and.pred {tie}, {eq}, {lower}"));
-        let unset = k.setp("eq.u32", &best_i, &u32::MAX);
-        let valid = k.setp("ne.u32", &other_i, &u32::MAX);
         let take = k.reg(RegClass::Pred);
         k.emit(format!("or.pred {take}, {gt}, {tie}"));
-        k.emit(format!("or.pred {take}, {take}, {unset}"));
-        k.emit(format!("and.pred {take}, {take}, {valid}"));
         k.emit(format!("@{take} mov.f32 {best}, {other_v}"));
         k.emit(format!("@{take} mov.u32 {best_i}, {other_i}"));
     };
@@ -85,6 +79,9 @@ pub fn argmax(elem: Elem, rows: u32, vocab: u32) -> GeneratedKernel {
         k.emit(format!("ld.shared.u32 {oi}, [{ibase}+{}]", w * 4));
         combine(&mut k, ov, oi);
     }
+    k.comment("no value above -inf: index 0");
+    let none = k.setp("eq.u32", &best_i, &u32::MAX);
+    k.emit(format!("@{none} mov.u32 {best_i}, 0"));
     let wide = k.op1("cvt.u64.u32", RegClass::B64, &best_i);
     let oa = k.address(out, &row, 8);
     k.emit(format!("st.global.u64 [{oa}], {wide}"));

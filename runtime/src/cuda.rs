@@ -223,6 +223,11 @@ pub fn resolve_plan(
     Ok(out)
 }
 
+/// A driver error as the runtime's.
+fn dev(e: cudarc::driver::DriverError) -> RuntimeError {
+    RuntimeError::Device(format!("CUDA: {e}"))
+}
+
 /// A kernel module image.
 pub enum KernelImage {
     /// SASS for this GPU.
@@ -261,7 +266,7 @@ pub fn check_plan(
             }
         }
     }
-    for slot in plan.inputs.iter().chain(&plan.outputs) {
+    for slot in plan.inputs.iter().chain(&plan.outputs).chain(&plan.tokens) {
         if slot.offset + slot.bytes() > m.memory.arena_bytes {
             return Err(bad(format!("`{}` lies outside the arena", slot.name)));
         }
@@ -356,7 +361,6 @@ impl CudaExecutor {
         }
 
         probe()?;
-        let dev = |e: cudarc::driver::DriverError| RuntimeError::Device(format!("CUDA: {e}"));
         let ctx = CudaContext::new(0).map_err(dev)?;
         let (major, minor) = ctx.compute_capability().map_err(dev)?;
         let sm = (major * 10 + minor) as u32;
@@ -544,7 +548,50 @@ impl CudaExecutor {
         graph: &str,
         inputs: &BTreeMap<String, Tensor>,
     ) -> Result<Vec<(&TensorSlot, &[u8])>, RuntimeError> {
-        let dev = |e: cudarc::driver::DriverError| RuntimeError::Device(format!("CUDA: {e}"));
+        self.launch(graph, inputs)?;
+        let plan = &self.plans[graph];
+        let arena = self.addresses.base + self.arena;
+        let ranges = copy_back(&self.stream, &mut self.staging, arena, graph, &plan.outputs)?;
+        let staging: &[u8] = self.staging.as_slice().map_err(dev)?;
+        Ok(plan
+            .outputs
+            .iter()
+            .zip(ranges)
+            .map(|(slot, r)| (slot, &staging[r]))
+            .collect())
+    }
+
+    /// Replays a decode step and returns the tokens its graph chose on the device (the first
+    /// largest logit of each row): 8 bytes per row come back instead of the logits. `None` when
+    /// the bucket's plan chooses none (an older artifact, or not a decode step).
+    pub fn replay_tokens(
+        &mut self,
+        graph: &str,
+        inputs: &BTreeMap<String, Tensor>,
+    ) -> Result<Option<Vec<i64>>, RuntimeError> {
+        let Some(slot) = self.plans.get(graph).and_then(|p| p.tokens.clone()) else {
+            return Ok(None);
+        };
+        self.launch(graph, inputs)?;
+        let arena = self.addresses.base + self.arena;
+        let slots = std::slice::from_ref(&slot);
+        let ranges = copy_back(&self.stream, &mut self.staging, arena, graph, slots)?;
+        let staging: &[u8] = self.staging.as_slice().map_err(dev)?;
+        Ok(Some(
+            staging[ranges[0].clone()]
+                .chunks_exact(8)
+                .map(|b| i64::from_le_bytes(b.try_into().expect("8-byte chunks")))
+                .collect(),
+        ))
+    }
+
+    /// Copies `inputs` into their slots and replays `graph` (or, when profiling, launches its
+    /// steps one by one), without waiting for it.
+    fn launch(
+        &mut self,
+        graph: &str,
+        inputs: &BTreeMap<String, Tensor>,
+    ) -> Result<(), RuntimeError> {
         let plan = self
             .plans
             .get(graph)
@@ -578,34 +625,7 @@ impl CudaExecutor {
             self.graphs[graph].launch().map_err(dev)?;
         }
         *self.replays.entry(graph.to_string()).or_default() += 1;
-        let staging = self.staging.as_mut_slice().map_err(dev)?;
-        let mut ranges = Vec::with_capacity(plan.outputs.len());
-        let mut at = 0usize;
-        for slot in &plan.outputs {
-            let n = slot.bytes() as usize;
-            let src = self.addresses.base + self.arena + slot.offset;
-            // SAFETY: `src..src + n` is the slot inside the one allocation (`check_plan`), and
-            // `staging[at..at + n]` lies inside the page-locked buffer sized for the largest
-            // bucket's outputs; the stream is synchronised below before the bytes are read.
-            unsafe {
-                cudarc::driver::result::memcpy_dtoh_async(
-                    &mut staging[at..at + n],
-                    src,
-                    self.stream.cu_stream(),
-                )
-            }
-            .map_err(dev)?;
-            ranges.push((slot, at..at + n));
-            at += n;
-        }
-        self.stream
-            .synchronize()
-            .map_err(|e| RuntimeError::Device(format!("{graph}: a kernel failed: {e}")))?;
-        let staging: &[u8] = staging;
-        Ok(ranges
-            .into_iter()
-            .map(|(slot, r)| (slot, &staging[r]))
-            .collect())
+        Ok(())
     }
 
     /// Empties the KV cache (a new generation).
@@ -617,7 +637,7 @@ impl CudaExecutor {
             );
             self.stream
                 .memset_zeros(&mut self.memory.slice_mut(a..b))
-                .map_err(|e| RuntimeError::Device(format!("CUDA: {e}")))?;
+                .map_err(dev)?;
         }
         Ok(())
     }
@@ -665,10 +685,7 @@ impl CudaExecutor {
 
     /// GPU memory in use on the device (all processes), bytes.
     pub fn device_memory_used(&self) -> Result<u64, RuntimeError> {
-        let (free, total) = self
-            .ctx
-            .mem_get_info()
-            .map_err(|e| RuntimeError::Device(format!("CUDA: {e}")))?;
+        let (free, total) = self.ctx.mem_get_info().map_err(dev)?;
         Ok((total - free) as u64)
     }
 
@@ -701,7 +718,6 @@ fn capture(
     graph: &str,
     counts: &mut DriverCounts,
 ) -> Result<CudaGraph, RuntimeError> {
-    let dev = |e: cudarc::driver::DriverError| RuntimeError::Device(format!("CUDA: {e}"));
     counts.captured();
     stream
         .begin_capture(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
@@ -715,11 +731,49 @@ fn capture(
     Ok(captured)
 }
 
+/// Copies `slots` of the arena (at device address `arena`) to the page-locked staging buffer, one after the other, and
+/// waits for the stream (and so for the replay before them); returns where each landed.
+fn copy_back(
+    stream: &CudaStream,
+    staging: &mut PinnedHostSlice<u8>,
+    arena: u64,
+    graph: &str,
+    slots: &[TensorSlot],
+) -> Result<Vec<std::ops::Range<usize>>, RuntimeError> {
+    let staging = staging.as_mut_slice().map_err(dev)?;
+    let mut ranges = Vec::with_capacity(slots.len());
+    let mut at = 0usize;
+    for slot in slots {
+        let n = slot.bytes() as usize;
+        let src = arena + slot.offset;
+        // SAFETY: `src..src + n` is the slot inside the one allocation (`check_plan`), and
+        // `staging[at..at + n]` lies inside the page-locked buffer sized for the largest
+        // bucket's outputs; the stream is synchronised below before the bytes are read.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(
+                &mut staging[at..at + n],
+                src,
+                stream.cu_stream(),
+            )
+        }
+        .map_err(dev)?;
+        ranges.push(at..at + n);
+        at += n;
+    }
+    stream
+        .synchronize()
+        .map_err(|e| RuntimeError::Device(format!("{graph}: a kernel failed: {e}")))?;
+    Ok(ranges)
+}
+
 /// The most output bytes any bucket returns.
 fn plans_outputs_bytes(buckets: &[(&BucketEntry, ExecPlan)]) -> usize {
     buckets
         .iter()
-        .map(|(_, p)| p.outputs.iter().map(|s| s.bytes() as usize).sum::<usize>())
+        .map(|(_, p)| {
+            let outputs: usize = p.outputs.iter().map(|s| s.bytes() as usize).sum();
+            outputs.max(p.tokens.as_ref().map_or(0, |t| t.bytes() as usize))
+        })
         .max()
         .unwrap_or(0)
 }
@@ -738,7 +792,6 @@ fn upload_weights(
     art: &Artifact,
     region: &[u8],
 ) -> Result<(), RuntimeError> {
-    let dev = |e: cudarc::driver::DriverError| RuntimeError::Device(format!("CUDA: {e}"));
     let chunk = UPLOAD_CHUNK.min(region.len().max(1));
     // SAFETY: page-locked host memory written only by this function, each half only after the
     // copy that last read it has completed (the stream is synchronised before every new copy).

@@ -128,6 +128,20 @@ impl Executor {
         host_tail(art, entry, inputs, outputs)
     }
 
+    /// Runs the decode step `entry` on `inputs` and returns the greedy token of each row chosen
+    /// on the device, when the executor and the bucket's plan choose them there (the CUDA
+    /// executor; only the token ids come back); `None` otherwise, with nothing run.
+    pub fn run_greedy(
+        &mut self,
+        entry: &BucketEntry,
+        inputs: &BTreeMap<String, Tensor>,
+    ) -> Result<Option<Vec<i64>>, RuntimeError> {
+        match self {
+            Executor::Cuda(c) if c.has(&entry.graph) => c.replay_tokens(&entry.graph, inputs),
+            _ => Ok(None),
+        }
+    }
+
     /// The token for one row of `logits` under `sampling` at generation step `step`: the
     /// artifact's generated sampler on the CPU executor, else the runtime's reference
     /// ([`crate::generate::choose`]); both have the same semantics.

@@ -167,17 +167,17 @@ pub fn generate_batch(
         .iter()
         .map(|p| Row::new(&p[p.len() - 1..], p.len() - 1))
         .collect();
-    let mut logits = run.step(bucket, &lasts)?;
+    let mut next = run.next(bucket, &lasts, sampling, 0)?;
     tracing::info!(
         seconds = started.elapsed().as_secs_f64(),
         sequences = prompts.len(),
-        "prompts in the cache, first logits"
+        "prompts in the cache, first tokens"
     );
     let mut out = vec![Vec::with_capacity(max_new); prompts.len()];
     let mut decode_seconds = 0.0;
     for i in 0..max_new {
-        for (r, tokens) in out.iter_mut().enumerate() {
-            tokens.push(run.exec.choose(logits.row(r), sampling, i as u32)? as i64);
+        for (tokens, token) in out.iter_mut().zip(&next) {
+            tokens.push(*token as i64);
         }
         if i + 1 < max_new {
             let start = std::time::Instant::now();
@@ -186,7 +186,7 @@ pub fn generate_batch(
                 .zip(prompts)
                 .map(|(t, p)| Row::new(&t[i..=i], p.len() + i))
                 .collect();
-            logits = run.step(bucket, &rows)?;
+            next = run.next(bucket, &rows, sampling, i as u32 + 1)?;
             decode_seconds += start.elapsed().as_secs_f64();
         }
     }
@@ -316,6 +316,40 @@ impl<'a> Session<'a> {
         })
     }
 
+    /// Runs `rows` through the KV-cached bucket `entry` and returns the token `sampling` picks
+    /// after each row's last one at generation step `step`: greedy tokens chosen on the device
+    /// where the executor does (only their ids come back), else chosen from the logits.
+    fn next(
+        &mut self,
+        entry: &BucketEntry,
+        rows: &[Row],
+        sampling: &Sampling,
+        step: u32,
+    ) -> Result<Vec<usize>, RuntimeError> {
+        if sampling.temperature <= 0.0 && rows.iter().all(|r| r.tokens.len() == 1) {
+            let inputs = self.inputs(entry, rows);
+            if let Some(tokens) = self.exec.run_greedy(entry, &inputs)? {
+                return tokens[..rows.len()]
+                    .iter()
+                    .map(|&t| {
+                        usize::try_from(t)
+                            .ok()
+                            .filter(|&t| t < self.vocab)
+                            .ok_or_else(|| {
+                                RuntimeError::Device(format!(
+                                    "the device chose token {t}, outside the vocabulary"
+                                ))
+                            })
+                    })
+                    .collect();
+            }
+        }
+        let logits = self.step(entry, rows)?;
+        (0..rows.len())
+            .map(|r| self.exec.choose(logits.row(r), sampling, step))
+            .collect()
+    }
+
     /// Runs `rows` through the KV-cached bucket `entry` and returns the logits of each row's
     /// last token.
     fn step(&mut self, entry: &BucketEntry, rows: &[Row]) -> Result<Logits, RuntimeError> {
@@ -346,6 +380,26 @@ impl<'a> Session<'a> {
         entry: &BucketEntry,
         rows: &[Row],
     ) -> Result<BTreeMap<String, Tensor>, RuntimeError> {
+        let inputs = self.inputs(entry, rows);
+        let mut outputs = self.exec.run(self.art, entry, &inputs)?;
+        let b = entry.batch;
+        for (name, cache) in self.caches.iter_mut() {
+            let present = outputs
+                .remove(&name.replacen("past_", "present_", 1))
+                .ok_or_else(|| {
+                    RuntimeError::Request(format!("the decode graph lacks an output for {name}"))
+                })?;
+            let n = leading_rows(cache, b);
+            if let (Data::Float(all), Data::Float(new)) = (&mut cache.data, &present.data) {
+                all[..n].copy_from_slice(&new[..n]);
+            }
+        }
+        Ok(outputs)
+    }
+
+    /// The inputs of the KV-cached bucket `entry` for `rows` (see [`Session::fill`]): token ids,
+    /// the mask of each row's tokens, positions, and the caches the caller keeps.
+    fn inputs(&self, entry: &BucketEntry, rows: &[Row]) -> BTreeMap<String, Tensor> {
         let (b, s) = (entry.batch, entry.seq);
         let last = self.context.saturating_sub(1);
         let grid = |f: &dyn Fn(&Row, usize) -> i64| -> Vec<i64> {
@@ -374,30 +428,15 @@ impl<'a> Session<'a> {
                 Tensor::i64(vec![b, s], grid(&|row, i| (row.start + i).min(last) as i64)),
             ),
         ]);
-        // Caches are kept for the largest decode batch; a bucket of fewer rows reads and updates
-        // the leading ones, as the executors' cache regions do.
-        let lead = |t: &Tensor| t.numel() / t.shape[0].max(1) * b;
         for (name, cache) in &self.caches {
             let mut part = cache.clone();
             if let Data::Float(v) = &mut part.data {
-                v.truncate(lead(cache));
+                v.truncate(leading_rows(cache, b));
             }
             part.shape[0] = b;
             inputs.insert(name.clone(), part);
         }
-        let mut outputs = self.exec.run(self.art, entry, &inputs)?;
-        for (name, cache) in self.caches.iter_mut() {
-            let present = outputs
-                .remove(&name.replacen("past_", "present_", 1))
-                .ok_or_else(|| {
-                    RuntimeError::Request(format!("the decode graph lacks an output for {name}"))
-                })?;
-            let n = lead(cache);
-            if let (Data::Float(all), Data::Float(new)) = (&mut cache.data, &present.data) {
-                all[..n].copy_from_slice(&new[..n]);
-            }
-        }
-        Ok(outputs)
+        inputs
     }
 
     /// Copies cache row `from` to row `to`.
@@ -413,6 +452,12 @@ impl<'a> Session<'a> {
         }
         Ok(())
     }
+}
+
+/// Elements of `cache`'s leading `rows` rows: caches are kept for the largest decode batch, and
+/// a bucket of fewer rows reads and updates the leading ones, as the executors' cache regions do.
+fn leading_rows(cache: &Tensor, rows: usize) -> usize {
+    cache.numel() / cache.shape[0].max(1) * rows
 }
 
 /// Step `step`'s uniform in `[0, 1)`: the first word of Philox-4x32-10 at counter

@@ -219,6 +219,7 @@ fn corrupt_artifacts_are_refused_naming_the_file() {
 /// the weights file is laid out exactly as the memory plan says.
 #[test]
 fn plans_are_consistent_with_the_kernel_table_and_the_allocation() {
+    use kiln_ir::artifact::{Arg, Region};
     use kiln_runtime::cuda::check_plan;
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("gpt2.kiln");
@@ -253,6 +254,26 @@ fn plans_are_consistent_with_the_kernel_table_and_the_allocation() {
                 .or_default()
                 .insert(step.launch.grid);
         }
+    }
+    // Decode steps end with the greedy choice, the argmax of their logits into `tokens` (one
+    // i64 per row); prefill buckets and the prompt chunk choose none.
+    for e in m.prefill.iter().chain(&m.decode) {
+        let plan = e.plan.as_ref().unwrap();
+        let decode_step = m.decode.contains(e) && e.seq == 1;
+        assert_eq!(plan.tokens.is_some(), decode_step, "{}", e.graph);
+        let Some(tokens) = &plan.tokens else { continue };
+        assert_eq!(
+            (tokens.dtype, tokens.shape.clone()),
+            (kiln_ir::DType::I64, vec![e.batch])
+        );
+        let logits = plan.outputs.iter().find(|s| s.name == "logits").unwrap();
+        let last = plan.steps.last().unwrap();
+        assert!(last.kernel.starts_with("argmax"), "{}", last.kernel);
+        assert_eq!(
+            last.args,
+            [logits.offset, tokens.offset].map(|at| Arg::Ptr(Region::Arena, at))
+        );
+        assert_eq!(last.launch.grid, [e.batch as u32, 1, 1]);
     }
     let norm = grids
         .iter()
