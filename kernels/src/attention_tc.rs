@@ -877,7 +877,7 @@ impl<'a> Attn<'a> {
                 for (half, bf) in [[r[0], r[1]], [r[2], r[3]]].iter().enumerate() {
                     let n = (jj as usize * 2 + half) * 4;
                     for (a, s) in q_frag.iter().zip(&s) {
-                        mma(k, ty, &s[n..n + 4], &a[kk as usize], bf);
+                        k.mma_m16n8k16(ty, &s[n..n + 4], &a[kk as usize], bf);
                     }
                 }
             }
@@ -1069,7 +1069,7 @@ impl<'a> Attn<'a> {
                 for (half, bf) in [[r[0], r[1]], [r[2], r[3]]].iter().enumerate() {
                     let n = ((dd * 2) as usize + half) * 4;
                     for (a, st) in a.iter().zip(st.iter()) {
-                        mma(k, ty, &st.o[n..n + 4], a, bf);
+                        k.mma_m16n8k16(ty, &st.o[n..n + 4], a, bf);
                     }
                 }
             }
@@ -1131,14 +1131,6 @@ fn ldmatrix(k: &mut Kernel, trans: &str, addr: Reg, offset: u32) -> Vec<Reg> {
         r[0], r[1], r[2], r[3]
     ));
     r
-}
-
-/// `c += a b` with `mma.sync.aligned.m16n8k16` (f32 accumulators).
-fn mma(k: &mut Kernel, ty: &str, c: &[Reg], a: &[Reg], b: &[Reg; 2]) {
-    k.emit(format!(
-        "mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{{}, {}, {}, {}}}, {{{}, {}, {}, {}}}, {{{}, {}}}, {{{}, {}, {}, {}}}",
-        c[0], c[1], c[2], c[3], a[0], a[1], a[2], a[3], b[0], b[1], c[0], c[1], c[2], c[3]
-    ));
 }
 
 fn ld_shared_v4(k: &mut Kernel, addr: Reg) -> Vec<Reg> {

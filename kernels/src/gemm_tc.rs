@@ -205,10 +205,7 @@ pub fn gemm_tc(cfg: &GemmConfig, name: String) -> GeneratedKernel {
         for (i, a) in a_frag.iter().enumerate() {
             for (j, b) in b_frag.iter().enumerate() {
                 let c = &acc[(i * 4 + j) * 4..(i * 4 + j) * 4 + 4];
-                k.emit(format!(
-                    "mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{{}, {}, {}, {}}}, {{{}, {}, {}, {}}}, {{{}, {}}}, {{{}, {}, {}, {}}}",
-                    c[0], c[1], c[2], c[3], a[0], a[1], a[2], a[3], b[0], b[1], c[0], c[1], c[2], c[3]
-                ));
+                k.mma_m16n8k16(ty, c, a, b);
             }
         }
     }

@@ -1,14 +1,22 @@
-//! Products with few rows (decode: M = batch <= 8) against `[N, K]` weights: a matrix-vector
-//! kernel. A GEMM tile of 64 or 128 columns leaves most SMs idle when M is 1 (GPT-2's
-//! 768-column products are 12 blocks), and its time is bound by reading the weights once, so
-//! here each warp owns one output column: its lanes stream that weight row along K with 16-byte
-//! loads (coalesced, the row is contiguous; four chunks in flight at once), multiply it by every
-//! x row, and reduce with
-//! shuffles; lane 0 applies the epilogue (bias, activation or SwiGLU, residual) in the GEMM's
-//! order. With SwiGLU the warp also streams the matching up row `n + N/2`.
+//! Products with few rows (decode: M = batch <= 8) against `[N, K]` weights: matrix-vector
+//! kernels. A GEMM tile of 64 or 128 columns leaves most SMs idle when M is 1 (GPT-2's
+//! 768-column products are 12 blocks), and their time is bound by reading the weights once.
+//!
+//! - f16/bf16 (K a multiple of 8): tensor cores with the weights as the A operand. A block owns
+//!   16 output columns (the `m16` of `mma.m16n8k16`) and all rows of x (its `n8`); its 8 warps
+//!   take every 8th 32-wide step of K. A lane loads 16 bytes of each of its two weight rows (8
+//!   consecutive k) and 16 bytes of its x row at the same k, and feeds them to two products
+//!   unconverted: the products pair the same k of both operands whatever their order, so the
+//!   fragments need no shuffling. The cost per weight byte does not grow with the rows of x.
+//!   The warps' partial sums meet in shared memory; one thread per output finishes it with the
+//!   epilogue (bias, activation or SwiGLU, residual) in the GEMM's order. With SwiGLU the lanes
+//!   also stream the matching up rows `n + N/2`.
+//! - f32: each warp owns one output column: its lanes stream that weight row along K with
+//!   16-byte loads (coalesced, four chunks in flight at once), multiply it by every x row, and
+//!   reduce with shuffles; lane 0 applies the epilogue.
 
 use crate::gemm::{EpiloguePtrs, GemmConfig};
-use crate::ptx::{Kernel, Reg, RegClass, F32};
+use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
 use crate::{GeneratedKernel, Launch};
 
 /// The most rows the kernel takes (its accumulators are registers).
@@ -28,13 +36,23 @@ pub fn supports(cfg: &GemmConfig) -> bool {
         ])
 }
 
-/// Generates the kernel. Parameters: `x, w, [bias], [residual], out`, as the GEMM's.
+/// Generates the kernel (on tensor cores for f16/bf16 with K a multiple of 8). Parameters:
+/// `x, w, [bias], [residual], out`, as the GEMM's.
 pub fn gemv(cfg: &GemmConfig, name: String) -> GeneratedKernel {
     assert!(
         supports(cfg),
         "the GEMV kernel needs [N, K] weights and M <= 8"
     );
-    let mut k = Kernel::new(&name);
+    if cfg.elem != Elem::F32 && cfg.k.is_multiple_of(8) {
+        gemv_tc(cfg, &name)
+    } else {
+        gemv_simt(cfg, &name)
+    }
+}
+
+/// The one-column-per-warp kernel.
+fn gemv_simt(cfg: &GemmConfig, name: &str) -> GeneratedKernel {
+    let mut k = Kernel::new(name);
     let x = k.param_ptr("x");
     let w = k.param_ptr("w");
     let epilogue = EpiloguePtrs::declare(&mut k, cfg);
@@ -161,4 +179,186 @@ pub fn gemv(cfg: &GemmConfig, name: String) -> GeneratedKernel {
         },
     )
     .on(crate::KernelPath::Gemv)
+}
+
+/// Output columns per block of the tensor-core kernel (the product's `m16`).
+const TC_COLS: u32 = 16;
+/// Warps per block of the tensor-core kernel; warp `w` takes the 32-wide K steps `w, w + 8, ...`.
+const TC_WARPS: u32 = 8;
+/// K steps a warp loads before its products, while the loads are in flight together.
+const TC_UNROLL: u32 = 4;
+
+/// The tensor-core kernel (see the module documentation).
+fn gemv_tc(cfg: &GemmConfig, name: &str) -> GeneratedKernel {
+    let mut k = Kernel::new(name);
+    let x = k.param_ptr("x");
+    let w = k.param_ptr("w");
+    let epilogue = EpiloguePtrs::declare(&mut k, cfg);
+    let parts = if cfg.swiglu { 2 } else { 1 };
+    let partials = k.shared("partials", parts * TC_WARPS * TC_COLS * 8 * 4);
+    let n_out = cfg.n_out();
+    let tid = k.special("tid.x");
+    let lane = k.op2("and.b32", RegClass::B32, &tid, &31u32);
+    let warp = k.op2("shr.u32", RegClass::B32, &tid, &5u32);
+    let g = k.op2("shr.u32", RegClass::B32, &lane, &2u32);
+    let t = k.op2("and.b32", RegClass::B32, &lane, &3u32);
+    let block = k.special("ctaid.x");
+    let n0 = k.mul_u32(&block, &TC_COLS);
+
+    k.comment("this lane's weight rows (n0 + g, n0 + g + 8; up rows N/2 further) and x row g");
+    let lo = k.add_u32(&n0, &g);
+    let hi = k.add_u32(&lo, &8u32);
+    let lo_ok = k.setp("lt.u32", &lo, &n_out);
+    let hi_ok = k.setp("lt.u32", &hi, &n_out);
+    let x_ok = k.setp("lt.u32", &g, &cfg.m);
+    let row_start = |k: &mut Kernel, row: &Reg| k.mul_u32(row, &cfg.k);
+    let mut rows = vec![
+        (row_start(&mut k, &lo), lo_ok),
+        (row_start(&mut k, &hi), hi_ok),
+    ];
+    if cfg.swiglu {
+        for (r, ok) in [(lo, lo_ok), (hi, hi_ok)] {
+            let up = k.add_u32(&r, &n_out);
+            rows.push((row_start(&mut k, &up), ok));
+        }
+    }
+    let x_row = row_start(&mut k, &g);
+    let acc: Vec<Vec<Reg>> = (0..parts)
+        .map(|_| (0..4).map(|_| k.mov(RegClass::F32, &F32(0.0))).collect())
+        .collect();
+
+    k.comment("K in 32-wide steps: lane (g, t) holds k = 32 s + 8 t .. + 8 of each operand");
+    let kk = k.mul_u32(&warp, &32u32);
+    let lane_k = k.mul_u32(&t, &8u32);
+    k.emit(format!("add.u32 {kk}, {kk}, {lane_k}"));
+    let top = k.label("k_steps");
+    let done = k.label("k_done");
+    k.place(&top);
+    let past = k.setp("ge.u32", &kk, &cfg.k);
+    k.bra(Some((past, true)), &done);
+    let mut loaded = Vec::new();
+    for u in 0..TC_UNROLL {
+        let at = k.add_u32(&kk, &(u * TC_WARPS * 32));
+        let inside = k.setp("lt.u32", &at, &cfg.k);
+        let weights: Vec<Vec<Reg>> = rows
+            .iter()
+            .map(|(start, ok)| {
+                let i = k.add_u32(start, &at);
+                load_words(&mut k, w, &i, cfg.elem, &[inside, *ok])
+            })
+            .collect();
+        let xi = k.add_u32(&x_row, &at);
+        let xv = load_words(&mut k, x, &xi, cfg.elem, &[inside, x_ok]);
+        loaded.push((weights, xv));
+    }
+    let ty = cfg.elem.name();
+    for (weights, xv) in &loaded {
+        for (p, acc) in acc.iter().enumerate() {
+            let (wl, wh) = (&weights[2 * p], &weights[2 * p + 1]);
+            for half in 0..2 {
+                let a = [
+                    wl[2 * half],
+                    wh[2 * half],
+                    wl[2 * half + 1],
+                    wh[2 * half + 1],
+                ];
+                k.mma_m16n8k16(ty, acc, &a, &[xv[2 * half], xv[2 * half + 1]]);
+            }
+        }
+    }
+    k.emit(format!("add.u32 {kk}, {kk}, {}", TC_UNROLL * TC_WARPS * 32));
+    k.bra(None, &top);
+    k.place(&done);
+    finish_tc(
+        &mut k,
+        cfg,
+        &epilogue,
+        &partials,
+        &acc,
+        [tid, warp, g, t, n0],
+    );
+    GeneratedKernel::new(
+        k,
+        Launch {
+            grid: [n_out.div_ceil(TC_COLS), 1, 1],
+            block: [TC_WARPS * 32, 1, 1],
+            shared_bytes: 0,
+        },
+    )
+    .on(crate::KernelPath::Gemv)
+}
+
+/// The 16 bytes at element `i` of `base` as four b32 words, or zeros unless every predicate of
+/// `when` holds.
+fn load_words(k: &mut Kernel, base: Reg, i: &Reg, elem: Elem, when: &[Reg]) -> Vec<Reg> {
+    let words: Vec<Reg> = (0..4).map(|_| k.mov(RegClass::B32, &0u32)).collect();
+    let p = k.reg(RegClass::Pred);
+    k.emit(format!("and.pred {p}, {}, {}", when[0], when[1]));
+    let addr = k.address(base, i, elem.bytes());
+    k.emit(format!(
+        "@{p} ld.global.v4.b32 {{{}, {}, {}, {}}}, [{addr}]",
+        words[0], words[1], words[2], words[3]
+    ));
+    words
+}
+
+/// The warps' partial sums through shared memory, then one thread per (column, row) of the
+/// block's outputs adds them and finishes with the epilogue. C fragment of lane (g, t): columns
+/// g and g + 8, rows 2t and 2t + 1 of x.
+fn finish_tc(
+    k: &mut Kernel,
+    cfg: &GemmConfig,
+    epilogue: &EpiloguePtrs,
+    partials: &str,
+    acc: &[Vec<Reg>],
+    [tid, warp, g, t, n0]: [Reg; 5],
+) {
+    k.comment("partials[part][warp][column][row], f32");
+    let base = k.reg(RegClass::B32);
+    k.emit(format!("mov.u32 {base}, {partials}"));
+    let per_warp = TC_COLS * 8 * 4;
+    let warp_at = k.mad_u32(&warp, &per_warp, &base);
+    let col_at = k.mad_u32(&g, &32u32, &warp_at);
+    let at = k.mad_u32(&t, &8u32, &col_at);
+    for (p, c) in acc.iter().enumerate() {
+        let off = p as u32 * TC_WARPS * per_warp;
+        k.emit(format!(
+            "st.shared.v2.f32 [{at}+{off}], {{{}, {}}}",
+            c[0], c[1]
+        ));
+        k.emit(format!(
+            "st.shared.v2.f32 [{at}+{}], {{{}, {}}}",
+            off + 8 * 32,
+            c[2],
+            c[3]
+        ));
+    }
+    k.barrier();
+    let exit = k.label("exit");
+    let col_local = k.op2("shr.u32", RegClass::B32, &tid, &3u32);
+    let row = k.op2("and.b32", RegClass::B32, &tid, &7u32);
+    let col = k.add_u32(&n0, &col_local);
+    let outside = k.setp("ge.u32", &col_local, &TC_COLS);
+    k.bra(Some((outside, true)), &exit);
+    let no_row = k.setp("ge.u32", &row, &cfg.m);
+    k.bra(Some((no_row, true)), &exit);
+    let no_col = k.setp("ge.u32", &col, &cfg.n_out());
+    k.bra(Some((no_col, true)), &exit);
+    let mine = k.mad_u32(&tid, &4u32, &base);
+    let sums: Vec<Reg> = (0..acc.len() as u32)
+        .map(|p| {
+            let sum = k.mov(RegClass::F32, &F32(0.0));
+            for wi in 0..TC_WARPS {
+                let v = k.reg(RegClass::F32);
+                let off = (p * TC_WARPS + wi) * per_warp;
+                k.emit(format!("ld.shared.f32 {v}, [{mine}+{off}]"));
+                k.emit(format!("add.f32 {sum}, {sum}, {v}"));
+            }
+            sum
+        })
+        .collect();
+    epilogue.finish(k, cfg, sums[0], sums.get(1).copied(), &col, |k| {
+        k.mad_u32(&row, &cfg.n_out(), &col)
+    });
+    k.place(&exit);
 }

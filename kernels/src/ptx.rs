@@ -582,6 +582,15 @@ impl Kernel {
         self.op1("ld.global.s64", RegClass::B64, &Bracket(addr))
     }
 
+    /// `c += a b` with `mma.sync.aligned.m16n8k16` on `ty` (f16/bf16) operands and f32
+    /// accumulators: `a` the four A-fragment registers, `b` the two B-fragment ones.
+    pub fn mma_m16n8k16(&mut self, ty: &str, c: &[Reg], a: &[Reg], b: &[Reg; 2]) {
+        self.emit(format!(
+            "mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{{}, {}, {}, {}}}, {{{}, {}, {}, {}}}, {{{}, {}}}, {{{}, {}, {}, {}}}",
+            c[0], c[1], c[2], c[3], a[0], a[1], a[2], a[3], b[0], b[1], c[0], c[1], c[2], c[3]
+        ));
+    }
+
     /// Adds `value` across a warp (butterfly shuffles); every lane gets the sum.
     pub fn warp_sum(&mut self, value: Reg) -> Reg {
         let mut acc = value;

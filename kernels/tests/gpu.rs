@@ -451,6 +451,9 @@ fn gemms_match_the_interpreter() {
                 (8, 768, 258),
                 // A long K: the GEMV's unrolled chunks, then its remainder (f16/bf16 too).
                 (2, 2056, 66),
+                // Tensor-core GEMV: several passes of its K steps, a partial last step, 7 of
+                // the product's 8 rows, a partial block of columns.
+                (7, 4104, 34),
                 (17, 127, 130),
                 (127, 768, 258),
                 (4097, 64, 64),
