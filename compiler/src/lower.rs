@@ -20,6 +20,7 @@ use kiln_kernels::attention::{
 use kiln_kernels::elementwise::activation_kernel;
 use kiln_kernels::embedding::{embedding, EmbeddingConfig};
 use kiln_kernels::gemm::{gemm, gemm_base, GemmConfig};
+use kiln_kernels::gemv;
 use kiln_kernels::kv_cache::{kv_write, KvWriteConfig};
 use kiln_kernels::norm::{norm, NormConfig};
 use kiln_kernels::rope::rotate;
@@ -461,35 +462,6 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
             let mut rest = 2..node.args.len();
             let bias = spec.bias.then(|| rest.next()).flatten().map(a);
             let residual = spec.residual.then(|| rest.next()).flatten().map(a);
-            let mut x_operand = a(0);
-            if let Some(p) = &spec.prologue {
-                // The tensor-core prologue is future work: the norm runs as its own kernel into
-                // a scratch buffer the product reads.
-                let weight = a(rest.next()?);
-                let norm_bias = rest.next().map(a);
-                let cfg = NormConfig {
-                    kind: p.kind,
-                    residual: false,
-                    elem,
-                    rows: m,
-                    cols: k,
-                    eps: p.eps as f32,
-                };
-                n.scratch
-                    .push(u64::from(m) * u64::from(k) * u64::from(elem.bytes()));
-                let mut bind = vec![
-                    ("x", a(0)),
-                    ("weight", weight),
-                    ("out", Operand::Scratch(0)),
-                ];
-                if let Some(b) = norm_bias {
-                    bind.push(("bias", b));
-                }
-                let kernel = out.generate(&cfg, norm);
-                n.cpu_like(CpuKernel::Norm(cfg), &kernel, &bind, u64::from(m));
-                out.launch(n, kernel, &bind)?;
-                x_operand = Operand::Scratch(0);
-            }
             let cfg = GemmConfig {
                 m,
                 k,
@@ -502,14 +474,55 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
                 elem,
             };
             let kernel = out.generate(&cfg, gemm);
-            let mut bind = vec![("x", x_operand), ("w", a(1)), ("out", this)];
+            let mut bind = vec![("x", a(0)), ("w", a(1)), ("out", this)];
             if let Some(b) = bias {
                 bind.push(("bias", b));
             }
             if let Some(r) = residual {
                 bind.push(("residual", r));
             }
-            n.cpu_like(CpuKernel::Gemm(cfg.clone()), &kernel, &bind, u64::from(m));
+            if let Some(p) = &spec.prologue {
+                // The norm runs into a scratch buffer the product reads (the CPU always; the
+                // GPU unless the matrix-vector kernel normalises x itself).
+                let norm_weight = a(rest.next()?);
+                let norm_bias = rest.next().map(a);
+                let norm_cfg = NormConfig {
+                    kind: p.kind,
+                    residual: false,
+                    elem,
+                    rows: m,
+                    cols: k,
+                    eps: p.eps as f32,
+                };
+                n.scratch
+                    .push(u64::from(m) * u64::from(k) * u64::from(elem.bytes()));
+                let mut norm_bind = vec![
+                    ("x", a(0)),
+                    ("weight", norm_weight.clone()),
+                    ("out", Operand::Scratch(0)),
+                ];
+                norm_bind.extend(norm_bias.clone().map(|b| ("bias", b)));
+                let norm_kernel = out.generate(&norm_cfg, norm);
+                n.cpu_like(
+                    CpuKernel::Norm(norm_cfg.clone()),
+                    &norm_kernel,
+                    &norm_bind,
+                    m.into(),
+                );
+                let mut gemm_bind = bind.clone();
+                gemm_bind[0].1 = Operand::Scratch(0);
+                n.cpu_like(CpuKernel::Gemm(cfg.clone()), &kernel, &gemm_bind, m.into());
+                if gemv::takes_prologue(&cfg, &norm_cfg) {
+                    bind.push(("norm_weight", norm_weight));
+                    bind.extend(norm_bias.map(|b| ("norm_bias", b)));
+                    let kernel = out.generate(&(cfg, norm_cfg), gemv::gemv_normed);
+                    return out.launch(n, kernel, &bind);
+                }
+                out.launch(n, norm_kernel, &norm_bind)?;
+                bind = gemm_bind;
+            } else {
+                n.cpu_like(CpuKernel::Gemm(cfg.clone()), &kernel, &bind, u64::from(m));
+            }
             if kernel.image == Image::Sm90a {
                 let fallback = out.generate(&cfg, gemm_base);
                 out.launch_with_fallback(n, kernel, fallback, &bind)?;

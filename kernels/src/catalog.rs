@@ -173,6 +173,32 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
                 out.push(("gemm", kernel));
             }
         }
+        // Decode products that normalise x in their prologue (tensor-core GEMV only).
+        for (kind, swiglu) in [(NormKind::RmsNorm, true), (NormKind::LayerNorm, false)] {
+            if elem == Elem::F32 {
+                break;
+            }
+            let cfg = GemmConfig {
+                m: 8,
+                k: 2048,
+                n: 4096,
+                transpose_b: true,
+                bias: !swiglu,
+                activation: None,
+                swiglu,
+                residual: !swiglu,
+                elem,
+            };
+            let norm = NormConfig {
+                kind,
+                residual: false,
+                elem,
+                rows: 8,
+                cols: 2048,
+                eps: 1e-5,
+            };
+            out.push(("gemm", crate::gemv::gemv_normed(&(cfg, norm))));
+        }
         // An odd number of output columns (GPT-2's vocabulary is 50257): element stores.
         let odd = GemmConfig {
             m: 127,

@@ -51,7 +51,7 @@ impl GemmConfig {
         }
     }
 
-    fn name(&self) -> String {
+    pub(crate) fn name(&self) -> String {
         let mut name = format!("gemm_{}_{}x{}x{}", self.elem.name(), self.m, self.n, self.k);
         if self.transpose_b {
             name.push_str("_bt");

@@ -15,7 +15,10 @@
 //!   16-byte loads (coalesced, four chunks in flight at once), multiply it by every x row, and
 //!   reduce with shuffles; lane 0 applies the epilogue.
 
+use kiln_ir::kernel::NormKind;
+
 use crate::gemm::{EpiloguePtrs, GemmConfig};
+use crate::norm::NormConfig;
 use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
 use crate::{GeneratedKernel, Launch};
 
@@ -43,11 +46,45 @@ pub fn gemv(cfg: &GemmConfig, name: String) -> GeneratedKernel {
         supports(cfg),
         "the GEMV kernel needs [N, K] weights and M <= 8"
     );
-    if cfg.elem != Elem::F32 && cfg.k.is_multiple_of(8) {
-        gemv_tc(cfg, &name)
+    if tensor_cores(cfg) {
+        gemv_tc(cfg, &name, None)
     } else {
         gemv_simt(cfg, &name)
     }
+}
+
+/// Whether `cfg` takes the tensor-core kernel: f16/bf16, rows of K 16-byte aligned.
+fn tensor_cores(cfg: &GemmConfig) -> bool {
+    cfg.elem != Elem::F32 && cfg.k.is_multiple_of(8)
+}
+
+/// The most shared memory the normalised rows of x may take (bytes).
+const PROLOGUE_BYTES: u32 = 160 * 1024;
+
+/// Whether [`gemv_normed`] serves `cfg` with the norm `norm` computed in its prologue: the
+/// tensor-core kernel, and every row of x normalised fits in shared memory.
+pub fn takes_prologue(cfg: &GemmConfig, norm: &NormConfig) -> bool {
+    supports(cfg)
+        && tensor_cores(cfg)
+        && !norm.residual
+        && norm.elem == cfg.elem
+        && (norm.rows, norm.cols) == (cfg.m, cfg.k)
+        && cfg.m * cfg.k * cfg.elem.bytes() <= PROLOGUE_BYTES
+}
+
+/// Generates the tensor-core kernel that first normalises the rows of x (`norm`: RMSNorm, or
+/// LayerNorm with its bias) into shared memory, one warp per row, then takes its product from
+/// there. Parameters: `x, w, norm_weight, [norm_bias], [bias], [residual], out`.
+pub fn gemv_normed((cfg, norm): &(GemmConfig, NormConfig)) -> GeneratedKernel {
+    assert!(
+        takes_prologue(cfg, norm),
+        "the GEMV prologue needs the tensor-core kernel and x in shared memory"
+    );
+    let norm_name = match norm.kind {
+        NormKind::LayerNorm => "layer_norm",
+        NormKind::RmsNorm => "rms_norm",
+    };
+    gemv_tc(cfg, &format!("{norm_name}_{}_gemv", cfg.name()), Some(norm))
 }
 
 /// The one-column-per-warp kernel.
@@ -189,10 +226,15 @@ const TC_WARPS: u32 = 8;
 const TC_UNROLL: u32 = 4;
 
 /// The tensor-core kernel (see the module documentation).
-fn gemv_tc(cfg: &GemmConfig, name: &str) -> GeneratedKernel {
+fn gemv_tc(cfg: &GemmConfig, name: &str, norm: Option<&NormConfig>) -> GeneratedKernel {
     let mut k = Kernel::new(name);
     let x = k.param_ptr("x");
     let w = k.param_ptr("w");
+    let norm_ptrs = norm.map(|n| {
+        let weight = k.param_ptr("norm_weight");
+        let bias = (n.kind == NormKind::LayerNorm).then(|| k.param_ptr("norm_bias"));
+        (weight, bias)
+    });
     let epilogue = EpiloguePtrs::declare(&mut k, cfg);
     let parts = if cfg.swiglu { 2 } else { 1 };
     let partials = k.shared("partials", parts * TC_WARPS * TC_COLS * 8 * 4);
@@ -223,19 +265,29 @@ fn gemv_tc(cfg: &GemmConfig, name: &str) -> GeneratedKernel {
         }
     }
     let x_row = row_start(&mut k, &g);
+    // With a prologue, x is read from its normalised rows in shared memory.
+    let x_source = match (norm, norm_ptrs) {
+        (Some(n), Some(ptrs)) => {
+            let rows = k.dynamic_shared_aligned("x_normed", 16);
+            prologue(&mut k, n, x, ptrs, &rows, [warp, lane]);
+            XSource::Shared(rows)
+        }
+        _ => XSource::Global(x),
+    };
     let acc: Vec<Vec<Reg>> = (0..parts)
         .map(|_| (0..4).map(|_| k.mov(RegClass::F32, &F32(0.0))).collect())
         .collect();
 
-    k.comment("K in 32-wide steps: lane (g, t) holds k = 32 s + 8 t .. + 8 of each operand");
-    let kk = k.mul_u32(&warp, &32u32);
+    k.comment("K in 32-wide steps: lane (g, t) holds k = 32 s + 8 t .. + 8 of each operand;");
+    k.comment("the loop runs on the warp's step (uniform: mma.sync needs the whole warp)");
+    let step = k.mul_u32(&warp, &32u32);
     let lane_k = k.mul_u32(&t, &8u32);
-    k.emit(format!("add.u32 {kk}, {kk}, {lane_k}"));
     let top = k.label("k_steps");
     let done = k.label("k_done");
     k.place(&top);
-    let past = k.setp("ge.u32", &kk, &cfg.k);
+    let past = k.setp("ge.u32", &step, &cfg.k);
     k.bra(Some((past, true)), &done);
+    let kk = k.add_u32(&step, &lane_k);
     let mut loaded = Vec::new();
     for u in 0..TC_UNROLL {
         let at = k.add_u32(&kk, &(u * TC_WARPS * 32));
@@ -248,7 +300,10 @@ fn gemv_tc(cfg: &GemmConfig, name: &str) -> GeneratedKernel {
             })
             .collect();
         let xi = k.add_u32(&x_row, &at);
-        let xv = load_words(&mut k, x, &xi, cfg.elem, &[inside, x_ok]);
+        let xv = match &x_source {
+            XSource::Global(x) => load_words(&mut k, *x, &xi, cfg.elem, &[inside, x_ok]),
+            XSource::Shared(rows) => load_shared_words(&mut k, rows, &xi, &[inside, x_ok]),
+        };
         loaded.push((weights, xv));
     }
     let ty = cfg.elem.name();
@@ -266,7 +321,10 @@ fn gemv_tc(cfg: &GemmConfig, name: &str) -> GeneratedKernel {
             }
         }
     }
-    k.emit(format!("add.u32 {kk}, {kk}, {}", TC_UNROLL * TC_WARPS * 32));
+    k.emit(format!(
+        "add.u32 {step}, {step}, {}",
+        TC_UNROLL * TC_WARPS * 32
+    ));
     k.bra(None, &top);
     k.place(&done);
     finish_tc(
@@ -282,10 +340,179 @@ fn gemv_tc(cfg: &GemmConfig, name: &str) -> GeneratedKernel {
         Launch {
             grid: [n_out.div_ceil(TC_COLS), 1, 1],
             block: [TC_WARPS * 32, 1, 1],
-            shared_bytes: 0,
+            shared_bytes: norm.map_or(0, |_| cfg.m * cfg.k * cfg.elem.bytes()),
         },
     )
     .on(crate::KernelPath::Gemv)
+}
+
+/// Where the tensor-core kernel reads x.
+enum XSource {
+    /// The `x` parameter.
+    Global(Reg),
+    /// The prologue's normalised rows (`[M, K]` in shared memory, under this name).
+    Shared(String),
+}
+
+/// What the prologue does with a lane's chunks: each one's first element and whether it is
+/// inside the row.
+type ChunkBody<'a> = dyn FnMut(&mut Kernel, &[(Reg, Reg)]) + 'a;
+
+/// Chunks of 8 elements a lane of the prologue loads before using them.
+const PROLOGUE_UNROLL: u32 = 4;
+
+/// The prologue: warp `w < M` normalises row `w` of x into `rows` (shared, `[M, K]`), with the
+/// norm kernel's arithmetic (`crate::norm`): f32 statistics, the variance of the centred values,
+/// `(x - mean) * rstd * weight (+ bias)` rounded to the element type. Ends with a barrier.
+fn prologue(
+    k: &mut Kernel,
+    n: &NormConfig,
+    x: Reg,
+    (weight, bias): (Reg, Option<Reg>),
+    rows: &str,
+    [warp, lane]: [Reg; 2],
+) {
+    let e = n.elem;
+    let chunks = n.cols / 8;
+    let layer = n.kind == NormKind::LayerNorm;
+    let inv_cols = F32(1.0 / n.cols as f32);
+    let done = k.label("prologue_done");
+    let no_row = k.setp("ge.u32", &warp, &n.rows);
+    k.bra(Some((no_row, true)), &done);
+    let base = k.reg(RegClass::B32);
+    k.emit(format!("mov.u32 {base}, {rows}"));
+    let row_base = k.mul_u32(&warp, &n.cols);
+    // for chunk in lane..chunks step 32 * unroll { body(element index of each chunk, inside) }
+    let chunked = |k: &mut Kernel, what: &str, unroll: u32, body: &mut ChunkBody| {
+        let chunk = k.mov(RegClass::B32, &lane);
+        let top = k.label(what);
+        let end = k.label(&format!("{what}_done"));
+        k.place(&top);
+        let past = k.setp("ge.u32", &chunk, &chunks);
+        k.bra(Some((past, true)), &end);
+        let at: Vec<(Reg, Reg)> = (0..unroll)
+            .map(|u| {
+                let c = k.add_u32(&chunk, &(u * 32));
+                let inside = k.setp("lt.u32", &c, &chunks);
+                (k.mul_u32(&c, &8u32), inside)
+            })
+            .collect();
+        body(k, &at);
+        k.emit(format!("add.u32 {chunk}, {chunk}, {}", 32 * unroll));
+        k.bra(None, &top);
+        k.place(&end);
+    };
+    let shared_at = |k: &mut Kernel, col: &Reg| {
+        let i = k.add_u32(&row_base, col);
+        k.mad_u32(&i, &e.bytes(), &base)
+    };
+    k.comment("prologue: copy the row to shared memory (sum for the mean, or squares)");
+    let sum = k.mov(RegClass::F32, &F32(0.0));
+    chunked(k, "norm_copy", PROLOGUE_UNROLL, &mut |k, at| {
+        let loaded: Vec<Vec<Reg>> = at
+            .iter()
+            .map(|(col, inside)| {
+                let i = k.add_u32(&row_base, col);
+                load_words(k, x, &i, e, &[*inside, *inside])
+            })
+            .collect();
+        for ((col, inside), words) in at.iter().zip(&loaded) {
+            let sa = shared_at(k, col);
+            k.emit(format!(
+                "@{inside} st.shared.v4.b32 [{sa}], {{{}, {}, {}, {}}}",
+                words[0], words[1], words[2], words[3]
+            ));
+            for v in k.unpack_halves(e, words) {
+                if layer {
+                    k.emit(format!("add.f32 {sum}, {sum}, {v}"));
+                } else {
+                    k.fma_into(sum, &v, &v);
+                }
+            }
+        }
+    });
+    let total = k.warp_sum(sum);
+    let (mean, sq_total) = if layer {
+        let mean = k.mul_f32(&total, &inv_cols);
+        let sq = k.mov(RegClass::F32, &F32(0.0));
+        chunked(k, "norm_var", 1, &mut |k, at| {
+            let (col, _) = at[0];
+            let sa = shared_at(k, &col);
+            let words = ld_shared_v4(k, sa);
+            for v in k.unpack_halves(e, &words) {
+                let c = k.sub_f32(&v, &mean);
+                k.fma_into(sq, &c, &c);
+            }
+        });
+        (Some(mean), k.warp_sum(sq))
+    } else {
+        (None, total)
+    };
+    let var = k.mul_f32(&sq_total, &inv_cols);
+    let var_eps = k.add_f32(&var, &F32(n.eps));
+    let rstd = k.rsqrt_f32(&var_eps);
+    k.comment("prologue: normalise, scale, shift in place");
+    chunked(k, "norm_write", 1, &mut |k, at| {
+        let (col, _) = at[0];
+        let sa = shared_at(k, &col);
+        let words = ld_shared_v4(k, sa);
+        let values = k.unpack_halves(e, &words);
+        let wa = k.address(weight, &col, e.bytes());
+        let wv = k.ld_global_vec16(e, wa);
+        let bv = bias.map(|b| {
+            let ba = k.address(b, &col, e.bytes());
+            k.ld_global_vec16(e, ba)
+        });
+        let y: Vec<Reg> = values
+            .iter()
+            .enumerate()
+            .map(|(j, v)| {
+                let c = match mean {
+                    Some(m) => k.sub_f32(v, &m),
+                    None => *v,
+                };
+                let nv = k.mul_f32(&c, &rstd);
+                let mut y = k.mul_f32(&nv, &wv[j]);
+                if let Some(b) = &bv {
+                    y = k.add_f32(&y, &b[j]);
+                }
+                y
+            })
+            .collect();
+        let words = k.pack_halves(e, &y);
+        k.emit(format!(
+            "st.shared.v4.b32 [{sa}], {{{}, {}, {}, {}}}",
+            words[0], words[1], words[2], words[3]
+        ));
+    });
+    k.place(&done);
+    k.barrier();
+}
+
+/// The 16 bytes at shared address `addr` as four b32 words.
+fn ld_shared_v4(k: &mut Kernel, addr: Reg) -> Vec<Reg> {
+    let w: Vec<Reg> = (0..4).map(|_| k.reg(RegClass::B32)).collect();
+    k.emit(format!(
+        "ld.shared.v4.b32 {{{}, {}, {}, {}}}, [{addr}]",
+        w[0], w[1], w[2], w[3]
+    ));
+    w
+}
+
+/// The 16 bytes at element `i` of the `[M, K]` rows in shared memory `rows` as four b32 words,
+/// or zeros unless every predicate of `when` holds.
+fn load_shared_words(k: &mut Kernel, rows: &str, i: &Reg, when: &[Reg]) -> Vec<Reg> {
+    let words: Vec<Reg> = (0..4).map(|_| k.mov(RegClass::B32, &0u32)).collect();
+    let p = k.reg(RegClass::Pred);
+    k.emit(format!("and.pred {p}, {}, {}", when[0], when[1]));
+    let base = k.reg(RegClass::B32);
+    k.emit(format!("mov.u32 {base}, {rows}"));
+    let addr = k.mad_u32(i, &2u32, &base);
+    k.emit(format!(
+        "@{p} ld.shared.v4.b32 {{{}, {}, {}, {}}}, [{addr}]",
+        words[0], words[1], words[2], words[3]
+    ));
+    words
 }
 
 /// The 16 bytes at element `i` of `base` as four b32 words, or zeros unless every predicate of

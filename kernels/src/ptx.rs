@@ -534,17 +534,42 @@ impl Kernel {
                     "ld.global.v4.b32 {{{}, {}, {}, {}}}, [{addr}]",
                     w[0], w[1], w[2], w[3]
                 ));
-                let mut out = Vec::with_capacity(8);
-                for word in w {
-                    let (lo, hi) = (self.reg(RegClass::B16), self.reg(RegClass::B16));
-                    self.emit(format!("mov.b32 {{{lo}, {hi}}}, {word}"));
-                    for h in [lo, hi] {
-                        out.push(self.op1(&format!("cvt.f32.{}", elem.name()), RegClass::F32, &h));
-                    }
-                }
-                out
+                self.unpack_halves(elem, &w)
             }
         }
+    }
+
+    /// b32 words of packed f16/bf16 pairs (`elem`) as f32 values, in memory order (the lower
+    /// half first).
+    pub fn unpack_halves(&mut self, elem: Elem, words: &[Reg]) -> Vec<Reg> {
+        let mut out = Vec::with_capacity(2 * words.len());
+        for word in words {
+            let (lo, hi) = (self.reg(RegClass::B16), self.reg(RegClass::B16));
+            self.emit(format!("mov.b32 {{{lo}, {hi}}}, {word}"));
+            for h in [lo, hi] {
+                out.push(self.op1(&format!("cvt.f32.{}", elem.name()), RegClass::F32, &h));
+            }
+        }
+        out
+    }
+
+    /// f32 values rounded (to nearest even) to f16/bf16 (`elem`) and packed in pairs into b32
+    /// words, in memory order: the inverse of [`Kernel::unpack_halves`].
+    pub fn pack_halves(&mut self, elem: Elem, values: &[Reg]) -> Vec<Reg> {
+        values
+            .chunks(2)
+            .map(|pair| {
+                let w = self.reg(RegClass::B32);
+                // The first operand goes to the upper half.
+                self.emit(format!(
+                    "cvt.rn.{}x2.f32 {w}, {}, {}",
+                    elem.name(),
+                    pair[1],
+                    pair[0]
+                ));
+                w
+            })
+            .collect()
     }
 
     /// Stores `16 / elem.bytes()` f32 values to global `addr` (16-byte aligned) as `elem`.
@@ -555,20 +580,7 @@ impl Kernel {
                 values[0], values[1], values[2], values[3]
             )),
             Elem::F16 | Elem::BF16 => {
-                let words: Vec<Reg> = values
-                    .chunks(2)
-                    .map(|pair| {
-                        let w = self.reg(RegClass::B32);
-                        // The first operand goes to the upper half.
-                        self.emit(format!(
-                            "cvt.rn.{}x2.f32 {w}, {}, {}",
-                            elem.name(),
-                            pair[1],
-                            pair[0]
-                        ));
-                        w
-                    })
-                    .collect();
+                let words = self.pack_halves(elem, values);
                 self.emit(format!(
                     "st.global.v4.b32 [{addr}], {{{}, {}, {}, {}}}",
                     words[0], words[1], words[2], words[3]

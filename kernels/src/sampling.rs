@@ -1,11 +1,17 @@
 //! Greedy token choice: the index of the largest logit of each row (the first one on ties), as
 //! i64, with the semantics of `kiln_runtime::generate::choose` at temperature 0: NaN never wins,
-//! and a row without a value above -inf picks 0. One block per row; each thread scans a strided
-//! slice, then a butterfly over the warp and a pass over the warps' winners.
+//! and a row without a value above -inf picks 0. One block of 1024 threads per row (a decode
+//! step has one row per sequence, and a vocabulary of 128256 bf16 is 250 KB): each thread scans
+//! 16-byte chunks, four in flight (single elements when rows are not 16-byte aligned), then a
+//! butterfly over the warp and a pass over the warps' winners.
 
 use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
-use crate::reduce::WARPS;
 use crate::{GeneratedKernel, Launch, ROW_THREADS};
+
+/// Threads of the argmax block.
+const ARGMAX_THREADS: u32 = 1024;
+/// Chunks a thread loads before comparing them.
+const ARGMAX_UNROLL: u32 = 4;
 
 /// Generates `out[row] = argmax(logits[row, :])`. Parameters: `logits, out`.
 pub fn argmax(elem: Elem, rows: u32, vocab: u32) -> GeneratedKernel {
@@ -13,27 +19,48 @@ pub fn argmax(elem: Elem, rows: u32, vocab: u32) -> GeneratedKernel {
     let mut k = Kernel::new(&name);
     let logits = k.param_ptr("logits");
     let out = k.param_ptr("out");
-    let vals = k.shared("best_val", WARPS * 4);
-    let idxs = k.shared("best_idx", WARPS * 4);
+    let warps = ARGMAX_THREADS / 32;
+    let vals = k.shared("best_val", warps * 4);
+    let idxs = k.shared("best_idx", warps * 4);
     let tid = k.special("tid.x");
     let row = k.special("ctaid.x");
     let base = k.mul_u32(&row, &vocab);
     let best = k.mov(RegClass::F32, &F32(f32::NEG_INFINITY));
     let best_i = k.mov(RegClass::B32, &u32::MAX);
-    let col = k.mov(RegClass::B32, &tid);
+    // Elements per chunk: 16 bytes when every row starts 16-byte aligned.
+    let per = match 16 / elem.bytes() {
+        wide if vocab.is_multiple_of(wide) => wide,
+        _ => 1,
+    };
+    let chunk = k.mov(RegClass::B32, &tid);
     let top = k.label("scan");
     let done = k.label("scan_done");
     k.place(&top);
-    let past = k.setp("ge.u32", &col, &vocab);
+    let first = k.mul_u32(&chunk, &per);
+    let past = k.setp("ge.u32", &first, &vocab);
     k.bra(Some((past, true)), &done);
-    let i = k.add_u32(&base, &col);
-    let a = k.address(logits, &i, elem.bytes());
-    let v = k.ld_global(elem, a);
-    // Strictly greater: NaN and -inf never win; a thread that saw neither keeps index MAX.
-    let take = k.setp("gt.f32", &v, &best);
-    k.emit(format!("@{take} mov.f32 {best}, {v}"));
-    k.emit(format!("@{take} mov.u32 {best_i}, {col}"));
-    k.emit(format!("add.u32 {col}, {col}, {ROW_THREADS}"));
+    let mut loaded = Vec::new();
+    for u in 0..ARGMAX_UNROLL {
+        let at = k.add_u32(&first, &(u * ARGMAX_THREADS * per));
+        let inside = k.setp("lt.u32", &at, &vocab);
+        let i = k.add_u32(&base, &at);
+        let addr = k.address(logits, &i, elem.bytes());
+        loaded.push((at, inside, load_chunk(&mut k, elem, addr, inside, per)));
+    }
+    // In index order, strictly greater: NaN and -inf never win; a thread that saw neither keeps
+    // index MAX.
+    for (at, inside, values) in loaded {
+        for (j, v) in values.iter().enumerate() {
+            let take = k.setp("gt.f32", v, &best);
+            k.emit(format!("and.pred {take}, {take}, {inside}"));
+            k.emit(format!("@{take} mov.f32 {best}, {v}"));
+            k.emit(format!("@{take} add.u32 {best_i}, {at}, {j}"));
+        }
+    }
+    k.emit(format!(
+        "add.u32 {chunk}, {chunk}, {}",
+        ARGMAX_UNROLL * ARGMAX_THREADS
+    ));
     k.bra(None, &top);
     k.place(&done);
     // Combine (value, index) pairs: larger value wins, the smaller index on ties.
@@ -72,7 +99,7 @@ pub fn argmax(elem: Elem, rows: u32, vocab: u32) -> GeneratedKernel {
     let leader = k.setp("eq.u32", &tid, &0u32);
     let end = k.label("end");
     k.bra(Some((leader, false)), &end);
-    for w in 1..WARPS {
+    for w in 1..warps {
         let ov = k.reg(RegClass::F32);
         let oi = k.reg(RegClass::B32);
         k.emit(format!("ld.shared.f32 {ov}, [{vbase}+{}]", w * 4));
@@ -90,10 +117,44 @@ pub fn argmax(elem: Elem, rows: u32, vocab: u32) -> GeneratedKernel {
         k,
         Launch {
             grid: [rows, 1, 1],
-            block: [ROW_THREADS, 1, 1],
+            block: [ARGMAX_THREADS, 1, 1],
             shared_bytes: 0,
         },
     )
+}
+
+/// The `per` elements at global `addr` as f32 (one 16-byte load, or one element), zeros unless
+/// `when` holds.
+fn load_chunk(k: &mut Kernel, elem: Elem, addr: Reg, when: Reg, per: u32) -> Vec<Reg> {
+    match (elem, per) {
+        (Elem::F32, 1) => {
+            let v = k.mov(RegClass::F32, &F32(0.0));
+            k.emit(format!("@{when} ld.global.f32 {v}, [{addr}]"));
+            vec![v]
+        }
+        (Elem::F32, _) => {
+            let v: Vec<Reg> = (0..4).map(|_| k.mov(RegClass::F32, &F32(0.0))).collect();
+            k.emit(format!(
+                "@{when} ld.global.v4.f32 {{{}, {}, {}, {}}}, [{addr}]",
+                v[0], v[1], v[2], v[3]
+            ));
+            v
+        }
+        (_, 1) => {
+            let h = k.reg(RegClass::B16);
+            k.emit(format!("mov.b16 {h}, 0"));
+            k.emit(format!("@{when} ld.global.b16 {h}, [{addr}]"));
+            vec![k.op1(&format!("cvt.f32.{}", elem.name()), RegClass::F32, &h)]
+        }
+        _ => {
+            let words: Vec<Reg> = (0..4).map(|_| k.mov(RegClass::B32, &0u32)).collect();
+            k.emit(format!(
+                "@{when} ld.global.v4.b32 {{{}, {}, {}, {}}}, [{addr}]",
+                words[0], words[1], words[2], words[3]
+            ));
+            k.unpack_halves(elem, &words)
+        }
+    }
 }
 
 /// Generates top-k / top-p sampling with temperature: one block per row. Parameters:

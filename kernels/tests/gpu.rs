@@ -62,6 +62,16 @@ fn values(rng: &mut Rng, n: usize, scale: f32, elem: Elem) -> Vec<f32> {
         .collect()
 }
 
+/// The interpreter's `op` on `inputs`, rounded to `elem` as a kernel's output is.
+fn rounded_reference(op: Op, inputs: Vec<(Vec<usize>, Vec<f32>)>, elem: Elem) -> Vec<f32> {
+    reference(op, inputs, &[])
+        .as_f32()
+        .unwrap()
+        .iter()
+        .map(|v| round(elem, *v))
+        .collect()
+}
+
 fn round(elem: Elem, v: f32) -> f32 {
     match elem {
         Elem::F32 => v,
@@ -266,12 +276,7 @@ fn norms_match_the_interpreter() {
                     eps: f64::from(eps),
                     residual,
                 };
-                let want: Vec<f32> = reference(Op::Norm(spec), inputs, &[])
-                    .as_f32()
-                    .unwrap()
-                    .iter()
-                    .map(|v| round(elem, *v))
-                    .collect();
+                let want = rounded_reference(Op::Norm(spec), inputs, elem);
                 check(
                     &format!("{} {rows}x{cols}", kernel.name),
                     elem,
@@ -398,12 +403,21 @@ fn argmax_picks_the_first_largest() {
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng::seed_from_u64(0x7777_1111_3333_5555);
     for elem in ELEMS {
-        for (rows, vocab) in [(1u32, 1u32), (3, 17), (4, 4097), (2, 50257)] {
+        // Single elements (rows not 16-byte aligned) and 16-byte chunks (Llama's 128256).
+        for (rows, vocab) in [
+            (1u32, 1u32),
+            (3, 17),
+            (4, 4097),
+            (2, 50257),
+            (3, 128256),
+            (8, 4104),
+        ] {
             let mut logits = values(&mut rng, (rows * vocab) as usize, 8.0, elem);
             if rows == 3 {
                 // A NaN ahead of the largest value, and a row of -inf (index 0 for both rules).
+                let v = vocab as usize;
                 logits[0] = f32::NAN;
-                logits[17..34].fill(f32::NEG_INFINITY);
+                logits[v..2 * v].fill(f32::NEG_INFINITY);
             }
             let kernel = argmax(elem, rows, vocab);
             let bl = gpu.upload(elem, &logits);
@@ -513,12 +527,7 @@ fn gemms_match_the_interpreter() {
                     residual,
                     prologue: None,
                 };
-                let want: Vec<f32> = reference(Op::Gemm(spec), inputs, &[])
-                    .as_f32()
-                    .unwrap()
-                    .iter()
-                    .map(|v| round(elem, *v))
-                    .collect();
+                let want = rounded_reference(Op::Gemm(spec), inputs, elem);
                 for kernel in &kernels {
                     let out = gpu.poisoned(elem, (m * n_out) as usize);
                     let args = BTreeMap::from([
@@ -536,6 +545,108 @@ fn gemms_match_the_interpreter() {
                         &want,
                     );
                 }
+            }
+        }
+    }
+}
+
+/// Decode products that normalise x themselves (RMSNorm, or LayerNorm with its bias, in the
+/// tensor-core GEMV's prologue) against the interpreter's `Gemm` with that norm prologue: rows
+/// 1 to 8, K from 64 to 4104 (x in shared memory past 48 KB), epilogues on top.
+#[test]
+fn gemv_norm_prologues_match_the_interpreter() {
+    use kiln_kernels::gemv::{gemv_normed, takes_prologue};
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng::seed_from_u64(0x0dd5_eed5_9e3d_1234);
+    for elem in [Elem::F16, Elem::BF16] {
+        for kind in [NormKind::RmsNorm, NormKind::LayerNorm] {
+            for (m, k, n, bias, swiglu, residual) in [
+                (1u32, 2048u32, 48u32, false, false, false),
+                (8, 776, 34, true, true, true),
+                (5, 4104, 64, false, false, true),
+                (8, 4096, 40, false, true, false),
+                (3, 64, 17, true, false, false),
+            ] {
+                let cfg = GemmConfig {
+                    m,
+                    k,
+                    n,
+                    transpose_b: true,
+                    bias,
+                    activation: None,
+                    swiglu,
+                    residual,
+                    elem,
+                };
+                let norm_cfg = NormConfig {
+                    kind,
+                    residual: false,
+                    elem,
+                    rows: m,
+                    cols: k,
+                    eps: 1e-5,
+                };
+                assert!(takes_prologue(&cfg, &norm_cfg), "{cfg:?}");
+                let n_out = cfg.n_out();
+                // A mean away from 0 and a spread away from 1, so both statistics matter.
+                let x: Vec<f32> = values(&mut rng, (m * k) as usize, 3.0, elem)
+                    .iter()
+                    .map(|v| round(elem, v + 0.75))
+                    .collect();
+                let w = values(&mut rng, (k * n) as usize, 1.0 / (k as f32).sqrt(), elem);
+                let b = values(&mut rng, n as usize, 0.5, elem);
+                let r = values(&mut rng, (m * n_out) as usize, 1.0, elem);
+                let gamma = values(&mut rng, k as usize, 1.0, elem);
+                let beta = values(&mut rng, k as usize, 0.5, elem);
+                let mut inputs = vec![
+                    (vec![m as usize, k as usize], x.clone()),
+                    (vec![n as usize, k as usize], w.clone()),
+                ];
+                if bias {
+                    inputs.push((vec![n as usize], b.clone()));
+                }
+                if residual {
+                    inputs.push((vec![m as usize, n_out as usize], r.clone()));
+                }
+                inputs.push((vec![k as usize], gamma.clone()));
+                if kind == NormKind::LayerNorm {
+                    inputs.push((vec![k as usize], beta.clone()));
+                }
+                let spec = GemmSpec {
+                    transpose_b: true,
+                    bias,
+                    activation: None,
+                    swiglu,
+                    residual,
+                    prologue: Some(NormSpec {
+                        kind,
+                        eps: 1e-5,
+                        residual: false,
+                    }),
+                };
+                let want = rounded_reference(Op::Gemm(spec), inputs, elem);
+                let kernel = gemv_normed(&(cfg, norm_cfg));
+                let bufs: Vec<_> = [&x, &w, &b, &r, &gamma, &beta]
+                    .iter()
+                    .map(|v| gpu.upload(elem, v))
+                    .collect();
+                let out = gpu.poisoned(elem, (m * n_out) as usize);
+                let args = BTreeMap::from([
+                    ("x", Arg::Buf(&bufs[0])),
+                    ("w", Arg::Buf(&bufs[1])),
+                    ("bias", Arg::Buf(&bufs[2])),
+                    ("residual", Arg::Buf(&bufs[3])),
+                    ("norm_weight", Arg::Buf(&bufs[4])),
+                    ("norm_bias", Arg::Buf(&bufs[5])),
+                    ("out", Arg::Buf(&out)),
+                ]);
+                gpu.launch(&kernel, &args);
+                check(
+                    &format!("{} {m}x{n}x{k}", kernel.name),
+                    elem,
+                    &gpu.download(elem, &out),
+                    &want,
+                );
             }
         }
     }

@@ -125,6 +125,25 @@ fn gemv_swiglu_bias_bf16_decode() {
     insta::assert_snapshot!(k.module());
 }
 
+/// Decode rows normalised in the GEMV's prologue (RMSNorm into shared memory), then gate/up.
+#[test]
+fn gemv_rms_norm_prologue_swiglu_bf16_decode() {
+    use kiln_ir::kernel::NormKind;
+    use kiln_kernels::norm::NormConfig;
+    let cfg = swiglu_bf16(4, false);
+    let norm = NormConfig {
+        kind: NormKind::RmsNorm,
+        residual: false,
+        elem: Elem::BF16,
+        rows: 4,
+        cols: 64,
+        eps: 1e-5,
+    };
+    let k = kiln_kernels::gemv::gemv_normed(&(cfg, norm));
+    assert!(k.name.starts_with("rms_norm_") && k.name.ends_with("_gemv"));
+    insta::assert_snapshot!(k.module());
+}
+
 /// The Hopper attention (sm_90a: TMA, wgmma, P from registers): GQA, causal, padding, d 128.
 #[test]
 fn attention_gqa_causal_padded_bf16_wgmma() {

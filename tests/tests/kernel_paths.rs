@@ -167,3 +167,60 @@ fn rope_prefill_attention_runs_on_wgmma() {
         assert!(checked >= 2, "{name}: {checked} attention kernels checked");
     }
 }
+
+/// Decode steps of f16/bf16 builds normalise x inside their products: the tensor-core GEMV's
+/// prologue replaces every norm launch before a product (Llama's RMSNorms, GPT-2's LayerNorms),
+/// one launch each; prompt chunks (more than 8 rows) and f32 builds keep the norm kernels.
+#[test]
+fn decode_products_normalise_their_rows_themselves() {
+    use kiln_runtime::Artifact;
+    for (name, norm) in [("llama-tiny", "rms_norm"), ("gpt2-tiny", "layer_norm")] {
+        for dtype in ["bf16", "f32"] {
+            let tmp = tempfile::tempdir().unwrap();
+            let out = tmp.path().join("out");
+            kiln(&[
+                "compile",
+                fixture(name).to_str().unwrap(),
+                "-o",
+                out.to_str().unwrap(),
+                "--buckets",
+                "16",
+                "--batch-buckets",
+                "1,4",
+                "--max-context",
+                "64",
+                "--prefill-chunk",
+                "16",
+                "--dtype",
+                dtype,
+                "--target",
+                "cuda",
+            ])
+            .unwrap();
+            let art = Artifact::open(&out).unwrap();
+            for e in &art.manifest.decode {
+                let steps = &e.plan.as_ref().unwrap().steps;
+                let count = |fused: bool| {
+                    steps
+                        .iter()
+                        .filter(|s| {
+                            s.kernel.starts_with(norm) && s.kernel.ends_with("_gemv") == fused
+                        })
+                        .count()
+                };
+                let what = format!(
+                    "{name} {dtype} {}: {:?}",
+                    e.graph,
+                    steps.iter().map(|s| &s.kernel).collect::<Vec<_>>()
+                );
+                if dtype == "bf16" && e.seq == 1 {
+                    assert_eq!(count(false), 0, "{what}");
+                    assert!(count(true) > 0, "{what}");
+                } else {
+                    assert_eq!(count(true), 0, "{what}");
+                    assert!(count(false) > 0, "{what}");
+                }
+            }
+        }
+    }
+}
