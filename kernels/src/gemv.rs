@@ -60,9 +60,15 @@ fn tensor_cores(cfg: &GemmConfig) -> bool {
 
 /// The most shared memory the normalised rows of x may take (bytes).
 const PROLOGUE_BYTES: u32 = 160 * 1024;
+/// The most blocks (16 columns each) that normalise x themselves: every block repeats the
+/// prologue, so past this (an LM head of 128256 columns is 8016 blocks) one norm launch costs
+/// less than the repeated prologues (H200, per-kernel profile at batch 8: Llama-1B's LM head
+/// took 158 us normalising in every block, against 136 us and one norm launch).
+const PROLOGUE_BLOCKS: u32 = 1024;
 
 /// Whether [`gemv_normed`] serves `cfg` with the norm `norm` computed in its prologue: the
-/// tensor-core kernel, and every row of x normalised fits in shared memory.
+/// tensor-core kernel, every row of x normalised fits in shared memory, and few enough blocks
+/// repeat the prologue.
 pub fn takes_prologue(cfg: &GemmConfig, norm: &NormConfig) -> bool {
     supports(cfg)
         && tensor_cores(cfg)
@@ -70,6 +76,7 @@ pub fn takes_prologue(cfg: &GemmConfig, norm: &NormConfig) -> bool {
         && norm.elem == cfg.elem
         && (norm.rows, norm.cols) == (cfg.m, cfg.k)
         && cfg.m * cfg.k * cfg.elem.bytes() <= PROLOGUE_BYTES
+        && cfg.n_out().div_ceil(TC_COLS) <= PROLOGUE_BLOCKS
 }
 
 /// Generates the tensor-core kernel that first normalises the rows of x (`norm`: RMSNorm, or
@@ -268,9 +275,10 @@ fn gemv_tc(cfg: &GemmConfig, name: &str, norm: Option<&NormConfig>) -> Generated
     // With a prologue, x is read from its normalised rows in shared memory.
     let x_source = match (norm, norm_ptrs) {
         (Some(n), Some(ptrs)) => {
-            let rows = k.dynamic_shared_aligned("x_normed", 16);
-            prologue(&mut k, n, x, ptrs, &rows, [warp, lane]);
-            XSource::Shared(rows)
+            let normed = k.dynamic_shared_aligned("x_normed", 16);
+            prefetch_first_steps(&mut k, cfg, w, &rows, [warp, t]);
+            prologue(&mut k, n, x, ptrs, &normed, [warp, lane]);
+            XSource::Shared(normed)
         }
         _ => XSource::Global(x),
     };
@@ -344,6 +352,32 @@ fn gemv_tc(cfg: &GemmConfig, name: &str, norm: Option<&NormConfig>) -> Generated
         },
     )
     .on(crate::KernelPath::Gemv)
+}
+
+/// Sends the weights of the warp's first `TC_UNROLL` K steps (lane (g, t)'s 16 bytes of each of
+/// its `rows`: start element and whether the row exists) towards L2, so that they stream in
+/// while the prologue runs.
+fn prefetch_first_steps(
+    k: &mut Kernel,
+    cfg: &GemmConfig,
+    w: Reg,
+    rows: &[(Reg, Reg)],
+    [warp, t]: [Reg; 2],
+) {
+    k.comment("the first K steps' weights head for L2 while the rows are normalised");
+    let step = k.mul_u32(&warp, &32u32);
+    let first = k.mad_u32(&t, &8u32, &step);
+    for u in 0..TC_UNROLL {
+        let at = k.add_u32(&first, &(u * TC_WARPS * 32));
+        let inside = k.setp("lt.u32", &at, &cfg.k);
+        for (start, ok) in rows {
+            let i = k.add_u32(start, &at);
+            let addr = k.address(w, &i, cfg.elem.bytes());
+            let p = k.reg(RegClass::Pred);
+            k.emit(format!("and.pred {p}, {inside}, {ok}"));
+            k.emit(format!("@{p} prefetch.global.L2 [{addr}]"));
+        }
+    }
 }
 
 /// Where the tensor-core kernel reads x.
