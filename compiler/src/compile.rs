@@ -193,7 +193,8 @@ pub fn compile_with_progress(
             done
         })
         .collect::<Result<_, _>>()?;
-    let mut generated = crate::lower::Lowered::default();
+    let mut generated =
+        crate::lower::Lowered::new(crate::lower::batch_rows(extracted.iter().map(|(g, _)| g)));
     let mut prefill = Vec::new();
     let mut decode = Vec::new();
     for ((_, bucket, context), (graph, modelled)) in jobs.into_iter().zip(extracted) {

@@ -19,8 +19,8 @@ use kiln_kernels::attention::{
 };
 use kiln_kernels::elementwise::activation_kernel;
 use kiln_kernels::embedding::{embedding, EmbeddingConfig};
-use kiln_kernels::gemm::{gemm, gemm_base, GemmConfig};
-use kiln_kernels::gemv;
+use kiln_kernels::gemm::{gemm_base, gemm_for, GemmConfig};
+use kiln_kernels::gemv::{self, Rows};
 use kiln_kernels::kv_cache::{kv_write, KvWriteConfig};
 use kiln_kernels::norm::{norm, NormConfig};
 use kiln_kernels::rope::rotate;
@@ -167,6 +167,23 @@ pub struct Lowered {
     /// Every kernel generated so far, by generator and configuration: the nodes of a model's
     /// layers, and the buckets, share most of their kernels, and each is generated once.
     generated: std::collections::HashMap<String, GeneratedKernel>,
+    /// How decode products of different batch sizes relate (see [`batch_rows`]).
+    pub rows: Rows,
+}
+
+/// The row policy of an artifact's matrix-vector products: batch-invariant when one of `graphs`
+/// decodes several sequences together (a KV-cached graph whose cache has more than one row), so
+/// that each sequence gets the tokens it gets alone; otherwise the fastest kernel per row count.
+pub fn batch_rows<'g>(mut graphs: impl Iterator<Item = &'g Graph>) -> Rows {
+    let batched = graphs.any(|g| {
+        g.inputs()
+            .any(|(_, name, ty)| name.starts_with("past_") && ty.shape[0].as_const() > Some(1))
+    });
+    if batched {
+        Rows::BatchInvariant
+    } else {
+        Rows::Fastest
+    }
 }
 
 /// How one graph runs: the launches of each lowered node, and the ops that have no generator yet.
@@ -196,6 +213,14 @@ pub struct TokenChoice {
 }
 
 impl Lowered {
+    /// No kernels yet; matrix-vector products under `rows`.
+    pub fn new(rows: Rows) -> Lowered {
+        Lowered {
+            rows,
+            ..Lowered::default()
+        }
+    }
+
     /// The kernel `make` generates for `cfg`, generated the first time it is asked for.
     fn generate<C: std::fmt::Debug>(
         &mut self,
@@ -473,7 +498,7 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
                 residual: spec.residual,
                 elem,
             };
-            let kernel = out.generate(&cfg, gemm);
+            let kernel = out.generate(&(cfg.clone(), out.rows), |(c, r)| gemm_for(c, *r));
             let mut bind = vec![("x", a(0)), ("w", a(1)), ("out", this)];
             if let Some(b) = bias {
                 bind.push(("bias", b));
@@ -512,7 +537,7 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
                 let mut gemm_bind = bind.clone();
                 gemm_bind[0].1 = Operand::Scratch(0);
                 n.cpu_like(CpuKernel::Gemm(cfg.clone()), &kernel, &gemm_bind, m.into());
-                if gemv::takes_prologue(&cfg, &norm_cfg) {
+                if gemv::takes_prologue(&cfg, &norm_cfg, out.rows) {
                     bind.push(("norm_weight", norm_weight));
                     bind.extend(norm_bias.map(|b| ("norm_bias", b)));
                     let kernel = out.generate(&(cfg, norm_cfg), gemv::gemv_normed);

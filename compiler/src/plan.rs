@@ -120,7 +120,7 @@ pub fn plan_artifact(graphs: &[&Graph], cpu_plans: bool) -> Result<ArtifactPlan,
 
 /// Plans `graphs` as they are typed: GPU plans, and CPU plans for f32 graphs.
 fn plan_graphs(graphs: &[&Graph]) -> Result<ArtifactPlan, PlanError> {
-    let mut kernels = Lowered::default();
+    let mut kernels = Lowered::new(crate::lower::batch_rows(graphs.iter().copied()));
     let mut folded = BTreeMap::new();
     let mut lowered = Vec::new();
     for g in graphs {

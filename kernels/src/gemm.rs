@@ -10,6 +10,7 @@
 use kiln_ir::kernel::Activation;
 
 use crate::elementwise::activation;
+use crate::gemv::Rows;
 use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
 use crate::{GeneratedKernel, KernelPath, Launch};
 
@@ -97,8 +98,13 @@ pub fn path(cfg: &GemmConfig) -> KernelPath {
 
 /// Generates the kernel on [`path`]'s choice. Parameters: `x, w, [bias], [residual], out`.
 pub fn gemm(cfg: &GemmConfig) -> GeneratedKernel {
+    gemm_for(cfg, Rows::Fastest)
+}
+
+/// [`gemm`], with the matrix-vector kernel chosen under `rows` (batch invariance or not).
+pub fn gemm_for(cfg: &GemmConfig, rows: Rows) -> GeneratedKernel {
     match path(cfg) {
-        KernelPath::Gemv => crate::gemv::gemv(cfg, format!("{}_gemv", cfg.name())),
+        KernelPath::Gemv => crate::gemv::gemv_for(cfg, format!("{}_gemv", cfg.name()), rows),
         KernelPath::Wgmma => crate::gemm_wgmma::gemm_wgmma(cfg, format!("{}_wgmma", cfg.name())),
         KernelPath::Mma => crate::gemm_tc::gemm_tc(cfg, format!("{}_tc", cfg.name())),
         _ => gemm_simt(cfg),

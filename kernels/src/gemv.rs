@@ -39,23 +39,45 @@ pub fn supports(cfg: &GemmConfig) -> bool {
         ])
 }
 
-/// Generates the kernel (on tensor cores for f16/bf16 with K a multiple of 8). Parameters:
-/// `x, w, [bias], [residual], out`, as the GEMM's.
+/// Generates the kernel for `cfg` alone (see [`Rows`]). Parameters: `x, w, [bias],
+/// [residual], out`, as the GEMM's.
 pub fn gemv(cfg: &GemmConfig, name: String) -> GeneratedKernel {
+    gemv_for(cfg, name, Rows::Fastest)
+}
+
+/// Generates the kernel `rows` chooses for `cfg`.
+pub fn gemv_for(cfg: &GemmConfig, name: String, rows: Rows) -> GeneratedKernel {
     assert!(
         supports(cfg),
         "the GEMV kernel needs [N, K] weights and M <= 8"
     );
-    if tensor_cores(cfg) {
+    if tensor_cores(cfg, rows) {
         gemv_tc(cfg, &name, None)
     } else {
         gemv_simt(cfg, &name)
     }
 }
 
-/// Whether `cfg` takes the tensor-core kernel: f16/bf16, rows of K 16-byte aligned.
-fn tensor_cores(cfg: &GemmConfig) -> bool {
-    cfg.elem != Elem::F32 && cfg.k.is_multiple_of(8)
+/// How the kernels of products with different row counts relate.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Rows {
+    /// Each row count gets its fastest kernel. One row streams faster through the
+    /// one-column-per-warp kernel, whose warps read 512 contiguous bytes of a weight row per load
+    /// where the tensor-core kernel's read 64 bytes of each of 8 rows (H200, Llama-3.2-1B shape,
+    /// bf16: decode 1.08 against 1.41 ms per step); from two rows on the tensor-core kernel pays
+    /// for itself (at 8 rows the other issues one x load per row and chunk).
+    #[default]
+    Fastest,
+    /// Every row count of a product takes the same kernel (the tensor-core one where it applies,
+    /// its norm prologue included), so a row's result does not depend on the rows beside it: an
+    /// artifact that decodes several sequences together gives each the tokens it gets alone.
+    BatchInvariant,
+}
+
+/// Whether `cfg` takes the tensor-core kernel: f16/bf16, rows of K 16-byte aligned, and (unless
+/// `rows` asks for batch invariance) more than one row of x.
+fn tensor_cores(cfg: &GemmConfig, rows: Rows) -> bool {
+    cfg.elem != Elem::F32 && cfg.k.is_multiple_of(8) && (rows == Rows::BatchInvariant || cfg.m >= 2)
 }
 
 /// The most shared memory the normalised rows of x may take (bytes).
@@ -66,16 +88,16 @@ const PROLOGUE_BYTES: u32 = 160 * 1024;
 /// took 158 us normalising in every block, against 136 us and one norm launch).
 const PROLOGUE_BLOCKS: u32 = 1024;
 
-/// Whether [`gemv_normed`] serves `cfg` with the norm `norm` computed in its prologue: the
-/// tensor-core kernel, every row of x normalised fits in shared memory, and few enough blocks
-/// repeat the prologue.
-pub fn takes_prologue(cfg: &GemmConfig, norm: &NormConfig) -> bool {
+/// Whether [`gemv_normed`] serves `cfg` (under `rows`) with the norm `norm` computed in its
+/// prologue: the tensor-core kernel, the rows of x normalised fit in shared memory (at any row
+/// count, so the choice does not depend on it), and few enough blocks repeat the prologue.
+pub fn takes_prologue(cfg: &GemmConfig, norm: &NormConfig, rows: Rows) -> bool {
     supports(cfg)
-        && tensor_cores(cfg)
+        && tensor_cores(cfg, rows)
         && !norm.residual
         && norm.elem == cfg.elem
         && (norm.rows, norm.cols) == (cfg.m, cfg.k)
-        && cfg.m * cfg.k * cfg.elem.bytes() <= PROLOGUE_BYTES
+        && MAX_ROWS * cfg.k * cfg.elem.bytes() <= PROLOGUE_BYTES
         && cfg.n_out().div_ceil(TC_COLS) <= PROLOGUE_BLOCKS
 }
 
@@ -84,7 +106,7 @@ pub fn takes_prologue(cfg: &GemmConfig, norm: &NormConfig) -> bool {
 /// there. Parameters: `x, w, norm_weight, [norm_bias], [bias], [residual], out`.
 pub fn gemv_normed((cfg, norm): &(GemmConfig, NormConfig)) -> GeneratedKernel {
     assert!(
-        takes_prologue(cfg, norm),
+        takes_prologue(cfg, norm, Rows::BatchInvariant),
         "the GEMV prologue needs the tensor-core kernel and x in shared memory"
     );
     let norm_name = match norm.kind {
@@ -234,7 +256,7 @@ const TC_UNROLL: u32 = 4;
 
 /// The tensor-core kernel (see the module documentation).
 fn gemv_tc(cfg: &GemmConfig, name: &str, norm: Option<&NormConfig>) -> GeneratedKernel {
-    let mut k = Kernel::new(name);
+    let mut k = Kernel::new(&format!("{name}_tc"));
     let x = k.param_ptr("x");
     let w = k.param_ptr("w");
     let norm_ptrs = norm.map(|n| {

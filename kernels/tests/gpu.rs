@@ -555,7 +555,7 @@ fn gemms_match_the_interpreter() {
 /// 1 to 8, K from 64 to 4104 (x in shared memory past 48 KB), epilogues on top.
 #[test]
 fn gemv_norm_prologues_match_the_interpreter() {
-    use kiln_kernels::gemv::{gemv_normed, takes_prologue};
+    use kiln_kernels::gemv::{gemv_normed, takes_prologue, Rows};
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng::seed_from_u64(0x0dd5_eed5_9e3d_1234);
     for elem in [Elem::F16, Elem::BF16] {
@@ -586,7 +586,10 @@ fn gemv_norm_prologues_match_the_interpreter() {
                     cols: k,
                     eps: 1e-5,
                 };
-                assert!(takes_prologue(&cfg, &norm_cfg), "{cfg:?}");
+                assert!(
+                    takes_prologue(&cfg, &norm_cfg, Rows::BatchInvariant),
+                    "{cfg:?}"
+                );
                 let n_out = cfg.n_out();
                 // A mean away from 0 and a spread away from 1, so both statistics matter.
                 let x: Vec<f32> = values(&mut rng, (m * k) as usize, 3.0, elem)
