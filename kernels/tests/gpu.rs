@@ -169,7 +169,8 @@ impl Gpu {
             .load_module(Ptx::from_src(kernel.module()))
             .unwrap();
         let f = module.load_function(&kernel.name).unwrap();
-        if kernel.launch.shared_bytes > 48 * 1024 {
+        // Static and dynamic shared memory share the default 48 KB: grant every request.
+        if kernel.launch.shared_bytes > 0 {
             f.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 kernel.launch.shared_bytes as i32,

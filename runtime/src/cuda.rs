@@ -415,7 +415,10 @@ impl CudaExecutor {
             let f = module.load_function(&k.name).map_err(|e| {
                 RuntimeError::Device(format!("kernel `{}` is not in the module: {e}", k.name))
             })?;
-            if k.max_shared_bytes > 48 * 1024 {
+            // The default allows 48 KB of static and dynamic shared memory together; a kernel
+            // with both (a GEMV's partials and its normalised rows) may pass it with less than
+            // 48 KB of dynamic memory, so every dynamic request is granted explicitly.
+            if k.max_shared_bytes > 0 {
                 f.set_attribute(
                     CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                     k.max_shared_bytes as i32,
