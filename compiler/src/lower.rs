@@ -392,7 +392,10 @@ pub fn lower(g: &Graph, kernels: &mut Lowered) -> GraphLaunches {
 /// logits. `None` for other graphs.
 pub fn greedy_tokens(g: &Graph, kernels: &mut Lowered) -> Option<TokenChoice> {
     g.inputs().find(|(_, name, _)| name.starts_with("past_"))?;
-    let logits = g.outputs().iter().find(|o| o.name == "logits")?;
+    let logits = g
+        .outputs()
+        .iter()
+        .find(|o| o.name == crate::compile::LOGITS)?;
     let ty = g.ty(logits.node);
     let [rows, 1, vocab] = dims(ty)?[..] else {
         return None;
@@ -498,7 +501,6 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
                 residual: spec.residual,
                 elem,
             };
-            let kernel = out.generate(&(cfg.clone(), out.rows), |(c, r)| gemm_for(c, *r));
             let mut bind = vec![("x", a(0)), ("w", a(1)), ("out", this)];
             if let Some(b) = bias {
                 bind.push(("bias", b));
@@ -507,8 +509,6 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
                 bind.push(("residual", r));
             }
             if let Some(p) = &spec.prologue {
-                // The norm runs into a scratch buffer the product reads (the CPU always; the
-                // GPU unless the matrix-vector kernel normalises x itself).
                 let norm_weight = a(rest.next()?);
                 let norm_bias = rest.next().map(a);
                 let norm_cfg = NormConfig {
@@ -519,35 +519,35 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
                     cols: k,
                     eps: p.eps as f32,
                 };
-                n.scratch
-                    .push(u64::from(m) * u64::from(k) * u64::from(elem.bytes()));
-                let mut norm_bind = vec![
-                    ("x", a(0)),
-                    ("weight", norm_weight.clone()),
-                    ("out", Operand::Scratch(0)),
-                ];
-                norm_bind.extend(norm_bias.clone().map(|b| ("bias", b)));
-                let norm_kernel = out.generate(&norm_cfg, norm);
-                n.cpu_like(
-                    CpuKernel::Norm(norm_cfg.clone()),
-                    &norm_kernel,
-                    &norm_bind,
-                    m.into(),
-                );
-                let mut gemm_bind = bind.clone();
-                gemm_bind[0].1 = Operand::Scratch(0);
-                n.cpu_like(CpuKernel::Gemm(cfg.clone()), &kernel, &gemm_bind, m.into());
                 if gemv::takes_prologue(&cfg, &norm_cfg, out.rows) {
+                    // One kernel normalises x and takes the product (f16/bf16 only, whose CPU
+                    // plans come from their f32 twins).
                     bind.push(("norm_weight", norm_weight));
                     bind.extend(norm_bias.map(|b| ("norm_bias", b)));
                     let kernel = out.generate(&(cfg, norm_cfg), gemv::gemv_normed);
                     return out.launch(n, kernel, &bind);
                 }
+                // Otherwise the norm runs into a scratch buffer the product reads.
+                n.scratch
+                    .push(u64::from(m) * u64::from(k) * u64::from(elem.bytes()));
+                let mut norm_bind = vec![
+                    ("x", a(0)),
+                    ("weight", norm_weight),
+                    ("out", Operand::Scratch(0)),
+                ];
+                norm_bind.extend(norm_bias.map(|b| ("bias", b)));
+                let norm_kernel = out.generate(&norm_cfg, norm);
+                n.cpu_like(
+                    CpuKernel::Norm(norm_cfg),
+                    &norm_kernel,
+                    &norm_bind,
+                    m.into(),
+                );
                 out.launch(n, norm_kernel, &norm_bind)?;
-                bind = gemm_bind;
-            } else {
-                n.cpu_like(CpuKernel::Gemm(cfg.clone()), &kernel, &bind, u64::from(m));
+                bind[0].1 = Operand::Scratch(0);
             }
+            let kernel = out.generate(&(cfg.clone(), out.rows), |(c, r)| gemm_for(c, *r));
+            n.cpu_like(CpuKernel::Gemm(cfg.clone()), &kernel, &bind, u64::from(m));
             if kernel.image == Image::Sm90a {
                 let fallback = out.generate(&cfg, gemm_base);
                 out.launch_with_fallback(n, kernel, fallback, &bind)?;

@@ -516,8 +516,13 @@ fn plan_bucket(
             copied_outputs.push((i, buffers.len() - 1));
         }
     }
-    // A decode step's chosen tokens (i64, one per row) are written after every other step.
-    let tokens_buffer = launches.tokens.as_ref().map(|t| {
+    // A decode step's chosen tokens (i64, one per row) are written after every other step, from
+    // logits the GPU computed (not ones its host tail computes).
+    let gpu_logits = !tail
+        .as_ref()
+        .is_some_and(|t| t.outputs.iter().any(|o| o == crate::compile::LOGITS));
+    let choice = launches.tokens.as_ref().filter(|_| gpu_logits);
+    let tokens_buffer = choice.map(|t| {
         buffers.push(crate::memory::Lifetime {
             bytes: u64::from(t.rows) * 8,
             first: end,
@@ -589,7 +594,7 @@ fn plan_bucket(
         }
     }
     let mut tokens = None;
-    if let (Some(choice), Some(b)) = (&launches.tokens, tokens_buffer) {
+    if let (Some(choice), Some(b)) = (choice, tokens_buffer) {
         // Its operands are graph values and the token slot: no node's scratch.
         let after = NodeId(g.len() as u32 - 1);
         steps.push(step(after, &choice.launch, "greedy_tokens".into())?);

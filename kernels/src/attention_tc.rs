@@ -502,8 +502,8 @@ impl<'a> Attn<'a> {
         let half = self.cfg.head_dim / 2;
         let k = &mut self.k;
         let hi_addr = k.add_u32(&lo_addr, &(half * 2));
-        let lo_w = ld_shared_v4(k, lo_addr);
-        let hi_w = ld_shared_v4(k, hi_addr);
+        let lo_w = k.ld_shared_words(lo_addr);
+        let hi_w = k.ld_shared_words(hi_addr);
         let t0 = k.mul_u32(&kc, &8u32);
         let mut angles = Vec::new();
         for (i, table) in [cos, sin].into_iter().enumerate() {
@@ -1131,15 +1131,6 @@ fn ldmatrix(k: &mut Kernel, trans: &str, addr: Reg, offset: u32) -> Vec<Reg> {
         r[0], r[1], r[2], r[3]
     ));
     r
-}
-
-fn ld_shared_v4(k: &mut Kernel, addr: Reg) -> Vec<Reg> {
-    let w: Vec<Reg> = (0..4).map(|_| k.reg(RegClass::B32)).collect();
-    k.emit(format!(
-        "ld.shared.v4.b32 {{{}, {}, {}, {}}}, [{addr}]",
-        w[0], w[1], w[2], w[3]
-    ));
-    w
 }
 
 fn ld_shared_v4_f32(k: &mut Kernel, addr: Reg, offset: u32) -> Vec<Reg> {

@@ -13,9 +13,9 @@
 //!   epilogue (bias, activation or SwiGLU, residual) in the GEMM's order. With SwiGLU the lanes
 //!   also stream the matching up rows `n + N/2`. [`gemv_normed`] first normalises the rows of x
 //!   into shared memory (a decode layer's RMSNorm or LayerNorm), saving the norm's launch.
-//! - One column per warp (f32, and one row of x otherwise): a warp's lanes stream its weight
-//!   row along K with 16-byte loads (coalesced, four chunks in flight at once), multiply it by
-//!   every x row, and reduce with shuffles; lane 0 applies the epilogue.
+//! - One column per warp (f32, K not a multiple of 8, and one row of x otherwise): a warp's
+//!   lanes stream its weight row along K with 16-byte loads (coalesced, four chunks in flight at
+//!   once), multiply it by every x row, and reduce with shuffles; lane 0 applies the epilogue.
 
 use kiln_ir::kernel::NormKind;
 
@@ -41,13 +41,8 @@ pub fn supports(cfg: &GemmConfig) -> bool {
         ])
 }
 
-/// Generates the kernel for `cfg` alone (see [`Rows`]). Parameters: `x, w, [bias],
-/// [residual], out`, as the GEMM's.
-pub fn gemv(cfg: &GemmConfig, name: String) -> GeneratedKernel {
-    gemv_for(cfg, name, Rows::Fastest)
-}
-
-/// Generates the kernel `rows` chooses for `cfg`.
+/// Generates the kernel `rows` chooses for `cfg`. Parameters: `x, w, [bias], [residual],
+/// out`, as the GEMM's.
 pub fn gemv_for(cfg: &GemmConfig, name: String, rows: Rows) -> GeneratedKernel {
     assert!(
         supports(cfg),
@@ -261,6 +256,7 @@ const TC_UNROLL: u32 = 4;
 /// The tensor-core kernel (see the module documentation).
 fn gemv_tc(cfg: &GemmConfig, name: &str, norm: Option<&NormConfig>) -> GeneratedKernel {
     let mut k = Kernel::new(&format!("{name}_tc"));
+    k.directive(format!(".maxntid {}, 1, 1", TC_WARPS * 32));
     let x = k.param_ptr("x");
     let w = k.param_ptr("w");
     let norm_ptrs = norm.map(|n| {
@@ -301,7 +297,7 @@ fn gemv_tc(cfg: &GemmConfig, name: &str, norm: Option<&NormConfig>) -> Generated
     // With a prologue, x is read from its normalised rows in shared memory.
     let x_source = match (norm, norm_ptrs) {
         (Some(n), Some(ptrs)) => {
-            let normed = k.dynamic_shared_aligned("x_normed", 16);
+            let normed = k.dynamic_shared("x_normed");
             prefetch_first_steps(&mut k, cfg, w, &rows, [warp, t]);
             prologue(&mut k, n, x, ptrs, &normed, [warp, lane]);
             XSource::Shared(normed)
@@ -336,7 +332,9 @@ fn gemv_tc(cfg: &GemmConfig, name: &str, norm: Option<&NormConfig>) -> Generated
         let xi = k.add_u32(&x_row, &at);
         let xv = match &x_source {
             XSource::Global(x) => load_words(&mut k, *x, &xi, cfg.elem, &[inside, x_ok]),
-            XSource::Shared(rows) => load_shared_words(&mut k, rows, &xi, &[inside, x_ok]),
+            XSource::Shared(rows) => {
+                load_shared_words(&mut k, rows, &xi, cfg.elem, &[inside, x_ok])
+            }
         };
         loaded.push((weights, xv));
     }
@@ -498,7 +496,7 @@ fn prologue(
         chunked(k, "norm_var", 1, &mut |k, at| {
             let (col, _) = at[0];
             let sa = shared_at(k, &col);
-            let words = ld_shared_v4(k, sa);
+            let words = k.ld_shared_words(sa);
             for v in k.unpack_halves(e, &words) {
                 let c = k.sub_f32(&v, &mean);
                 k.fma_into(sq, &c, &c);
@@ -515,7 +513,7 @@ fn prologue(
     chunked(k, "norm_write", 1, &mut |k, at| {
         let (col, _) = at[0];
         let sa = shared_at(k, &col);
-        let words = ld_shared_v4(k, sa);
+        let words = k.ld_shared_words(sa);
         let values = k.unpack_halves(e, &words);
         let wa = k.address(weight, &col, e.bytes());
         let wv = k.ld_global_vec16(e, wa);
@@ -549,25 +547,15 @@ fn prologue(
     k.barrier();
 }
 
-/// The 16 bytes at shared address `addr` as four b32 words.
-fn ld_shared_v4(k: &mut Kernel, addr: Reg) -> Vec<Reg> {
-    let w: Vec<Reg> = (0..4).map(|_| k.reg(RegClass::B32)).collect();
-    k.emit(format!(
-        "ld.shared.v4.b32 {{{}, {}, {}, {}}}, [{addr}]",
-        w[0], w[1], w[2], w[3]
-    ));
-    w
-}
-
 /// The 16 bytes at element `i` of the `[M, K]` rows in shared memory `rows` as four b32 words,
 /// or zeros unless every predicate of `when` holds.
-fn load_shared_words(k: &mut Kernel, rows: &str, i: &Reg, when: &[Reg]) -> Vec<Reg> {
+fn load_shared_words(k: &mut Kernel, rows: &str, i: &Reg, elem: Elem, when: &[Reg]) -> Vec<Reg> {
     let words: Vec<Reg> = (0..4).map(|_| k.mov(RegClass::B32, &0u32)).collect();
     let p = k.reg(RegClass::Pred);
     k.emit(format!("and.pred {p}, {}, {}", when[0], when[1]));
     let base = k.reg(RegClass::B32);
     k.emit(format!("mov.u32 {base}, {rows}"));
-    let addr = k.mad_u32(i, &2u32, &base);
+    let addr = k.mad_u32(i, &elem.bytes(), &base);
     k.emit(format!(
         "@{p} ld.shared.v4.b32 {{{}, {}, {}, {}}}, [{addr}]",
         words[0], words[1], words[2], words[3]

@@ -594,6 +594,16 @@ impl Kernel {
         self.op1("ld.global.s64", RegClass::B64, &Bracket(addr))
     }
 
+    /// The 16 bytes at shared address `addr` as four b32 words.
+    pub fn ld_shared_words(&mut self, addr: Reg) -> Vec<Reg> {
+        let w: Vec<Reg> = (0..4).map(|_| self.reg(RegClass::B32)).collect();
+        self.emit(format!(
+            "ld.shared.v4.b32 {{{}, {}, {}, {}}}, [{addr}]",
+            w[0], w[1], w[2], w[3]
+        ));
+        w
+    }
+
     /// `c += a b` with `mma.sync.aligned.m16n8k16` on `ty` (f16/bf16) operands and f32
     /// accumulators: `a` the four A-fragment registers, `b` the two B-fragment ones.
     pub fn mma_m16n8k16(&mut self, ty: &str, c: &[Reg], a: &[Reg], b: &[Reg; 2]) {

@@ -17,6 +17,7 @@ const ARGMAX_UNROLL: u32 = 4;
 pub fn argmax(elem: Elem, rows: u32, vocab: u32) -> GeneratedKernel {
     let name = format!("argmax_{}_v{vocab}", elem.name());
     let mut k = Kernel::new(&name);
+    k.directive(format!(".maxntid {ARGMAX_THREADS}, 1, 1"));
     let logits = k.param_ptr("logits");
     let out = k.param_ptr("out");
     let warps = ARGMAX_THREADS / 32;

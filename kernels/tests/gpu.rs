@@ -16,7 +16,8 @@ use kiln_ir::kernel::{Activation, EmbeddingSpec, GemmSpec, NormKind, NormSpec};
 use kiln_ir::Op;
 use kiln_kernels::elementwise::activation_kernel;
 use kiln_kernels::embedding::{embedding, EmbeddingConfig};
-use kiln_kernels::gemm::{gemm, gemm_base, GemmConfig};
+use kiln_kernels::gemm::{gemm, gemm_base, gemm_for, GemmConfig};
+use kiln_kernels::gemv::Rows;
 use kiln_kernels::norm::{norm, NormConfig};
 use kiln_kernels::sampling::argmax;
 use kiln_kernels::{Elem, GeneratedKernel, Image, ParamType};
@@ -425,20 +426,11 @@ fn argmax_picks_the_first_largest() {
             let out = gpu.upload_i64(&vec![-1; rows as usize]);
             let args = BTreeMap::from([("logits", Arg::Buf(&bl)), ("out", Arg::Buf(&out))]);
             gpu.launch(&kernel, &args);
+            // The runtime's token choice at temperature 0, which generation on the CPU uses.
+            let greedy = kiln_runtime::generate::Sampling::greedy();
             let want: Vec<i64> = logits
                 .chunks(vocab as usize)
-                .map(|row| {
-                    row.iter()
-                        .enumerate()
-                        .fold((0usize, f32::NEG_INFINITY), |best, (i, &v)| {
-                            if v > best.1 {
-                                (i, v)
-                            } else {
-                                best
-                            }
-                        })
-                        .0 as i64
-                })
+                .map(|row| kiln_runtime::generate::choose(row, &greedy, 0) as i64)
                 .collect();
             assert_eq!(gpu.download_i64(&out), want, "{} rows={rows}", kernel.name);
             println!("ok  {} rows={rows} vocab={vocab}", kernel.name);
@@ -497,10 +489,15 @@ fn gemms_match_the_interpreter() {
                 let w = values(&mut rng, (k * n) as usize, 1.0 / (k as f32).sqrt(), elem);
                 let b = values(&mut rng, n as usize, 0.5, elem);
                 let r = values(&mut rng, (m * n_out) as usize, 1.0, elem);
-                // The kernel lowering picks, and the base-image kernel its launches fall back to.
+                // The kernel lowering picks, the base-image kernel its launches fall back to, and
+                // the one a batched artifact picks (the tensor-core GEMV for one row too).
                 let mut kernels = vec![gemm(&cfg)];
                 if kernels[0].image == Image::Sm90a {
                     kernels.push(gemm_base(&cfg));
+                }
+                let invariant = gemm_for(&cfg, Rows::BatchInvariant);
+                if invariant.name != kernels[0].name {
+                    kernels.push(invariant);
                 }
                 let (bx, bw, bb, br) = (
                     gpu.upload(elem, &x),
@@ -556,7 +553,7 @@ fn gemms_match_the_interpreter() {
 /// 1 to 8, K from 64 to 4104 (x in shared memory past 48 KB), epilogues on top.
 #[test]
 fn gemv_norm_prologues_match_the_interpreter() {
-    use kiln_kernels::gemv::{gemv_normed, takes_prologue, Rows};
+    use kiln_kernels::gemv::{gemv_normed, takes_prologue};
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng::seed_from_u64(0x0dd5_eed5_9e3d_1234);
     for elem in [Elem::F16, Elem::BF16] {
@@ -653,6 +650,79 @@ fn gemv_norm_prologues_match_the_interpreter() {
                 );
             }
         }
+    }
+}
+
+/// Batch invariance of the tensor-core GEMV (what a batched artifact relies on for each sequence
+/// to decode as it does alone): row r of a product of 1 to 8 rows, with and without the norm
+/// prologue, is bit for bit row r of the same product over 8 rows.
+#[test]
+fn tensor_core_gemv_rows_do_not_depend_on_their_neighbours() {
+    use kiln_kernels::gemv::gemv_normed;
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng::seed_from_u64(0x1234_8765_abcd_0f0f);
+    let elem = Elem::BF16;
+    let (k, n) = (2056u32, 96u32);
+    let x = values(&mut rng, (8 * k) as usize, 2.0, elem);
+    let w = values(&mut rng, (k * n) as usize, 1.0 / (k as f32).sqrt(), elem);
+    let gamma = values(&mut rng, k as usize, 1.0, elem);
+    let (bx, bw, bg) = (
+        gpu.upload(elem, &x),
+        gpu.upload(elem, &w),
+        gpu.upload(elem, &gamma),
+    );
+    for normed in [false, true] {
+        let run = |m: u32| -> Vec<f32> {
+            let cfg = GemmConfig {
+                m,
+                k,
+                n,
+                transpose_b: true,
+                bias: false,
+                activation: None,
+                swiglu: normed,
+                residual: false,
+                elem,
+            };
+            let kernel = if normed {
+                let norm = NormConfig {
+                    kind: NormKind::RmsNorm,
+                    residual: false,
+                    elem,
+                    rows: m,
+                    cols: k,
+                    eps: 1e-5,
+                };
+                gemv_normed(&(cfg.clone(), norm))
+            } else {
+                gemm_for(&cfg, Rows::BatchInvariant)
+            };
+            assert!(kernel.name.ends_with("_gemv_tc"), "{}", kernel.name);
+            let out = gpu.poisoned(elem, (m * cfg.n_out()) as usize);
+            let args = BTreeMap::from([
+                ("x", Arg::Buf(&bx)),
+                ("w", Arg::Buf(&bw)),
+                ("norm_weight", Arg::Buf(&bg)),
+                ("out", Arg::Buf(&out)),
+            ]);
+            gpu.launch(&kernel, &args);
+            gpu.download(elem, &out)
+        };
+        let all = run(8);
+        for m in 1..8u32 {
+            let got = run(m);
+            let n_out = got.len() / m as usize;
+            for (i, (a, b)) in got.iter().zip(&all).enumerate() {
+                assert_eq!(
+                    a.to_bits(),
+                    b.to_bits(),
+                    "normed {normed}: {m} rows, row {} column {}",
+                    i / n_out,
+                    i % n_out
+                );
+            }
+        }
+        println!("ok  rows 1..8 equal to 8 rows' (prologue: {normed})");
     }
 }
 

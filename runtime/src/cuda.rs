@@ -271,6 +271,14 @@ pub fn check_plan(
             return Err(bad(format!("`{}` lies outside the arena", slot.name)));
         }
     }
+    if let Some(t) = &plan.tokens {
+        if t.dtype != DType::I64 || t.shape != [entry.batch] {
+            return Err(bad(format!(
+                "the token slot is {:?} {:?}; a batch of {} takes I64 [{}]",
+                t.dtype, t.shape, entry.batch, entry.batch
+            )));
+        }
+    }
     Ok(())
 }
 
@@ -566,7 +574,7 @@ impl CudaExecutor {
 
     /// Replays a decode step and returns the tokens its graph chose on the device (the first
     /// largest logit of each row): 8 bytes per row come back instead of the logits. `None` when
-    /// the bucket's plan chooses none (an older artifact, or not a decode step).
+    /// the bucket's plan chooses none (not a decode step, or logits its host tail computes).
     pub fn replay_tokens(
         &mut self,
         graph: &str,
@@ -750,8 +758,9 @@ fn copy_back(
         let n = slot.bytes() as usize;
         let src = arena + slot.offset;
         // SAFETY: `src..src + n` is the slot inside the one allocation (`check_plan`), and
-        // `staging[at..at + n]` lies inside the page-locked buffer sized for the largest
-        // bucket's outputs; the stream is synchronised below before the bytes are read.
+        // `staging[at..at + n]` lies inside the page-locked buffer sized for the most any bucket
+        // copies back (its outputs, or its tokens); the stream is synchronised below before the
+        // bytes are read.
         unsafe {
             cudarc::driver::result::memcpy_dtoh_async(
                 &mut staging[at..at + n],
@@ -769,7 +778,7 @@ fn copy_back(
     Ok(ranges)
 }
 
-/// The most output bytes any bucket returns.
+/// The most bytes any bucket copies back: its outputs, or a decode step's tokens.
 fn plans_outputs_bytes(buckets: &[(&BucketEntry, ExecPlan)]) -> usize {
     buckets
         .iter()

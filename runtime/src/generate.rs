@@ -329,7 +329,14 @@ impl<'a> Session<'a> {
         if sampling.temperature <= 0.0 && rows.iter().all(|r| r.tokens.len() == 1) {
             let inputs = self.inputs(entry, rows);
             if let Some(tokens) = self.exec.run_greedy(entry, &inputs)? {
-                return tokens[..rows.len()]
+                let tokens = tokens.get(..rows.len()).ok_or_else(|| {
+                    RuntimeError::Device(format!(
+                        "the decode step chose {} tokens for {} sequences",
+                        tokens.len(),
+                        rows.len()
+                    ))
+                })?;
+                return tokens
                     .iter()
                     .map(|&t| {
                         usize::try_from(t)

@@ -274,6 +274,11 @@ fn plans_are_consistent_with_the_kernel_table_and_the_allocation() {
             [logits.offset, tokens.offset].map(|at| Arg::Ptr(Region::Arena, at))
         );
         assert_eq!(last.launch.grid, [e.batch as u32, 1, 1]);
+        // A token slot of another shape is refused before anything runs.
+        let mut bad = plan.clone();
+        bad.tokens.as_mut().unwrap().shape = vec![e.batch + 1];
+        let err = check_plan(&art, e, &bad, &table).unwrap_err().to_string();
+        assert!(err.contains("token slot"), "{err}");
     }
     let norm = grids
         .iter()
