@@ -48,6 +48,9 @@ pub struct KernelReport {
     /// The hardware path of the kernel lowering generated for it (its main kernel's, for a node
     /// lowered to several launches).
     pub path: KernelPath,
+    /// The generated kernels it launches, in order (on a GPU without sm_90a, a Hopper kernel's
+    /// launch runs its fallback instead).
+    pub launches: Vec<String>,
     /// Floating-point operations.
     pub flops: f64,
     /// Bytes read and written.
@@ -97,6 +100,10 @@ pub struct CompileReport {
     pub padding: Option<PaddingReport>,
     /// Distinct PTX kernels generated for all buckets.
     pub ptx_kernels: usize,
+    /// Whether decode products take the same kernels at every batch size, so that a sequence
+    /// decoded beside others gets what it gets alone (the artifact decodes several sequences
+    /// together; `kiln_kernels::gemv::Rows`), rather than each batch size its fastest ones.
+    pub batch_invariant_decode: bool,
 }
 
 /// A compiled bucket: its static graph and report.
@@ -230,6 +237,7 @@ pub fn compile_with_progress(
             stage_seconds,
             padding,
             ptx_kernels: generated.kernels.len(),
+            batch_invariant_decode: generated.rows == kiln_kernels::gemv::Rows::BatchInvariant,
         },
         Compiled {
             prefill: buckets,
@@ -274,7 +282,7 @@ fn lower_bucket(
         .nodes()
         .map(|(id, _)| (moved[id.index()], id))
         .collect();
-    let paths = lowered
+    let launched = lowered
         .nodes
         .iter()
         .map(|(id, node)| {
@@ -283,7 +291,8 @@ fn lower_bucket(
                     .iter()
                     .map(|l| generated.kernels[&l.kernel].path),
             );
-            (origin[id], path)
+            let names = node.launches.iter().map(|l| l.kernel.clone()).collect();
+            (origin[id], (path, names))
         })
         .collect();
     let no_ptx = lowered
@@ -295,7 +304,7 @@ fn lower_bucket(
         batch: bucket.batch,
         seq: bucket.seq,
         context,
-        kernels: kernels(&graph, &paths),
+        kernels: kernels(&graph, &launched),
         modelled_seconds,
         no_ptx,
     };
@@ -310,18 +319,26 @@ fn lower_bucket(
 }
 
 /// The kernels of a static graph: every node that is not a leaf, a view, or a value computed from
-/// weights alone (those are folded when the artifact is written), each on the path `paths` gives
-/// its node (the lowering's; `other` for a node without one).
-pub fn kernels(graph: &Graph, paths: &BTreeMap<NodeId, KernelPath>) -> Vec<KernelReport> {
+/// weights alone (those are folded when the artifact is written), each with the path and the
+/// launched kernels `launched` gives its node (the lowering's; `other` and none for a node
+/// without them).
+pub fn kernels(
+    graph: &Graph,
+    launched: &BTreeMap<NodeId, (KernelPath, Vec<String>)>,
+) -> Vec<KernelReport> {
     graph_work(graph, &BTreeMap::new())
         .into_iter()
-        .map(|(id, work)| KernelReport {
-            name: format!("{}_{}", graph.node(id).op.name(), id.0),
-            kind: work.kind,
-            rules: fusions(&graph.node(id).op),
-            path: paths.get(&id).copied().unwrap_or_default(),
-            flops: work.flops,
-            bytes: work.bytes,
+        .map(|(id, work)| {
+            let (path, launches) = launched.get(&id).cloned().unwrap_or_default();
+            KernelReport {
+                name: format!("{}_{}", graph.node(id).op.name(), id.0),
+                kind: work.kind,
+                rules: fusions(&graph.node(id).op),
+                path,
+                launches,
+                flops: work.flops,
+                bytes: work.bytes,
+            }
         })
         .collect()
 }

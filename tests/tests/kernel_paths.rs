@@ -180,11 +180,14 @@ fn decode_products_normalise_their_rows_themselves() {
         for (dtype, batches) in [("bf16", "1,4"), ("bf16", "1"), ("f32", "1,4")] {
             let tmp = tempfile::tempdir().unwrap();
             let out = tmp.path().join("out");
+            let report = tmp.path().join("report.json");
             kiln(&[
                 "compile",
                 fixture(name).to_str().unwrap(),
                 "-o",
                 out.to_str().unwrap(),
+                "--report",
+                report.to_str().unwrap(),
                 "--buckets",
                 "16",
                 "--batch-buckets",
@@ -200,6 +203,33 @@ fn decode_products_normalise_their_rows_themselves() {
             ])
             .unwrap();
             let art = Artifact::open(&out).unwrap();
+            // The report says which it is, and names every launch of a decode product.
+            let r: Value =
+                serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+            assert_eq!(
+                r["batch_invariant_decode"],
+                batches != "1",
+                "{name} {dtype} {batches}"
+            );
+            for b in r["decode_buckets"].as_array().unwrap() {
+                for k in b["kernels"].as_array().unwrap() {
+                    let launches: Vec<&str> = k["launches"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|l| l.as_str().unwrap())
+                        .collect();
+                    if k["path"] == "gemv" {
+                        let tc = dtype == "bf16" && batches != "1";
+                        let last = launches.last().unwrap();
+                        assert_eq!(
+                            last.ends_with("_gemv_tc"),
+                            tc,
+                            "{name} {dtype} {batches}: {k}"
+                        );
+                    }
+                }
+            }
             for e in &art.manifest.decode {
                 let steps = &e.plan.as_ref().unwrap().steps;
                 let kernels: Vec<&str> = steps.iter().map(|s| s.kernel.as_str()).collect();
