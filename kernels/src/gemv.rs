@@ -265,8 +265,7 @@ fn gemv_tc(cfg: &GemmConfig, name: &str, norm: Option<&NormConfig>) -> Generated
         (weight, bias)
     });
     let epilogue = EpiloguePtrs::declare(&mut k, cfg);
-    let parts = if cfg.swiglu { 2 } else { 1 };
-    let partials = k.shared("partials", parts * TC_WARPS * TC_COLS * 8 * 4);
+    let partials = k.shared("partials", parts(cfg) * TC_WARPS * TC_COLS * 8 * 4);
     let n_out = cfg.n_out();
     let tid = k.special("tid.x");
     let lane = k.op2("and.b32", RegClass::B32, &tid, &31u32);
@@ -304,7 +303,56 @@ fn gemv_tc(cfg: &GemmConfig, name: &str, norm: Option<&NormConfig>) -> Generated
         }
         _ => XSource::Global(x),
     };
-    let acc: Vec<Vec<Reg>> = (0..parts)
+    let operands = Operands {
+        w,
+        rows: &rows,
+        x: &x_source,
+        x_row,
+        x_ok,
+    };
+    let acc = k_steps(&mut k, cfg, &operands, [warp, t]);
+    finish_tc(
+        &mut k,
+        cfg,
+        &epilogue,
+        &partials,
+        &acc,
+        [tid, warp, g, t, n0],
+    );
+    GeneratedKernel::new(
+        k,
+        Launch {
+            grid: [n_out.div_ceil(TC_COLS), 1, 1],
+            block: [TC_WARPS * 32, 1, 1],
+            shared_bytes: norm.map_or(0, |_| cfg.m * cfg.k * cfg.elem.bytes()),
+        },
+    )
+    .on(crate::KernelPath::Gemv)
+}
+
+/// Products a tensor-core block accumulates: gate and up with SwiGLU, else one.
+fn parts(cfg: &GemmConfig) -> u32 {
+    if cfg.swiglu {
+        2
+    } else {
+        1
+    }
+}
+
+/// What a lane of the tensor-core kernel multiplies: its weight rows (start element, whether the
+/// row exists), and its row of x (where x is read, its start element, whether it exists).
+struct Operands<'a> {
+    w: Reg,
+    rows: &'a [(Reg, Reg)],
+    x: &'a XSource,
+    x_row: Reg,
+    x_ok: Reg,
+}
+
+/// The K loop of the tensor-core kernel: the warp's 32-wide steps, `TC_UNROLL` loaded before
+/// their products; returns the accumulators (C fragments), one set per part (gate, and up).
+fn k_steps(k: &mut Kernel, cfg: &GemmConfig, op: &Operands, [warp, t]: [Reg; 2]) -> Vec<Vec<Reg>> {
+    let acc: Vec<Vec<Reg>> = (0..parts(cfg))
         .map(|_| (0..4).map(|_| k.mov(RegClass::F32, &F32(0.0))).collect())
         .collect();
 
@@ -322,19 +370,18 @@ fn gemv_tc(cfg: &GemmConfig, name: &str, norm: Option<&NormConfig>) -> Generated
     for u in 0..TC_UNROLL {
         let at = k.add_u32(&kk, &(u * TC_WARPS * 32));
         let inside = k.setp("lt.u32", &at, &cfg.k);
-        let weights: Vec<Vec<Reg>> = rows
+        let weights: Vec<Vec<Reg>> = op
+            .rows
             .iter()
             .map(|(start, ok)| {
                 let i = k.add_u32(start, &at);
-                load_words(&mut k, w, &i, cfg.elem, &[inside, *ok])
+                load_words(k, op.w, &i, cfg.elem, &[inside, *ok])
             })
             .collect();
-        let xi = k.add_u32(&x_row, &at);
-        let xv = match &x_source {
-            XSource::Global(x) => load_words(&mut k, *x, &xi, cfg.elem, &[inside, x_ok]),
-            XSource::Shared(rows) => {
-                load_shared_words(&mut k, rows, &xi, cfg.elem, &[inside, x_ok])
-            }
+        let xi = k.add_u32(&op.x_row, &at);
+        let xv = match op.x {
+            XSource::Global(x) => load_words(k, *x, &xi, cfg.elem, &[inside, op.x_ok]),
+            XSource::Shared(rows) => load_shared_words(k, rows, &xi, cfg.elem, &[inside, op.x_ok]),
         };
         loaded.push((weights, xv));
     }
@@ -359,23 +406,7 @@ fn gemv_tc(cfg: &GemmConfig, name: &str, norm: Option<&NormConfig>) -> Generated
     ));
     k.bra(None, &top);
     k.place(&done);
-    finish_tc(
-        &mut k,
-        cfg,
-        &epilogue,
-        &partials,
-        &acc,
-        [tid, warp, g, t, n0],
-    );
-    GeneratedKernel::new(
-        k,
-        Launch {
-            grid: [n_out.div_ceil(TC_COLS), 1, 1],
-            block: [TC_WARPS * 32, 1, 1],
-            shared_bytes: norm.map_or(0, |_| cfg.m * cfg.k * cfg.elem.bytes()),
-        },
-    )
-    .on(crate::KernelPath::Gemv)
+    acc
 }
 
 /// Sends the weights of the warp's first `TC_UNROLL` K steps (lane (g, t)'s 16 bytes of each of

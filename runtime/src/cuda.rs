@@ -580,20 +580,23 @@ impl CudaExecutor {
         graph: &str,
         inputs: &BTreeMap<String, Tensor>,
     ) -> Result<Option<Vec<i64>>, RuntimeError> {
-        let Some(slot) = self.plans.get(graph).and_then(|p| p.tokens.clone()) else {
+        if self.plans.get(graph).is_none_or(|p| p.tokens.is_none()) {
+            return Ok(None);
+        }
+        self.launch(graph, inputs)?;
+        let slots = self.plans[graph].tokens.as_slice();
+        let arena = self.addresses.base + self.arena;
+        let ranges = copy_back(&self.stream, &mut self.staging, arena, graph, slots)?;
+        let Some(range) = ranges.into_iter().next() else {
             return Ok(None);
         };
-        self.launch(graph, inputs)?;
-        let arena = self.addresses.base + self.arena;
-        let slots = std::slice::from_ref(&slot);
-        let ranges = copy_back(&self.stream, &mut self.staging, arena, graph, slots)?;
         let staging: &[u8] = self.staging.as_slice().map_err(dev)?;
-        Ok(Some(
-            staging[ranges[0].clone()]
-                .chunks_exact(8)
-                .map(|b| i64::from_le_bytes(b.try_into().expect("8-byte chunks")))
-                .collect(),
-        ))
+        // `check_plan` made the slot I64 `[batch]`.
+        let rows = range.len() / 8;
+        Ok(match decode(&staging[range], DType::I64, vec![rows]).data {
+            Data::Int(tokens) => Some(tokens),
+            Data::Float(_) => None,
+        })
     }
 
     /// Copies `inputs` into their slots and replays `graph` (or, when profiling, launches its
@@ -742,8 +745,9 @@ fn capture(
     Ok(captured)
 }
 
-/// Copies `slots` of the arena (at device address `arena`) to the page-locked staging buffer, one after the other, and
-/// waits for the stream (and so for the replay before them); returns where each landed.
+/// Copies `slots` of the arena (at device address `arena`) to the page-locked staging buffer,
+/// one after the other, and waits for the stream (and so for the replay before them); returns
+/// where each landed.
 fn copy_back(
     stream: &CudaStream,
     staging: &mut PinnedHostSlice<u8>,

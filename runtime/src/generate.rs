@@ -326,41 +326,27 @@ impl<'a> Session<'a> {
         sampling: &Sampling,
         step: u32,
     ) -> Result<Vec<usize>, RuntimeError> {
+        let inputs = self.inputs(entry, rows);
         if sampling.temperature <= 0.0 && rows.iter().all(|r| r.tokens.len() == 1) {
-            let inputs = self.inputs(entry, rows);
             if let Some(tokens) = self.exec.run_greedy(entry, &inputs)? {
-                let tokens = tokens.get(..rows.len()).ok_or_else(|| {
-                    RuntimeError::Device(format!(
-                        "the decode step chose {} tokens for {} sequences",
-                        tokens.len(),
-                        rows.len()
-                    ))
-                })?;
-                return tokens
-                    .iter()
-                    .map(|&t| {
-                        usize::try_from(t)
-                            .ok()
-                            .filter(|&t| t < self.vocab)
-                            .ok_or_else(|| {
-                                RuntimeError::Device(format!(
-                                    "the device chose token {t}, outside the vocabulary"
-                                ))
-                            })
-                    })
-                    .collect();
+                return chosen(&tokens, rows.len(), self.vocab);
             }
         }
-        let logits = self.step(entry, rows)?;
+        let logits = self.step(entry, rows, inputs)?;
         (0..rows.len())
             .map(|r| self.exec.choose(logits.row(r), sampling, step))
             .collect()
     }
 
-    /// Runs `rows` through the KV-cached bucket `entry` and returns the logits of each row's
-    /// last token.
-    fn step(&mut self, entry: &BucketEntry, rows: &[Row]) -> Result<Logits, RuntimeError> {
-        let mut outputs = self.fill(entry, rows)?;
+    /// Runs `inputs` (of `rows`, see [`Session::inputs`]) through the KV-cached bucket `entry`
+    /// and returns the logits of each row's last token.
+    fn step(
+        &mut self,
+        entry: &BucketEntry,
+        rows: &[Row],
+        inputs: BTreeMap<String, Tensor>,
+    ) -> Result<Logits, RuntimeError> {
+        let mut outputs = self.run(entry, &inputs)?;
         let Some(Data::Float(values)) = outputs.remove("logits").map(|t| t.data) else {
             return Err(RuntimeError::Request(
                 "the decode graph has no float logits".into(),
@@ -388,7 +374,17 @@ impl<'a> Session<'a> {
         rows: &[Row],
     ) -> Result<BTreeMap<String, Tensor>, RuntimeError> {
         let inputs = self.inputs(entry, rows);
-        let mut outputs = self.exec.run(self.art, entry, &inputs)?;
+        self.run(entry, &inputs)
+    }
+
+    /// Runs `inputs` through the KV-cached bucket `entry`, keeps the updated caches the caller
+    /// keeps, and returns the bucket's other outputs.
+    fn run(
+        &mut self,
+        entry: &BucketEntry,
+        inputs: &BTreeMap<String, Tensor>,
+    ) -> Result<BTreeMap<String, Tensor>, RuntimeError> {
+        let mut outputs = self.exec.run(self.art, entry, inputs)?;
         let b = entry.batch;
         for (name, cache) in self.caches.iter_mut() {
             let present = outputs
@@ -459,6 +455,30 @@ impl<'a> Session<'a> {
         }
         Ok(())
     }
+}
+
+/// The first `n` of the token ids a decode step chose on the device, checked against the
+/// vocabulary.
+fn chosen(tokens: &[i64], n: usize, vocab: usize) -> Result<Vec<usize>, RuntimeError> {
+    let tokens = tokens.get(..n).ok_or_else(|| {
+        RuntimeError::Device(format!(
+            "the decode step chose {} tokens for {n} sequences",
+            tokens.len()
+        ))
+    })?;
+    tokens
+        .iter()
+        .map(|&t| {
+            usize::try_from(t)
+                .ok()
+                .filter(|&t| t < vocab)
+                .ok_or_else(|| {
+                    RuntimeError::Device(format!(
+                        "the device chose token {t}, outside the vocabulary"
+                    ))
+                })
+        })
+        .collect()
 }
 
 /// Elements of `cache`'s leading `rows` rows: caches are kept for the largest decode batch, and
