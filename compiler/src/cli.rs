@@ -654,7 +654,8 @@ struct ArtifactSource<'a> {
 }
 
 /// Writes the artifact (`manifest.ron`, `buckets/*.ron`, `kernels.ptx` and the cubin,
-/// `weights.safetensors`, `tokenizer.json`, `checksums`) into a staging folder beside `out_dir`,
+/// `weights.safetensors`, the checkpoint's `tokenizer.json`, `tokenizer_config.json` and
+/// `generation_config.json`, `checksums`) into a staging folder beside `out_dir`,
 /// then swaps it into place ([`Staging`]), so that a failure or an interruption leaves nothing at
 /// `out_dir` but the previous output, whole. Returns the seconds of each stage.
 fn write_artifact(
@@ -748,13 +749,18 @@ fn fill_artifact(
         None
     };
     timed("weights", start);
-    let tokenizer_src = src.model.checkpoint.dir().join(TOKENIZER);
-    let tokenizer = if tokenizer_src.is_file() {
-        std::fs::copy(&tokenizer_src, dir.join(TOKENIZER))?;
-        Some(TOKENIZER.to_string())
-    } else {
-        None
+    // The checkpoint's tokenizer and generation settings, when it has them.
+    let copy = |file: &str| -> Result<Option<String>> {
+        let from = src.model.checkpoint.dir().join(file);
+        if !from.is_file() {
+            return Ok(None);
+        }
+        std::fs::copy(&from, dir.join(file))?;
+        Ok(Some(file.to_string()))
     };
+    let tokenizer = copy(TOKENIZER)?;
+    let tokenizer_config = copy("tokenizer_config.json")?;
+    let generation_config = copy("generation_config.json")?;
     let manifest = artifact::Manifest {
         format_version: artifact::FORMAT_VERSION,
         compiler_version: env!("CARGO_PKG_VERSION").to_string(),
@@ -774,6 +780,8 @@ fn fill_artifact(
         dtype: src.dtype,
         weights: weights_digest.as_ref().map(|_| WEIGHTS.to_string()),
         tokenizer,
+        tokenizer_config,
+        generation_config,
         kernels_ptx: kernel_files.ptx,
         targets: if kernel_files.cubin.is_some() {
             vec![90]
@@ -842,6 +850,8 @@ fn write_checksums(
     files.extend(manifest.kernels_sm90a_cubin.iter().cloned());
     files.extend(manifest.kernels_cpu.iter().cloned());
     files.extend(manifest.tokenizer.iter().cloned());
+    files.extend(manifest.tokenizer_config.iter().cloned());
+    files.extend(manifest.generation_config.iter().cloned());
     files.extend(
         manifest
             .prefill

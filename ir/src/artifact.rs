@@ -50,6 +50,12 @@ pub struct Manifest {
     pub weights: Option<String>,
     /// `tokenizer.json`, when the checkpoint had one.
     pub tokenizer: Option<String>,
+    /// `tokenizer_config.json` (special tokens, the chat template), when the checkpoint had one.
+    #[serde(default)]
+    pub tokenizer_config: Option<String>,
+    /// `generation_config.json` (end-of-sequence ids), when the checkpoint had one.
+    #[serde(default)]
+    pub generation_config: Option<String>,
     /// The PTX module of every kernel (absent in a `--target cpu` build).
     pub kernels_ptx: Option<String>,
     /// The sm_90 cubin assembled from it, when ptxas was found.

@@ -122,7 +122,12 @@ impl Artifact {
             let graph = Graph::from_ron(&text).map_err(|e| bad(&entry.graph, e.to_string()))?;
             graphs.insert(entry.graph.clone(), graph);
         }
-        if let Some(file) = manifest.tokenizer.as_ref().filter(|f| !listed(f)) {
+        let extras = [
+            &manifest.tokenizer,
+            &manifest.tokenizer_config,
+            &manifest.generation_config,
+        ];
+        if let Some(file) = extras.into_iter().flatten().find(|f| !listed(f)) {
             return Err(bad(file, "has no checksum".into()));
         }
         if let (Some(file), Some(want)) = (&manifest.weights, &manifest.weights_digest) {

@@ -18,6 +18,7 @@
 //! cranelift, so that a deployment links the runtime alone.
 
 pub mod artifact;
+pub mod batcher;
 pub mod bench;
 pub mod cli;
 pub mod cpu;

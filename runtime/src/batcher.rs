@@ -1,0 +1,588 @@
+//! Continuous batching over a decoder artifact's KV-cached buckets. Every sequence owns one row of
+//! the largest decode bucket's cache; sequences join and leave between steps, and each step runs
+//! the smallest one-token decode bucket that covers the occupied rows (rows without a token this
+//! step are masked, so they write nothing). A prompt but its last token enters the cache through
+//! the batch-1 chunk bucket, which works on row 0: a joining sequence takes row 0 (its occupant
+//! moves to a free row first) and fills it chunk by chunk, interleaved with the others' decode
+//! steps; without a chunk bucket, prompts enter one token per decode step in their own rows. The
+//! last prompt token then goes through a decode step, whose logits choose the first new token.
+//! Rows are compacted when a sequence leaves, so the bucket stays as small as the batch.
+//!
+//! A sequence's tokens do not depend on its neighbours, its row or the bucket it runs in: the
+//! executors' decode products are batch-invariant (see ARCHITECTURE.md), cache rows move by
+//! exact copies, and each sequence samples from its own stream (step `i` of its own seed).
+
+use std::collections::BTreeMap;
+
+use kiln_ir::artifact::BucketEntry;
+use kiln_ir::{Data, Graph, Tensor};
+
+use crate::generate::{check_prompt, chosen, Sampling};
+use crate::{Artifact, Executor, RuntimeError};
+
+/// The caller's name for a sequence.
+pub type SeqId = u64;
+
+/// What to generate: `max_new` tokens after `prompt` under `sampling`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Job {
+    /// The prompt's token ids (at least one).
+    pub prompt: Vec<i64>,
+    /// How many tokens to generate (at least one).
+    pub max_new: usize,
+    /// How each token is chosen.
+    pub sampling: Sampling,
+}
+
+/// A token a step chose for a sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Emitted {
+    /// The sequence.
+    pub id: SeqId,
+    /// The token.
+    pub token: i64,
+    /// Whether it was the sequence's last (`max_new` reached; the sequence has left).
+    pub last: bool,
+}
+
+/// A sequence in its row.
+struct Seq {
+    id: SeqId,
+    job: Job,
+    /// Prompt tokens in the cache.
+    filled: usize,
+    generated: Vec<i64>,
+}
+
+impl Seq {
+    /// Prompt tokens to put in the cache before the last one goes through a decode step.
+    fn head(&self) -> usize {
+        self.job.prompt.len() - 1
+    }
+
+    /// Whether the prompt head is still entering the cache.
+    fn filling(&self) -> bool {
+        self.filled < self.head()
+    }
+}
+
+/// What one row does in a decode step.
+enum Work {
+    /// Nothing (no sequence, or a prompt filling through the chunk bucket): masked.
+    Idle,
+    /// Puts a prompt token in the cache; its logits are not needed.
+    Feed,
+    /// Chooses the sequence's next token.
+    Choose,
+}
+
+/// Sequences decoded together through one artifact's decode buckets (see the module docs).
+pub struct Batcher<'a> {
+    session: Session<'a>,
+    /// The one-token decode buckets, by batch ascending.
+    steps: Vec<&'a BucketEntry>,
+    chunk: Option<&'a BucketEntry>,
+    rows: Vec<Option<Seq>>,
+    /// Prompt chunks run before each decode step (the per-step prompt budget).
+    chunks_per_step: usize,
+    /// Seconds spent in decode steps in which every sequence was past its prompt.
+    pub decode_seconds: f64,
+    /// Runs per bucket graph file.
+    pub runs: BTreeMap<String, u64>,
+}
+
+impl<'a> Batcher<'a> {
+    /// A batcher over `art`'s decode buckets on `exec`, with an empty cache.
+    pub fn new(art: &'a Artifact, exec: &'a mut Executor) -> Result<Batcher<'a>, RuntimeError> {
+        let m = &art.manifest;
+        if !m.model.decoder {
+            return Err(RuntimeError::Request(format!(
+                "{} is an encoder; generation needs a decoder",
+                m.architecture
+            )));
+        }
+        let mut steps: Vec<&BucketEntry> = m.decode.iter().filter(|e| e.seq == 1).collect();
+        steps.sort_by_key(|e| e.batch);
+        let largest = *steps
+            .last()
+            .ok_or_else(|| RuntimeError::Request("the artifact has no decode bucket".into()))?;
+        let chunk = m
+            .decode
+            .iter()
+            .filter(|e| e.seq > 1 && e.batch == 1)
+            .max_by_key(|e| e.seq);
+        let session = Session::new(art, exec, largest)?;
+        Ok(Batcher {
+            session,
+            steps,
+            chunk,
+            rows: (0..largest.batch).map(|_| None).collect(),
+            chunks_per_step: 1,
+            decode_seconds: 0.0,
+            runs: BTreeMap::new(),
+        })
+    }
+
+    /// Sets how many prompt chunks run before each decode step (at least one).
+    pub fn with_chunks_per_step(mut self, n: usize) -> Batcher<'a> {
+        self.chunks_per_step = n.max(1);
+        self
+    }
+
+    /// How many sequences can decode together (the largest decode batch).
+    pub fn capacity(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// The compiled context: a sequence's prompt and new tokens together.
+    pub fn context(&self) -> usize {
+        self.session.context
+    }
+
+    /// Sequences in rows.
+    pub fn active(&self) -> usize {
+        self.rows.iter().flatten().count()
+    }
+
+    /// Whether no sequence is in a row.
+    pub fn is_idle(&self) -> bool {
+        self.active() == 0
+    }
+
+    /// `Err` naming what is wrong with `job` for this artifact.
+    pub fn check(&self, job: &Job) -> Result<(), RuntimeError> {
+        job.sampling.validate()?;
+        if job.max_new == 0 {
+            return Err(RuntimeError::Request(
+                "at least one new token must be asked for".into(),
+            ));
+        }
+        check_prompt(&job.prompt, job.max_new, self.context(), self.session.vocab)
+            .map_err(RuntimeError::Request)
+    }
+
+    /// Whether `job` can join now: a row is free and, if its prompt enters through the chunk
+    /// bucket, no other prompt is filling row 0.
+    pub fn can_admit(&self, job: &Job) -> bool {
+        let free = self.rows.iter().any(Option::is_none);
+        free && !(self.fills_by_chunk(job.prompt.len()) && self.row0_filling())
+    }
+
+    /// Puts `job` in a row as sequence `id` (see [`Batcher::can_admit`]); nothing runs until the
+    /// next [`Batcher::step`].
+    pub fn admit(&mut self, id: SeqId, job: Job) -> Result<(), RuntimeError> {
+        self.check(&job)?;
+        if !self.can_admit(&job) {
+            return Err(RuntimeError::Request(format!(
+                "sequence {id} cannot join now: every row is taken"
+            )));
+        }
+        let row = if self.fills_by_chunk(job.prompt.len()) {
+            if self.rows[0].is_some() {
+                let free = self.free_row().expect("can_admit found a free row");
+                self.move_row(0, free)?;
+            }
+            0
+        } else {
+            self.free_row().expect("can_admit found a free row")
+        };
+        self.rows[row] = Some(Seq {
+            id,
+            job,
+            filled: 0,
+            generated: Vec::new(),
+        });
+        Ok(())
+    }
+
+    /// Removes sequence `id` (finished or cancelled); `false` if it is not in a row.
+    pub fn retire(&mut self, id: SeqId) -> Result<bool, RuntimeError> {
+        let Some(row) = self.row_of(id) else {
+            return Ok(false);
+        };
+        self.rows[row] = None;
+        // The highest occupied row moves down into the hole, keeping the rows dense.
+        if let Some(high) = self.rows.iter().rposition(Option::is_some) {
+            if high > row {
+                self.move_row(high, row)?;
+            }
+        }
+        Ok(true)
+    }
+
+    /// Runs the prompt chunks of this step and one decode step over every sequence that has a
+    /// token to put in; returns the tokens chosen, in row order. Sequences that reach their
+    /// `max_new` leave (their [`Emitted::last`] is set).
+    pub fn step(&mut self) -> Result<Vec<Emitted>, RuntimeError> {
+        let started = std::time::Instant::now();
+        let chunks = self.run_chunks()?;
+        let work: Vec<Work> = self.rows.iter().map(|s| self.work(s.as_ref())).collect();
+        let Some(used) = work.iter().rposition(|w| !matches!(w, Work::Idle)) else {
+            return Ok(Vec::new());
+        };
+        let entry = *self
+            .steps
+            .iter()
+            .find(|e| e.batch > used)
+            .expect("the largest decode bucket covers every row");
+        let tokens: Vec<Vec<i64>> = self
+            .rows
+            .iter()
+            .zip(&work)
+            .map(|(s, w)| match (s, w) {
+                (Some(s), Work::Feed) => vec![s.job.prompt[s.filled]],
+                (Some(s), Work::Choose) => {
+                    vec![*s.generated.last().unwrap_or(&s.job.prompt[s.head()])]
+                }
+                _ => Vec::new(),
+            })
+            .collect();
+        let rows: Vec<Row> = self.rows[..entry.batch]
+            .iter()
+            .zip(&tokens)
+            .map(|(s, t)| match s {
+                Some(s) => Row::new(t, s.filled + s.generated.len()),
+                None => Row::new(t, 0),
+            })
+            .collect();
+        let picks: Vec<Option<(Sampling, u32)>> = self.rows[..entry.batch]
+            .iter()
+            .zip(&work)
+            .map(|(s, w)| match (s, w) {
+                (Some(s), Work::Choose) => Some((s.job.sampling, s.generated.len() as u32)),
+                _ => None,
+            })
+            .collect();
+        let chosen = self.session.next(entry, &rows, &picks)?;
+        *self.runs.entry(entry.graph.clone()).or_default() += 1;
+        let all_decoding = chunks == 0
+            && self
+                .rows
+                .iter()
+                .flatten()
+                .all(|s| !s.filling() && !s.generated.is_empty());
+        let emitted = self.advance(&work, &chosen)?;
+        if all_decoding {
+            self.decode_seconds += started.elapsed().as_secs_f64();
+        }
+        Ok(emitted)
+    }
+
+    /// Runs up to `chunks_per_step` chunks of the prompt filling row 0; how many ran.
+    fn run_chunks(&mut self) -> Result<usize, RuntimeError> {
+        let Some(chunk) = self.chunk else {
+            return Ok(0);
+        };
+        let mut ran = 0;
+        while ran < self.chunks_per_step {
+            let Some(seq) = self.rows[0].as_mut().filter(|s| s.filling()) else {
+                break;
+            };
+            let end = (seq.filled + chunk.seq).min(seq.head());
+            let part = seq.job.prompt[seq.filled..end].to_vec();
+            let start = seq.filled;
+            seq.filled = end;
+            self.session.fill(chunk, &[Row::new(&part, start)])?;
+            *self.runs.entry(chunk.graph.clone()).or_default() += 1;
+            ran += 1;
+        }
+        Ok(ran)
+    }
+
+    /// Records what a decode step did for each row and returns the chosen tokens; sequences that
+    /// are done leave.
+    fn advance(
+        &mut self,
+        work: &[Work],
+        chosen: &[Option<usize>],
+    ) -> Result<Vec<Emitted>, RuntimeError> {
+        let mut emitted = Vec::new();
+        for (r, w) in work.iter().enumerate() {
+            let Some(seq) = self.rows[r].as_mut() else {
+                continue;
+            };
+            match w {
+                Work::Idle => {}
+                Work::Feed => seq.filled += 1,
+                Work::Choose => {
+                    let token = chosen.get(r).copied().flatten().ok_or_else(|| {
+                        RuntimeError::Device(format!("the decode step chose no token for row {r}"))
+                    })? as i64;
+                    seq.generated.push(token);
+                    emitted.push(Emitted {
+                        id: seq.id,
+                        token,
+                        last: seq.generated.len() >= seq.job.max_new,
+                    });
+                }
+            }
+        }
+        for e in emitted.iter().filter(|e| e.last) {
+            self.retire(e.id)?;
+        }
+        Ok(emitted)
+    }
+
+    /// What row `seq` does in the next decode step.
+    fn work(&self, seq: Option<&Seq>) -> Work {
+        match seq {
+            None => Work::Idle,
+            Some(s) if s.filling() && self.chunk.is_some() => Work::Idle,
+            Some(s) if s.filling() => Work::Feed,
+            Some(_) => Work::Choose,
+        }
+    }
+
+    /// Whether a prompt of `len` tokens enters through the chunk bucket.
+    fn fills_by_chunk(&self, len: usize) -> bool {
+        self.chunk.is_some() && len > 1
+    }
+
+    /// Whether row 0 holds a prompt still filling through the chunk bucket.
+    fn row0_filling(&self) -> bool {
+        self.chunk.is_some() && self.rows[0].as_ref().is_some_and(Seq::filling)
+    }
+
+    fn free_row(&self) -> Option<usize> {
+        self.rows.iter().position(Option::is_none)
+    }
+
+    fn row_of(&self, id: SeqId) -> Option<usize> {
+        self.rows
+            .iter()
+            .position(|s| s.as_ref().is_some_and(|s| s.id == id))
+    }
+
+    /// Moves the sequence in row `from` (cache and state) to the free row `to`.
+    fn move_row(&mut self, from: usize, to: usize) -> Result<(), RuntimeError> {
+        self.session.copy_row(from, to)?;
+        self.rows[to] = self.rows[from].take();
+        Ok(())
+    }
+}
+
+/// One batch row of a cached step: its tokens, from position `start` on.
+pub(crate) struct Row<'t> {
+    tokens: &'t [i64],
+    start: usize,
+}
+
+impl<'t> Row<'t> {
+    pub(crate) fn new(tokens: &'t [i64], start: usize) -> Row<'t> {
+        Row { tokens, start }
+    }
+}
+
+/// A step's logits: the bucket's whole output, and where each row's last token's logits start.
+struct Logits {
+    values: Vec<f32>,
+    starts: Vec<usize>,
+    vocab: usize,
+}
+
+impl Logits {
+    /// Row `i`'s logits.
+    fn row(&self, i: usize) -> &[f32] {
+        &self.values[self.starts[i]..self.starts[i] + self.vocab]
+    }
+}
+
+/// The executor and (for the interpreter) the KV cache tensors, for the largest decode batch.
+struct Session<'a> {
+    art: &'a Artifact,
+    exec: &'a mut Executor,
+    caches: BTreeMap<String, Tensor>,
+    vocab: usize,
+    context: usize,
+}
+
+impl<'a> Session<'a> {
+    /// An empty cache for the decode bucket `largest` (the largest batch): the executor's own,
+    /// or tensors passed along (the interpreter).
+    fn new(
+        art: &'a Artifact,
+        exec: &'a mut Executor,
+        largest: &BucketEntry,
+    ) -> Result<Session<'a>, RuntimeError> {
+        exec.reset_cache()?;
+        let mut caches = BTreeMap::new();
+        if !exec.keeps_cache() {
+            let graph: &Graph = &art.graphs[&largest.graph];
+            caches = graph
+                .inputs()
+                .filter(|(_, n, _)| n.starts_with("past_"))
+                .map(|(_, n, ty)| {
+                    let shape: Vec<usize> = ty
+                        .shape
+                        .iter()
+                        .map(|d| d.as_const().unwrap_or(0) as usize)
+                        .collect();
+                    let n_el = shape.iter().product();
+                    (
+                        n.to_string(),
+                        Tensor::f32(shape, vec![0.0; n_el]).cast(ty.dtype),
+                    )
+                })
+                .collect();
+        }
+        Ok(Session {
+            art,
+            exec,
+            caches,
+            vocab: art.manifest.model.vocab_size,
+            context: largest.context.unwrap_or(0),
+        })
+    }
+
+    /// Runs `rows` through the one-token bucket `entry` and returns, for each row with a pick
+    /// (its sampling and generation step), the token chosen after it: greedy tokens on the device
+    /// where the executor chooses them there (only their ids come back), else from the logits.
+    fn next(
+        &mut self,
+        entry: &BucketEntry,
+        rows: &[Row],
+        picks: &[Option<(Sampling, u32)>],
+    ) -> Result<Vec<Option<usize>>, RuntimeError> {
+        let inputs = self.inputs(entry, rows);
+        let greedy = picks.iter().flatten().all(|(s, _)| s.temperature <= 0.0);
+        if greedy && rows.iter().all(|r| r.tokens.len() <= 1) {
+            if let Some(tokens) = self.exec.run_greedy(entry, &inputs)? {
+                let tokens = chosen(&tokens, rows.len(), self.vocab)?;
+                return Ok(picks
+                    .iter()
+                    .zip(tokens)
+                    .map(|(p, t)| p.map(|_| t))
+                    .collect());
+            }
+        }
+        let logits = self.step(entry, rows, inputs)?;
+        picks
+            .iter()
+            .enumerate()
+            .map(|(r, p)| {
+                p.as_ref()
+                    .map(|(s, step)| self.exec.choose(logits.row(r), s, *step))
+                    .transpose()
+            })
+            .collect()
+    }
+
+    /// Runs `inputs` (of `rows`) through `entry` and returns the logits of each row's last token.
+    fn step(
+        &mut self,
+        entry: &BucketEntry,
+        rows: &[Row],
+        inputs: BTreeMap<String, Tensor>,
+    ) -> Result<Logits, RuntimeError> {
+        let mut outputs = self.run(entry, &inputs)?;
+        let Some(Data::Float(values)) = outputs.remove("logits").map(|t| t.data) else {
+            return Err(RuntimeError::Request(
+                "the decode graph has no float logits".into(),
+            ));
+        };
+        let starts = rows
+            .iter()
+            .enumerate()
+            .map(|(r, row)| (r * entry.seq + row.tokens.len().saturating_sub(1)) * self.vocab)
+            .collect();
+        Ok(Logits {
+            values,
+            starts,
+            vocab: self.vocab,
+        })
+    }
+
+    /// Runs `rows` (row `r` of the bucket: its tokens at positions `start..`) through the
+    /// KV-cached bucket `entry`, so that their keys and values enter the cache; a row's tail
+    /// past its tokens, and the bucket's rows past `rows`, are masked, so nothing of them reaches
+    /// the cache.
+    fn fill(&mut self, entry: &BucketEntry, rows: &[Row]) -> Result<(), RuntimeError> {
+        let inputs = self.inputs(entry, rows);
+        self.run(entry, &inputs).map(drop)
+    }
+
+    /// Runs `inputs` through the KV-cached bucket `entry`, keeps the updated caches the caller
+    /// keeps, and returns the bucket's other outputs.
+    fn run(
+        &mut self,
+        entry: &BucketEntry,
+        inputs: &BTreeMap<String, Tensor>,
+    ) -> Result<BTreeMap<String, Tensor>, RuntimeError> {
+        let mut outputs = self.exec.run(self.art, entry, inputs)?;
+        let b = entry.batch;
+        for (name, cache) in self.caches.iter_mut() {
+            let present = outputs
+                .remove(&name.replacen("past_", "present_", 1))
+                .ok_or_else(|| {
+                    RuntimeError::Request(format!("the decode graph lacks an output for {name}"))
+                })?;
+            let n = leading_rows(cache, b);
+            if let (Data::Float(all), Data::Float(new)) = (&mut cache.data, &present.data) {
+                all[..n].copy_from_slice(&new[..n]);
+            }
+        }
+        Ok(outputs)
+    }
+
+    /// The inputs of the KV-cached bucket `entry` for `rows` (see [`Session::fill`]): token ids,
+    /// the mask of each row's tokens, positions, and the caches the caller keeps.
+    fn inputs(&self, entry: &BucketEntry, rows: &[Row]) -> BTreeMap<String, Tensor> {
+        let (b, s) = (entry.batch, entry.seq);
+        let last = self.context.saturating_sub(1);
+        let grid = |f: &dyn Fn(&Row, usize) -> i64| -> Vec<i64> {
+            let empty = Row::new(&[], 0);
+            (0..b)
+                .flat_map(|r| {
+                    let row = rows.get(r).unwrap_or(&empty);
+                    (0..s).map(move |i| f(row, i)).collect::<Vec<_>>()
+                })
+                .collect()
+        };
+        let mut inputs = BTreeMap::from([
+            (
+                "input_ids".to_string(),
+                Tensor::i64(
+                    vec![b, s],
+                    grid(&|row, i| row.tokens.get(i).copied().unwrap_or(0)),
+                ),
+            ),
+            (
+                "attention_mask".to_string(),
+                Tensor::i64(vec![b, s], grid(&|row, i| i64::from(i < row.tokens.len()))),
+            ),
+            (
+                "position_ids".to_string(),
+                Tensor::i64(vec![b, s], grid(&|row, i| (row.start + i).min(last) as i64)),
+            ),
+        ]);
+        for (name, cache) in &self.caches {
+            let mut part = cache.clone();
+            if let Data::Float(v) = &mut part.data {
+                v.truncate(leading_rows(cache, b));
+            }
+            part.shape[0] = b;
+            inputs.insert(name.clone(), part);
+        }
+        inputs
+    }
+
+    /// Copies cache row `from` to row `to`.
+    fn copy_row(&mut self, from: usize, to: usize) -> Result<(), RuntimeError> {
+        if self.exec.keeps_cache() {
+            return self.exec.copy_cache_row(from, to);
+        }
+        for cache in self.caches.values_mut() {
+            let row = cache.numel() / cache.shape[0].max(1);
+            if let Data::Float(v) = &mut cache.data {
+                v.copy_within(from * row..(from + 1) * row, to * row);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Elements of `cache`'s leading `rows` rows: caches are kept for the largest decode batch, and
+/// a bucket of fewer rows reads and updates the leading ones, as the executors' cache regions do.
+fn leading_rows(cache: &Tensor, rows: usize) -> usize {
+    cache.numel() / cache.shape[0].max(1) * rows
+}
