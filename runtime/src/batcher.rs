@@ -144,6 +144,20 @@ impl<'a> Batcher<'a> {
         self.rows.iter().flatten().count()
     }
 
+    /// The executor the steps run on.
+    pub fn executor(&self) -> &Executor {
+        self.session.exec
+    }
+
+    /// Tokens whose keys and values the sequences hold in the cache.
+    pub fn cached_tokens(&self) -> usize {
+        self.rows
+            .iter()
+            .flatten()
+            .map(|s| s.filled + s.generated.len())
+            .sum()
+    }
+
     /// Whether no sequence is in a row.
     pub fn is_idle(&self) -> bool {
         self.active() == 0

@@ -3,10 +3,12 @@
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use crate::bench::{bench, BenchOptions, BenchReport};
 use crate::executor::Work;
 use crate::generate::{generate_batch, Sampling};
+use crate::serve::{serve, ServeOptions};
 use crate::{forward::forward, Artifact, Device, Executor};
 use anyhow::{bail, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -50,13 +52,17 @@ impl Placement {
 
     /// Loads what `work` runs of `art` on the chosen executor.
     fn open_for(&self, art: &Artifact, work: Work) -> Result<Executor> {
-        let device = match self.device {
+        Ok(Executor::open_for(art, self.device(), work)?)
+    }
+
+    /// The chosen device.
+    fn device(&self) -> Device {
+        match self.device {
             DeviceArg::Auto => Device::Auto,
             DeviceArg::Cpu => Device::Cpu,
             DeviceArg::Interpreter => Device::Interpreter,
             DeviceArg::Cuda => Device::Cuda,
-        };
-        Ok(Executor::open_for(art, device, work)?)
+        }
     }
 }
 
@@ -129,6 +135,41 @@ enum Command {
         /// Print JSON (`{"embeddings": [[...], ...]}`, exact values).
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        placement: Placement,
+    },
+    /// Serve the artifact over HTTP with an OpenAI-compatible API (`/v1/completions`,
+    /// `/v1/chat/completions`, `/v1/embeddings`, `/v1/models`, `/health`, `/metrics`),
+    /// decoding concurrent requests together (continuous batching over the decode buckets).
+    /// Prints `listening on http://ADDR` once the port is bound; `/health` answers 200 once the
+    /// executor is loaded. SIGTERM or Ctrl-C stop accepting requests, let running ones finish for
+    /// `--drain-seconds`, cancel the rest and exit 0.
+    Serve {
+        /// The artifact folder.
+        artifact: PathBuf,
+        /// The address to listen on.
+        #[arg(long, default_value = "127.0.0.1")]
+        host: String,
+        /// The port (0 picks a free one).
+        #[arg(long, default_value_t = 8000)]
+        port: u16,
+        /// Requests that may wait for a KV-cache row; past this the server answers 503 with
+        /// `Retry-After`.
+        #[arg(long, default_value_t = 256)]
+        max_queue: usize,
+        /// Seconds a request may run before it is ended (504, or an error event in a stream).
+        #[arg(long, default_value_t = 600.0)]
+        request_timeout: f64,
+        /// Seconds running requests get to finish after SIGTERM or Ctrl-C.
+        #[arg(long, default_value_t = 30.0)]
+        drain_seconds: f64,
+        /// Prompt chunks (of the artifact's `--prefill-chunk` tokens) run between two decode
+        /// steps: the per-step prompt budget.
+        #[arg(long, default_value_t = 1)]
+        chunks_per_step: usize,
+        /// The model's name in the API (default: the artifact folder's name without `.kiln`).
+        #[arg(long)]
+        model_name: Option<String>,
         #[command(flatten)]
         placement: Placement,
     },
@@ -311,6 +352,38 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
                     writeln!(out, "{}", nums.join(" "))?;
                 }
             }
+        }
+        Command::Serve {
+            artifact,
+            host,
+            port,
+            max_queue,
+            request_timeout,
+            drain_seconds,
+            chunks_per_step,
+            model_name,
+            placement,
+        } => {
+            let seconds = |name: &str, s: f64| {
+                Duration::try_from_secs_f64(s)
+                    .ok()
+                    .filter(|d| !d.is_zero())
+                    .ok_or_else(|| {
+                        anyhow::anyhow!("--{name} {s} must be a positive number of seconds")
+                    })
+            };
+            let opts = ServeOptions {
+                artifact,
+                device: placement.device(),
+                host,
+                port,
+                max_queue,
+                request_timeout: seconds("request-timeout", request_timeout)?,
+                drain: seconds("drain-seconds", drain_seconds)?,
+                chunks_per_step,
+                model_name,
+            };
+            serve(opts, out)?;
         }
         Command::Bench {
             artifact,

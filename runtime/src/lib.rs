@@ -26,6 +26,7 @@ pub mod cuda;
 pub mod executor;
 pub mod forward;
 pub mod generate;
+pub mod serve;
 pub mod tokenizer;
 pub mod weights;
 

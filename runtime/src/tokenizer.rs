@@ -35,11 +35,21 @@ impl TextTokenizer {
     /// The encoding of `text` (with `pair` as its second segment, if any), special tokens
     /// included and the file's truncation applied; a text that gives no tokens is an error.
     fn encoding(&self, text: &str, pair: Option<&str>) -> Result<Encoding, RuntimeError> {
+        self.encoding_with(text, pair, true)
+    }
+
+    /// [`TextTokenizer::encoding`], with or without the special tokens the file adds.
+    fn encoding_with(
+        &self,
+        text: &str,
+        pair: Option<&str>,
+        special: bool,
+    ) -> Result<Encoding, RuntimeError> {
         let input: EncodeInput = match pair {
             Some(p) => (text, p).into(),
             None => text.into(),
         };
-        let enc = self.inner.encode(input, true).map_err(|e| {
+        let enc = self.inner.encode(input, special).map_err(|e| {
             RuntimeError::Request(format!("cannot tokenise {text:?} (pair {pair:?}): {e}"))
         })?;
         if enc.get_ids().is_empty() {
@@ -54,6 +64,12 @@ impl TextTokenizer {
     /// gives no tokens is an error.
     pub fn encode(&self, text: &str) -> Result<Vec<i64>, RuntimeError> {
         Ok(widen(self.encoding(text, None)?.get_ids()))
+    }
+
+    /// The ids of `text` without the special tokens the file adds (a rendered chat template
+    /// holds its own).
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<i64>, RuntimeError> {
+        Ok(widen(self.encoding_with(text, None, false)?.get_ids()))
     }
 
     /// Tokenises `texts`, each with its pair when `pairs` is not empty (then one per text), and

@@ -1,0 +1,151 @@
+//! The server's Prometheus metrics (`GET /metrics`, OpenMetrics text through `prometheus-client`).
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+/// A bucket graph's label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BucketLabel {
+    /// The bucket's graph file.
+    pub bucket: String,
+}
+
+/// A finished request's label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FinishLabel {
+    /// `stop`, `length`, `cancelled` (client gone or timed out) or `error`.
+    pub reason: String,
+}
+
+/// Everything `/metrics` reports.
+pub struct Metrics {
+    registry: Registry,
+    /// Sequences decoding (in a cache row).
+    pub running: Gauge,
+    /// Requests waiting for a row.
+    pub waiting: Gauge,
+    /// Tokens whose keys and values the running sequences hold in the KV cache.
+    pub cache_tokens_used: Gauge,
+    /// Prompt tokens of admitted requests.
+    pub prompt_tokens: Counter,
+    /// Generated tokens.
+    pub generated_tokens: Counter,
+    /// Finished requests by reason.
+    pub finished: Family<FinishLabel, Counter>,
+    /// Seconds from arrival to the first token.
+    pub time_to_first_token: Histogram,
+    /// Seconds between a sequence's consecutive tokens.
+    pub inter_token: Histogram,
+    /// Seconds from arrival to the last token.
+    pub end_to_end: Histogram,
+    /// Seconds from arrival to admission into a row.
+    pub queue_time: Histogram,
+    /// Bucket runs (graph replays on a GPU) since load.
+    pub replays: Family<BucketLabel, Counter>,
+    /// Graph captures after load (CUDA; stays 0 when nothing is captured late).
+    pub captures_after_load: Gauge,
+    /// Kernel module loads (each PTX one a JIT compilation) after load (CUDA; stays 0 when
+    /// nothing compiles late).
+    pub compilations_after_load: Gauge,
+}
+
+impl Metrics {
+    /// Every metric, registered under the `kiln_` prefix; the driver counts after load only for
+    /// a CUDA executor (`cuda`), the one that captures and compiles.
+    pub fn new(cuda: bool) -> Metrics {
+        let mut registry = Registry::with_prefix("kiln");
+        let latency = || Histogram::new(exponential_buckets(0.0005, 2.0, 20));
+        let m = Metrics {
+            running: Gauge::default(),
+            waiting: Gauge::default(),
+            cache_tokens_used: Gauge::default(),
+            prompt_tokens: Counter::default(),
+            generated_tokens: Counter::default(),
+            finished: Family::default(),
+            time_to_first_token: latency(),
+            inter_token: latency(),
+            end_to_end: latency(),
+            queue_time: latency(),
+            replays: Family::default(),
+            captures_after_load: Gauge::default(),
+            compilations_after_load: Gauge::default(),
+            registry: Registry::default(),
+        };
+        let r = &mut registry;
+        r.register("requests_running", "Sequences decoding", m.running.clone());
+        r.register(
+            "requests_waiting",
+            "Requests waiting for a KV-cache row",
+            m.waiting.clone(),
+        );
+        let used = m.cache_tokens_used.clone();
+        r.register("kv_cache_tokens_used", "Tokens held in the KV cache", used);
+        let prompt = m.prompt_tokens.clone();
+        r.register(
+            "prompt_tokens",
+            "Prompt tokens of admitted requests",
+            prompt,
+        );
+        let generated = m.generated_tokens.clone();
+        r.register("generation_tokens", "Generated tokens", generated);
+        r.register(
+            "requests_finished",
+            "Finished requests by reason",
+            m.finished.clone(),
+        );
+        let h = [
+            (
+                "time_to_first_token_seconds",
+                "Arrival to first token",
+                &m.time_to_first_token,
+            ),
+            (
+                "inter_token_latency_seconds",
+                "Between a sequence's tokens",
+                &m.inter_token,
+            ),
+            (
+                "e2e_request_latency_seconds",
+                "Arrival to last token",
+                &m.end_to_end,
+            ),
+            (
+                "request_queue_time_seconds",
+                "Arrival to admission",
+                &m.queue_time,
+            ),
+        ];
+        for (name, help, hist) in h {
+            r.register(name, help, hist.clone());
+        }
+        r.register(
+            "bucket_replays",
+            "Bucket runs since load",
+            m.replays.clone(),
+        );
+        if cuda {
+            let captures = m.captures_after_load.clone();
+            r.register(
+                "graph_captures_after_load",
+                "CUDA graph captures after load",
+                captures,
+            );
+            let jit = m.compilations_after_load.clone();
+            let help = "Kernel module loads (and PTX JIT compilations) after load";
+            r.register("compilations_after_load", help, jit);
+        }
+        Metrics { registry, ..m }
+    }
+
+    /// The OpenMetrics text of every metric.
+    pub fn render(&self) -> String {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &self.registry)
+            .expect("writing to a String cannot fail");
+        text
+    }
+}
