@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""Load generator for `kiln-run serve` (standard library only): CONCURRENCY workers send streamed
+/v1/completions requests of random token-id prompts (lengths uniform in --lengths) asking for
+--max-tokens new tokens each (ignore_eos), until --requests have finished. Prints one JSON object:
+aggregate generated tokens/s, time to first token and inter-token latency percentiles (from the
+arrival of each streamed chunk), errors, and, with --pid, the server's resident memory and the
+device memory (nvidia-smi) before and after.
+
+    python3 scripts/load-serve.py http://127.0.0.1:8000 --model m --concurrency 64 \
+        --requests 256 --lengths 100..4000 --max-tokens 512 --vocab 128256 --pid PID
+"""
+import argparse
+import http.client
+import json
+import random
+import statistics
+import subprocess
+import threading
+import time
+import urllib.parse
+
+
+def rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return None
+
+
+def gpu_used_mib():
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout
+        return int(out.split()[0])
+    except Exception:
+        return None
+
+
+def one(url, body):
+    """One streamed request: (arrival, [chunk times], tokens, error)."""
+    u = urllib.parse.urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
+    start = time.perf_counter()
+    conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+    r = conn.getresponse()
+    if r.status != 200:
+        return start, [], 0, f"{r.status} {r.read()[:200]!r}"
+    times, tokens = [], 0
+    while True:
+        line = r.readline()
+        if not line:
+            return start, times, tokens, "stream ended without [DONE]"
+        line = line.strip()
+        if not line.startswith(b"data: "):
+            continue
+        data = line[6:]
+        if data == b"[DONE]":
+            conn.close()
+            return start, times, tokens, None
+        event = json.loads(data)
+        if "error" in event:
+            return start, times, tokens, str(event["error"])
+        for c in event.get("choices", []):
+            n = len(c.get("token_ids") or [])
+            if n:
+                tokens += n
+                times.append(time.perf_counter())
+
+
+def pct(values, q):
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("url")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--lengths", default="100..4000")
+    ap.add_argument("--max-tokens", type=int, default=512)
+    ap.add_argument("--vocab", type=int, required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pid", type=int)
+    args = ap.parse_args()
+    lo, hi = (int(x) for x in args.lengths.split(".."))
+    rng = random.Random(args.seed)
+    jobs = []
+    for _ in range(args.requests):
+        n = rng.randint(lo, hi)
+        jobs.append([rng.randrange(args.vocab) for _ in range(n)])
+    lock = threading.Lock()
+    results = []
+    before = {"rss_kib": rss_kib(args.pid) if args.pid else None, "gpu_mib": gpu_used_mib()}
+
+    def worker():
+        while True:
+            with lock:
+                if not jobs:
+                    return
+                prompt = jobs.pop()
+            body = {"model": args.model, "prompt": prompt, "max_tokens": args.max_tokens,
+                    "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True}
+            r = one(args.url, body)
+            with lock:
+                results.append(r)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(args.concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ttft = [times[0] - start for start, times, _, err in results if times and not err]
+    itl = [b - a for _, times, _, err in results if not err for a, b in zip(times, times[1:])]
+    tokens = sum(t for _, _, t, err in results if not err)
+    errors = [err for _, _, _, err in results if err]
+    after = {"rss_kib": rss_kib(args.pid) if args.pid else None, "gpu_mib": gpu_used_mib()}
+    ms = lambda v: None if v is None else round(v * 1e3, 3)
+    print(json.dumps({
+        "requests": len(results), "errors": len(errors), "first_errors": errors[:3],
+        "concurrency": args.concurrency, "lengths": args.lengths, "max_tokens": args.max_tokens,
+        "wall_s": round(wall, 3), "generated_tokens": tokens, "tokens_per_s": round(tokens / wall, 1),
+        "ttft_ms": {"p50": ms(pct(ttft, 0.5)), "p99": ms(pct(ttft, 0.99))},
+        "itl_ms": {"p50": ms(pct(itl, 0.5)), "p99": ms(pct(itl, 0.99)),
+                   "mean": ms(statistics.mean(itl)) if itl else None},
+        "before": before, "after": after,
+    }))
+
+
+if __name__ == "__main__":
+    main()
