@@ -103,6 +103,10 @@ pub fn gemm(cfg: &GemmConfig) -> GeneratedKernel {
 
 /// [`gemm`], with the matrix-vector kernel chosen under `rows` (batch invariance or not).
 pub fn gemm_for(cfg: &GemmConfig, rows: Rows) -> GeneratedKernel {
+    if crate::gemv::supports_grouped(cfg, rows) {
+        // Batch-invariant decode of 9 to 16 sequences: the GEMV's kernel, in row groups.
+        return crate::gemv::gemv_for(cfg, format!("{}_gemv", cfg.name()), rows);
+    }
     match path(cfg) {
         KernelPath::Gemv => crate::gemv::gemv_for(cfg, format!("{}_gemv", cfg.name()), rows),
         KernelPath::Wgmma => crate::gemm_wgmma::gemm_wgmma(cfg, format!("{}_wgmma", cfg.name())),

@@ -13,7 +13,8 @@
 //! - [`gemm_tc`] — the tensor-core GEMM (f16/bf16, `mma.sync`, `ldmatrix`, `cp.async`);
 //! - [`gemm_wgmma`] — the Hopper GEMM (sm_90a: TMA, `wgmma`, warp specialisation);
 //! - [`hopper`] — the PTX of Hopper's asynchronous machinery (mbarriers, TMA, wgmma);
-//! - [`gemv`] — products with at most 8 rows (decode): a warp per output column;
+//! - [`gemv`] — products with at most 8 rows (decode; 16 in row groups where decode must be
+//!   batch-invariant): a warp per output column;
 //! - [`kv_cache`] — writing new keys/values into a KV cache in place (RoPE on the way);
 //! - [`rope`] — RoPE into a contiguous buffer, ahead of the Hopper attention kernel;
 //! - [`sampling`] — token choice: greedy (argmax) and top-k / top-p with temperature;

@@ -462,6 +462,10 @@ fn gemms_match_the_interpreter() {
                 // the product's 8 rows, a partial block of columns.
                 (7, 4104, 34),
                 (17, 127, 130),
+                // The tensor-core GEMV in row groups (batched decode of 9 to 16 sequences).
+                (16, 2056, 66),
+                (9, 776, 258),
+                (13, 4104, 130),
                 (127, 768, 258),
                 (4097, 64, 64),
                 // Hopper tiles (128 x 256, K steps of 64) with ragged edges on every side, and
@@ -564,6 +568,10 @@ fn gemv_norm_prologues_match_the_interpreter() {
                 (5, 4104, 64, false, false, true),
                 (8, 4096, 40, false, true, false),
                 (3, 64, 17, true, false, false),
+                // Row groups (batch-invariant decode of 9 to 16 sequences).
+                (16, 2056, 66, true, false, true),
+                (11, 776, 34, false, true, false),
+                (13, 4104, 48, false, false, true),
             ] {
                 let cfg = GemmConfig {
                     m,
@@ -654,8 +662,9 @@ fn gemv_norm_prologues_match_the_interpreter() {
 }
 
 /// Batch invariance of the tensor-core GEMV (what a batched artifact relies on for each sequence
-/// to decode as it does alone): row r of a product of 1 to 8 rows, with and without the norm
-/// prologue, is bit for bit row r of the same product over 8 rows.
+/// to decode as it does alone): row r of a product of 1 to 16 rows (past 8 in row groups), with
+/// and without the norm prologue, is bit for bit row r of the same product over 16 rows, and a
+/// row taken alone (a sequence that moved to another row) gets the same bits too.
 #[test]
 fn tensor_core_gemv_rows_do_not_depend_on_their_neighbours() {
     use kiln_kernels::gemv::gemv_normed;
@@ -663,7 +672,7 @@ fn tensor_core_gemv_rows_do_not_depend_on_their_neighbours() {
     let mut rng = Rng::seed_from_u64(0x1234_8765_abcd_0f0f);
     let elem = Elem::BF16;
     let (k, n) = (2056u32, 96u32);
-    let x = values(&mut rng, (8 * k) as usize, 2.0, elem);
+    let x = values(&mut rng, (16 * k) as usize, 2.0, elem);
     let w = values(&mut rng, (k * n) as usize, 1.0 / (k as f32).sqrt(), elem);
     let gamma = values(&mut rng, k as usize, 1.0, elem);
     let (bx, bw, bg) = (
@@ -672,7 +681,7 @@ fn tensor_core_gemv_rows_do_not_depend_on_their_neighbours() {
         gpu.upload(elem, &gamma),
     );
     for normed in [false, true] {
-        let run = |m: u32| -> Vec<f32> {
+        let run_on = |bx: &_, m: u32| -> Vec<f32> {
             let cfg = GemmConfig {
                 m,
                 k,
@@ -700,7 +709,7 @@ fn tensor_core_gemv_rows_do_not_depend_on_their_neighbours() {
             assert!(kernel.name.ends_with("_gemv_tc"), "{}", kernel.name);
             let out = gpu.poisoned(elem, (m * cfg.n_out()) as usize);
             let args = BTreeMap::from([
-                ("x", Arg::Buf(&bx)),
+                ("x", Arg::Buf(bx)),
                 ("w", Arg::Buf(&bw)),
                 ("norm_weight", Arg::Buf(&bg)),
                 ("out", Arg::Buf(&out)),
@@ -708,8 +717,22 @@ fn tensor_core_gemv_rows_do_not_depend_on_their_neighbours() {
             gpu.launch(&kernel, &args);
             gpu.download(elem, &out)
         };
-        let all = run(8);
-        for m in 1..8u32 {
+        let run = |m: u32| run_on(&bx, m);
+        let all = run(16);
+        for r in [1usize, 7, 8, 11, 15] {
+            let alone = gpu.upload(elem, &x[r * k as usize..(r + 1) * k as usize]);
+            let got = run_on(&alone, 1);
+            let want = &all[r * got.len()..(r + 1) * got.len()];
+            let same = got
+                .iter()
+                .zip(want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "normed {normed}: row {r} alone differs from row {r} of 16"
+            );
+        }
+        for m in 1..16u32 {
             let got = run(m);
             let n_out = got.len() / m as usize;
             for (i, (a, b)) in got.iter().zip(&all).enumerate() {
@@ -722,7 +745,7 @@ fn tensor_core_gemv_rows_do_not_depend_on_their_neighbours() {
                 );
             }
         }
-        println!("ok  rows 1..8 equal to 8 rows' (prologue: {normed})");
+        println!("ok  rows 1..16 equal to 16 rows' and rows alone (prologue: {normed})");
     }
 }
 
