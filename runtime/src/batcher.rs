@@ -188,7 +188,7 @@ impl<'a> Batcher<'a> {
         self.check(&job)?;
         if !self.can_admit(&job) {
             return Err(RuntimeError::Request(format!(
-                "sequence {id} cannot join now: every row is taken"
+                "sequence {id} cannot join now: no row is free, or another prompt is filling row 0"
             )));
         }
         let row = if self.fills_by_chunk(job.prompt.len()) {

@@ -17,6 +17,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use kiln_ir::inputs::TokenBatch;
 use kiln_tests::{compile_artifact, fixture, kiln_run, sentence_transformers_copy};
 use serde_json::{json, Value};
 
@@ -637,7 +638,7 @@ fn embeddings(tmp: &Path) -> Server {
         &json!({"model": "bert", "input": inputs}),
     );
     assert_eq!(status, 200, "{v}");
-    let batch = kiln_ir::inputs::TokenBatch::padded(&inputs, 0);
+    let batch = TokenBatch::padded(&inputs, 0);
     let mut exec = kiln_runtime::Executor::open(&art, kiln_runtime::Device::Cpu).unwrap();
     let out = kiln_runtime::forward::forward(&art, &mut exec, &batch).unwrap();
     let want = out["sentence_embedding"].as_f32().unwrap();
@@ -652,6 +653,24 @@ fn embeddings(tmp: &Path) -> Server {
         assert_eq!(got, row, "embedding {i}");
     }
     assert_eq!(v["usage"]["prompt_tokens"], json!(8));
+    // More inputs than the largest batch bucket (4): run in parts, each row what it is alone.
+    let many: Vec<Vec<i64>> = (0..6).map(|i| vec![101, 7 + i, 9, 102]).collect();
+    let url = format!("{}/v1/embeddings", server.base);
+    let (status, v) = post(&url, &json!({"model": "bert", "input": many}));
+    assert_eq!(status, 200, "{v}");
+    for (i, row) in many.iter().enumerate() {
+        let alone = TokenBatch::padded(std::slice::from_ref(row), 0);
+        let out = kiln_runtime::forward::forward(&art, &mut exec, &alone).unwrap();
+        let want = out["sentence_embedding"].as_f32().unwrap();
+        let got: Vec<f32> = v["data"][i]["embedding"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect();
+        let err = kiln_tests::rel_err(&got, want);
+        assert!(err < 1e-5, "input {i} of 6: relative error {err}");
+    }
     let (status, e) = post(
         &format!("{}/v1/completions", server.base),
         &json!({"model": "bert", "prompt": [1]}),

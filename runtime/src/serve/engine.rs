@@ -136,8 +136,7 @@ fn serve_encoder(
     while let Some(command) = commands.blocking_recv() {
         match command {
             Command::Embed(e) => {
-                let result = forward(art, exec, &e.batch).and_then(|out| embeddings(&out));
-                let _ = e.reply.send(result);
+                let _ = e.reply.send(embed_in_parts(art, exec, &e.batch));
             }
             Command::Generate(g) => {
                 let why = "this model is an encoder: it serves /v1/embeddings only";
@@ -149,6 +148,33 @@ fn serve_encoder(
         }
     }
     Ok(())
+}
+
+/// The sentence embeddings of `batch`, run in parts of at most the largest prefill batch (extra
+/// padding columns of a part are masked and change nothing).
+fn embed_in_parts(
+    art: &Artifact,
+    exec: &mut Executor,
+    batch: &TokenBatch,
+) -> Result<Vec<Vec<f32>>, RuntimeError> {
+    let most = art
+        .manifest
+        .prefill
+        .iter()
+        .map(|e| e.batch)
+        .max()
+        .unwrap_or(1);
+    let mut rows = Vec::with_capacity(batch.ids.len());
+    for start in (0..batch.ids.len()).step_by(most.max(1)) {
+        let end = (start + most).min(batch.ids.len());
+        let part = TokenBatch {
+            ids: batch.ids[start..end].to_vec(),
+            mask: batch.mask.as_ref().map(|m| m[start..end].to_vec()),
+            types: batch.types.as_ref().map(|t| t[start..end].to_vec()),
+        };
+        rows.extend(embeddings(&forward(art, exec, &part)?)?);
+    }
+    Ok(rows)
 }
 
 /// The rows of a forward pass's `sentence_embedding`.
