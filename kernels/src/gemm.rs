@@ -80,12 +80,13 @@ impl GemmConfig {
 }
 
 /// The path [`gemm`] takes for `cfg`: the matrix-vector kernel (`crate::gemv`) for at most 8 rows
-/// against `[N, K]` weights, the Hopper kernel (`crate::gemm_wgmma`) where it applies (f16/bf16,
+/// against `[N, K]` weights (up to 64 rows in row groups when few columns would leave the GEMM's
+/// tiles few, `gemv::narrow_grouped`), the Hopper kernel (`crate::gemm_wgmma`) where it applies (f16/bf16,
 /// `[N, K]` weights, K a multiple of 8; its launches carry [`gemm_base`]'s kernel for GPUs
 /// without sm_90a), the SIMT kernel otherwise. The compiler's cost model asks the same question,
 /// so extraction prices the kernel lowering will pick.
 pub fn path(cfg: &GemmConfig) -> KernelPath {
-    if crate::gemv::supports(cfg) {
+    if crate::gemv::supports(cfg) || crate::gemv::narrow_grouped(cfg) {
         KernelPath::Gemv
     } else if crate::gemm_wgmma::supports(cfg) {
         KernelPath::Wgmma

@@ -462,10 +462,13 @@ fn gemms_match_the_interpreter() {
                 // the product's 8 rows, a partial block of columns.
                 (7, 4104, 34),
                 (17, 127, 130),
-                // The tensor-core GEMV in row groups (batched decode of 9 to 16 sequences).
+                // The tensor-core GEMV in row groups (batched decode of 9 to 16 sequences, and
+                // products of up to 64 rows with few columns).
                 (16, 2056, 66),
                 (9, 776, 258),
                 (13, 4104, 130),
+                (33, 776, 258),
+                (64, 4104, 130),
                 (127, 768, 258),
                 (4097, 64, 64),
                 // Hopper tiles (128 x 256, K steps of 64) with ragged edges on every side, and
