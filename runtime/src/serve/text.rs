@@ -119,10 +119,19 @@ fn read_json(art: &Artifact, file: Option<&str>) -> Result<Option<Value>, Runtim
 
 /// A sequence's text as its tokens arrive: each [`Detokenizer::push`] gives the text that is
 /// final, holding back an incomplete character and any tail that may still begin a stop string.
+/// Each token decodes a window of the last few tokens only (what vLLM does): the window's text
+/// past what its first part gave is new, so a long answer costs no more per token than a short
+/// one, and a decoder that treats a sequence's first token apart (a leading space dropped) treats
+/// both the same.
 pub struct Detokenizer<'t> {
     tokenizer: Option<&'t TextTokenizer>,
     stops: Vec<String>,
     ids: Vec<i64>,
+    /// The text so far.
+    text: String,
+    /// The window: `ids[prefix..read]` decoded to the end of `text`, `ids[read..]` is new.
+    prefix: usize,
+    read: usize,
     /// Bytes of the text handed out so far.
     sent: usize,
 }
@@ -134,6 +143,9 @@ impl<'t> Detokenizer<'t> {
             tokenizer,
             stops,
             ids: Vec::new(),
+            text: String::new(),
+            prefix: 0,
+            read: 0,
             sent: 0,
         }
     }
@@ -145,20 +157,42 @@ impl<'t> Detokenizer<'t> {
         let Some(tokenizer) = self.tokenizer else {
             return Ok((String::new(), false));
         };
-        let text = tokenizer.decode(&self.ids)?;
-        let from = self.sent.min(text.len());
-        if let Some(end) = self.first_stop(&text, from) {
-            return Ok((self.take(&text, end), true));
-        }
-        // An incomplete UTF-8 sequence decodes to U+FFFD until its last byte arrives.
-        if text.ends_with('\u{FFFD}') {
+        if !self.extend(tokenizer)? {
             return Ok((String::new(), false));
         }
-        let end = text.len() - self.stop_prefix(&text);
-        Ok((self.take(&text, end), false))
+        let text = std::mem::take(&mut self.text);
+        let from = self.sent.min(text.len());
+        let out = match self.first_stop(&text, from) {
+            Some(end) => (self.take(&text, end), true),
+            None => {
+                let end = text.len() - self.stop_prefix(&text);
+                (self.take(&text, end), false)
+            }
+        };
+        self.text = text;
+        Ok(out)
     }
 
-    /// The rest of the text, at the end of the sequence.
+    /// Appends the new tokens' text to `text`; `false` (nothing appended) while the window ends
+    /// inside a character (an incomplete UTF-8 sequence decodes to U+FFFD until its last byte
+    /// arrives).
+    fn extend(&mut self, tokenizer: &TextTokenizer) -> Result<bool, RuntimeError> {
+        let before = tokenizer.decode(&self.ids[self.prefix..self.read])?;
+        let after = tokenizer.decode(&self.ids[self.prefix..])?;
+        if after.ends_with('\u{FFFD}') {
+            return Ok(false);
+        }
+        match after.strip_prefix(before.as_str()) {
+            Some(new) => self.text.push_str(new),
+            // The window's first part reads otherwise with the rest after it: decode it all.
+            None => self.text = tokenizer.decode(&self.ids)?,
+        }
+        self.prefix = self.read;
+        self.read = self.ids.len();
+        Ok(true)
+    }
+
+    /// The rest of the text, at the end of the sequence (the whole sequence decoded once).
     pub fn finish(&mut self) -> Result<String, RuntimeError> {
         let Some(tokenizer) = self.tokenizer else {
             return Ok(String::new());
@@ -204,6 +238,66 @@ impl<'t> Detokenizer<'t> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A byte-level BPE tokenizer without merges (one token per byte, GPT-2's byte alphabet).
+    fn byte_tokenizer(dir: &std::path::Path) -> TextTokenizer {
+        let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
+        let mut extra = 0;
+        let vocab: serde_json::Map<String, Value> = (0..256u32)
+            .map(|b| {
+                let c = if printable(b) {
+                    char::from_u32(b).unwrap()
+                } else {
+                    extra += 1;
+                    char::from_u32(255 + extra).unwrap()
+                };
+                (c.to_string(), Value::from(b))
+            })
+            .collect();
+        let level = serde_json::json!({"type": "ByteLevel", "add_prefix_space": false,
+            "trim_offsets": true, "use_regex": true});
+        let json = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": level, "post_processor": null, "decoder": level,
+            "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false,
+                "byte_fallback": false, "vocab": vocab, "merges": []}
+        });
+        let path = dir.join("tokenizer.json");
+        std::fs::write(&path, json.to_string()).unwrap();
+        TextTokenizer::from_file(&path).unwrap()
+    }
+
+    #[test]
+    fn text_arrives_whole_characters_at_a_time_and_adds_up() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = byte_tokenizer(dir.path());
+        let text = "héllo wörld, ☃ «ok» END tail";
+        let ids = t.encode(text).unwrap();
+        assert!(
+            ids.len() > text.chars().count(),
+            "multi-byte characters are several tokens"
+        );
+        let mut d = Detokenizer::new(Some(&t), Vec::new());
+        let mut got = String::new();
+        for &id in &ids {
+            let (piece, stopped) = d.push(id).unwrap();
+            assert!(!piece.contains('\u{FFFD}') && !stopped, "{piece:?}");
+            got += &piece;
+        }
+        got += &d.finish().unwrap();
+        assert_eq!(got, text);
+        let mut d = Detokenizer::new(Some(&t), vec![" END".into()]);
+        let mut got = String::new();
+        for &id in &ids {
+            let (piece, stopped) = d.push(id).unwrap();
+            got += &piece;
+            if stopped {
+                break;
+            }
+        }
+        assert_eq!(got, "héllo wörld, ☃ «ok»");
+    }
 
     #[test]
     fn stop_strings_and_their_prefixes_are_held_back() {
