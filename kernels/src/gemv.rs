@@ -38,14 +38,18 @@ const WARPS: u32 = 8;
 /// Chunks of K (32 lanes x 16 bytes each) a lane loads before multiplying, while all are inside K.
 const UNROLL: u32 = 4;
 
+/// Whether the weights' and the output's element indices of `cfg` fit the kernels' 32-bit
+/// index arithmetic.
+fn indices_fit(cfg: &GemmConfig) -> bool {
+    crate::check_index_range(&[
+        u64::from(cfg.n) * u64::from(cfg.k),
+        u64::from(cfg.m) * u64::from(cfg.n),
+    ])
+}
+
 /// Whether `cfg` is a product this kernel serves: `[N, K]` weights and at most [`MAX_ROWS`] rows.
 pub fn supports(cfg: &GemmConfig) -> bool {
-    cfg.transpose_b
-        && cfg.m <= MAX_ROWS
-        && crate::check_index_range(&[
-            u64::from(cfg.n) * u64::from(cfg.k),
-            u64::from(cfg.m) * u64::from(cfg.n),
-        ])
+    cfg.transpose_b && cfg.m <= MAX_ROWS && indices_fit(cfg)
 }
 
 /// Whether `cfg` is a product of more than [`MAX_ROWS`] rows that the tensor-core kernel serves
@@ -57,10 +61,7 @@ pub fn supports_grouped(cfg: &GemmConfig, rows: Rows) -> bool {
         && cfg.m > MAX_ROWS
         && cfg.m <= MAX_GROUPED_ROWS
         && tensor_cores(cfg, rows)
-        && crate::check_index_range(&[
-            u64::from(cfg.n) * u64::from(cfg.k),
-            u64::from(cfg.m) * u64::from(cfg.n),
-        ])
+        && indices_fit(cfg)
 }
 
 /// Whether `cfg`, a product of 17 to 64 rows with few output columns and no SwiGLU, streams
@@ -74,10 +75,7 @@ pub fn narrow_grouped(cfg: &GemmConfig) -> bool {
         && !cfg.swiglu
         && cfg.n_out() <= NARROW_COLUMNS
         && tensor_cores(cfg, Rows::Fastest)
-        && crate::check_index_range(&[
-            u64::from(cfg.n) * u64::from(cfg.k),
-            u64::from(cfg.m) * u64::from(cfg.n),
-        ])
+        && indices_fit(cfg)
 }
 
 /// The most rows [`narrow_grouped`] takes.

@@ -111,25 +111,23 @@ pub fn generate_batch(
         return Ok((out, 0.0));
     }
     let started = std::time::Instant::now();
-    let mut waiting = prompts.iter().enumerate().map(|(i, p)| {
-        let job = Job {
-            prompt: p.clone(),
-            max_new,
-            sampling: *sampling,
-        };
-        (i as SeqId, job)
-    });
-    let mut next = waiting.next();
+    let mut waiting = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let job = Job {
+                prompt: p.clone(),
+                max_new,
+                sampling: *sampling,
+            };
+            (i as SeqId, job)
+        })
+        .peekable();
     loop {
-        while let Some((id, job)) = next.take() {
-            if !batcher.can_admit(&job) {
-                next = Some((id, job));
-                break;
-            }
+        while let Some((id, job)) = waiting.next_if(|(_, job)| batcher.can_admit(job)) {
             batcher.admit(id, job)?;
-            next = waiting.next();
         }
-        if batcher.is_idle() && next.is_none() {
+        if batcher.is_idle() && waiting.peek().is_none() {
             break;
         }
         for e in batcher.step()? {

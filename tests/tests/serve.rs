@@ -615,6 +615,12 @@ fn sigterm(main: Server, others: [Server; 2]) {
     }
 }
 
+/// Embedding `i` of an `/v1/embeddings` answer.
+fn embedding(v: &Value, i: usize) -> Vec<f32> {
+    let values = v["data"][i]["embedding"].as_array().unwrap();
+    values.iter().map(|x| x.as_f64().unwrap() as f32).collect()
+}
+
 /// Sentence embeddings over HTTP equal a forward pass's, for token-id inputs; an encoder serves
 /// no completions. Returns the server, for [`sigterm`].
 fn embeddings(tmp: &Path) -> Server {
@@ -644,12 +650,7 @@ fn embeddings(tmp: &Path) -> Server {
     let want = out["sentence_embedding"].as_f32().unwrap();
     let dim = out["sentence_embedding"].shape[1];
     for (i, row) in want.chunks(dim).enumerate() {
-        let got: Vec<f32> = v["data"][i]["embedding"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_f64().unwrap() as f32)
-            .collect();
+        let got = embedding(&v, i);
         assert_eq!(got, row, "embedding {i}");
     }
     assert_eq!(v["usage"]["prompt_tokens"], json!(8));
@@ -662,12 +663,7 @@ fn embeddings(tmp: &Path) -> Server {
         let alone = TokenBatch::padded(std::slice::from_ref(row), 0);
         let out = kiln_runtime::forward::forward(&art, &mut exec, &alone).unwrap();
         let want = out["sentence_embedding"].as_f32().unwrap();
-        let got: Vec<f32> = v["data"][i]["embedding"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_f64().unwrap() as f32)
-            .collect();
+        let got = embedding(&v, i);
         let err = kiln_tests::rel_err(&got, want);
         assert!(err < 1e-5, "input {i} of 6: relative error {err}");
     }
