@@ -18,8 +18,11 @@ use serde::{Deserialize, Serialize};
 use crate::inputs::InputContract;
 use crate::DType;
 
-/// The artifact format this build writes and reads.
-pub const FORMAT_VERSION: u32 = 8;
+/// The artifact format this build writes and reads. Since version 9 every GPU kernel waits for
+/// the kernel before it (`griddepcontrol.wait`) before it reads anything an earlier kernel wrote,
+/// so the runtime may launch each step while its predecessor still runs (programmatic dependent
+/// launch).
+pub const FORMAT_VERSION: u32 = 9;
 /// Every region and every tensor in the device allocation starts at a multiple of this many bytes.
 pub const ALIGN: u64 = 256;
 /// The manifest's file name.
@@ -381,8 +384,8 @@ pub struct KernelEntry {
     pub image: Image,
 }
 
-/// The kernel image a kernel is built into: the base module (sm_90 cubin and PTX, nothing newer
-/// than sm_80 in it) or the Hopper-only module (`sm_90a`: wgmma, setmaxnreg), which only a GPU of
+/// The kernel image a kernel is built into: the base module (sm_90 cubin and PTX: Ampere's
+/// tensor-core instructions and Hopper's `griddepcontrol`) or the Hopper-only module (`sm_90a`: wgmma, setmaxnreg), which only a GPU of
 /// compute capability 9.0 runs. A step on an `Sm90a` kernel carries a fallback on `Sm90` kernels.
 #[derive(
     Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,

@@ -193,6 +193,22 @@ fn gemv_simt(cfg: &GemmConfig, name: &str) -> GeneratedKernel {
     let w_row = k.mul_u32(&col, &cfg.k);
     let up_col = k.add_u32(&col, &n_out);
     let w_up_row = k.mul_u32(&up_col, &cfg.k);
+    k.comment("the first chunks' weights head for L2 while the kernel before runs");
+    let starts = if cfg.swiglu {
+        vec![w_row, w_up_row]
+    } else {
+        vec![w_row]
+    };
+    for u in 0..UNROLL.min(cfg.k.div_ceil(32 * step)) {
+        let at = k.mad_u32(&lane, &step, &(u * 32 * step));
+        let inside = k.setp("lt.u32", &at, &cfg.k);
+        for start in &starts {
+            let i = k.add_u32(start, &at);
+            let addr = k.address(w, &i, e.bytes());
+            k.emit(format!("@{inside} prefetch.global.L2 [{addr}]"));
+        }
+    }
+    k.wait_for_inputs();
 
     let load = |k: &mut Kernel, base: Reg, index: &Reg| -> Vec<Reg> {
         let addr = k.address(base, index, e.bytes());
@@ -358,10 +374,11 @@ fn gemv_tc(cfg: &GemmConfig, name: &str, norm: Option<&NormConfig>) -> Generated
         Some(_) => row_start(&mut k, &g),
         None => row_start(&mut k, &x_global),
     };
+    prefetch_first_steps(&mut k, cfg, w, &rows, [warp, t]);
+    k.wait_for_inputs();
     let x_source = match (norm, norm_ptrs) {
         (Some(n), Some(ptrs)) => {
             let normed = k.dynamic_shared("x_normed");
-            prefetch_first_steps(&mut k, cfg, w, &rows, [warp, t]);
             prologue(&mut k, n, x, ptrs, &normed, [warp, lane], row0);
             XSource::Shared(normed)
         }
@@ -477,7 +494,8 @@ fn k_steps(k: &mut Kernel, cfg: &GemmConfig, op: &Operands, [warp, t]: [Reg; 2])
 
 /// Sends the weights of the warp's first `TC_UNROLL` K steps (lane (g, t)'s 16 bytes of each of
 /// its `rows`: start element and whether the row exists) towards L2, so that they stream in
-/// while the prologue runs.
+/// while the kernel before this one finishes (weights are not written by any kernel, so this
+/// comes before the wait for it) and while the prologue runs.
 fn prefetch_first_steps(
     k: &mut Kernel,
     cfg: &GemmConfig,
@@ -485,7 +503,7 @@ fn prefetch_first_steps(
     rows: &[(Reg, Reg)],
     [warp, t]: [Reg; 2],
 ) {
-    k.comment("the first K steps' weights head for L2 while the rows are normalised");
+    k.comment("the first K steps' weights head for L2 while the kernel before runs");
     let step = k.mul_u32(&warp, &32u32);
     let first = k.mad_u32(&t, &8u32, &step);
     for u in 0..TC_UNROLL {

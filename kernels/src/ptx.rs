@@ -4,6 +4,14 @@
 //! Every register is declared with its class (`%p` predicates, `%h` 16-bit, `%r` 32-bit integers,
 //! `%rd` 64-bit integers, `%f` f32); instruction helpers take typed [`Reg`]s and immediates. The
 //! emitted text targets PTX ISA 8.5 (`.target sm_90`), which the CUDA 13.0 driver and ptxas accept.
+//!
+//! Every kernel takes part in programmatic dependent launch: it lets the next kernel of its
+//! stream launch as soon as all its blocks run (`griddepcontrol.launch_dependents`, first in its
+//! body), and waits for the kernel before it to complete (`griddepcontrol.wait`) before it reads
+//! anything: at the top of the body, or where the generator puts [`Kernel::wait_for_inputs`]
+//! after work that reads only what no kernel writes (weights heading for L2). Launched with the
+//! driver's programmatic-serialization attribute, a kernel's launch and prologue overlap its
+//! predecessor's tail; launched without it, both instructions do nothing.
 
 use std::fmt::{self, Write};
 
@@ -11,7 +19,7 @@ use kiln_ir::DType;
 
 /// The PTX ISA version kiln emits.
 pub const PTX_VERSION: &str = "8.5";
-/// The GPU kiln targets (Hopper); `module_for` also writes `sm_80` modules.
+/// The GPU kiln targets (Hopper and later: `griddepcontrol` needs sm_90).
 pub const TARGET: &str = "sm_90";
 
 /// A register class.
@@ -186,6 +194,7 @@ pub struct Kernel {
     directives: Vec<String>,
     body: String,
     labels: u32,
+    waited: bool,
 }
 
 impl Kernel {
@@ -200,6 +209,7 @@ impl Kernel {
             directives: Vec::new(),
             body: String::new(),
             labels: 0,
+            waited: false,
         }
     }
 
@@ -234,6 +244,15 @@ impl Kernel {
     /// Emits one instruction (`;` added).
     pub fn emit(&mut self, instruction: impl AsRef<str>) {
         writeln!(self.body, "\t{};", instruction.as_ref()).expect("writing to a String");
+    }
+
+    /// Waits for the kernels before this one in the stream to complete and their writes to be
+    /// visible (`griddepcontrol.wait`). What the kernel emits before this must read only what no
+    /// kernel writes (weights, parameters); a kernel that never calls it waits at its top.
+    pub fn wait_for_inputs(&mut self) {
+        assert!(!self.waited, "`{}` waits for its inputs twice", self.name);
+        self.emit("griddepcontrol.wait");
+        self.waited = true;
     }
 
     /// Emits a comment line.
@@ -663,6 +682,10 @@ impl Kernel {
         for s in &self.shared {
             writeln!(out, "{s}").expect("writing to a String");
         }
+        out.push_str("\tgriddepcontrol.launch_dependents;\n");
+        if !self.waited {
+            out.push_str("\tgriddepcontrol.wait;\n");
+        }
         out.push_str(&self.body);
         out.push_str("\tret;\n}\n");
         out
@@ -683,9 +706,9 @@ pub fn module(kernels: &[String]) -> String {
     module_for(TARGET, kernels)
 }
 
-/// A PTX module for another target. The base image's kernels use nothing newer than sm_80
-/// (Ampere: `cp.async`, `ldmatrix`, `mma.sync` with bf16), so `sm_80` modules of them assemble
-/// too; the [`crate::Image::Sm90a`] kernels need `sm_90a`.
+/// A PTX module for `target`: `sm_90` for the base image's kernels (Ampere's `cp.async`,
+/// `ldmatrix` and `mma.sync`, and Hopper's `griddepcontrol`), `sm_90a` for the
+/// [`crate::Image::Sm90a`] kernels (wgmma, setmaxnreg).
 pub fn module_for(target: &str, kernels: &[String]) -> String {
     let mut out = format!(".version {PTX_VERSION}\n.target {target}\n.address_size 64\n\n");
     for k in kernels {

@@ -17,7 +17,7 @@ use cudarc::driver::sys::CUgraphInstantiate_flags;
 use cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr,
-    LaunchConfig, PinnedHostSlice, PushKernelArg,
+    LaunchConfig, PinnedHostSlice,
 };
 use cudarc::nvrtc::Ptx;
 use kiln_ir::artifact::{
@@ -27,8 +27,10 @@ use kiln_ir::{DType, Data, Tensor};
 
 use crate::executor::Work;
 use crate::{Artifact, RuntimeError};
+use launch::ArgValue;
 
 mod counts;
+mod launch;
 mod tma;
 pub use counts::DriverCounts;
 pub use tma::{encode as encode_tensor_map, TensorMap};
@@ -49,7 +51,7 @@ pub struct Counters {
 pub struct CudaExecutor {
     /// Page-locked host memory the outputs are copied into (the largest bucket's outputs).
     staging: PinnedHostSlice<u8>,
-    functions: BTreeMap<String, LoadedKernel>,
+    functions: Kernels,
     addresses: Addresses,
     /// `KILN_EAGER` set: replays launch the steps one by one and synchronise after each, so that
     /// a failing kernel is named and each kernel's time measured (debugging and profiling; the
@@ -82,6 +84,14 @@ pub struct CudaExecutor {
 struct LoadedKernel {
     function: CudaFunction,
     params: Vec<ParamType>,
+}
+
+/// The loaded kernels by entry name, and how steps launch them.
+struct Kernels {
+    by_name: BTreeMap<String, LoadedKernel>,
+    /// Each step launches as a programmatic dependent of the step before it (`launch.rs`), unless
+    /// `KILN_PDL=0` asks for plain launches (for measuring what it saves).
+    dependent_launch: bool,
 }
 
 /// `Err` with a one-line message when this machine has no usable CUDA GPU.
@@ -413,7 +423,7 @@ impl CudaExecutor {
         let hopper = hopper
             .map(|h| load_image(&ctx, h, &mut counts))
             .transpose()?;
-        let mut functions: BTreeMap<String, LoadedKernel> = BTreeMap::new();
+        let mut by_name: BTreeMap<String, LoadedKernel> = BTreeMap::new();
         for k in &m.kernel_table {
             let module = match (k.image, &hopper) {
                 (Image::Sm90, _) => &module,
@@ -434,7 +444,7 @@ impl CudaExecutor {
                 .map_err(dev)?;
             }
             let params = k.params.iter().map(|(_, t)| *t).collect();
-            functions.insert(
+            by_name.insert(
                 k.name.clone(),
                 LoadedKernel {
                     function: f,
@@ -443,7 +453,15 @@ impl CudaExecutor {
             );
         }
 
-        tracing::info!(seconds = start.elapsed().as_secs_f64(), "kernels loaded");
+        let functions = Kernels {
+            by_name,
+            dependent_launch: std::env::var("KILN_PDL").map_or(true, |v| v != "0"),
+        };
+        tracing::info!(
+            seconds = start.elapsed().as_secs_f64(),
+            dependent_launch = functions.dependent_launch,
+            "kernels loaded"
+        );
         let addresses = Addresses {
             base,
             plan: m.memory.clone(),
@@ -726,7 +744,7 @@ fn load_image(
 /// Captures `plan`'s launches on `stream` as a CUDA graph, instantiated and uploaded, counted.
 fn capture(
     stream: &Arc<CudaStream>,
-    functions: &BTreeMap<String, LoadedKernel>,
+    functions: &Kernels,
     plan: &ExecPlan,
     addresses: &Addresses,
     graph: &str,
@@ -845,7 +863,7 @@ struct Addresses {
 /// (launch to completion) to its kernel's entry.
 fn launch_steps(
     stream: &Arc<CudaStream>,
-    functions: &BTreeMap<String, LoadedKernel>,
+    functions: &Kernels,
     plan: &ExecPlan,
     addresses: &Addresses,
     graph: &str,
@@ -853,7 +871,7 @@ fn launch_steps(
 ) -> Result<(), RuntimeError> {
     for step in &plan.steps {
         let start = Instant::now();
-        let kernel = &functions[step.kernel.as_str()];
+        let kernel = &functions.by_name[step.kernel.as_str()];
         let failed = |e: String| {
             RuntimeError::Device(format!(
                 "{graph}: step {} (`{}`) failed: {e}",
@@ -861,7 +879,7 @@ fn launch_steps(
             ))
         };
         let address = |r: Region, o: u64| addresses.base + addresses.plan.base(r) + o;
-        let values: Vec<ArgValue> = step
+        let mut values: Vec<ArgValue> = step
             .args
             .iter()
             .zip(&kernel.params)
@@ -878,15 +896,6 @@ fn launch_steps(
             })
             .collect::<Result<_, String>>()
             .map_err(&failed)?;
-        let mut launch = stream.launch_builder(&kernel.function);
-        for v in &values {
-            match v {
-                ArgValue::U64(p) => launch.arg(p),
-                ArgValue::U32(x) => launch.arg(x),
-                ArgValue::F32(x) => launch.arg(x),
-                ArgValue::Map(m) => launch.arg(m),
-            };
-        }
         let l = step.launch;
         let cfg = LaunchConfig {
             grid_dim: (l.grid[0], l.grid[1], l.grid[2]),
@@ -896,8 +905,18 @@ fn launch_steps(
         let driver = |e: cudarc::driver::DriverError| failed(e.to_string());
         // SAFETY: `check_plan` verified one argument of the declared kind per parameter, every
         // pointer inside the one allocation and every tensor map's matrix inside its region,
-        // whose regions the compiler sized for these kernels' shapes.
-        unsafe { launch.launch(cfg) }.map_err(driver)?;
+        // whose regions the compiler sized for these kernels' shapes; format 9 kernels wait for
+        // their predecessor before reading (`launch::launch`).
+        unsafe {
+            launch::launch(
+                stream,
+                &kernel.function,
+                cfg,
+                &mut values,
+                functions.dependent_launch,
+            )
+        }
+        .map_err(driver)?;
         if let Some(profile) = profile.as_deref_mut() {
             stream.synchronize().map_err(driver)?;
             let e = profile.entry(step.kernel.clone()).or_default();
@@ -906,13 +925,6 @@ fn launch_steps(
         }
     }
     Ok(())
-}
-
-enum ArgValue {
-    U64(u64),
-    U32(u32),
-    F32(f32),
-    Map(TensorMap),
 }
 
 /// A host tensor's bytes in `dtype` (little endian), as the device reads them.
