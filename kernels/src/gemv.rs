@@ -64,13 +64,15 @@ pub fn supports_grouped(cfg: &GemmConfig, rows: Rows) -> bool {
         && indices_fit(cfg)
 }
 
-/// Whether `cfg`, a product of 17 to 64 rows with few output columns and no SwiGLU, streams
+/// Whether `cfg`, a product of 9 to 64 rows with few output columns and no SwiGLU, streams
 /// faster through the tensor-core kernel in row groups than through the Hopper GEMM, whose 128 x
 /// 256 tiles give it at most 8 blocks (H200, Llama-3.2-1B shape at 64 rows: the down projection
-/// 56 against 98 us, O 24 against 39; the gate/up product, many columns, 181 against 34).
+/// 56 against 98 us, O 24 against 39; the gate/up product, many columns, 181 against 34; GPT-2
+/// small prefill at 32 tokens 0.74 against 1.29 ms). A batch-invariant artifact's products of 9
+/// to 16 rows take the row groups anyway ([`supports_grouped`]).
 pub fn narrow_grouped(cfg: &GemmConfig) -> bool {
     cfg.transpose_b
-        && cfg.m > MAX_GROUPED_ROWS
+        && cfg.m > MAX_ROWS
         && cfg.m <= NARROW_ROWS
         && !cfg.swiglu
         && cfg.n_out() <= NARROW_COLUMNS
@@ -134,15 +136,17 @@ const PROLOGUE_BLOCKS: u32 = 1024;
 
 /// Whether [`gemv_normed`] serves `cfg` (under `rows`) with the norm `norm` computed in its
 /// prologue: the tensor-core kernel, the rows of x normalised fit in shared memory (at any row
-/// count, so the choice does not depend on it), and few enough blocks repeat the prologue.
+/// count, so the choice does not depend on it), and few enough blocks repeat the prologue. (The
+/// one-row kernel does not take it: one warp normalising the row in each block made Llama-1B's
+/// gate/up product 25.5 us against 20.7 + 2.7 for the norm launch and the product, H200.)
 pub fn takes_prologue(cfg: &GemmConfig, norm: &NormConfig, rows: Rows) -> bool {
     (supports(cfg) || supports_grouped(cfg, rows))
         && tensor_cores(cfg, rows)
+        && cfg.n_out().div_ceil(TC_COLS) <= PROLOGUE_BLOCKS
         && !norm.residual
         && norm.elem == cfg.elem
         && (norm.rows, norm.cols) == (cfg.m, cfg.k)
         && MAX_ROWS * cfg.k * cfg.elem.bytes() <= PROLOGUE_BYTES
-        && cfg.n_out().div_ceil(TC_COLS) <= PROLOGUE_BLOCKS
 }
 
 /// Generates the tensor-core kernel that first normalises the rows of x (`norm`: RMSNorm, or
@@ -160,138 +164,67 @@ pub fn gemv_normed((cfg, norm): &(GemmConfig, NormConfig)) -> GeneratedKernel {
     gemv_tc(cfg, &format!("{norm_name}_{}_gemv", cfg.name()), Some(norm))
 }
 
-/// The one-column-per-warp kernel.
+/// The norm prologue's parameters: its weight, and its bias for LayerNorm.
+fn norm_params(k: &mut Kernel, norm: &NormConfig) -> (Reg, Option<Reg>) {
+    let weight = k.param_ptr("norm_weight");
+    let bias = (norm.kind == NormKind::LayerNorm).then(|| k.param_ptr("norm_bias"));
+    (weight, bias)
+}
+
+/// The bytes of its weight row one warp of the one-column-per-warp kernel streams at least: a
+/// column whose row is longer is shared by up to [`WARPS`] warps ([`k_splits`]), each taking
+/// every `splits`-th chunk of K, so that long rows keep enough loads in flight (H200, Llama-1B
+/// shape, bf16: the down projection, K = 8192 over 2048 columns, read 2.6 TB/s with one warp
+/// per column, 256 blocks).
+const SPLIT_BYTES: u32 = 4096;
+
+/// Warps per output column of the one-column-per-warp kernel: the largest power of two up to
+/// [`WARPS`] that leaves each warp at least [`SPLIT_BYTES`] of the weight row. It depends on K
+/// alone, so every row count of a product sums in the same order.
+fn k_splits(cfg: &GemmConfig) -> u32 {
+    let row_bytes = cfg.k * cfg.elem.bytes();
+    let mut splits = 1;
+    while splits < WARPS && row_bytes / (splits * 2) >= SPLIT_BYTES {
+        splits *= 2;
+    }
+    splits
+}
+
+/// The one-column-per-warp kernel: `k_splits` warps per column, each streaming its chunks of the
+/// weight row against every row of x, their sums met in shared memory in warp order.
 fn gemv_simt(cfg: &GemmConfig, name: &str) -> GeneratedKernel {
     let mut k = Kernel::new(name);
     let x = k.param_ptr("x");
     let w = k.param_ptr("w");
     let epilogue = EpiloguePtrs::declare(&mut k, cfg);
-    let e = cfg.elem;
+    let splits = k_splits(cfg);
     let n_out = cfg.n_out();
-    // 16-byte loads when every row starts 16-byte aligned (buffers are 256-byte aligned).
-    let per_load = 16 / e.bytes();
-    let vector = (cfg.k * e.bytes()).is_multiple_of(16);
-    let step = if vector { per_load } else { 1 };
-
     let tid = k.special("tid.x");
     let lane = k.op2("and.b32", RegClass::B32, &tid, &31u32);
     let warp = k.op2("shr.u32", RegClass::B32, &tid, &5u32);
     let block = k.special("ctaid.x");
-    let col = k.mad_u32(&block, &WARPS, &warp);
+    let column_in_block = k.op2("shr.u32", RegClass::B32, &warp, &splits.trailing_zeros());
+    let col = k.mad_u32(&block, &(WARPS / splits), &column_in_block);
+    let part = k.op2("and.b32", RegClass::B32, &warp, &(splits - 1));
     let exit = k.label("exit");
     let outside = k.setp("ge.u32", &col, &n_out);
-    k.bra(Some((outside, true)), &exit);
-
-    let zero = F32(0.0);
-    let rows = cfg.m as usize;
-    let acc: Vec<Reg> = (0..rows).map(|_| k.mov(RegClass::F32, &zero)).collect();
-    let acc_up: Vec<Reg> = if cfg.swiglu {
-        (0..rows).map(|_| k.mov(RegClass::F32, &zero)).collect()
-    } else {
-        Vec::new()
-    };
-    let w_row = k.mul_u32(&col, &cfg.k);
-    let up_col = k.add_u32(&col, &n_out);
-    let w_up_row = k.mul_u32(&up_col, &cfg.k);
-    k.comment("the first chunks' weights head for L2 while the kernel before runs");
-    let starts = if cfg.swiglu {
-        vec![w_row, w_up_row]
-    } else {
-        vec![w_row]
-    };
-    for u in 0..UNROLL.min(cfg.k.div_ceil(32 * step)) {
-        let at = k.mad_u32(&lane, &step, &(u * 32 * step));
-        let inside = k.setp("lt.u32", &at, &cfg.k);
-        for start in &starts {
-            let i = k.add_u32(start, &at);
-            let addr = k.address(w, &i, e.bytes());
-            k.emit(format!("@{inside} prefetch.global.L2 [{addr}]"));
-        }
-    }
+    let simt = Simt::new(&mut k, cfg, w, splits, [col, lane, part]);
+    simt.prefetch(&mut k);
     k.wait_for_inputs();
-
-    let load = |k: &mut Kernel, base: Reg, index: &Reg| -> Vec<Reg> {
-        let addr = k.address(base, index, e.bytes());
-        if vector {
-            k.ld_global_vec16(e, addr)
-        } else {
-            vec![k.ld_global(e, addr)]
-        }
-    };
-    // One pass over `UNROLL` consecutive chunks of the lane's K range starting at `kk`: every
-    // weight load is issued before the first multiply, so they are in flight together.
-    let chunks = |k: &mut Kernel, kk: &Reg, count: u32| {
-        let at: Vec<Reg> = (0..count)
-            .map(|u| match u {
-                0 => *kk,
-                _ => k.add_u32(kk, &(u * 32 * step)),
-            })
-            .collect();
-        let wv: Vec<Vec<Reg>> = at
-            .iter()
-            .map(|a| {
-                let wi = k.add_u32(&w_row, a);
-                load(k, w, &wi)
-            })
-            .collect();
-        let wu: Vec<Vec<Reg>> = if cfg.swiglu {
-            at.iter()
-                .map(|a| {
-                    let ui = k.add_u32(&w_up_row, a);
-                    load(k, w, &ui)
-                })
-                .collect()
-        } else {
-            Vec::new()
-        };
-        for r in 0..rows {
-            for (u, a) in at.iter().enumerate() {
-                let xi = k.add_u32(a, &(r as u32 * cfg.k));
-                let xv = load(k, x, &xi);
-                for (j, xe) in xv.iter().enumerate() {
-                    k.fma_into(acc[r], xe, &wv[u][j]);
-                    if cfg.swiglu {
-                        k.fma_into(acc_up[r], xe, &wu[u][j]);
-                    }
-                }
-            }
-        }
-    };
-
-    k.comment("lanes stride along K");
-    let kk = k.mul_u32(&lane, &step);
-    if cfg.k >= UNROLL * 32 * step {
-        k.comment("UNROLL chunks at a time while all are inside K");
-        let wide = k.label("k_unrolled");
-        let rest = k.label("k_rest");
-        k.place(&wide);
-        let last = k.add_u32(&kk, &((UNROLL - 1) * 32 * step));
-        let short = k.setp("ge.u32", &last, &cfg.k);
-        k.bra(Some((short, true)), &rest);
-        chunks(&mut k, &kk, UNROLL);
-        k.emit(format!("add.u32 {kk}, {kk}, {}", UNROLL * 32 * step));
-        k.bra(None, &wide);
-        k.place(&rest);
-        k.comment("the rest one chunk at a time");
-    }
-    let top = k.label("k_loop");
-    let done = k.label("k_done");
-    k.place(&top);
-    let past = k.setp("ge.u32", &kk, &cfg.k);
-    k.bra(Some((past, true)), &done);
-    chunks(&mut k, &kk, 1);
-    k.emit(format!("add.u32 {kk}, {kk}, {}", 32 * step));
-    k.bra(None, &top);
-    k.place(&done);
-
-    k.comment("reduce across the warp; lane 0 finishes each row");
+    let acc = simt.k_loop(&mut k, outside, x);
     let sums: Vec<Reg> = acc.iter().map(|a| k.warp_sum(*a)).collect();
-    let ups: Vec<Reg> = acc_up.iter().map(|a| k.warp_sum(*a)).collect();
+    let sums = if splits > 1 {
+        meet_splits(&mut k, &sums, [warp, lane, part], splits)
+    } else {
+        sums
+    };
     let not_first = k.setp("ne.u32", &lane, &0u32);
     k.bra(Some((not_first, true)), &exit);
-    for (r, &sum) in sums.iter().enumerate() {
-        let up = ups.get(r).copied();
-        epilogue.finish(&mut k, cfg, sum, up, &col, |k| {
+    k.bra(Some((outside, true)), &exit);
+    let rows = cfg.m as usize;
+    for r in 0..rows {
+        let up = cfg.swiglu.then(|| sums[rows + r]);
+        epilogue.finish(&mut k, cfg, sums[r], up, &col, |k| {
             k.add_u32(&col, &(r as u32 * n_out))
         });
     }
@@ -299,12 +232,195 @@ fn gemv_simt(cfg: &GemmConfig, name: &str) -> GeneratedKernel {
     GeneratedKernel::new(
         k,
         Launch {
-            grid: [n_out.div_ceil(WARPS), 1, 1],
+            grid: [n_out.div_ceil(WARPS / splits), 1, 1],
             block: [WARPS * 32, 1, 1],
             shared_bytes: 0,
         },
     )
     .on(crate::KernelPath::Gemv)
+}
+
+/// What a warp of the one-column-per-warp kernel streams: its weight row (and the up row with
+/// SwiGLU) and the chunks of K it takes.
+struct Simt<'a> {
+    cfg: &'a GemmConfig,
+    w: Reg,
+    /// Start element of the weight row, and of the up row with SwiGLU.
+    starts: Vec<Reg>,
+    /// Elements per lane load (8 with 16-byte loads, else 1).
+    step: u32,
+    /// Warps per column.
+    splits: u32,
+    /// The lane's first element of K.
+    first: Reg,
+}
+
+impl<'a> Simt<'a> {
+    fn new(
+        k: &mut Kernel,
+        cfg: &'a GemmConfig,
+        w: Reg,
+        splits: u32,
+        [col, lane, part]: [Reg; 3],
+    ) -> Simt<'a> {
+        // 16-byte loads when every row starts 16-byte aligned (buffers are 256-byte aligned).
+        let vector = (cfg.k * cfg.elem.bytes()).is_multiple_of(16);
+        let step = if vector { 16 / cfg.elem.bytes() } else { 1 };
+        let w_row = k.mul_u32(&col, &cfg.k);
+        let mut starts = vec![w_row];
+        if cfg.swiglu {
+            let up_col = k.add_u32(&col, &cfg.n_out());
+            starts.push(k.mul_u32(&up_col, &cfg.k));
+        }
+        k.comment("the warp's chunks of K: lanes side by side, the column's warps interleaved");
+        let chunk = k.mad_u32(&part, &32u32, &lane);
+        let first = k.mul_u32(&chunk, &step);
+        Simt {
+            cfg,
+            w,
+            starts,
+            step,
+            splits,
+            first,
+        }
+    }
+
+    /// Elements between one chunk of a lane and its next.
+    fn stride(&self) -> u32 {
+        self.splits * 32 * self.step
+    }
+
+    fn load(&self, k: &mut Kernel, base: Reg, index: &Reg) -> Vec<Reg> {
+        let e = self.cfg.elem;
+        let addr = k.address(base, index, e.bytes());
+        if self.step > 1 {
+            k.ld_global_vec16(e, addr)
+        } else {
+            vec![k.ld_global(e, addr)]
+        }
+    }
+
+    /// Sends the weights of the warp's first `UNROLL` chunks towards L2 (before the wait for the
+    /// kernel before: no kernel writes weights).
+    fn prefetch(&self, k: &mut Kernel) {
+        k.comment("the first chunks' weights head for L2 while the kernel before runs");
+        for u in 0..UNROLL.min(self.cfg.k.div_ceil(self.stride())) {
+            let at = k.add_u32(&self.first, &(u * self.stride()));
+            let inside = k.setp("lt.u32", &at, &self.cfg.k);
+            for start in &self.starts {
+                let i = k.add_u32(start, &at);
+                let addr = k.address(self.w, &i, self.cfg.elem.bytes());
+                k.emit(format!("@{inside} prefetch.global.L2 [{addr}]"));
+            }
+        }
+    }
+
+    /// The K loop (skipped by a warp whose column is `outside` the product); returns the lane's
+    /// sums, one per row of x, then the up product's with SwiGLU.
+    fn k_loop(&self, k: &mut Kernel, outside: Reg, x: Reg) -> Vec<Reg> {
+        let rows = self.cfg.m as usize * self.starts.len();
+        let acc: Vec<Reg> = (0..rows).map(|_| k.mov(RegClass::F32, &F32(0.0))).collect();
+        let done = k.label("k_done");
+        k.bra(Some((outside, true)), &done);
+        let kk = k.mov(RegClass::B32, &self.first);
+        if self.cfg.k >= UNROLL * self.stride() {
+            k.comment("UNROLL chunks at a time while all are inside K");
+            let wide = k.label("k_unrolled");
+            let rest = k.label("k_rest");
+            k.place(&wide);
+            let last = k.add_u32(&kk, &((UNROLL - 1) * self.stride()));
+            let short = k.setp("ge.u32", &last, &self.cfg.k);
+            k.bra(Some((short, true)), &rest);
+            self.chunks(k, &kk, UNROLL, &acc, x);
+            k.emit(format!("add.u32 {kk}, {kk}, {}", UNROLL * self.stride()));
+            k.bra(None, &wide);
+            k.place(&rest);
+            k.comment("the rest one chunk at a time");
+        }
+        let top = k.label("k_loop");
+        k.place(&top);
+        let past = k.setp("ge.u32", &kk, &self.cfg.k);
+        k.bra(Some((past, true)), &done);
+        self.chunks(k, &kk, 1, &acc, x);
+        k.emit(format!("add.u32 {kk}, {kk}, {}", self.stride()));
+        k.bra(None, &top);
+        k.place(&done);
+        acc
+    }
+
+    /// `count` chunks starting at `kk`: every weight load is issued before the first multiply, so
+    /// they are in flight together.
+    fn chunks(&self, k: &mut Kernel, kk: &Reg, count: u32, acc: &[Reg], x: Reg) {
+        let at: Vec<Reg> = (0..count)
+            .map(|u| match u {
+                0 => *kk,
+                _ => k.add_u32(kk, &(u * self.stride())),
+            })
+            .collect();
+        let weights: Vec<Vec<Vec<Reg>>> = self
+            .starts
+            .iter()
+            .map(|start| {
+                at.iter()
+                    .map(|a| {
+                        let wi = k.add_u32(start, a);
+                        self.load(k, self.w, &wi)
+                    })
+                    .collect()
+            })
+            .collect();
+        let rows = self.cfg.m as usize;
+        for r in 0..rows {
+            for (u, a) in at.iter().enumerate() {
+                let xi = k.add_u32(a, &(r as u32 * self.cfg.k));
+                let xv = self.load(k, x, &xi);
+                for (j, xe) in xv.iter().enumerate() {
+                    for (p, wp) in weights.iter().enumerate() {
+                        k.fma_into(acc[p * rows + r], xe, &wp[u][j]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The sums of a column's `splits` warps met in shared memory: lane 0 of each warp stores its
+/// sums, and the column's first warp adds them in warp order (the same order at every row
+/// count); returns the totals (meaningful in that warp's lane 0).
+fn meet_splits(
+    k: &mut Kernel,
+    sums: &[Reg],
+    [warp, lane, part]: [Reg; 3],
+    splits: u32,
+) -> Vec<Reg> {
+    let n = sums.len() as u32;
+    let partials = k.shared("split_sums", WARPS * n * 4);
+    let base = k.reg(RegClass::B32);
+    k.emit(format!("mov.u32 {base}, {partials}"));
+    let mine = k.mul_u32(&warp, &(n * 4));
+    let mine = k.add_u32(&base, &mine);
+    let skip = k.label("store_done");
+    let not_first = k.setp("ne.u32", &lane, &0u32);
+    k.bra(Some((not_first, true)), &skip);
+    for (i, v) in sums.iter().enumerate() {
+        k.emit(format!("st.shared.f32 [{mine}+{}], {v}", i * 4));
+    }
+    k.place(&skip);
+    k.barrier();
+    let leader = k.sub_u32(&warp, &part);
+    let first = k.mul_u32(&leader, &(n * 4));
+    let first = k.add_u32(&base, &first);
+    (0..n)
+        .map(|i| {
+            let total = k.mov(RegClass::F32, &F32(0.0));
+            for j in 0..splits {
+                let v = k.reg(RegClass::F32);
+                k.emit(format!("ld.shared.f32 {v}, [{first}+{}]", (j * n + i) * 4));
+                k.emit(format!("add.f32 {total}, {total}, {v}"));
+            }
+            total
+        })
+        .collect()
 }
 
 /// Output columns per block of the tensor-core kernel (the product's `m16`).
@@ -322,11 +438,7 @@ fn gemv_tc(cfg: &GemmConfig, name: &str, norm: Option<&NormConfig>) -> Generated
     k.directive(format!(".maxntid {}, 1, 1", TC_WARPS * 32));
     let x = k.param_ptr("x");
     let w = k.param_ptr("w");
-    let norm_ptrs = norm.map(|n| {
-        let weight = k.param_ptr("norm_weight");
-        let bias = (n.kind == NormKind::LayerNorm).then(|| k.param_ptr("norm_bias"));
-        (weight, bias)
-    });
+    let norm_ptrs = norm.map(|n| norm_params(&mut k, n));
     let epilogue = EpiloguePtrs::declare(&mut k, cfg);
     let partials = k.shared("partials", parts(cfg) * TC_WARPS * TC_COLS * 8 * 4);
     let n_out = cfg.n_out();

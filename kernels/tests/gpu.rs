@@ -458,6 +458,12 @@ fn gemms_match_the_interpreter() {
                 (8, 768, 258),
                 // A long K: the GEMV's unrolled chunks, then its remainder (f16/bf16 too).
                 (2, 2056, 66),
+                // One-column-per-warp GEMV rows long enough to be split over 2 to 8 warps, a
+                // column of the last block outside the product, and rows too ragged for 16-byte
+                // loads.
+                (1, 8200, 35),
+                (3, 4104, 66),
+                (1, 4097, 34),
                 // Tensor-core GEMV: several passes of its K steps, a partial last step, 7 of
                 // the product's 8 rows, a partial block of columns.
                 (7, 4104, 34),
@@ -1334,7 +1340,7 @@ fn attention_case(
     }
     if cached {
         // The same through key ranges (flash-decoding) and the combine kernel.
-        let splits = kiln_kernels::attention::decode_splits(t as u32).max(4);
+        let splits = kiln_kernels::attention::decode_splits(t as u32, (b * h) as u32).max(4);
         let mut split_cfg = cfg.clone();
         split_cfg.splits = splits;
         let partial = attention(&split_cfg);

@@ -126,6 +126,26 @@ fn gemv_swiglu_bias_bf16_decode() {
     insta::assert_snapshot!(k.module());
 }
 
+/// A decode product whose weight rows (K = 8192, bf16) are split over 4 warps per column, their
+/// sums met in shared memory, then the residual.
+#[test]
+fn gemv_split_k_residual_bf16_decode() {
+    let k = gemm(&GemmConfig {
+        m: 1,
+        k: 8192,
+        n: 64,
+        transpose_b: true,
+        bias: false,
+        activation: None,
+        swiglu: false,
+        residual: true,
+        elem: Elem::BF16,
+    });
+    assert!(k.name.ends_with("_gemv"), "{}", k.name);
+    assert_eq!(k.launch.grid, [32, 1, 1], "two columns per block");
+    insta::assert_snapshot!(k.module());
+}
+
 /// Decode rows normalised in the GEMV's prologue (RMSNorm into shared memory), then gate/up.
 #[test]
 fn gemv_rms_norm_prologue_swiglu_bf16_decode() {
@@ -180,6 +200,34 @@ fn attention_gqa_causal_rope_dropout_bf16() {
     };
     cfg.strides = cfg.contiguous_strides();
     insta::assert_snapshot!(attention(&cfg).module());
+}
+
+/// A decode step's attention over a cache of 2048 entries (positions from device memory, RoPE on
+/// q, GQA): each warp one key range of the query's keys, four keys' rows loaded at a time.
+#[test]
+fn attention_decode_key_ranges_bf16() {
+    use kiln_kernels::attention::{attention, decode_splits, AttentionConfig, KeyRule};
+    let mut cfg = AttentionConfig {
+        batch: 1,
+        heads: 8,
+        kv_heads: 2,
+        q_len: 1,
+        kv_len: 2048,
+        head_dim: 64,
+        scale: 0.125,
+        keys: KeyRule::Position { window: None },
+        padding: false,
+        rope: true,
+        rope_k: false,
+        dropout: None,
+        elem: Elem::BF16,
+        strides: [[0; 3]; 4],
+        splits: decode_splits(2048, 8),
+    };
+    cfg.strides = cfg.contiguous_strides();
+    let k = attention(&cfg);
+    assert_eq!(k.launch.grid, [8, 8, 1], "32 ranges, one per warp of 4-warp blocks");
+    insta::assert_snapshot!(k.module());
 }
 
 #[test]
