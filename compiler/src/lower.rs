@@ -805,7 +805,7 @@ fn lower_decode(
     // several warps (flash-decoding); prompt chunks take the tensor-core kernel, whose blocks
     // already cover many rows.
     cfg.splits = if cfg.q_len == 1 {
-        kiln_kernels::attention::decode_splits(cfg.kv_len, cfg.batch * cfg.heads)
+        kiln_kernels::attention::decode_splits(cfg.kv_len, cfg.batch, cfg.heads)
     } else {
         1
     };

@@ -7,8 +7,10 @@
 //! sliding-window masks, padding masks and positions read from device memory, RoPE as a prologue
 //! (cos/sin tables in device memory), and Philox-4x32-10 dropout with exactly the IR's mask.
 //! [`attention`] takes the tensor-core kernel (`crate::attention_tc`) for the same features in
-//! f16/bf16; this one stays for f32, head dimensions the MMA shapes cannot take, and decode steps
-//! (flash-decoding: `splits` key ranges per query and [`attention_combine`]).
+//! f16/bf16, and for f16/bf16 decode steps the kernel that serves a query group from one read of
+//! its K/V (`crate::attention_decode`); this one stays for f32, head dimensions the MMA shapes
+//! cannot take, and the decode steps that one does not serve (flash-decoding: `splits` key
+//! ranges per query and [`attention_combine`]).
 //!
 //! A query that sees no key at all (a padding query of a left-padded batch, or a row of padding
 //! only) stores zeros, as the IR's attention defines it (`kiln_ir::kernel::visible`).
@@ -291,7 +293,9 @@ pub fn attention(cfg: &AttentionConfig) -> GeneratedKernel {
 /// The kernel [`attention`] picks where sm_90a is not available: the same work under the same
 /// parameter names (pointers where the Hopper kernel takes tensor maps), in the base image.
 pub fn attention_base(cfg: &AttentionConfig) -> GeneratedKernel {
-    if crate::attention_tc::supports(cfg) {
+    if crate::attention_decode::supports(cfg) {
+        crate::attention_decode::attention_decode(cfg, format!("{}_decode", cfg.name()))
+    } else if crate::attention_tc::supports(cfg) {
         crate::attention_tc::attention_tc(cfg, format!("{}_tc", cfg.name()))
     } else {
         attention_simt(cfg)
@@ -381,25 +385,8 @@ pub fn attention_simt(cfg: &AttentionConfig) -> GeneratedKernel {
             let a = k.address(base, &idx, e.bytes());
             let x = k.ld_global(e, a);
             match (pos, tables) {
-                (Some(p), Some((cos, sin))) => {
-                    let upper = k.setp("ge.u32", &col, &half);
-                    let c_low = k.sub_u32(&col, &half);
-                    let c = k.selp(RegClass::B32, "u32", &c_low, &col, upper);
-                    let partner_hi = k.add_u32(&col, &half);
-                    let partner = k.selp(RegClass::B32, "u32", &c_low, &partner_hi, upper);
-                    let pidx = k.add_u32(&row, &partner);
-                    let pa = k.address(base, &pidx, e.bytes());
-                    let px = k.ld_global(e, pa);
-                    let t = k.mad_u32(&p, &half, &c);
-                    let ca = k.address(cos, &t, 4);
-                    let sa = k.address(sin, &t, 4);
-                    let cv = k.ld_global(Elem::F32, ca);
-                    let sv = k.ld_global(Elem::F32, sa);
-                    // rotate_half: [-x2, x1]
-                    let neg = k.op1("neg.f32", RegClass::F32, &px);
-                    let signed = k.selp(RegClass::F32, "f32", &px, &neg, upper);
-                    let xc = k.mul_f32(&x, &cv);
-                    let r = k.fma_f32(&signed, &sv, &xc);
+                (Some(p), Some(tables)) => {
+                    let r = rotated_element(k, e, [base, row, col, p], x, half, tables);
                     k.emit(format!("mov.f32 {value}, {r}"));
                 }
                 _ => k.emit(format!("mov.f32 {value}, {x}")),
@@ -449,14 +436,12 @@ pub fn attention_simt(cfg: &AttentionConfig) -> GeneratedKernel {
         // The query's own keys split evenly across the blocks (a range fixed by the capacity
         // would leave all but the first few blocks idle at short contexts).
         k.comment("this block's share of the query's keys");
-        let top = k.op2("max.u32", RegClass::B32, &end, &start);
-        let len = k.sub_u32(&top, &start);
-        let rounded = k.add_u32(&len, &(cfg.splits - 1));
-        let chunk = k.op2("div.u32", RegClass::B32, &rounded, &cfg.splits);
-        let from = k.mad_u32(&split_index.expect("split"), &chunk, &start);
-        let s1 = k.add_u32(&from, &chunk);
-        let to = k.op2("min.u32", RegClass::B32, &end, &s1);
-        (from, to)
+        share_of_keys(
+            &mut k,
+            (start, end),
+            cfg.splits,
+            split_index.expect("split"),
+        )
     } else {
         (start, end)
     };
@@ -551,14 +536,7 @@ pub fn attention_simt(cfg: &AttentionConfig) -> GeneratedKernel {
             k.fma_into(partial, qe, kv);
         }
         let s = k.warp_sum(partial);
-        k.comment("online softmax in base 2");
-        let m_new = k.max_f32(&m, &s);
-        let dm = k.sub_f32(&m, &m_new);
-        let corr = k.op1("ex2.approx.ftz.f32", RegClass::F32, &dm);
-        let ds = k.sub_f32(&s, &m_new);
-        let p = k.op1("ex2.approx.ftz.f32", RegClass::F32, &ds);
-        k.emit(format!("fma.rn.f32 {l}, {l}, {corr}, {p}"));
-        k.emit(format!("mov.f32 {m}, {m_new}"));
+        let (corr, p) = online_softmax_step(&mut k, m, l, s);
         let weight = match dropout_state {
             None => p,
             Some((lo, hi, plane, d)) => {
@@ -645,22 +623,27 @@ pub fn attention_simt(cfg: &AttentionConfig) -> GeneratedKernel {
     .on(KernelPath::Simt)
 }
 
-/// Key ranges per query row for a decode step of `rows` query rows (batch x heads) over a cache
-/// of `kv_len` entries: none below 1024 entries, then one per 64 entries of capacity, between 16
-/// and 128 and a multiple of 8 (the combine's groups), halved (to at least 8) while the ranges
-/// of all rows would be more than [`DECODE_WARPS`]. Each range is one warp walking its keys in
-/// order, so the ranges must be short for the steps to stay fast late in a long generation, and
-/// few enough that a large batch does not pay each warp's fixed cost many times over (H200,
-/// Llama-1B shape, 64 sequences, capacity 4608: 72 ranges per row made the decode step 5.4 ms
-/// against 2.6 at capacity 1024 for the same short contexts). The lowering and the tests share
-/// this rule.
-pub fn decode_splits(kv_len: u32, rows: u32) -> u32 {
+/// Key ranges per query row for a decode step of `batch` sequences of `heads` query heads over a
+/// cache of `kv_len` entries: none below 1024 entries, then one per 64 entries of capacity,
+/// between 16 and 128 and a multiple of 8 (the combine's groups). Each range is one warp walking
+/// its keys in order, so the ranges must be short for the steps to stay fast late in a long
+/// generation. Past [`crate::gemv::MAX_GROUPED_ROWS`] sequences (the batches whose products are
+/// not batch-invariant anyway) the count is halved, to at least 8, while all rows' ranges would
+/// be more than [`DECODE_WARPS`], so that a large batch does not pay each warp's fixed cost many
+/// times over (H200, Llama-1B shape, 64 sequences, capacity 4608: 72 ranges per row made the
+/// decode step 5.4 ms against 2.6 at capacity 1024 for the same short contexts); up to there it
+/// does not depend on the batch, so a sequence's attention sums in the same order in every
+/// batch-invariant bucket. The lowering and the tests share this rule.
+pub fn decode_splits(kv_len: u32, batch: u32, heads: u32) -> u32 {
     if kv_len < 1024 {
         return 1;
     }
     let mut splits = (kv_len / 64).clamp(16, 128) & !7;
-    while splits > 8 && rows.saturating_mul(splits) > DECODE_WARPS {
-        splits = (splits / 2) & !7;
+    if batch > crate::gemv::MAX_GROUPED_ROWS {
+        let rows = batch.saturating_mul(heads);
+        while splits > 8 && rows.saturating_mul(splits) > DECODE_WARPS {
+            splits = (splits / 2) & !7;
+        }
     }
     splits
 }
@@ -783,9 +766,77 @@ pub fn attention_combine(cfg: &AttentionConfig) -> GeneratedKernel {
     )
 }
 
+/// Element `col` (loaded as `x`) of the row starting at element `row` of `base`, rotated by RoPE
+/// at position `pos` (`rotate_half`'s pairing: `x * cos - partner * sin` in the lower half, `x *
+/// cos + partner * sin` in the upper, `tables` `[P, D/2]` f32).
+pub(crate) fn rotated_element(
+    k: &mut Kernel,
+    e: Elem,
+    [base, row, col, pos]: [Reg; 4],
+    x: Reg,
+    half: u32,
+    (cos, sin): (Reg, Reg),
+) -> Reg {
+    let upper = k.setp("ge.u32", &col, &half);
+    let c_low = k.sub_u32(&col, &half);
+    let c = k.selp(RegClass::B32, "u32", &c_low, &col, upper);
+    let partner_hi = k.add_u32(&col, &half);
+    let partner = k.selp(RegClass::B32, "u32", &c_low, &partner_hi, upper);
+    let pidx = k.add_u32(&row, &partner);
+    let pa = k.address(base, &pidx, e.bytes());
+    let px = k.ld_global(e, pa);
+    let t = k.mad_u32(&pos, &half, &c);
+    let ca = k.address(cos, &t, 4);
+    let sa = k.address(sin, &t, 4);
+    let cv = k.ld_global(Elem::F32, ca);
+    let sv = k.ld_global(Elem::F32, sa);
+    // rotate_half: [-x2, x1]
+    let neg = k.op1("neg.f32", RegClass::F32, &px);
+    let signed = k.selp(RegClass::F32, "f32", &px, &neg, upper);
+    let xc = k.mul_f32(&x, &cv);
+    k.fma_f32(&signed, &sv, &xc)
+}
+
+/// Key range `split` of `splits` even shares of `[start, end)` (the last ones empty when the
+/// range is short).
+pub(crate) fn share_of_keys(
+    k: &mut Kernel,
+    (start, end): (Reg, Reg),
+    splits: u32,
+    split: Reg,
+) -> (Reg, Reg) {
+    let top = k.op2("max.u32", RegClass::B32, &end, &start);
+    let len = k.sub_u32(&top, &start);
+    let rounded = k.add_u32(&len, &(splits - 1));
+    let chunk = k.op2("div.u32", RegClass::B32, &rounded, &splits);
+    let from = k.mad_u32(&split, &chunk, &start);
+    let s1 = k.add_u32(&from, &chunk);
+    let to = k.op2("min.u32", RegClass::B32, &end, &s1);
+    (from, to)
+}
+
+/// One key's online-softmax update in base 2 of a running max `m` and sum `l` by score `s`;
+/// returns the accumulators' correction and the key's weight.
+pub(crate) fn online_softmax_step(k: &mut Kernel, m: Reg, l: Reg, s: Reg) -> (Reg, Reg) {
+    k.comment("online softmax in base 2");
+    let m_new = k.max_f32(&m, &s);
+    let dm = k.sub_f32(&m, &m_new);
+    let corr = k.op1("ex2.approx.ftz.f32", RegClass::F32, &dm);
+    let ds = k.sub_f32(&s, &m_new);
+    let p = k.op1("ex2.approx.ftz.f32", RegClass::F32, &ds);
+    k.emit(format!("fma.rn.f32 {l}, {l}, {corr}, {p}"));
+    k.emit(format!("mov.f32 {m}, {m_new}"));
+    (corr, p)
+}
+
 /// `[start, end)` for a query whose last visible key is `last`: `end = min(last + 1, T)`, and with
 /// a window `w`, `start = max(last + 1 - w, 0)`.
-fn window_range(k: &mut Kernel, last: Reg, window: Option<u32>, kv_len: u32) -> (Reg, Reg) {
+pub(crate) fn window_range(
+    k: &mut Kernel,
+    last: Reg,
+    window: Option<u32>,
+    kv_len: u32,
+) -> (Reg, Reg) {
     let after = k.add_u32(&last, &1u32);
     let end = k.op2("min.u32", RegClass::B32, &after, &kv_len);
     let start = match window {
@@ -862,6 +913,20 @@ pub(crate) fn philox_words(
 mod tests {
     use super::*;
     use kiln_ir::kernel::AttentionSpec;
+
+    /// Batches up to the batch-invariant limit split a row's keys alike; larger ones split them
+    /// less when all their ranges would be many waves of warps.
+    #[test]
+    fn decode_splits_depend_on_the_batch_only_past_the_invariant_batches() {
+        assert_eq!(decode_splits(1023, 1, 32), 1);
+        assert_eq!(decode_splits(1024, 1, 32), 16);
+        for batch in 1..=crate::gemv::MAX_GROUPED_ROWS {
+            assert_eq!(decode_splits(4608, batch, 32), 72, "batch {batch}");
+        }
+        assert_eq!(decode_splits(4608, 64, 32), 16);
+        assert_eq!(decode_splits(131072, 256, 64), 8);
+        assert!(decode_splits(4608, 17, 32) * 17 * 32 <= DECODE_WARPS);
+    }
 
     /// Llama-3.2-1B's prefill attention at 512 tokens: bf16, 32/8 heads, d 64, causal, padding,
     /// RoPE on q and k read in place from the fused QKV product (`[B, S, 3072]`).

@@ -140,7 +140,7 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
             }
             out.push(("attention", kernel));
             if matches!(keys, KeyRule::Position { .. }) && q_len == 1 {
-                cfg.splits = crate::attention::decode_splits(kv_len, cfg.batch * cfg.heads);
+                cfg.splits = crate::attention::decode_splits(kv_len, cfg.batch, cfg.heads);
                 out.push(("attention", attention(&cfg)));
                 out.push(("attention", crate::attention::attention_combine(&cfg)));
             }

@@ -3,6 +3,8 @@
 //!
 //! - [`ptx`] — the typed PTX builder;
 //! - [`attention`] — fused attention, prefill and decode (GQA, masks, RoPE, dropout), SIMT;
+//! - [`attention_decode`] — decode attention over a KV cache, a query group per warp from one
+//!   read of its K/V;
 //! - [`attention_tc`] — FlashAttention-2 style prefill attention on tensor cores;
 //! - [`attention_wgmma`] — FlashAttention-3 style prefill attention on sm_90a (TMA, wgmma);
 //! - [`reduce`] — block-wide reductions the row kernels share;
@@ -26,6 +28,7 @@
 //! Depends on `kiln-ir` only.
 
 pub mod attention;
+pub mod attention_decode;
 pub mod attention_tc;
 pub mod attention_wgmma;
 pub mod catalog;

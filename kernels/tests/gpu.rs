@@ -916,6 +916,19 @@ fn attention_matches_the_interpreter() {
             rope: true,
             dropout: None,
         },
+        // Decode with head dim 128, a query group of 7 (Qwen2-7B's 28 heads over 4) and a
+        // window, over 1500 entries.
+        AttentionCase {
+            heads: 7,
+            kv_heads: 1,
+            q_len: 1,
+            kv_len: 1500,
+            head_dim: 128,
+            keys: KeyRule::Position { window: Some(700) },
+            padding: false,
+            rope: true,
+            dropout: None,
+        },
         // Chunked prefill over a cache with a window.
         AttentionCase {
             heads: 4,
@@ -1340,7 +1353,7 @@ fn attention_case(
     }
     if cached {
         // The same through key ranges (flash-decoding) and the combine kernel.
-        let splits = kiln_kernels::attention::decode_splits(t as u32, (b * h) as u32).max(4);
+        let splits = kiln_kernels::attention::decode_splits(t as u32, b as u32, h as u32).max(4);
         let mut split_cfg = cfg.clone();
         split_cfg.splits = splits;
         let partial = attention(&split_cfg);

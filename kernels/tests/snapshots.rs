@@ -203,10 +203,11 @@ fn attention_gqa_causal_rope_dropout_bf16() {
 }
 
 /// A decode step's attention over a cache of 2048 entries (positions from device memory, RoPE on
-/// q, GQA): each warp one key range of the query's keys, four keys' rows loaded at a time.
-#[test]
-fn attention_decode_key_ranges_bf16() {
-    use kiln_kernels::attention::{attention, decode_splits, AttentionConfig, KeyRule};
+/// q, GQA 4:1), 32 key ranges of the query's keys: in bf16 a warp per (range, K/V head) serves
+/// the head's 4 query heads from one read of its K/V; in f32 the SIMT kernel, a warp per (range,
+/// query head). Both load four keys' rows at a time.
+fn decode_config(elem: Elem) -> kiln_kernels::attention::AttentionConfig {
+    use kiln_kernels::attention::{decode_splits, AttentionConfig, KeyRule};
     let mut cfg = AttentionConfig {
         batch: 1,
         heads: 8,
@@ -220,13 +221,34 @@ fn attention_decode_key_ranges_bf16() {
         rope: true,
         rope_k: false,
         dropout: None,
-        elem: Elem::BF16,
+        elem,
         strides: [[0; 3]; 4],
-        splits: decode_splits(2048, 8),
+        splits: decode_splits(2048, 1, 8),
     };
     cfg.strides = cfg.contiguous_strides();
-    let k = attention(&cfg);
-    assert_eq!(k.launch.grid, [8, 8, 1], "32 ranges, one per warp of 4-warp blocks");
+    cfg
+}
+
+#[test]
+fn attention_decode_query_group_bf16() {
+    let k = kiln_kernels::attention::attention(&decode_config(Elem::BF16));
+    assert!(k.name.ends_with("_decode"), "{}", k.name);
+    assert_eq!(
+        k.launch.grid,
+        [8, 2, 1],
+        "32 ranges, 4 per block, per K/V head"
+    );
+    insta::assert_snapshot!(k.module());
+}
+
+#[test]
+fn attention_decode_key_ranges_f32() {
+    let k = kiln_kernels::attention::attention(&decode_config(Elem::F32));
+    assert_eq!(
+        k.launch.grid,
+        [8, 8, 1],
+        "32 ranges, 4 per block, per query head"
+    );
     insta::assert_snapshot!(k.module());
 }
 
