@@ -817,7 +817,7 @@ pub(crate) fn share_of_keys(
 
 /// One key's online-softmax update in base 2 of a running max `m` and sum `l` by score `s`;
 /// returns the accumulators' correction and the key's weight.
-pub(crate) fn online_softmax_step(k: &mut Kernel, m: Reg, l: Reg, s: Reg) -> (Reg, Reg) {
+fn online_softmax_step(k: &mut Kernel, m: Reg, l: Reg, s: Reg) -> (Reg, Reg) {
     k.comment("online softmax in base 2");
     let m_new = k.max_f32(&m, &s);
     let dm = k.sub_f32(&m, &m_new);

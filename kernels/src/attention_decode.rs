@@ -1,25 +1,29 @@
 //! Decode attention over a KV cache (one query row per sequence, f16/bf16): one warp per (key
 //! range, K/V head, sequence) serves the head's whole query group from one read of its K/V
-//! rows. The lanes hold contiguous elements of the head dimension (one 4- or 8-byte load per row
-//! and lane), each key's scores for the group's heads are reduced across the warp side by side,
-//! and [`KEY_UNROLL`] keys' rows are loaded before the first is used. With several key ranges
-//! (`splits`, flash-decoding) each warp writes its heads' partial results, which
-//! `attention::attention_combine` merges, exactly as for the SIMT kernel: the same
-//! `partial_acc` / `partial_ml` layout, running maxima in base 2.
+//! rows, 32 keys at a time:
+//! 1. scores: each lane takes one key, streams its whole K row (16-byte loads) and takes its dot
+//!    product with every head's q (in shared memory, read by all lanes at once): no reduction
+//!    across lanes per key;
+//! 2. softmax: per head, the tile's max across the warp, each lane's weight and its share of the
+//!    running sum (summed across the warp once, at the end), the weights into shared memory;
+//! 3. values: the lanes switch to the head dimension (contiguous elements each), and every key's
+//!    V row (loaded before the scores, so its latency is hidden) is added with each head's weight.
 //!
-//! Where the SIMT kernel (`crate::attention`) gives each query head its own warp, a K/V head
-//! with a group of 4 (Llama's 32 heads over 8) is read 4 times; here it is read once.
+//! With several key ranges (`splits`, flash-decoding) each warp writes its heads' partial
+//! results, which `attention::attention_combine` merges, exactly as for the SIMT kernel: the same
+//! `partial_acc` / `partial_ml` layout, running maxima in base 2. Where the SIMT kernel
+//! (`crate::attention`) gives each query head its own warp, walking keys one per warp step with a
+//! shuffle reduction each, a K/V head with a group of 4 (Llama's 32 heads over 8) is read 4
+//! times; here it is read once.
 
-use crate::attention::{
-    online_softmax_step, rotated_element, share_of_keys, window_range, AttentionConfig, KeyRule,
-};
+use crate::attention::{rotated_element, share_of_keys, window_range, AttentionConfig, KeyRule};
 use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
 use crate::{GeneratedKernel, KernelPath, Launch};
 
 /// Key ranges (warps) per block.
 const WARPS: u32 = 4;
-/// Keys whose K/V rows a warp loads before it uses the first of them.
-const KEY_UNROLL: u32 = 4;
+/// Keys a warp takes at a time: one per lane.
+const TILE: u32 = 32;
 /// The largest query group one warp serves (its accumulators are registers).
 const MAX_GROUP: u32 = 8;
 
@@ -64,14 +68,26 @@ pub fn attention_decode(cfg: &AttentionConfig, name: String) -> GeneratedKernel 
     let pos = k.op1("cvt.u32.u64", RegClass::B32, &wide);
     let group = cfg.heads / cfg.kv_heads;
     let heads: Vec<Reg> = (0..group).map(|g| k.mad_u32(&kvh, &group, &g)).collect();
+    let shared = Shared::declare(&mut k, cfg, warp);
     k.comment("q of each head of the group, rotated and pre-scaled by scale * log2(e)");
-    let qs: Vec<Vec<Reg>> = heads
-        .iter()
-        .map(|h| load_q(&mut k, cfg, &params, [b, *h, first, pos]))
-        .collect();
+    for (g, h) in heads.iter().enumerate() {
+        let q = load_q(&mut k, cfg, &params, [b, *h, first, pos]);
+        for (c, v) in q.iter().enumerate() {
+            let col = k.add_u32(&first, &(c as u32));
+            let at = shared.q_at(&mut k, cfg, g as u32, col);
+            k.emit(format!("st.shared.f32 [{at}], {v}"));
+        }
+    }
+    k.emit("bar.warp.sync -1");
     let (from, to) = key_range(&mut k, cfg, pos, split);
     let state = State::new(&mut k, group, per_lane);
-    key_loop(&mut k, cfg, &params, &qs, &state, [b, kvh, first, from, to]);
+    let tiles = Tiles {
+        cfg,
+        params: &params,
+        shared: &shared,
+        state: &state,
+    };
+    tiles.run(&mut k, [b, kvh, lane, first, from, to]);
     store(
         &mut k,
         cfg,
@@ -167,7 +183,8 @@ fn key_range(k: &mut Kernel, cfg: &AttentionConfig, pos: Reg, split: Reg) -> (Re
     share_of_keys(k, range, cfg.splits, split)
 }
 
-/// Each head's running max (base 2), sum and accumulators (the lane's elements).
+/// Each head's running max (base 2, the same in every lane), this lane's share of the running
+/// sum (its keys' weights) and accumulators (the lane's elements of the head dimension).
 struct State {
     m: Vec<Reg>,
     l: Vec<Reg>,
@@ -197,10 +214,188 @@ impl State {
     }
 }
 
-/// The lane's `n` contiguous elements of row `row` (elements) of `base`, as f32, loaded only
-/// when `when` (zeros otherwise).
-fn load_row(k: &mut Kernel, e: Elem, base: Reg, row: Reg, n: u32, when: Reg) -> Vec<Reg> {
-    let words: Vec<Reg> = (0..n / 2).map(|_| k.mov(RegClass::B32, &0u32)).collect();
+/// The warp's shared memory: every head's q (`[group, D]` f32) and the tile's weights
+/// (`[group, TILE]` f32), at this warp's offset.
+struct Shared {
+    q: Reg,
+    p: Reg,
+}
+
+impl Shared {
+    fn declare(k: &mut Kernel, cfg: &AttentionConfig, warp: Reg) -> Shared {
+        let group = cfg.heads / cfg.kv_heads;
+        let q_bytes = group * cfg.head_dim * 4;
+        let p_bytes = group * TILE * 4;
+        let q_name = k.shared("q_group", WARPS * q_bytes);
+        let p_name = k.shared("tile_weights", WARPS * p_bytes);
+        let at = |k: &mut Kernel, name: &str, bytes: u32| {
+            let base = k.reg(RegClass::B32);
+            k.emit(format!("mov.u32 {base}, {name}"));
+            k.mad_u32(&warp, &bytes, &base)
+        };
+        Shared {
+            q: at(k, &q_name, q_bytes),
+            p: at(k, &p_name, p_bytes),
+        }
+    }
+
+    /// The address of head `g`'s q element `col`.
+    fn q_at(&self, k: &mut Kernel, cfg: &AttentionConfig, g: u32, col: Reg) -> Reg {
+        let i = k.add_u32(&col, &(g * cfg.head_dim));
+        k.mad_u32(&i, &4u32, &self.q)
+    }
+}
+
+/// The tile loop's inputs.
+struct Tiles<'a> {
+    cfg: &'a AttentionConfig,
+    params: &'a Params,
+    shared: &'a Shared,
+    state: &'a State,
+}
+
+impl Tiles<'_> {
+    /// The keys `[from, to)`, [`TILE`] at a time.
+    fn run(&self, k: &mut Kernel, [b, kvh, lane, first, from, to]: [Reg; 6]) {
+        let [_, ks, vs, _] = self.cfg.strides;
+        let k0 = k.mul_u32(&b, &ks[0]);
+        let k_head = k.mad_u32(&kvh, &ks[1], &k0);
+        let v0 = k.mul_u32(&b, &vs[0]);
+        let v1 = k.mad_u32(&kvh, &vs[1], &v0);
+        let v_head = k.add_u32(&v1, &first);
+        let t0 = k.mov(RegClass::B32, &from);
+        let top = k.label("tiles");
+        let done = k.label("tiles_done");
+        k.place(&top);
+        let finished = k.setp("ge.u32", &t0, &to);
+        k.bra(Some((finished, true)), &done);
+        k.comment("every key's V elements of this lane, for the values step");
+        let values: Vec<Vec<Reg>> = (0..TILE)
+            .map(|u| {
+                let j = k.add_u32(&t0, &u);
+                let used = k.setp("lt.u32", &j, &to);
+                let row = k.mad_u32(&j, &vs[2], &v_head);
+                load_words(
+                    k,
+                    self.cfg.elem,
+                    self.params.v,
+                    row,
+                    self.cfg.head_dim / 64,
+                    used,
+                )
+            })
+            .collect();
+        let j = k.add_u32(&t0, &lane);
+        let mine = k.setp("lt.u32", &j, &to);
+        let row = k.mad_u32(&j, &ks[2], &k_head);
+        let scores = self.scores(k, row, mine);
+        self.softmax(k, &scores, lane);
+        self.add_values(k, &values);
+        k.emit(format!("add.u32 {t0}, {t0}, {TILE}"));
+        k.bra(None, &top);
+        k.place(&done);
+    }
+
+    /// This lane's key (row `row` of the cache, when `mine`): its scores for every head, -inf
+    /// for a key past the range.
+    fn scores(&self, k: &mut Kernel, row: Reg, mine: Reg) -> Vec<Reg> {
+        let cfg = self.cfg;
+        let e = cfg.elem;
+        k.comment("scores: this lane's key against every head's q");
+        let chunks = cfg.head_dim / 8;
+        let words: Vec<Vec<Reg>> = (0..chunks)
+            .map(|c| {
+                let w: Vec<Reg> = (0..4).map(|_| k.mov(RegClass::B32, &0u32)).collect();
+                let i = k.add_u32(&row, &(c * 8));
+                let a = k.address(self.params.k, &i, e.bytes());
+                k.emit(format!(
+                    "@{mine} ld.global.v4.b32 {{{}, {}, {}, {}}}, [{a}]",
+                    w[0], w[1], w[2], w[3]
+                ));
+                w
+            })
+            .collect();
+        let group = cfg.heads / cfg.kv_heads;
+        let sums: Vec<Reg> = (0..group)
+            .map(|_| k.mov(RegClass::F32, &F32(0.0)))
+            .collect();
+        for (c, w) in words.iter().enumerate() {
+            let key = k.unpack_halves(e, w);
+            for (g, sum) in sums.iter().enumerate() {
+                for half in 0..2u32 {
+                    let off = (g as u32 * cfg.head_dim + c as u32 * 8 + half * 4) * 4;
+                    let q: Vec<Reg> = (0..4).map(|_| k.reg(RegClass::F32)).collect();
+                    k.emit(format!(
+                        "ld.shared.v4.f32 {{{}, {}, {}, {}}}, [{}+{off}]",
+                        q[0], q[1], q[2], q[3], self.shared.q
+                    ));
+                    for (qe, ke) in q.iter().zip(&key[half as usize * 4..]) {
+                        k.fma_into(*sum, qe, ke);
+                    }
+                }
+            }
+        }
+        let minus_inf = F32(f32::NEG_INFINITY);
+        sums.iter()
+            .map(|s| k.selp(RegClass::F32, "f32", s, &minus_inf, mine))
+            .collect()
+    }
+
+    /// Per head: the tile's max across the warp, the running max, this lane's weight into
+    /// shared memory and its share of the running sum, the accumulators rescaled.
+    fn softmax(&self, k: &mut Kernel, scores: &[Reg], lane: Reg) {
+        k.comment("softmax: the tile's max per head, each lane's weight");
+        for (g, s) in scores.iter().enumerate() {
+            let mut max = *s;
+            for offset in [16u32, 8, 4, 2, 1] {
+                let o = k.reg(RegClass::F32);
+                k.emit(format!("shfl.sync.bfly.b32 {o}, {max}, {offset}, 31, -1"));
+                max = k.max_f32(&max, &o);
+            }
+            let m = self.state.m[g];
+            let m_new = k.max_f32(&m, &max);
+            let dm = k.sub_f32(&m, &m_new);
+            let corr = k.op1("ex2.approx.ftz.f32", RegClass::F32, &dm);
+            let ds = k.sub_f32(s, &m_new);
+            let p = k.op1("ex2.approx.ftz.f32", RegClass::F32, &ds);
+            let l = self.state.l[g];
+            k.emit(format!("fma.rn.f32 {l}, {l}, {corr}, {p}"));
+            k.emit(format!("mov.f32 {m}, {m_new}"));
+            for a in &self.state.acc[g] {
+                k.emit(format!("mul.rn.f32 {a}, {a}, {corr}"));
+            }
+            let i = k.add_u32(&lane, &(g as u32 * TILE));
+            let at = k.mad_u32(&i, &4u32, &self.shared.p);
+            k.emit(format!("st.shared.f32 [{at}], {p}"));
+        }
+        k.emit("bar.warp.sync -1");
+    }
+
+    /// Every key of the tile (`values`: the words of this lane's elements of its V row) added to
+    /// each head's accumulators with the head's weight; keys past the range have weight 0 and
+    /// zeros loaded.
+    fn add_values(&self, k: &mut Kernel, values: &[Vec<Reg>]) {
+        k.comment("values: lanes over the head dimension, every key of the tile");
+        let group = self.cfg.heads / self.cfg.kv_heads;
+        for (u, words) in values.iter().enumerate() {
+            let v = k.unpack_halves(self.cfg.elem, words);
+            for g in 0..group {
+                let off = (g * TILE + u as u32) * 4;
+                let p = k.reg(RegClass::F32);
+                k.emit(format!("ld.shared.f32 {p}, [{}+{off}]", self.shared.p));
+                for (a, ve) in self.state.acc[g as usize].iter().zip(&v) {
+                    k.fma_into(*a, &p, ve);
+                }
+            }
+        }
+        k.emit("bar.warp.sync -1");
+    }
+}
+
+/// `n` words (2 elements each) of row `row` (elements) of `base`, loaded only when `when`
+/// (zeros otherwise).
+fn load_words(k: &mut Kernel, e: Elem, base: Reg, row: Reg, n: u32, when: Reg) -> Vec<Reg> {
+    let words: Vec<Reg> = (0..n).map(|_| k.mov(RegClass::B32, &0u32)).collect();
     let a = k.address(base, &row, e.bytes());
     let dst = match words.as_slice() {
         [w] => format!("ld.global.b32 {w}"),
@@ -208,91 +403,7 @@ fn load_row(k: &mut Kernel, e: Elem, base: Reg, row: Reg, n: u32, when: Reg) -> 
         _ => unreachable!("2 or 4 elements per lane"),
     };
     k.emit(format!("@{when} {dst}, [{a}]"));
-    k.unpack_halves(e, &words)
-}
-
-/// Warp sums of several values, one shuffle level for all of them at a time.
-fn warp_sums(k: &mut Kernel, values: &[Reg]) -> Vec<Reg> {
-    let mut acc = values.to_vec();
-    for offset in [16u32, 8, 4, 2, 1] {
-        let others: Vec<Reg> = acc
-            .iter()
-            .map(|a| {
-                let o = k.reg(RegClass::F32);
-                k.emit(format!("shfl.sync.bfly.b32 {o}, {a}, {offset}, 31, -1"));
-                o
-            })
-            .collect();
-        acc = acc
-            .iter()
-            .zip(&others)
-            .map(|(a, o)| k.add_f32(a, o))
-            .collect();
-    }
-    acc
-}
-
-/// The keys `[from, to)`, [`KEY_UNROLL`] at a time: their K/V rows loaded first, then each key's
-/// scores for every head of the group and their online-softmax updates, in key order.
-fn key_loop(
-    k: &mut Kernel,
-    cfg: &AttentionConfig,
-    params: &Params,
-    qs: &[Vec<Reg>],
-    state: &State,
-    [b, kvh, first, from, to]: [Reg; 5],
-) {
-    let [_, ks, vs, _] = cfg.strides;
-    let per_lane = cfg.head_dim / 32;
-    let k0 = k.mul_u32(&b, &ks[0]);
-    let k1 = k.mad_u32(&kvh, &ks[1], &k0);
-    let k_head = k.add_u32(&k1, &first);
-    let v0 = k.mul_u32(&b, &vs[0]);
-    let v1 = k.mad_u32(&kvh, &vs[1], &v0);
-    let v_head = k.add_u32(&v1, &first);
-    let j = k.mov(RegClass::B32, &from);
-    let top = k.label("keys");
-    let done = k.label("keys_done");
-    k.place(&top);
-    let finished = k.setp("ge.u32", &j, &to);
-    k.bra(Some((finished, true)), &done);
-    let keys: Vec<(Reg, Vec<Reg>, Vec<Reg>)> = (0..KEY_UNROLL)
-        .map(|u| {
-            let ju = k.add_u32(&j, &u);
-            let used = k.setp("lt.u32", &ju, &to);
-            let k_row = k.mad_u32(&ju, &ks[2], &k_head);
-            let v_row = k.mad_u32(&ju, &vs[2], &v_head);
-            let kv = load_row(k, cfg.elem, params.k, k_row, per_lane, used);
-            let vv = load_row(k, cfg.elem, params.v, v_row, per_lane, used);
-            (used, kv, vv)
-        })
-        .collect();
-    for (used, kv, vv) in &keys {
-        let next = k.label("next_key");
-        k.bra(Some((*used, false)), &next);
-        let partials: Vec<Reg> = qs
-            .iter()
-            .map(|q| {
-                let p = k.mul_f32(&q[0], &kv[0]);
-                for (qe, ke) in q.iter().zip(kv).skip(1) {
-                    k.fma_into(p, qe, ke);
-                }
-                p
-            })
-            .collect();
-        let scores = warp_sums(k, &partials);
-        for (g, s) in scores.iter().enumerate() {
-            let (corr, p) = online_softmax_step(k, state.m[g], state.l[g], *s);
-            for (a, ve) in state.acc[g].iter().zip(vv) {
-                k.emit(format!("mul.rn.f32 {a}, {a}, {corr}"));
-                k.fma_into(*a, &p, ve);
-            }
-        }
-        k.place(&next);
-    }
-    k.emit(format!("add.u32 {j}, {j}, {KEY_UNROLL}"));
-    k.bra(None, &top);
-    k.place(&done);
+    words
 }
 
 /// Each head's result: normalised into `out` (zeros for a query that saw no key), or with
@@ -307,6 +418,7 @@ fn store(
 ) {
     let e = cfg.elem;
     let d = cfg.head_dim;
+    let sums: Vec<Reg> = state.l.iter().map(|l| k.warp_sum(*l)).collect();
     for (g, h) in heads.iter().enumerate() {
         let acc = &state.acc[g];
         match params.partial_ml {
@@ -326,15 +438,15 @@ fn store(
                 let ma = k.address(ml, &mi, 4);
                 k.st_global(Elem::F32, ma, state.m[g]);
                 let la = k.op2("add.u64", RegClass::B64, &ma, &4u64);
-                k.st_global(Elem::F32, la, state.l[g]);
+                k.st_global(Elem::F32, la, sums[g]);
                 k.place(&skip);
             }
             None => {
                 let os = cfg.strides[3];
                 let t0 = k.mul_u32(&b, &os[0]);
                 let row = k.mad_u32(h, &os[1], &t0);
-                let none = k.setp("eq.f32", &state.l[g], &F32(0.0));
-                let inv = k.rcp_f32(&state.l[g]);
+                let none = k.setp("eq.f32", &sums[g], &F32(0.0));
+                let inv = k.rcp_f32(&sums[g]);
                 let inv = k.selp(RegClass::F32, "f32", &F32(0.0), &inv, none);
                 for (c, a) in acc.iter().enumerate() {
                     let y = k.mul_f32(a, &inv);

@@ -105,6 +105,16 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
                 1,
                 4097,
             ),
+            // A decode step with head dim 128 (a query group of 4, or 8 below).
+            (
+                128,
+                KeyRule::Position { window: None },
+                false,
+                true,
+                None,
+                1,
+                2048,
+            ),
             // A prompt chunk over a cache (tensor cores), head dim 96, with a window.
             (
                 96,
@@ -143,6 +153,10 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
                 cfg.splits = crate::attention::decode_splits(kv_len, cfg.batch, cfg.heads);
                 out.push(("attention", attention(&cfg)));
                 out.push(("attention", crate::attention::attention_combine(&cfg)));
+                // The largest query group the decode kernel serves (8 heads per K/V head).
+                cfg.kv_heads = cfg.heads / 8;
+                cfg.strides = cfg.contiguous_strides();
+                out.push(("attention", attention(&cfg)));
             }
         }
         for (transpose_b, bias, act, swiglu, residual) in [
