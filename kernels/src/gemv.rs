@@ -16,6 +16,7 @@
 //! - One column per warp (f32, K not a multiple of 8, and one row of x otherwise): a warp's
 //!   lanes stream its weight row along K with 16-byte loads (coalesced, four chunks in flight at
 //!   once), multiply it by every x row, and reduce with shuffles; lane 0 applies the epilogue.
+//!   Rows longer than 8 KB are shared by up to 8 warps, whose sums meet in shared memory.
 
 use kiln_ir::kernel::NormKind;
 
@@ -385,8 +386,9 @@ impl<'a> Simt<'a> {
 }
 
 /// The sums of a column's `splits` warps met in shared memory: lane 0 of each warp stores its
-/// sums, and the column's first warp adds them in warp order (the same order at every row
-/// count); returns the totals (meaningful in that warp's lane 0).
+/// sums, and after the barrier every warp of the column adds them in warp order (the same order
+/// at every row count), so that each warp's lane 0 holds the same totals (and stores the same
+/// output: a leader-only epilogue would save the repeats).
 fn meet_splits(
     k: &mut Kernel,
     sums: &[Reg],
