@@ -382,14 +382,24 @@ fn a_cubin_for_another_sm_is_refused() {
         "{err}"
     );
 
-    // Swap in an sm_80 cubin (the same PTX retargeted) under the same name and fix its checksum.
+    // Swap in an sm_100 cubin (the same PTX retargeted: its kernels need sm_90 or later, and
+    // sm_100 needs PTX ISA 8.6) under the same name and fix its checksum.
     let cubin = dir.join("kernels.sm_90.cubin");
     let ptx = std::fs::read_to_string(dir.join("kernels.ptx")).unwrap();
-    let sm80 = tmp.path().join("kernels.sm_80.ptx");
-    std::fs::write(&sm80, ptx.replacen(".target sm_90", ".target sm_80", 1)).unwrap();
+    let sm100 = tmp.path().join("kernels.sm_100.ptx");
+    let retargeted: Vec<&str> = ptx
+        .lines()
+        .map(|line| match line {
+            ".target sm_90" => ".target sm_100",
+            l if l.starts_with(".version ") => ".version 8.8",
+            l => l,
+        })
+        .collect();
+    let retargeted = retargeted.join("\n");
+    std::fs::write(&sm100, retargeted).unwrap();
     let status = std::process::Command::new(ptxas)
-        .arg("-arch=sm_80")
-        .arg(&sm80)
+        .arg("-arch=sm_100")
+        .arg(&sm100)
         .arg("-o")
         .arg(&cubin)
         .status()
@@ -400,7 +410,7 @@ fn a_cubin_for_another_sm_is_refused() {
     let err = choose_image(&art, 90).err().expect("refused").to_string();
     assert!(
         err.contains(
-            "kernels.sm_90.cubin: is built for sm_80, but the manifest lists targets [90]"
+            "kernels.sm_90.cubin: is built for sm_100, but the manifest lists targets [90]"
         ),
         "{err}"
     );
