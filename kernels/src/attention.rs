@@ -536,7 +536,7 @@ pub fn attention_simt(cfg: &AttentionConfig) -> GeneratedKernel {
             k.fma_into(partial, qe, kv);
         }
         let s = k.warp_sum(partial);
-        let (corr, p) = online_softmax_step(&mut k, m, l, s);
+        let (corr, p) = online_softmax_step(&mut k, (m, l), s, s);
         let weight = match dropout_state {
             None => p,
             Some((lo, hi, plane, d)) => {
@@ -570,15 +570,7 @@ pub fn attention_simt(cfg: &AttentionConfig) -> GeneratedKernel {
             k.st_global(Elem::F32, pa, *a);
             k.place(&skip);
         }
-        let first_lane = k.setp("eq.u32", &lane, &0u32);
-        let skip = k.label("skip_ml");
-        k.bra(Some((first_lane, false)), &skip);
-        let mi = k.mul_u32(&p, &2u32);
-        let ma = k.address(ml, &mi, 4);
-        k.st_global(Elem::F32, ma, m);
-        let la = k.op2("add.u64", RegClass::B64, &ma, &4u64);
-        k.st_global(Elem::F32, la, l);
-        k.place(&skip);
+        store_max_and_sum(&mut k, ml, p, (m, l), lane);
         k.place(&exit);
         return GeneratedKernel::new(
             k,
@@ -599,9 +591,7 @@ pub fn attention_simt(cfg: &AttentionConfig) -> GeneratedKernel {
         .on(KernelPath::Simt);
     }
     k.comment("normalise once and store (a row that sees no key stores zeros)");
-    let none = k.setp("eq.f32", &l, &F32(0.0));
-    let inv = k.rcp_f32(&l);
-    let inv = k.selp(RegClass::F32, "f32", &F32(0.0), &inv, none);
+    let inv = reciprocal_or_zero(&mut k, l);
     for ((c, ok), a) in cols.iter().zip(&valid).zip(&acc) {
         let skip = k.label("skip_out");
         k.bra(Some((*ok, false)), &skip);
@@ -740,9 +730,7 @@ pub fn attention_combine(cfg: &AttentionConfig) -> GeneratedKernel {
     let more = k.setp("lt.u32", &s_i, &cfg.splits);
     k.bra(Some((more, true)), &top);
     // If no split saw a key, the row stores zeros.
-    let empty = k.setp("eq.f32", &total, &F32(0.0));
-    let inv = k.rcp_f32(&total);
-    let inv = k.selp(RegClass::F32, "f32", &F32(0.0), &inv, empty);
+    let inv = reciprocal_or_zero(&mut k, total);
     let o_stride = cfg.strides[3];
     let t0 = k.mul_u32(&b, &o_stride[0]);
     let t1 = k.mad_u32(&h, &o_stride[1], &t0);
@@ -815,11 +803,17 @@ pub(crate) fn share_of_keys(
     (from, to)
 }
 
-/// One key's online-softmax update in base 2 of a running max `m` and sum `l` by score `s`;
+/// The online-softmax update in base 2 of a running max `m` and sum `l` by score `s`, where
+/// `seen` is the largest score of the keys taken together (`s` itself for one key at a time);
 /// returns the accumulators' correction and the key's weight.
-fn online_softmax_step(k: &mut Kernel, m: Reg, l: Reg, s: Reg) -> (Reg, Reg) {
+pub(crate) fn online_softmax_step(
+    k: &mut Kernel,
+    (m, l): (Reg, Reg),
+    s: Reg,
+    seen: Reg,
+) -> (Reg, Reg) {
     k.comment("online softmax in base 2");
-    let m_new = k.max_f32(&m, &s);
+    let m_new = k.max_f32(&m, &seen);
     let dm = k.sub_f32(&m, &m_new);
     let corr = k.op1("ex2.approx.ftz.f32", RegClass::F32, &dm);
     let ds = k.sub_f32(&s, &m_new);
@@ -827,6 +821,27 @@ fn online_softmax_step(k: &mut Kernel, m: Reg, l: Reg, s: Reg) -> (Reg, Reg) {
     k.emit(format!("fma.rn.f32 {l}, {l}, {corr}, {p}"));
     k.emit(format!("mov.f32 {m}, {m_new}"));
     (corr, p)
+}
+
+/// A key range's partial running max `m` (base 2) and sum `l` at partial row `p` of `ml`
+/// (`[rows, 2]` f32), stored by lane 0.
+pub(crate) fn store_max_and_sum(k: &mut Kernel, ml: Reg, p: Reg, (m, l): (Reg, Reg), lane: Reg) {
+    let first_lane = k.setp("eq.u32", &lane, &0u32);
+    let skip = k.label("skip_ml");
+    k.bra(Some((first_lane, false)), &skip);
+    let mi = k.mul_u32(&p, &2u32);
+    let ma = k.address(ml, &mi, 4);
+    k.st_global(Elem::F32, ma, m);
+    let la = k.op2("add.u64", RegClass::B64, &ma, &4u64);
+    k.st_global(Elem::F32, la, l);
+    k.place(&skip);
+}
+
+/// `1 / l`, or 0 when `l` is 0 (a query that saw no key stores zeros).
+pub(crate) fn reciprocal_or_zero(k: &mut Kernel, l: Reg) -> Reg {
+    let none = k.setp("eq.f32", &l, &F32(0.0));
+    let inv = k.rcp_f32(&l);
+    k.selp(RegClass::F32, "f32", &F32(0.0), &inv, none)
 }
 
 /// `[start, end)` for a query whose last visible key is `last`: `end = min(last + 1, T)`, and with

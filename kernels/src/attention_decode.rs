@@ -16,7 +16,10 @@
 //! shuffle reduction each, a K/V head with a group of 4 (Llama's 32 heads over 8) is read 4
 //! times; here it is read once.
 
-use crate::attention::{rotated_element, share_of_keys, window_range, AttentionConfig, KeyRule};
+use crate::attention::{
+    online_softmax_step, reciprocal_or_zero, rotated_element, share_of_keys, store_max_and_sum,
+    window_range, AttentionConfig, KeyRule,
+};
 use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
 use crate::{GeneratedKernel, KernelPath, Launch};
 
@@ -352,15 +355,8 @@ impl Tiles<'_> {
                 k.emit(format!("shfl.sync.bfly.b32 {o}, {max}, {offset}, 31, -1"));
                 max = k.max_f32(&max, &o);
             }
-            let m = self.state.m[g];
-            let m_new = k.max_f32(&m, &max);
-            let dm = k.sub_f32(&m, &m_new);
-            let corr = k.op1("ex2.approx.ftz.f32", RegClass::F32, &dm);
-            let ds = k.sub_f32(s, &m_new);
-            let p = k.op1("ex2.approx.ftz.f32", RegClass::F32, &ds);
-            let l = self.state.l[g];
-            k.emit(format!("fma.rn.f32 {l}, {l}, {corr}, {p}"));
-            k.emit(format!("mov.f32 {m}, {m_new}"));
+            let running = (self.state.m[g], self.state.l[g]);
+            let (corr, p) = online_softmax_step(k, running, *s, max);
             for a in &self.state.acc[g] {
                 k.emit(format!("mul.rn.f32 {a}, {a}, {corr}"));
             }
@@ -431,23 +427,13 @@ fn store(
                     let pa = k.address(params.out, &idx, 4);
                     k.st_global(Elem::F32, pa, *a);
                 }
-                let skip = k.label("skip_ml");
-                let not_first = k.setp("ne.u32", &lane, &0u32);
-                k.bra(Some((not_first, true)), &skip);
-                let mi = k.mul_u32(&p, &2u32);
-                let ma = k.address(ml, &mi, 4);
-                k.st_global(Elem::F32, ma, state.m[g]);
-                let la = k.op2("add.u64", RegClass::B64, &ma, &4u64);
-                k.st_global(Elem::F32, la, sums[g]);
-                k.place(&skip);
+                store_max_and_sum(k, ml, p, (state.m[g], sums[g]), lane);
             }
             None => {
                 let os = cfg.strides[3];
                 let t0 = k.mul_u32(&b, &os[0]);
                 let row = k.mad_u32(h, &os[1], &t0);
-                let none = k.setp("eq.f32", &sums[g], &F32(0.0));
-                let inv = k.rcp_f32(&sums[g]);
-                let inv = k.selp(RegClass::F32, "f32", &F32(0.0), &inv, none);
+                let inv = reciprocal_or_zero(k, sums[g]);
                 for (c, a) in acc.iter().enumerate() {
                     let y = k.mul_f32(a, &inv);
                     let col = k.add_u32(&first, &(c as u32));

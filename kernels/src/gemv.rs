@@ -143,11 +143,11 @@ const PROLOGUE_BLOCKS: u32 = 1024;
 pub fn takes_prologue(cfg: &GemmConfig, norm: &NormConfig, rows: Rows) -> bool {
     (supports(cfg) || supports_grouped(cfg, rows))
         && tensor_cores(cfg, rows)
-        && cfg.n_out().div_ceil(TC_COLS) <= PROLOGUE_BLOCKS
         && !norm.residual
         && norm.elem == cfg.elem
         && (norm.rows, norm.cols) == (cfg.m, cfg.k)
         && MAX_ROWS * cfg.k * cfg.elem.bytes() <= PROLOGUE_BYTES
+        && cfg.n_out().div_ceil(TC_COLS) <= PROLOGUE_BLOCKS
 }
 
 /// Generates the tensor-core kernel that first normalises the rows of x (`norm`: RMSNorm, or
@@ -163,13 +163,6 @@ pub fn gemv_normed((cfg, norm): &(GemmConfig, NormConfig)) -> GeneratedKernel {
         NormKind::RmsNorm => "rms_norm",
     };
     gemv_tc(cfg, &format!("{norm_name}_{}_gemv", cfg.name()), Some(norm))
-}
-
-/// The norm prologue's parameters: its weight, and its bias for LayerNorm.
-fn norm_params(k: &mut Kernel, norm: &NormConfig) -> (Reg, Option<Reg>) {
-    let weight = k.param_ptr("norm_weight");
-    let bias = (norm.kind == NormKind::LayerNorm).then(|| k.param_ptr("norm_bias"));
-    (weight, bias)
 }
 
 /// The bytes of its weight row one warp of the one-column-per-warp kernel streams at least: a
@@ -440,7 +433,11 @@ fn gemv_tc(cfg: &GemmConfig, name: &str, norm: Option<&NormConfig>) -> Generated
     k.directive(format!(".maxntid {}, 1, 1", TC_WARPS * 32));
     let x = k.param_ptr("x");
     let w = k.param_ptr("w");
-    let norm_ptrs = norm.map(|n| norm_params(&mut k, n));
+    let norm_ptrs = norm.map(|n| {
+        let weight = k.param_ptr("norm_weight");
+        let bias = (n.kind == NormKind::LayerNorm).then(|| k.param_ptr("norm_bias"));
+        (weight, bias)
+    });
     let epilogue = EpiloguePtrs::declare(&mut k, cfg);
     let partials = k.shared("partials", parts(cfg) * TC_WARPS * TC_COLS * 8 * 4);
     let n_out = cfg.n_out();
