@@ -15,7 +15,7 @@
 //! A query that sees no key at all (a padding query of a left-padded batch, or a row of padding
 //! only) stores zeros, as the IR's attention defines it (`kiln_ir::kernel::visible`).
 
-use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
+use crate::ptx::{Elem, Kernel, Operand, Reg, RegClass, F32};
 use crate::rope::RotateConfig;
 use crate::{GeneratedKernel, KernelPath, Launch};
 
@@ -451,13 +451,9 @@ pub fn attention_simt(cfg: &AttentionConfig) -> GeneratedKernel {
         .map(|_| k.mov(RegClass::F32, &F32(0.0)))
         .collect();
     let dropout_state = cfg.dropout.map(|dropout| {
-        let sa = seed.expect("a seed operand");
-        let s = k.ld_global_i64(sa);
-        let lo = k.op1("cvt.u32.u64", RegClass::B32, &s);
-        let shifted = k.op2("shr.u64", RegClass::B64, &s, &32u32);
-        let hi = k.op1("cvt.u32.u64", RegClass::B32, &shifted);
+        let key = philox_key(&mut k, seed.expect("a seed operand"));
         let plane = k.mad_u32(&b, &cfg.heads, &h);
-        (lo, hi, plane, dropout)
+        (key, plane, dropout)
     });
 
     k.comment("keys KEY_UNROLL at a time: every load first, then each key's update in order");
@@ -539,9 +535,8 @@ pub fn attention_simt(cfg: &AttentionConfig) -> GeneratedKernel {
         let (corr, p) = online_softmax_step(&mut k, (m, l), s, s);
         let weight = match dropout_state {
             None => p,
-            Some((lo, hi, plane, d)) => {
-                let keep =
-                    philox_keep(&mut k, [lo, hi], d.stream, plane, i, key.index, d.threshold);
+            Some((pk, plane, d)) => {
+                let keep = philox_keep(&mut k, pk, d.stream, plane, i, key.index, d.threshold);
                 let scaled = k.mul_f32(&p, &F32(d.keep_scale));
                 k.selp(RegClass::F32, "f32", &scaled, &F32(0.0), keep)
             }
@@ -899,29 +894,98 @@ pub(crate) fn philox_words(
     col: Reg,
 ) -> [Reg; 4] {
     let c0 = k.op2("shr.u32", RegClass::B32, &col, &2u32);
-    let mut c = [
-        c0,
-        k.mov(RegClass::B32, &row),
-        k.mov(RegClass::B32, &plane),
-        k.mov(RegClass::B32, &stream),
-    ];
-    let mut key = [k.mov(RegClass::B32, &key[0]), k.mov(RegClass::B32, &key[1])];
-    for round in 0..10 {
-        if round > 0 {
-            key[0] = k.add_u32(&key[0], &0x9E37_79B9u32);
-            key[1] = k.add_u32(&key[1], &0xBB67_AE85u32);
+    PhiloxRow::new(k, key, stream, &plane, &row).words(k, &c0)
+}
+
+/// The Philox key of a kernel's dropout: the i64 seed at `seed` as (low, high) words.
+pub(crate) fn philox_key(k: &mut Kernel, seed: Reg) -> [Reg; 2] {
+    let s = k.ld_global_i64(seed);
+    let lo = k.op1("cvt.u32.u64", RegClass::B32, &s);
+    let shifted = k.op2("shr.u64", RegClass::B64, &s, &32u32);
+    [lo, k.op1("cvt.u32.u64", RegClass::B32, &shifted)]
+}
+
+const PHILOX_M0: u32 = 0xD251_1F53;
+const PHILOX_M1: u32 = 0xCD9E_8D57;
+const PHILOX_W0: u32 = 0x9E37_79B9;
+const PHILOX_W1: u32 = 0xBB67_AE85;
+
+/// Philox-4x32-10 over the counters `(c0, row, plane, stream)` of one row of one plane: the part
+/// of the first round that does not depend on `c0` is done once, in [`PhiloxRow::new`], and the
+/// round keys too after [`PhiloxRow::scheduled`].
+pub(crate) struct PhiloxRow {
+    key: [Reg; 2],
+    /// The keys of rounds 1 to 9, when held in registers.
+    schedule: Option<Vec<[Reg; 2]>>,
+    /// The first round's new `c[0]` and `c[1]`: `hi(plane M1) ^ row ^ key0`, `lo(plane M1)`.
+    first: [Reg; 2],
+    /// `stream ^ key1`, which the first round's new `c[2]` takes.
+    stream_key: Reg,
+}
+
+impl PhiloxRow {
+    pub(crate) fn new(
+        k: &mut Kernel,
+        key: [Reg; 2],
+        stream: u32,
+        plane: &dyn Operand,
+        row: &dyn Operand,
+    ) -> PhiloxRow {
+        let plane = k.mov(RegClass::B32, plane);
+        let (hi1, lo1) = mul_wide(k, &plane, PHILOX_M1);
+        let x = k.op2("xor.b32", RegClass::B32, &hi1, row);
+        let first = [k.op2("xor.b32", RegClass::B32, &x, &key[0]), lo1];
+        let stream_key = k.op2("xor.b32", RegClass::B32, &key[1], &stream);
+        PhiloxRow {
+            key,
+            schedule: None,
+            first,
+            stream_key,
         }
-        let hi0 = k.op2("mul.hi.u32", RegClass::B32, &c[0], &0xD251_1F53u32);
-        let lo0 = k.op2("mul.lo.u32", RegClass::B32, &c[0], &0xD251_1F53u32);
-        let hi1 = k.op2("mul.hi.u32", RegClass::B32, &c[2], &0xCD9E_8D57u32);
-        let lo1 = k.op2("mul.lo.u32", RegClass::B32, &c[2], &0xCD9E_8D57u32);
-        let x0 = k.op2("xor.b32", RegClass::B32, &hi1, &c[1]);
-        let n0 = k.op2("xor.b32", RegClass::B32, &x0, &key[0]);
-        let x2 = k.op2("xor.b32", RegClass::B32, &hi0, &c[3]);
-        let n2 = k.op2("xor.b32", RegClass::B32, &x2, &key[1]);
-        c = [n0, lo1, n2, lo0];
     }
-    c
+
+    /// The same generator with the round keys computed once, here (18 registers held).
+    pub(crate) fn scheduled(mut self, k: &mut Kernel) -> PhiloxRow {
+        let schedule = (1..10).map(|round| self.round_key(k, round)).collect();
+        self.schedule = Some(schedule);
+        self
+    }
+
+    fn round_key(&self, k: &mut Kernel, round: u32) -> [Reg; 2] {
+        if let Some(keys) = &self.schedule {
+            return keys[round as usize - 1];
+        }
+        [
+            k.add_u32(&self.key[0], &PHILOX_W0.wrapping_mul(round)),
+            k.add_u32(&self.key[1], &PHILOX_W1.wrapping_mul(round)),
+        ]
+    }
+
+    /// The four words of counter `(c0, row, plane, stream)`.
+    pub(crate) fn words(&self, k: &mut Kernel, c0: &Reg) -> [Reg; 4] {
+        let (hi0, lo0) = mul_wide(k, c0, PHILOX_M0);
+        let n2 = k.op2("xor.b32", RegClass::B32, &hi0, &self.stream_key);
+        let mut c = [self.first[0], self.first[1], n2, lo0];
+        for round in 1..10u32 {
+            let [k0, k1] = self.round_key(k, round);
+            let (hi0, lo0) = mul_wide(k, &c[0], PHILOX_M0);
+            let (hi1, lo1) = mul_wide(k, &c[2], PHILOX_M1);
+            let x0 = k.op2("xor.b32", RegClass::B32, &hi1, &c[1]);
+            let n0 = k.op2("xor.b32", RegClass::B32, &x0, &k0);
+            let x2 = k.op2("xor.b32", RegClass::B32, &hi0, &c[3]);
+            let n2 = k.op2("xor.b32", RegClass::B32, &x2, &k1);
+            c = [n0, lo1, n2, lo0];
+        }
+        c
+    }
+}
+
+/// `(hi, lo)` of the 64-bit product `a * m`.
+fn mul_wide(k: &mut Kernel, a: &Reg, m: u32) -> (Reg, Reg) {
+    let wide = k.op2("mul.wide.u32", RegClass::B64, a, &m);
+    let (lo, hi) = (k.reg(RegClass::B32), k.reg(RegClass::B32));
+    k.emit(format!("mov.b64 {{{lo}, {hi}}}, {wide}"));
+    (hi, lo)
 }
 
 #[cfg(test)]
@@ -981,19 +1045,21 @@ mod tests {
     }
 
     #[test]
-    fn near_misses_keep_rope_in_the_mma_kernel() {
+    fn near_misses_keep_rope_in_the_mma_kernel_and_dropout_does_not() {
         let cases = [
             ("f32", llama(Elem::F32, None, None)),
             (
                 "a window inside the keys",
                 llama(Elem::BF16, Some(256), None),
             ),
-            ("dropout", llama(Elem::BF16, None, Some((0.1, 0)))),
         ];
         for (what, cfg) in cases {
             assert_eq!(prerotated(&cfg), None, "{what}");
             assert_ne!(path(&cfg), KernelPath::Wgmma, "{what}");
         }
+        let dropout = llama(Elem::BF16, None, Some((0.1, 0)));
+        assert!(prerotated(&dropout).is_some_and(|plain| plain.dropout == dropout.dropout));
+        assert_eq!(path(&dropout), KernelPath::Wgmma, "dropout");
         let mut over_cache = llama(Elem::BF16, None, None);
         over_cache.rope_k = false;
         over_cache.keys = KeyRule::Position { window: None };

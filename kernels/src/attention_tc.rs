@@ -25,7 +25,7 @@
 //!
 //! Decode steps (one query row per sequence over a cache) take the SIMT flash-decoding kernel.
 
-use crate::attention::{philox_words, AttentionConfig, KeyRule};
+use crate::attention::{philox_key, philox_words, AttentionConfig, KeyRule};
 use crate::ptx::{Elem, Kernel, Label, Operand, Reg, RegClass, F32};
 use crate::{GeneratedKernel, KernelPath, Launch};
 
@@ -1001,13 +1001,10 @@ impl<'a> Attn<'a> {
     fn dropout_key(&mut self) -> Option<DropoutKey> {
         let dropout = self.cfg.dropout?;
         let k = &mut self.k;
-        let s = k.ld_global_i64(self.seed.expect("a seed operand"));
-        let lo = k.op1("cvt.u32.u64", RegClass::B32, &s);
-        let shifted = k.op2("shr.u64", RegClass::B64, &s, &32u32);
-        let hi = k.op1("cvt.u32.u64", RegClass::B32, &shifted);
+        let key = philox_key(k, self.seed.expect("a seed operand"));
         let plane = k.mad_u32(&self.b, &self.cfg.heads, &self.h);
         Some(DropoutKey {
-            key: [lo, hi],
+            key,
             plane,
             stream: dropout.stream,
             threshold: dropout.threshold,

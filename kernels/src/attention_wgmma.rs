@@ -13,14 +13,22 @@
 //!   and V read N-major (transposed) from its stage. The scores of tile `j + 1` are issued in
 //!   the same wgmma group as `O += P V` of tile `j`, and the two warpgroups take turns issuing
 //!   (named barriers, ping-pong), so that one's softmax runs while the other's products do.
+//!   (Issuing the scores as a group of their own, to run their softmax under the warpgroup's
+//!   own `P V`, measured 15-30% slower on the H200 with the ping-pong in place.)
 //!
 //! Key rules: every key, or causal (query `i` sees keys `j <= i + T - S`), masked per element on
 //! the tiles that cross a row's last key or the end of the keys only; causal blocks are visited
 //! longest first. A padding mask `[B, T]` is staged per key tile in shared memory as an additive
 //! 0 / -inf row by each consumer warpgroup. A row that sees no key stores zeros. GQA reads the
-//! K/V head `h / (heads / kv_heads)`. RoPE and dropout take the `mma.sync` kernel.
+//! K/V head `h / (heads / kv_heads)`. RoPE takes the `mma.sync` kernel (or is rotated ahead).
+//!
+//! Dropout (DESIGN.md section 2) zeroes probabilities after the row sums have taken them; the
+//! `1 / (1 - p)` scale joins the final normalisation. A Philox block covers four columns of one
+//! row, and a thread holds two columns of each of two rows whose other two columns its quad
+//! neighbour (`t ^ 1`) holds: each of the two draws the block of one of the rows and they swap
+//! halves by shuffle, so every word drawn is used.
 
-use crate::attention::{AttentionConfig, KeyRule};
+use crate::attention::{philox_key, AttentionConfig, KeyRule, PhiloxRow};
 use crate::attention_tc::RowState;
 use crate::hopper::{
     mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_init_fence, mbarrier_wait,
@@ -55,7 +63,6 @@ pub fn supports(cfg: &AttentionConfig) -> bool {
         && cfg.splits == 1
         && cfg.scale > 0.0
         && !cfg.rope
-        && cfg.dropout.is_none()
         && cfg.q_len > 0
         && cfg.kv_len > 0
         && cfg.heads.is_multiple_of(cfg.kv_heads)
@@ -113,7 +120,7 @@ fn map(cfg: &AttentionConfig, i: usize, heads: u32, rows: u32, box_rows: u32) ->
     }
 }
 
-/// Generates the kernel. Parameters: `q, k, v` (tensor maps), `out, [mask]`.
+/// Generates the kernel. Parameters: `q, k, v` (tensor maps), `out, [mask], [seed]`.
 pub fn attention_wgmma(cfg: &AttentionConfig, name: String) -> GeneratedKernel {
     assert!(
         supports(cfg),
@@ -129,6 +136,7 @@ pub fn attention_wgmma(cfg: &AttentionConfig, name: String) -> GeneratedKernel {
     ];
     let out = k.param_ptr("out");
     let mask = cfg.padding.then(|| k.param_ptr("mask"));
+    let seed = cfg.dropout.map(|_| k.param_ptr("seed"));
     let smem = k.dynamic_shared_aligned("attention_tiles", 1024);
     // q_full, then full[STAGES], then empty[STAGES].
     k.shared("attention_barriers", (1 + 2 * STAGES) * MBARRIER_BYTES);
@@ -164,7 +172,8 @@ pub fn attention_wgmma(cfg: &AttentionConfig, name: String) -> GeneratedKernel {
     producer(&mut k, cfg, &layout, &block, &base, &bars, &tid, maps);
     k.place(&consumers);
     let c = Consumer::new(&mut k, &tid, &warpgroup);
-    let state = c.main_loop(&mut k, cfg, &layout, &block, &base, &bars, mask);
+    let dropping = seed.map(|seed| c.dropping(&mut k, cfg, &block, seed));
+    let state = c.main_loop(&mut k, cfg, &layout, &block, &base, &bars, mask, &dropping);
     c.store(&mut k, cfg, &block, &state, out);
 
     GeneratedKernel::new(
@@ -320,6 +329,7 @@ fn stage_of(k: &mut Kernel, j: &Reg) -> (Reg, Reg) {
 struct Consumer {
     c: Reg,
     wt: Reg,
+    lane: Reg,
     lane0: Reg,
     /// Its two query rows in the block: `64 c + 16 warp + g` and 8 further.
     row: Reg,
@@ -410,6 +420,7 @@ impl Consumer {
         Consumer {
             c,
             wt,
+            lane,
             lane0,
             row,
             t2,
@@ -429,6 +440,7 @@ impl Consumer {
         base: &Reg,
         bars: &Reg,
         mask: Option<Reg>,
+        dropping: &Option<Dropping>,
     ) -> RowState {
         let state = RowState::new(k, cfg.head_dim);
         // The last key each of the thread's rows sees (T - 1 without a causal rule).
@@ -466,13 +478,35 @@ impl Consumer {
         mbarrier_wait(k, bars, &0u32);
 
         let j = k.mov(RegClass::B32, &0u32);
+        // Tile j's probabilities in place of its scores (row sums and maxima updated); the
+        // correction of O they call for.
         let probabilities = |k: &mut Kernel, j: &Reg| {
             if mask.is_some() {
                 self.add_mask(k, &tiles.s, j);
             }
             let key0 = k.mul_u32(j, &BKV);
             self.mask_edges(k, &tiles.s, block, j, &key0, &last);
-            self.softmax(k, cfg, &tiles.s, &tiles.p, &state);
+            let corr = self.softmax(k, cfg, &tiles.s, &state);
+            if let Some(d) = dropping {
+                d.drop(k, &tiles.s, &key0);
+            }
+            corr
+        };
+        // O corrected, the probabilities packed in pairs into P.
+        let pack = |k: &mut Kernel, corr: [Reg; 2]| {
+            for chunk in 0..state.o.len() / 4 {
+                for (h, corr) in corr.iter().enumerate() {
+                    for c in 0..2 {
+                        let o = state.o[chunk * 4 + h * 2 + c];
+                        k.emit(format!("mul.f32 {o}, {o}, {corr}"));
+                    }
+                }
+            }
+            let cvt = format!("cvt.rn.{}x2.f32", cfg.elem.name());
+            for (pair, w) in tiles.s.chunks(2).zip(&tiles.p) {
+                // The first operand goes to the upper half.
+                k.emit(format!("{cvt} {w}, {}, {}", pair[1], pair[0]));
+            }
         };
         k.comment("tile 0: its scores and probabilities");
         if let Some(mask) = mask {
@@ -484,7 +518,8 @@ impl Consumer {
         wgmma_commit(k);
         k.emit(format!("bar.arrive {other}, 256"));
         wgmma_wait(k, 0);
-        probabilities(k, &j);
+        let corr = probabilities(k, &j);
+        pack(k, corr);
 
         let top = k.label("tiles");
         let done = k.label("tiles_done");
@@ -504,7 +539,8 @@ impl Consumer {
         k.emit(format!("bar.arrive {other}, 256"));
         wgmma_wait(k, 0);
         tiles.release(k, &j, self.lane0);
-        probabilities(k, &next);
+        let corr = probabilities(k, &next);
+        pack(k, corr);
         k.emit(format!("mov.u32 {j}, {next}"));
         k.bra(None, &top);
         k.place(&done);
@@ -602,20 +638,21 @@ impl Consumer {
         k.place(&interior);
     }
 
-    /// The online softmax of one tile's scores: new row maxima, the correction of `o` and `l`,
-    /// and the probabilities packed in pairs into `p`, the A operand of `P V` (4 registers per 16
-    /// keys).
+    /// The online softmax of one tile's scores: new row maxima, `l` corrected, and the
+    /// probabilities in place of the scores, summed into `l`. Returns the correction of each row
+    /// half's `o`, which the caller applies when it packs the probabilities in pairs into the A
+    /// operand of `P V` (4 registers per 16 keys).
     fn softmax(
         &self,
         k: &mut Kernel,
         cfg: &AttentionConfig,
         s: &[Reg],
-        p: &[Reg],
         state: &RowState,
-    ) {
+    ) -> [Reg; 2] {
         let scale = cfg.scale * std::f32::consts::LOG2_E;
         let neg_inf = F32(f32::NEG_INFINITY);
         let mut m_use = Vec::new();
+        let mut corrs = Vec::new();
         for h in 0..2usize {
             let mut mx = k.mov(RegClass::F32, &neg_inf);
             for chunk in 0..(BKV / 8) as usize {
@@ -636,12 +673,7 @@ impl Consumer {
             let diff = k.sub_f32(&state.m[h], &m_safe);
             let corr = k.op1("ex2.approx.ftz.f32", RegClass::F32, &diff);
             k.emit(format!("mul.f32 {0}, {0}, {corr}", state.l[h]));
-            for chunk in 0..state.o.len() / 4 {
-                for c in 0..2 {
-                    let o = state.o[chunk * 4 + h * 2 + c];
-                    k.emit(format!("mul.f32 {o}, {o}, {corr}"));
-                }
-            }
+            corrs.push(corr);
             k.emit(format!("mov.f32 {}, {m_new}", state.m[h]));
             m_use.push(k.op1("neg.f32", RegClass::F32, &m_safe));
         }
@@ -651,10 +683,32 @@ impl Consumer {
             k.emit(format!("ex2.approx.ftz.f32 {v}, {e}"));
             k.emit(format!("add.f32 {0}, {0}, {v}", state.l[h]));
         }
-        let cvt = format!("cvt.rn.{}x2.f32", cfg.elem.name());
-        for (pair, w) in s.chunks(2).zip(p) {
-            // The first operand goes to the upper half.
-            k.emit(format!("{cvt} {w}, {}, {}", pair[1], pair[0]));
+        [corrs[0], corrs[1]]
+    }
+
+    /// This thread's dropout: it draws the Philox blocks of its first row on even `t` and of its
+    /// second on odd `t` (`plane = b heads + h`).
+    fn dropping(
+        &self,
+        k: &mut Kernel,
+        cfg: &AttentionConfig,
+        block: &Block,
+        seed: Reg,
+    ) -> Dropping {
+        let dropout = cfg.dropout.expect("dropout");
+        let t = k.op2("and.b32", RegClass::B32, &self.lane, &3u32);
+        let odd_bit = k.op2("and.b32", RegClass::B32, &t, &1u32);
+        let odd = k.setp("ne.u32", &odd_bit, &0u32);
+        let half_t = k.op2("shr.u32", RegClass::B32, &t, &1u32);
+        let row = k.mad_u32(&odd_bit, &8u32, &self.row);
+        let row = k.add_u32(&row, &block.q0);
+        let plane = k.mad_u32(&block.b, &cfg.heads, &block.h);
+        let key = philox_key(k, seed);
+        Dropping {
+            philox: PhiloxRow::new(k, key, dropout.stream, &plane, &row).scheduled(k),
+            odd,
+            half_t,
+            threshold: dropout.threshold,
         }
     }
 
@@ -679,7 +733,10 @@ impl Consumer {
                 l = k.add_f32(&l, &other);
             }
             let empty = k.setp("eq.f32", &l, &F32(0.0));
-            let inv = k.rcp_f32(&l);
+            let mut inv = k.rcp_f32(&l);
+            if let Some(d) = cfg.dropout {
+                inv = k.mul_f32(&inv, &F32(d.keep_scale));
+            }
             let inv = k.selp(RegClass::F32, "f32", &F32(0.0), &inv, empty);
             let row = k.add_u32(&self.row, &(8 * h as u32));
             let row = k.add_u32(&row, &block.q0);
@@ -694,6 +751,45 @@ impl Consumer {
                 let i = k.add_u32(&start, &(chunk as u32 * 8));
                 let addr = k.address(out, &i, 2);
                 k.emit(format!("@{inside} st.global.b32 [{addr}], {w}"));
+            }
+        }
+    }
+}
+
+/// A consumer thread's dropout state (see the module comment).
+struct Dropping {
+    /// The Philox blocks of the row this thread draws for.
+    philox: PhiloxRow,
+    /// Odd `t`: this thread draws for its second row, and holds columns 2 and 3 of each block.
+    odd: Reg,
+    /// `t / 2`: the thread's Philox block within each 8-column chunk.
+    half_t: Reg,
+    threshold: u32,
+}
+
+impl Dropping {
+    /// Zeroes the dropped probabilities of key tile `key0` (a multiple of 4); element
+    /// `s[4 chunk + 2 h + c]` is row `h`'s column `key0 + 8 chunk + 2 t + c`.
+    fn drop(&self, k: &mut Kernel, s: &[Reg], key0: &Reg) {
+        k.comment("dropout: one Philox block per quad pair, row and 4 columns, halves swapped");
+        let block0 = k.op2("shr.u32", RegClass::B32, key0, &2u32);
+        let block0 = k.add_u32(&block0, &self.half_t);
+        for chunk in 0..BKV / 8 {
+            let c0 = k.add_u32(&block0, &(2 * chunk));
+            let w = self.philox.words(k, &c0);
+            for c in 0..2usize {
+                // Even t keeps words 0, 1 of its first row and sends 2, 3; odd t the reverse
+                // for its second row.
+                let send = k.selp(RegClass::B32, "b32", &w[c], &w[2 + c], self.odd);
+                let got = k.reg(RegClass::B32);
+                k.emit(format!("shfl.sync.bfly.b32 {got}, {send}, 1, 31, -1"));
+                let first = k.selp(RegClass::B32, "b32", &got, &w[c], self.odd);
+                let second = k.selp(RegClass::B32, "b32", &w[2 + c], &got, self.odd);
+                for (h, word) in [first, second].iter().enumerate() {
+                    let keep = k.setp("ge.u32", word, &self.threshold);
+                    let reg = s[chunk as usize * 4 + h * 2 + c];
+                    k.emit(format!("@!{keep} mov.f32 {reg}, 0f00000000"));
+                }
             }
         }
     }

@@ -96,6 +96,16 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
                 128,
             ),
             (128, KeyRule::All, true, false, None, 17, 17),
+            // Dropout on the Hopper kernel: causal, padding, ragged rows.
+            (
+                128,
+                KeyRule::Causal { window: None },
+                true,
+                false,
+                Some(Dropout::new(0.1, 1)),
+                300,
+                300,
+            ),
             (
                 64,
                 KeyRule::Position { window: None },

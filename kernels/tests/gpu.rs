@@ -997,12 +997,12 @@ fn attention_on_tensor_cores_at_benchmark_shapes() {
             ..AttentionCase::new(8, 2, 4096, 4096, 64)
         },
     ];
-    // Llama's RoPE leaves the kernel (`prerotated`); windows, cache chunks and dropout stay on mma.
+    // Llama's RoPE leaves the kernel (`prerotated`); windows and cache chunks stay on mma.
     let paths = [
         kiln_kernels::KernelPath::Wgmma,
         kiln_kernels::KernelPath::Mma,
         kiln_kernels::KernelPath::Mma,
-        kiln_kernels::KernelPath::Mma,
+        kiln_kernels::KernelPath::Wgmma,
     ];
     for (case, expected) in cases.iter().zip(paths) {
         let cfg = attention_config(case, Elem::BF16, 1);
@@ -1015,10 +1015,17 @@ fn attention_on_tensor_cores_at_benchmark_shapes() {
 /// interpreter's, bit for bit, at p 0.1, 0.3 and 0.5 (the IR's f64 p).
 #[test]
 fn dropout_masks_match_the_interpreter_bit_for_bit() {
-    use kiln_kernels::attention::{attention, Dropout, KeyRule};
     let Some(gpu) = gpu() else { return };
-    let (b, h, s, t) = (2usize, 3usize, 37usize, 64usize);
-    let (q, k, v) = dropout_probe(b, h, s, t);
+    // 37 rows: part of one query block; 300 rows of 128 keys: three blocks of the Hopper kernel,
+    // both of its consumer warpgroups.
+    for (b, h, s, t) in [(2usize, 3usize, 37usize, 64usize), (2, 3, 300, 128)] {
+        let (q, k, v) = dropout_probe(b, h, s, t);
+        dropout_masks_at(&gpu, [b, h, s, t], (&q, &k, &v));
+    }
+}
+
+fn dropout_masks_at(gpu: &Gpu, [b, h, s, t]: [usize; 4], (q, k, v): (&[f32], &[f32], &[f32])) {
+    use kiln_kernels::attention::{attention, Dropout, KeyRule};
     for elem in ELEMS {
         for (i, p) in [0.1, 0.3, 0.5].into_iter().enumerate() {
             let case = AttentionCase {
@@ -1034,9 +1041,9 @@ fn dropout_masks_match_the_interpreter_bit_for_bit() {
             // rounded p differs there.
             let seed = 0x5eed_0000_0001_4e40_i64;
             let (bq, bk, bv) = (
-                gpu.upload(elem, &q),
-                gpu.upload(elem, &k),
-                gpu.upload(elem, &v),
+                gpu.upload(elem, q),
+                gpu.upload(elem, k),
+                gpu.upload(elem, v),
             );
             let bs = gpu.upload_i64(&[seed]);
             let out = gpu.poisoned(elem, b * h * s * t);
