@@ -12,7 +12,10 @@
 //!   The warps' partial sums meet in shared memory; one thread per output finishes it with the
 //!   epilogue (bias, activation or SwiGLU, residual) in the GEMM's order. With SwiGLU the lanes
 //!   also stream the matching up rows `n + N/2`. [`gemv_normed`] first normalises the rows of x
-//!   into shared memory (a decode layer's RMSNorm or LayerNorm), saving the norm's launch.
+//!   into shared memory (a decode layer's RMSNorm or LayerNorm), saving the norm's launch. The
+//!   weights of a warp's first K steps are loaded before the kernel waits for the one before it
+//!   (programmatic dependent launch: no kernel writes weights), so that they stream in under
+//!   that kernel's tail and under the prologue.
 //! - One column per warp (f32, K not a multiple of 8, and one row of x otherwise): a warp's
 //!   lanes stream its weight row along K with 16-byte loads (coalesced, four chunks in flight at
 //!   once), multiply it by every x row, and reduce with shuffles; lane 0 applies the epilogue.
@@ -424,8 +427,20 @@ const TC_COLS: u32 = 16;
 /// ...` (16 rather than 8: Llama-1B and GPT-2 decode at batch 8 took 1-6% less time on the H200,
 /// the products of 2048 or 768 columns having few blocks).
 const TC_WARPS: u32 = 16;
-/// K steps a warp loads before its products, while the loads are in flight together.
+/// K steps a warp loads before their products, while the loads are in flight together.
 const TC_UNROLL: u32 = 4;
+
+/// K steps per load group of `cfg`: half as many with SwiGLU, whose lanes stream four weight
+/// rows. (The first group's weights stay in registers through the prologue: four steps of four
+/// rows took 98 registers, one block per SM, and Llama-1B's gate/up product 34.2 us against
+/// 26.2 with two steps, H200.)
+fn tc_unroll(cfg: &GemmConfig) -> u32 {
+    if cfg.swiglu {
+        TC_UNROLL / 2
+    } else {
+        TC_UNROLL
+    }
+}
 
 /// The tensor-core kernel (see the module documentation).
 fn gemv_tc(cfg: &GemmConfig, name: &str, norm: Option<&NormConfig>) -> GeneratedKernel {
@@ -485,7 +500,7 @@ fn gemv_tc(cfg: &GemmConfig, name: &str, norm: Option<&NormConfig>) -> Generated
         Some(_) => row_start(&mut k, &g),
         None => row_start(&mut k, &x_global),
     };
-    prefetch_first_steps(&mut k, cfg, w, &rows, [warp, t]);
+    let first = first_weights(&mut k, cfg, w, &rows, [warp, t]);
     k.wait_for_inputs();
     let x_source = match (norm, norm_ptrs) {
         (Some(n), Some(ptrs)) => {
@@ -502,7 +517,7 @@ fn gemv_tc(cfg: &GemmConfig, name: &str, norm: Option<&NormConfig>) -> Generated
         x_row,
         x_ok,
     };
-    let acc = k_steps(&mut k, cfg, &operands, [warp, t]);
+    let acc = k_steps(&mut k, cfg, &operands, first, [warp, t]);
     finish_tc(
         &mut k,
         cfg,
@@ -543,44 +558,84 @@ struct Operands<'a> {
     x_ok: Reg,
 }
 
-/// The K loop of the tensor-core kernel: the warp's 32-wide steps, `TC_UNROLL` loaded before
-/// their products; returns the accumulators (C fragments), one set per part (gate, and up).
-fn k_steps(k: &mut Kernel, cfg: &GemmConfig, op: &Operands, [warp, t]: [Reg; 2]) -> Vec<Vec<Reg>> {
-    let acc: Vec<Vec<Reg>> = (0..parts(cfg))
-        .map(|_| (0..4).map(|_| k.mov(RegClass::F32, &F32(0.0))).collect())
-        .collect();
+/// The weights of one group of [`tc_unroll`] K steps of a warp, from `kk`: per step, lane
+/// (g, t)'s 16 bytes of each of its weight rows (zeros past K or past the rows), and whether
+/// each step is inside K.
+struct StepWeights {
+    at: Vec<Reg>,
+    inside: Vec<Reg>,
+    words: Vec<Vec<Vec<Reg>>>,
+}
 
-    k.comment("K in 32-wide steps: lane (g, t) holds k = 32 s + 8 t .. + 8 of each operand;");
-    k.comment("the loop runs on the warp's step (uniform: mma.sync needs the whole warp)");
-    let step = k.mul_u32(&warp, &32u32);
-    let lane_k = k.mul_u32(&t, &8u32);
-    let top = k.label("k_steps");
-    let done = k.label("k_done");
-    k.place(&top);
-    let past = k.setp("ge.u32", &step, &cfg.k);
-    k.bra(Some((past, true)), &done);
-    let kk = k.add_u32(&step, &lane_k);
-    let mut loaded = Vec::new();
-    for u in 0..TC_UNROLL {
-        let at = k.add_u32(&kk, &(u * TC_WARPS * 32));
+fn load_steps(
+    k: &mut Kernel,
+    cfg: &GemmConfig,
+    w: Reg,
+    rows: &[(Reg, Reg)],
+    kk: &Reg,
+) -> StepWeights {
+    let mut loaded = StepWeights {
+        at: Vec::new(),
+        inside: Vec::new(),
+        words: Vec::new(),
+    };
+    for u in 0..tc_unroll(cfg) {
+        let at = k.add_u32(kk, &(u * TC_WARPS * 32));
         let inside = k.setp("lt.u32", &at, &cfg.k);
-        let weights: Vec<Vec<Reg>> = op
-            .rows
+        let words = rows
             .iter()
             .map(|(start, ok)| {
                 let i = k.add_u32(start, &at);
-                load_words(k, op.w, &i, cfg.elem, &[inside, *ok])
+                load_words(k, w, &i, cfg.elem, &[inside, *ok])
             })
             .collect();
-        let xi = k.add_u32(&op.x_row, &at);
-        let xv = match op.x {
-            XSource::Global(x) => load_words(k, *x, &xi, cfg.elem, &[inside, op.x_ok]),
-            XSource::Shared(rows) => load_shared_words(k, rows, &xi, cfg.elem, &[inside, op.x_ok]),
-        };
-        loaded.push((weights, xv));
+        loaded.at.push(at);
+        loaded.inside.push(inside);
+        loaded.words.push(words);
     }
+    loaded
+}
+
+/// The weights of the warp's first [`tc_unroll`] K steps, loaded before the kernel waits for the
+/// one before it (no kernel writes weights), so that they stream in while that kernel finishes
+/// and while the prologue runs.
+fn first_weights(
+    k: &mut Kernel,
+    cfg: &GemmConfig,
+    w: Reg,
+    rows: &[(Reg, Reg)],
+    [warp, t]: [Reg; 2],
+) -> StepWeights {
+    k.comment("the first K steps' weights load while the kernel before runs");
+    let step = k.mul_u32(&warp, &32u32);
+    let kk = k.mad_u32(&t, &8u32, &step);
+    load_steps(k, cfg, w, rows, &kk)
+}
+
+/// The products of one group of K steps: x loaded at the same k, then the steps' `mma`s.
+fn multiply_steps(
+    k: &mut Kernel,
+    cfg: &GemmConfig,
+    op: &Operands,
+    loaded: &StepWeights,
+    acc: &[Vec<Reg>],
+) {
     let ty = cfg.elem.name();
-    for (weights, xv) in &loaded {
+    let xs: Vec<Vec<Reg>> = loaded
+        .at
+        .iter()
+        .zip(&loaded.inside)
+        .map(|(at, inside)| {
+            let xi = k.add_u32(&op.x_row, at);
+            match op.x {
+                XSource::Global(x) => load_words(k, *x, &xi, cfg.elem, &[*inside, op.x_ok]),
+                XSource::Shared(rows) => {
+                    load_shared_words(k, rows, &xi, cfg.elem, &[*inside, op.x_ok])
+                }
+            }
+        })
+        .collect();
+    for (weights, xv) in loaded.words.iter().zip(&xs) {
         for (p, acc) in acc.iter().enumerate() {
             let (wl, wh) = (&weights[2 * p], &weights[2 * p + 1]);
             for half in 0..2 {
@@ -594,40 +649,42 @@ fn k_steps(k: &mut Kernel, cfg: &GemmConfig, op: &Operands, [warp, t]: [Reg; 2])
             }
         }
     }
-    k.emit(format!(
-        "add.u32 {step}, {step}, {}",
-        TC_UNROLL * TC_WARPS * 32
-    ));
-    k.bra(None, &top);
-    k.place(&done);
-    acc
 }
 
-/// Sends the weights of the warp's first `TC_UNROLL` K steps (lane (g, t)'s 16 bytes of each of
-/// its `rows`: start element and whether the row exists) towards L2, so that they stream in
-/// while the kernel before this one finishes (weights are not written by any kernel, so this
-/// comes before the wait for it) and while the prologue runs.
-fn prefetch_first_steps(
+/// The K loop of the tensor-core kernel: the warp's 32-wide steps in groups of [`tc_unroll`], each
+/// group's weights loaded before its products (the first group's already are, [`first_weights`]);
+/// returns the accumulators (C fragments), one set per part (gate, and up).
+fn k_steps(
     k: &mut Kernel,
     cfg: &GemmConfig,
-    w: Reg,
-    rows: &[(Reg, Reg)],
+    op: &Operands,
+    first: StepWeights,
     [warp, t]: [Reg; 2],
-) {
-    k.comment("the first K steps' weights head for L2 while the kernel before runs");
-    let step = k.mul_u32(&warp, &32u32);
-    let first = k.mad_u32(&t, &8u32, &step);
-    for u in 0..TC_UNROLL {
-        let at = k.add_u32(&first, &(u * TC_WARPS * 32));
-        let inside = k.setp("lt.u32", &at, &cfg.k);
-        for (start, ok) in rows {
-            let i = k.add_u32(start, &at);
-            let addr = k.address(w, &i, cfg.elem.bytes());
-            let p = k.reg(RegClass::Pred);
-            k.emit(format!("and.pred {p}, {inside}, {ok}"));
-            k.emit(format!("@{p} prefetch.global.L2 [{addr}]"));
-        }
+) -> Vec<Vec<Reg>> {
+    let acc: Vec<Vec<Reg>> = (0..parts(cfg))
+        .map(|_| (0..4).map(|_| k.mov(RegClass::F32, &F32(0.0))).collect())
+        .collect();
+    k.comment("K in 32-wide steps: lane (g, t) holds k = 32 s + 8 t .. + 8 of each operand;");
+    k.comment("the loop runs on the warp's step (uniform: mma.sync needs the whole warp)");
+    multiply_steps(k, cfg, op, &first, &acc);
+    let group = tc_unroll(cfg) * TC_WARPS * 32;
+    if cfg.k > group {
+        let step = k.mul_u32(&warp, &32u32);
+        let step = k.add_u32(&step, &group);
+        let lane_k = k.mul_u32(&t, &8u32);
+        let top = k.label("k_steps");
+        let done = k.label("k_done");
+        k.place(&top);
+        let past = k.setp("ge.u32", &step, &cfg.k);
+        k.bra(Some((past, true)), &done);
+        let kk = k.add_u32(&step, &lane_k);
+        let loaded = load_steps(k, cfg, op.w, op.rows, &kk);
+        multiply_steps(k, cfg, op, &loaded, &acc);
+        k.emit(format!("add.u32 {step}, {step}, {group}"));
+        k.bra(None, &top);
+        k.place(&done);
     }
+    acc
 }
 
 /// Where the tensor-core kernel reads x.
