@@ -18,7 +18,8 @@
 //!   that kernel's tail and under the prologue.
 //! - One column per warp (f32, K not a multiple of 8, and one row of x otherwise): a warp's
 //!   lanes stream its weight row along K with 16-byte loads (coalesced, four chunks in flight at
-//!   once), multiply it by every x row, and reduce with shuffles; lane 0 applies the epilogue.
+//!   once, the first four loaded before the wait for the kernel before), multiply it by every x
+//!   row, and reduce with shuffles; lane 0 applies the epilogue.
 //!   Rows longer than 8 KB are shared by up to 8 warps, whose sums meet in shared memory.
 
 use kiln_ir::kernel::NormKind;
@@ -206,9 +207,9 @@ fn gemv_simt(cfg: &GemmConfig, name: &str) -> GeneratedKernel {
     let exit = k.label("exit");
     let outside = k.setp("ge.u32", &col, &n_out);
     let simt = Simt::new(&mut k, cfg, w, splits, [col, lane, part]);
-    simt.prefetch(&mut k);
+    let first = simt.first_weights(&mut k, outside);
     k.wait_for_inputs();
-    let acc = simt.k_loop(&mut k, outside, x);
+    let acc = simt.k_loop(&mut k, outside, x, first);
     let sums: Vec<Reg> = acc.iter().map(|a| k.warp_sum(*a)).collect();
     let sums = if splits > 1 {
         meet_splits(&mut k, &sums, [warp, lane, part], splits)
@@ -297,29 +298,32 @@ impl<'a> Simt<'a> {
         }
     }
 
-    /// Sends the weights of the warp's first `UNROLL` chunks towards L2 (before the wait for the
-    /// kernel before: no kernel writes weights).
-    fn prefetch(&self, k: &mut Kernel) {
-        k.comment("the first chunks' weights head for L2 while the kernel before runs");
-        for u in 0..UNROLL.min(self.cfg.k.div_ceil(self.stride())) {
-            let at = k.add_u32(&self.first, &(u * self.stride()));
-            let inside = k.setp("lt.u32", &at, &self.cfg.k);
-            for start in &self.starts {
-                let i = k.add_u32(start, &at);
-                let addr = k.address(self.w, &i, self.cfg.elem.bytes());
-                k.emit(format!("@{inside} prefetch.global.L2 [{addr}]"));
-            }
-        }
+    /// How many of the warp's first `UNROLL` chunks lie inside K for every lane.
+    fn early_chunks(&self) -> u32 {
+        UNROLL.min(self.cfg.k / self.stride())
     }
 
-    /// The K loop (skipped by a warp whose column is `outside` the product); returns the lane's
-    /// sums, one per row of x, then the up product's with SwiGLU.
-    fn k_loop(&self, k: &mut Kernel, outside: Reg, x: Reg) -> Vec<Reg> {
+    /// The weights of the warp's [`Simt::early_chunks`], loaded before the kernel waits for the
+    /// one before it (no kernel writes weights), so that they stream in under its tail; a warp
+    /// whose column is `outside` the product loads nothing (and multiplies nothing).
+    fn first_weights(&self, k: &mut Kernel, outside: Reg) -> Chunks {
+        k.comment("the first chunks' weights load while the kernel before runs");
+        let skip = k.label("first_weights_done");
+        k.bra(Some((outside, true)), &skip);
+        let first = self.load_weights(k, &self.first, self.early_chunks());
+        k.place(&skip);
+        first
+    }
+
+    /// The K loop (skipped by a warp whose column is `outside` the product), from the `first`
+    /// chunks on; returns the lane's sums, one per row of x, then the up product's with SwiGLU.
+    fn k_loop(&self, k: &mut Kernel, outside: Reg, x: Reg, first: Chunks) -> Vec<Reg> {
         let rows = self.cfg.m as usize * self.starts.len();
         let acc: Vec<Reg> = (0..rows).map(|_| k.mov(RegClass::F32, &F32(0.0))).collect();
         let done = k.label("k_done");
         k.bra(Some((outside, true)), &done);
-        let kk = k.mov(RegClass::B32, &self.first);
+        self.multiply(k, &first, &acc, x);
+        let kk = k.add_u32(&self.first, &(first.at.len() as u32 * self.stride()));
         if self.cfg.k >= UNROLL * self.stride() {
             k.comment("UNROLL chunks at a time while all are inside K");
             let wide = k.label("k_unrolled");
@@ -328,7 +332,8 @@ impl<'a> Simt<'a> {
             let last = k.add_u32(&kk, &((UNROLL - 1) * self.stride()));
             let short = k.setp("ge.u32", &last, &self.cfg.k);
             k.bra(Some((short, true)), &rest);
-            self.chunks(k, &kk, UNROLL, &acc, x);
+            let chunks = self.load_weights(k, &kk, UNROLL);
+            self.multiply(k, &chunks, &acc, x);
             k.emit(format!("add.u32 {kk}, {kk}, {}", UNROLL * self.stride()));
             k.bra(None, &wide);
             k.place(&rest);
@@ -338,23 +343,23 @@ impl<'a> Simt<'a> {
         k.place(&top);
         let past = k.setp("ge.u32", &kk, &self.cfg.k);
         k.bra(Some((past, true)), &done);
-        self.chunks(k, &kk, 1, &acc, x);
+        let chunk = self.load_weights(k, &kk, 1);
+        self.multiply(k, &chunk, &acc, x);
         k.emit(format!("add.u32 {kk}, {kk}, {}", self.stride()));
         k.bra(None, &top);
         k.place(&done);
         acc
     }
 
-    /// `count` chunks starting at `kk`: every weight load is issued before the first multiply, so
-    /// they are in flight together.
-    fn chunks(&self, k: &mut Kernel, kk: &Reg, count: u32, acc: &[Reg], x: Reg) {
+    /// The weights of `count` chunks from `kk`, every load issued before any is used.
+    fn load_weights(&self, k: &mut Kernel, kk: &Reg, count: u32) -> Chunks {
         let at: Vec<Reg> = (0..count)
             .map(|u| match u {
                 0 => *kk,
                 _ => k.add_u32(kk, &(u * self.stride())),
             })
             .collect();
-        let weights: Vec<Vec<Vec<Reg>>> = self
+        let weights = self
             .starts
             .iter()
             .map(|start| {
@@ -366,19 +371,31 @@ impl<'a> Simt<'a> {
                     .collect()
             })
             .collect();
+        Chunks { at, weights }
+    }
+
+    /// Multiplies loaded chunks by every row of x, into `acc`.
+    fn multiply(&self, k: &mut Kernel, chunks: &Chunks, acc: &[Reg], x: Reg) {
         let rows = self.cfg.m as usize;
         for r in 0..rows {
-            for (u, a) in at.iter().enumerate() {
+            for (u, a) in chunks.at.iter().enumerate() {
                 let xi = k.add_u32(a, &(r as u32 * self.cfg.k));
                 let xv = self.load(k, x, &xi);
                 for (j, xe) in xv.iter().enumerate() {
-                    for (p, wp) in weights.iter().enumerate() {
+                    for (p, wp) in chunks.weights.iter().enumerate() {
                         k.fma_into(acc[p * rows + r], xe, &wp[u][j]);
                     }
                 }
             }
         }
     }
+}
+
+/// Chunks of a weight row (and of the up row with SwiGLU) loaded by a lane: each chunk's first
+/// element of K, and per row its values.
+struct Chunks {
+    at: Vec<Reg>,
+    weights: Vec<Vec<Vec<Reg>>>,
 }
 
 /// The sums of a column's `splits` warps met in shared memory: lane 0 of each warp stores its
