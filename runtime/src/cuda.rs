@@ -5,6 +5,10 @@
 //! or allocated after load, and the counters (`counts.rs`: every module load, PTX JIT, capture
 //! and allocation, counted where the executor asks the driver for it) measure it.
 //!
+//! NVTX ranges (no-ops unless a tool such as Nsight Systems is attached) name the load, each
+//! bucket's capture (`kiln capture <bucket>`), each replay (`kiln <bucket>`) and, when
+//! profiling or capturing, each step (`<node> <kernel>`), so that a timeline shows kiln's names.
+//!
 //! cudarc loads libcuda dynamically, so this builds (and the rest of the runtime runs) on machines
 //! without a CUDA toolkit or driver; [`CudaExecutor::load`] says why it cannot run there.
 
@@ -350,6 +354,7 @@ impl CudaExecutor {
     /// allocates the plan, uploads the weights, loads the kernels and captures every bucket's
     /// graph, largest first.
     pub fn load(art: &Artifact, work: Work) -> Result<CudaExecutor, RuntimeError> {
+        let _range = nvtx::range!("kiln load");
         let start = Instant::now();
         let m = &art.manifest;
         let region = art.weights_region()?;
@@ -469,6 +474,7 @@ impl CudaExecutor {
         let mut graphs = BTreeMap::new();
         let arena = m.memory.base(Region::Arena);
         for (entry, plan) in &buckets {
+            let _range = nvtx::range!("kiln capture {}", bucket_name(&entry.graph));
             // A first eager run checks every launch before capture, so that a failing kernel is
             // reported as itself rather than as a failed capture. Its inputs are zeros (token 0,
             // masked, position 0): the arena holds another bucket's values, and ids or positions
@@ -644,6 +650,7 @@ impl CudaExecutor {
                 .memcpy_htod(&bytes, &mut self.memory.slice_mut(at..at + bytes.len()))
                 .map_err(dev)?;
         }
+        let _range = nvtx::range!("kiln {}", bucket_name(graph));
         if self.eager {
             launch_steps(
                 &self.stream,
@@ -852,6 +859,14 @@ fn upload_weights(
     stream.synchronize().map_err(dev)
 }
 
+/// A bucket's name in NVTX ranges: its graph file's stem (`decode-b8-s1`).
+fn bucket_name(graph: &str) -> &str {
+    std::path::Path::new(graph)
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .unwrap_or(graph)
+}
+
 /// Device addresses of the plan's regions.
 struct Addresses {
     base: u64,
@@ -870,6 +885,7 @@ fn launch_steps(
     mut profile: Option<&mut BTreeMap<String, (u64, f64)>>,
 ) -> Result<(), RuntimeError> {
     for step in &plan.steps {
+        let _range = nvtx::range!("{} {}", step.node, step.kernel);
         let start = Instant::now();
         let kernel = &functions.by_name[step.kernel.as_str()];
         let failed = |e: String| {
