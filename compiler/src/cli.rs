@@ -12,7 +12,7 @@ use kiln_ir::{artifact, checksum, DType, Tensor};
 use kiln_models::inputs::TokenBatch;
 use kiln_models::{ImportOptions, ModelKind};
 
-use crate::bucket::BucketPlan;
+use crate::bucket::{Bucket, BucketPlan};
 use crate::compile::{compile, compile_with_progress, CompileOptions, Compiled, CompiledBucket};
 use crate::fusion::cost::CostModel;
 use crate::fusion::Limits;
@@ -96,6 +96,10 @@ pub enum Command {
         /// token per step).
         #[arg(long)]
         prefill_chunk: Option<usize>,
+        /// Prompts one prompt chunk takes at once: the chunk graph's batch (decoders; default 1,
+        /// at most the largest batch bucket). Prompts arriving together then fill side by side.
+        #[arg(long)]
+        prefill_batch: Option<usize>,
         /// Which code to generate: GPU kernels (PTX, and SASS when ptxas is found), CPU kernels
         /// (Cranelift; f16/bf16 builds computed in f32), or both.
         #[arg(long, value_enum, default_value_t = Target::All)]
@@ -204,6 +208,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
             dropout,
             max_context,
             prefill_chunk,
+            prefill_batch,
             target,
             quiet,
         } => {
@@ -261,6 +266,12 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                     if let Some(c) = prefill_chunk.filter(|&c| c == 0 || c > context) {
                         bail!("--prefill-chunk {c} must be between 1 and the context ({context})");
                     }
+                    let rows = *plan.batch_sizes.last().expect("batch buckets");
+                    if let Some(p) = prefill_batch.filter(|&p| p == 0 || p > rows) {
+                        bail!(
+                            "--prefill-batch {p} must be between 1 and the largest batch bucket ({rows})"
+                        );
+                    }
                     let options = ImportOptions {
                         kv_cache: true,
                         dropout: false,
@@ -269,9 +280,9 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                     (Some(load(&options)?.graph), Some(context))
                 }
                 ModelKind::Encoder { .. } => {
-                    if max_context.is_some() || prefill_chunk.is_some() {
+                    if max_context.is_some() || prefill_chunk.is_some() || prefill_batch.is_some() {
                         bail!(
-                            "--max-context and --prefill-chunk apply to decoders; {} is an encoder",
+                            "--max-context, --prefill-chunk and --prefill-batch apply to decoders; {} is an encoder",
                             model.architecture
                         );
                     }
@@ -286,9 +297,10 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 cost: CostModel::default(),
                 histogram,
                 max_context: context,
-                prefill_chunk: context.map(|c| {
-                    prefill_chunk
-                        .unwrap_or_else(|| 128.min(*plan.seq_lens.last().expect("buckets")).min(c))
+                prefill_chunk: context.map(|c| Bucket {
+                    batch: prefill_batch.unwrap_or(1),
+                    seq: prefill_chunk
+                        .unwrap_or_else(|| 128.min(*plan.seq_lens.last().expect("buckets")).min(c)),
                 }),
             };
             let (mut compiled, buckets) =
@@ -330,7 +342,12 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                     if b.seq == 1 {
                         format!("decode b{}: {} kernels", b.batch, b.kernels.len())
                     } else {
-                        format!("prompt chunk s{}: {} kernels", b.seq, b.kernels.len())
+                        format!(
+                            "prompt chunk b{}-s{}: {} kernels",
+                            b.batch,
+                            b.seq,
+                            b.kernels.len()
+                        )
                     }
                 }))
                 .collect();

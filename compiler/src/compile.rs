@@ -31,9 +31,10 @@ pub struct CompileOptions {
     pub histogram: Option<BTreeMap<usize, u64>>,
     /// KV-cache capacity of the decode graphs (decoders only).
     pub max_context: Option<usize>,
-    /// Tokens per prompt chunk: a KV-cached graph at batch 1 and this many tokens, through which
-    /// generation enters a prompt (decoders only; `None`: one token per step).
-    pub prefill_chunk: Option<usize>,
+    /// The prompt chunk: a KV-cached graph of this many prompts (its batch, rows `0..batch` of
+    /// the cache) and tokens, through which generation enters prompts (decoders only; `None`, or
+    /// one token: one token per decode step).
+    pub prefill_chunk: Option<Bucket>,
 }
 
 /// One kernel of a bucket's static graph.
@@ -127,8 +128,8 @@ pub struct Compiled {
 }
 
 /// Compiles `graph` for every bucket of `opts.plan` and, for decoders, the KV-cached graph
-/// `cached` at `opts.max_context` cache entries: once at batch 1 and `opts.prefill_chunk` tokens
-/// (the prompt chunk), then for every batch bucket at one token (the decode steps).
+/// `cached` at `opts.max_context` cache entries: once at `opts.prefill_chunk` (the prompt chunk),
+/// then for every batch bucket at one token (the decode steps).
 pub fn compile(
     graph: &Graph,
     cached: Option<&Graph>,
@@ -156,7 +157,7 @@ pub fn compile_with_progress(
     stage_seconds.insert("saturate".to_string(), start.elapsed().as_secs_f64());
     let decode_buckets = match (&saturated_cached, opts.max_context) {
         (Some(_), Some(_)) => {
-            opts.plan.batch_sizes.len() + usize::from(opts.prefill_chunk.is_some_and(|c| c > 1))
+            opts.plan.batch_sizes.len() + usize::from(opts.prefill_chunk.is_some_and(|c| c.seq > 1))
         }
         _ => 0,
     };
@@ -175,10 +176,7 @@ pub fn compile_with_progress(
         .map(|b| (&saturated, b, None))
         .collect();
     if let (Some(sat), Some(context)) = (&saturated_cached, opts.max_context) {
-        let chunk = opts
-            .prefill_chunk
-            .filter(|&c| c > 1)
-            .map(|seq| Bucket { batch: 1, seq });
+        let chunk = opts.prefill_chunk.filter(|c| c.seq > 1);
         let steps = opts
             .plan
             .batch_sizes

@@ -2,11 +2,13 @@
 //! the largest decode bucket's cache; sequences join and leave between steps, and each step runs
 //! the smallest one-token decode bucket that covers the occupied rows (rows without a token this
 //! step are masked, so they write nothing). A prompt but its last token enters the cache through
-//! the batch-1 chunk bucket, which works on row 0: a joining sequence takes row 0 (its occupant
-//! moves to a free row first) and fills it chunk by chunk, interleaved with the others' decode
-//! steps; without a chunk bucket, prompts enter one token per decode step in their own rows. The
-//! last prompt token then goes through a decode step, whose logits choose the first new token.
-//! Rows are compacted when a sequence leaves, so the bucket stays as small as the batch.
+//! the chunk bucket, whose batch of `P` rows works on rows `0..P`: a joining sequence takes one of
+//! them (a decoding occupant moves to a free row first) and fills it chunk by chunk, beside the
+//! other prompts filling there and interleaved with the others' decode steps; without a chunk
+//! bucket, prompts enter one token per decode step in their own rows. The last prompt token then
+//! goes through a decode step, whose logits choose the first new token. Rows are compacted when a
+//! sequence leaves (a filling sequence only ever moves down, so it stays in the chunk rows), so
+//! the bucket stays as small as the batch.
 //!
 //! A sequence's tokens do not depend on its neighbours, its row or the bucket it runs in: the
 //! executors' decode products are batch-invariant (see ARCHITECTURE.md), cache rows move by
@@ -109,8 +111,14 @@ impl<'a> Batcher<'a> {
         let chunk = m
             .decode
             .iter()
-            .filter(|e| e.seq > 1 && e.batch == 1)
-            .max_by_key(|e| e.seq);
+            .filter(|e| e.seq > 1)
+            .max_by_key(|e| (e.seq, e.batch));
+        if let Some(c) = chunk.filter(|c| c.batch > largest.batch) {
+            return Err(RuntimeError::Request(format!(
+                "the prompt chunk takes {} rows; the largest decode bucket has {}",
+                c.batch, largest.batch
+            )));
+        }
         let session = Session::new(art, exec, largest)?;
         Ok(Batcher {
             session,
@@ -176,10 +184,10 @@ impl<'a> Batcher<'a> {
     }
 
     /// Whether `job` can join now: a row is free and, if its prompt enters through the chunk
-    /// bucket, no other prompt is filling row 0.
+    /// bucket, one of the chunk's rows holds no other prompt still filling.
     pub fn can_admit(&self, job: &Job) -> bool {
         let free = self.rows.iter().any(Option::is_none);
-        free && !(self.fills_by_chunk(job.prompt.len()) && self.row0_filling())
+        free && (!self.fills_by_chunk(job.prompt.len()) || self.open_chunk_row().is_some())
     }
 
     /// Puts `job` in a row as sequence `id` (see [`Batcher::can_admit`]); nothing runs until the
@@ -188,15 +196,16 @@ impl<'a> Batcher<'a> {
         self.check(&job)?;
         if !self.can_admit(&job) {
             return Err(RuntimeError::Request(format!(
-                "sequence {id} cannot join now: no row is free, or another prompt is filling row 0"
+                "sequence {id} cannot join now: no row is free, or prompts fill every chunk row"
             )));
         }
         let row = if self.fills_by_chunk(job.prompt.len()) {
-            if self.rows[0].is_some() {
+            let row = self.open_chunk_row().expect("can_admit found a chunk row");
+            if self.rows[row].is_some() {
                 let free = self.free_row().expect("can_admit found a free row");
-                self.move_row(0, free)?;
+                self.move_row(row, free)?;
             }
-            0
+            row
         } else {
             self.free_row().expect("can_admit found a free row")
         };
@@ -282,21 +291,33 @@ impl<'a> Batcher<'a> {
         Ok(emitted)
     }
 
-    /// Runs up to `chunks_per_step` chunks of the prompt filling row 0; how many ran.
+    /// Runs up to `chunks_per_step` steps of the chunk bucket, each taking the next chunk of
+    /// every prompt filling the chunk rows; how many ran.
     fn run_chunks(&mut self) -> Result<usize, RuntimeError> {
         let Some(chunk) = self.chunk else {
             return Ok(0);
         };
         let mut ran = 0;
         while ran < self.chunks_per_step {
-            let Some(seq) = self.rows[0].as_mut().filter(|s| s.filling()) else {
+            // Each chunk row's next tokens and their first position (none: masked).
+            let parts: Vec<(Vec<i64>, usize)> = self.rows[..chunk.batch]
+                .iter_mut()
+                .map(|s| match s.as_mut().filter(|s| s.filling()) {
+                    Some(seq) => {
+                        let end = (seq.filled + chunk.seq).min(seq.head());
+                        let part = seq.job.prompt[seq.filled..end].to_vec();
+                        let start = seq.filled;
+                        seq.filled = end;
+                        (part, start)
+                    }
+                    None => (Vec::new(), 0),
+                })
+                .collect();
+            if parts.iter().all(|(part, _)| part.is_empty()) {
                 break;
-            };
-            let end = (seq.filled + chunk.seq).min(seq.head());
-            let part = seq.job.prompt[seq.filled..end].to_vec();
-            let start = seq.filled;
-            seq.filled = end;
-            self.session.fill(chunk, &[Row::new(&part, start)])?;
+            }
+            let rows: Vec<Row> = parts.iter().map(|(p, start)| Row::new(p, *start)).collect();
+            self.session.fill(chunk, &rows)?;
             *self.runs.entry(chunk.graph.clone()).or_default() += 1;
             ran += 1;
         }
@@ -352,9 +373,14 @@ impl<'a> Batcher<'a> {
         self.chunk.is_some() && len > 1
     }
 
-    /// Whether row 0 holds a prompt still filling through the chunk bucket.
-    fn row0_filling(&self) -> bool {
-        self.chunk.is_some() && self.rows[0].as_ref().is_some_and(Seq::filling)
+    /// A row of the chunk bucket that holds no prompt still filling: a free one first, else one
+    /// whose (decoding) occupant can move out.
+    fn open_chunk_row(&self) -> Option<usize> {
+        let rows = &self.rows[..self.chunk?.batch];
+        rows.iter().position(Option::is_none).or_else(|| {
+            rows.iter()
+                .position(|s| !s.as_ref().is_some_and(Seq::filling))
+        })
     }
 
     fn free_row(&self) -> Option<usize> {

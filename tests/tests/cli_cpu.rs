@@ -140,9 +140,10 @@ fn kiln_run_refuses_bad_input_in_one_line() {
 /// Several prompts decoded together: `kiln-run generate` with `--prompt-ids` repeated runs them
 /// through the smallest decode batch bucket that holds them (batch 4 for three prompts) and prints
 /// one line per sequence, in order, each what that prompt gets alone, greedy and sampled, with
-/// prompts entering through the chunk bucket (then copied to their rows) or one token per batched
-/// step, in f32 and in bf16 builds (whose CPU plans run over a memory plan of their own); the
-/// interpreter, whose cache the caller holds, agrees; five prompts are refused.
+/// prompts entering through the chunk bucket (then copied to their rows; or three rows of chunks
+/// of 4 tokens side by side, `--prefill-batch 3`) or one token per batched step, in f32 and in bf16
+/// builds (whose CPU plans run over a memory plan of their own); the interpreter, whose cache the
+/// caller holds, agrees; five prompts are refused.
 #[test]
 fn several_prompts_decode_together_as_each_alone() {
     use kiln_runtime::generate::{generate_batch, Sampling};
@@ -156,14 +157,23 @@ fn several_prompts_decode_together_as_each_alone() {
             ids(&r["batch_b"]),
             ids(&r["greedy_prompt"]),
         ];
-        for (chunk, dtype) in [("16", "f32"), ("1", "f32"), ("16", "bf16")] {
-            let art = tmp.path().join(format!("{name}-{chunk}-{dtype}.kiln"));
+        for (chunk, rows, dtype) in [
+            ("16", "1", "f32"),
+            ("1", "1", "f32"),
+            ("16", "1", "bf16"),
+            ("4", "3", "f32"),
+        ] {
+            let art = tmp
+                .path()
+                .join(format!("{name}-{chunk}x{rows}-{dtype}.kiln"));
             let buckets = ["--buckets", "16,64", "--batch-buckets", "1,4"];
             let rest = [
                 "--max-context",
                 "64",
                 "--prefill-chunk",
                 chunk,
+                "--prefill-batch",
+                rows,
                 "--dtype",
                 dtype,
             ];
@@ -188,7 +198,7 @@ fn several_prompts_decode_together_as_each_alone() {
                     let alone = run(&[p]);
                     assert_eq!(
                         together[i], alone[0],
-                        "{name} chunk {chunk} {dtype} {sampling:?}: sequence {i} decoded together"
+                        "{name} chunk {chunk}x{rows} {dtype} {sampling:?}: sequence {i} decoded together"
                     );
                 }
                 if sampling.is_empty() && dtype == "f32" {
@@ -206,7 +216,10 @@ fn several_prompts_decode_together_as_each_alone() {
                         .iter()
                         .map(|s| s.iter().map(i64::to_string).collect::<Vec<_>>().join(" "))
                         .collect();
-                    assert_eq!(printed, together, "{name} chunk {chunk}: the interpreter");
+                    assert_eq!(
+                        printed, together,
+                        "{name} chunk {chunk}x{rows}: the interpreter"
+                    );
                 }
             }
             // --json: one object per line, per sequence, in order.

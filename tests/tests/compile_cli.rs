@@ -190,6 +190,20 @@ fn bad_compile_arguments_name_the_problem() {
             "apply to decoders",
         ),
         (
+            vec![
+                g,
+                "-o",
+                o,
+                "--buckets",
+                "16",
+                "--batch-buckets",
+                "1,4",
+                "--prefill-batch",
+                "5",
+            ],
+            "--prefill-batch 5 must be between 1 and the largest batch bucket (4)",
+        ),
+        (
             vec![g, "-o", o, "--bucket-policy", "histogram"],
             "needs --length-histogram",
         ),

@@ -237,7 +237,11 @@ fn serve_answers_like_generate_and_survives_bad_requests() {
     compile_artifact(
         &model,
         &art,
-        &[&flags[..], &["--prefill-chunk", "8"]].concat(),
+        &[
+            &flags[..],
+            &["--prefill-chunk", "8", "--prefill-batch", "2"],
+        ]
+        .concat(),
     );
     let main = start(&art, &["--drain-seconds", "20"]);
     let served = concurrent_greedy(&main, &art);
