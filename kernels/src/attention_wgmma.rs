@@ -478,29 +478,17 @@ impl Consumer {
         mbarrier_wait(k, bars, &0u32);
 
         let j = k.mov(RegClass::B32, &0u32);
-        // Tile j's probabilities in place of its scores (row sums and maxima updated); the
-        // correction of O they call for.
+        // Tile j's probabilities (dropped ones zeroed), packed in pairs into P, the A operand
+        // of `P V` (4 registers per 16 keys).
         let probabilities = |k: &mut Kernel, j: &Reg| {
             if mask.is_some() {
                 self.add_mask(k, &tiles.s, j);
             }
             let key0 = k.mul_u32(j, &BKV);
             self.mask_edges(k, &tiles.s, block, j, &key0, &last);
-            let corr = self.softmax(k, cfg, &tiles.s, &state);
+            self.softmax(k, cfg, &tiles.s, &state);
             if let Some(d) = dropping {
                 d.drop(k, &tiles.s, &key0);
-            }
-            corr
-        };
-        // O corrected, the probabilities packed in pairs into P.
-        let pack = |k: &mut Kernel, corr: [Reg; 2]| {
-            for chunk in 0..state.o.len() / 4 {
-                for (h, corr) in corr.iter().enumerate() {
-                    for c in 0..2 {
-                        let o = state.o[chunk * 4 + h * 2 + c];
-                        k.emit(format!("mul.f32 {o}, {o}, {corr}"));
-                    }
-                }
             }
             let cvt = format!("cvt.rn.{}x2.f32", cfg.elem.name());
             for (pair, w) in tiles.s.chunks(2).zip(&tiles.p) {
@@ -518,8 +506,7 @@ impl Consumer {
         wgmma_commit(k);
         k.emit(format!("bar.arrive {other}, 256"));
         wgmma_wait(k, 0);
-        let corr = probabilities(k, &j);
-        pack(k, corr);
+        probabilities(k, &j);
 
         let top = k.label("tiles");
         let done = k.label("tiles_done");
@@ -539,8 +526,7 @@ impl Consumer {
         k.emit(format!("bar.arrive {other}, 256"));
         wgmma_wait(k, 0);
         tiles.release(k, &j, self.lane0);
-        let corr = probabilities(k, &next);
-        pack(k, corr);
+        probabilities(k, &next);
         k.emit(format!("mov.u32 {j}, {next}"));
         k.bra(None, &top);
         k.place(&done);
@@ -638,21 +624,12 @@ impl Consumer {
         k.place(&interior);
     }
 
-    /// The online softmax of one tile's scores: new row maxima, `l` corrected, and the
-    /// probabilities in place of the scores, summed into `l`. Returns the correction of each row
-    /// half's `o`, which the caller applies when it packs the probabilities in pairs into the A
-    /// operand of `P V` (4 registers per 16 keys).
-    fn softmax(
-        &self,
-        k: &mut Kernel,
-        cfg: &AttentionConfig,
-        s: &[Reg],
-        state: &RowState,
-    ) -> [Reg; 2] {
+    /// The online softmax of one tile's scores: new row maxima, the correction of `o` and `l`,
+    /// and the probabilities in place of the scores, summed into `l`.
+    fn softmax(&self, k: &mut Kernel, cfg: &AttentionConfig, s: &[Reg], state: &RowState) {
         let scale = cfg.scale * std::f32::consts::LOG2_E;
         let neg_inf = F32(f32::NEG_INFINITY);
         let mut m_use = Vec::new();
-        let mut corrs = Vec::new();
         for h in 0..2usize {
             let mut mx = k.mov(RegClass::F32, &neg_inf);
             for chunk in 0..(BKV / 8) as usize {
@@ -673,7 +650,12 @@ impl Consumer {
             let diff = k.sub_f32(&state.m[h], &m_safe);
             let corr = k.op1("ex2.approx.ftz.f32", RegClass::F32, &diff);
             k.emit(format!("mul.f32 {0}, {0}, {corr}", state.l[h]));
-            corrs.push(corr);
+            for chunk in 0..state.o.len() / 4 {
+                for c in 0..2 {
+                    let o = state.o[chunk * 4 + h * 2 + c];
+                    k.emit(format!("mul.f32 {o}, {o}, {corr}"));
+                }
+            }
             k.emit(format!("mov.f32 {}, {m_new}", state.m[h]));
             m_use.push(k.op1("neg.f32", RegClass::F32, &m_safe));
         }
@@ -683,7 +665,6 @@ impl Consumer {
             k.emit(format!("ex2.approx.ftz.f32 {v}, {e}"));
             k.emit(format!("add.f32 {0}, {0}, {v}", state.l[h]));
         }
-        [corrs[0], corrs[1]]
     }
 
     /// This thread's dropout: it draws the Philox blocks of its first row on even `t` and of its
