@@ -575,15 +575,17 @@ struct Operands<'a> {
     x_ok: Reg,
 }
 
-/// The weights of one group of [`tc_unroll`] K steps of a warp, from `kk`: per step, lane
-/// (g, t)'s 16 bytes of each of its weight rows (zeros past K or past the rows), and whether
-/// each step is inside K.
+/// The weights of one group of [`tc_unroll`] K steps of a warp: per step, its first k, whether
+/// it is inside K, and lane (g, t)'s 16 bytes of each of its weight rows (zeros past K or past
+/// the rows).
 struct StepWeights {
     at: Vec<Reg>,
     inside: Vec<Reg>,
     words: Vec<Vec<Vec<Reg>>>,
 }
 
+/// Loads the group of K steps whose first holds lane (g, t)'s k at `kk`, from `rows` (start
+/// element, whether the row exists) of `w`.
 fn load_steps(
     k: &mut Kernel,
     cfg: &GemmConfig,
