@@ -718,8 +718,13 @@ impl CudaExecutor {
         Counters {
             replays: self.replays.clone(),
             at_load: self.at_load,
-            after_load: self.counts.since(&self.at_load),
+            after_load: self.after_load(),
         }
+    }
+
+    /// The driver work since load (what [`Self::counters`] reports, without copying the replays).
+    pub fn after_load(&self) -> DriverCounts {
+        self.counts.since(&self.at_load)
     }
 
     /// GPU memory in use on the device (all processes), bytes.

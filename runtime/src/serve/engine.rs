@@ -383,7 +383,7 @@ impl Loop<'_, '_> {
     fn publish(&self) {
         let m = self.metrics;
         if let Executor::Cuda(c) = self.batcher.executor() {
-            let after = c.counters().after_load;
+            let after = c.after_load();
             m.captures_after_load.set(after.captures as i64);
             m.compilations_after_load.set(after.module_loads as i64);
         }
