@@ -25,7 +25,7 @@
 //!
 //! Decode steps (one query row per sequence over a cache) take the SIMT flash-decoding kernel.
 
-use crate::attention::{philox_key, philox_words, AttentionConfig, KeyRule};
+use crate::attention::{philox_key, philox_words, reciprocal_or_zero, AttentionConfig, KeyRule};
 use crate::ptx::{Elem, Kernel, Label, Operand, Reg, RegClass, F32};
 use crate::{GeneratedKernel, KernelPath, Launch};
 
@@ -1088,9 +1088,7 @@ impl<'a> Attn<'a> {
                     ));
                     total = k.add_f32(&total, &other);
                 }
-                let empty = k.setp("eq.f32", &total, &F32(0.0));
-                let inv = k.rcp_f32(&total);
-                let inv = k.selp(RegClass::F32, "f32", &F32(0.0), &inv, empty);
+                let inv = reciprocal_or_zero(k, total);
                 let row = rows[half];
                 let skip: Label = k.label("skip_row");
                 let past = k.setp("ge.u32", &row, &cfg.q_len);

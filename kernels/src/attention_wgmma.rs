@@ -28,7 +28,7 @@
 //! neighbour (`t ^ 1`) holds: each of the two draws the block of one of the rows and they swap
 //! halves by shuffle, so every word drawn is used.
 
-use crate::attention::{philox_key, AttentionConfig, KeyRule, PhiloxRow};
+use crate::attention::{philox_key, reciprocal_or_zero, AttentionConfig, KeyRule, PhiloxRow};
 use crate::attention_tc::RowState;
 use crate::hopper::{
     mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_init_fence, mbarrier_wait,
@@ -713,12 +713,10 @@ impl Consumer {
                 k.emit(format!("shfl.sync.bfly.b32 {other}, {l}, {lanes}, 31, -1"));
                 l = k.add_f32(&l, &other);
             }
-            let empty = k.setp("eq.f32", &l, &F32(0.0));
-            let mut inv = k.rcp_f32(&l);
+            let mut inv = reciprocal_or_zero(k, l);
             if let Some(d) = cfg.dropout {
                 inv = k.mul_f32(&inv, &F32(d.keep_scale));
             }
-            let inv = k.selp(RegClass::F32, "f32", &F32(0.0), &inv, empty);
             let row = k.add_u32(&self.row, &(8 * h as u32));
             let row = k.add_u32(&row, &block.q0);
             let inside = k.setp("lt.u32", &row, &cfg.q_len);
