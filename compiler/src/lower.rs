@@ -17,6 +17,7 @@ use kiln_ir::{Graph, NodeId, Op, RopeScaling, TensorType};
 use kiln_kernels::attention::{
     attention, attention_base, attention_combine, attention_simt, AttentionConfig,
 };
+use kiln_kernels::attention_decode::Extras;
 use kiln_kernels::elementwise::activation_kernel;
 use kiln_kernels::embedding::{embedding, EmbeddingConfig};
 use kiln_kernels::gemm::{gemm_base, gemm_for, GemmConfig};
@@ -26,7 +27,7 @@ use kiln_kernels::norm::{norm, NormConfig};
 use kiln_kernels::rope::rotate;
 use kiln_kernels::{Elem, GeneratedKernel, Image};
 
-use crate::fusion::cost::is_view;
+use crate::fusion::cost::{consumers, decode_writes, done_by_writes, is_view};
 
 mod strided;
 pub use strided::materialize;
@@ -62,6 +63,8 @@ pub enum Operand {
     Arena(u64),
     /// The bucket's chosen-token slot (`ExecPlan::tokens`), which the plan places.
     Tokens,
+    /// The counters region (`Region::Counters`), of which the launch uses this many bytes.
+    Counters(u64),
 }
 
 /// One kernel launch of a node: the kernel's (deduplicated) entry name and an operand per
@@ -346,20 +349,8 @@ fn head_strides(g: &Graph, id: NodeId) -> Option<([u32; 3], u32)> {
 /// Lowers every kernel node of the static graph `g`, adding its kernels to `kernels`.
 pub fn lower(g: &Graph, kernels: &mut Lowered) -> GraphLaunches {
     let mut out = GraphLaunches::default();
-    // A RoPE whose only consumers are KV-cache writes is done by the writes themselves.
-    let mut users: BTreeMap<NodeId, Vec<NodeId>> = BTreeMap::new();
-    for (id, node) in g.nodes() {
-        for a in &node.args {
-            users.entry(*a).or_default().push(id);
-        }
-    }
-    let rope_in_write = |id: NodeId| {
-        matches!(g.node(id).op, Op::Rope { .. })
-            && users.get(&id).is_some_and(|u| {
-                u.iter()
-                    .all(|c| matches!(g.node(*c).op, Op::CacheWrite) && g.node(*c).args[1] == id)
-            })
-    };
+    let consumers = consumers(g);
+    let fused = Fused::find(g, &consumers);
     let mut weight_only = vec![false; g.len()];
     for (id, node) in g.nodes() {
         weight_only[id.index()] = match &node.op {
@@ -367,14 +358,22 @@ pub fn lower(g: &Graph, kernels: &mut Lowered) -> GraphLaunches {
             Op::Input(_) => false,
             _ => node.args.iter().all(|a| weight_only[a.index()]),
         };
-        if weight_only[id.index()] || node.op.is_leaf() || is_view(&node.op) || rope_in_write(id) {
+        // A RoPE whose only consumers are KV-cache writes is done by the writes themselves.
+        let users = consumers[id.index()]
+            .iter()
+            .map(|(c, position)| (&g.node(*c).op, *position));
+        if weight_only[id.index()]
+            || node.op.is_leaf()
+            || is_view(&node.op)
+            || done_by_writes(&node.op, users)
+        {
             continue;
         }
         let mut launches = NodeLaunches {
             cpu: Some(Vec::new()),
             ..NodeLaunches::default()
         };
-        if lower_node(g, id, kernels, &mut launches).is_some() {
+        if lower_node(g, id, &fused, kernels, &mut launches).is_some() {
             out.nodes.push((id, launches));
         } else {
             out.unsupported.push(format!("{}_{}", node.op.name(), id.0));
@@ -414,7 +413,46 @@ pub fn greedy_tokens(g: &Graph, kernels: &mut Lowered) -> Option<TokenChoice> {
     Some(TokenChoice { launch, rows })
 }
 
-fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) -> Option<()> {
+/// Work one kernel does for other nodes: the cache writes decode attentions do themselves.
+#[derive(Default)]
+struct Fused {
+    /// Each such attention's key and value writes.
+    attention_writes: BTreeMap<NodeId, [NodeId; 2]>,
+}
+
+impl Fused {
+    /// The fusions of the static graph `g` whose kernels serve them: a decode attention takes in
+    /// its writes ([`decode_writes`]) when it runs on `attention_decode`.
+    fn find(g: &Graph, consumers: &[Vec<(NodeId, usize)>]) -> Fused {
+        let attention_writes = decode_writes(g, consumers)
+            .into_iter()
+            .filter(|f| {
+                let node = g.node(f.attention);
+                let (Op::DecodeAttention(spec), Some(elem)) = (&node.op, Elem::of(node.ty.dtype))
+                else {
+                    return false;
+                };
+                lower_decode(g, f.attention, spec, elem)
+                    .is_some_and(|(cfg, _)| kiln_kernels::attention_decode::supports(&cfg))
+            })
+            .map(|f| (f.attention, f.writes))
+            .collect();
+        Fused { attention_writes }
+    }
+
+    /// Whether the cache write `id` is done by its attention's kernel.
+    fn write_done(&self, id: NodeId) -> bool {
+        self.attention_writes.values().flatten().any(|w| *w == id)
+    }
+}
+
+fn lower_node(
+    g: &Graph,
+    id: NodeId,
+    fused: &Fused,
+    out: &mut Lowered,
+    n: &mut NodeLaunches,
+) -> Option<()> {
     use Operand::Value;
     let node = g.node(id);
     let elem = Elem::of(node.ty.dtype)?;
@@ -612,24 +650,44 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
             }
             let rows = u64::from(cfg.batch * cfg.heads * cfg.q_len);
             n.cpu(CpuKernel::Attention(one), &cpu_bind, &params, rows);
+            // The decode kernel takes in the cache writes and merges its own key ranges.
+            let decode = kiln_kernels::attention_decode::supports(&cfg);
+            let extras = Extras {
+                new: match fused.attention_writes.get(&id) {
+                    Some(writes) => Some(new_entries(g, *writes, &mut bind)?),
+                    None => None,
+                },
+                combine: decode && kiln_kernels::attention_decode::combines(&cfg),
+            };
             if combine {
                 let rows = u64::from(cfg.batch * cfg.heads * cfg.q_len * cfg.splits);
                 n.scratch.push(rows * u64::from(cfg.head_dim) * 4);
                 n.scratch.push(rows * 2 * 4);
                 bind.push(("partial_acc", Operand::Scratch(0)));
                 bind.push(("partial_ml", Operand::Scratch(1)));
+            }
+            if extras == Extras::default() {
+                if !combine {
+                    bind.push(("out", this.clone()));
+                }
                 let kernel = out.generate(&cfg, attention);
                 out.launch(n, kernel, &bind)?;
+            } else {
+                let counters = kiln_kernels::attention_decode::counter_bytes(&cfg);
+                bind.push(("counters", Operand::Counters(counters)));
+                bind.push(("out", this.clone()));
+                let kernel = out.generate(&(cfg.clone(), extras.clone()), |(c, e)| {
+                    kiln_kernels::attention_decode::attention_decode_with(c, e)
+                });
+                out.launch(n, kernel, &bind)?;
+            }
+            if combine && !extras.combine {
                 let bind = [
                     ("partial_acc", Operand::Scratch(0)),
                     ("partial_ml", Operand::Scratch(1)),
                     ("out", this),
                 ];
                 let kernel = out.generate(&cfg, attention_combine);
-                out.launch(n, kernel, &bind)?;
-            } else {
-                bind.push(("out", this));
-                let kernel = out.generate(&cfg, attention);
                 out.launch(n, kernel, &bind)?;
             }
         }
@@ -682,11 +740,37 @@ fn lower_node(g: &Graph, id: NodeId, out: &mut Lowered, n: &mut NodeLaunches) ->
             }
             let tokens = u64::from(cfg.batch * cfg.new_len);
             n.cpu_like(CpuKernel::KvWrite(cfg), &kernel, &bind, tokens);
-            out.launch(n, kernel, &bind)?;
+            if !fused.write_done(id) {
+                out.launch(n, kernel, &bind)?;
+            }
         }
         _ => return None,
     }
     Some(())
+}
+
+/// The step's new keys and values that the decode attention reading the cache writes `writes`
+/// stores itself, bound in `bind` as `k_new` and `v_new` (the keys before their RoPE) with the
+/// writes' `mask`.
+fn new_entries(
+    g: &Graph,
+    [kw, vw]: [NodeId; 2],
+    bind: &mut Vec<(&str, Operand)>,
+) -> Option<kiln_kernels::attention_decode::NewEntries> {
+    let k_new = g.node(kw).args[1];
+    let keys = match g.node(k_new).op {
+        Op::Rope { .. } => g.node(k_new).args[0],
+        _ => k_new,
+    };
+    let values = g.node(vw).args[1];
+    let (k_strides, _) = head_strides(g, keys)?;
+    let (v_strides, _) = head_strides(g, values)?;
+    bind.push(("k_new", Operand::Value(keys)));
+    bind.push(("v_new", Operand::Value(values)));
+    bind.push(("mask", Operand::Value(g.node(kw).args[3])));
+    Some(kiln_kernels::attention_decode::NewEntries {
+        strides: [k_strides, v_strides],
+    })
 }
 
 /// The RoPE table of a rotation over the last axis of values of type `ty`.

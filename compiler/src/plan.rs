@@ -200,11 +200,24 @@ fn plan_graphs(graphs: &[&Graph]) -> Result<ArtifactPlan, PlanError> {
     let cache = aligned_layout(&list, ALIGN);
     let cache_bytes = cache.last().map_or(0, |s| s.offset + s.bytes());
 
+    // Counters: every launch counts from offset 0 of one region, as large as the most any uses.
+    let counter_bytes = lowered
+        .iter()
+        .flat_map(|(_, launches)| &launches.nodes)
+        .flat_map(|(_, node)| &node.launches)
+        .flat_map(|launch| &launch.args)
+        .filter_map(|(_, op)| match op {
+            Operand::Counters(bytes) => Some(*bytes),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0);
     let mut memory = MemoryPlan {
         weights_bytes,
         weights,
         cache_bytes,
         cache,
+        counter_bytes,
         arena_bytes: 0,
     };
     let mut buckets = Vec::new();
@@ -475,6 +488,19 @@ fn plan_bucket(
             extend(&mut buffers, *a, id.index());
         }
     }
+    // A launch may read values its node's operands do not name (a decode attention reads the
+    // new keys and values of the cache writes it does): those live until it runs too.
+    for (id, node) in &launches.nodes {
+        let launched = node.launches.iter().flat_map(|l| {
+            let fallback = l.fallback.iter().flat_map(|f| &f.args);
+            l.args.iter().chain(fallback)
+        });
+        for (_, operand) in launched {
+            if let Operand::Value(v) = operand {
+                extend(&mut buffers, *v, id.index());
+            }
+        }
+    }
     for o in g.outputs() {
         extend(&mut buffers, o.node, end);
     }
@@ -552,6 +578,7 @@ fn plan_bucket(
             }
             Operand::U32(v) => Arg::U32(*v),
             Operand::Arena(offset) => Arg::Ptr(Region::Arena, *offset),
+            Operand::Counters(_) => Arg::Ptr(Region::Counters, 0),
             Operand::Tokens => {
                 let b = tokens_buffer.ok_or_else(|| {
                     PlanError::Layout("a launch writes tokens the bucket does not choose".into())

@@ -21,8 +21,9 @@ use crate::DType;
 /// The artifact format this build writes and reads. Since version 9 every GPU kernel waits for
 /// the kernel before it (`griddepcontrol.wait`) before it reads anything an earlier kernel wrote,
 /// so the runtime may launch each step while its predecessor still runs (programmatic dependent
-/// launch).
-pub const FORMAT_VERSION: u32 = 9;
+/// launch); since version 10 the allocation holds a counters region between the KV cache and the
+/// arena ([`Region::Counters`]).
+pub const FORMAT_VERSION: u32 = 10;
 /// Every region and every tensor in the device allocation starts at a multiple of this many bytes.
 pub const ALIGN: u64 = 256;
 /// The manifest's file name.
@@ -109,6 +110,10 @@ pub struct MemoryPlan {
     pub cache_bytes: u64,
     /// The cache slots.
     pub cache: Vec<TensorSlot>,
+    /// The counters region: the most any one launch uses (launches run one at a time, each
+    /// leaving them at zero, so all share it from offset 0).
+    #[serde(default)]
+    pub counter_bytes: u64,
     /// The activation arena: the largest of the buckets' footprints (buckets never run at once).
     pub arena_bytes: u64,
 }
@@ -119,7 +124,8 @@ impl MemoryPlan {
         match region {
             Region::Weights => 0,
             Region::Cache => align(self.weights_bytes),
-            Region::Arena => align(self.weights_bytes) + align(self.cache_bytes),
+            Region::Counters => align(self.weights_bytes) + align(self.cache_bytes),
+            Region::Arena => self.base(Region::Counters) + align(self.counter_bytes),
         }
     }
 
@@ -128,6 +134,7 @@ impl MemoryPlan {
         match region {
             Region::Weights => self.weights_bytes,
             Region::Cache => self.cache_bytes,
+            Region::Counters => self.counter_bytes,
             Region::Arena => self.arena_bytes,
         }
     }
@@ -193,6 +200,9 @@ pub enum Region {
     Weights,
     /// The KV cache, kept across requests of a generation.
     Cache,
+    /// Counters kernels synchronise their blocks with (the decode attention's merge of its key
+    /// ranges): zero at load, and every kernel leaves the counters it uses at zero.
+    Counters,
     /// Activations, inputs and outputs of one bucket's run.
     Arena,
 }

@@ -648,12 +648,31 @@ pub fn attention_combine(cfg: &AttentionConfig) -> GeneratedKernel {
     let acc = k.param_ptr("partial_acc");
     let ml = k.param_ptr("partial_ml");
     let out = k.param_ptr("out");
-    let e = cfg.elem;
-    let d = cfg.head_dim;
     let lane = k.special("tid.x");
     let i = k.special("ctaid.x");
     let h = k.special("ctaid.y");
     let b = k.special("ctaid.z");
+    combine_row(&mut k, cfg, [acc, ml, out], [b, h, i, lane]);
+    GeneratedKernel::new(
+        k,
+        Launch {
+            grid: [cfg.q_len, cfg.heads, cfg.batch],
+            block: [32, 1, 1],
+            shared_bytes: 0,
+        },
+    )
+}
+
+/// Merges the `cfg.splits` partial results (`partial_acc`, `partial_ml`) of query row `i` of head
+/// `h` of sequence `b` into `out`, the warp's lanes (`lane`) over the head dimension.
+pub(crate) fn combine_row(
+    k: &mut Kernel,
+    cfg: &AttentionConfig,
+    [acc, ml, out]: [Reg; 3],
+    [b, h, i, lane]: [Reg; 4],
+) {
+    let e = cfg.elem;
+    let d = cfg.head_dim;
     let row_id = k.mad_u32(&b, &cfg.heads, &h);
     let q_row_id = k.mad_u32(&row_id, &cfg.q_len, &i);
     let p0 = k.mul_u32(&q_row_id, &cfg.splits);
@@ -725,7 +744,7 @@ pub fn attention_combine(cfg: &AttentionConfig) -> GeneratedKernel {
     let more = k.setp("lt.u32", &s_i, &cfg.splits);
     k.bra(Some((more, true)), &top);
     // If no split saw a key, the row stores zeros.
-    let inv = reciprocal_or_zero(&mut k, total);
+    let inv = reciprocal_or_zero(k, total);
     let o_stride = cfg.strides[3];
     let t0 = k.mul_u32(&b, &o_stride[0]);
     let t1 = k.mad_u32(&h, &o_stride[1], &t0);
@@ -739,14 +758,6 @@ pub fn attention_combine(cfg: &AttentionConfig) -> GeneratedKernel {
         k.st_global(e, oa, y);
         k.place(&skip);
     }
-    GeneratedKernel::new(
-        k,
-        Launch {
-            grid: [cfg.q_len, cfg.heads, cfg.batch],
-            block: [32, 1, 1],
-            shared_bytes: 0,
-        },
-    )
 }
 
 /// Element `col` (loaded as `x`) of the row starting at element `row` of `base`, rotated by RoPE

@@ -17,9 +17,10 @@
 //! times; here it is read once.
 
 use crate::attention::{
-    online_softmax_step, reciprocal_or_zero, rotated_element, share_of_keys, store_max_and_sum,
-    window_range, AttentionConfig, KeyRule,
+    combine_row, online_softmax_step, reciprocal_or_zero, rotated_element, share_of_keys,
+    store_max_and_sum, window_range, AttentionConfig, KeyRule,
 };
+use crate::kv_cache::write_row;
 use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
 use crate::{GeneratedKernel, KernelPath, Launch};
 
@@ -47,12 +48,65 @@ pub fn supports(cfg: &AttentionConfig) -> bool {
         && cfg.strides.iter().all(|s| s.iter().all(|v| v % 8 == 0))
 }
 
+/// The step's new key and value, which the kernel writes into the caches itself (in place of
+/// two `kv_write` launches before it): `cache[b, kvh, pos[b], :] = new[b, kvh, 0, :]` where
+/// `mask[b]` is 1 and `pos[b]` is within the cache, the key rotated with q's RoPE tables when
+/// `cfg.rope`. The warp whose key range holds `pos[b]` writes both rows, then reads them back
+/// as any other key; no other warp reads them, so no block waits for another.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NewEntries {
+    /// `[batch, head, row]` strides (elements) of the new keys and of the new values: head
+    /// views of the QKV product.
+    pub strides: [[u32; 3]; 2],
+}
+
+/// What the kernel does besides the attention: write the step's [`NewEntries`], and with
+/// several key ranges merge them itself (`combine`: the last block of a sequence's K/V head to
+/// finish merges its query heads, in place of an `attention_combine` launch after it).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Extras {
+    /// The step's new key and value, written into the caches.
+    pub new: Option<NewEntries>,
+    /// Merge the key ranges (`cfg.splits` a multiple of the block's [`WARPS`] ranges).
+    pub combine: bool,
+}
+
+/// Whether the kernel can merge `cfg`'s key ranges itself ([`Extras::combine`]): several ranges,
+/// every block's warps all taking one.
+pub fn combines(cfg: &AttentionConfig) -> bool {
+    cfg.splits > 1 && cfg.splits.is_multiple_of(WARPS)
+}
+
+/// The kernel doing `extras` too (`{attention name}[_writes][_combined]_decode`). Parameters:
+/// [`attention_decode`]'s, then `k_new, v_new, mask` with the writes, `counters, out` when it
+/// combines (`counters`: a u32 per sequence and K/V head, zero before the launch and left zero).
+pub fn attention_decode_with(cfg: &AttentionConfig, extras: &Extras) -> GeneratedKernel {
+    let mut name = cfg.name();
+    if extras.new.is_some() {
+        name.push_str("_writes");
+    }
+    if extras.combine {
+        assert!(combines(cfg), "merging needs whole blocks of key ranges");
+        name.push_str("_combined");
+    }
+    kernel(cfg, extras, format!("{name}_decode"))
+}
+
+/// The counters [`Extras::combine`] needs, bytes.
+pub fn counter_bytes(cfg: &AttentionConfig) -> u64 {
+    u64::from(cfg.batch * cfg.kv_heads) * 4
+}
+
 /// Generates the kernel. Parameters: `q, k, v, out` (or `partial_acc, partial_ml` with
 /// several key ranges), `positions, [cos, sin]`, as the SIMT kernel names them.
 pub fn attention_decode(cfg: &AttentionConfig, name: String) -> GeneratedKernel {
+    kernel(cfg, &Extras::default(), name)
+}
+
+fn kernel(cfg: &AttentionConfig, extras: &Extras, name: String) -> GeneratedKernel {
     assert!(supports(cfg), "not a decode step this kernel serves");
     let mut k = Kernel::new(&name);
-    let params = Params::declare(&mut k, cfg);
+    let params = Params::declare(&mut k, cfg, extras);
     let tid = k.special("tid.x");
     let lane = k.op2("and.b32", RegClass::B32, &tid, &31u32);
     let warp = k.op2("shr.u32", RegClass::B32, &tid, &5u32);
@@ -83,6 +137,9 @@ pub fn attention_decode(cfg: &AttentionConfig, name: String) -> GeneratedKernel 
     }
     k.emit("bar.warp.sync -1");
     let (from, to) = key_range(&mut k, cfg, pos, split);
+    if let Some(new) = &extras.new {
+        write_new_entries(&mut k, cfg, &params, new, [b, kvh, lane, pos, from, to]);
+    }
     let state = State::new(&mut k, group, per_lane);
     let tiles = Tiles {
         cfg,
@@ -99,6 +156,9 @@ pub fn attention_decode(cfg: &AttentionConfig, name: String) -> GeneratedKernel 
         &heads,
         [b, split, lane, first],
     );
+    if let Some(targets) = params.combine {
+        merge_when_last(&mut k, cfg, &params, targets, [b, kvh, tid, warp, lane]);
+    }
     k.place(&exit);
     GeneratedKernel::new(
         k,
@@ -121,10 +181,14 @@ struct Params {
     partial_ml: Option<Reg>,
     positions: Reg,
     tables: Option<(Reg, Reg)>,
+    /// `k_new, v_new, mask` when the kernel writes the step's [`NewEntries`].
+    writes: Option<[Reg; 3]>,
+    /// `counters, out` when it merges its key ranges.
+    combine: Option<[Reg; 2]>,
 }
 
 impl Params {
-    fn declare(k: &mut Kernel, cfg: &AttentionConfig) -> Params {
+    fn declare(k: &mut Kernel, cfg: &AttentionConfig, extras: &Extras) -> Params {
         let q = k.param_ptr("q");
         let kp = k.param_ptr("k");
         let v = k.param_ptr("v");
@@ -135,6 +199,13 @@ impl Params {
         };
         let positions = k.param_ptr("positions");
         let tables = cfg.rope.then(|| (k.param_ptr("cos"), k.param_ptr("sin")));
+        let writes = extras
+            .new
+            .as_ref()
+            .map(|_| ["k_new", "v_new", "mask"].map(|p| k.param_ptr(p)));
+        let combine = extras
+            .combine
+            .then(|| ["counters", "out"].map(|p| k.param_ptr(p)));
         Params {
             q,
             k: kp,
@@ -143,6 +214,8 @@ impl Params {
             partial_ml,
             positions,
             tables,
+            writes,
+            combine,
         }
     }
 }
@@ -184,6 +257,52 @@ fn key_range(k: &mut Kernel, cfg: &AttentionConfig, pos: Reg, split: Reg) -> (Re
     };
     let range = window_range(k, pos, window, cfg.kv_len);
     share_of_keys(k, range, cfg.splits, split)
+}
+
+/// The step's new key (rotated) and value written into the caches at `pos` by the warp whose key
+/// range `[from, to)` holds it (`to` is within the cache), when the row's mask is set; the
+/// warp's barrier then orders those stores before its own loads of the rows.
+fn write_new_entries(
+    k: &mut Kernel,
+    cfg: &AttentionConfig,
+    params: &Params,
+    new: &NewEntries,
+    [b, kvh, lane, pos, from, to]: [Reg; 6],
+) {
+    let [k_new, v_new, mask] = params.writes.expect("declared with the writes");
+    k.comment("the step's new key and value into the caches");
+    let done = k.label("written");
+    let ma = k.address(mask, &b, 8);
+    let present = k.ld_global_i64(ma);
+    let absent = k.setp("eq.s64", &present, &0u64);
+    k.bra(Some((absent, true)), &done);
+    let before = k.setp("lt.u32", &pos, &from);
+    k.bra(Some((before, true)), &done);
+    let after = k.setp("ge.u32", &pos, &to);
+    k.bra(Some((after, true)), &done);
+    let rows = [
+        (k_new, params.k, new.strides[0], cfg.strides[1]),
+        (v_new, params.v, new.strides[1], cfg.strides[2]),
+    ];
+    for (i, (src, cache, [sb, sh, _], [cb, ch, cr])) in rows.into_iter().enumerate() {
+        let s0 = k.mul_u32(&b, &sb);
+        let src_row = k.mad_u32(&kvh, &sh, &s0);
+        let c0 = k.mul_u32(&b, &cb);
+        let c1 = k.mad_u32(&kvh, &ch, &c0);
+        let dst_row = k.mad_u32(&pos, &cr, &c1);
+        let rope = params.tables.filter(|_| i == 0).map(|t| (t, pos));
+        write_row(
+            k,
+            cfg.elem,
+            cfg.head_dim,
+            lane,
+            [src, src_row],
+            [cache, dst_row],
+            rope,
+        );
+    }
+    k.emit("bar.warp.sync -1");
+    k.place(&done);
 }
 
 /// Each head's running max (base 2, the same in every lane), this lane's share of the running
@@ -400,6 +519,57 @@ fn load_words(k: &mut Kernel, e: Elem, base: Reg, row: Reg, n: u32, when: Reg) -
     };
     k.emit(format!("@{when} {dst}, [{a}]"));
     words
+}
+
+/// With several key ranges merged in the kernel: once the block's partial results are stored,
+/// it counts itself done on its (sequence, K/V head) counter; the last of the row's blocks
+/// resets the counter and merges each query head of the group (a warp per head) into `out`.
+/// The fences make every block's stores visible to the block that merges them.
+fn merge_when_last(
+    k: &mut Kernel,
+    cfg: &AttentionConfig,
+    params: &Params,
+    [counters, out]: [Reg; 2],
+    [b, kvh, tid, warp, lane]: [Reg; 5],
+) {
+    k.comment("the last block of the sequence's K/V head merges the key ranges");
+    let flag = k.shared("last_block", 4);
+    k.emit("fence.acq_rel.gpu");
+    k.emit("bar.sync 0");
+    let counted = k.label("counted");
+    let leader = k.setp("eq.u32", &tid, &0u32);
+    k.bra(Some((leader, false)), &counted);
+    let ci = k.mad_u32(&b, &cfg.kv_heads, &kvh);
+    let ca = k.address(counters, &ci, 4);
+    let before = k.reg(RegClass::B32);
+    k.emit(format!(
+        "atom.acq_rel.gpu.global.add.u32 {before}, [{ca}], 1"
+    ));
+    let blocks = cfg.splits / WARPS;
+    let last = k.setp("eq.u32", &before, &(blocks - 1));
+    let is_last = k.selp(RegClass::B32, "u32", &1u32, &0u32, last);
+    k.emit(format!("st.shared.u32 [{flag}], {is_last}"));
+    k.emit(format!("@{last} st.global.u32 [{ca}], 0"));
+    k.place(&counted);
+    k.emit("bar.sync 0");
+    let seen = k.reg(RegClass::B32);
+    k.emit(format!("ld.shared.u32 {seen}, [{flag}]"));
+    let done = k.label("merged");
+    let not_last = k.setp("eq.u32", &seen, &0u32);
+    k.bra(Some((not_last, true)), &done);
+    k.emit("fence.acq_rel.gpu");
+    let [acc, ml] = [params.out, params.partial_ml.expect("several key ranges")];
+    let group = cfg.heads / cfg.kv_heads;
+    let zero = k.mov(RegClass::B32, &0u32);
+    for g in 0..group {
+        let other = k.label("other_head");
+        let mine = k.setp("eq.u32", &warp, &(g % WARPS));
+        k.bra(Some((mine, false)), &other);
+        let h = k.mad_u32(&kvh, &group, &g);
+        combine_row(k, cfg, [acc, ml, out], [b, h, zero, lane]);
+        k.place(&other);
+    }
+    k.place(&done);
 }
 
 /// Each head's result: normalised into `out` (zeros for a query that saw no key), or with

@@ -163,6 +163,20 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
                 cfg.splits = crate::attention::decode_splits(kv_len, cfg.batch, cfg.heads);
                 out.push(("attention", attention(&cfg)));
                 out.push(("attention", crate::attention::attention_combine(&cfg)));
+                if crate::attention_decode::supports(&cfg) {
+                    // Writing the step's key and value, from head views of a QKV product, and
+                    // merging the key ranges.
+                    use crate::attention_decode::{attention_decode_with, combines, Extras};
+                    let row = (cfg.heads + 2 * cfg.kv_heads) * head_dim;
+                    let new = crate::attention_decode::NewEntries {
+                        strides: [[row, head_dim, row]; 2],
+                    };
+                    let extras = Extras {
+                        new: Some(new),
+                        combine: combines(&cfg),
+                    };
+                    out.push(("attention", attention_decode_with(&cfg, &extras)));
+                }
                 // The largest query group the decode kernel serves (8 heads per K/V head).
                 cfg.kv_heads = cfg.heads / 8;
                 cfg.strides = cfg.contiguous_strides();

@@ -2,7 +2,7 @@
 //! new[b, h, s, :]` for every token whose mask is 1, with RoPE applied on the way when the IR
 //! rotates the keys just before the write. One warp per (token, head), lanes over the head dim.
 
-use crate::ptx::{Elem, Kernel, RegClass};
+use crate::ptx::{Elem, Kernel, Reg, RegClass};
 use crate::rope::rotated;
 use crate::{GeneratedKernel, Launch};
 
@@ -46,7 +46,6 @@ pub fn kv_write(cfg: &KvWriteConfig) -> GeneratedKernel {
     let tables = cfg.rope.then(|| (k.param_ptr("cos"), k.param_ptr("sin")));
     let e = cfg.elem;
     let d = cfg.head_dim;
-    let half = d / 2;
     let lane = k.special("tid.x");
     let s = k.special("ctaid.x");
     let h = k.special("ctaid.y");
@@ -69,7 +68,32 @@ pub fn kv_write(cfg: &KvWriteConfig) -> GeneratedKernel {
     let c0 = k.mad_u32(&b, &cfg.kv_heads, &h);
     let c1 = k.mad_u32(&c0, &cfg.capacity, &pos);
     let dst_row = k.mul_u32(&c1, &d);
-    match tables {
+    let rope = tables.map(|t| (t, pos));
+    write_row(&mut k, e, d, lane, [new, src_row], [cache, dst_row], rope);
+    k.place(&exit);
+    GeneratedKernel::new(
+        k,
+        Launch {
+            grid: [cfg.new_len, cfg.kv_heads, cfg.batch],
+            block: [32, 1, 1],
+            shared_bytes: 0,
+        },
+    )
+}
+
+/// Copies the `d` elements at element `src_row` of `new` to element `dst_row` of `cache`, the
+/// warp's 32 lanes (`lane`) over the columns, each column pair `(i, i + d/2)` rotated by RoPE at
+/// position `pos` on the way when `rope` gives the `cos`/`sin` tables and `pos`.
+pub(crate) fn write_row(
+    k: &mut Kernel,
+    e: Elem,
+    d: u32,
+    lane: Reg,
+    [new, src_row]: [Reg; 2],
+    [cache, dst_row]: [Reg; 2],
+    rope: Option<((Reg, Reg), Reg)>,
+) {
+    match rope {
         None => {
             for c in 0..d.div_ceil(32) {
                 let col = k.add_u32(&lane, &(c * 32));
@@ -85,7 +109,8 @@ pub fn kv_write(cfg: &KvWriteConfig) -> GeneratedKernel {
                 k.place(&skip);
             }
         }
-        Some(tables) => {
+        Some(((cos, sin), pos)) => {
+            let half = d / 2;
             let pair = u64::from(half * e.bytes());
             for c in 0..half.div_ceil(32) {
                 let col = k.add_u32(&lane, &(c * 32));
@@ -98,11 +123,11 @@ pub fn kv_write(cfg: &KvWriteConfig) -> GeneratedKernel {
                 let lo = k.ld_global(e, lo_a);
                 let hi = k.ld_global(e, hi_a);
                 let t = k.mad_u32(&pos, &half, &col);
-                let ca = k.address(tables.0, &t, 4);
-                let sa = k.address(tables.1, &t, 4);
+                let ca = k.address(cos, &t, 4);
+                let sa = k.address(sin, &t, 4);
                 let c = k.ld_global(Elem::F32, ca);
                 let sn = k.ld_global(Elem::F32, sa);
-                let (rlo, rhi) = rotated(&mut k, lo, hi, c, sn);
+                let (rlo, rhi) = rotated(k, lo, hi, c, sn);
                 let di = k.add_u32(&dst_row, &col);
                 let da = k.address(cache, &di, e.bytes());
                 let dh = k.op2("add.u64", RegClass::B64, &da, &pair);
@@ -112,13 +137,4 @@ pub fn kv_write(cfg: &KvWriteConfig) -> GeneratedKernel {
             }
         }
     }
-    k.place(&exit);
-    GeneratedKernel::new(
-        k,
-        Launch {
-            grid: [cfg.new_len, cfg.kv_heads, cfg.batch],
-            block: [32, 1, 1],
-            shared_bytes: 0,
-        },
-    )
 }

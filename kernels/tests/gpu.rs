@@ -1584,3 +1584,172 @@ fn kv_cache_writes_match_the_interpreter() {
         }
     }
 }
+
+/// A decode step's attention that writes the step's new key (rotated) and value into the caches
+/// itself, merges its key ranges itself, or both (`attention_decode_with`), leaves the caches and
+/// its output exactly as the two cache writes, the attention and the combine launched apart do,
+/// through one key range and through many (the writing warp being any of them), with a row whose
+/// mask is 0 writing nothing; the merge leaves its counters at zero.
+#[test]
+fn decode_attention_writes_and_merges_as_the_kernels_apart() {
+    use kiln_kernels::attention::{attention, attention_combine, decode_splits, AttentionConfig};
+    use kiln_kernels::attention_decode::{attention_decode_with, combines, Extras, NewEntries};
+    use kiln_kernels::kv_cache::{kv_write, KvWriteConfig};
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng::seed_from_u64(0x5eed_0fca_c4e5);
+    for elem in [Elem::BF16, Elem::F16] {
+        for (heads, kv_heads, d, t) in [
+            (8u32, 2u32, 64u32, 300u32),
+            (8, 2, 128, 2048),
+            (4, 4, 64, 1100),
+        ] {
+            let b = 3u32;
+            let mut cfg = AttentionConfig::plain([b, heads, kv_heads, 1, t, d], elem);
+            cfg.scale = 1.0 / (d as f32).sqrt();
+            cfg.keys = kiln_kernels::attention::KeyRule::Position { window: None };
+            cfg.rope = true;
+            cfg.splits = decode_splits(t, b, heads);
+            let (bu, hu, kvu, du, tu) = (
+                b as usize,
+                heads as usize,
+                kv_heads as usize,
+                d as usize,
+                t as usize,
+            );
+            // The new rows as head views of a wider product: a batch stride past the heads.
+            let row = (kv_heads * d + 24) as usize;
+            let new_strides = [row as u32, d, d];
+            let cache_k = values(&mut rng, bu * kvu * tu * du, 1.0, elem);
+            let cache_v = values(&mut rng, bu * kvu * tu * du, 1.0, elem);
+            let q = values(&mut rng, bu * hu * du, 1.0, elem);
+            let k_new = values(&mut rng, bu * row, 1.0, elem);
+            let v_new = values(&mut rng, bu * row, 1.0, elem);
+            let positions: Vec<i64> = (0..bu)
+                .map(|_| (rng.random::<u64>() % u64::from(t)) as i64)
+                .collect();
+            let mask = vec![1i64, 0, 1];
+            let (cos, sin) = rope_tables(500000.0, du, tu);
+            let (bq, bp, bm) = (
+                gpu.upload(elem, &q),
+                gpu.upload_i64(&positions),
+                gpu.upload_i64(&mask),
+            );
+            let (bkn, bvn) = (gpu.upload(elem, &k_new), gpu.upload(elem, &v_new));
+            let (tc, ts) = (gpu.upload(Elem::F32, &cos), gpu.upload(Elem::F32, &sin));
+            let rows = bu * hu * cfg.splits as usize;
+            let pacc = gpu.upload(Elem::F32, &vec![f32::NAN; rows * du]);
+            let pml = gpu.upload(Elem::F32, &vec![f32::NAN; rows * 2]);
+            let counters = gpu.upload(Elem::F32, &vec![0.0; bu * kvu]);
+            // `None`: the kernels apart.
+            let run = |extras: Option<&Extras>| {
+                let (bk, bv) = (gpu.upload(elem, &cache_k), gpu.upload(elem, &cache_v));
+                let out = gpu.poisoned(elem, bu * hu * du);
+                let mut args = BTreeMap::from([
+                    ("q", Arg::Buf(&bq)),
+                    ("k", Arg::Buf(&bk)),
+                    ("v", Arg::Buf(&bv)),
+                    ("out", Arg::Buf(&out)),
+                    ("partial_acc", Arg::Buf(&pacc)),
+                    ("partial_ml", Arg::Buf(&pml)),
+                    ("positions", Arg::Buf(&bp)),
+                    ("mask", Arg::Buf(&bm)),
+                    ("cos", Arg::Buf(&tc)),
+                    ("sin", Arg::Buf(&ts)),
+                    ("k_new", Arg::Buf(&bkn)),
+                    ("v_new", Arg::Buf(&bvn)),
+                    ("counters", Arg::Buf(&counters)),
+                ]);
+                if extras.is_none_or(|e| e.new.is_none()) {
+                    for (cache, new, rope) in [(&bk, &bkn, true), (&bv, &bvn, false)] {
+                        let write = kv_write(&KvWriteConfig {
+                            batch: b,
+                            kv_heads,
+                            new_len: 1,
+                            capacity: t,
+                            head_dim: d,
+                            new_strides,
+                            rope,
+                            elem,
+                        });
+                        args.insert("cache", Arg::Buf(cache));
+                        args.insert("new", Arg::Buf(new));
+                        gpu.launch(&write, &args);
+                    }
+                }
+                let kernel = match extras {
+                    Some(extras) => attention_decode_with(&cfg, extras),
+                    None => attention(&cfg),
+                };
+                gpu.launch(&kernel, &args);
+                if cfg.splits > 1 && extras.is_none_or(|e| !e.combine) {
+                    gpu.launch(&attention_combine(&cfg), &args);
+                }
+                let downloaded = [&bk, &bv, &out].map(|x| gpu.download(elem, x));
+                (kernel.name, downloaded)
+            };
+            let (_, apart) = run(None);
+            let new = NewEntries {
+                strides: [new_strides; 2],
+            };
+            let mut variants = vec![Extras {
+                new: Some(new.clone()),
+                combine: false,
+            }];
+            if combines(&cfg) {
+                variants.push(Extras {
+                    new: Some(new),
+                    combine: true,
+                });
+                variants.push(Extras {
+                    new: None,
+                    combine: true,
+                });
+            }
+            for extras in &variants {
+                let (name, fused) = run(Some(extras));
+                for (what, (a, w)) in ["k cache", "v cache", "out"]
+                    .iter()
+                    .zip(fused.iter().zip(&apart))
+                {
+                    let differ = a
+                        .iter()
+                        .zip(w)
+                        .filter(|(x, y)| x.to_bits() != y.to_bits())
+                        .count();
+                    assert_eq!(
+                        differ, 0,
+                        "{name}: {what} differs from the kernels apart at {differ} elements"
+                    );
+                }
+                let left = gpu.download(Elem::F32, &counters);
+                assert!(
+                    left.iter().all(|c| c.to_bits() == 0),
+                    "{name} leaves counters {left:?}"
+                );
+                if extras.new.is_some() {
+                    // The caches hold what the interpreter's cache writes give.
+                    let dense = |x: &[f32]| -> Vec<f32> {
+                        (0..bu * kvu * du)
+                            .map(|i| x[(i / (kvu * du)) * row + i % (kvu * du)])
+                            .collect()
+                    };
+                    let want = cache_write_reference(
+                        &cache_k,
+                        &dense(&k_new),
+                        &positions,
+                        &mask,
+                        [bu, kvu, 1, tu, du],
+                        true,
+                    );
+                    let want: Vec<f32> = want.iter().map(|v| round(elem, *v)).collect();
+                    check(&format!("{name} k cache"), elem, &fused[0], &want);
+                }
+            }
+            assert!(
+                variants.len() == 3 || cfg.splits == 1,
+                "splits {}",
+                cfg.splits
+            );
+        }
+    }
+}

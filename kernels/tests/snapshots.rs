@@ -241,6 +241,31 @@ fn attention_decode_query_group_bf16() {
     insta::assert_snapshot!(k.module());
 }
 
+/// The same step writing its new key (rotated) and value into the caches itself, read from head
+/// views of a QKV product of 8 + 2 + 2 heads, and merging its 32 key ranges itself.
+#[test]
+fn attention_decode_writing_the_step_and_merging_bf16() {
+    use kiln_kernels::attention_decode::{attention_decode_with, combines, Extras, NewEntries};
+    let row = 12 * 64;
+    let new = NewEntries {
+        strides: [[row, 64, row]; 2],
+    };
+    let cfg = decode_config(Elem::BF16);
+    assert!(combines(&cfg));
+    let extras = Extras {
+        new: Some(new),
+        combine: true,
+    };
+    let k = attention_decode_with(&cfg, &extras);
+    assert!(k.name.ends_with("_writes_combined_decode"), "{}", k.name);
+    assert_eq!(
+        k.launch.grid,
+        [8, 2, 1],
+        "the grid of the kernel without writes"
+    );
+    insta::assert_snapshot!(k.module());
+}
+
 #[test]
 fn attention_decode_key_ranges_f32() {
     let k = kiln_kernels::attention::attention(&decode_config(Elem::F32));

@@ -34,6 +34,8 @@ pub struct CpuExecutor {
     /// The artifact's dtype, which the outputs of a widened plan are rounded to.
     round_to: Option<kiln_ir::DType>,
     cache: Vec<u64>,
+    /// The counters region (no CPU kernel counts with it; kept so every region has an address).
+    counters: Vec<u64>,
     arena: Vec<u64>,
     product: Vec<f32>,
     /// `KILN_EAGER` set: seconds and calls per kernel (or `gemm MxNxK`), for profiling.
@@ -164,6 +166,7 @@ impl CpuExecutor {
             functions,
             plans,
             cache: vec![0u64; memory.cache_bytes.div_ceil(8) as usize],
+            counters: vec![0u64; memory.counter_bytes.div_ceil(8) as usize],
             arena: vec![0u64; memory.arena_bytes.div_ceil(8) as usize],
             round_to: widened.as_ref().map(|_| m.dtype),
             memory,
@@ -307,6 +310,7 @@ impl CpuExecutor {
         let base = match region {
             Region::Weights => self.weights,
             Region::Cache => self.cache.as_ptr() as u64,
+            Region::Counters => self.counters.as_ptr() as u64,
             Region::Arena => self.arena.as_ptr() as u64,
         };
         base + offset

@@ -279,3 +279,117 @@ fn decode_products_normalise_their_rows_themselves() {
         }
     }
 }
+
+/// Issue 15's kernel count, read off `--report`: a bf16 decode step of the real Llama, Mistral,
+/// Qwen2 and GPT-2 shapes is five kernels per layer (the QKV product with its norm, the
+/// attention, which writes the step's key and value into the caches itself, the output
+/// product, the up product with its norm, the down product), plus the embedding and the LM
+/// head. An f32 build's SIMT attention does not write the caches: its two cache writes stay.
+#[test]
+fn decode_steps_are_five_kernels_per_layer() {
+    for (name, dtype) in [
+        ("llama-3.1-8b", "bf16"),
+        ("mistral-7b", "f16"),
+        ("qwen2-7b", "bf16"),
+        ("gpt2-small", "bf16"),
+        ("llama-3.1-8b", "f32"),
+    ] {
+        let dir = configs_dir().join(name);
+        let config: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        let layers = config["num_hidden_layers"]
+            .as_u64()
+            .or(config["n_layer"].as_u64())
+            .unwrap();
+        let r = report(&dir, &["--no-weights", "--dtype", dtype]);
+        let per_layer = if dtype == "f32" { 7 } else { 5 };
+        let steps: Vec<_> = buckets(&r)
+            .into_iter()
+            .filter(|(_, seq, kernels)| {
+                *seq == 1 && kernels.iter().any(|k| k["kind"] == "decode_attention")
+            })
+            .collect();
+        assert_eq!(
+            steps.len(),
+            2,
+            "{name} {dtype}: decode steps of batch 1 and 4"
+        );
+        for (batch, _, kernels) in steps {
+            let what = format!("{name} {dtype} decode b{batch}");
+            let names: Vec<&str> = kernels
+                .iter()
+                .map(|k| k["name"].as_str().unwrap())
+                .collect();
+            assert_eq!(
+                kernels.len() as u64,
+                per_layer * layers + 2,
+                "{what}: {names:?}"
+            );
+            let writes = names
+                .iter()
+                .filter(|n| n.starts_with("cache_write"))
+                .count() as u64;
+            assert_eq!(writes, (per_layer - 5) * layers, "{what}: {names:?}");
+            for k in kernels.iter().filter(|k| k["kind"] == "decode_attention") {
+                let launch = k["launches"][0].as_str().unwrap();
+                assert_eq!(launch.contains("_writes_"), dtype != "f32", "{what}: {k}");
+            }
+        }
+    }
+}
+
+/// Over a cache long enough for several key ranges (2048 entries: 32 per query), a bf16 decode
+/// step's attention merges them itself (no combine launch after it), counting its blocks in
+/// the counters region, sized for the largest decode batch (a u32 per sequence and K/V head);
+/// f32's SIMT attention keeps its combine launch.
+#[test]
+fn decode_attention_merges_its_key_ranges() {
+    let dir = configs_dir().join("llama-3.1-8b");
+    for dtype in ["bf16", "f32"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("out");
+        let report = tmp.path().join("report.json");
+        kiln(&[
+            "compile",
+            dir.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+            "--report",
+            report.to_str().unwrap(),
+            "--no-weights",
+            "--dtype",
+            dtype,
+            "--buckets",
+            "16",
+            "--batch-buckets",
+            "1,4",
+            "--max-context",
+            "2048",
+            "--target",
+            "cuda",
+        ])
+        .unwrap();
+        let r: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+        let steps = r["decode_buckets"].as_array().unwrap().iter();
+        let steps: Vec<&Value> = steps.filter(|b| b["seq"] == 1).collect();
+        assert_eq!(steps.len(), 2, "{dtype}");
+        for b in steps {
+            for k in b["kernels"].as_array().unwrap() {
+                if k["kind"] != "decode_attention" {
+                    continue;
+                }
+                let launches = k["launches"].as_array().unwrap();
+                let merged = dtype == "bf16";
+                assert_eq!(launches.len(), if merged { 1 } else { 2 }, "{dtype}: {k}");
+                let first = launches[0].as_str().unwrap();
+                assert!(first.contains("_split32"), "{dtype}: {k}");
+                assert_eq!(first.ends_with("_combined_decode"), merged, "{dtype}: {k}");
+            }
+        }
+        let manifest: kiln_ir::artifact::Manifest =
+            ron::from_str(&std::fs::read_to_string(out.join("manifest.ron")).unwrap()).unwrap();
+        let counters = if dtype == "bf16" { 4 * 8 * 4 } else { 0 };
+        assert_eq!(manifest.memory.counter_bytes, counters, "{dtype}");
+    }
+}

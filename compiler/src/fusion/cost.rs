@@ -265,36 +265,132 @@ pub fn kernel_work(
 }
 
 /// The kernels of `graph` at `bindings`, with their work: every node that is not a leaf, a view,
-/// or a value computed from weights alone (those are folded when the artifact is written).
+/// a value computed from weights alone (those are folded when the artifact is written) or work
+/// another kernel does (a RoPE in its cache writes, the cache writes of a decode attention that
+/// does them: [`decode_writes`]).
 pub fn graph_work(graph: &Graph, bindings: &BTreeMap<String, i64>) -> Vec<(NodeId, KernelWork)> {
-    let mut consumers: Vec<Vec<(&Op, usize)>> = vec![Vec::new(); graph.len()];
-    for (_, node) in graph.nodes() {
-        for (position, a) in node.args.iter().enumerate() {
-            consumers[a.index()].push((&node.op, position));
-        }
-    }
+    let consumers = consumers(graph);
+    let cost_args = |node: &kiln_ir::Node, weight_only: &[bool]| -> Vec<CostArg> {
+        node.args
+            .iter()
+            .map(|a| CostArg {
+                ty: graph.ty(*a),
+                weight_only: weight_only[a.index()],
+            })
+            .collect()
+    };
     let mut weight_only = vec![false; graph.len()];
-    let mut out = Vec::new();
     for (id, node) in graph.nodes() {
         weight_only[id.index()] = match &node.op {
             Op::Weight(_) | Op::Scalar(_) => true,
             Op::Input(_) => false,
             _ => node.args.iter().all(|a| weight_only[a.index()]),
         };
-        let users = consumers[id.index()].iter().copied();
-        if weight_only[id.index()] || done_by_writes(&node.op, users) {
+    }
+    // Cache writes a decode attention does, and the bytes they add to it.
+    let mut taken_in: BTreeMap<NodeId, f64> = BTreeMap::new();
+    let mut done_by_attention = Vec::new();
+    for fused in decode_writes(graph, &consumers) {
+        let node = graph.node(fused.attention);
+        let args = cost_args(node, &weight_only);
+        let served = attention_config(&node.op, &args, &node.ty, bindings)
+            .is_some_and(|c| kiln_kernels::attention_decode::supports(&c));
+        if served {
+            let bytes = fused.writes.iter().map(|w| {
+                let work = kernel_work(
+                    &Op::CacheWrite,
+                    &cost_args(graph.node(*w), &weight_only),
+                    graph.ty(*w),
+                    bindings,
+                );
+                work.map_or(0.0, |w| w.bytes)
+            });
+            taken_in.insert(fused.attention, bytes.sum());
+            done_by_attention.extend(fused.writes);
+        }
+    }
+    let mut out = Vec::new();
+    for (id, node) in graph.nodes() {
+        let users = consumers[id.index()]
+            .iter()
+            .map(|(c, position)| (&graph.node(*c).op, *position));
+        if weight_only[id.index()]
+            || done_by_writes(&node.op, users)
+            || done_by_attention.contains(&id)
+        {
             continue;
         }
-        let args: Vec<CostArg> = node
-            .args
-            .iter()
-            .map(|a| CostArg {
-                ty: graph.ty(*a),
-                weight_only: weight_only[a.index()],
-            })
-            .collect();
-        if let Some(work) = kernel_work(&node.op, &args, &node.ty, bindings) {
+        let args = cost_args(node, &weight_only);
+        if let Some(mut work) = kernel_work(&node.op, &args, &node.ty, bindings) {
+            work.bytes += taken_in.get(&id).copied().unwrap_or(0.0);
             out.push((id, work));
+        }
+    }
+    out
+}
+
+/// Every node's consumers: the node reading it and the operand position it reads it at.
+pub fn consumers(graph: &Graph) -> Vec<Vec<(NodeId, usize)>> {
+    let mut consumers = vec![Vec::new(); graph.len()];
+    for (id, node) in graph.nodes() {
+        for (position, a) in node.args.iter().enumerate() {
+            consumers[a.index()].push((id, position));
+        }
+    }
+    consumers
+}
+
+/// A decode attention that writes the step's new key and value into the caches itself
+/// (`kiln_kernels::attention_decode::NewEntries`) in place of the two cache writes it reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodeWrites {
+    /// The decode attention.
+    pub attention: NodeId,
+    /// Its key and value cache writes.
+    pub writes: [NodeId; 2],
+}
+
+/// The decode attentions of `graph` that can take in their cache writes (`consumers`:
+/// [`consumers`]): each reads, as its keys and values, two cache writes at its own positions
+/// under one mask that nothing else reads (graph outputs aside: the cache is written in place),
+/// the keys rotated by q's own RoPE, or neither rotated, and the values not. Whether the kernel
+/// lowering picks serves the attention is the caller's question
+/// (`kiln_kernels::attention_decode::supports`).
+pub fn decode_writes(graph: &Graph, consumers: &[Vec<(NodeId, usize)>]) -> Vec<DecodeWrites> {
+    let mut out = Vec::new();
+    for (id, node) in graph.nodes() {
+        let Op::DecodeAttention(spec) = &node.op else {
+            continue;
+        };
+        let [_, kw, vw, positions] = node.args[..] else {
+            continue;
+        };
+        let write = |w: NodeId, slot: usize| {
+            let n = graph.node(w);
+            matches!(n.op, Op::CacheWrite)
+                && n.args[2] == positions
+                && consumers[w.index()] == [(id, slot)]
+        };
+        if kw == vw || !write(kw, 1) || !write(vw, 2) {
+            continue;
+        }
+        let (k_new, v_new) = (
+            graph.node(graph.node(kw).args[1]),
+            graph.node(graph.node(vw).args[1]),
+        );
+        let keys_rotated_as_q = match (&k_new.op, &spec.rope) {
+            (Op::Rope { theta, scaling }, Some((t, s))) => {
+                theta == t && scaling == s && k_new.args[1] == positions
+            }
+            (op, None) => !matches!(op, Op::Rope { .. }),
+            _ => false,
+        };
+        let same_mask = graph.node(kw).args[3] == graph.node(vw).args[3];
+        if keys_rotated_as_q && same_mask && !matches!(v_new.op, Op::Rope { .. }) {
+            out.push(DecodeWrites {
+                attention: id,
+                writes: [kw, vw],
+            });
         }
     }
     out
