@@ -1628,7 +1628,7 @@ fn decode_attention_writes_and_merges_as_the_kernels_apart() {
                 .map(|_| (rng.random::<u64>() % u64::from(t)) as i64)
                 .collect();
             let mask = vec![1i64, 0, 1];
-            let (cos, sin) = rope_tables(500000.0, du, tu);
+            let (cos, sin) = rope_tables(10000.0, du, tu);
             let (bq, bp, bm) = (
                 gpu.upload(elem, &q),
                 gpu.upload_i64(&positions),
