@@ -42,6 +42,15 @@ pub const MAX_GROUPED_ROWS: u32 = 16;
 const WARPS: u32 = 8;
 /// Chunks of K (32 lanes x 16 bytes each) a lane loads before multiplying, while all are inside K.
 const UNROLL: u32 = 4;
+/// The most 16-byte weight loads a lane of the one-column-per-warp kernel holds across the wait
+/// for the kernel before, where the grid is one wave: a warp whose whole share of the weights
+/// fits loads it all while that kernel runs. (H200, batch-1 decode: GPT-2 small's 768-column
+/// output products of K = 3072, 96 blocks holding 12 loads, made the step 0.250-0.259 ms against
+/// 0.262-0.269; in grids of several waves the registers cost blocks, and Llama-1B's step took
+/// 0.867-0.882 ms with 8 loads held, 0.918-0.940 with 16, against 0.856 with 4.)
+const EARLY_LOADS: u32 = 16;
+/// Blocks a Hopper-class GPU holds at once whatever their registers (one per SM).
+const ONE_WAVE: u32 = 128;
 
 /// Whether the weights' and the output's element indices of `cfg` fit the kernels' 32-bit
 /// index arithmetic.
@@ -301,9 +310,17 @@ impl<'a> Simt<'a> {
         }
     }
 
-    /// How many of the warp's first `UNROLL` chunks lie inside K for every lane.
+    /// How many chunks the warp loads before the wait: all that lie inside K for every lane when
+    /// their loads (a row's, or with SwiGLU two rows') number at most [`EARLY_LOADS`] and the
+    /// grid is at most [`ONE_WAVE`] blocks, else the first `UNROLL` of them.
     fn early_chunks(&self) -> u32 {
-        UNROLL.min(self.cfg.k / self.stride())
+        let whole = self.cfg.k / self.stride();
+        let blocks = self.cfg.n_out().div_ceil(WARPS / self.splits);
+        if whole * self.starts.len() as u32 <= EARLY_LOADS && blocks <= ONE_WAVE {
+            whole
+        } else {
+            UNROLL.min(whole)
+        }
     }
 
     /// The weights of the warp's [`Simt::early_chunks`], loaded before the kernel waits for the

@@ -127,7 +127,8 @@ fn gemv_swiglu_bias_bf16_decode() {
 }
 
 /// A decode product whose weight rows (K = 8192, bf16) are split over 4 warps per column, their
-/// sums met in shared memory, then the residual.
+/// sums met in shared memory, then the residual; 32 blocks, so each warp loads its whole share
+/// of the weights before the wait.
 #[test]
 fn gemv_split_k_residual_bf16_decode() {
     let k = gemm(&GemmConfig {
