@@ -46,11 +46,13 @@ const UNROLL: u32 = 4;
 /// for the kernel before, where the grid is one wave: a warp whose whole share of the weights
 /// fits loads it all while that kernel runs. (H200, batch-1 decode: GPT-2 small's 768-column
 /// output products of K = 3072, 96 blocks holding 12 loads, made the step 0.250-0.259 ms against
-/// 0.262-0.269; in grids of several waves the registers cost blocks, and Llama-1B's step took
-/// 0.867-0.882 ms with 8 loads held, 0.918-0.940 with 16, against 0.856 with 4.)
+/// 0.262-0.269, and Llama-1B's 2048-column output product, 256 blocks holding 8, 0.844-0.863
+/// against 0.852-0.876; in grids of several waves the registers cost blocks, and Llama-1B's step
+/// took 0.867-0.882 ms with 8 loads held by every product, 0.918-0.940 with 16, against 0.856.)
 const EARLY_LOADS: u32 = 16;
-/// Blocks a Hopper-class GPU holds at once whatever their registers (one per SM).
-const ONE_WAVE: u32 = 128;
+/// Blocks a Hopper-class GPU (132 SMs) holds at once at two per SM, which the registers of 16
+/// held loads allow.
+const ONE_WAVE: u32 = 256;
 
 /// Whether the weights' and the output's element indices of `cfg` fit the kernels' 32-bit
 /// index arithmetic.
