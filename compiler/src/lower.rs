@@ -422,7 +422,8 @@ struct Fused {
 
 impl Fused {
     /// The fusions of the static graph `g` whose kernels serve them: a decode attention takes in
-    /// its writes ([`decode_writes`]) when it runs on `attention_decode`.
+    /// its writes ([`decode_writes`]) when it runs on `attention_decode` and reads their new rows
+    /// in place.
     fn find(g: &Graph, consumers: &[Vec<(NodeId, usize)>]) -> Fused {
         let attention_writes = decode_writes(g, consumers)
             .into_iter()
@@ -434,6 +435,7 @@ impl Fused {
                 };
                 lower_decode(g, f.attention, spec, elem)
                     .is_some_and(|(cfg, _)| kiln_kernels::attention_decode::supports(&cfg))
+                    && new_entries(g, f.writes).is_some()
             })
             .map(|f| (f.attention, f.writes))
             .collect();
@@ -633,7 +635,7 @@ fn lower_node(
             }
         }
         Op::DecodeAttention(spec) => {
-            let (cfg, combine) = lower_decode(g, id, spec, elem)?;
+            let (cfg, split) = lower_decode(g, id, spec, elem)?;
             // Operands: q, k cache, v cache, positions.
             let mut bind = vec![("q", a(0)), ("k", a(1)), ("v", a(2)), ("positions", a(3))];
             if let Some((theta, scaling)) = &spec.rope {
@@ -651,37 +653,39 @@ fn lower_node(
             let rows = u64::from(cfg.batch * cfg.heads * cfg.q_len);
             n.cpu(CpuKernel::Attention(one), &cpu_bind, &params, rows);
             // The decode kernel takes in the cache writes and merges its own key ranges.
+            let writes = fused
+                .attention_writes
+                .get(&id)
+                .and_then(|w| new_entries(g, *w));
             let decode = kiln_kernels::attention_decode::supports(&cfg);
             let extras = Extras {
-                new: match fused.attention_writes.get(&id) {
-                    Some(writes) => Some(new_entries(g, *writes, &mut bind)?),
-                    None => None,
-                },
+                new: writes.as_ref().map(|(_, new)| new.clone()),
                 combine: decode && kiln_kernels::attention_decode::combines(&cfg),
             };
-            if combine {
+            if let Some(([keys, values, mask], _)) = writes {
+                bind.extend([("k_new", Value(keys)), ("v_new", Value(values))]);
+                bind.push(("mask", Value(mask)));
+            }
+            if split {
                 let rows = u64::from(cfg.batch * cfg.heads * cfg.q_len * cfg.splits);
                 n.scratch.push(rows * u64::from(cfg.head_dim) * 4);
                 n.scratch.push(rows * 2 * 4);
                 bind.push(("partial_acc", Operand::Scratch(0)));
                 bind.push(("partial_ml", Operand::Scratch(1)));
             }
-            if extras == Extras::default() {
-                if !combine {
-                    bind.push(("out", this.clone()));
-                }
-                let kernel = out.generate(&cfg, attention);
-                out.launch(n, kernel, &bind)?;
+            // Kernels bind the parameters they declare: `out` unless they leave partials.
+            bind.push(("out", this.clone()));
+            let kernel = if extras == Extras::default() {
+                out.generate(&cfg, attention)
             } else {
                 let counters = kiln_kernels::attention_decode::counter_bytes(&cfg);
                 bind.push(("counters", Operand::Counters(counters)));
-                bind.push(("out", this.clone()));
-                let kernel = out.generate(&(cfg.clone(), extras.clone()), |(c, e)| {
+                out.generate(&(cfg.clone(), extras.clone()), |(c, e)| {
                     kiln_kernels::attention_decode::attention_decode_with(c, e)
-                });
-                out.launch(n, kernel, &bind)?;
-            }
-            if combine && !extras.combine {
+                })
+            };
+            out.launch(n, kernel, &bind)?;
+            if split && !extras.combine {
                 let bind = [
                     ("partial_acc", Operand::Scratch(0)),
                     ("partial_ml", Operand::Scratch(1)),
@@ -749,14 +753,13 @@ fn lower_node(
     Some(())
 }
 
-/// The step's new keys and values that the decode attention reading the cache writes `writes`
-/// stores itself, bound in `bind` as `k_new` and `v_new` (the keys before their RoPE) with the
-/// writes' `mask`.
+/// What the decode attention reading the cache writes `writes` stores itself: the new keys
+/// (before their RoPE), the new values and the writes' mask, and the keys' and values' strides;
+/// `None` when their layouts are not head views the kernel reads.
 fn new_entries(
     g: &Graph,
     [kw, vw]: [NodeId; 2],
-    bind: &mut Vec<(&str, Operand)>,
-) -> Option<kiln_kernels::attention_decode::NewEntries> {
+) -> Option<([NodeId; 3], kiln_kernels::attention_decode::NewEntries)> {
     let k_new = g.node(kw).args[1];
     let keys = match g.node(k_new).op {
         Op::Rope { .. } => g.node(k_new).args[0],
@@ -765,12 +768,10 @@ fn new_entries(
     let values = g.node(vw).args[1];
     let (k_strides, _) = head_strides(g, keys)?;
     let (v_strides, _) = head_strides(g, values)?;
-    bind.push(("k_new", Operand::Value(keys)));
-    bind.push(("v_new", Operand::Value(values)));
-    bind.push(("mask", Operand::Value(g.node(kw).args[3])));
-    Some(kiln_kernels::attention_decode::NewEntries {
+    let new = kiln_kernels::attention_decode::NewEntries {
         strides: [k_strides, v_strides],
-    })
+    };
+    Some(([keys, values, g.node(kw).args[3]], new))
 }
 
 /// The RoPE table of a rotation over the last axis of values of type `ty`.

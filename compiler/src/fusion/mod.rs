@@ -192,7 +192,10 @@ impl Saturated {
     }
 
     /// Extracts the cheapest fused graph with costs evaluated at `bindings` (a bucket); returns it
-    /// (still symbolic; specialise it to the bucket) and its modelled cost in seconds.
+    /// (still symbolic; specialise it to the bucket) and its modelled cost in seconds: the cost
+    /// model over the graph as lowering runs it (`cost::graph_seconds`, which also counts work one
+    /// kernel does for other nodes, such as a decode attention's cache writes, once), at most the
+    /// extraction's own sum over e-nodes.
     pub fn extract(
         &self,
         bindings: &BTreeMap<String, i64>,
@@ -222,7 +225,13 @@ impl Saturated {
             let id = build(eg, &choice.node, *root, &mut graph, &mut built)?;
             graph.set_output(name, id)?;
         }
-        Ok((graph, choice.cost))
+        let seconds = cost::graph_seconds(&graph, bindings, model);
+        debug_assert!(
+            seconds <= choice.cost * (1.0 + 1e-9),
+            "{seconds} > {}",
+            choice.cost
+        );
+        Ok((graph, seconds))
     }
 
     /// The modelled seconds of node `node` of class `class` alone, at `bindings`.
