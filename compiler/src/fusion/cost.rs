@@ -270,15 +270,6 @@ pub fn kernel_work(
 /// does them: [`decode_writes`]).
 pub fn graph_work(graph: &Graph, bindings: &BTreeMap<String, i64>) -> Vec<(NodeId, KernelWork)> {
     let consumers = consumers(graph);
-    let cost_args = |node: &kiln_ir::Node, weight_only: &[bool]| -> Vec<CostArg> {
-        node.args
-            .iter()
-            .map(|a| CostArg {
-                ty: graph.ty(*a),
-                weight_only: weight_only[a.index()],
-            })
-            .collect()
-    };
     let mut weight_only = vec![false; graph.len()];
     for (id, node) in graph.nodes() {
         weight_only[id.index()] = match &node.op {
@@ -287,26 +278,25 @@ pub fn graph_work(graph: &Graph, bindings: &BTreeMap<String, i64>) -> Vec<(NodeI
             _ => node.args.iter().all(|a| weight_only[a.index()]),
         };
     }
-    // Cache writes a decode attention does, and the bytes they add to it.
+    let work = |id: NodeId| {
+        let node = graph.node(id);
+        let args = cost_args(graph, node, &weight_only);
+        kernel_work(&node.op, &args, &node.ty, bindings)
+    };
+    // Cache writes a decode attention on the decode kernel does, their bytes counted in it.
     let mut taken_in: BTreeMap<NodeId, f64> = BTreeMap::new();
-    let mut done_by_attention = Vec::new();
+    let mut done_elsewhere = std::collections::BTreeSet::new();
     for fused in decode_writes(graph, &consumers) {
         let node = graph.node(fused.attention);
-        let args = cost_args(node, &weight_only);
-        let served = attention_config(&node.op, &args, &node.ty, bindings)
-            .is_some_and(|c| kiln_kernels::attention_decode::supports(&c));
-        if served {
-            let bytes = fused.writes.iter().map(|w| {
-                let work = kernel_work(
-                    &Op::CacheWrite,
-                    &cost_args(graph.node(*w), &weight_only),
-                    graph.ty(*w),
-                    bindings,
-                );
-                work.map_or(0.0, |w| w.bytes)
-            });
-            taken_in.insert(fused.attention, bytes.sum());
-            done_by_attention.extend(fused.writes);
+        let args = cost_args(graph, node, &weight_only);
+        if attention_config(&node.op, &args, &node.ty, bindings)
+            .is_some_and(|c| kiln_kernels::attention_decode::supports(&c))
+        {
+            for w in fused.writes {
+                let bytes = work(w).map_or(0.0, |w| w.bytes);
+                *taken_in.entry(fused.attention).or_default() += bytes;
+                done_elsewhere.insert(w);
+            }
         }
     }
     let mut out = Vec::new();
@@ -316,17 +306,27 @@ pub fn graph_work(graph: &Graph, bindings: &BTreeMap<String, i64>) -> Vec<(NodeI
             .map(|(c, position)| (&graph.node(*c).op, *position));
         if weight_only[id.index()]
             || done_by_writes(&node.op, users)
-            || done_by_attention.contains(&id)
+            || done_elsewhere.contains(&id)
         {
             continue;
         }
-        let args = cost_args(node, &weight_only);
-        if let Some(mut work) = kernel_work(&node.op, &args, &node.ty, bindings) {
-            work.bytes += taken_in.get(&id).copied().unwrap_or(0.0);
-            out.push((id, work));
+        if let Some(mut w) = work(id) {
+            w.bytes += taken_in.get(&id).copied().unwrap_or(0.0);
+            out.push((id, w));
         }
     }
     out
+}
+
+/// The cost-model view of `node`'s operands.
+fn cost_args<'g>(graph: &'g Graph, node: &kiln_ir::Node, weight_only: &[bool]) -> Vec<CostArg<'g>> {
+    node.args
+        .iter()
+        .map(|a| CostArg {
+            ty: graph.ty(*a),
+            weight_only: weight_only[a.index()],
+        })
+        .collect()
 }
 
 /// Every node's consumers: the node reading it and the operand position it reads it at.
