@@ -270,15 +270,33 @@ fn vector_row(
     let lanes = 16 / elem.bytes();
     let chunks = cfg.cols / lanes;
     let per_thread = chunks.div_ceil(ROW_THREADS);
-    k.comment("read the row once into registers, 16 bytes at a time");
     let mut firsts = Vec::new();
     let mut valid = Vec::new();
-    let mut vals: Vec<Vec<Reg>> = Vec::new();
-    let sum = k.mov(RegClass::F32, &F32(0.0));
     for i in 0..per_thread {
         let chunk = k.add_u32(&tid, &(i * ROW_THREADS));
-        let inside = k.setp("lt.u32", &chunk, &chunks);
-        let first = k.mul_u32(&chunk, &lanes);
+        valid.push(k.setp("lt.u32", &chunk, &chunks));
+        firsts.push(k.mul_u32(&chunk, &lanes));
+    }
+    k.comment("the scale and shift of the thread's chunks, loaded while the kernel before runs");
+    let mut scales = Vec::new();
+    for (first, inside) in firsts.iter().zip(&valid) {
+        let skip = k.label("skip_scale");
+        k.bra(Some((*inside, false)), &skip);
+        let wa = k.address(weight, first, elem.bytes());
+        let w = k.ld_global_vec16(elem, wa);
+        let b = bias.map(|b| {
+            let ba = k.address(b, first, elem.bytes());
+            k.ld_global_vec16(elem, ba)
+        });
+        k.place(&skip);
+        scales.push((w, b));
+    }
+    k.wait_for_inputs();
+    k.comment("read the row once into registers, 16 bytes at a time");
+    let mut vals: Vec<Vec<Reg>> = Vec::new();
+    let sum = k.mov(RegClass::F32, &F32(0.0));
+    for (first, inside) in firsts.iter().zip(&valid) {
+        let (first, inside) = (*first, *inside);
         let v: Vec<Reg> = (0..lanes)
             .map(|_| k.mov(RegClass::F32, &F32(0.0)))
             .collect();
@@ -305,21 +323,13 @@ fn vector_row(
                 k.emit(format!("add.f32 {sum}, {sum}, {value}"));
             }
         }
-        firsts.push(first);
-        valid.push(inside);
         vals.push(v);
     }
     let (centred, rstd) = row_statistics(k, cfg, red, tid, sum, &vals, &valid);
     k.comment("normalise, scale, shift, store, 16 bytes at a time");
-    for ((c, first), inside) in centred.iter().zip(&firsts).zip(&valid) {
+    for (((c, first), inside), (w, b)) in centred.iter().zip(&firsts).zip(&valid).zip(&scales) {
         let skip = k.label("skip_store");
         k.bra(Some((*inside, false)), &skip);
-        let wa = k.address(weight, first, elem.bytes());
-        let w = k.ld_global_vec16(elem, wa);
-        let b = bias.map(|b| {
-            let ba = k.address(b, first, elem.bytes());
-            k.ld_global_vec16(elem, ba)
-        });
         let mut y = Vec::with_capacity(c.len());
         for (j, value) in c.iter().enumerate() {
             let n = k.mul_f32(value, &rstd);
