@@ -24,7 +24,7 @@
 
 use kiln_ir::kernel::NormKind;
 
-use crate::gemm::{EpiloguePtrs, GemmConfig};
+use crate::gemm::{apply, Addends, EpiloguePtrs, GemmConfig};
 use crate::norm::NormConfig;
 use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
 use crate::{GeneratedKernel, Launch};
@@ -222,7 +222,9 @@ fn gemv_simt(cfg: &GemmConfig, name: &str) -> GeneratedKernel {
     let outside = k.setp("ge.u32", &col, &n_out);
     let simt = Simt::new(&mut k, cfg, w, splits, [col, lane, part]);
     let first = simt.first_weights(&mut k, outside);
+    let mut addends = early_addends(&mut k, cfg, &epilogue, col, outside);
     k.wait_for_inputs();
+    let residuals = early_residuals(&mut k, cfg, &epilogue, col, outside);
     let acc = simt.k_loop(&mut k, outside, x, first);
     let sums: Vec<Reg> = acc.iter().map(|a| k.warp_sum(*a)).collect();
     let sums = if splits > 1 {
@@ -236,9 +238,11 @@ fn gemv_simt(cfg: &GemmConfig, name: &str) -> GeneratedKernel {
     let rows = cfg.m as usize;
     for r in 0..rows {
         let up = cfg.swiglu.then(|| sums[rows + r]);
-        epilogue.finish(&mut k, cfg, sums[r], up, &col, |k| {
-            k.add_u32(&col, &(r as u32 * n_out))
-        });
+        addends.residual = residuals.get(r).copied();
+        let v = apply(&mut k, cfg, sums[r], up, &addends);
+        let oi = k.add_u32(&col, &(r as u32 * n_out));
+        let oa = k.address(epilogue.out(), &oi, cfg.elem.bytes());
+        k.st_global(cfg.elem, oa, v);
     }
     k.place(&exit);
     GeneratedKernel::new(
@@ -250,6 +254,60 @@ fn gemv_simt(cfg: &GemmConfig, name: &str) -> GeneratedKernel {
         },
     )
     .on(crate::KernelPath::Gemv)
+}
+
+/// The bias of the warp's column (and of its up column with SwiGLU), loaded before the wait for
+/// the kernel before (no kernel writes weights), so that the epilogue does not wait for it; a
+/// warp whose column is `outside` the product loads nothing.
+fn early_addends(
+    k: &mut Kernel,
+    cfg: &GemmConfig,
+    epilogue: &EpiloguePtrs,
+    col: Reg,
+    outside: Reg,
+) -> Addends {
+    let mut addends = Addends::default();
+    let Some(b) = epilogue.bias() else {
+        return addends;
+    };
+    let e = cfg.elem;
+    let skip = k.label("bias_loaded");
+    k.bra(Some((outside, true)), &skip);
+    let ba = k.address(b, &col, e.bytes());
+    addends.bias = Some(k.ld_global(e, ba));
+    if cfg.swiglu {
+        let uc = k.add_u32(&col, &cfg.n_out());
+        let ua = k.address(b, &uc, e.bytes());
+        addends.bias_up = Some(k.ld_global(e, ua));
+    }
+    k.place(&skip);
+    addends
+}
+
+/// The residual of the warp's column in every row, loaded as soon as the kernel before has
+/// finished (it may have written it), so that it arrives during the K loop rather than after.
+fn early_residuals(
+    k: &mut Kernel,
+    cfg: &GemmConfig,
+    epilogue: &EpiloguePtrs,
+    col: Reg,
+    outside: Reg,
+) -> Vec<Reg> {
+    let Some(r) = epilogue.residual() else {
+        return Vec::new();
+    };
+    let e = cfg.elem;
+    let skip = k.label("residual_loaded");
+    k.bra(Some((outside, true)), &skip);
+    let loaded = (0..cfg.m)
+        .map(|row| {
+            let oi = k.add_u32(&col, &(row * cfg.n_out()));
+            let ra = k.address(r, &oi, e.bytes());
+            k.ld_global(e, ra)
+        })
+        .collect();
+    k.place(&skip);
+    loaded
 }
 
 /// What a warp of the one-column-per-warp kernel streams: its weight row (and the up row with
