@@ -18,8 +18,9 @@
 //!   that kernel's tail and under the prologue.
 //! - One column per warp (f32, K not a multiple of 8, and one row of x otherwise): a warp's
 //!   lanes stream its weight row along K with 16-byte loads (coalesced, four chunks in flight at
-//!   once, the first four loaded before the wait for the kernel before), multiply it by every x
-//!   row, and reduce with shuffles; lane 0 applies the epilogue.
+//!   once, the first four, or in a grid of one wave the warp's whole share, loaded before the
+//!   wait for the kernel before, with the column's bias; the residual right after the wait),
+//!   multiply it by every x row, and reduce with shuffles; lane 0 applies the epilogue.
 //!   Rows longer than 8 KB are shared by up to 8 warps, whose sums meet in shared memory.
 
 use kiln_ir::kernel::NormKind;
