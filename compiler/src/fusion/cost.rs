@@ -734,4 +734,153 @@ mod tests {
         assert_ne!(roped.runs, Runs::Gpu(KernelPath::Wgmma));
         assert_eq!(roped.bytes, plain.bytes + 2.0 * 1024.0 * 8.0);
     }
+
+    /// How a decode step's fragment differs from the one `decode_writes` matches.
+    #[derive(Clone, Copy, Default)]
+    struct Miss {
+        /// The keys rotated with another base than q's.
+        other_theta: bool,
+        /// Neither q nor the keys rotated.
+        no_rope: bool,
+        /// The value write read by another node too.
+        extra_reader: bool,
+        /// The key write at other positions than the attention's.
+        other_positions: bool,
+    }
+
+    /// A decode step's attention over two fresh cache writes (q `[1, 8, 1, 64]`, caches
+    /// `[1, 2, 64, 64]`) in `dtype`, but for `miss`; returns the graph, the attention and its
+    /// writes.
+    fn decode_step(dtype: DType, miss: Miss) -> (Graph, NodeId, [NodeId; 2]) {
+        let shape = |d: &[usize]| d.iter().map(|&x| Dim::from(x)).collect::<Vec<Dim>>();
+        let mut g = Graph::new();
+        let q = g.input("q", dtype, shape(&[1, 8, 1, 64])).unwrap();
+        let k = g.input("k", dtype, shape(&[1, 2, 1, 64])).unwrap();
+        let v = g.input("v", dtype, shape(&[1, 2, 1, 64])).unwrap();
+        let pos = g.input("position_ids", DType::I64, shape(&[1, 1])).unwrap();
+        let other = g
+            .input("other_positions", DType::I64, shape(&[1, 1]))
+            .unwrap();
+        let mask = g
+            .input("attention_mask", DType::I64, shape(&[1, 1]))
+            .unwrap();
+        let rope = |theta| Op::Rope {
+            theta,
+            scaling: kiln_ir::RopeScaling::Default,
+        };
+        let k_pos = if miss.other_positions { other } else { pos };
+        let keys = if miss.no_rope {
+            k
+        } else {
+            let theta = if miss.other_theta { 500000.0 } else { 10000.0 };
+            g.add(rope(theta), &[k, k_pos]).unwrap()
+        };
+        let mut writes = [keys, v].into_iter().enumerate().map(|(i, new)| {
+            let past = g
+                .input(&format!("past_{i}"), dtype, shape(&[1, 2, 64, 64]))
+                .unwrap();
+            let at = if i == 0 { k_pos } else { pos };
+            let w = g.add(Op::CacheWrite, &[past, new, at, mask]).unwrap();
+            g.set_output(&format!("present_{i}"), w).unwrap();
+            w
+        });
+        let writes = [writes.next().unwrap(), writes.next().unwrap()];
+        let spec = kiln_ir::kernel::DecodeAttentionSpec {
+            scale: 0.125,
+            window: None,
+            rope: (!miss.no_rope).then_some((10000.0, kiln_ir::RopeScaling::Default)),
+        };
+        let attention = g
+            .add(Op::DecodeAttention(spec), &[q, writes[0], writes[1], pos])
+            .unwrap();
+        g.set_output("out", attention).unwrap();
+        if miss.extra_reader {
+            let read = g
+                .add(Op::Unary(kiln_ir::UnaryOp::Neg), &[writes[1]])
+                .unwrap();
+            g.set_output("read", read).unwrap();
+        }
+        (g, attention, writes)
+    }
+
+    #[test]
+    fn a_decode_attention_takes_in_its_fresh_cache_writes() {
+        for no_rope in [false, true] {
+            let miss = Miss {
+                no_rope,
+                ..Miss::default()
+            };
+            let (g, attention, writes) = decode_step(DType::BF16, miss);
+            let found = decode_writes(&g, &consumers(&g));
+            assert_eq!(
+                found,
+                [DecodeWrites { attention, writes }],
+                "no_rope {no_rope}"
+            );
+            // Neither write is a kernel of its own; the attention moves their bytes.
+            let work = graph_work(&g, &BTreeMap::new());
+            assert!(work.iter().all(|(id, _)| !writes.contains(id)));
+            let (apart, apart_attention, _) = decode_step(
+                DType::BF16,
+                Miss {
+                    extra_reader: true,
+                    no_rope,
+                    ..Miss::default()
+                },
+            );
+            assert!(
+                work_of(&g, attention) > work_of(&apart, apart_attention),
+                "no_rope {no_rope}"
+            );
+        }
+    }
+
+    /// The bytes `graph_work` gives node `id` of `g`.
+    fn work_of(g: &Graph, id: NodeId) -> f64 {
+        graph_work(g, &BTreeMap::new())
+            .into_iter()
+            .find(|(n, _)| *n == id)
+            .map_or(0.0, |(_, w)| w.bytes)
+    }
+
+    #[test]
+    fn near_misses_keep_their_cache_writes() {
+        let misses = [
+            (
+                "keys rotated otherwise",
+                Miss {
+                    other_theta: true,
+                    ..Miss::default()
+                },
+            ),
+            (
+                "value read elsewhere",
+                Miss {
+                    extra_reader: true,
+                    ..Miss::default()
+                },
+            ),
+            (
+                "keys at other positions",
+                Miss {
+                    other_positions: true,
+                    ..Miss::default()
+                },
+            ),
+        ];
+        for (what, miss) in misses {
+            let (g, _, writes) = decode_step(DType::BF16, miss);
+            assert!(decode_writes(&g, &consumers(&g)).is_empty(), "{what}");
+            let work = graph_work(&g, &BTreeMap::new());
+            assert!(
+                writes.iter().all(|w| work.iter().any(|(id, _)| id == w)),
+                "{what}"
+            );
+        }
+        // Matched, but f32 runs on the SIMT attention, which does not write: the writes stay.
+        let (g, _, writes) = decode_step(DType::F32, Miss::default());
+        assert_eq!(decode_writes(&g, &consumers(&g)).len(), 1);
+        let work = graph_work(&g, &BTreeMap::new());
+        assert!(writes.iter().all(|w| work.iter().any(|(id, _)| id == w)));
+    }
 }
