@@ -328,22 +328,39 @@ impl EpiloguePtrs {
         col: &Reg,
         oi: &Reg,
     ) -> Reg {
+        let mut addends = self.load_bias(k, cfg, col, up.is_some());
+        addends.residual = self.load_residual(k, cfg, oi);
+        apply(k, cfg, v, up, &addends)
+    }
+
+    /// The bias of output column `col`, and with `up` of its SwiGLU up column, when `cfg` has
+    /// one (weights: a kernel may load them before waiting for the one before it).
+    pub(crate) fn load_bias(
+        &self,
+        k: &mut Kernel,
+        cfg: &GemmConfig,
+        col: &Reg,
+        up: bool,
+    ) -> Addends {
         let e = cfg.elem;
         let mut addends = Addends::default();
         if let Some(b) = self.bias {
             let ba = k.address(b, col, e.bytes());
             addends.bias = Some(k.ld_global(e, ba));
-            if up.is_some() {
+            if up {
                 let uc = k.add_u32(col, &cfg.n_out());
                 let ua = k.address(b, &uc, e.bytes());
                 addends.bias_up = Some(k.ld_global(e, ua));
             }
         }
-        if let Some(r) = self.residual {
-            let ra = k.address(r, oi, e.bytes());
-            addends.residual = Some(k.ld_global(e, ra));
-        }
-        apply(k, cfg, v, up, &addends)
+        addends
+    }
+
+    /// The residual at output element `oi`, when `cfg` has one.
+    pub(crate) fn load_residual(&self, k: &mut Kernel, cfg: &GemmConfig, oi: &Reg) -> Option<Reg> {
+        let r = self.residual?;
+        let ra = k.address(r, oi, cfg.elem.bytes());
+        Some(k.ld_global(cfg.elem, ra))
     }
 
     /// The bias pointer, when `cfg` has one.

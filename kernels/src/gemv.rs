@@ -249,7 +249,7 @@ fn gemv_simt(cfg: &GemmConfig, name: &str) -> GeneratedKernel {
     GeneratedKernel::new(
         k,
         Launch {
-            grid: [n_out.div_ceil(WARPS / splits), 1, 1],
+            grid: [simt_blocks(cfg, splits), 1, 1],
             block: [WARPS * 32, 1, 1],
             shared_bytes: 0,
         },
@@ -267,20 +267,12 @@ fn early_addends(
     col: Reg,
     outside: Reg,
 ) -> Addends {
-    let mut addends = Addends::default();
-    let Some(b) = epilogue.bias() else {
-        return addends;
-    };
-    let e = cfg.elem;
+    if epilogue.bias().is_none() {
+        return Addends::default();
+    }
     let skip = k.label("bias_loaded");
     k.bra(Some((outside, true)), &skip);
-    let ba = k.address(b, &col, e.bytes());
-    addends.bias = Some(k.ld_global(e, ba));
-    if cfg.swiglu {
-        let uc = k.add_u32(&col, &cfg.n_out());
-        let ua = k.address(b, &uc, e.bytes());
-        addends.bias_up = Some(k.ld_global(e, ua));
-    }
+    let addends = epilogue.load_bias(k, cfg, &col, cfg.swiglu);
     k.place(&skip);
     addends
 }
@@ -294,21 +286,24 @@ fn early_residuals(
     col: Reg,
     outside: Reg,
 ) -> Vec<Reg> {
-    let Some(r) = epilogue.residual() else {
+    if epilogue.residual().is_none() {
         return Vec::new();
-    };
-    let e = cfg.elem;
+    }
     let skip = k.label("residual_loaded");
     k.bra(Some((outside, true)), &skip);
     let loaded = (0..cfg.m)
-        .map(|row| {
+        .filter_map(|row| {
             let oi = k.add_u32(&col, &(row * cfg.n_out()));
-            let ra = k.address(r, &oi, e.bytes());
-            k.ld_global(e, ra)
+            epilogue.load_residual(k, cfg, &oi)
         })
         .collect();
     k.place(&skip);
     loaded
+}
+
+/// Blocks of the one-column-per-warp kernel: [`WARPS`] warps each, `splits` per column.
+fn simt_blocks(cfg: &GemmConfig, splits: u32) -> u32 {
+    cfg.n_out().div_ceil(WARPS / splits)
 }
 
 /// What a warp of the one-column-per-warp kernel streams: its weight row (and the up row with
@@ -376,7 +371,7 @@ impl<'a> Simt<'a> {
     /// grid is at most [`ONE_WAVE`] blocks, else the first `UNROLL` of them.
     fn early_chunks(&self) -> u32 {
         let whole = self.cfg.k / self.stride();
-        let blocks = self.cfg.n_out().div_ceil(WARPS / self.splits);
+        let blocks = simt_blocks(self.cfg, self.splits);
         if whole * self.starts.len() as u32 <= EARLY_LOADS && blocks <= ONE_WAVE {
             whole
         } else {
