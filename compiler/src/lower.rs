@@ -213,6 +213,9 @@ pub struct TokenChoice {
     pub launch: KernelLaunch,
     /// Rows (the bucket's batch).
     pub rows: u32,
+    /// Whether the launch also leaves the next step's inputs in their slots: each unmasked
+    /// row's token as its next id, its position one further.
+    pub advances: bool,
 }
 
 impl Lowered {
@@ -388,7 +391,9 @@ pub fn lower(g: &Graph, kernels: &mut Lowered) -> GraphLaunches {
 /// The greedy token choice a decode step (a KV-cached graph whose `logits` are `[B, 1, V]`)
 /// ends with: each row's largest logit, the first on ties (`kiln_runtime::generate::choose` at
 /// temperature 0), as i64, so generation reads back `B` token ids instead of `B` rows of
-/// logits. `None` for other graphs.
+/// logits. When the step takes the decoder inputs (`input_ids`, `position_ids`,
+/// `attention_mask`, i64 `[B, 1]`), the choice also advances them for the next step
+/// ([`TokenChoice::advances`]). `None` for other graphs.
 pub fn greedy_tokens(g: &Graph, kernels: &mut Lowered) -> Option<TokenChoice> {
     g.inputs().find(|(_, name, _)| name.starts_with("past_"))?;
     let logits = g
@@ -400,17 +405,37 @@ pub fn greedy_tokens(g: &Graph, kernels: &mut Lowered) -> Option<TokenChoice> {
         return None;
     };
     let elem = Elem::of(ty.dtype)?;
-    let kernel = kernels.generate(&(elem, rows, vocab), |&(e, r, v)| {
-        kiln_kernels::sampling::argmax(e, r, v)
+    let step_input = |name: &str| {
+        g.inputs()
+            .find(|(_, n, t)| {
+                *n == name
+                    && t.dtype == kiln_ir::DType::I64
+                    && dims(t).is_some_and(|d| d == [rows, 1])
+            })
+            .map(|(id, _, _)| Operand::Value(id))
+    };
+    let next = [
+        ("ids", step_input("input_ids")),
+        ("positions", step_input("position_ids")),
+        ("mask", step_input("attention_mask")),
+    ];
+    let advances = next.iter().all(|(_, op)| op.is_some());
+    let kernel = kernels.generate(&(elem, rows, vocab, advances), |&(e, r, v, a)| {
+        kiln_kernels::sampling::argmax(e, r, v, a)
     });
-    let launch = kernels.bound(
-        kernel,
-        &[
-            ("logits", Operand::Value(logits.node)),
-            ("out", Operand::Tokens),
-        ],
-    )?;
-    Some(TokenChoice { launch, rows })
+    let mut bind = vec![
+        ("logits", Operand::Value(logits.node)),
+        ("out", Operand::Tokens),
+    ];
+    if advances {
+        bind.extend(next.into_iter().filter_map(|(name, op)| Some((name, op?))));
+    }
+    let launch = kernels.bound(kernel, &bind)?;
+    Some(TokenChoice {
+        launch,
+        rows,
+        advances,
+    })
 }
 
 /// Work one kernel does for other nodes: the cache writes decode attentions do themselves.

@@ -759,6 +759,7 @@ fn plan_bucket(
         cache_outputs,
         steps,
         tokens,
+        advances: choice.is_some_and(|c| c.advances) && tokens_buffer.is_some(),
         host_tail: tail.map(|t| t.graph),
         cpu,
     };

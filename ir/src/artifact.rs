@@ -22,8 +22,9 @@ use crate::DType;
 /// the kernel before it (`griddepcontrol.wait`) before it reads anything an earlier kernel wrote,
 /// so the runtime may launch each step while its predecessor still runs (programmatic dependent
 /// launch); since version 10 the allocation holds a counters region between the KV cache and the
-/// arena ([`Region::Counters`]).
-pub const FORMAT_VERSION: u32 = 10;
+/// arena ([`Region::Counters`]); since version 11 a decode step's plan may advance its own
+/// inputs ([`ExecPlan::advances`]).
+pub const FORMAT_VERSION: u32 = 11;
 /// Every region and every tensor in the device allocation starts at a multiple of this many bytes.
 pub const ALIGN: u64 = 256;
 /// The manifest's file name.
@@ -470,6 +471,12 @@ pub struct ExecPlan {
     /// written by the last step: generation reads these instead of the logits.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens: Option<TensorSlot>,
+    /// Whether the step that writes `tokens` also leaves the next decode step's inputs in their
+    /// slots (each unmasked row's token as its `input_ids`, its `position_ids` one further, the
+    /// mask unchanged), so that replays can follow each other without the host in between.
+    /// Inputs live in the arena for the whole replay, so nothing else overwrites them.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub advances: bool,
     /// Ops without a GPU kernel at the end of the graph (sentence-transformers pooling), run on
     /// the host after the replay: a graph whose inputs are request inputs and GPU values
     /// (`kiln.value.N`, among `outputs`), and whose outputs are the remaining graph outputs.

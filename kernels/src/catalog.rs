@@ -51,7 +51,9 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
             };
             out.push(("embedding", embedding(&cfg)));
         }
-        out.push(("sampling", argmax(elem, 4, 50257)));
+        for advance in [false, true] {
+            out.push(("sampling", argmax(elem, 4, 50257, advance)));
+        }
         out.push(("sampling", top_k_top_p(elem, 4, 50257)));
         for rope in [false, true] {
             let cfg = crate::kv_cache::KvWriteConfig {

@@ -3,7 +3,9 @@
 //! and a row without a value above -inf picks 0. One block of 1024 threads per row (a decode
 //! step has one row per sequence, and a vocabulary of 128256 bf16 is 250 KB): each thread scans
 //! 16-byte chunks, four in flight (single elements when rows are not 16-byte aligned), then a
-//! butterfly over the warp and a pass over the warps' winners.
+//! butterfly over the warp and a pass over the warps' winners. The advancing form also leaves the
+//! next decode step's inputs in place, so that decode steps can follow each other on the device
+//! without the host between them.
 
 use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
 use crate::{GeneratedKernel, Launch, ROW_THREADS};
@@ -13,13 +15,23 @@ const ARGMAX_THREADS: u32 = 1024;
 /// Chunks a thread loads before comparing them.
 const ARGMAX_UNROLL: u32 = 4;
 
-/// Generates `out[row] = argmax(logits[row, :])`. Parameters: `logits, out`.
-pub fn argmax(elem: Elem, rows: u32, vocab: u32) -> GeneratedKernel {
-    let name = format!("argmax_{}_v{vocab}", elem.name());
+/// Generates `out[row] = argmax(logits[row, :])`. Parameters: `logits, out`, and when
+/// `advance`, the decode step's i64 `[rows, 1]` inputs `ids, positions, mask`: each row whose
+/// mask is not 0 gets its chosen token as its next id and its position one further (what the host
+/// would upload for the next step); a masked row keeps its inputs.
+pub fn argmax(elem: Elem, rows: u32, vocab: u32, advance: bool) -> GeneratedKernel {
+    let form = if advance { "_advance" } else { "" };
+    let name = format!("argmax{form}_{}_v{vocab}", elem.name());
     let mut k = Kernel::new(&name);
     k.directive(format!(".maxntid {ARGMAX_THREADS}, 1, 1"));
     let logits = k.param_ptr("logits");
     let out = k.param_ptr("out");
+    let next = advance.then(|| {
+        let ids = k.param_ptr("ids");
+        let positions = k.param_ptr("positions");
+        let mask = k.param_ptr("mask");
+        [ids, positions, mask]
+    });
     let warps = ARGMAX_THREADS / 32;
     let vals = k.shared("best_val", warps * 4);
     let idxs = k.shared("best_idx", warps * 4);
@@ -113,6 +125,18 @@ pub fn argmax(elem: Elem, rows: u32, vocab: u32) -> GeneratedKernel {
     let wide = k.op1("cvt.u64.u32", RegClass::B64, &best_i);
     let oa = k.address(out, &row, 8);
     k.emit(format!("st.global.u64 [{oa}], {wide}"));
+    if let Some([ids, positions, mask]) = next {
+        k.comment("the next step's inputs: this token at the next position, unless masked");
+        let ma = k.address(mask, &row, 8);
+        let m = k.ld_global_i64(ma);
+        let live = k.setp("ne.s64", &m, &0u64);
+        let ia = k.address(ids, &row, 8);
+        k.emit(format!("@{live} st.global.u64 [{ia}], {wide}"));
+        let pa = k.address(positions, &row, 8);
+        let p = k.ld_global_i64(pa);
+        let p1 = k.op2("add.s64", RegClass::B64, &p, &1u64);
+        k.emit(format!("@{live} st.global.u64 [{pa}], {p1}"));
+    }
     k.place(&end);
     GeneratedKernel::new(
         k,

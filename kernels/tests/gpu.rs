@@ -421,19 +421,53 @@ fn argmax_picks_the_first_largest() {
                 logits[0] = f32::NAN;
                 logits[v..2 * v].fill(f32::NEG_INFINITY);
             }
-            let kernel = argmax(elem, rows, vocab);
-            let bl = gpu.upload(elem, &logits);
-            let out = gpu.upload_i64(&vec![-1; rows as usize]);
-            let args = BTreeMap::from([("logits", Arg::Buf(&bl)), ("out", Arg::Buf(&out))]);
-            gpu.launch(&kernel, &args);
             // The runtime's token choice at temperature 0, which generation on the CPU uses.
             let greedy = kiln_runtime::generate::Sampling::greedy();
             let want: Vec<i64> = logits
                 .chunks(vocab as usize)
                 .map(|row| kiln_runtime::generate::choose(row, &greedy, 0) as i64)
                 .collect();
-            assert_eq!(gpu.download_i64(&out), want, "{} rows={rows}", kernel.name);
-            println!("ok  {} rows={rows} vocab={vocab}", kernel.name);
+            let bl = gpu.upload(elem, &logits);
+            for advance in [false, true] {
+                let kernel = argmax(elem, rows, vocab, advance);
+                let out = gpu.upload_i64(&vec![-1; rows as usize]);
+                // Every other row masked: it keeps its id and position.
+                let n = rows as i64;
+                let ids = gpu.upload_i64(&(0..n).map(|r| 1000 + r).collect::<Vec<_>>());
+                let positions = gpu.upload_i64(&(0..n).map(|r| 7 * r).collect::<Vec<_>>());
+                let mask =
+                    gpu.upload_i64(&(0..n).map(|r| i64::from(r % 2 == 0)).collect::<Vec<_>>());
+                let mut args = BTreeMap::from([("logits", Arg::Buf(&bl)), ("out", Arg::Buf(&out))]);
+                if advance {
+                    args.insert("ids", Arg::Buf(&ids));
+                    args.insert("positions", Arg::Buf(&positions));
+                    args.insert("mask", Arg::Buf(&mask));
+                }
+                gpu.launch(&kernel, &args);
+                assert_eq!(gpu.download_i64(&out), want, "{} rows={rows}", kernel.name);
+                if advance {
+                    let live = |r: usize| r.is_multiple_of(2);
+                    let next_ids: Vec<i64> = (0..rows as usize)
+                        .map(|r| if live(r) { want[r] } else { 1000 + r as i64 })
+                        .collect();
+                    let next_positions: Vec<i64> = (0..rows as usize)
+                        .map(|r| 7 * r as i64 + i64::from(live(r)))
+                        .collect();
+                    assert_eq!(
+                        gpu.download_i64(&ids),
+                        next_ids,
+                        "{}: next ids",
+                        kernel.name
+                    );
+                    assert_eq!(
+                        gpu.download_i64(&positions),
+                        next_positions,
+                        "{}: next positions",
+                        kernel.name
+                    );
+                }
+                println!("ok  {} rows={rows} vocab={vocab}", kernel.name);
+            }
         }
     }
 }

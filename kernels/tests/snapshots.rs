@@ -53,7 +53,12 @@ fn embedding_two_tables_f32() {
 
 #[test]
 fn argmax_bf16() {
-    insta::assert_snapshot!(argmax(Elem::BF16, 2, 512).module());
+    insta::assert_snapshot!(argmax(Elem::BF16, 2, 512, false).module());
+}
+
+#[test]
+fn argmax_advancing_bf16() {
+    insta::assert_snapshot!(argmax(Elem::BF16, 2, 512, true).module());
 }
 
 #[test]

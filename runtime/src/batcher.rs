@@ -87,6 +87,9 @@ pub struct Batcher<'a> {
     rows: Vec<Option<Seq>>,
     /// Prompt chunks run before each decode step (the per-step prompt budget).
     chunks_per_step: usize,
+    /// Decode steps one [`Batcher::step`] may run back to back on the device (see
+    /// [`Batcher::with_steps_ahead`]).
+    steps_ahead: usize,
     /// Seconds spent in decode steps in which every sequence was past its prompt.
     pub decode_seconds: f64,
     /// Runs per bucket graph file.
@@ -126,6 +129,7 @@ impl<'a> Batcher<'a> {
             chunk,
             rows: (0..largest.batch).map(|_| None).collect(),
             chunks_per_step: 1,
+            steps_ahead: 1,
             decode_seconds: 0.0,
             runs: BTreeMap::new(),
         })
@@ -134,6 +138,18 @@ impl<'a> Batcher<'a> {
     /// Sets how many prompt chunks run before each decode step (at least one).
     pub fn with_chunks_per_step(mut self, n: usize) -> Batcher<'a> {
         self.chunks_per_step = n.max(1);
+        self
+    }
+
+    /// Lets one [`Batcher::step`] run up to `n` decode steps (at most [`crate::cuda::MAX_STEPS`])
+    /// back to back, when every sequence is past its prompt, chooses greedily and wants at least
+    /// that many more tokens, and the executor can chain steps on the device (the tokens a step
+    /// chooses become the next step's ids there, and the host reads them after the last). The
+    /// tokens are those of single steps; only when the host sees them changes, so this suits a
+    /// caller that admits and retires sequences by itself between calls, not one that must act
+    /// on every token.
+    pub fn with_steps_ahead(mut self, n: usize) -> Batcher<'a> {
+        self.steps_ahead = n.clamp(1, crate::cuda::MAX_STEPS);
         self
     }
 
@@ -234,8 +250,9 @@ impl<'a> Batcher<'a> {
     }
 
     /// Runs the prompt chunks of this step and one decode step over every sequence that has a
-    /// token to put in; returns the tokens chosen, in row order. Sequences that reach their
-    /// `max_new` leave (their [`Emitted::last`] is set).
+    /// token to put in (or several chained ones, see [`Batcher::with_steps_ahead`]); returns the
+    /// tokens chosen, step by step in row order. Sequences that reach their `max_new` leave
+    /// (their [`Emitted::last`] is set).
     pub fn step(&mut self) -> Result<Vec<Emitted>, RuntimeError> {
         let started = std::time::Instant::now();
         let chunks = self.run_chunks()?;
@@ -276,19 +293,44 @@ impl<'a> Batcher<'a> {
                 _ => None,
             })
             .collect();
-        let chosen = self.session.next(entry, &rows, &picks)?;
-        *self.runs.entry(entry.graph.clone()).or_default() += 1;
         let all_decoding = chunks == 0
             && self
                 .rows
                 .iter()
                 .flatten()
                 .all(|s| !s.filling() && !s.generated.is_empty());
-        let emitted = self.advance(&work, &chosen)?;
+        let ahead = if all_decoding { self.ahead() } else { 1 };
+        let chained = match ahead {
+            1 => None,
+            n => self.session.next_steps(entry, &rows, &picks, n)?,
+        };
+        let chosen = match chained {
+            Some(chosen) => chosen,
+            None => vec![self.session.next(entry, &rows, &picks)?],
+        };
+        *self.runs.entry(entry.graph.clone()).or_default() += chosen.len() as u64;
+        // Only the last of chained steps can finish a sequence, so rows move only after it.
+        let mut emitted = Vec::new();
+        for step in &chosen {
+            emitted.extend(self.advance(&work, step)?);
+        }
         if all_decoding {
             self.decode_seconds += started.elapsed().as_secs_f64();
         }
         Ok(emitted)
+    }
+
+    /// Decode steps the next [`Batcher::step`] may chain: every sequence chooses greedily, and
+    /// none wants fewer new tokens (so none finishes before the last step).
+    fn ahead(&self) -> usize {
+        let mut ahead = self.steps_ahead;
+        for s in self.rows.iter().flatten() {
+            if s.job.sampling.temperature > 0.0 {
+                return 1;
+            }
+            ahead = ahead.min(s.job.max_new.saturating_sub(s.generated.len()));
+        }
+        ahead.max(1)
     }
 
     /// Runs up to `chunks_per_step` steps of the chunk bucket, each taking the next chunk of
@@ -487,12 +529,7 @@ impl<'a> Session<'a> {
         let greedy = picks.iter().flatten().all(|(s, _)| s.temperature <= 0.0);
         if greedy && rows.iter().all(|r| r.tokens.len() <= 1) {
             if let Some(tokens) = self.exec.run_greedy(entry, &inputs)? {
-                let tokens = chosen(&tokens, rows.len(), self.vocab)?;
-                return Ok(picks
-                    .iter()
-                    .zip(tokens)
-                    .map(|(p, t)| p.map(|_| t))
-                    .collect());
+                return picked(picks, &tokens, self.vocab);
             }
         }
         let logits = self.step(entry, rows, inputs)?;
@@ -505,6 +542,26 @@ impl<'a> Session<'a> {
                     .transpose()
             })
             .collect()
+    }
+
+    /// Runs `steps` greedy decode steps of `entry` from `rows` (one token each) on the device
+    /// without the host in between ([`Executor::run_greedy_steps`]), and returns, for each step,
+    /// each row's token where it has a pick; `None` when the executor cannot chain them.
+    fn next_steps(
+        &mut self,
+        entry: &BucketEntry,
+        rows: &[Row],
+        picks: &[Option<(Sampling, u32)>],
+        steps: usize,
+    ) -> Result<Option<Vec<Vec<Option<usize>>>>, RuntimeError> {
+        let inputs = self.inputs(entry, rows);
+        let Some(all) = self.exec.run_greedy_steps(entry, &inputs, steps)? else {
+            return Ok(None);
+        };
+        all.iter()
+            .map(|tokens| picked(picks, tokens, self.vocab))
+            .collect::<Result<_, _>>()
+            .map(Some)
     }
 
     /// Runs `inputs` (of `rows`) through `entry` and returns the logits of each row's last token.
@@ -619,6 +676,21 @@ impl<'a> Session<'a> {
         }
         Ok(())
     }
+}
+
+/// The token of each row with a pick among a step's `tokens` (chosen on the device, checked
+/// against the vocabulary).
+fn picked(
+    picks: &[Option<(Sampling, u32)>],
+    tokens: &[i64],
+    vocab: usize,
+) -> Result<Vec<Option<usize>>, RuntimeError> {
+    let tokens = chosen(tokens, picks.len(), vocab)?;
+    Ok(picks
+        .iter()
+        .zip(tokens)
+        .map(|(p, t)| p.map(|_| t))
+        .collect())
 }
 
 /// Elements of `cache`'s leading `rows` rows: caches are kept for the largest decode batch, and

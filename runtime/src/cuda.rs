@@ -293,8 +293,31 @@ pub fn check_plan(
             )));
         }
     }
+    if plan.advances {
+        if plan.tokens.is_none() {
+            return Err(bad("it advances its inputs but chooses no tokens".into()));
+        }
+        for name in ADVANCED_INPUTS {
+            let fits = |s: &&TensorSlot| {
+                s.name == name && s.dtype == DType::I64 && s.shape == [entry.batch, 1]
+            };
+            if !plan.inputs.iter().any(|s| fits(&s)) {
+                return Err(bad(format!(
+                    "it advances its inputs but has no I64 [{}, 1] input `{name}`",
+                    entry.batch
+                )));
+            }
+        }
+    }
     Ok(())
 }
+
+/// The inputs a decode step that advances its inputs ([`ExecPlan::advances`]) leaves in place
+/// for the next step.
+const ADVANCED_INPUTS: [&str; 3] = ["input_ids", "position_ids", "attention_mask"];
+
+/// The most decode steps [`CudaExecutor::replay_steps`] queues at once.
+pub const MAX_STEPS: usize = 64;
 
 /// Checks one launch: a known kernel, one argument of the right kind per parameter, every
 /// pointer (and every tensor map's matrix) inside its region, shared memory within the table's.
@@ -623,9 +646,103 @@ impl CudaExecutor {
         })
     }
 
+    /// Replays the decode step `graph` `steps` times (at most [`MAX_STEPS`]) from `inputs`, the
+    /// first step's, without the host in between: each replay leaves the next step's inputs in
+    /// place ([`ExecPlan::advances`]), and its tokens are copied to page-locked memory behind it,
+    /// so the host waits once, after the last. Returns each step's tokens; `None` when the plan
+    /// does not advance its inputs.
+    pub fn replay_steps(
+        &mut self,
+        graph: &str,
+        inputs: &BTreeMap<String, Tensor>,
+        steps: usize,
+    ) -> Result<Option<Vec<Vec<i64>>>, RuntimeError> {
+        let Some(plan) = self.plans.get(graph).filter(|p| p.advances) else {
+            return Ok(None);
+        };
+        let Some(slot) = plan.tokens.clone() else {
+            return Ok(None);
+        };
+        if steps == 0 || steps > MAX_STEPS {
+            return Err(RuntimeError::Request(format!(
+                "{steps} decode steps at once; 1 to {MAX_STEPS} are queued together"
+            )));
+        }
+        let n = slot.bytes() as usize;
+        let src = self.addresses.base + self.arena + slot.offset;
+        self.upload_inputs(graph, inputs)?;
+        for step in 0..steps {
+            self.enqueue(graph)?;
+            let staging = self.staging.as_mut_slice().map_err(dev)?;
+            // SAFETY: `src..src + n` is the token slot inside the one allocation
+            // (`check_plan`), and `staging[step * n..(step + 1) * n]` lies inside the page-locked
+            // buffer, sized for MAX_STEPS of every plan's tokens (`plans_outputs_bytes`); the
+            // stream is synchronised below before the bytes are read, and each copy follows its
+            // replay and precedes the next in the stream.
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(
+                    &mut staging[step * n..(step + 1) * n],
+                    src,
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(dev)?;
+        }
+        self.stream
+            .synchronize()
+            .map_err(|e| RuntimeError::Device(format!("{graph}: a kernel failed: {e}")))?;
+        let staging: &[u8] = self.staging.as_slice().map_err(dev)?;
+        Ok(Some(
+            staging[..steps * n]
+                .chunks(n)
+                .map(
+                    |bytes| match decode(bytes, DType::I64, slot.shape.clone()).data {
+                        Data::Int(tokens) => tokens,
+                        Data::Float(_) => Vec::new(),
+                    },
+                )
+                .collect(),
+        ))
+    }
+
     /// Copies `inputs` into their slots and replays `graph` (or, when profiling, launches its
     /// steps one by one), without waiting for it.
     fn launch(
+        &mut self,
+        graph: &str,
+        inputs: &BTreeMap<String, Tensor>,
+    ) -> Result<(), RuntimeError> {
+        self.upload_inputs(graph, inputs)?;
+        self.enqueue(graph)
+    }
+
+    /// Replays `graph` on the stream (or, when profiling, launches its steps one by one, timing
+    /// each), without waiting for it.
+    fn enqueue(&mut self, graph: &str) -> Result<(), RuntimeError> {
+        let (Some(plan), Some(captured)) = (self.plans.get(graph), self.graphs.get(graph)) else {
+            return Err(RuntimeError::Device(format!(
+                "bucket {graph} has no captured graph"
+            )));
+        };
+        let _range = nvtx::range!("kiln {}", bucket_name(graph));
+        if self.eager {
+            launch_steps(
+                &self.stream,
+                &self.functions,
+                plan,
+                &self.addresses,
+                graph,
+                Some(&mut self.profile),
+            )?;
+        } else {
+            captured.launch().map_err(dev)?;
+        }
+        *self.replays.entry(graph.to_string()).or_default() += 1;
+        Ok(())
+    }
+
+    /// Copies `inputs` (every non-cache input of `graph`'s plan, by name) into their slots.
+    fn upload_inputs(
         &mut self,
         graph: &str,
         inputs: &BTreeMap<String, Tensor>,
@@ -650,20 +767,6 @@ impl CudaExecutor {
                 .memcpy_htod(&bytes, &mut self.memory.slice_mut(at..at + bytes.len()))
                 .map_err(dev)?;
         }
-        let _range = nvtx::range!("kiln {}", bucket_name(graph));
-        if self.eager {
-            launch_steps(
-                &self.stream,
-                &self.functions,
-                plan,
-                &self.addresses,
-                graph,
-                Some(&mut self.profile),
-            )?;
-        } else {
-            self.graphs[graph].launch().map_err(dev)?;
-        }
-        *self.replays.entry(graph.to_string()).or_default() += 1;
         Ok(())
     }
 
@@ -812,13 +915,15 @@ fn copy_back(
     Ok(ranges)
 }
 
-/// The most bytes any bucket copies back: its outputs, or a decode step's tokens.
+/// The most bytes any bucket copies back: its outputs, or a decode step's tokens ([`MAX_STEPS`]
+/// of them when the step advances its inputs).
 fn plans_outputs_bytes(buckets: &[(&BucketEntry, ExecPlan)]) -> usize {
     buckets
         .iter()
         .map(|(_, p)| {
             let outputs: usize = p.outputs.iter().map(|s| s.bytes() as usize).sum();
-            outputs.max(p.tokens.as_ref().map_or(0, |t| t.bytes() as usize))
+            let steps = if p.advances { MAX_STEPS } else { 1 };
+            outputs.max(p.tokens.as_ref().map_or(0, |t| t.bytes() as usize * steps))
         })
         .max()
         .unwrap_or(0)

@@ -142,6 +142,22 @@ impl Executor {
         }
     }
 
+    /// Runs the decode step `entry` `steps` times from `inputs` (the first step's) on the device
+    /// without the host in between, each step taking the tokens the one before chose as its ids
+    /// at the next positions, and returns each step's greedy tokens; `None` when the executor or
+    /// the bucket's plan cannot (only the CUDA executor, on plans that advance their inputs).
+    pub fn run_greedy_steps(
+        &mut self,
+        entry: &BucketEntry,
+        inputs: &BTreeMap<String, Tensor>,
+        steps: usize,
+    ) -> Result<Option<Vec<Vec<i64>>>, RuntimeError> {
+        match self {
+            Executor::Cuda(c) if c.has(&entry.graph) => c.replay_steps(&entry.graph, inputs, steps),
+            _ => Ok(None),
+        }
+    }
+
     /// The token for one row of `logits` under `sampling` at generation step `step`: the
     /// artifact's generated sampler on the CPU executor, else the runtime's reference
     /// ([`crate::generate::choose`]); both have the same semantics.

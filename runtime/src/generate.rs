@@ -93,7 +93,7 @@ pub fn generate_batch(
     if prompts.is_empty() {
         return Err(RuntimeError::Request("no prompt to generate from".into()));
     }
-    let mut batcher = Batcher::new(art, exec)?;
+    let mut batcher = Batcher::new(art, exec)?.with_steps_ahead(steps_ahead());
     if prompts.len() > batcher.capacity() {
         return Err(RuntimeError::Request(format!(
             "{} prompts exceed the largest decode batch, {}",
@@ -141,6 +141,16 @@ pub fn generate_batch(
         "generated"
     );
     Ok((out, batcher.decode_seconds))
+}
+
+/// Decode steps generation chains on the device between looks at the tokens
+/// ([`Batcher::with_steps_ahead`]): [`crate::cuda::MAX_STEPS`], or `KILN_STEPS_AHEAD` (1 looks at
+/// every step's tokens, to measure what chaining saves).
+fn steps_ahead() -> usize {
+    std::env::var("KILN_STEPS_AHEAD")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(crate::cuda::MAX_STEPS)
 }
 
 /// `Err` naming what is wrong with `prompt`: empty, a token outside the vocabulary, or too long

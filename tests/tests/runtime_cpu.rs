@@ -256,7 +256,8 @@ fn plans_are_consistent_with_the_kernel_table_and_the_allocation() {
         }
     }
     // Decode steps end with the greedy choice, the argmax of their logits into `tokens` (one
-    // i64 per row); prefill buckets and the prompt chunk choose none.
+    // i64 per row), which also advances the step's inputs for the next step; prefill buckets and
+    // the prompt chunk choose none.
     for e in m.prefill.iter().chain(&m.decode) {
         let plan = e.plan.as_ref().unwrap();
         let decode_step = m.decode.contains(e) && e.seq == 1;
@@ -268,17 +269,47 @@ fn plans_are_consistent_with_the_kernel_table_and_the_allocation() {
         );
         let logits = plan.outputs.iter().find(|s| s.name == "logits").unwrap();
         let last = plan.steps.last().unwrap();
-        assert!(last.kernel.starts_with("argmax"), "{}", last.kernel);
+        assert!(last.kernel.starts_with("argmax_advance"), "{}", last.kernel);
+        assert!(plan.advances, "{}", e.graph);
+        let input = |name: &str| plan.inputs.iter().find(|s| s.name == name).unwrap();
+        let (ids, positions, mask) = (
+            input("input_ids"),
+            input("position_ids"),
+            input("attention_mask"),
+        );
         assert_eq!(
             last.args,
-            [logits.offset, tokens.offset].map(|at| Arg::Ptr(Region::Arena, at))
+            [
+                logits.offset,
+                tokens.offset,
+                ids.offset,
+                positions.offset,
+                mask.offset
+            ]
+            .map(|at| Arg::Ptr(Region::Arena, at))
         );
         assert_eq!(last.launch.grid, [e.batch as u32, 1, 1]);
-        // A token slot of another shape is refused before anything runs.
+        // What the last step reads and writes overlaps nothing else it touches, so the inputs it
+        // leaves are the next replay's.
+        let spans: Vec<(u64, u64)> = [logits, tokens, ids, positions, mask]
+            .iter()
+            .map(|s| (s.offset, s.offset + s.bytes()))
+            .collect();
+        for (i, a) in spans.iter().enumerate() {
+            for b in &spans[i + 1..] {
+                assert!(a.1 <= b.0 || b.1 <= a.0, "{}: {a:?} and {b:?}", e.graph);
+            }
+        }
+        // A token slot of another shape is refused before anything runs, and so is an advancing
+        // plan without one of the inputs it advances.
         let mut bad = plan.clone();
         bad.tokens.as_mut().unwrap().shape = vec![e.batch + 1];
         let err = check_plan(&art, e, &bad, &table).unwrap_err().to_string();
         assert!(err.contains("token slot"), "{err}");
+        let mut bad = plan.clone();
+        bad.inputs.retain(|s| s.name != "position_ids");
+        let err = check_plan(&art, e, &bad, &table).unwrap_err().to_string();
+        assert!(err.contains("`position_ids`"), "{err}");
     }
     let norm = grids
         .iter()

@@ -94,6 +94,90 @@ fn decoders_match_references_on_the_gpu() {
     }
 }
 
+/// Greedy decode steps chained on the device (each step's token choice leaves the next step's
+/// ids and positions in place, the host reading the tokens after the last) give the tokens of
+/// steps the host runs one at a time, for sequences decoded together that want different numbers
+/// of tokens (so sequences leave between chains), in as many replays.
+#[test]
+fn chained_decode_steps_match_single_steps_on_the_gpu() {
+    use kiln_runtime::batcher::{Batcher, Job};
+    use kiln_runtime::generate::Sampling;
+    if !gpu() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    for name in ["gpt2-tiny", "llama-tiny"] {
+        let dir = tmp.path().join(format!("{name}.kiln"));
+        let args = [
+            "--buckets",
+            "16",
+            "--batch-buckets",
+            "1,4",
+            "--max-context",
+            "128",
+            "--prefill-chunk",
+            "4",
+            "--dtype",
+            "bf16",
+        ];
+        let art = compile_artifact(&fixture(name), &dir, &args);
+        let mut exec = cuda(&art);
+        let jobs = [
+            (vec![1i64, 2, 3], 40usize),
+            (vec![7], 25),
+            (vec![9, 8, 7, 6, 5, 4, 3, 2, 1], 33),
+            (vec![11, 12], 70),
+        ];
+        let (mut runs, mut tokens, mut looks) = (Vec::new(), Vec::new(), Vec::new());
+        for ahead in [1, 64] {
+            let mut batcher = Batcher::new(&art, &mut exec)
+                .unwrap()
+                .with_steps_ahead(ahead);
+            let mut waiting = jobs
+                .iter()
+                .enumerate()
+                .map(|(id, (prompt, max_new))| {
+                    let job = Job {
+                        prompt: prompt.clone(),
+                        max_new: *max_new,
+                        sampling: Sampling::greedy(),
+                    };
+                    (id as u64, job)
+                })
+                .peekable();
+            let mut out = vec![Vec::new(); jobs.len()];
+            let mut steps = 0;
+            loop {
+                // Prompts join as the chunk bucket's row frees up, as in `generate_batch`.
+                while let Some((id, job)) = waiting.next_if(|(_, job)| batcher.can_admit(job)) {
+                    batcher.admit(id, job).unwrap();
+                }
+                if batcher.is_idle() && waiting.peek().is_none() {
+                    break;
+                }
+                steps += 1;
+                for e in batcher.step().unwrap() {
+                    out[e.id as usize].push(e.token);
+                }
+            }
+            runs.push(batcher.runs.clone());
+            tokens.push(out);
+            looks.push(steps);
+        }
+        for (i, (_, max_new)) in jobs.iter().enumerate() {
+            assert_eq!(tokens[0][i].len(), *max_new, "{name}: sequence {i}");
+            assert_eq!(tokens[1][i], tokens[0][i], "{name}: sequence {i}, chained");
+        }
+        assert_eq!(runs[1], runs[0], "{name}: replays per bucket");
+        // The host looked at the tokens after fewer calls: steps were chained.
+        assert!(looks[1] < looks[0] / 4, "{name}: {looks:?} calls");
+        println!(
+            "ok: {name}: chained steps give the single steps' tokens ({:?}; {looks:?} calls)",
+            runs[0]
+        );
+    }
+}
+
 /// bert-tiny and the real all-MiniLM-L6-v2 (its mean pooling and normalisation run as the GPU
 /// plan's host tail), f32 and bf16: `last_hidden_state` and the sentence embeddings within the
 /// fixtures' tolerances.
