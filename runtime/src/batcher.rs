@@ -143,11 +143,11 @@ impl<'a> Batcher<'a> {
 
     /// Lets one [`Batcher::step`] run up to `n` decode steps (at most [`crate::cuda::MAX_STEPS`])
     /// back to back, when every sequence is past its prompt, chooses greedily and wants at least
-    /// that many more tokens, and the executor can chain steps on the device (the tokens a step
-    /// chooses become the next step's ids there, and the host reads them after the last). The
-    /// tokens are those of single steps; only when the host sees them changes, so this suits a
-    /// caller that admits and retires sequences by itself between calls, not one that must act
-    /// on every token.
+    /// that many more tokens, and the executor can chain steps (the tokens a step chooses become
+    /// the next step's ids: on CUDA on the device, the host reading them after the last; on the
+    /// CPU executor on the host, as the device does it). The tokens are those of single steps;
+    /// only when the caller sees them changes, so this suits a caller that admits and retires
+    /// sequences by itself between calls, not one that must act on every token.
     pub fn with_steps_ahead(mut self, n: usize) -> Batcher<'a> {
         self.steps_ahead = n.clamp(1, crate::cuda::MAX_STEPS);
         self
@@ -544,9 +544,10 @@ impl<'a> Session<'a> {
             .collect()
     }
 
-    /// Runs `steps` greedy decode steps of `entry` from `rows` (one token each) on the device
-    /// without the host in between ([`Executor::run_greedy_steps`]), and returns, for each step,
-    /// each row's token where it has a pick; `None` when the executor cannot chain them.
+    /// Runs `steps` greedy decode steps of `entry` from `rows` (one token each), chained
+    /// ([`Executor::run_greedy_steps`]: on CUDA without the host in between), and returns, for
+    /// each step, each row's token where it has a pick; `None` when the executor cannot chain
+    /// them.
     fn next_steps(
         &mut self,
         entry: &BucketEntry,
@@ -555,7 +556,10 @@ impl<'a> Session<'a> {
         steps: usize,
     ) -> Result<Option<Vec<Vec<Option<usize>>>>, RuntimeError> {
         let inputs = self.inputs(entry, rows);
-        let Some(all) = self.exec.run_greedy_steps(entry, &inputs, steps)? else {
+        let Some(all) = self
+            .exec
+            .run_greedy_steps(self.art, entry, &inputs, steps)?
+        else {
             return Ok(None);
         };
         all.iter()

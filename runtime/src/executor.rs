@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use kiln_ir::artifact::BucketEntry;
-use kiln_ir::Tensor;
+use kiln_ir::{Data, Tensor};
 
 use crate::cpu::CpuExecutor;
 use crate::cuda::CudaExecutor;
@@ -142,18 +142,41 @@ impl Executor {
         }
     }
 
-    /// Runs the decode step `entry` `steps` times from `inputs` (the first step's) on the device
-    /// without the host in between, each step taking the tokens the one before chose as its ids
-    /// at the next positions, and returns each step's greedy tokens; `None` when the executor or
-    /// the bucket's plan cannot (only the CUDA executor, on plans that advance their inputs).
+    /// Runs the decode step `entry` `steps` times from `inputs` (the first step's), each step
+    /// taking the tokens the one before chose greedily as its ids at the next positions
+    /// ([`advance`]), and returns each step's tokens: on CUDA without the host in between (plans
+    /// that advance their inputs on the device), on the CPU executor step by step on the host.
+    /// `None` where neither applies (the interpreter, whose cache the caller keeps).
     pub fn run_greedy_steps(
         &mut self,
+        art: &Artifact,
         entry: &BucketEntry,
         inputs: &BTreeMap<String, Tensor>,
         steps: usize,
     ) -> Result<Option<Vec<Vec<i64>>>, RuntimeError> {
         match self {
             Executor::Cuda(c) if c.has(&entry.graph) => c.replay_steps(&entry.graph, inputs, steps),
+            Executor::Cpu(c) if c.has(&entry.graph) => {
+                let mut inputs = inputs.clone();
+                let vocab = art.manifest.model.vocab_size;
+                let greedy = crate::generate::Sampling::greedy();
+                let mut all = Vec::with_capacity(steps);
+                for _ in 0..steps {
+                    let outputs = self.run(art, entry, &inputs)?;
+                    let Some(Data::Float(logits)) = outputs.get("logits").map(|t| &t.data) else {
+                        return Err(RuntimeError::Request(
+                            "the decode graph has no float logits".into(),
+                        ));
+                    };
+                    let tokens = logits
+                        .chunks(vocab)
+                        .map(|row| Ok(self.choose(row, &greedy, 0)? as i64))
+                        .collect::<Result<Vec<i64>, RuntimeError>>()?;
+                    advance(&mut inputs, &tokens)?;
+                    all.push(tokens);
+                }
+                Ok(Some(all))
+            }
             _ => Ok(None),
         }
     }
@@ -208,6 +231,33 @@ impl Executor {
             Executor::Cuda(c) => c.reset_cache(),
         }
     }
+}
+
+/// What a decode step that advances its inputs leaves for the next step (the device's
+/// `argmax_advance`): each row whose `attention_mask` is not 0 gets its chosen token as its
+/// `input_ids` and its `position_ids` one further; masked rows keep theirs.
+pub fn advance(inputs: &mut BTreeMap<String, Tensor>, tokens: &[i64]) -> Result<(), RuntimeError> {
+    let int =
+        |inputs: &BTreeMap<String, Tensor>, name: &str| match inputs.get(name).map(|t| &t.data) {
+            Some(Data::Int(v)) if v.len() == tokens.len() => Ok(v.clone()),
+            _ => Err(RuntimeError::Request(format!(
+                "a decode step takes `{name}` as one i64 per row ({} rows)",
+                tokens.len()
+            ))),
+        };
+    let mask = int(inputs, "attention_mask")?;
+    let mut ids = int(inputs, "input_ids")?;
+    let mut positions = int(inputs, "position_ids")?;
+    for (r, &token) in tokens.iter().enumerate().filter(|(r, _)| mask[*r] != 0) {
+        ids[r] = token;
+        positions[r] += 1;
+    }
+    for (name, values) in [("input_ids", ids), ("position_ids", positions)] {
+        if let Some(t) = inputs.get_mut(name) {
+            t.data = Data::Int(values);
+        }
+    }
+    Ok(())
 }
 
 /// Finishes a plan's outputs with its host tail, when it has one: the ops without a kernel, on

@@ -521,3 +521,68 @@ pub fn strip_cubin(dir: &Path) {
     std::fs::write(&path, text).unwrap();
     reseal_checksums(dir);
 }
+
+/// Greedy decode steps chained by `exec` (`Batcher::with_steps_ahead`) give the tokens of steps
+/// the caller sees one at a time, for sequences decoded together that want different numbers of
+/// tokens (so sequences leave between chains and prompts join as the chunk bucket frees up), in
+/// as many runs of each bucket and with fewer calls. `art` needs a decode batch of 4 and a
+/// context of 80.
+pub fn assert_chained_steps_match(
+    art: &kiln_runtime::Artifact,
+    exec: &mut kiln_runtime::Executor,
+    name: &str,
+) {
+    use kiln_runtime::batcher::{Batcher, Job};
+    use kiln_runtime::generate::Sampling;
+    let jobs = [
+        (vec![1i64, 2, 3], 40usize),
+        (vec![7], 25),
+        (vec![9, 8, 7, 6, 5, 4, 3, 2, 1], 33),
+        (vec![11, 12], 70),
+    ];
+    let (mut runs, mut tokens, mut calls) = (Vec::new(), Vec::new(), Vec::new());
+    for ahead in [1, 64] {
+        let mut batcher = Batcher::new(art, exec).unwrap().with_steps_ahead(ahead);
+        let mut waiting = jobs
+            .iter()
+            .enumerate()
+            .map(|(id, (prompt, max_new))| {
+                let job = Job {
+                    prompt: prompt.clone(),
+                    max_new: *max_new,
+                    sampling: Sampling::greedy(),
+                };
+                (id as u64, job)
+            })
+            .peekable();
+        let mut out = vec![Vec::new(); jobs.len()];
+        let mut steps = 0;
+        loop {
+            // Prompts join as the chunk bucket's rows free up, as in `generate_batch`.
+            while let Some((id, job)) = waiting.next_if(|(_, job)| batcher.can_admit(job)) {
+                batcher.admit(id, job).unwrap();
+            }
+            if batcher.is_idle() && waiting.peek().is_none() {
+                break;
+            }
+            steps += 1;
+            for e in batcher.step().unwrap() {
+                out[e.id as usize].push(e.token);
+            }
+        }
+        runs.push(batcher.runs.clone());
+        tokens.push(out);
+        calls.push(steps);
+    }
+    for (i, (_, max_new)) in jobs.iter().enumerate() {
+        assert_eq!(tokens[0][i].len(), *max_new, "{name}: sequence {i}");
+        assert_eq!(tokens[1][i], tokens[0][i], "{name}: sequence {i}, chained");
+    }
+    assert_eq!(runs[1], runs[0], "{name}: runs per bucket");
+    // The caller saw the tokens after fewer calls: steps were chained.
+    assert!(calls[1] < calls[0] / 4, "{name}: {calls:?} calls");
+    println!(
+        "ok: {name}: chained steps give the single steps' tokens ({:?}; {calls:?} calls)",
+        runs[0]
+    );
+}

@@ -7,9 +7,9 @@
 use kiln_ir::inputs::TokenBatch;
 use kiln_runtime::{forward::forward, Artifact, Device, Executor};
 use kiln_tests::{
-    assert_close_for, assert_decoder_references, assert_embeddings_close, assert_greedy_tokens,
-    compile_artifact, fixture, floats, kiln_run_forward, kiln_run_greedy, masked_rel_err,
-    minilm_dir, reference, rel_err, strip_cubin,
+    assert_chained_steps_match, assert_close_for, assert_decoder_references,
+    assert_embeddings_close, assert_greedy_tokens, compile_artifact, fixture, floats,
+    kiln_run_forward, kiln_run_greedy, masked_rel_err, minilm_dir, reference, rel_err, strip_cubin,
 };
 
 fn gpu() -> bool {
@@ -96,12 +96,9 @@ fn decoders_match_references_on_the_gpu() {
 
 /// Greedy decode steps chained on the device (each step's token choice leaves the next step's
 /// ids and positions in place, the host reading the tokens after the last) give the tokens of
-/// steps the host runs one at a time, for sequences decoded together that want different numbers
-/// of tokens (so sequences leave between chains), in as many replays.
+/// steps the host runs one at a time ([`assert_chained_steps_match`]).
 #[test]
 fn chained_decode_steps_match_single_steps_on_the_gpu() {
-    use kiln_runtime::batcher::{Batcher, Job};
-    use kiln_runtime::generate::Sampling;
     if !gpu() {
         return;
     }
@@ -121,60 +118,7 @@ fn chained_decode_steps_match_single_steps_on_the_gpu() {
             "bf16",
         ];
         let art = compile_artifact(&fixture(name), &dir, &args);
-        let mut exec = cuda(&art);
-        let jobs = [
-            (vec![1i64, 2, 3], 40usize),
-            (vec![7], 25),
-            (vec![9, 8, 7, 6, 5, 4, 3, 2, 1], 33),
-            (vec![11, 12], 70),
-        ];
-        let (mut runs, mut tokens, mut looks) = (Vec::new(), Vec::new(), Vec::new());
-        for ahead in [1, 64] {
-            let mut batcher = Batcher::new(&art, &mut exec)
-                .unwrap()
-                .with_steps_ahead(ahead);
-            let mut waiting = jobs
-                .iter()
-                .enumerate()
-                .map(|(id, (prompt, max_new))| {
-                    let job = Job {
-                        prompt: prompt.clone(),
-                        max_new: *max_new,
-                        sampling: Sampling::greedy(),
-                    };
-                    (id as u64, job)
-                })
-                .peekable();
-            let mut out = vec![Vec::new(); jobs.len()];
-            let mut steps = 0;
-            loop {
-                // Prompts join as the chunk bucket's row frees up, as in `generate_batch`.
-                while let Some((id, job)) = waiting.next_if(|(_, job)| batcher.can_admit(job)) {
-                    batcher.admit(id, job).unwrap();
-                }
-                if batcher.is_idle() && waiting.peek().is_none() {
-                    break;
-                }
-                steps += 1;
-                for e in batcher.step().unwrap() {
-                    out[e.id as usize].push(e.token);
-                }
-            }
-            runs.push(batcher.runs.clone());
-            tokens.push(out);
-            looks.push(steps);
-        }
-        for (i, (_, max_new)) in jobs.iter().enumerate() {
-            assert_eq!(tokens[0][i].len(), *max_new, "{name}: sequence {i}");
-            assert_eq!(tokens[1][i], tokens[0][i], "{name}: sequence {i}, chained");
-        }
-        assert_eq!(runs[1], runs[0], "{name}: replays per bucket");
-        // The host looked at the tokens after fewer calls: steps were chained.
-        assert!(looks[1] < looks[0] / 4, "{name}: {looks:?} calls");
-        println!(
-            "ok: {name}: chained steps give the single steps' tokens ({:?}; {looks:?} calls)",
-            runs[0]
-        );
+        assert_chained_steps_match(&art, &mut cuda(&art), name);
     }
 }
 

@@ -6,8 +6,8 @@ use kiln_ir::inputs::TokenBatch;
 use kiln_runtime::generate::{generate, Sampling};
 use kiln_runtime::{forward::forward, Artifact, Device, Executor};
 use kiln_tests::{
-    assert_decoder_references, assert_embeddings_close, assert_greedy_tokens, compile_artifact,
-    fixture, masked_rel_err, minilm_dir, reference,
+    assert_chained_steps_match, assert_decoder_references, assert_embeddings_close,
+    assert_greedy_tokens, compile_artifact, fixture, masked_rel_err, minilm_dir, reference,
 };
 
 /// The CPU executor, which must be the generated kernels (not the interpreter) for an f32 build.
@@ -45,6 +45,28 @@ fn decoders_match_references_on_the_cpu_executor() {
         for _ in 0..2 {
             assert_greedy_tokens(&art, &mut exec, name, "on the CPU executor");
         }
+    }
+}
+
+/// Greedy decode steps chained on the CPU executor (each step's tokens become the next step's
+/// ids at the next positions, as the GPU's advancing token choice leaves them) give the tokens
+/// of single steps.
+#[test]
+fn chained_decode_steps_match_single_steps_on_the_cpu_executor() {
+    let tmp = tempfile::tempdir().unwrap();
+    for name in ["gpt2-tiny", "llama-tiny"] {
+        let args = [
+            "--buckets",
+            "16",
+            "--batch-buckets",
+            "1,4",
+            "--max-context",
+            "128",
+            "--prefill-chunk",
+            "4",
+        ];
+        let art = compile_artifact(&fixture(name), &tmp.path().join(name), &args);
+        assert_chained_steps_match(&art, &mut native(&art), name);
     }
 }
 
