@@ -522,11 +522,24 @@ pub fn strip_cubin(dir: &Path) {
     reseal_checksums(dir);
 }
 
+/// `kiln compile` flags of an artifact [`assert_chained_steps_match`] takes: decode batches of 1
+/// and 4, prompt chunks of 4 tokens, a context of 128.
+pub const CHAINED_ARTIFACT: [&str; 8] = [
+    "--buckets",
+    "16",
+    "--batch-buckets",
+    "1,4",
+    "--max-context",
+    "128",
+    "--prefill-chunk",
+    "4",
+];
+
 /// Greedy decode steps chained by `exec` (`Batcher::with_steps_ahead`) give the tokens of steps
 /// the caller sees one at a time, for sequences decoded together that want different numbers of
 /// tokens (so sequences leave between chains and prompts join as the chunk bucket frees up), in
-/// as many runs of each bucket and with fewer calls. `art` needs a decode batch of 4 and a
-/// context of 80.
+/// as many runs of each bucket and with fewer calls. `art` is compiled with
+/// [`CHAINED_ARTIFACT`].
 pub fn assert_chained_steps_match(
     art: &kiln_runtime::Artifact,
     exec: &mut kiln_runtime::Executor,

@@ -10,6 +10,7 @@ use kiln_tests::{
     assert_chained_steps_match, assert_close_for, assert_decoder_references,
     assert_embeddings_close, assert_greedy_tokens, compile_artifact, fixture, floats,
     kiln_run_forward, kiln_run_greedy, masked_rel_err, minilm_dir, reference, rel_err, strip_cubin,
+    CHAINED_ARTIFACT,
 };
 
 fn gpu() -> bool {
@@ -105,18 +106,7 @@ fn chained_decode_steps_match_single_steps_on_the_gpu() {
     let tmp = tempfile::tempdir().unwrap();
     for name in ["gpt2-tiny", "llama-tiny"] {
         let dir = tmp.path().join(format!("{name}.kiln"));
-        let args = [
-            "--buckets",
-            "16",
-            "--batch-buckets",
-            "1,4",
-            "--max-context",
-            "128",
-            "--prefill-chunk",
-            "4",
-            "--dtype",
-            "bf16",
-        ];
+        let args = [&CHAINED_ARTIFACT[..], &["--dtype", "bf16"]].concat();
         let art = compile_artifact(&fixture(name), &dir, &args);
         assert_chained_steps_match(&art, &mut cuda(&art), name);
     }

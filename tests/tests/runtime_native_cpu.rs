@@ -8,6 +8,7 @@ use kiln_runtime::{forward::forward, Artifact, Device, Executor};
 use kiln_tests::{
     assert_chained_steps_match, assert_decoder_references, assert_embeddings_close,
     assert_greedy_tokens, compile_artifact, fixture, masked_rel_err, minilm_dir, reference,
+    CHAINED_ARTIFACT,
 };
 
 /// The CPU executor, which must be the generated kernels (not the interpreter) for an f32 build.
@@ -55,17 +56,7 @@ fn decoders_match_references_on_the_cpu_executor() {
 fn chained_decode_steps_match_single_steps_on_the_cpu_executor() {
     let tmp = tempfile::tempdir().unwrap();
     for name in ["gpt2-tiny", "llama-tiny"] {
-        let args = [
-            "--buckets",
-            "16",
-            "--batch-buckets",
-            "1,4",
-            "--max-context",
-            "128",
-            "--prefill-chunk",
-            "4",
-        ];
-        let art = compile_artifact(&fixture(name), &tmp.path().join(name), &args);
+        let art = compile_artifact(&fixture(name), &tmp.path().join(name), &CHAINED_ARTIFACT);
         assert_chained_steps_match(&art, &mut native(&art), name);
     }
 }
