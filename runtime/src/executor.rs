@@ -156,7 +156,9 @@ impl Executor {
     ) -> Result<Option<Vec<Vec<i64>>>, RuntimeError> {
         match self {
             Executor::Cuda(c) if c.has(&entry.graph) => c.replay_steps(&entry.graph, inputs, steps),
-            Executor::Cpu(c) if c.has(&entry.graph) => {
+            Executor::Cpu(c)
+                if c.has(&entry.graph) && ADVANCED.iter().all(|n| inputs.contains_key(*n)) =>
+            {
                 let mut inputs = inputs.clone();
                 let vocab = art.manifest.model.vocab_size;
                 let greedy = crate::generate::Sampling::greedy();
@@ -232,6 +234,9 @@ impl Executor {
         }
     }
 }
+
+/// The inputs [`advance`] reads and writes.
+const ADVANCED: [&str; 3] = ["input_ids", "position_ids", "attention_mask"];
 
 /// What a decode step that advances its inputs leaves for the next step (the device's
 /// `argmax_advance`): each row whose `attention_mask` is not 0 gets its chosen token as its
