@@ -87,7 +87,7 @@ pub struct Batcher<'a> {
     rows: Vec<Option<Seq>>,
     /// Prompt chunks run before each decode step (the per-step prompt budget).
     chunks_per_step: usize,
-    /// Decode steps one [`Batcher::step`] may run back to back on the device (see
+    /// Decode steps one [`Batcher::step`] may chain (see
     /// [`Batcher::with_steps_ahead`]).
     steps_ahead: usize,
     /// Seconds spent in decode steps in which every sequence was past its prompt.

@@ -297,7 +297,7 @@ pub fn check_plan(
         if plan.tokens.is_none() {
             return Err(bad("it advances its inputs but chooses no tokens".into()));
         }
-        for name in ADVANCED_INPUTS {
+        for name in crate::executor::ADVANCED_INPUTS {
             let fits = |s: &&TensorSlot| {
                 s.name == name && s.dtype == DType::I64 && s.shape == [entry.batch, 1]
             };
@@ -311,10 +311,6 @@ pub fn check_plan(
     }
     Ok(())
 }
-
-/// The inputs a decode step that advances its inputs ([`ExecPlan::advances`]) leaves in place
-/// for the next step.
-const ADVANCED_INPUTS: [&str; 3] = ["input_ids", "position_ids", "attention_mask"];
 
 /// The most decode steps [`CudaExecutor::replay_steps`] queues at once.
 pub const MAX_STEPS: usize = 64;

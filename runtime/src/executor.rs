@@ -157,7 +157,8 @@ impl Executor {
         match self {
             Executor::Cuda(c) if c.has(&entry.graph) => c.replay_steps(&entry.graph, inputs, steps),
             Executor::Cpu(c)
-                if c.has(&entry.graph) && ADVANCED.iter().all(|n| inputs.contains_key(*n)) =>
+                if c.has(&entry.graph)
+                    && ADVANCED_INPUTS.iter().all(|n| inputs.contains_key(*n)) =>
             {
                 let mut inputs = inputs.clone();
                 let vocab = art.manifest.model.vocab_size;
@@ -235,8 +236,9 @@ impl Executor {
     }
 }
 
-/// The inputs [`advance`] reads and writes.
-const ADVANCED: [&str; 3] = ["input_ids", "position_ids", "attention_mask"];
+/// The inputs a decode step that advances them leaves for the next step (`ExecPlan::advances` on
+/// the device, [`advance`] on the host).
+pub(crate) const ADVANCED_INPUTS: [&str; 3] = ["input_ids", "position_ids", "attention_mask"];
 
 /// What a decode step that advances its inputs leaves for the next step (the device's
 /// `argmax_advance`): each row whose `attention_mask` is not 0 gets its chosen token as its
