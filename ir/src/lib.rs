@@ -26,6 +26,7 @@ pub mod kernel;
 pub mod op;
 pub mod philox;
 pub mod rope;
+pub mod sampling;
 pub mod tensor;
 
 pub use dim::{Dim, Shape};

@@ -186,7 +186,9 @@ fn load_chunk(k: &mut Kernel, elem: Elem, addr: Reg, when: Reg, per: u32) -> Vec
 /// `logits [rows, vocab]`, `params [rows, 4]` (f32: temperature, top_k, top_p, u), `out [rows]`
 /// (i64). Per-request values live in device memory, so one captured graph serves every request.
 ///
-/// Semantics (the reference the GPU tests check): with `m` the row's largest logit and
+/// An f32 approximation of `kiln_runtime::generate::choose` (whose integer weights it does not
+/// follow yet; generation does not launch it). Semantics (the reference the GPU tests check):
+/// with `m` the row's largest logit and
 /// `w_i = exp((x_i - m) / temperature)`, top-k keeps every logit `>=` the k-th largest (ties kept;
 /// `top_k` 0 keeps all); top-p then keeps the logits `>= t` for the largest `t` whose kept mass is
 /// at least `top_p` times the top-k mass (`top_p` >= 1 keeps all); the sample is the smallest index

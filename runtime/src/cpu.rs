@@ -208,7 +208,7 @@ impl CpuExecutor {
             u64::from(sampling.temperature.to_bits()),
             sampling.top_k as u64,
             u64::from(sampling.top_p.to_bits()),
-            crate::generate::uniform(sampling, step).to_bits(),
+            u64::from(crate::generate::uniform_word(sampling, step)),
         ];
         // SAFETY: the sampler was generated for rows of `scratch.len()` logits (the artifact's
         // vocabulary), which `logits` holds; `scratch` has the 8 bytes per logit it needs and

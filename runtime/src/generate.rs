@@ -211,17 +211,25 @@ pub(crate) fn chosen(tokens: &[i64], n: usize, vocab: usize) -> Result<Vec<usize
         .collect()
 }
 
-/// Step `step`'s uniform in `[0, 1)`: the first word of Philox-4x32-10 at counter
-/// `(step, 0, 0, 0)` under the seed's key, over 2^32.
-pub fn uniform(sampling: &Sampling, step: u32) -> f64 {
-    let word = philox4x32_10([step, 0, 0, 0], seed_key(sampling.seed))[0];
-    f64::from(word) / 4_294_967_296.0
+/// Step `step`'s uniform 32-bit word: the first word of Philox-4x32-10 at counter
+/// `(step, 0, 0, 0)` under the seed's key.
+pub fn uniform_word(sampling: &Sampling, step: u32) -> u32 {
+    philox4x32_10([step, 0, 0, 0], seed_key(sampling.seed))[0]
 }
 
-/// The token for `logits` under `sampling` (the semantics of the GPU sampling kernel and of the
-/// generated CPU sampler, `kiln_kernels::cpu::sampling`; executors with a generated sampler use
-/// it through [`Executor::choose`]).
+/// The token for `logits` under `sampling` (the definition the generated CPU sampler,
+/// `kiln_kernels::cpu::sampling`, follows bit for bit; executors with a generated sampler use it
+/// through [`Executor::choose`]). Temperature 0 takes the first largest logit (NaN never wins; a
+/// row without a value above -inf takes 0). Otherwise each logit weighs the integer
+/// [`kiln_ir::sampling::weight`]; top-k keeps every logit `>=` the k-th largest (ties kept; 0
+/// keeps all); top-p then keeps the logits `>= t` for the largest logit `t` whose kept mass
+/// reaches `top_p` of the top-k mass ([`kiln_ir::sampling::reaches`]), logits ordered as their
+/// keys ([`kiln_ir::sampling::ordered_key`]: float order, NaN outside it); the token is the first
+/// kept index whose running mass exceeds the step's target
+/// ([`kiln_ir::sampling::target`] of its Philox word), or the last kept index when no mass is
+/// left. Masses are integers, so the order of the sums does not matter.
 pub fn choose(logits: &[f32], sampling: &Sampling, step: u32) -> usize {
+    use kiln_ir::sampling::{ordered_key, reaches, target, top_p_fixed, weight};
     if sampling.temperature <= 0.0 {
         return logits
             .iter()
@@ -236,49 +244,96 @@ pub fn choose(logits: &[f32], sampling: &Sampling, step: u32) -> usize {
             .0;
     }
     let m = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    let w: Vec<f64> = logits
+    let w: Vec<u64> = logits
         .iter()
-        .map(|&x| ((f64::from(x) - f64::from(m)) / f64::from(sampling.temperature)).exp())
+        .map(|&x| u64::from(weight(x, m, sampling.temperature)))
         .collect();
-    let mut sorted = logits.to_vec();
-    sorted.sort_by(|a, b| b.total_cmp(a));
+    // Thresholds are keys (`ordered_key`): 0 keeps every logit.
+    let keys: Vec<u32> = logits.iter().map(|&x| ordered_key(x)).collect();
+    let mut sorted = keys.clone();
+    sorted.sort_unstable_by(|a, b| b.cmp(a));
     let k = sampling.top_k;
     let t_k = if k == 0 || k >= logits.len() {
-        f32::NEG_INFINITY
+        0
     } else {
         sorted[k - 1]
     };
-    let mass = |t: f32| -> f64 {
-        logits
-            .iter()
+    let mass = |t: u32| -> u64 {
+        keys.iter()
             .zip(&w)
-            .filter(|(x, _)| **x >= t)
+            .filter(|(key, _)| **key >= t)
             .map(|(_, w)| w)
             .sum()
     };
     let z_k = mass(t_k);
     let mut t = t_k;
     if sampling.top_p < 1.0 {
-        for &cand in sorted.iter().filter(|c| **c >= t_k) {
-            if mass(cand) >= f64::from(sampling.top_p) * z_k {
-                t = cand;
-                break;
-            }
+        let p = top_p_fixed(sampling.top_p);
+        if let Some(&c) = sorted
+            .iter()
+            .filter(|c| **c >= t_k)
+            .find(|c| reaches(mass(**c), p, z_k))
+        {
+            t = c;
         }
     }
     let z = mass(t);
-    let target = uniform(sampling, step) * z;
-    let mut running = 0.0;
+    let goal = target(uniform_word(sampling, step), z);
+    let mut running = 0u64;
     let mut last = 0;
-    for (i, (x, wi)) in logits.iter().zip(&w).enumerate() {
-        if *x < t {
+    for (i, (key, wi)) in keys.iter().zip(&w).enumerate() {
+        if *key < t {
             continue;
         }
         running += wi;
         last = i;
-        if running > target {
+        if running > goal {
             return i;
         }
     }
     last
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sampling(temperature: f32, top_k: usize, top_p: f32) -> Sampling {
+        Sampling {
+            temperature,
+            top_k,
+            top_p,
+            seed: 11,
+        }
+    }
+
+    /// The integer weights draw in softmax proportions: logits 0, ln 2, ln 4 at temperature 1
+    /// are picked about 1/7, 2/7 and 4/7 of the time.
+    #[test]
+    fn draws_follow_the_softmax() {
+        let logits = [0.0, 2f32.ln(), 4f32.ln()];
+        let mut counts = [0usize; 3];
+        let steps = 70_000;
+        for step in 0..steps {
+            counts[choose(&logits, &sampling(1.0, 0, 1.0), step)] += 1;
+        }
+        for (i, want) in [1.0, 2.0, 4.0].iter().enumerate() {
+            let share = counts[i] as f64 / f64::from(steps);
+            assert!((share - want / 7.0).abs() < 0.01, "{counts:?}");
+        }
+    }
+
+    /// Top-k of 1, or a top-p no mass reaches short of the largest logit, leaves the largest;
+    /// top-k of 2 never picks the third; NaN logits weigh nothing.
+    #[test]
+    fn filters_keep_what_they_say() {
+        let logits = [0.5, 3.0, f32::NAN, 2.9, -1.0];
+        for step in 0..200 {
+            assert_eq!(choose(&logits, &sampling(1.0, 1, 1.0), step), 1);
+            assert_eq!(choose(&logits, &sampling(1.0, 0, 1e-6), step), 1);
+            let two = choose(&logits, &sampling(1.0, 2, 1.0), step);
+            assert!(two == 1 || two == 3, "step {step}: {two}");
+            assert_ne!(choose(&logits, &sampling(0.7, 0, 0.99), step), 2);
+        }
+    }
 }

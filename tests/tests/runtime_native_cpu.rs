@@ -159,7 +159,8 @@ fn half_precision_builds_run_on_the_cpu_executor() {
 }
 
 /// Sampling on the CPU runs the artifact's generated sampler: it picks the runtime reference's
-/// token (`generate::choose`) on random rows for every mode, and a seeded top-k/top-p generation
+/// token (`generate::choose`, integer weights: the same bits) on random rows for every mode,
+/// NaN and -inf logits among them, and a seeded top-k/top-p generation
 /// through the CPU executor gives the interpreter's tokens.
 #[test]
 fn generated_sampler_matches_the_reference() {
@@ -200,7 +201,7 @@ fn generated_sampler_matches_the_reference() {
     let mut state = 0x9e37_79b9_7f4a_7c15u64;
     for mode in &modes {
         for step in 0..200u32 {
-            let row: Vec<f32> = (0..vocab)
+            let mut row: Vec<f32> = (0..vocab)
                 .map(|_| {
                     state ^= state << 13;
                     state ^= state >> 7;
@@ -208,6 +209,13 @@ fn generated_sampler_matches_the_reference() {
                     (state >> 40) as f32 / (1u64 << 24) as f32 * 12.0 - 6.0
                 })
                 .collect();
+            if step % 8 == 0 {
+                // NaN (of either sign: below every key) and -inf (no weight) among the logits.
+                let s = step as usize;
+                row[(s * 7) % vocab] = f32::NAN;
+                row[(s * 13 + 1) % vocab] = -f32::NAN;
+                row[(s * 31 + 2) % vocab] = f32::NEG_INFINITY;
+            }
             let got = exec.choose(&row, mode, step).unwrap();
             assert_eq!(got, choose(&row, mode, step), "{mode:?} step {step}");
         }

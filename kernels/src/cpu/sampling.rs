@@ -1,26 +1,26 @@
-//! Token choice from a row of logits on the CPU, with the semantics of the GPU sampling kernel
-//! (`crate::sampling`) and of the runtime's reference (`kiln_runtime::generate::choose`):
+//! Token choice from a row of logits on the CPU, bit for bit the runtime's reference
+//! (`kiln_runtime::generate::choose`):
 //!
 //! - temperature <= 0: the index of the largest logit (the first on ties);
-//! - otherwise, with `m` the largest logit and `w_i = exp((x_i - m) / temperature)`, top-k keeps
-//!   every logit `>=` the k-th largest (ties kept; 0 keeps all), top-p then keeps the logits
-//!   `>= t` for the largest `t` whose kept mass is at least `top_p` times the top-k mass (1 keeps
-//!   all), and the token is the smallest index whose running kept mass (index order, f64)
-//!   exceeds `u` times the kept mass, or the last kept index when rounding leaves none.
+//! - otherwise each logit weighs the integer `kiln_ir::sampling::weight` (f32 operations in the
+//!   reference's order, so the same bits); top-k keeps every logit whose key is `>=` the k-th
+//!   largest (ties kept; 0 keeps all), top-p then keeps the logits `>= t` for the largest key `t`
+//!   whose kept mass reaches `top_p` of the top-k mass (`kiln_ir::sampling::reaches`, in 128
+//!   bits), and the token is the first index whose running kept mass (integer) exceeds the
+//!   step's target (`kiln_ir::sampling::target`), or the last kept index when no mass is left.
 //!
-//! Thresholds are found by bisection over the logits' ordered bit patterns (32 passes over the
-//! row), so they are exact logit values and no sort is needed.
+//! Thresholds are found by bisection over the logits' ordered keys (32 passes over the row), so
+//! they are logits' keys and no sort is needed.
 //!
 //! Parameters: `logits` (f32 `[rows, vocab]`), `out` (i64 `[rows]`), `scratch` (8 bytes per
 //! logit: the weights and the ordered keys), then `temperature` (f32 bits), `top_k`, `top_p` (f32
-//! bits) and `u` (f64 bits, in `[0, 1)`); the parallel axis is rows.
+//! bits) and the step's uniform 32-bit word; the parallel axis is rows.
 
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
-use cranelift_codegen::ir::types::{F32, F64, I32, I64};
+use cranelift_codegen::ir::types::{F32, I32, I64};
 use cranelift_codegen::ir::{InstBuilder, MemFlagsData, Value};
 use cranelift_frontend::FunctionBuilder;
 
-use super::math::exp;
 use super::module::{for_range, if_then, Args, CpuError, CpuModule};
 
 /// Bisection steps: one per bit of a key.
@@ -53,8 +53,7 @@ pub fn sample(module: &mut CpuModule, vocab: u32) -> Result<String, CpuError> {
         let top_k = args.next(b);
         let bits = args.next(b);
         let top_p = f32_arg(b, bits);
-        let bits = args.next(b);
-        let u = b.ins().bitcast(F64, MemFlagsData::new(), bits);
+        let word = args.next(b);
         let flags = MemFlagsData::new().with_notrap();
         for_range(b, p.begin, p.end, 1, |b, row| {
             let x = b.ins().imul_imm_s(row, v * 4);
@@ -95,16 +94,10 @@ pub fn sample(module: &mut CpuModule, vocab: u32) -> Result<String, CpuError> {
             if_then(b, sampling, |b| {
                 // Weights and ordered keys.
                 let m = b.use_var(best);
-                let m = b.ins().fpromote(F64, m);
-                let t = b.ins().fpromote(F64, temperature);
                 for_range(b, zero, n, 1, |b, i| {
                     let a = elem(b, x, i);
                     let xi = b.ins().load(F32, flags, a, 0);
-                    let wide = b.ins().fpromote(F64, xi);
-                    let d = b.ins().fsub(wide, m);
-                    let d = b.ins().fdiv(d, t);
-                    let d = b.ins().fdemote(F32, d);
-                    let wi = exp(b, F32, d);
+                    let wi = weight(b, xi, m, temperature);
                     let a = elem(b, w, i);
                     b.ins().store(flags, wi, a, 0);
                     let key = ordered_key(b, xi);
@@ -132,41 +125,44 @@ pub fn sample(module: &mut CpuModule, vocab: u32) -> Result<String, CpuError> {
                 let one = b.ins().f32const(1.0);
                 let partial = b.ins().fcmp(FloatCC::LessThan, top_p, one);
                 if_then(b, partial, |b| {
-                    let p = b.ins().fpromote(F64, top_p);
-                    let want = b.ins().fmul(p, z_k);
+                    let scale = b.ins().f32const(kiln_ir::sampling::power_of_two(32));
+                    let p = b.ins().fmul(top_p, scale);
+                    let p = b.ins().fcvt_to_uint_sat(I64, p);
                     let found = bisect(b, t_k, |b, mid| {
                         let mass = mass_at_least(b, w, keys, n, mid);
-                        b.ins().fcmp(FloatCC::GreaterThanOrEqual, mass, want)
+                        reaches(b, mass, p, z_k)
                     });
                     b.def_var(threshold, found);
                 });
                 let t = b.use_var(threshold);
                 let z = mass_at_least(b, w, keys, n, t);
-                let target = b.ins().fmul(u, z);
+                // floor(word * z / 2^32), the product in 128 bits.
+                let hi = b.ins().umulhi(word, z);
+                let lo = b.ins().imul(word, z);
+                let hi = b.ins().ishl_imm_s(hi, 32);
+                let lo = b.ins().ushr_imm_s(lo, 32);
+                let target = b.ins().bor(hi, lo);
 
                 // The draw: the first index whose running kept mass passes the target.
-                let running = b.declare_var(F64);
+                let running = b.declare_var(I64);
                 let last = b.declare_var(I64);
                 let hit = b.declare_var(I64);
-                let zero_d = b.ins().f64const(0.0);
                 let none = b.ins().iconst(I64, -1);
-                b.def_var(running, zero_d);
+                b.def_var(running, zero);
                 b.def_var(last, zero);
                 b.def_var(hit, none);
                 for_range(b, zero, n, 1, |b, i| {
                     let kept = kept(b, keys, i, t);
-                    let a = elem(b, w, i);
-                    let wi = b.ins().load(F32, flags, a, 0);
-                    let wi = b.ins().fpromote(F64, wi);
-                    let add = b.ins().select(kept, wi, zero_d);
+                    let wi = load_weight(b, w, i);
+                    let add = b.ins().select(kept, wi, zero);
                     let r = b.use_var(running);
-                    let r = b.ins().fadd(r, add);
+                    let r = b.ins().iadd(r, add);
                     b.def_var(running, r);
                     let l = b.use_var(last);
                     let l = b.ins().select(kept, i, l);
                     b.def_var(last, l);
                     let h = b.use_var(hit);
-                    let past = b.ins().fcmp(FloatCC::GreaterThan, r, target);
+                    let past = b.ins().icmp(IntCC::UnsignedGreaterThan, r, target);
                     let unset = b.ins().icmp_imm_s(IntCC::SignedLessThan, h, 0);
                     let first = b.ins().band(past, unset);
                     let first = b.ins().band(first, kept);
@@ -194,13 +190,16 @@ fn f32_arg(b: &mut FunctionBuilder, bits: Value) -> Value {
     b.ins().bitcast(F32, MemFlagsData::new(), low)
 }
 
-/// `x`'s bits mapped so that unsigned order is float order: negative values flipped entirely,
-/// positive ones with the sign bit set.
+/// `kiln_ir::sampling::ordered_key(x)`: `x`'s bits mapped so that unsigned order is float order
+/// (negative values flipped entirely, positive ones with the sign bit set), NaN to 0.
 fn ordered_key(b: &mut FunctionBuilder, x: Value) -> Value {
     let bits = b.ins().bitcast(I32, MemFlagsData::new(), x);
     let sign = b.ins().sshr_imm_s(bits, 31);
     let flip = b.ins().bor_imm_s(sign, i64::from(i32::MIN));
-    b.ins().bxor(bits, flip)
+    let key = b.ins().bxor(bits, flip);
+    let nan = b.ins().fcmp(FloatCC::Unordered, x, x);
+    let zero = b.ins().iconst(I32, 0);
+    b.ins().select(nan, zero, key)
 }
 
 /// Whether key `i` (zero-extended) is at least `t`.
@@ -227,24 +226,70 @@ fn count_at_least(b: &mut FunctionBuilder, keys: Value, n: Value, t: Value) -> V
     b.use_var(count)
 }
 
-/// The f64 sum, in index order, of the weights whose keys are at least `t`.
+/// The sum of the weights whose keys are at least `t` (an integer: any order gives it).
 fn mass_at_least(b: &mut FunctionBuilder, w: Value, keys: Value, n: Value, t: Value) -> Value {
-    let mass = b.declare_var(F64);
-    let zero = b.ins().f64const(0.0);
+    let mass = b.declare_var(I64);
+    let zero = b.ins().iconst(I64, 0);
     b.def_var(mass, zero);
-    let start = b.ins().iconst(I64, 0);
-    for_range(b, start, n, 1, |b, i| {
+    for_range(b, zero, n, 1, |b, i| {
         let k = kept(b, keys, i, t);
-        let off = b.ins().imul_imm_s(i, 4);
-        let a = b.ins().iadd(w, off);
-        let wi = b.ins().load(F32, MemFlagsData::new().with_notrap(), a, 0);
-        let wi = b.ins().fpromote(F64, wi);
+        let wi = load_weight(b, w, i);
         let add = b.ins().select(k, wi, zero);
         let m = b.use_var(mass);
-        let m = b.ins().fadd(m, add);
+        let m = b.ins().iadd(m, add);
         b.def_var(mass, m);
     });
     b.use_var(mass)
+}
+
+/// Weight `i` (a u32), widened.
+fn load_weight(b: &mut FunctionBuilder, w: Value, i: Value) -> Value {
+    let off = b.ins().imul_imm_s(i, 4);
+    let a = b.ins().iadd(w, off);
+    let wi = b.ins().load(I32, MemFlagsData::new().with_notrap(), a, 0);
+    b.ins().uextend(I64, wi)
+}
+
+/// `kiln_ir::sampling::weight(x, m, t)` as a u32, in the same f32 operations.
+fn weight(b: &mut FunctionBuilder, x: Value, m: Value, t: Value) -> Value {
+    use kiln_ir::sampling::{EXP2, SCALE};
+    let d = b.ins().fsub(x, m);
+    let d = b.ins().fdiv(d, t);
+    let log2e = b.ins().f32const(std::f32::consts::LOG2_E);
+    let y = b.ins().fmul(d, log2e);
+    // y >= -SCALE, false for NaN; below it (or NaN) y becomes -SCALE - 1 and weighs 0.
+    let low = b.ins().f32const(-(SCALE as f32));
+    let inside = b.ins().fcmp(FloatCC::GreaterThanOrEqual, y, low);
+    let n = b.ins().floor(y);
+    let f = b.ins().fsub(y, n);
+    let mut p = b.ins().f32const(EXP2[0]);
+    for c in &EXP2[1..] {
+        let c = b.ins().f32const(*c);
+        p = b.ins().fma(p, f, c);
+    }
+    // 2^(n + SCALE) from its exponent bits, n in [-SCALE, 0] where it counts.
+    let n = b.ins().fcvt_to_sint_sat(I32, n);
+    let e = b.ins().iadd_imm_s(n, i64::from(SCALE + 127));
+    let e = b.ins().ishl_imm_s(e, 23);
+    let scale = b.ins().bitcast(F32, MemFlagsData::new(), e);
+    let v = b.ins().fmul(p, scale);
+    let v = b.ins().fcvt_to_uint_sat(I32, v);
+    let zero = b.ins().iconst(I32, 0);
+    b.ins().select(inside, v, zero)
+}
+
+/// Whether `mass` reaches `p` (`top_p` times 2^32) of `total`: `mass * 2^32 >= p * total` in 128
+/// bits (high words compared, then low words).
+fn reaches(b: &mut FunctionBuilder, mass: Value, p: Value, total: Value) -> Value {
+    let l_hi = b.ins().ushr_imm_s(mass, 32);
+    let l_lo = b.ins().ishl_imm_s(mass, 32);
+    let r_hi = b.ins().umulhi(p, total);
+    let r_lo = b.ins().imul(p, total);
+    let above = b.ins().icmp(IntCC::UnsignedGreaterThan, l_hi, r_hi);
+    let level = b.ins().icmp(IntCC::Equal, l_hi, r_hi);
+    let enough = b.ins().icmp(IntCC::UnsignedGreaterThanOrEqual, l_lo, r_lo);
+    let tie = b.ins().band(level, enough);
+    b.ins().bor(above, tie)
 }
 
 /// The largest key in `low..=u32::MAX` for which `holds` (true at `low`, monotone: once false,
