@@ -24,8 +24,8 @@ use kiln_kernels::Elem;
 use rand::{Rng, SeedableRng};
 
 use common::{
-    cache_write_reference, check, check_picks, dropout_mask_reference, dropout_probe,
-    mask_mismatches, reference, reference_with_seed, rope_tables, sampling_reference,
+    cache_write_reference, check, dropout_mask_reference, dropout_probe, mask_mismatches,
+    reference, reference_with_seed, rope_tables,
 };
 
 type KernelFn = unsafe extern "C" fn(*const u64, u64, u64);
@@ -986,9 +986,8 @@ fn strided_ops_match_the_interpreter() {
     );
 }
 
-/// Token choice: greedy rows pick the first largest logit; sampled rows, for a sweep of uniforms
-/// `u` over one row of logits, pick the reference's inverse-CDF token wherever it is not within
-/// rounding of a boundary, and always a token of the reference's kept set.
+/// Token choice: greedy rows pick the first largest logit; sampled rows, for a sweep of uniform
+/// words over one row of logits, pick exactly the runtime's token (`generate::choose_with_word`).
 #[test]
 fn sampling_follows_the_reference() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(19);
@@ -1020,9 +1019,11 @@ fn sampling_follows_the_reference() {
         row[vocab as usize - 1] = top;
         let mut scratch = vec![0u8; sampling::scratch_bytes(vocab) as usize];
         let rows = 256;
-        let us: Vec<f64> = (0..rows).map(|i| (i as f64 + 0.5) / rows as f64).collect();
+        let words: Vec<u32> = (0..rows)
+            .map(|i| ((i as f64 + 0.5) / rows as f64 * 4_294_967_296.0) as u32)
+            .collect();
         let mut got = Vec::new();
-        for u in &us {
+        for word in &words {
             let mut out = -1i64;
             let args = [
                 row.as_ptr() as u64,
@@ -1031,7 +1032,7 @@ fn sampling_follows_the_reference() {
                 u64::from(temperature.to_bits()),
                 top_k,
                 u64::from(top_p.to_bits()),
-                u.to_bits(),
+                u64::from(*word),
             ];
             // SAFETY: one row of `vocab` logits, one i64 out, the scratch the row needs.
             unsafe { f(args.as_ptr(), 0, 1) };
@@ -1046,13 +1047,18 @@ fn sampling_follows_the_reference() {
             println!("ok  {what}: greedy");
             continue;
         }
-        let (kept, z) = sampling_reference(
-            &row,
-            f64::from(temperature),
-            top_k as usize,
-            f64::from(top_p),
-        );
-        let exact = check_picks(&what, &kept, z, &us, &got);
-        println!("ok  {what}: {exact}/{rows} exact");
+        // The runtime's definition, bit for bit.
+        let mode = kiln_runtime::generate::Sampling {
+            temperature,
+            top_k: top_k as usize,
+            top_p,
+            seed: 0,
+        };
+        let want: Vec<i64> = words
+            .iter()
+            .map(|w| kiln_runtime::generate::choose_with_word(&row, &mode, *w) as i64)
+            .collect();
+        assert_eq!(got, want, "{what}");
+        println!("ok  {what}: {rows}/{rows} exact");
     }
 }

@@ -229,6 +229,11 @@ pub fn uniform_word(sampling: &Sampling, step: u32) -> u32 {
 /// ([`kiln_ir::sampling::target`] of its Philox word), or the last kept index when no mass is
 /// left. Masses are integers, so the order of the sums does not matter.
 pub fn choose(logits: &[f32], sampling: &Sampling, step: u32) -> usize {
+    choose_with_word(logits, sampling, uniform_word(sampling, step))
+}
+
+/// [`choose`] with the step's uniform 32-bit `word` given (what a sampler kernel is passed).
+pub fn choose_with_word(logits: &[f32], sampling: &Sampling, word: u32) -> usize {
     use kiln_ir::sampling::{ordered_key, reaches, target, top_p_fixed, weight};
     if sampling.temperature <= 0.0 {
         return logits
@@ -278,7 +283,7 @@ pub fn choose(logits: &[f32], sampling: &Sampling, step: u32) -> usize {
         }
     }
     let z = mass(t);
-    let goal = target(uniform_word(sampling, step), z);
+    let goal = target(word, z);
     let mut running = 0u64;
     let mut last = 0;
     for (i, (key, wi)) in keys.iter().zip(&w).enumerate() {
