@@ -160,28 +160,40 @@ impl Executor {
                 if c.has(&entry.graph)
                     && ADVANCED_INPUTS.iter().all(|n| inputs.contains_key(*n)) =>
             {
-                let mut inputs = inputs.clone();
-                let vocab = art.manifest.model.vocab_size;
-                let greedy = crate::generate::Sampling::greedy();
-                let mut all = Vec::with_capacity(steps);
-                for _ in 0..steps {
-                    let outputs = self.run(art, entry, &inputs)?;
-                    let Some(Data::Float(logits)) = outputs.get("logits").map(|t| &t.data) else {
-                        return Err(RuntimeError::Request(
-                            "the decode graph has no float logits".into(),
-                        ));
-                    };
-                    let tokens = logits
-                        .chunks(vocab)
-                        .map(|row| Ok(self.choose(row, &greedy, 0)? as i64))
-                        .collect::<Result<Vec<i64>, RuntimeError>>()?;
-                    advance(&mut inputs, &tokens)?;
-                    all.push(tokens);
-                }
-                Ok(Some(all))
+                self.chain_on_host(art, entry, inputs, steps).map(Some)
             }
             _ => Ok(None),
         }
+    }
+
+    /// [`Executor::run_greedy_steps`] with the host between the steps: each step runs, its
+    /// greedy tokens are chosen from its logits, and [`advance`] makes the next step's inputs.
+    fn chain_on_host(
+        &mut self,
+        art: &Artifact,
+        entry: &BucketEntry,
+        inputs: &BTreeMap<String, Tensor>,
+        steps: usize,
+    ) -> Result<Vec<Vec<i64>>, RuntimeError> {
+        let mut inputs = inputs.clone();
+        let vocab = art.manifest.model.vocab_size;
+        let greedy = crate::generate::Sampling::greedy();
+        let mut all = Vec::with_capacity(steps);
+        for _ in 0..steps {
+            let outputs = self.run(art, entry, &inputs)?;
+            let Some(Data::Float(logits)) = outputs.get("logits").map(|t| &t.data) else {
+                return Err(RuntimeError::Request(
+                    "the decode graph has no float logits".into(),
+                ));
+            };
+            let tokens = logits
+                .chunks(vocab)
+                .map(|row| Ok(self.choose(row, &greedy, 0)? as i64))
+                .collect::<Result<Vec<i64>, RuntimeError>>()?;
+            advance(&mut inputs, &tokens)?;
+            all.push(tokens);
+        }
+        Ok(all)
     }
 
     /// The token for one row of `logits` under `sampling` at generation step `step`: the
