@@ -414,10 +414,11 @@ pub fn greedy_tokens(g: &Graph, kernels: &mut Lowered) -> Option<TokenChoice> {
             })
             .map(|(id, _, _)| Operand::Value(id))
     };
+    let [ids, positions, mask] = kiln_ir::artifact::ADVANCED_INPUTS;
     let next = [
-        ("ids", step_input("input_ids")),
-        ("positions", step_input("position_ids")),
-        ("mask", step_input("attention_mask")),
+        ("ids", step_input(ids)),
+        ("positions", step_input(positions)),
+        ("mask", step_input(mask)),
     ];
     let advances = next.iter().all(|(_, op)| op.is_some());
     let kernel = kernels.generate(&(elem, rows, vocab, advances), |&(e, r, v, a)| {

@@ -25,6 +25,10 @@ use crate::DType;
 /// arena ([`Region::Counters`]); since version 11 a decode step's plan may advance its own
 /// inputs ([`ExecPlan::advances`]).
 pub const FORMAT_VERSION: u32 = 11;
+/// The inputs a decode step that advances them ([`ExecPlan::advances`]) leaves for the next
+/// step: token ids (each unmasked row's chosen token), positions (one further) and the mask
+/// (unchanged), each i64 `[batch, 1]`.
+pub const ADVANCED_INPUTS: [&str; 3] = ["input_ids", "position_ids", "attention_mask"];
 /// Every region and every tensor in the device allocation starts at a multiple of this many bytes.
 pub const ALIGN: u64 = 256;
 /// The manifest's file name.

@@ -297,7 +297,7 @@ pub fn check_plan(
         if plan.tokens.is_none() {
             return Err(bad("it advances its inputs but chooses no tokens".into()));
         }
-        for name in crate::executor::ADVANCED_INPUTS {
+        for name in kiln_ir::artifact::ADVANCED_INPUTS {
             let fits = |s: &&TensorSlot| {
                 s.name == name && s.dtype == DType::I64 && s.shape == [entry.batch, 1]
             };

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use kiln_ir::artifact::BucketEntry;
+use kiln_ir::artifact::{BucketEntry, ADVANCED_INPUTS};
 use kiln_ir::{Data, Tensor};
 
 use crate::cpu::CpuExecutor;
@@ -248,10 +248,6 @@ impl Executor {
     }
 }
 
-/// The inputs a decode step that advances them leaves for the next step (`ExecPlan::advances` on
-/// the device, [`advance`] on the host).
-pub(crate) const ADVANCED_INPUTS: [&str; 3] = ["input_ids", "position_ids", "attention_mask"];
-
 /// What a decode step that advances its inputs leaves for the next step (the device's
 /// `argmax_advance`): each row whose `attention_mask` is not 0 gets its chosen token as its
 /// `input_ids` and its `position_ids` one further; masked rows keep theirs.
@@ -264,14 +260,15 @@ pub fn advance(inputs: &mut BTreeMap<String, Tensor>, tokens: &[i64]) -> Result<
                 tokens.len()
             ))),
         };
-    let mask = int(inputs, "attention_mask")?;
-    let mut ids = int(inputs, "input_ids")?;
-    let mut positions = int(inputs, "position_ids")?;
+    let [ids_name, positions_name, mask_name] = ADVANCED_INPUTS;
+    let mask = int(inputs, mask_name)?;
+    let mut ids = int(inputs, ids_name)?;
+    let mut positions = int(inputs, positions_name)?;
     for (r, &token) in tokens.iter().enumerate().filter(|(r, _)| mask[*r] != 0) {
         ids[r] = token;
         positions[r] += 1;
     }
-    for (name, values) in [("input_ids", ids), ("position_ids", positions)] {
+    for (name, values) in [(ids_name, ids), (positions_name, positions)] {
         if let Some(t) = inputs.get_mut(name) {
             t.data = Data::Int(values);
         }

@@ -255,13 +255,13 @@ pub fn choose_with_word(logits: &[f32], sampling: &Sampling, word: u32) -> usize
         .collect();
     // Thresholds are keys (`ordered_key`): 0 keeps every logit.
     let keys: Vec<u32> = logits.iter().map(|&x| ordered_key(x)).collect();
-    let mut sorted = keys.clone();
-    sorted.sort_unstable_by(|a, b| b.cmp(a));
+    let mut sorted: Vec<(u32, u64)> = keys.iter().copied().zip(w.iter().copied()).collect();
+    sorted.sort_unstable_by_key(|&(key, _)| std::cmp::Reverse(key));
     let k = sampling.top_k;
     let t_k = if k == 0 || k >= logits.len() {
         0
     } else {
-        sorted[k - 1]
+        sorted[k - 1].0
     };
     let mass = |t: u32| -> u64 {
         keys.iter()
@@ -273,13 +273,21 @@ pub fn choose_with_word(logits: &[f32], sampling: &Sampling, word: u32) -> usize
     let z_k = mass(t_k);
     let mut t = t_k;
     if sampling.top_p < 1.0 {
+        // The kept mass at each key, largest first: a running sum over the sorted logits,
+        // checked where a run of equal keys ends.
         let p = top_p_fixed(sampling.top_p);
-        if let Some(&c) = sorted
+        let mut kept = 0u64;
+        for (i, &(key, wi)) in sorted
             .iter()
-            .filter(|c| **c >= t_k)
-            .find(|c| reaches(mass(**c), p, z_k))
+            .enumerate()
+            .take_while(|(_, (key, _))| *key >= t_k)
         {
-            t = c;
+            kept += wi;
+            let run_ends = sorted.get(i + 1).is_none_or(|next| next.0 != key);
+            if run_ends && reaches(kept, p, z_k) {
+                t = key;
+                break;
+            }
         }
     }
     let z = mass(t);
