@@ -182,42 +182,46 @@ fn load_chunk(k: &mut Kernel, elem: Elem, addr: Reg, when: Reg, per: u32) -> Vec
     }
 }
 
-/// Generates top-k / top-p sampling with temperature: one block per row. Parameters:
-/// `logits [rows, vocab]`, `params [rows, 4]` (f32: temperature, top_k, top_p, u), `out [rows]`
-/// (i64). Per-request values live in device memory, so one captured graph serves every request.
+/// Generates top-k / top-p sampling with temperature: one block per row, bit for bit
+/// `kiln_runtime::generate::choose` (the integer weights of `kiln_ir::sampling`, in the same f32
+/// operations; integer masses, so the block's order of summing does not matter). Parameters:
+/// `logits [rows, vocab]`, `params [rows, 4]` (32-bit words: temperature as f32 bits, top_k,
+/// top_p as f32 bits, the step's uniform word), `out [rows]` (i64). Per-request values live in
+/// device memory, so one captured graph serves every request. A temperature of 0 or less takes
+/// the first largest logit.
 ///
-/// An f32 approximation of `kiln_runtime::generate::choose` (whose integer weights it does not
-/// follow yet; generation does not launch it). Semantics (the reference the GPU tests check):
-/// with `m` the row's largest logit and
-/// `w_i = exp((x_i - m) / temperature)`, top-k keeps every logit `>=` the k-th largest (ties kept;
-/// `top_k` 0 keeps all); top-p then keeps the logits `>= t` for the largest `t` whose kept mass is
-/// at least `top_p` times the top-k mass (`top_p` >= 1 keeps all); the sample is the smallest index
-/// whose running kept mass (in index order) exceeds `u` times the kept mass, or the last kept index
-/// when rounding leaves none. Thresholds are found by bisection over the logits' ordered bit
-/// patterns, so they are exact logit values.
+/// Thresholds are found by bisection over the logits' ordered keys (NaN below every number), so
+/// they are logits' keys; the draw is the first kept index whose running mass exceeds
+/// `floor(word * z / 2^32)`, found by an exclusive scan over threads' contiguous chunks.
 pub fn top_k_top_p(elem: Elem, rows: u32, vocab: u32) -> GeneratedKernel {
-    use crate::reduce::{block_reduce, scratch};
+    use crate::reduce::{block_reduce, block_sum_u64, scratch, scratch_u64};
     let name = format!("sample_top_k_top_p_{}_v{vocab}", elem.name());
     let mut k = Kernel::new(&name);
     let logits = k.param_ptr("logits");
     let params = k.param_ptr("params");
     let out = k.param_ptr("out");
     let red = scratch(&mut k);
-    let prefix = k.shared("prefix", ROW_THREADS * 4);
+    let red64 = scratch_u64(&mut k);
+    let prefix = k.shared("prefix", ROW_THREADS * 8);
     let tid = k.special("tid.x");
     let row = k.special("ctaid.x");
     let base = k.mul_u32(&row, &vocab);
     let pi = k.mul_u32(&row, &4u32);
     let pa = k.address(params, &pi, 4);
-    let temperature = k.ld_global(Elem::F32, pa);
-    let pa1 = k.op2("add.u64", RegClass::B64, &pa, &4u64);
-    let top_k_f = k.ld_global(Elem::F32, pa1);
-    let pa2 = k.op2("add.u64", RegClass::B64, &pa, &8u64);
-    let top_p = k.ld_global(Elem::F32, pa2);
-    let pa3 = k.op2("add.u64", RegClass::B64, &pa, &12u64);
-    let u = k.ld_global(Elem::F32, pa3);
-    let top_k = k.op1("cvt.rzi.u32.f32", RegClass::B32, &top_k_f);
-    let inv_t = k.rcp_f32(&temperature);
+    let word_at = |k: &mut Kernel, i: u64| {
+        let a = k.op2("add.u64", RegClass::B64, &pa, &(4 * i));
+        let v = k.reg(RegClass::B32);
+        k.emit(format!("ld.global.b32 {v}, [{a}]"));
+        v
+    };
+    let t_bits = word_at(&mut k, 0);
+    let top_k = word_at(&mut k, 1);
+    let p_bits = word_at(&mut k, 2);
+    let word = word_at(&mut k, 3);
+    let temperature = k.reg(RegClass::F32);
+    k.emit(format!("mov.b32 {temperature}, {t_bits}"));
+    let top_p = k.reg(RegClass::F32);
+    k.emit(format!("mov.b32 {top_p}, {p_bits}"));
     let chunk = vocab.div_ceil(ROW_THREADS);
 
     // for col in tid..vocab step ROW_THREADS { body(col, x, key) }
@@ -238,15 +242,51 @@ pub fn top_k_top_p(elem: Elem, rows: u32, vocab: u32) -> GeneratedKernel {
         k.place(&done);
     };
 
-    k.comment("the row's largest logit");
-    let local_max = k.mov(RegClass::F32, &F32(f32::NEG_INFINITY));
-    strided(&mut k, "max", &mut |k, _, x, _| {
-        k.emit(format!("max.f32 {local_max}, {local_max}, {x}"));
+    k.comment("the row's largest logit, and the first index holding it");
+    let best = k.mov(RegClass::F32, &F32(f32::NEG_INFINITY));
+    let best_i = k.mov(RegClass::B32, &u32::MAX);
+    strided(&mut k, "max", &mut |k, col, x, _| {
+        let gt = k.setp("gt.f32", &x, &best);
+        k.emit(format!("@{gt} mov.f32 {best}, {x}"));
+        k.emit(format!("@{gt} mov.u32 {best_i}, {col}"));
     });
-    let m = block_reduce(&mut k, local_max, "max.f32", RegClass::F32, &red, tid);
+    let m = block_reduce(&mut k, best, "max.f32", RegClass::F32, &red, tid);
+    // The first index of the largest value: threads holding another value offer MAX.
+    let holds = k.setp("eq.f32", &best, &m);
+    let offer = k.selp(RegClass::B32, "u32", &best_i, &u32::MAX, holds);
+    let first_best = block_reduce(&mut k, offer, "min.u32", RegClass::B32, &red, tid);
+    let none = k.setp("eq.u32", &first_best, &u32::MAX);
+    let greedy_token = k.selp(RegClass::B32, "u32", &0u32, &first_best, none);
+    let store = |k: &mut Kernel, token: &Reg| {
+        let write = k.setp("eq.u32", &tid, &0u32);
+        let skip = k.label("skip_write");
+        k.bra(Some((write, false)), &skip);
+        let wide = k.op1("cvt.u64.u32", RegClass::B64, token);
+        let oa = k.address(out, &row, 8);
+        k.emit(format!("st.global.u64 [{oa}], {wide}"));
+        k.place(&skip);
+    };
+    let sampled = k.label("sampled");
+    let hot = k.setp("gt.f32", &temperature, &F32(0.0));
+    k.bra(Some((hot, true)), &sampled);
+    k.comment("temperature 0: the first largest logit");
+    store(&mut k, &greedy_token);
+    k.emit("ret");
+    k.place(&sampled);
 
-    // Bisection for the largest key t with measure(key >= t) >= target, t in [lo, 2^32 - 1].
-    let bisect = |k: &mut Kernel, what: &str, lo_init: Reg, target: Reg, mass: bool| -> Reg {
+    // The kept mass (u64) at key threshold `t`.
+    let mass = |k: &mut Kernel, what: &str, t: Reg| -> Reg {
+        let local = k.mov(RegClass::B64, &0u64);
+        strided(k, what, &mut |k, _, x, key| {
+            let kept = k.setp("ge.u32", &key, &t);
+            let w = weight(k, x, m, temperature);
+            let wide = k.op1("cvt.u64.u32", RegClass::B64, &w);
+            k.emit(format!("@{kept} add.u64 {local}, {local}, {wide}"));
+        });
+        block_sum_u64(k, local, &red64, tid)
+    };
+    // The largest key t in [lo, 2^32 - 1] for which `holds(t)` (true at lo, monotone).
+    let bisect = |k: &mut Kernel, what: &str, lo_init: Reg, holds: &mut dyn FnMut(&mut Kernel, Reg) -> Reg| -> Reg {
         let lo = k.mov(RegClass::B32, &lo_init);
         let hi = k.mov(RegClass::B32, &u32::MAX);
         let top = k.label(what);
@@ -258,51 +298,45 @@ pub fn top_k_top_p(elem: Elem, rows: u32, vocab: u32) -> GeneratedKernel {
         let half = k.op2("shr.u32", RegClass::B32, &span, &1u32);
         let step = k.add_u32(&half, &1u32);
         let mid = k.add_u32(&lo, &step);
-        let local = k.mov(RegClass::F32, &F32(0.0));
-        strided(k, &format!("{what}_pass"), &mut |k, _, x, key| {
-            let kept = k.setp("ge.u32", &key, &mid);
-            let w = if mass {
-                weight(k, x, m, inv_t)
-            } else {
-                k.mov(RegClass::F32, &F32(1.0))
-            };
-            k.emit(format!("@{kept} add.f32 {local}, {local}, {w}"));
-        });
-        let total = block_reduce(k, local, "add.f32", RegClass::F32, &red, tid);
-        let enough = k.setp("ge.f32", &total, &target);
+        let ok = holds(k, mid);
         let below = k.sub_u32(&mid, &1u32);
-        k.emit(format!("@{enough} mov.u32 {lo}, {mid}"));
-        k.emit(format!("@!{enough} mov.u32 {hi}, {below}"));
+        k.emit(format!("@{ok} mov.u32 {lo}, {mid}"));
+        k.emit(format!("@!{ok} mov.u32 {hi}, {below}"));
         k.bra(None, &top);
         k.place(&done);
         lo
     };
 
-    k.comment("top-k threshold (0 keeps everything)");
+    k.comment("top-k threshold: the largest key with at least top_k logits at or above it");
     let zero = k.mov(RegClass::B32, &0u32);
-    let k_target = k.op1("cvt.rn.f32.u32", RegClass::F32, &top_k);
-    let use_k = k.setp("ne.u32", &top_k, &0u32);
-    let t_k_found = bisect(&mut k, "top_k", zero, k_target, false);
+    let some = k.setp("ne.u32", &top_k, &0u32);
+    let fewer = k.setp("lt.u32", &top_k, &vocab);
+    let use_k = k.reg(RegClass::Pred);
+    k.emit(format!("and.pred {use_k}, {some}, {fewer}"));
+    let t_k_found = bisect(&mut k, "top_k", zero, &mut |k, mid| {
+        let local = k.mov(RegClass::B32, &0u32);
+        strided(k, "top_k_count", &mut |k, _, _, key| {
+            let kept = k.setp("ge.u32", &key, &mid);
+            k.emit(format!("@{kept} add.u32 {local}, {local}, 1"));
+        });
+        let count = block_reduce(k, local, "add.u32", RegClass::B32, &red, tid);
+        k.setp("ge.u32", &count, &top_k)
+    });
     let t_k = k.selp(RegClass::B32, "u32", &t_k_found, &0u32, use_k);
 
-    let kept_mass = |k: &mut Kernel, what: &str, t: Reg| -> Reg {
-        let local = k.mov(RegClass::F32, &F32(0.0));
-        strided(k, what, &mut |k, _, x, key| {
-            let kept = k.setp("ge.u32", &key, &t);
-            let w = weight(k, x, m, inv_t);
-            k.emit(format!("@{kept} add.f32 {local}, {local}, {w}"));
-        });
-        block_reduce(k, local, "add.f32", RegClass::F32, &red, tid)
-    };
-    k.comment("top-p threshold within the top-k set (top_p >= 1 keeps it all)");
-    let z_k = kept_mass(&mut k, "mass_k", t_k);
-    let p_target = k.mul_f32(&z_k, &top_p);
+    k.comment("top-p threshold within the top-k set: mass * 2^32 >= P * z_k in 128 bits");
+    let z_k = mass(&mut k, "mass_k", t_k);
+    let scaled = k.mul_f32(&top_p, &F32(kiln_ir::sampling::power_of_two(32)));
+    let p = k.op1("cvt.rzi.u64.f32", RegClass::B64, &scaled);
     let use_p = k.setp("lt.f32", &top_p, &F32(1.0));
-    let t_p_found = bisect(&mut k, "top_p", t_k, p_target, true);
+    let t_p_found = bisect(&mut k, "top_p", t_k, &mut |k, mid| {
+        let kept = mass(k, "top_p_mass", mid);
+        reaches(k, kept, p, z_k)
+    });
     let t = k.selp(RegClass::B32, "u32", &t_p_found, &t_k, use_p);
-    let z = kept_mass(&mut k, "mass_p", t);
+    let z = mass(&mut k, "mass_p", t);
 
-    k.comment("the last kept index (the answer when rounding leaves the target past the end)");
+    k.comment("the last kept index (the answer when no mass is left)");
     let last = k.mov(RegClass::B32, &0u32);
     strided(&mut k, "last", &mut |k, col, _, key| {
         let kept = k.setp("ge.u32", &key, &t);
@@ -326,50 +360,57 @@ pub fn top_k_top_p(elem: Elem, rows: u32, vocab: u32) -> GeneratedKernel {
         let x = k.ld_global(elem, a);
         let key = ordered_key(k, x);
         let kept = k.setp("ge.u32", &key, &t);
-        let w = weight(k, x, m, inv_t);
-        let wk = k.selp(RegClass::F32, "f32", &w, &F32(0.0), kept);
-        body(k, col, wk);
+        let w = weight(k, x, m, temperature);
+        let w = k.selp(RegClass::B32, "u32", &w, &0u32, kept);
+        let wide = k.op1("cvt.u64.u32", RegClass::B64, &w);
+        body(k, col, wide);
         k.emit(format!("add.u32 {col}, {col}, 1"));
         k.bra(None, &top);
         k.place(&done);
     };
-    let mine = k.mov(RegClass::F32, &F32(0.0));
+    let mine = k.mov(RegClass::B64, &0u64);
     walk(&mut k, "chunk_mass", &mut |k, _, w| {
-        k.emit(format!("add.f32 {mine}, {mine}, {w}"));
+        k.emit(format!("add.u64 {mine}, {mine}, {w}"));
     });
     let pbase = k.reg(RegClass::B32);
     k.emit(format!("mov.u32 {pbase}, {prefix}"));
-    let slot = k.mad_u32(&tid, &4u32, &pbase);
-    k.emit(format!("st.shared.f32 [{slot}], {mine}"));
+    let slot = k.mad_u32(&tid, &8u32, &pbase);
+    k.emit(format!("st.shared.u64 [{slot}], {mine}"));
     k.barrier();
     let leader = k.setp("eq.u32", &tid, &0u32);
     let no_scan = k.label("no_scan");
     k.bra(Some((leader, false)), &no_scan);
-    let running = k.mov(RegClass::F32, &F32(0.0));
+    let running = k.mov(RegClass::B64, &0u64);
     for t_i in 0..ROW_THREADS {
-        let v = k.reg(RegClass::F32);
-        k.emit(format!("ld.shared.f32 {v}, [{pbase}+{}]", t_i * 4));
-        k.emit(format!("st.shared.f32 [{pbase}+{}], {running}", t_i * 4));
-        k.emit(format!("add.f32 {running}, {running}, {v}"));
+        let v = k.reg(RegClass::B64);
+        k.emit(format!("ld.shared.u64 {v}, [{pbase}+{}]", t_i * 8));
+        k.emit(format!("st.shared.u64 [{pbase}+{}], {running}", t_i * 8));
+        k.emit(format!("add.u64 {running}, {running}, {v}"));
     }
     k.place(&no_scan);
     k.barrier();
-    let before = k.reg(RegClass::F32);
-    k.emit(format!("ld.shared.f32 {before}, [{slot}]"));
-    let target = k.mul_f32(&u, &z);
+    let before = k.reg(RegClass::B64);
+    k.emit(format!("ld.shared.u64 {before}, [{slot}]"));
+    k.comment("the target: floor(word * z / 2^32)");
+    let wide_word = k.op1("cvt.u64.u32", RegClass::B64, &word);
+    let hi = k.op2("mul.hi.u64", RegClass::B64, &wide_word, &z);
+    let lo = k.op2("mul.lo.u64", RegClass::B64, &wide_word, &z);
+    let hi = k.op2("shl.b64", RegClass::B64, &hi, &32u32);
+    let lo = k.op2("shr.u64", RegClass::B64, &lo, &32u32);
+    let target = k.op2("or.b64", RegClass::B64, &hi, &lo);
     k.comment("the thread whose chunk holds the target walks it");
     let choice = k.mov(RegClass::B32, &u32::MAX);
-    let after = k.add_f32(&before, &mine);
-    let starts_before = k.setp("le.f32", &before, &target);
-    let ends_after = k.setp("gt.f32", &after, &target);
+    let after = k.op2("add.u64", RegClass::B64, &before, &mine);
+    let starts_before = k.setp("le.u64", &before, &target);
+    let ends_after = k.setp("gt.u64", &after, &target);
     let owner = k.reg(RegClass::Pred);
     k.emit(format!("and.pred {owner}, {starts_before}, {ends_after}"));
     let not_owner = k.label("not_owner");
     k.bra(Some((owner, false)), &not_owner);
-    let acc = k.mov(RegClass::F32, &before);
+    let acc = k.mov(RegClass::B64, &before);
     walk(&mut k, "find", &mut |k, col, w| {
-        k.emit(format!("add.f32 {acc}, {acc}, {w}"));
-        let crossed = k.setp("gt.f32", &acc, &target);
+        k.emit(format!("add.u64 {acc}, {acc}, {w}"));
+        let crossed = k.setp("gt.u64", &acc, &target);
         let unset = k.setp("eq.u32", &choice, &u32::MAX);
         let take = k.reg(RegClass::Pred);
         k.emit(format!("and.pred {take}, {crossed}, {unset}"));
@@ -379,13 +420,7 @@ pub fn top_k_top_p(elem: Elem, rows: u32, vocab: u32) -> GeneratedKernel {
     let picked = block_reduce(&mut k, choice, "min.u32", RegClass::B32, &red, tid);
     let none = k.setp("eq.u32", &picked, &u32::MAX);
     let token = k.selp(RegClass::B32, "u32", &last_kept, &picked, none);
-    let write = k.setp("eq.u32", &tid, &0u32);
-    let skip = k.label("skip_write");
-    k.bra(Some((write, false)), &skip);
-    let wide = k.op1("cvt.u64.u32", RegClass::B64, &token);
-    let oa = k.address(out, &row, 8);
-    k.emit(format!("st.global.u64 [{oa}], {wide}"));
-    k.place(&skip);
+    store(&mut k, &token);
     GeneratedKernel::new(
         k,
         Launch {
@@ -396,19 +431,55 @@ pub fn top_k_top_p(elem: Elem, rows: u32, vocab: u32) -> GeneratedKernel {
     )
 }
 
-/// An order-preserving u32 key of an f32: larger floats get larger keys.
+/// Whether `mass * 2^32 >= p * total` (u64 operands, compared in 128 bits: high words, then low).
+fn reaches(k: &mut Kernel, mass: Reg, p: Reg, total: Reg) -> Reg {
+    let l_hi = k.op2("shr.u64", RegClass::B64, &mass, &32u32);
+    let l_lo = k.op2("shl.b64", RegClass::B64, &mass, &32u32);
+    let r_hi = k.op2("mul.hi.u64", RegClass::B64, &p, &total);
+    let r_lo = k.op2("mul.lo.u64", RegClass::B64, &p, &total);
+    let above = k.setp("gt.u64", &l_hi, &r_hi);
+    let level = k.setp("eq.u64", &l_hi, &r_hi);
+    let enough = k.setp("ge.u64", &l_lo, &r_lo);
+    let out = k.reg(RegClass::Pred);
+    k.emit(format!("and.pred {out}, {level}, {enough}"));
+    k.emit(format!("or.pred {out}, {out}, {above}"));
+    out
+}
+
+/// `kiln_ir::sampling::ordered_key`: an order-preserving u32 key of an f32 (larger floats get
+/// larger keys), NaN 0.
 fn ordered_key(k: &mut Kernel, x: Reg) -> Reg {
     let bits = k.reg(RegClass::B32);
     k.emit(format!("mov.b32 {bits}, {x}"));
     let negative = k.setp("lt.s32", &bits, &0i32);
     let flipped = k.op1("not.b32", RegClass::B32, &bits);
     let marked = k.op2("or.b32", RegClass::B32, &bits, &0x8000_0000u32);
-    k.selp(RegClass::B32, "b32", &flipped, &marked, negative)
+    let key = k.selp(RegClass::B32, "b32", &flipped, &marked, negative);
+    let nan = k.setp("nan.f32", &x, &x);
+    k.selp(RegClass::B32, "b32", &0u32, &key, nan)
 }
 
-/// `exp((x - m) / temperature)` with `inv_t = 1 / temperature`.
-fn weight(k: &mut Kernel, x: Reg, m: Reg, inv_t: Reg) -> Reg {
-    let d = k.sub_f32(&x, &m);
-    let s = k.mul_f32(&d, &inv_t);
-    k.exp_f32(&s)
+/// `kiln_ir::sampling::weight(x, m, t)` as a u32, in the same f32 operations (none contracted).
+fn weight(k: &mut Kernel, x: Reg, m: Reg, t: Reg) -> Reg {
+    use kiln_ir::sampling::{EXP2, SCALE};
+    let d = k.op2("sub.rn.f32", RegClass::F32, &x, &m);
+    let d = k.div_f32(&d, &t);
+    let y = k.mul_f32(&d, &F32(std::f32::consts::LOG2_E));
+    // y >= -SCALE is false for NaN, which weighs 0 like the far tail.
+    let inside = k.setp("ge.f32", &y, &F32(-(SCALE as f32)));
+    let n = k.op1("cvt.rmi.f32.f32", RegClass::F32, &y);
+    let f = k.op2("sub.rn.f32", RegClass::F32, &y, &n);
+    let mut p = k.mov(RegClass::F32, &F32(EXP2[0]));
+    for c in &EXP2[1..] {
+        p = k.fma_f32(&p, &f, &F32(*c));
+    }
+    // 2^(n + SCALE) from its exponent bits.
+    let ni = k.op1("cvt.rzi.sat.s32.f32", RegClass::B32, &n);
+    let e = k.add_u32(&ni, &((SCALE + 127) as u32));
+    let e = k.op2("shl.b32", RegClass::B32, &e, &23u32);
+    let scale = k.reg(RegClass::F32);
+    k.emit(format!("mov.b32 {scale}, {e}"));
+    let v = k.mul_f32(&p, &scale);
+    let w = k.op1("cvt.rzi.sat.u32.f32", RegClass::B32, &v);
+    k.selp(RegClass::B32, "u32", &w, &0u32, inside)
 }
