@@ -286,7 +286,11 @@ pub fn top_k_top_p(elem: Elem, rows: u32, vocab: u32) -> GeneratedKernel {
         block_sum_u64(k, local, &red64, tid)
     };
     // The largest key t in [lo, 2^32 - 1] for which `holds(t)` (true at lo, monotone).
-    let bisect = |k: &mut Kernel, what: &str, lo_init: Reg, holds: &mut dyn FnMut(&mut Kernel, Reg) -> Reg| -> Reg {
+    let bisect = |k: &mut Kernel,
+                  what: &str,
+                  lo_init: Reg,
+                  holds: &mut dyn FnMut(&mut Kernel, Reg) -> Reg|
+     -> Reg {
         let lo = k.mov(RegClass::B32, &lo_init);
         let hi = k.mov(RegClass::B32, &u32::MAX);
         let top = k.label(what);

@@ -26,9 +26,8 @@ use kiln_runtime::cuda::{encode_tensor_map, TensorMap};
 use rand::{Rng as _, SeedableRng};
 
 use common::{
-    cache_write_reference, check, check_picks, dropout_mask_reference, dropout_probe,
-    mask_mismatches, reference, reference_with_seed, rope_tables, sampling_reference,
-    scaled_rope_tables,
+    cache_write_reference, check, dropout_mask_reference, dropout_probe, mask_mismatches,
+    reference, reference_with_seed, rope_tables, scaled_rope_tables,
 };
 
 struct Gpu {
@@ -1507,6 +1506,7 @@ fn rotations_match_the_interpreter() {
 #[test]
 fn top_k_top_p_sampling_follows_the_reference() {
     use kiln_kernels::sampling::top_k_top_p;
+    use kiln_runtime::generate::{choose_with_word, Sampling};
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng::seed_from_u64(0x5a5a_a5a5_1234_4321);
     for elem in ELEMS {
@@ -1515,18 +1515,28 @@ fn top_k_top_p_sampling_follows_the_reference() {
             (4097, 0.7, 50, 1.0),
             (4097, 1.3, 0, 0.9),
             (50257, 1.0, 40, 0.95),
+            (128256, 0.8, 0, 0.9),
             (127, 0.5, 1, 1.0),
+            (127, 0.0, 0, 1.0),
         ] {
             let rows = 256u32;
-            let row: Vec<f32> = values(&mut rng, vocab as usize, 6.0, elem);
+            let mut row: Vec<f32> = values(&mut rng, vocab as usize, 6.0, elem);
+            // A NaN (below every key, no weight) and a tie for the largest logit.
+            row[vocab as usize / 3] = f32::NAN;
+            let top = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            row[vocab as usize - 1] = top;
             let logits: Vec<f32> = (0..rows).flat_map(|_| row.iter().copied()).collect();
-            let us: Vec<f32> = (0..rows).map(|i| (i as f32 + 0.5) / rows as f32).collect();
-            let params: Vec<f32> = us
+            let words: Vec<u32> = (0..rows)
+                .map(|i| ((f64::from(i) + 0.5) / f64::from(rows) * 4_294_967_296.0) as u32)
+                .collect();
+            let params: Vec<u32> = words
                 .iter()
-                .flat_map(|u| [temperature, top_k as f32, top_p, *u])
+                .flat_map(|w| [temperature.to_bits(), top_k, top_p.to_bits(), *w])
                 .collect();
             let kernel = top_k_top_p(elem, rows, vocab);
-            let (bl, bp) = (gpu.upload(elem, &logits), gpu.upload(Elem::F32, &params));
+            let as_f32: Vec<f32> = params.iter().map(|w| f32::from_bits(*w)).collect();
+            let bl = gpu.upload(elem, &logits);
+            let bp = gpu.upload(Elem::F32, &as_f32);
             let out = gpu.upload_i64(&vec![-1; rows as usize]);
             let args = BTreeMap::from([
                 ("logits", Arg::Buf(&bl)),
@@ -1534,19 +1544,19 @@ fn top_k_top_p_sampling_follows_the_reference() {
                 ("out", Arg::Buf(&out)),
             ]);
             gpu.launch(&kernel, &args);
-            let got = gpu.download_i64(&out);
-            let (kept, z) = sampling_reference(
-                &row,
-                f64::from(temperature),
-                top_k as usize,
-                f64::from(top_p),
-            );
-            let us: Vec<f64> = us.iter().map(|&u| f64::from(u)).collect();
-            let exact = check_picks(&kernel.name, &kept, z, &us, &got);
-            println!(
-                "ok  {} T={temperature} k={top_k} p={top_p}: {exact}/{rows} exact",
-                kernel.name
-            );
+            let mode = Sampling {
+                temperature,
+                top_k: top_k as usize,
+                top_p,
+                seed: 0,
+            };
+            let want: Vec<i64> = words
+                .iter()
+                .map(|w| choose_with_word(&row, &mode, *w) as i64)
+                .collect();
+            let what = format!("{} T={temperature} k={top_k} p={top_p}", kernel.name);
+            assert_eq!(gpu.download_i64(&out), want, "{what}");
+            println!("ok  {what}: {rows}/{rows} exact");
         }
     }
 }
