@@ -1,0 +1,529 @@
+//! Times kiln's generated kernels on the GPU (a benchmark, not a test): LayerNorm / RMSNorm bf16
+//! [16384, 4096] against the copy bandwidth, and the bf16 GEMM 4096^3 against its FLOPs. Prints one
+//! JSON object per line; run `shared/gpu/peers.py` in the same script for the peers.
+//!
+//! `cargo run --release -p kiln-kernels --example bench_kernels`
+//!
+//! With `--emit DIR` it times nothing and writes the benchmark cases (`cases.json`: each kernel,
+//! its launch and the tensors it takes, and the peer that does the same work; one PTX module per
+//! kernel) for `scripts/bench-kernels.py`, which runs them and their PyTorch peers in one process.
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::Ptx;
+use kiln_ir::kernel::{Activation, NormKind};
+use kiln_kernels::attention::{attention, AttentionConfig, KeyRule};
+use kiln_kernels::gemm::{gemm, gemm_base, GemmConfig};
+use kiln_kernels::norm::{norm, NormConfig};
+use kiln_kernels::{Elem, GeneratedKernel, ParamType};
+use kiln_runtime::cuda::{encode_tensor_map, TensorMap};
+
+/// The median of 20 launches of `run` (after 3 warm-ups), each timed with CUDA events around it
+/// on `stream`, as the PyTorch peers are timed.
+fn time_ms(stream: &CudaStream, mut run: impl FnMut()) -> f64 {
+    for _ in 0..3 {
+        run();
+    }
+    stream.synchronize().unwrap();
+    let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let mut times = Vec::new();
+    for _ in 0..20 {
+        let start = stream.record_event(timing).unwrap();
+        run();
+        let end = stream.record_event(timing).unwrap();
+        end.synchronize().unwrap();
+        times.push(f64::from(start.elapsed_ms(&end).unwrap()));
+    }
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
+}
+
+fn launch(
+    stream: &std::sync::Arc<CudaStream>,
+    ctx: &std::sync::Arc<CudaContext>,
+    k: &GeneratedKernel,
+    bufs: &[&CudaSlice<u16>],
+) -> impl FnMut() {
+    let module = ctx.load_module(Ptx::from_src(k.module())).unwrap();
+    let f = module.load_function(&k.name).unwrap();
+    if k.launch.shared_bytes > 48 * 1024 {
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            k.launch.shared_bytes as i32,
+        )
+        .unwrap();
+    }
+    let l = k.launch;
+    let cfg = LaunchConfig {
+        grid_dim: (l.grid[0], l.grid[1], l.grid[2]),
+        block_dim: (l.block[0], l.block[1], l.block[2]),
+        shared_mem_bytes: l.shared_bytes,
+    };
+    let bufs: Vec<CudaSlice<u16>> = bufs.iter().map(|b| (*b).clone()).collect();
+    // Tensor maps over the buffers bound to them, in parameter order (encoded once, as at load).
+    let maps: Vec<Option<TensorMap>> = k
+        .signature
+        .iter()
+        .zip(&bufs)
+        .map(|((_, ty), b)| match ty {
+            ParamType::TensorMap(spec) => {
+                Some(encode_tensor_map(spec, b.device_ptr(stream).0).unwrap())
+            }
+            _ => None,
+        })
+        .collect();
+    let stream = stream.clone();
+    move || {
+        let mut b = stream.launch_builder(&f);
+        for (buf, map) in bufs.iter().zip(&maps) {
+            match map {
+                Some(m) => b.arg(m),
+                None => b.arg(buf),
+            };
+        }
+        // SAFETY: the buffers are sized for the kernel's shapes and passed in signature order.
+        unsafe { b.launch(cfg) }.unwrap();
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if let [_, flag, dir] = &args[..] {
+        assert_eq!(flag, "--emit", "usage: bench_kernels [--emit DIR]");
+        emit_cases(std::path::Path::new(dir));
+        return;
+    }
+    // SAFETY: only probes whether libcuda can be opened.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        println!("no GPU driver: nothing to time");
+        return;
+    }
+    let ctx = CudaContext::new(0).unwrap();
+    let stream = ctx.default_stream();
+    let random = |n: usize, seed: u64| -> Vec<u16> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                half::bf16::from_f32(((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).to_bits()
+            })
+            .collect()
+    };
+
+    let (rows, cols) = (16384u32, 4096u32);
+    let n = (rows * cols) as usize;
+    let x = stream.clone_htod(&random(n, 1)).unwrap();
+    let w = stream.clone_htod(&random(cols as usize, 2)).unwrap();
+    let b = stream.clone_htod(&random(cols as usize, 3)).unwrap();
+    let out = stream.clone_htod(&vec![0u16; n]).unwrap();
+    for kind in [NormKind::LayerNorm, NormKind::RmsNorm] {
+        let k = norm(&NormConfig {
+            kind,
+            residual: false,
+            elem: Elem::BF16,
+            rows,
+            cols,
+            eps: 1e-5,
+        });
+        let bufs: Vec<&CudaSlice<u16>> = if kind == NormKind::LayerNorm {
+            vec![&x, &w, &b, &out]
+        } else {
+            vec![&x, &w, &out]
+        };
+        let ms = time_ms(&stream, launch(&stream, &ctx, &k, &bufs));
+        let bytes = 2.0 * n as f64 * 2.0;
+        println!(
+            "{{\"kernel\": \"{}\", \"rows\": {rows}, \"cols\": {cols}, \"ms\": {ms:.4}, \"TBps\": {:.3}}}",
+            k.name,
+            bytes / ms / 1e9
+        );
+    }
+
+    gemms(&stream, &ctx, &random);
+
+    // Attention bf16, head dim 128, seq 4096, causal, 16 heads, batch 4 (the point).
+    let (b, h, sq, d) = (4u32, 16u32, 4096u32, 128u32);
+    let mut cfg = AttentionConfig::plain([b, h, h, sq, sq, d], Elem::BF16);
+    cfg.scale = 1.0 / (d as f32).sqrt();
+    cfg.keys = KeyRule::Causal { window: None };
+    let n = (b * h * sq * d) as usize;
+    let (q, kk, v) = (
+        stream.clone_htod(&random(n, 6)).unwrap(),
+        stream.clone_htod(&random(n, 7)).unwrap(),
+        stream.clone_htod(&random(n, 8)).unwrap(),
+    );
+    let o = stream.clone_htod(&vec![0u16; n]).unwrap();
+    let k = attention(&cfg);
+    let ms = time_ms(&stream, launch(&stream, &ctx, &k, &[&q, &kk, &v, &o]));
+    let flops = 4.0 * f64::from(b * h) * f64::from(sq).powi(2) * f64::from(d) / 2.0;
+    println!(
+        "{{\"kernel\": \"{}\", \"b\": {b}, \"h\": {h}, \"s\": {sq}, \"d\": {d}, \"causal\": true, \"ms\": {ms:.3}, \"TFLOPs\": {:.2}}}",
+        k.name,
+        flops / ms / 1e9
+    );
+
+    // Llama-3.2-1B-shaped prefill attention (32 heads, 8 KV heads, d 64, 4096 tokens, batch 1):
+    // the plain causal kernel, then with the padding mask, RoPE on q and k, and both (the
+    // compiled model's form), and a prompt chunk of 512 rows over a 4096-entry cache.
+    attention_variants(&stream, &ctx, &random);
+    swiglu_gemms(&stream, &ctx, &random);
+
+    // Decode attention over a 4096-entry bf16 KV cache (Llama-3-8B shape: 32 heads, 8 KV heads,
+    // d 128, batch 1), one launch without splits, and 32 fixed key ranges plus the combine.
+    let (heads, kv_heads, t, d) = (32u32, 8u32, 4096u32, 128u32);
+    let q = stream.clone_htod(&random((heads * d) as usize, 9)).unwrap();
+    let kc = stream
+        .clone_htod(&random((kv_heads * t * d) as usize, 10))
+        .unwrap();
+    let vc = stream
+        .clone_htod(&random((kv_heads * t * d) as usize, 11))
+        .unwrap();
+    let o = stream
+        .clone_htod(&vec![0u16; (heads * d) as usize])
+        .unwrap();
+    // positions: one i64 (t - 1), passed as four u16 words.
+    let last = (t - 1) as u64;
+    let pos: Vec<u16> = (0..4).map(|w| (last >> (16 * w)) as u16).collect();
+    let positions = stream.clone_htod(&pos).unwrap();
+    let cache_bytes = 2.0 * f64::from(kv_heads * t * d) * 2.0;
+    for splits in [1u32, 32] {
+        let mut cfg = AttentionConfig {
+            batch: 1,
+            heads,
+            kv_heads,
+            q_len: 1,
+            kv_len: t,
+            head_dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+            keys: KeyRule::Position { window: None },
+            padding: false,
+            rope: false,
+            rope_k: false,
+            dropout: None,
+            elem: Elem::BF16,
+            strides: [[0; 3]; 4],
+            splits,
+        };
+        cfg.strides = cfg.contiguous_strides();
+        let ms = if splits == 1 {
+            let k = attention(&cfg);
+            time_ms(
+                &stream,
+                launch(&stream, &ctx, &k, &[&q, &kc, &vc, &o, &positions]),
+            )
+        } else {
+            let rows = (heads * splits) as usize;
+            let pacc = stream
+                .clone_htod(&vec![0u16; rows * d as usize * 2])
+                .unwrap();
+            let pml = stream.clone_htod(&vec![0u16; rows * 4]).unwrap();
+            let mut part = launch(
+                &stream,
+                &ctx,
+                &attention(&cfg),
+                &[&q, &kc, &vc, &pacc, &pml, &positions],
+            );
+            let combine = kiln_kernels::attention::attention_combine(&cfg);
+            let mut comb = launch(&stream, &ctx, &combine, &[&pacc, &pml, &o]);
+            time_ms(&stream, || {
+                part();
+                comb();
+            })
+        };
+        println!(
+            "{{\"kernel\": \"decode_attention_bf16\", \"heads\": {heads}, \"kv_heads\": {kv_heads}, \"context\": {t}, \"splits\": {splits}, \"ms\": {ms:.4}, \"cache_TBps\": {:.3}}}",
+            cache_bytes / ms / 1e9
+        );
+    }
+}
+
+/// u16 words holding `values` as little-endian i64s (the bench passes every buffer as u16).
+fn i64_words(values: impl Iterator<Item = i64>) -> Vec<u16> {
+    values
+        .flat_map(|v| (0..4).map(move |w| (v >> (16 * w)) as u16))
+        .collect()
+}
+
+/// u16 words holding `values` as f32s.
+fn f32_words(values: impl Iterator<Item = f32>) -> Vec<u16> {
+    values
+        .flat_map(|v| {
+            let b = v.to_bits();
+            [b as u16, (b >> 16) as u16]
+        })
+        .collect()
+}
+
+fn attention_variants(
+    stream: &std::sync::Arc<CudaStream>,
+    ctx: &std::sync::Arc<CudaContext>,
+    random: &dyn Fn(usize, u64) -> Vec<u16>,
+) {
+    let (h, kvh) = (32u32, 8u32);
+    let causal = KeyRule::Causal { window: None };
+    for (d, q_len, kv_len, keys, padding, rope) in [
+        (64u32, 4096u32, 4096u32, causal, false, false),
+        (64, 4096, 4096, causal, true, false),
+        (64, 4096, 4096, causal, false, true),
+        (64, 4096, 4096, causal, true, true),
+        (
+            64,
+            512,
+            4096,
+            KeyRule::Position { window: None },
+            false,
+            true,
+        ),
+        // Llama-3.1-8B-shaped heads (d 128).
+        (128, 4096, 4096, causal, true, false),
+        (128, 4096, 4096, causal, true, true),
+    ] {
+        let cached = matches!(keys, KeyRule::Position { .. });
+        let mut cfg = AttentionConfig {
+            batch: 1,
+            heads: h,
+            kv_heads: kvh,
+            q_len,
+            kv_len,
+            head_dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+            keys,
+            padding,
+            rope,
+            rope_k: rope && !cached,
+            dropout: None,
+            elem: Elem::BF16,
+            strides: [[0; 3]; 4],
+            splits: 1,
+        };
+        cfg.strides = cfg.contiguous_strides();
+        let q = stream
+            .clone_htod(&random((h * q_len * d) as usize, 21))
+            .unwrap();
+        let kk = stream
+            .clone_htod(&random((kvh * kv_len * d) as usize, 22))
+            .unwrap();
+        let v = stream
+            .clone_htod(&random((kvh * kv_len * d) as usize, 23))
+            .unwrap();
+        let o = stream
+            .clone_htod(&vec![0u16; (h * q_len * d) as usize])
+            .unwrap();
+        let mask = stream
+            .clone_htod(&i64_words((0..kv_len).map(|_| 1)))
+            .unwrap();
+        // Prefill rows sit at their index; a chunk's rows at the end of the cache.
+        let first = if cached { i64::from(kv_len - q_len) } else { 0 };
+        let pos = stream
+            .clone_htod(&i64_words((0..i64::from(q_len)).map(|i| first + i)))
+            .unwrap();
+        let angles = (kv_len * d / 2) as usize;
+        let cos = stream
+            .clone_htod(&f32_words((0..angles).map(|i| (i as f32 * 0.01).cos())))
+            .unwrap();
+        let sin = stream
+            .clone_htod(&f32_words((0..angles).map(|i| (i as f32 * 0.01).sin())))
+            .unwrap();
+        let mut bufs = vec![&q, &kk, &v, &o];
+        if padding {
+            bufs.push(&mask);
+        }
+        if rope || cached {
+            bufs.push(&pos);
+        }
+        if rope {
+            bufs.extend([&cos, &sin]);
+        }
+        let k = attention(&cfg);
+        let ms = time_ms(stream, launch(stream, ctx, &k, &bufs));
+        // Visible (query, key) pairs: the causal triangle, or each chunk row's prefix of the cache.
+        let pairs = if cached {
+            (0..q_len)
+                .map(|i| f64::from(kv_len - q_len + i + 1))
+                .sum::<f64>()
+        } else {
+            f64::from(q_len) * f64::from(q_len + 1) / 2.0
+        };
+        let flops = 4.0 * f64::from(h) * pairs * f64::from(d);
+        println!(
+            "{{\"kernel\": \"{}\", \"ms\": {ms:.4}, \"TFLOPs\": {:.2}}}",
+            k.name,
+            flops / ms / 1e9
+        );
+    }
+}
+
+fn swiglu_gemms(
+    stream: &std::sync::Arc<CudaStream>,
+    ctx: &std::sync::Arc<CudaContext>,
+    random: &dyn Fn(usize, u64) -> Vec<u16>,
+) {
+    // Llama-3.2-1B's gate/up product at 4096 tokens, with and without the SwiGLU epilogue.
+    let (m, n, kd) = (4096u32, 16384u32, 2048u32);
+    let x = stream.clone_htod(&random((m * kd) as usize, 31)).unwrap();
+    let w = stream.clone_htod(&random((n * kd) as usize, 32)).unwrap();
+    let out = stream.clone_htod(&vec![0u16; (m * n) as usize]).unwrap();
+    for swiglu in [false, true] {
+        let k = gemm(&GemmConfig {
+            m,
+            k: kd,
+            n,
+            transpose_b: true,
+            bias: false,
+            activation: None,
+            swiglu,
+            residual: false,
+            elem: Elem::BF16,
+        });
+        let ms = time_ms(stream, launch(stream, ctx, &k, &[&x, &w, &out]));
+        println!(
+            "{{\"kernel\": \"{}\", \"ms\": {ms:.4}, \"TFLOPs\": {:.2}}}",
+            k.name,
+            2.0 * f64::from(m) * f64::from(n) * f64::from(kd) / ms / 1e9
+        );
+    }
+}
+
+/// bf16 GEMMs `[M, K] x [N, K]^T`: 4096^3 and 8192^3 plain, 4096^3 with bias + GELU(tanh), each on
+/// the kernel lowering picks (wgmma on sm_90a) and on its base-image fallback (mma.sync).
+fn gemms(
+    stream: &std::sync::Arc<CudaStream>,
+    ctx: &std::sync::Arc<CudaContext>,
+    random: &dyn Fn(usize, u64) -> Vec<u16>,
+) {
+    for (s, bias, activation) in [
+        (4096u32, false, None),
+        (8192, false, None),
+        (4096, true, Some(Activation::GeluTanh)),
+    ] {
+        let n = (s as usize) * (s as usize);
+        let a = stream.clone_htod(&random(n, 4)).unwrap();
+        let w = stream.clone_htod(&random(n, 5)).unwrap();
+        let b = stream.clone_htod(&random(s as usize, 6)).unwrap();
+        let c = stream.clone_htod(&vec![0u16; n]).unwrap();
+        let cfg = GemmConfig {
+            m: s,
+            k: s,
+            n: s,
+            transpose_b: true,
+            bias,
+            activation,
+            swiglu: false,
+            residual: false,
+            elem: Elem::BF16,
+        };
+        for k in [gemm(&cfg), gemm_base(&cfg)] {
+            let bufs: Vec<&CudaSlice<u16>> = if bias {
+                vec![&a, &w, &b, &c]
+            } else {
+                vec![&a, &w, &c]
+            };
+            let ms = time_ms(stream, launch(stream, ctx, &k, &bufs));
+            println!(
+                "{{\"kernel\": \"{}\", \"path\": \"{}\", \"m\": {s}, \"n\": {s}, \"k\": {s}, \"ms\": {ms:.4}, \"TFLOPs\": {:.2}}}",
+                k.name,
+                k.path.name(),
+                2.0 * f64::from(s).powi(3) / ms / 1e9
+            );
+        }
+    }
+}
+
+/// One tensor a benchmark case binds: shape, dtype name, and the scale of its uniform values.
+type Buffer = (Vec<usize>, &'static str, f64);
+
+/// Writes the cases `scripts/bench-kernels.py` runs against PyTorch: the GEMMs of [`gemms`] and
+/// attention bf16 at head dims 128 and 64 over 4096 tokens (batch 4, 16 heads), causal or not, and
+/// with dropout 0.1.
+fn emit_cases(dir: &std::path::Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    let mut cases = Vec::new();
+    let mut add = |case: String,
+                   kernel: GeneratedKernel,
+                   buffers: Vec<(&str, Buffer)>,
+                   peer: serde_json::Value,
+                   flops: f64| {
+        let module = format!("{}.ptx", kernel.name);
+        std::fs::write(dir.join(&module), kernel.module()).unwrap();
+        let buffers: serde_json::Map<String, serde_json::Value> = buffers
+            .into_iter()
+            .map(|(n, b)| (n.to_string(), serde_json::json!(b)))
+            .collect();
+        cases.push(serde_json::json!({
+            "case": case, "kernel": kernel, "module": module, "buffers": buffers,
+            "peer": peer, "flops": flops,
+        }));
+    };
+    for (s, bias_gelu) in [(4096usize, false), (8192, false), (4096, true)] {
+        let cfg = GemmConfig {
+            m: s as u32,
+            k: s as u32,
+            n: s as u32,
+            transpose_b: true,
+            bias: bias_gelu,
+            activation: bias_gelu.then_some(Activation::GeluTanh),
+            swiglu: false,
+            residual: false,
+            elem: Elem::BF16,
+        };
+        let mut buffers = vec![
+            ("x", (vec![s, s], "bf16", 1.0)),
+            ("w", (vec![s, s], "bf16", 1.0 / (s as f64).sqrt())),
+            ("out", (vec![s, s], "bf16", 0.0)),
+        ];
+        if bias_gelu {
+            buffers.push(("bias", (vec![s], "bf16", 0.5)));
+        }
+        let epilogue = if bias_gelu { "bias_gelu" } else { "none" };
+        let peer = serde_json::json!({"kind": "matmul", "epilogue": epilogue});
+        let name = format!(
+            "gemm bf16 {s}^3{}",
+            if bias_gelu { " bias+gelu" } else { "" }
+        );
+        add(name, gemm(&cfg), buffers, peer, 2.0 * (s as f64).powi(3));
+    }
+    for (d, causal, dropout) in [
+        (128u32, true, None),
+        (128, false, None),
+        (64, true, None),
+        (64, false, None),
+        (128, false, Some(0.1f64)),
+    ] {
+        let (b, h, sq) = (4u32, 16u32, 4096u32);
+        let mut cfg = AttentionConfig::plain([b, h, h, sq, sq, d], Elem::BF16);
+        cfg.scale = 1.0 / (d as f32).sqrt();
+        if causal {
+            cfg.keys = KeyRule::Causal { window: None };
+        }
+        cfg.dropout = dropout.map(|p| kiln_kernels::attention::Dropout::new(p, 0));
+        let shape = vec![b as usize, h as usize, sq as usize, d as usize];
+        let mut buffers: Vec<(&str, Buffer)> = ["q", "k", "v"]
+            .into_iter()
+            .map(|n| (n, (shape.clone(), "bf16", 1.0)))
+            .collect();
+        buffers.push(("out", (shape, "bf16", 0.0)));
+        if dropout.is_some() {
+            buffers.push(("seed", (vec![1], "i64", 0.0)));
+        }
+        let peer = serde_json::json!({
+            "kind": "sdpa", "causal": causal, "dropout": dropout.unwrap_or(0.0),
+            "scale": cfg.scale,
+        });
+        let flops = 4.0 * f64::from(b * h) * f64::from(sq).powi(2) * f64::from(d)
+            / if causal { 2.0 } else { 1.0 };
+        let name = format!(
+            "attention bf16 d{d} s{sq}{}{}",
+            if causal { " causal" } else { "" },
+            if dropout.is_some() {
+                " dropout 0.1"
+            } else {
+                ""
+            }
+        );
+        add(name, attention(&cfg), buffers, peer, flops);
+    }
+    let text = serde_json::to_string_pretty(&cases).unwrap();
+    std::fs::write(dir.join("cases.json"), text).unwrap();
+    println!("{} cases in {}", cases.len(), dir.display());
+}
