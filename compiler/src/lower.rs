@@ -63,6 +63,9 @@ pub enum Operand {
     Arena(u64),
     /// The bucket's chosen-token slot (`ExecPlan::tokens`), which the plan places.
     Tokens,
+    /// The bucket's sampling parameters (`ExecPlan::sampling`: four 32-bit words per row),
+    /// which the plan places.
+    SamplingParams,
     /// The counters region (`Region::Counters`), of which the launch uses this many bytes.
     Counters(u64),
 }
@@ -216,6 +219,10 @@ pub struct TokenChoice {
     /// Whether the launch also leaves the next step's inputs in their slots: each unmasked
     /// row's token as its next id, its position one further.
     pub advances: bool,
+    /// The sampler a step at temperature > 0 launches after the replay instead of reading the
+    /// logits back: `kiln_kernels::sampling::top_k_top_p` over the same logits, its parameters
+    /// in [`Operand::SamplingParams`], its tokens into [`Operand::Tokens`].
+    pub sampler: KernelLaunch,
 }
 
 impl Lowered {
@@ -432,10 +439,22 @@ pub fn greedy_tokens(g: &Graph, kernels: &mut Lowered) -> Option<TokenChoice> {
         bind.extend(next.into_iter().filter_map(|(name, op)| Some((name, op?))));
     }
     let launch = kernels.bound(kernel, &bind)?;
+    let sampler = kernels.generate(&(elem, rows, vocab), |&(e, r, v)| {
+        kiln_kernels::sampling::top_k_top_p(e, r, v)
+    });
+    let sampler = kernels.bound(
+        sampler,
+        &[
+            ("logits", Operand::Value(logits.node)),
+            ("params", Operand::SamplingParams),
+            ("out", Operand::Tokens),
+        ],
+    )?;
     Some(TokenChoice {
         launch,
         rows,
         advances,
+        sampler,
     })
 }
 

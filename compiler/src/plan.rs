@@ -557,6 +557,17 @@ fn plan_bucket(
         buffer_node.push(None);
         buffers.len() - 1
     });
+    // The sampler's parameters are written before the replay and read after it: alive
+    // throughout, like the inputs.
+    let params_buffer = choice.map(|t| {
+        buffers.push(crate::memory::Lifetime {
+            bytes: u64::from(t.rows) * 16,
+            first: 0,
+            last: end,
+        });
+        buffer_node.push(None);
+        buffers.len() - 1
+    });
     let (offsets, arena_bytes) = crate::memory::place(&buffers);
 
     let address = |id: NodeId| -> Result<Arg, PlanError> {
@@ -582,6 +593,12 @@ fn plan_bucket(
             Operand::Tokens => {
                 let b = tokens_buffer.ok_or_else(|| {
                     PlanError::Layout("a launch writes tokens the bucket does not choose".into())
+                })?;
+                Arg::Ptr(Region::Arena, offsets[b])
+            }
+            Operand::SamplingParams => {
+                let b = params_buffer.ok_or_else(|| {
+                    PlanError::Layout("a launch samples in a bucket that chooses no tokens".into())
                 })?;
                 Arg::Ptr(Region::Arena, offsets[b])
             }
@@ -620,8 +637,8 @@ fn plan_bucket(
             steps.push(s);
         }
     }
-    let mut tokens = None;
-    if let (Some(choice), Some(b)) = (choice, tokens_buffer) {
+    let (mut tokens, mut sampler) = (None, None);
+    if let (Some(choice), Some(b), Some(pb)) = (choice, tokens_buffer, params_buffer) {
         // Its operands are graph values and the token slot: no node's scratch.
         let after = NodeId(g.len() as u32 - 1);
         steps.push(step(after, &choice.launch, "greedy_tokens".into())?);
@@ -630,6 +647,15 @@ fn plan_bucket(
             offset: offsets[b],
             dtype: DType::I64,
             shape: vec![choice.rows as usize],
+        });
+        sampler = Some(kiln_ir::artifact::Sampler {
+            step: step(after, &choice.sampler, "sampled_tokens".into())?,
+            params: TensorSlot {
+                name: "sampling".into(),
+                offset: offsets[pb],
+                dtype: DType::I32,
+                shape: vec![choice.rows as usize, 4],
+            },
         });
     }
     // The CPU plan: every kernel node's calls and every primitive's strided calls, in graph
@@ -760,6 +786,7 @@ fn plan_bucket(
         steps,
         tokens,
         advances: choice.is_some_and(|c| c.advances) && tokens_buffer.is_some(),
+        sampler,
         host_tail: tail.map(|t| t.graph),
         cpu,
     };

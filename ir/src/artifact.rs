@@ -23,8 +23,9 @@ use crate::DType;
 /// so the runtime may launch each step while its predecessor still runs (programmatic dependent
 /// launch); since version 10 the allocation holds a counters region between the KV cache and the
 /// arena ([`Region::Counters`]); since version 11 a decode step's plan may advance its own
-/// inputs ([`ExecPlan::advances`]).
-pub const FORMAT_VERSION: u32 = 11;
+/// inputs ([`ExecPlan::advances`]); since version 12 it may carry a sampler
+/// ([`ExecPlan::sampler`]).
+pub const FORMAT_VERSION: u32 = 12;
 /// The inputs a decode step that advances them ([`ExecPlan::advances`]) leaves for the next
 /// step: token ids (each unmasked row's chosen token), positions (one further) and the mask
 /// (unchanged), each i64 `[batch, 1]`.
@@ -481,6 +482,11 @@ pub struct ExecPlan {
     /// Inputs live in the arena for the whole replay, so nothing else overwrites them.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub advances: bool,
+    /// The launch a decode step at temperature > 0 runs after the replay: a sampler over the
+    /// step's logits that writes `tokens` (`kiln_runtime::generate::choose`, bit for bit), its
+    /// parameters in an arena slot alive through the replay.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sampler: Option<Sampler>,
     /// Ops without a GPU kernel at the end of the graph (sentence-transformers pooling), run on
     /// the host after the replay: a graph whose inputs are request inputs and GPU values
     /// (`kiln.value.N`, among `outputs`), and whose outputs are the remaining graph outputs.
@@ -489,6 +495,16 @@ pub struct ExecPlan {
     /// f16/bf16 builds, over `Manifest::cpu_memory`): `None` when some op has no CPU version
     /// (`BucketEntry::no_cpu`).
     pub cpu: Option<CpuPlan>,
+}
+
+/// A decode step's sampler: its launch and its parameters' slot (`[batch, 4]` 32-bit words per
+/// row: temperature as f32 bits, top-k, top-p as f32 bits, the step's uniform word).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Sampler {
+    /// The launch (logits, parameters, tokens).
+    pub step: Step,
+    /// Where the runtime writes the parameters.
+    pub params: TensorSlot,
 }
 
 /// A bucket's plan for the CPU executor: the whole graph (what the GPU leaves to its host tail

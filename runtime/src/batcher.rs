@@ -527,8 +527,14 @@ impl<'a> Session<'a> {
     ) -> Result<Vec<Option<usize>>, RuntimeError> {
         let inputs = self.inputs(entry, rows);
         let greedy = picks.iter().flatten().all(|(s, _)| s.temperature <= 0.0);
-        if greedy && rows.iter().all(|r| r.tokens.len() <= 1) {
-            if let Some(tokens) = self.exec.run_greedy(entry, &inputs)? {
+        if rows.iter().all(|r| r.tokens.len() <= 1) {
+            let chosen = if greedy {
+                self.exec.run_greedy(entry, &inputs)?
+            } else {
+                let params: Vec<[u32; 4]> = picks.iter().map(sampler_words).collect();
+                self.exec.run_sampled(entry, &inputs, &params)?
+            };
+            if let Some(tokens) = chosen {
                 return picked(picks, &tokens, self.vocab);
             }
         }
@@ -679,6 +685,20 @@ impl<'a> Session<'a> {
             }
         }
         Ok(())
+    }
+}
+
+/// A row's parameters for the device's sampler: temperature and top-p as f32 bits, top-k, and
+/// the step's uniform word; a row without a pick is greedy (its token is not used).
+fn sampler_words(pick: &Option<(Sampling, u32)>) -> [u32; 4] {
+    match pick {
+        Some((s, step)) => [
+            s.temperature.to_bits(),
+            u32::try_from(s.top_k).unwrap_or(u32::MAX),
+            s.top_p.to_bits(),
+            crate::generate::uniform_word(s, *step),
+        ],
+        None => [0, 0, 1f32.to_bits(), 0],
     }
 }
 

@@ -293,6 +293,26 @@ pub fn check_plan(
             )));
         }
     }
+    if let Some(sampler) = &plan.sampler {
+        check_step(&sampler.step, table, &size).map_err(&bad)?;
+        let p = &sampler.params;
+        if plan.tokens.is_none()
+            || p.dtype != DType::I32
+            || p.shape != [entry.batch, 4]
+            || p.offset + p.bytes() > m.memory.arena_bytes
+        {
+            return Err(bad(format!(
+                "its sampler's parameters are {:?} {:?} at {} with{} a token slot; a batch of {} \
+                 takes I32 [{}, 4] inside the arena beside its tokens",
+                p.dtype,
+                p.shape,
+                p.offset,
+                if plan.tokens.is_some() { "" } else { "out" },
+                entry.batch,
+                entry.batch
+            )));
+        }
+    }
     if plan.advances {
         if plan.tokens.is_none() {
             return Err(bad("it advances its inputs but chooses no tokens".into()));
@@ -504,7 +524,14 @@ impl CudaExecutor {
                     .memset_zeros(&mut memory.slice_mut(at..at + slot.bytes() as usize))
                     .map_err(dev)?;
             }
-            launch_steps(&stream, &functions, plan, &addresses, &entry.graph, None)?;
+            launch_steps(
+                &stream,
+                &functions,
+                &plan.steps,
+                &addresses,
+                &entry.graph,
+                None,
+            )?;
             stream.synchronize().map_err(|e| {
                 RuntimeError::Device(format!("{}: a kernel failed: {e}", entry.graph))
             })?;
@@ -642,6 +669,62 @@ impl CudaExecutor {
         })
     }
 
+    /// Replays a decode step and samples its tokens on the device (the plan's sampler, after the
+    /// replay, over the step's logits): `params` holds four 32-bit words per row (temperature
+    /// as f32 bits, top-k, top-p as f32 bits, the step's uniform word; temperature 0 takes the
+    /// first largest logit), and only the token ids come back. `None` when the plan has no
+    /// sampler.
+    pub fn replay_sampled(
+        &mut self,
+        graph: &str,
+        inputs: &BTreeMap<String, Tensor>,
+        params: &[[u32; 4]],
+    ) -> Result<Option<Vec<i64>>, RuntimeError> {
+        let Some(sampler) = self.plans.get(graph).and_then(|p| p.sampler.clone()) else {
+            return Ok(None);
+        };
+        if params.len() != sampler.params.shape[0] {
+            return Err(RuntimeError::Request(format!(
+                "sampling parameters for {} rows; bucket {graph} takes {}",
+                params.len(),
+                sampler.params.shape[0]
+            )));
+        }
+        let bytes: Vec<u8> = params
+            .iter()
+            .flatten()
+            .flat_map(|w| w.to_le_bytes())
+            .collect();
+        let at = (self.arena + sampler.params.offset) as usize;
+        self.stream
+            .memcpy_htod(&bytes, &mut self.memory.slice_mut(at..at + bytes.len()))
+            .map_err(dev)?;
+        self.launch(graph, inputs)?;
+        let profile = self.eager.then_some(&mut self.profile);
+        let step = std::slice::from_ref(&sampler.step);
+        launch_steps(
+            &self.stream,
+            &self.functions,
+            step,
+            &self.addresses,
+            graph,
+            profile,
+        )?;
+        let slots = self.plans[graph].tokens.as_slice();
+        let arena = self.addresses.base + self.arena;
+        let ranges = copy_back(&self.stream, &mut self.staging, arena, graph, slots)?;
+        let Some(range) = ranges.into_iter().next() else {
+            return Ok(None);
+        };
+        let staging: &[u8] = self.staging.as_slice().map_err(dev)?;
+        Ok(
+            match decode(&staging[range], DType::I64, vec![slots[0].shape[0]]).data {
+                Data::Int(tokens) => Some(tokens),
+                Data::Float(_) => None,
+            },
+        )
+    }
+
     /// Replays the decode step `graph` `steps` times (at most [`MAX_STEPS`]) from `inputs`, the
     /// first step's, without the host in between: each replay leaves the next step's inputs in
     /// place ([`ExecPlan::advances`]), and its tokens are copied to page-locked memory behind it,
@@ -725,7 +808,7 @@ impl CudaExecutor {
             launch_steps(
                 &self.stream,
                 &self.functions,
-                plan,
+                &plan.steps,
                 &self.addresses,
                 graph,
                 Some(&mut self.profile),
@@ -865,7 +948,7 @@ fn capture(
     stream
         .begin_capture(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         .map_err(dev)?;
-    launch_steps(stream, functions, plan, addresses, graph, None)?;
+    launch_steps(stream, functions, &plan.steps, addresses, graph, None)?;
     let captured = stream
         .end_capture(CUgraphInstantiate_flags(0))
         .map_err(dev)?
@@ -985,12 +1068,12 @@ struct Addresses {
 fn launch_steps(
     stream: &Arc<CudaStream>,
     functions: &Kernels,
-    plan: &ExecPlan,
+    steps: &[Step],
     addresses: &Addresses,
     graph: &str,
     mut profile: Option<&mut BTreeMap<String, (u64, f64)>>,
 ) -> Result<(), RuntimeError> {
-    for step in &plan.steps {
+    for step in steps {
         let _range = nvtx::range!("{} {}", step.node, step.kernel);
         let start = Instant::now();
         let kernel = &functions.by_name[step.kernel.as_str()];

@@ -142,6 +142,24 @@ impl Executor {
         }
     }
 
+    /// Runs the decode step `entry` on `inputs` and samples each row's token on the device under
+    /// `params` (four 32-bit words per row, see [`crate::cuda::CudaExecutor::replay_sampled`]):
+    /// the picks of [`crate::generate::choose`], with only the token ids coming back. `None`,
+    /// with nothing run, where the executor or the bucket's plan has no such sampler.
+    pub fn run_sampled(
+        &mut self,
+        entry: &BucketEntry,
+        inputs: &BTreeMap<String, Tensor>,
+        params: &[[u32; 4]],
+    ) -> Result<Option<Vec<i64>>, RuntimeError> {
+        match self {
+            Executor::Cuda(c) if c.has(&entry.graph) => {
+                c.replay_sampled(&entry.graph, inputs, params)
+            }
+            _ => Ok(None),
+        }
+    }
+
     /// Runs the decode step `entry` `steps` times from `inputs` (the first step's), each step
     /// taking the tokens the one before chose greedily as its ids at the next positions
     /// ([`advance`]), and returns each step's tokens: on CUDA without the host in between (plans

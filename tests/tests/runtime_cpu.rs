@@ -300,6 +300,32 @@ fn plans_are_consistent_with_the_kernel_table_and_the_allocation() {
                 assert!(a.1 <= b.0 || b.1 <= a.0, "{}: {a:?} and {b:?}", e.graph);
             }
         }
+        // The sampler a step at temperature > 0 launches after the replay: over the same logits,
+        // from a parameter slot (four words per row) that overlaps none of them.
+        let sampler = plan.sampler.as_ref().expect("a decode step has a sampler");
+        assert!(
+            sampler.step.kernel.starts_with("sample_top_k_top_p"),
+            "{}",
+            e.graph
+        );
+        let params = &sampler.params;
+        assert_eq!(
+            (params.dtype, params.shape.clone()),
+            (kiln_ir::DType::I32, vec![e.batch, 4])
+        );
+        assert_eq!(
+            sampler.step.args,
+            [logits.offset, params.offset, tokens.offset].map(|at| Arg::Ptr(Region::Arena, at))
+        );
+        for s in [logits, tokens, ids, positions, mask] {
+            let apart =
+                params.offset + params.bytes() <= s.offset || s.offset + s.bytes() <= params.offset;
+            assert!(apart, "{}: the parameters overlap {}", e.graph, s.name);
+        }
+        let mut bad = plan.clone();
+        bad.sampler.as_mut().unwrap().params.shape = vec![e.batch, 3];
+        let err = check_plan(&art, e, &bad, &table).unwrap_err().to_string();
+        assert!(err.contains("sampler"), "{err}");
         // A token slot of another shape is refused before anything runs, and so is an advancing
         // plan without one of the inputs it advances.
         let mut bad = plan.clone();

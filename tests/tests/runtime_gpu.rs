@@ -112,6 +112,97 @@ fn chained_decode_steps_match_single_steps_on_the_gpu() {
     }
 }
 
+/// A decode step samples on the device exactly what `generate::choose` picks from the same
+/// step's logits: four rows under different samplings (top-k, top-p, a hot temperature, greedy),
+/// one of them masked, over 40 steps of random tokens; only token ids come back.
+#[test]
+fn device_sampling_picks_the_reference_token() {
+    use kiln_ir::Tensor;
+    use kiln_runtime::generate::{choose, uniform_word, Sampling};
+    if !gpu() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    for name in ["gpt2-tiny", "llama-tiny"] {
+        let dir = tmp.path().join(format!("{name}.kiln"));
+        let args = [&CHAINED_ARTIFACT[..], &["--dtype", "bf16"]].concat();
+        let art = compile_artifact(&fixture(name), &dir, &args);
+        let mut exec = cuda(&art);
+        let entry = art
+            .manifest
+            .decode
+            .iter()
+            .find(|e| (e.batch, e.seq) == (4, 1))
+            .unwrap()
+            .clone();
+        let vocab = art.manifest.model.vocab_size;
+        let modes = [
+            Sampling {
+                temperature: 0.8,
+                top_k: 20,
+                top_p: 1.0,
+                seed: 3,
+            },
+            Sampling {
+                temperature: 0.7,
+                top_k: 0,
+                top_p: 0.9,
+                seed: 4,
+            },
+            Sampling {
+                temperature: 1.5,
+                top_k: 0,
+                top_p: 1.0,
+                seed: 5,
+            },
+            Sampling::greedy(),
+        ];
+        let mut exact = 0;
+        for step in 0..40u32 {
+            let ids: Vec<i64> = (0..4)
+                .map(|r| i64::from((step * 37 + r * 11) % vocab as u32))
+                .collect();
+            let mask: Vec<i64> = (0..4).map(|r| i64::from(r != 2 || step % 2 == 0)).collect();
+            let positions: Vec<i64> = (0..4).map(|_| i64::from(step)).collect();
+            let inputs = std::collections::BTreeMap::from([
+                ("input_ids".to_string(), Tensor::i64(vec![4, 1], ids)),
+                (
+                    "attention_mask".to_string(),
+                    Tensor::i64(vec![4, 1], mask.clone()),
+                ),
+                (
+                    "position_ids".to_string(),
+                    Tensor::i64(vec![4, 1], positions),
+                ),
+            ]);
+            let logits = exec.run(&art, &entry, &inputs).unwrap()["logits"].clone();
+            let logits = logits.as_f32().unwrap().to_vec();
+            let params: Vec<[u32; 4]> = modes
+                .iter()
+                .map(|s| {
+                    let top_k = u32::try_from(s.top_k).unwrap();
+                    [
+                        s.temperature.to_bits(),
+                        top_k,
+                        s.top_p.to_bits(),
+                        uniform_word(s, step),
+                    ]
+                })
+                .collect();
+            let got = exec.run_sampled(&entry, &inputs, &params).unwrap().unwrap();
+            for (r, mode) in modes.iter().enumerate() {
+                if mask[r] == 0 {
+                    continue;
+                }
+                let want = choose(&logits[r * vocab..(r + 1) * vocab], mode, step);
+                assert_eq!(got[r], want as i64, "{name} step {step} row {r} {mode:?}");
+                exact += 1;
+            }
+        }
+        println!("ok: {name}: {exact} device samples equal the reference's");
+    }
+}
+
 /// bert-tiny and the real all-MiniLM-L6-v2 (its mean pooling and normalisation run as the GPU
 /// plan's host tail), f32 and bf16: `last_hidden_state` and the sentence embeddings within the
 /// fixtures' tolerances.
