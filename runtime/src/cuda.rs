@@ -654,6 +654,11 @@ impl CudaExecutor {
             return Ok(None);
         }
         self.launch(graph, inputs)?;
+        self.read_tokens(graph)
+    }
+
+    /// Waits for the stream and reads `graph`'s token slot (8 bytes per row) back.
+    fn read_tokens(&mut self, graph: &str) -> Result<Option<Vec<i64>>, RuntimeError> {
         let slots = self.plans[graph].tokens.as_slice();
         let arena = self.addresses.base + self.arena;
         let ranges = copy_back(&self.stream, &mut self.staging, arena, graph, slots)?;
@@ -710,19 +715,7 @@ impl CudaExecutor {
             graph,
             profile,
         )?;
-        let slots = self.plans[graph].tokens.as_slice();
-        let arena = self.addresses.base + self.arena;
-        let ranges = copy_back(&self.stream, &mut self.staging, arena, graph, slots)?;
-        let Some(range) = ranges.into_iter().next() else {
-            return Ok(None);
-        };
-        let staging: &[u8] = self.staging.as_slice().map_err(dev)?;
-        Ok(
-            match decode(&staging[range], DType::I64, vec![slots[0].shape[0]]).data {
-                Data::Int(tokens) => Some(tokens),
-                Data::Float(_) => None,
-            },
-        )
+        self.read_tokens(graph)
     }
 
     /// Replays the decode step `graph` `steps` times (at most [`MAX_STEPS`]) from `inputs`, the
