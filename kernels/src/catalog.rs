@@ -54,7 +54,10 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
         for advance in [false, true] {
             out.push(("sampling", argmax(elem, 4, 50257, advance)));
         }
-        out.push(("sampling", top_k_top_p(elem, 4, 50257)));
+        // Single-element loads (an odd vocabulary) and 16-byte loads.
+        for vocab in [50257, 128256] {
+            out.push(("sampling", top_k_top_p(elem, 4, vocab)));
+        }
         for rope in [false, true] {
             let cfg = crate::kv_cache::KvWriteConfig {
                 batch: 2,

@@ -326,6 +326,13 @@ impl Kernel {
         r
     }
 
+    /// The shared-memory address of the array `name` (declared with [`Kernel::shared`]).
+    pub fn shared_base(&mut self, name: &str) -> Reg {
+        let r = self.reg(RegClass::B32);
+        self.emit(format!("mov.u32 {r}, {name}"));
+        r
+    }
+
     /// A special register (`%tid.x`, `%ctaid.y`, `%ntid.x`, ...) as u32.
     pub fn special(&mut self, name: &str) -> Reg {
         let r = self.reg(RegClass::B32);
@@ -693,7 +700,7 @@ impl Kernel {
 }
 
 /// `[reg]`: a register used as an address.
-struct Bracket(Reg);
+pub struct Bracket(pub Reg);
 
 impl Operand for Bracket {
     fn text(&self) -> String {

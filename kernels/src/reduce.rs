@@ -27,6 +27,18 @@ pub fn block_reduce(
     scratch: &str,
     tid: Reg,
 ) -> Reg {
+    block_reduce_over(k, [value, tid], op, class, scratch, WARPS)
+}
+
+/// [`block_reduce`] for a block of `warps` warps (`scratch` holds `warps` 32-bit slots).
+pub fn block_reduce_over(
+    k: &mut Kernel,
+    [value, tid]: [Reg; 2],
+    op: &str,
+    class: RegClass,
+    scratch: &str,
+    warps: u32,
+) -> Reg {
     let mut acc = value;
     for offset in [16u32, 8, 4, 2, 1] {
         let other = k.reg(class);
@@ -45,7 +57,7 @@ pub fn block_reduce(
     k.barrier();
     let total = k.reg(class);
     k.emit(format!("ld.shared.b32 {total}, [{base}]"));
-    for w in 1..WARPS {
+    for w in 1..warps {
         let v = k.reg(class);
         k.emit(format!("ld.shared.b32 {v}, [{base}+{}]", w * 4));
         k.emit(format!("{op} {total}, {total}, {v}"));
@@ -54,40 +66,90 @@ pub fn block_reduce(
     total
 }
 
-/// Declares the `[WARPS]` u64 scratch array [`block_sum_u64`] needs.
-pub fn scratch_u64(k: &mut Kernel) -> String {
-    k.shared("red64", WARPS * 8)
+/// Declares a `[warps]` u64 scratch array for [`block_sum_u64`] and [`block_scan_u64`].
+pub fn scratch_u64(k: &mut Kernel, warps: u32) -> String {
+    k.shared("red64", warps * 8)
 }
 
-/// Sums the u64 `value` over the block (exactly: integer sums do not depend on their order);
-/// every thread gets the total. `scratch` is the array from [`scratch_u64`]. Ends with a
+/// The u64 `value` of lane `lane ^ offset` (`bfly`), `lane + offset` (`down`), `lane - offset`
+/// (`up`) or `offset` (`idx`); a lane past the warp's ends gets its own value.
+pub fn shfl_u64(k: &mut Kernel, mode: &str, value: Reg, offset: u32) -> Reg {
+    let clamp = if mode == "up" { 0 } else { 31 };
+    let (lo, hi) = (k.reg(RegClass::B32), k.reg(RegClass::B32));
+    k.emit(format!("mov.b64 {{{lo}, {hi}}}, {value}"));
+    k.emit(format!(
+        "shfl.sync.{mode}.b32 {lo}, {lo}, {offset}, {clamp}, -1"
+    ));
+    k.emit(format!(
+        "shfl.sync.{mode}.b32 {hi}, {hi}, {offset}, {clamp}, -1"
+    ));
+    let other = k.reg(RegClass::B64);
+    k.emit(format!("mov.b64 {other}, {{{lo}, {hi}}}"));
+    other
+}
+
+/// Sums the u64 `value` over a block of `warps` warps (exactly: integer sums do not depend on
+/// their order); every thread gets the total. `scratch` is from [`scratch_u64`]. Ends with a
 /// barrier.
-pub fn block_sum_u64(k: &mut Kernel, value: Reg, scratch: &str, tid: Reg) -> Reg {
+pub fn block_sum_u64(k: &mut Kernel, [value, tid]: [Reg; 2], scratch: &str, warps: u32) -> Reg {
     let mut acc = value;
     for offset in [16u32, 8, 4, 2, 1] {
-        let (lo, hi) = (k.reg(RegClass::B32), k.reg(RegClass::B32));
-        k.emit(format!("mov.b64 {{{lo}, {hi}}}, {acc}"));
-        k.emit(format!("shfl.sync.bfly.b32 {lo}, {lo}, {offset}, 31, -1"));
-        k.emit(format!("shfl.sync.bfly.b32 {hi}, {hi}, {offset}, 31, -1"));
-        let other = k.reg(RegClass::B64);
-        k.emit(format!("mov.b64 {other}, {{{lo}, {hi}}}"));
+        let other = shfl_u64(k, "bfly", acc, offset);
         acc = k.op2("add.u64", RegClass::B64, &acc, &other);
     }
-    let lane = k.op2("and.b32", RegClass::B32, &tid, &31u32);
-    let warp = k.op2("shr.u32", RegClass::B32, &tid, &5u32);
-    let is_first = k.setp("eq.u32", &lane, &0u32);
-    let base = k.reg(RegClass::B32);
-    k.emit(format!("mov.u32 {base}, {scratch}"));
-    let slot = k.mad_u32(&warp, &8u32, &base);
+    let (base, slot, is_first) = warp_slot(k, scratch, tid);
     k.emit(format!("@{is_first} st.shared.u64 [{slot}], {acc}"));
     k.barrier();
     let total = k.reg(RegClass::B64);
     k.emit(format!("ld.shared.u64 {total}, [{base}]"));
-    for w in 1..WARPS {
+    for w in 1..warps {
         let v = k.reg(RegClass::B64);
         k.emit(format!("ld.shared.u64 {v}, [{base}+{}]", w * 8));
         k.emit(format!("add.u64 {total}, {total}, {v}"));
     }
     k.barrier();
     total
+}
+
+/// The inclusive sum of the u64 `value` over lanes `0..=lane` of the warp.
+pub fn warp_scan_u64(k: &mut Kernel, value: Reg, lane: Reg) -> Reg {
+    let acc = k.mov(RegClass::B64, &value);
+    for offset in [1u32, 2, 4, 8, 16] {
+        let other = shfl_u64(k, "up", acc, offset);
+        let has = k.setp("ge.u32", &lane, &offset);
+        k.emit(format!("@{has} add.u64 {acc}, {acc}, {other}"));
+    }
+    acc
+}
+
+/// The exclusive sum of the u64 `value` over threads `0..tid` of a block of `warps` warps, in
+/// thread order. `scratch` is from [`scratch_u64`]. Ends with a barrier.
+pub fn block_scan_u64(k: &mut Kernel, [value, tid]: [Reg; 2], scratch: &str, warps: u32) -> Reg {
+    let lane = k.op2("and.b32", RegClass::B32, &tid, &31u32);
+    let inclusive = warp_scan_u64(k, value, lane);
+    let (base, slot, _) = warp_slot(k, scratch, tid);
+    let last = k.setp("eq.u32", &lane, &31u32);
+    k.emit(format!("@{last} st.shared.u64 [{slot}], {inclusive}"));
+    k.barrier();
+    let warp = k.op2("shr.u32", RegClass::B32, &tid, &5u32);
+    let before = k.op2("sub.u64", RegClass::B64, &inclusive, &value);
+    for w in 0..warps - 1 {
+        let v = k.reg(RegClass::B64);
+        k.emit(format!("ld.shared.u64 {v}, [{base}+{}]", w * 8));
+        let earlier = k.setp("gt.u32", &warp, &w);
+        k.emit(format!("@{earlier} add.u64 {before}, {before}, {v}"));
+    }
+    k.barrier();
+    before
+}
+
+/// The scratch's base, this warp's u64 slot in it, and whether this thread is lane 0.
+fn warp_slot(k: &mut Kernel, scratch: &str, tid: Reg) -> (Reg, Reg, Reg) {
+    let lane = k.op2("and.b32", RegClass::B32, &tid, &31u32);
+    let warp = k.op2("shr.u32", RegClass::B32, &tid, &5u32);
+    let is_first = k.setp("eq.u32", &lane, &0u32);
+    let base = k.reg(RegClass::B32);
+    k.emit(format!("mov.u32 {base}, {scratch}"));
+    let slot = k.mad_u32(&warp, &8u32, &base);
+    (base, slot, is_first)
 }

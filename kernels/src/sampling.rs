@@ -7,8 +7,8 @@
 //! next decode step's inputs in place, so that decode steps can follow each other on the device
 //! without the host between them.
 
-use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
-use crate::{GeneratedKernel, Launch, ROW_THREADS};
+use crate::ptx::{Bracket, Elem, Kernel, Reg, RegClass, F32};
+use crate::{GeneratedKernel, Launch};
 
 /// Threads of the argmax block.
 const ARGMAX_THREADS: u32 = 1024;
@@ -182,6 +182,15 @@ fn load_chunk(k: &mut Kernel, elem: Elem, addr: Reg, when: Reg, per: u32) -> Vec
     }
 }
 
+/// Threads of a sampler block (one row per block).
+const SAMPLE_THREADS: u32 = 1024;
+/// Warps of a sampler block.
+const SAMPLE_WARPS: u32 = SAMPLE_THREADS / 32;
+/// Bits of a digit of the threshold searches.
+const DIGIT_BITS: u32 = 8;
+/// Bins of a digit's histogram.
+const BINS: u32 = 1 << DIGIT_BITS;
+
 /// Generates top-k / top-p sampling with temperature: one block per row, bit for bit
 /// `kiln_runtime::generate::choose` (the integer weights of `kiln_ir::sampling`, in the same f32
 /// operations; integer masses, so the block's order of summing does not matter). Parameters:
@@ -190,249 +199,619 @@ fn load_chunk(k: &mut Kernel, elem: Elem, addr: Reg, when: Reg, per: u32) -> Vec
 /// device memory, so one captured graph serves every request. A temperature of 0 or less takes
 /// the first largest logit.
 ///
-/// Thresholds are found by bisection over the logits' ordered keys (NaN below every number), so
-/// they are logits' keys; the draw is the first kept index whose running mass exceeds
-/// `floor(word * z / 2^32)`, found by an exclusive scan over threads' contiguous chunks.
+/// A threshold is the largest key (`ordered_key`, NaN below every number) at which the count of
+/// keys at or above it (top-k), or their mass (top-p), still suffices. It is found 8 bits at a
+/// time from the top: one pass over the row per digit builds the histogram of that digit over
+/// the keys that share the digits found so far (lanes of a warp with the same digit add
+/// together, one shared atomic per digit and warp), and a suffix sum over the bins picks the
+/// largest digit that suffices. The draw is the first kept index whose running mass exceeds
+/// `floor(word * z / 2^32)`: each thread sums the kept mass of its contiguous chunk, an exclusive
+/// scan over the threads finds the chunk holding the target, and one warp walks it.
 pub fn top_k_top_p(elem: Elem, rows: u32, vocab: u32) -> GeneratedKernel {
-    use crate::reduce::{block_reduce, block_sum_u64, scratch, scratch_u64};
     let name = format!("sample_top_k_top_p_{}_v{vocab}", elem.name());
     let mut k = Kernel::new(&name);
+    k.directive(format!(".maxntid {SAMPLE_THREADS}, 1, 1"));
     let logits = k.param_ptr("logits");
     let params = k.param_ptr("params");
     let out = k.param_ptr("out");
-    let red = scratch(&mut k);
-    let red64 = scratch_u64(&mut k);
-    let prefix = k.shared("prefix", ROW_THREADS * 8);
-    let tid = k.special("tid.x");
-    let row = k.special("ctaid.x");
-    let base = k.mul_u32(&row, &vocab);
-    let pi = k.mul_u32(&row, &4u32);
-    let pa = k.address(params, &pi, 4);
-    let word_at = |k: &mut Kernel, i: u64| {
-        let a = k.op2("add.u64", RegClass::B64, &pa, &(4 * i));
-        let v = k.reg(RegClass::B32);
-        k.emit(format!("ld.global.b32 {v}, [{a}]"));
-        v
-    };
-    let t_bits = word_at(&mut k, 0);
-    let top_k = word_at(&mut k, 1);
-    let p_bits = word_at(&mut k, 2);
-    let word = word_at(&mut k, 3);
-    let temperature = k.reg(RegClass::F32);
-    k.emit(format!("mov.b32 {temperature}, {t_bits}"));
-    let top_p = k.reg(RegClass::F32);
-    k.emit(format!("mov.b32 {top_p}, {p_bits}"));
-    let chunk = vocab.div_ceil(ROW_THREADS);
-
-    // for col in tid..vocab step ROW_THREADS { body(col, x, key) }
-    let strided = |k: &mut Kernel, what: &str, body: &mut dyn FnMut(&mut Kernel, Reg, Reg, Reg)| {
-        let col = k.mov(RegClass::B32, &tid);
-        let top = k.label(what);
-        let done = k.label(&format!("{what}_done"));
-        k.place(&top);
-        let past = k.setp("ge.u32", &col, &vocab);
-        k.bra(Some((past, true)), &done);
-        let i = k.add_u32(&base, &col);
-        let a = k.address(logits, &i, elem.bytes());
-        let x = k.ld_global(elem, a);
-        let key = ordered_key(k, x);
-        body(k, col, x, key);
-        k.emit(format!("add.u32 {col}, {col}, {ROW_THREADS}"));
-        k.bra(None, &top);
-        k.place(&done);
-    };
-
-    k.comment("the row's largest logit, and the first index holding it");
-    let best = k.mov(RegClass::F32, &F32(f32::NEG_INFINITY));
-    let best_i = k.mov(RegClass::B32, &u32::MAX);
-    strided(&mut k, "max", &mut |k, col, x, _| {
-        let gt = k.setp("gt.f32", &x, &best);
-        k.emit(format!("@{gt} mov.f32 {best}, {x}"));
-        k.emit(format!("@{gt} mov.u32 {best_i}, {col}"));
-    });
-    let m = block_reduce(&mut k, best, "max.f32", RegClass::F32, &red, tid);
-    // The first index of the largest value: threads holding another value offer MAX.
-    let holds = k.setp("eq.f32", &best, &m);
-    let offer = k.selp(RegClass::B32, "u32", &best_i, &u32::MAX, holds);
-    let first_best = block_reduce(&mut k, offer, "min.u32", RegClass::B32, &red, tid);
-    let none = k.setp("eq.u32", &first_best, &u32::MAX);
-    let greedy_token = k.selp(RegClass::B32, "u32", &0u32, &first_best, none);
-    let store = |k: &mut Kernel, token: &Reg| {
-        let write = k.setp("eq.u32", &tid, &0u32);
-        let skip = k.label("skip_write");
-        k.bra(Some((write, false)), &skip);
-        let wide = k.op1("cvt.u64.u32", RegClass::B64, token);
-        let oa = k.address(out, &row, 8);
-        k.emit(format!("st.global.u64 [{oa}], {wide}"));
-        k.place(&skip);
-    };
+    let s = Sampler::declare(&mut k, elem, vocab, logits);
+    let p = Params::load(&mut k, params, s.row);
+    let (m, greedy) = s.largest(&mut k);
     let sampled = k.label("sampled");
-    let hot = k.setp("gt.f32", &temperature, &F32(0.0));
+    let hot = k.setp("gt.f32", &p.temperature, &F32(0.0));
     k.bra(Some((hot, true)), &sampled);
     k.comment("temperature 0: the first largest logit");
-    store(&mut k, &greedy_token);
+    s.store(&mut k, out, greedy);
     k.emit("ret");
     k.place(&sampled);
+    let weigh = Amount::Weight {
+        m,
+        t: p.temperature,
+    };
+    let t_k = s.top_k_threshold(&mut k, &p);
+    let z_k = s.kept_mass(&mut k, t_k, &weigh);
+    let (t, z) = s.top_p_threshold(&mut k, &p, [t_k, z_k], &weigh);
+    let token = s.draw(&mut k, [t, p.word], z, &weigh);
+    s.store(&mut k, out, token);
+    GeneratedKernel::new(
+        k,
+        Launch {
+            grid: [rows, 1, 1],
+            block: [SAMPLE_THREADS, 1, 1],
+            shared_bytes: 0,
+        },
+    )
+}
 
-    // The kept mass (u64) at key threshold `t`.
-    let mass = |k: &mut Kernel, what: &str, t: Reg| -> Reg {
-        let local = k.mov(RegClass::B64, &0u64);
-        strided(k, what, &mut |k, _, x, key| {
-            let kept = k.setp("ge.u32", &key, &t);
-            let w = weight(k, x, m, temperature);
-            let wide = k.op1("cvt.u64.u32", RegClass::B64, &w);
-            k.emit(format!("@{kept} add.u64 {local}, {local}, {wide}"));
+/// A row's sampling parameters (the four words of its `params` row).
+struct Params {
+    temperature: Reg,
+    top_k: Reg,
+    top_p: Reg,
+    word: Reg,
+}
+
+impl Params {
+    fn load(k: &mut Kernel, params: Reg, row: Reg) -> Params {
+        let pi = k.mul_u32(&row, &4u32);
+        let pa = k.address(params, &pi, 4);
+        let mut words = (0..4u64).map(|i| {
+            let a = k.op2("add.u64", RegClass::B64, &pa, &(4 * i));
+            k.op1("ld.global.b32", RegClass::B32, &Bracket(a))
         });
-        block_sum_u64(k, local, &red64, tid)
-    };
-    // The largest key t in [lo, 2^32 - 1] for which `holds(t)` (true at lo, monotone).
-    let bisect = |k: &mut Kernel,
-                  what: &str,
-                  lo_init: Reg,
-                  holds: &mut dyn FnMut(&mut Kernel, Reg) -> Reg|
-     -> Reg {
-        let lo = k.mov(RegClass::B32, &lo_init);
-        let hi = k.mov(RegClass::B32, &u32::MAX);
-        let top = k.label(what);
-        let done = k.label(&format!("{what}_done"));
-        k.place(&top);
-        let converged = k.setp("ge.u32", &lo, &hi);
-        k.bra(Some((converged, true)), &done);
-        let span = k.sub_u32(&hi, &lo);
-        let half = k.op2("shr.u32", RegClass::B32, &span, &1u32);
-        let step = k.add_u32(&half, &1u32);
-        let mid = k.add_u32(&lo, &step);
-        let ok = holds(k, mid);
-        let below = k.sub_u32(&mid, &1u32);
-        k.emit(format!("@{ok} mov.u32 {lo}, {mid}"));
-        k.emit(format!("@!{ok} mov.u32 {hi}, {below}"));
-        k.bra(None, &top);
-        k.place(&done);
-        lo
-    };
-
-    k.comment("top-k threshold: the largest key with at least top_k logits at or above it");
-    let zero = k.mov(RegClass::B32, &0u32);
-    let some = k.setp("ne.u32", &top_k, &0u32);
-    let fewer = k.setp("lt.u32", &top_k, &vocab);
-    let use_k = k.reg(RegClass::Pred);
-    k.emit(format!("and.pred {use_k}, {some}, {fewer}"));
-    let t_k_found = bisect(&mut k, "top_k", zero, &mut |k, mid| {
-        let local = k.mov(RegClass::B32, &0u32);
-        strided(k, "top_k_count", &mut |k, _, _, key| {
-            let kept = k.setp("ge.u32", &key, &mid);
-            k.emit(format!("@{kept} add.u32 {local}, {local}, 1"));
-        });
-        let count = block_reduce(k, local, "add.u32", RegClass::B32, &red, tid);
-        k.setp("ge.u32", &count, &top_k)
-    });
-    let t_k = k.selp(RegClass::B32, "u32", &t_k_found, &0u32, use_k);
-
-    k.comment("top-p threshold within the top-k set: mass * 2^32 >= P * z_k in 128 bits");
-    let z_k = mass(&mut k, "mass_k", t_k);
-    let scaled = k.mul_f32(&top_p, &F32(kiln_ir::sampling::power_of_two(32)));
-    let p = k.op1("cvt.rzi.u64.f32", RegClass::B64, &scaled);
-    let use_p = k.setp("lt.f32", &top_p, &F32(1.0));
-    let t_p_found = bisect(&mut k, "top_p", t_k, &mut |k, mid| {
-        let kept = mass(k, "top_p_mass", mid);
-        reaches(k, kept, p, z_k)
-    });
-    let t = k.selp(RegClass::B32, "u32", &t_p_found, &t_k, use_p);
-    let z = mass(&mut k, "mass_p", t);
-
-    k.comment("the last kept index (the answer when no mass is left)");
-    let last = k.mov(RegClass::B32, &0u32);
-    strided(&mut k, "last", &mut |k, col, _, key| {
-        let kept = k.setp("ge.u32", &key, &t);
-        k.emit(format!("@{kept} max.u32 {last}, {last}, {col}"));
-    });
-    let last_kept = block_reduce(&mut k, last, "max.u32", RegClass::B32, &red, tid);
-
-    k.comment("kept mass of this thread's contiguous chunk, then an exclusive scan over threads");
-    let first = k.mul_u32(&tid, &chunk);
-    let chunk_end = k.add_u32(&first, &chunk);
-    let end = k.op2("min.u32", RegClass::B32, &chunk_end, &vocab);
-    let walk = |k: &mut Kernel, what: &str, body: &mut dyn FnMut(&mut Kernel, Reg, Reg)| {
-        let col = k.mov(RegClass::B32, &first);
-        let top = k.label(what);
-        let done = k.label(&format!("{what}_done"));
-        k.place(&top);
-        let past = k.setp("ge.u32", &col, &end);
-        k.bra(Some((past, true)), &done);
-        let i = k.add_u32(&base, &col);
-        let a = k.address(logits, &i, elem.bytes());
-        let x = k.ld_global(elem, a);
-        let key = ordered_key(k, x);
-        let kept = k.setp("ge.u32", &key, &t);
-        let w = weight(k, x, m, temperature);
-        let w = k.selp(RegClass::B32, "u32", &w, &0u32, kept);
-        let wide = k.op1("cvt.u64.u32", RegClass::B64, &w);
-        body(k, col, wide);
-        k.emit(format!("add.u32 {col}, {col}, 1"));
-        k.bra(None, &top);
-        k.place(&done);
-    };
-    let mine = k.mov(RegClass::B64, &0u64);
-    walk(&mut k, "chunk_mass", &mut |k, _, w| {
-        k.emit(format!("add.u64 {mine}, {mine}, {w}"));
-    });
-    let pbase = k.reg(RegClass::B32);
-    k.emit(format!("mov.u32 {pbase}, {prefix}"));
-    let slot = k.mad_u32(&tid, &8u32, &pbase);
-    k.emit(format!("st.shared.u64 [{slot}], {mine}"));
-    k.barrier();
-    let leader = k.setp("eq.u32", &tid, &0u32);
-    let no_scan = k.label("no_scan");
-    k.bra(Some((leader, false)), &no_scan);
-    let running = k.mov(RegClass::B64, &0u64);
-    for t_i in 0..ROW_THREADS {
-        let v = k.reg(RegClass::B64);
-        k.emit(format!("ld.shared.u64 {v}, [{pbase}+{}]", t_i * 8));
-        k.emit(format!("st.shared.u64 [{pbase}+{}], {running}", t_i * 8));
-        k.emit(format!("add.u64 {running}, {running}, {v}"));
+        let mut next = || words.next().expect("four words");
+        let (t_bits, top_k, p_bits, word) = (next(), next(), next(), next());
+        let temperature = k.op1("mov.b32", RegClass::F32, &t_bits);
+        let top_p = k.op1("mov.b32", RegClass::F32, &p_bits);
+        Params {
+            temperature,
+            top_k,
+            top_p,
+            word,
+        }
     }
-    k.place(&no_scan);
-    k.barrier();
-    let before = k.reg(RegClass::B64);
-    k.emit(format!("ld.shared.u64 {before}, [{slot}]"));
-    k.comment("the target: floor(word * z / 2^32)");
+}
+
+/// What a threshold search sums over the keys at or above a candidate.
+enum Amount {
+    /// How many there are (top-k).
+    Count,
+    /// Their integer weights in a row whose largest logit is `m`, at temperature `t` (top-p).
+    Weight { m: Reg, t: Reg },
+}
+
+/// One element of a pass over the row: its index, value and whether it is inside the row.
+struct Element {
+    index: Reg,
+    x: Reg,
+    inside: Reg,
+}
+
+/// A sampler block's view of its row, and the shared arrays its passes use.
+struct Sampler {
+    elem: Elem,
+    vocab: u32,
+    logits: Reg,
+    /// The row's first element.
+    base: Reg,
+    row: Reg,
+    tid: Reg,
+    lane: Reg,
+    /// Elements per load: 16 bytes when every row starts 16-byte aligned.
+    per: u32,
+    red: String,
+    red64: String,
+    /// `[BINS]` u64: the digit histogram.
+    bins: String,
+    /// `[BINS + 1]` u64: the bins' suffix sums (the last 0).
+    suffix: String,
+    /// The draw's chunk: its thread (u32) and the kept mass before it (u64).
+    owner: String,
+}
+
+impl Sampler {
+    fn declare(k: &mut Kernel, elem: Elem, vocab: u32, logits: Reg) -> Sampler {
+        use crate::reduce::scratch_u64;
+        let tid = k.special("tid.x");
+        let row = k.special("ctaid.x");
+        let base = k.mul_u32(&row, &vocab);
+        let lane = k.op2("and.b32", RegClass::B32, &tid, &31u32);
+        let per = match 16 / elem.bytes() {
+            wide if vocab.is_multiple_of(wide) => wide,
+            _ => 1,
+        };
+        Sampler {
+            elem,
+            vocab,
+            logits,
+            base,
+            row,
+            tid,
+            lane,
+            per,
+            red: k.shared("red", SAMPLE_WARPS * 4),
+            red64: scratch_u64(k, SAMPLE_WARPS),
+            bins: k.shared("bins", BINS * 8),
+            suffix: k.shared("suffix", (BINS + 1) * 8),
+            owner: k.shared("owner", 16),
+        }
+    }
+
+    /// Runs `body` on every element of the row: a thread takes `per` contiguous elements per
+    /// load, several loads in flight, in rising index order; every thread runs the same number
+    /// of rounds, so warp-wide instructions in `body` see whole warps.
+    fn each(&self, k: &mut Kernel, what: &str, body: &mut dyn FnMut(&mut Kernel, &Element)) {
+        let loads = self.loads_in_flight();
+        let stride = SAMPLE_THREADS * self.per;
+        let round = stride * loads;
+        let end = self.vocab.div_ceil(round) * round;
+        let first = k.mul_u32(&self.tid, &self.per);
+        let start = k.mov(RegClass::B32, &0u32);
+        let top = k.label(what);
+        let done = k.label(&format!("{what}_done"));
+        k.place(&top);
+        let past = k.setp("ge.u32", &start, &end);
+        k.bra(Some((past, true)), &done);
+        let from = k.add_u32(&start, &first);
+        let chunks: Vec<_> = (0..loads)
+            .map(|u| {
+                let at = k.add_u32(&from, &(u * stride));
+                self.load(k, at, self.vocab)
+            })
+            .collect();
+        for elements in chunks {
+            for e in &elements {
+                body(k, e);
+            }
+        }
+        k.emit(format!("add.u32 {start}, {start}, {round}"));
+        k.bra(None, &top);
+        k.place(&done);
+    }
+
+    /// Runs `body` on the elements `first..end` (a thread's own chunk), in index order.
+    fn walk(
+        &self,
+        k: &mut Kernel,
+        what: &str,
+        [first, end]: [Reg; 2],
+        body: &mut dyn FnMut(&mut Kernel, &Element),
+    ) {
+        let loads = self.loads_in_flight();
+        let at = k.mov(RegClass::B32, &first);
+        let top = k.label(what);
+        let done = k.label(&format!("{what}_done"));
+        k.place(&top);
+        let past = k.setp("ge.u32", &at, &end);
+        k.bra(Some((past, true)), &done);
+        let chunks: Vec<_> = (0..loads)
+            .map(|u| {
+                let from = k.add_u32(&at, &(u * self.per));
+                self.load_until(k, from, end)
+            })
+            .collect();
+        for elements in chunks {
+            for e in &elements {
+                body(k, e);
+            }
+        }
+        k.emit(format!("add.u32 {at}, {at}, {}", loads * self.per));
+        k.bra(None, &top);
+        k.place(&done);
+    }
+
+    fn loads_in_flight(&self) -> u32 {
+        if self.per > 1 {
+            2
+        } else {
+            8
+        }
+    }
+
+    /// The `per` elements from index `at` (all inside or none: `end` and `at` are multiples of
+    /// `per`, or `per` is 1).
+    fn load(&self, k: &mut Kernel, at: Reg, end: u32) -> Vec<Element> {
+        let end = k.mov(RegClass::B32, &end);
+        self.load_until(k, at, end)
+    }
+
+    fn load_until(&self, k: &mut Kernel, at: Reg, end: Reg) -> Vec<Element> {
+        let inside = k.setp("lt.u32", &at, &end);
+        let i = k.add_u32(&self.base, &at);
+        let addr = k.address(self.logits, &i, self.elem.bytes());
+        let values = load_chunk(k, self.elem, addr, inside, self.per);
+        values
+            .into_iter()
+            .enumerate()
+            .map(|(j, x)| Element {
+                index: k.add_u32(&at, &(j as u32)),
+                x,
+                inside,
+            })
+            .collect()
+    }
+
+    /// The row's largest logit, and the first index holding it (0 when no value is above -inf).
+    fn largest(&self, k: &mut Kernel) -> (Reg, Reg) {
+        let best = k.mov(RegClass::F32, &F32(f32::NEG_INFINITY));
+        let best_i = k.mov(RegClass::B32, &u32::MAX);
+        self.each(k, "max", &mut |k, e| {
+            let gt = k.setp("gt.f32", &e.x, &best);
+            k.emit(format!("and.pred {gt}, {gt}, {}", e.inside));
+            k.emit(format!("@{gt} mov.f32 {best}, {}", e.x));
+            k.emit(format!("@{gt} mov.u32 {best_i}, {}", e.index));
+        });
+        let m = self.reduce(k, best, "max.f32", RegClass::F32);
+        // Threads holding another value offer MAX.
+        let holds = k.setp("eq.f32", &best, &m);
+        let offer = k.selp(RegClass::B32, "u32", &best_i, &u32::MAX, holds);
+        let first = self.reduce(k, offer, "min.u32", RegClass::B32);
+        let none = k.setp("eq.u32", &first, &u32::MAX);
+        (m, k.selp(RegClass::B32, "u32", &0u32, &first, none))
+    }
+
+    fn reduce(&self, k: &mut Kernel, value: Reg, op: &str, class: RegClass) -> Reg {
+        let pair = [value, self.tid];
+        crate::reduce::block_reduce_over(k, pair, op, class, &self.red, SAMPLE_WARPS)
+    }
+
+    /// The top-k threshold: the largest key with at least `top_k` keys at or above it (0 when
+    /// top_k is 0 or not below the vocabulary).
+    fn top_k_threshold(&self, k: &mut Kernel, p: &Params) -> Reg {
+        let t_k = k.mov(RegClass::B32, &0u32);
+        let some = k.setp("ne.u32", &p.top_k, &0u32);
+        let fewer = k.setp("lt.u32", &p.top_k, &self.vocab);
+        k.emit(format!("and.pred {some}, {some}, {fewer}"));
+        let skip = k.label("top_k_done");
+        k.bra(Some((some, false)), &skip);
+        let wanted = k.op1("cvt.u64.u32", RegClass::B64, &p.top_k);
+        let floor = k.mov(RegClass::B32, &0u32);
+        let search = ("top_k", floor);
+        let (found, _) = self.radix_search(k, search, &Amount::Count, &mut |k, count| {
+            k.setp("ge.u64", &count, &wanted)
+        });
+        k.set(t_k, &found);
+        k.place(&skip);
+        t_k
+    }
+
+    /// The top-p threshold within the top-k set, and the kept mass at it: the largest key whose
+    /// kept mass reaches `top_p` of `z_k` (`mass * 2^32 >= P * z_k` in 128 bits); `t_k` and
+    /// `z_k` themselves when top_p is not below 1.
+    fn top_p_threshold(
+        &self,
+        k: &mut Kernel,
+        p: &Params,
+        [t_k, z_k]: [Reg; 2],
+        weigh: &Amount,
+    ) -> (Reg, Reg) {
+        let t = k.mov(RegClass::B32, &t_k);
+        let z = k.mov(RegClass::B64, &z_k);
+        let scaled = k.mul_f32(&p.top_p, &F32(kiln_ir::sampling::power_of_two(32)));
+        let fixed = k.op1("cvt.rzi.u64.f32", RegClass::B64, &scaled);
+        let use_p = k.setp("lt.f32", &p.top_p, &F32(1.0));
+        let skip = k.label("top_p_done");
+        k.bra(Some((use_p, false)), &skip);
+        // The mass at t_k reaches (P < 2^32), so the largest key that reaches is at least t_k,
+        // and the mass at it counts only keys inside the top-k set.
+        let (found, mass) = self.radix_search(k, ("top_p", t_k), weigh, &mut |k, mass| {
+            reaches(k, mass, fixed, z_k)
+        });
+        k.set(t, &found);
+        k.set(z, &mass);
+        k.place(&skip);
+        (t, z)
+    }
+
+    /// The kept mass at key threshold `t`.
+    fn kept_mass(&self, k: &mut Kernel, t: Reg, weigh: &Amount) -> Reg {
+        let local = k.mov(RegClass::B64, &0u64);
+        self.each(k, "mass", &mut |k, e| {
+            let (kept, w) = kept_weight(k, e, t, weigh);
+            k.emit(format!("@{kept} add.u64 {local}, {local}, {w}"));
+        });
+        crate::reduce::block_sum_u64(k, [local, self.tid], &self.red64, SAMPLE_WARPS)
+    }
+
+    /// The largest key `t` for which `holds(mass(t))`, and `mass(t)`, where `mass(t)` sums
+    /// `amount` over the keys at or above `t` (`holds` is monotone and holds at `floor`). Keys
+    /// below `floor` are left out of the sums: that changes no decision, since `holds` is true
+    /// for every candidate at or below `floor` either way.
+    fn radix_search(
+        &self,
+        k: &mut Kernel,
+        (what, floor): (&str, Reg),
+        amount: &Amount,
+        holds: &mut dyn FnMut(&mut Kernel, Reg) -> Reg,
+    ) -> (Reg, Reg) {
+        let prefix = k.mov(RegClass::B32, &0u32);
+        let above = k.mov(RegClass::B64, &0u64);
+        let at_found = k.mov(RegClass::B64, &0u64);
+        for pass in 0..32 / DIGIT_BITS {
+            let shift = 32 - DIGIT_BITS * (pass + 1);
+            k.comment(&format!("{what}: the digit at bit {shift}"));
+            self.histogram(k, &format!("{what}_{pass}"), [prefix, floor], shift, amount);
+            let suffix = self.suffix_sums(k);
+            let mass = k.op2("add.u64", RegClass::B64, &above, &suffix);
+            let ok = holds(k, mass);
+            let bin = k.setp("lt.u32", &self.tid, &BINS);
+            k.emit(format!("and.pred {ok}, {ok}, {bin}"));
+            let offer = k.selp(RegClass::B32, "u32", &self.tid, &0u32, ok);
+            let digit = self.reduce(k, offer, "max.u32", RegClass::B32);
+            let at = self.suffix_at(k, digit);
+            let next = k.add_u32(&digit, &1u32);
+            let after = self.suffix_at(k, next);
+            k.emit(format!("add.u64 {at_found}, {above}, {at}"));
+            k.emit(format!("add.u64 {above}, {above}, {after}"));
+            let placed = k.op2("shl.b32", RegClass::B32, &digit, &shift);
+            k.emit(format!("or.b32 {prefix}, {prefix}, {placed}"));
+        }
+        (prefix, at_found)
+    }
+
+    /// The histogram of the key digit at `shift` over the keys at or above `floor` whose higher
+    /// digits equal `prefix`'s, in `bins`. A warp none of whose elements counts skips the bins.
+    fn histogram(
+        &self,
+        k: &mut Kernel,
+        what: &str,
+        [prefix, floor]: [Reg; 2],
+        shift: u32,
+        amount: &Amount,
+    ) {
+        let bins = k.shared_base(&self.bins);
+        let bin = k.setp("lt.u32", &self.tid, &BINS);
+        let slot = k.mad_u32(&self.tid, &8u32, &bins);
+        k.emit(format!("@{bin} st.shared.u64 [{slot}], 0"));
+        k.barrier();
+        let higher = shift + DIGIT_BITS;
+        let wanted = k.op2("shr.b32", RegClass::B32, &prefix, &higher);
+        self.each(k, what, &mut |k, e| {
+            let key = ordered_key(k, e.x);
+            let high = k.op2("shr.b32", RegClass::B32, &key, &higher);
+            let same = k.setp("eq.u32", &high, &wanted);
+            k.emit(format!("and.pred {same}, {same}, {}", e.inside));
+            let above_floor = k.setp("ge.u32", &key, &floor);
+            k.emit(format!("and.pred {same}, {same}, {above_floor}"));
+            let skip = k.label(&format!("{what}_skip"));
+            let warp_has = k.reg(RegClass::Pred);
+            k.emit(format!("vote.sync.any.pred {warp_has}, {same}, -1"));
+            k.bra(Some((warp_has, false)), &skip);
+            let digit = k.op2("shr.b32", RegClass::B32, &key, &shift);
+            let digit = k.op2("and.b32", RegClass::B32, &digit, &(BINS - 1));
+            // Elements outside the prefix join the bin past the last, which is not stored.
+            let digit = k.selp(RegClass::B32, "u32", &digit, &BINS, same);
+            let value = match amount {
+                Amount::Count => None,
+                Amount::Weight { m, t } => Some(weight_if(k, same, e.x, [*m, *t])),
+            };
+            self.bin_add(k, [digit, bins], value);
+            k.place(&skip);
+        });
+        k.barrier();
+    }
+
+    /// Adds to bin `digit` (when below BINS) the warp's lanes with that digit: their count, or
+    /// the sum of their `value`s (u32, summed in 16-bit halves so that 32 of them fit).
+    fn bin_add(&self, k: &mut Kernel, [digit, bins]: [Reg; 2], value: Option<Reg>) {
+        let peers = k.reg(RegClass::B32);
+        k.emit(format!("match.any.sync.b32 {peers}, {digit}, -1"));
+        let amount = match value {
+            None => {
+                let n = k.op1("popc.b32", RegClass::B32, &peers);
+                k.op1("cvt.u64.u32", RegClass::B64, &n)
+            }
+            Some(v) => {
+                let lo = k.op2("and.b32", RegClass::B32, &v, &0xffffu32);
+                let hi = k.op2("shr.u32", RegClass::B32, &v, &16u32);
+                let [lo, hi] = [lo, hi].map(|h| {
+                    let sum = k.reg(RegClass::B32);
+                    k.emit(format!("redux.sync.add.u32 {sum}, {h}, {peers}"));
+                    k.op1("cvt.u64.u32", RegClass::B64, &sum)
+                });
+                let hi = k.op2("shl.b64", RegClass::B64, &hi, &16u32);
+                k.op2("add.u64", RegClass::B64, &hi, &lo)
+            }
+        };
+        let earlier = k.special("lanemask_lt");
+        let before = k.op2("and.b32", RegClass::B32, &peers, &earlier);
+        let leader = k.setp("eq.u32", &before, &0u32);
+        let stored = k.setp("lt.u32", &digit, &BINS);
+        k.emit(format!("and.pred {leader}, {leader}, {stored}"));
+        let slot = k.mad_u32(&digit, &8u32, &bins);
+        k.emit(format!("@{leader} red.shared.add.u64 [{slot}], {amount}"));
+    }
+
+    /// Each bin's suffix sum (the bin and every bin above it), stored in `suffix` and returned
+    /// to thread `d` for bin `d` (0 to threads past the bins); `suffix[BINS]` is 0.
+    fn suffix_sums(&self, k: &mut Kernel) -> Reg {
+        let bin = k.setp("lt.u32", &self.tid, &BINS);
+        let bins = k.shared_base(&self.bins);
+        let slot = k.mad_u32(&self.tid, &8u32, &bins);
+        let acc = k.mov(RegClass::B64, &0u64);
+        k.emit(format!("@{bin} ld.shared.u64 {acc}, [{slot}]"));
+        for offset in [1u32, 2, 4, 8, 16] {
+            let other = crate::reduce::shfl_u64(k, "down", acc, offset);
+            let has = k.setp("lt.u32", &self.lane, &(32 - offset));
+            k.emit(format!("@{has} add.u64 {acc}, {acc}, {other}"));
+        }
+        k.comment("warp totals, then the totals of the warps above");
+        let totals = k.shared_base(&self.red64);
+        let warp = k.op2("shr.u32", RegClass::B32, &self.tid, &5u32);
+        let first = k.setp("eq.u32", &self.lane, &0u32);
+        k.emit(format!("and.pred {first}, {first}, {bin}"));
+        let total_slot = k.mad_u32(&warp, &8u32, &totals);
+        k.emit(format!("@{first} st.shared.u64 [{total_slot}], {acc}"));
+        k.barrier();
+        for w in 1..BINS / 32 {
+            let v = k.reg(RegClass::B64);
+            k.emit(format!("ld.shared.u64 {v}, [{totals}+{}]", w * 8));
+            let later = k.setp("lt.u32", &warp, &w);
+            k.emit(format!("@{later} add.u64 {acc}, {acc}, {v}"));
+        }
+        let suffix = k.shared_base(&self.suffix);
+        let out = k.mad_u32(&self.tid, &8u32, &suffix);
+        k.emit(format!("@{bin} st.shared.u64 [{out}], {acc}"));
+        let zero = k.setp("eq.u32", &self.tid, &0u32);
+        k.emit(format!("@{zero} st.shared.u64 [{suffix}+{}], 0", BINS * 8));
+        k.emit(format!("@!{bin} mov.u64 {acc}, 0"));
+        acc
+    }
+
+    /// `suffix[digit]` (after a barrier that follows [`Sampler::suffix_sums`]).
+    fn suffix_at(&self, k: &mut Kernel, digit: Reg) -> Reg {
+        let suffix = k.shared_base(&self.suffix);
+        let at = k.mad_u32(&digit, &8u32, &suffix);
+        k.op1("ld.shared.u64", RegClass::B64, &Bracket(at))
+    }
+
+    /// The token: the first index at or above threshold `t` whose running kept mass exceeds
+    /// `floor(word * z / 2^32)`, or the last kept index when no mass is kept.
+    fn draw(&self, k: &mut Kernel, [t, word]: [Reg; 2], z: Reg, weigh: &Amount) -> Reg {
+        use crate::reduce::block_scan_u64;
+        let chunk = self
+            .vocab
+            .div_ceil(SAMPLE_THREADS)
+            .next_multiple_of(self.per);
+        let first = k.mul_u32(&self.tid, &chunk);
+        let end = self.chunk_end(k, first, chunk);
+        k.comment("the kept mass of this thread's chunk, and its last kept index");
+        let mine = k.mov(RegClass::B64, &0u64);
+        let last = k.mov(RegClass::B32, &0u32);
+        self.walk(k, "chunk_mass", [first, end], &mut |k, e| {
+            let (kept, w) = kept_weight(k, e, t, weigh);
+            k.emit(format!("@{kept} add.u64 {mine}, {mine}, {w}"));
+            k.emit(format!("@{kept} max.u32 {last}, {last}, {}", e.index));
+        });
+        let last_kept = self.reduce(k, last, "max.u32", RegClass::B32);
+        let owner = k.shared_base(&self.owner);
+        let leader = k.setp("eq.u32", &self.tid, &0u32);
+        k.emit(format!("@{leader} st.shared.u32 [{owner}], -1"));
+        let before = block_scan_u64(k, [mine, self.tid], &self.red64, SAMPLE_WARPS);
+        let target = draw_target(k, word, z);
+        k.comment("the thread whose chunk holds the target names itself");
+        let after = k.op2("add.u64", RegClass::B64, &before, &mine);
+        let starts = k.setp("le.u64", &before, &target);
+        let ends = k.setp("gt.u64", &after, &target);
+        k.emit(format!("and.pred {starts}, {starts}, {ends}"));
+        k.emit(format!("@{starts} st.shared.u32 [{owner}], {}", self.tid));
+        k.emit(format!("@{starts} st.shared.u64 [{owner}+8], {before}"));
+        k.barrier();
+        let holder = k.op1("ld.shared.u32", RegClass::B32, &Bracket(owner));
+        let mass_before = k.reg(RegClass::B64);
+        k.emit(format!("ld.shared.u64 {mass_before}, [{owner}+8]"));
+        let token = k.mov(RegClass::B32, &last_kept);
+        let done = k.label("drawn");
+        let other_warp = k.setp("ge.u32", &self.tid, &32u32);
+        let nobody = k.setp("eq.u32", &holder, &u32::MAX);
+        k.emit(format!("or.pred {other_warp}, {other_warp}, {nobody}"));
+        k.bra(Some((other_warp, true)), &done);
+        let from = k.mul_u32(&holder, &chunk);
+        let to = self.chunk_end(k, from, chunk);
+        let found = self.find(k, [from, to], [t, target], mass_before, weigh);
+        let missed = k.setp("eq.u32", &found, &u32::MAX);
+        k.emit(format!("@!{missed} mov.u32 {token}, {found}"));
+        k.place(&done);
+        token
+    }
+
+    fn chunk_end(&self, k: &mut Kernel, first: Reg, chunk: u32) -> Reg {
+        let end = k.add_u32(&first, &chunk);
+        k.op2("min.u32", RegClass::B32, &end, &self.vocab)
+    }
+
+    /// Warp 0 walks the chunk `from..to` 32 elements at a time: the first index whose running
+    /// kept mass (from `mass`) exceeds `target`, or MAX.
+    fn find(
+        &self,
+        k: &mut Kernel,
+        [from, to]: [Reg; 2],
+        [t, target]: [Reg; 2],
+        mass: Reg,
+        weigh: &Amount,
+    ) -> Reg {
+        use crate::reduce::{shfl_u64, warp_scan_u64};
+        let found = k.mov(RegClass::B32, &u32::MAX);
+        let acc = k.mov(RegClass::B64, &mass);
+        let at = k.mov(RegClass::B32, &from);
+        let top = k.label("find");
+        let done = k.label("find_done");
+        k.place(&top);
+        let past = k.setp("ge.u32", &at, &to);
+        k.bra(Some((past, true)), &done);
+        let index = k.add_u32(&at, &self.lane);
+        let inside = k.setp("lt.u32", &index, &to);
+        let i = k.add_u32(&self.base, &index);
+        let addr = k.address(self.logits, &i, self.elem.bytes());
+        let x = load_chunk(k, self.elem, addr, inside, 1)[0];
+        let e = Element { index, x, inside };
+        let (_, w) = kept_weight(k, &e, t, weigh);
+        let running = warp_scan_u64(k, w, self.lane);
+        let total = k.op2("add.u64", RegClass::B64, &acc, &running);
+        let crossed = k.setp("gt.u64", &total, &target);
+        let ballot = k.reg(RegClass::B32);
+        k.emit(format!("vote.sync.ballot.b32 {ballot}, {crossed}, -1"));
+        let any = k.setp("ne.u32", &ballot, &0u32);
+        k.comment("the lowest lane that crossed");
+        let negated = k.op1("neg.s32", RegClass::B32, &ballot);
+        let lowest = k.op2("and.b32", RegClass::B32, &ballot, &negated);
+        let below = k.sub_u32(&lowest, &1u32);
+        let lane = k.op1("popc.b32", RegClass::B32, &below);
+        let hit = k.add_u32(&at, &lane);
+        k.emit(format!("@{any} mov.u32 {found}, {hit}"));
+        k.bra(Some((any, true)), &done);
+        let warp_total = shfl_u64(k, "idx", running, 31);
+        k.emit(format!("add.u64 {acc}, {acc}, {warp_total}"));
+        k.emit(format!("add.u32 {at}, {at}, 32"));
+        k.bra(None, &top);
+        k.place(&done);
+        found
+    }
+
+    /// Thread 0 writes `token` as the row's i64.
+    fn store(&self, k: &mut Kernel, out: Reg, token: Reg) {
+        let write = k.setp("eq.u32", &self.tid, &0u32);
+        let skip = k.label("skip_write");
+        k.bra(Some((write, false)), &skip);
+        let wide = k.op1("cvt.u64.u32", RegClass::B64, &token);
+        let oa = k.address(out, &self.row, 8);
+        k.emit(format!("st.global.u64 [{oa}], {wide}"));
+        k.place(&skip);
+    }
+}
+
+/// Whether element `e` is kept at threshold `t` (inside the row, key at or above `t`), and its
+/// weight as u64.
+fn kept_weight(k: &mut Kernel, e: &Element, t: Reg, weigh: &Amount) -> (Reg, Reg) {
+    let Amount::Weight { m, t: temperature } = weigh else {
+        unreachable!("kept masses are weights")
+    };
+    let key = ordered_key(k, e.x);
+    let kept = k.setp("ge.u32", &key, &t);
+    k.emit(format!("and.pred {kept}, {kept}, {}", e.inside));
+    let w = weight_if(k, kept, e.x, [*m, *temperature]);
+    (kept, k.op1("cvt.u64.u32", RegClass::B64, &w))
+}
+
+/// [`weight`] where `when` holds, 0 elsewhere (computed only where it holds).
+fn weight_if(k: &mut Kernel, when: Reg, x: Reg, [m, t]: [Reg; 2]) -> Reg {
+    let w = k.mov(RegClass::B32, &0u32);
+    let skip = k.label("weighed");
+    k.bra(Some((when, false)), &skip);
+    let value = weight(k, x, m, t);
+    k.set(w, &value);
+    k.place(&skip);
+    w
+}
+
+/// The draw's target in a kept mass of `z`: `floor(word * z / 2^32)`.
+fn draw_target(k: &mut Kernel, word: Reg, z: Reg) -> Reg {
     let wide_word = k.op1("cvt.u64.u32", RegClass::B64, &word);
     let hi = k.op2("mul.hi.u64", RegClass::B64, &wide_word, &z);
     let lo = k.op2("mul.lo.u64", RegClass::B64, &wide_word, &z);
     let hi = k.op2("shl.b64", RegClass::B64, &hi, &32u32);
     let lo = k.op2("shr.u64", RegClass::B64, &lo, &32u32);
-    let target = k.op2("or.b64", RegClass::B64, &hi, &lo);
-    k.comment("the thread whose chunk holds the target walks it");
-    let choice = k.mov(RegClass::B32, &u32::MAX);
-    let after = k.op2("add.u64", RegClass::B64, &before, &mine);
-    let starts_before = k.setp("le.u64", &before, &target);
-    let ends_after = k.setp("gt.u64", &after, &target);
-    let owner = k.reg(RegClass::Pred);
-    k.emit(format!("and.pred {owner}, {starts_before}, {ends_after}"));
-    let not_owner = k.label("not_owner");
-    k.bra(Some((owner, false)), &not_owner);
-    let acc = k.mov(RegClass::B64, &before);
-    walk(&mut k, "find", &mut |k, col, w| {
-        k.emit(format!("add.u64 {acc}, {acc}, {w}"));
-        let crossed = k.setp("gt.u64", &acc, &target);
-        let unset = k.setp("eq.u32", &choice, &u32::MAX);
-        let take = k.reg(RegClass::Pred);
-        k.emit(format!("and.pred {take}, {crossed}, {unset}"));
-        k.emit(format!("@{take} mov.u32 {choice}, {col}"));
-    });
-    k.place(&not_owner);
-    let picked = block_reduce(&mut k, choice, "min.u32", RegClass::B32, &red, tid);
-    let none = k.setp("eq.u32", &picked, &u32::MAX);
-    let token = k.selp(RegClass::B32, "u32", &last_kept, &picked, none);
-    store(&mut k, &token);
-    GeneratedKernel::new(
-        k,
-        Launch {
-            grid: [rows, 1, 1],
-            block: [ROW_THREADS, 1, 1],
-            shared_bytes: 0,
-        },
-    )
+    k.op2("or.b64", RegClass::B64, &hi, &lo)
 }
 
 /// Whether `mass * 2^32 >= p * total` (u64 operands, compared in 128 bits: high words, then low).

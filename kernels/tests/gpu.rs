@@ -1500,9 +1500,10 @@ fn rotations_match_the_interpreter() {
     }
 }
 
-/// Top-k / top-p sampling: for a sweep of uniforms `u` over one row of logits (one launch row per
-/// `u`), the token is the reference's inverse-CDF pick wherever the pick is not within rounding of
-/// a boundary, and always inside the reference's kept set.
+/// Top-k / top-p sampling: for a sweep of words over one row of logits (one launch row per word),
+/// every token is exactly `choose_with_word`'s, with a NaN and a tie for the largest logit in the
+/// row, rows of few distinct values (many keys tie at a threshold), top-k at or past the
+/// vocabulary, and vocabularies up to 128256 (single-element and 16-byte loads).
 #[test]
 fn top_k_top_p_sampling_follows_the_reference() {
     use kiln_kernels::sampling::top_k_top_p;
@@ -1510,17 +1511,24 @@ fn top_k_top_p_sampling_follows_the_reference() {
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng::seed_from_u64(0x5a5a_a5a5_1234_4321);
     for elem in ELEMS {
-        for (vocab, temperature, top_k, top_p) in [
-            (17u32, 1.0f32, 0u32, 1.0f32),
-            (4097, 0.7, 50, 1.0),
-            (4097, 1.3, 0, 0.9),
-            (50257, 1.0, 40, 0.95),
-            (128256, 0.8, 0, 0.9),
-            (127, 0.5, 1, 1.0),
-            (127, 0.0, 0, 1.0),
+        for (vocab, temperature, top_k, top_p, coarse) in [
+            (17u32, 1.0f32, 0u32, 1.0f32, false),
+            (4097, 0.7, 50, 1.0, false),
+            (4097, 1.3, 0, 0.9, false),
+            (4097, 1.0, 5000, 0.5, false),
+            (4096, 0.9, 300, 0.8, true),
+            (50257, 1.0, 40, 0.95, false),
+            (128256, 0.8, 0, 0.9, false),
+            (128256, 1.1, 40, 0.7, true),
+            (127, 0.5, 1, 1.0, false),
+            (127, 0.0, 0, 1.0, false),
         ] {
             let rows = 256u32;
             let mut row: Vec<f32> = values(&mut rng, vocab as usize, 6.0, elem);
+            if coarse {
+                // Few distinct values: thresholds fall inside runs of equal keys.
+                row.iter_mut().for_each(|x| *x = (*x * 2.0).round() / 2.0);
+            }
             // A NaN (below every key, no weight) and a tie for the largest logit.
             row[vocab as usize / 3] = f32::NAN;
             let top = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
