@@ -204,8 +204,9 @@ const BINS: u32 = 1 << DIGIT_BITS;
 /// time from the top: one pass over the row per digit builds the histogram of that digit over
 /// the keys that share the digits found so far (lanes of a warp with the same digit add
 /// together, one shared atomic per digit and warp), and a suffix sum over the bins picks the
-/// largest digit that suffices. The draw is the first kept index whose running mass exceeds
-/// `floor(word * z / 2^32)`: each thread sums the kept mass of its contiguous chunk, an exclusive
+/// largest digit that suffices (the top-p search takes the top-k set's mass from its first
+/// histogram). The draw is the first kept index whose running mass exceeds `floor(word * z /
+/// 2^32)`, `z` the kept mass: each thread sums the kept mass of its contiguous chunk, an exclusive
 /// scan over the threads finds the chunk holding the target, and one warp walks it.
 pub fn top_k_top_p(elem: Elem, rows: u32, vocab: u32) -> GeneratedKernel {
     let name = format!("sample_top_k_top_p_{}_v{vocab}", elem.name());
@@ -229,9 +230,8 @@ pub fn top_k_top_p(elem: Elem, rows: u32, vocab: u32) -> GeneratedKernel {
         t: p.temperature,
     };
     let t_k = s.top_k_threshold(&mut k, &p);
-    let z_k = s.kept_mass(&mut k, t_k, &weigh);
-    let (t, z) = s.top_p_threshold(&mut k, &p, [t_k, z_k], &weigh);
-    let token = s.draw(&mut k, [t, p.word], z, &weigh);
+    let t = s.top_p_threshold(&mut k, &p, t_k, &weigh);
+    let token = s.draw(&mut k, [t, p.word], &weigh);
     s.store(&mut k, out, token);
     GeneratedKernel::new(
         k,
@@ -467,7 +467,7 @@ impl Sampler {
         let wanted = k.op1("cvt.u64.u32", RegClass::B64, &p.top_k);
         let floor = k.mov(RegClass::B32, &0u32);
         let search = ("top_k", floor);
-        let (found, _) = self.radix_search(k, search, &Amount::Count, &mut |k, count| {
+        let found = self.radix_search(k, search, &Amount::Count, &mut |k, count, _| {
             k.setp("ge.u64", &count, &wanted)
         });
         k.set(t_k, &found);
@@ -475,78 +475,65 @@ impl Sampler {
         t_k
     }
 
-    /// The top-p threshold within the top-k set, and the kept mass at it: the largest key whose
-    /// kept mass reaches `top_p` of `z_k` (`mass * 2^32 >= P * z_k` in 128 bits); `t_k` and
-    /// `z_k` themselves when top_p is not below 1.
-    fn top_p_threshold(
-        &self,
-        k: &mut Kernel,
-        p: &Params,
-        [t_k, z_k]: [Reg; 2],
-        weigh: &Amount,
-    ) -> (Reg, Reg) {
+    /// The top-p threshold within the top-k set: the largest key whose kept mass reaches `top_p`
+    /// of the set's mass `z_k` (`mass * 2^32 >= P * z_k` in 128 bits); `t_k` itself when top_p is
+    /// not below 1.
+    fn top_p_threshold(&self, k: &mut Kernel, p: &Params, t_k: Reg, weigh: &Amount) -> Reg {
         let t = k.mov(RegClass::B32, &t_k);
-        let z = k.mov(RegClass::B64, &z_k);
         let scaled = k.mul_f32(&p.top_p, &F32(kiln_ir::sampling::power_of_two(32)));
         let fixed = k.op1("cvt.rzi.u64.f32", RegClass::B64, &scaled);
         let use_p = k.setp("lt.f32", &p.top_p, &F32(1.0));
         let skip = k.label("top_p_done");
         k.bra(Some((use_p, false)), &skip);
-        // The mass at t_k reaches (P < 2^32), so the largest key that reaches is at least t_k,
-        // and the mass at it counts only keys inside the top-k set.
-        let (found, mass) = self.radix_search(k, ("top_p", t_k), weigh, &mut |k, mass| {
+        // The top-k set's mass z_k reaches (P < 2^32), so the largest key that reaches is at
+        // least t_k, and the mass at it counts only keys inside the top-k set.
+        let found = self.radix_search(k, ("top_p", t_k), weigh, &mut |k, mass, z_k| {
             reaches(k, mass, fixed, z_k)
         });
         k.set(t, &found);
-        k.set(z, &mass);
         k.place(&skip);
-        (t, z)
+        t
     }
 
-    /// The kept mass at key threshold `t`.
-    fn kept_mass(&self, k: &mut Kernel, t: Reg, weigh: &Amount) -> Reg {
-        let local = k.mov(RegClass::B64, &0u64);
-        self.each(k, "mass", &mut |k, e| {
-            let (kept, w) = kept_weight(k, e, t, weigh);
-            k.emit(format!("@{kept} add.u64 {local}, {local}, {w}"));
-        });
-        crate::reduce::block_sum_u64(k, [local, self.tid], &self.red64, SAMPLE_WARPS)
-    }
-
-    /// The largest key `t` for which `holds(mass(t))`, and `mass(t)`, where `mass(t)` sums
-    /// `amount` over the keys at or above `t` (`holds` is monotone and holds at `floor`). Keys
-    /// below `floor` are left out of the sums: that changes no decision, since `holds` is true
-    /// for every candidate at or below `floor` either way.
+    /// The largest key `t` for which `holds(mass(t), total)`, where `mass(t)` sums `amount` over
+    /// the keys at or above `t` and `total` over every key at or above `floor` (`holds` is
+    /// monotone and holds at `floor`). Keys below `floor` are left out of the sums: that changes
+    /// no decision, since `holds` is true for every candidate at or below `floor` either way.
     fn radix_search(
         &self,
         k: &mut Kernel,
         (what, floor): (&str, Reg),
         amount: &Amount,
-        holds: &mut dyn FnMut(&mut Kernel, Reg) -> Reg,
-    ) -> (Reg, Reg) {
+        holds: &mut dyn FnMut(&mut Kernel, Reg, Reg) -> Reg,
+    ) -> Reg {
         let prefix = k.mov(RegClass::B32, &0u32);
         let above = k.mov(RegClass::B64, &0u64);
-        let at_found = k.mov(RegClass::B64, &0u64);
+        let total = k.mov(RegClass::B64, &0u64);
         for pass in 0..32 / DIGIT_BITS {
             let shift = 32 - DIGIT_BITS * (pass + 1);
             k.comment(&format!("{what}: the digit at bit {shift}"));
             self.histogram(k, &format!("{what}_{pass}"), [prefix, floor], shift, amount);
             let suffix = self.suffix_sums(k);
+            if pass == 0 {
+                k.comment("the first digit's bins hold every counted key");
+                k.barrier();
+                let zero = k.mov(RegClass::B32, &0u32);
+                let all = self.suffix_at(k, zero);
+                k.set(total, &all);
+            }
             let mass = k.op2("add.u64", RegClass::B64, &above, &suffix);
-            let ok = holds(k, mass);
+            let ok = holds(k, mass, total);
             let bin = k.setp("lt.u32", &self.tid, &BINS);
             k.emit(format!("and.pred {ok}, {ok}, {bin}"));
             let offer = k.selp(RegClass::B32, "u32", &self.tid, &0u32, ok);
             let digit = self.reduce(k, offer, "max.u32", RegClass::B32);
-            let at = self.suffix_at(k, digit);
             let next = k.add_u32(&digit, &1u32);
             let after = self.suffix_at(k, next);
-            k.emit(format!("add.u64 {at_found}, {above}, {at}"));
             k.emit(format!("add.u64 {above}, {above}, {after}"));
             let placed = k.op2("shl.b32", RegClass::B32, &digit, &shift);
             k.emit(format!("or.b32 {prefix}, {prefix}, {placed}"));
         }
-        (prefix, at_found)
+        prefix
     }
 
     /// The histogram of the key digit at `shift` over the keys at or above `floor` whose higher
@@ -666,9 +653,9 @@ impl Sampler {
     }
 
     /// The token: the first index at or above threshold `t` whose running kept mass exceeds
-    /// `floor(word * z / 2^32)`, or the last kept index when no mass is kept.
-    fn draw(&self, k: &mut Kernel, [t, word]: [Reg; 2], z: Reg, weigh: &Amount) -> Reg {
-        use crate::reduce::block_scan_u64;
+    /// `floor(word * z / 2^32)`, `z` the kept mass, or the last kept index when none is kept.
+    fn draw(&self, k: &mut Kernel, [t, word]: [Reg; 2], weigh: &Amount) -> Reg {
+        use crate::reduce::{block_scan_u64, block_sum_u64};
         let chunk = self
             .vocab
             .div_ceil(SAMPLE_THREADS)
@@ -688,6 +675,7 @@ impl Sampler {
         let leader = k.setp("eq.u32", &self.tid, &0u32);
         k.emit(format!("@{leader} st.shared.u32 [{owner}], -1"));
         let before = block_scan_u64(k, [mine, self.tid], &self.red64, SAMPLE_WARPS);
+        let z = block_sum_u64(k, [mine, self.tid], &self.red64, SAMPLE_WARPS);
         let target = draw_target(k, word, z);
         k.comment("the thread whose chunk holds the target names itself");
         let after = k.op2("add.u64", RegClass::B64, &before, &mine);
