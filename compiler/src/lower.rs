@@ -63,7 +63,7 @@ pub enum Operand {
     Arena(u64),
     /// The bucket's chosen-token slot (`ExecPlan::tokens`), which the plan places.
     Tokens,
-    /// The bucket's sampling parameters (`ExecPlan::sampling`: four 32-bit words per row),
+    /// The bucket's sampling parameters (`ExecPlan::sampler`: four 32-bit words per row),
     /// which the plan places.
     SamplingParams,
     /// The counters region (`Region::Counters`), of which the launch uses this many bytes.

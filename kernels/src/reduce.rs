@@ -47,12 +47,7 @@ pub fn block_reduce_over(
         ));
         acc = k.op2(op, class, &acc, &other);
     }
-    let lane = k.op2("and.b32", RegClass::B32, &tid, &31u32);
-    let warp = k.op2("shr.u32", RegClass::B32, &tid, &5u32);
-    let is_first = k.setp("eq.u32", &lane, &0u32);
-    let base = k.reg(RegClass::B32);
-    k.emit(format!("mov.u32 {base}, {scratch}"));
-    let slot = k.mad_u32(&warp, &4u32, &base);
+    let (base, slot, is_first) = warp_slot(k, scratch, tid, 4);
     k.emit(format!("@{is_first} st.shared.b32 [{slot}], {acc}"));
     k.barrier();
     let total = k.reg(class);
@@ -97,7 +92,7 @@ pub fn block_sum_u64(k: &mut Kernel, [value, tid]: [Reg; 2], scratch: &str, warp
         let other = shfl_u64(k, "bfly", acc, offset);
         acc = k.op2("add.u64", RegClass::B64, &acc, &other);
     }
-    let (base, slot, is_first) = warp_slot(k, scratch, tid);
+    let (base, slot, is_first) = warp_slot(k, scratch, tid, 8);
     k.emit(format!("@{is_first} st.shared.u64 [{slot}], {acc}"));
     k.barrier();
     let total = k.reg(RegClass::B64);
@@ -127,7 +122,7 @@ pub fn warp_scan_u64(k: &mut Kernel, value: Reg, lane: Reg) -> Reg {
 pub fn block_scan_u64(k: &mut Kernel, [value, tid]: [Reg; 2], scratch: &str, warps: u32) -> Reg {
     let lane = k.op2("and.b32", RegClass::B32, &tid, &31u32);
     let inclusive = warp_scan_u64(k, value, lane);
-    let (base, slot, _) = warp_slot(k, scratch, tid);
+    let (base, slot, _) = warp_slot(k, scratch, tid, 8);
     let last = k.setp("eq.u32", &lane, &31u32);
     k.emit(format!("@{last} st.shared.u64 [{slot}], {inclusive}"));
     k.barrier();
@@ -143,13 +138,13 @@ pub fn block_scan_u64(k: &mut Kernel, [value, tid]: [Reg; 2], scratch: &str, war
     before
 }
 
-/// The scratch's base, this warp's u64 slot in it, and whether this thread is lane 0.
-fn warp_slot(k: &mut Kernel, scratch: &str, tid: Reg) -> (Reg, Reg, Reg) {
+/// The scratch's base, this warp's slot of `bytes` in it, and whether this thread is lane 0.
+fn warp_slot(k: &mut Kernel, scratch: &str, tid: Reg, bytes: u32) -> (Reg, Reg, Reg) {
     let lane = k.op2("and.b32", RegClass::B32, &tid, &31u32);
     let warp = k.op2("shr.u32", RegClass::B32, &tid, &5u32);
     let is_first = k.setp("eq.u32", &lane, &0u32);
     let base = k.reg(RegClass::B32);
     k.emit(format!("mov.u32 {base}, {scratch}"));
-    let slot = k.mad_u32(&warp, &8u32, &base);
+    let slot = k.mad_u32(&warp, &bytes, &base);
     (base, slot, is_first)
 }

@@ -225,13 +225,13 @@ pub fn top_k_top_p(elem: Elem, rows: u32, vocab: u32) -> GeneratedKernel {
     s.store(&mut k, out, greedy);
     k.emit("ret");
     k.place(&sampled);
-    let weigh = Amount::Weight {
+    let weigh = Weighing {
         m,
         t: p.temperature,
     };
     let t_k = s.top_k_threshold(&mut k, &p);
-    let t = s.top_p_threshold(&mut k, &p, t_k, &weigh);
-    let token = s.draw(&mut k, [t, p.word], &weigh);
+    let t = s.top_p_threshold(&mut k, &p, t_k, weigh);
+    let token = s.draw(&mut k, [t, p.word], weigh);
     s.store(&mut k, out, token);
     GeneratedKernel::new(
         k,
@@ -276,8 +276,15 @@ impl Params {
 enum Amount {
     /// How many there are (top-k).
     Count,
-    /// Their integer weights in a row whose largest logit is `m`, at temperature `t` (top-p).
-    Weight { m: Reg, t: Reg },
+    /// Their integer weights (top-p).
+    Weight(Weighing),
+}
+
+/// How logits weigh: in a row whose largest logit is `m`, at temperature `t`.
+#[derive(Clone, Copy)]
+struct Weighing {
+    m: Reg,
+    t: Reg,
 }
 
 /// One element of a pass over the row: its index, value and whether it is inside the row.
@@ -478,7 +485,7 @@ impl Sampler {
     /// The top-p threshold within the top-k set: the largest key whose kept mass reaches `top_p`
     /// of the set's mass `z_k` (`mass * 2^32 >= P * z_k` in 128 bits); `t_k` itself when top_p is
     /// not below 1.
-    fn top_p_threshold(&self, k: &mut Kernel, p: &Params, t_k: Reg, weigh: &Amount) -> Reg {
+    fn top_p_threshold(&self, k: &mut Kernel, p: &Params, t_k: Reg, weigh: Weighing) -> Reg {
         let t = k.mov(RegClass::B32, &t_k);
         let scaled = k.mul_f32(&p.top_p, &F32(kiln_ir::sampling::power_of_two(32)));
         let fixed = k.op1("cvt.rzi.u64.f32", RegClass::B64, &scaled);
@@ -487,7 +494,8 @@ impl Sampler {
         k.bra(Some((use_p, false)), &skip);
         // The top-k set's mass z_k reaches (P < 2^32), so the largest key that reaches is at
         // least t_k, and the mass at it counts only keys inside the top-k set.
-        let found = self.radix_search(k, ("top_p", t_k), weigh, &mut |k, mass, z_k| {
+        let amount = Amount::Weight(weigh);
+        let found = self.radix_search(k, ("top_p", t_k), &amount, &mut |k, mass, z_k| {
             reaches(k, mass, fixed, z_k)
         });
         k.set(t, &found);
@@ -570,7 +578,7 @@ impl Sampler {
             let digit = k.selp(RegClass::B32, "u32", &digit, &BINS, same);
             let value = match amount {
                 Amount::Count => None,
-                Amount::Weight { m, t } => Some(weight_if(k, same, e.x, [*m, *t])),
+                Amount::Weight(weigh) => Some(weight_if(k, same, e.x, *weigh)),
             };
             self.bin_add(k, [digit, bins], value);
             k.place(&skip);
@@ -654,7 +662,7 @@ impl Sampler {
 
     /// The token: the first index at or above threshold `t` whose running kept mass exceeds
     /// `floor(word * z / 2^32)`, `z` the kept mass, or the last kept index when none is kept.
-    fn draw(&self, k: &mut Kernel, [t, word]: [Reg; 2], weigh: &Amount) -> Reg {
+    fn draw(&self, k: &mut Kernel, [t, word]: [Reg; 2], weigh: Weighing) -> Reg {
         use crate::reduce::{block_scan_u64, block_sum_u64};
         let chunk = self
             .vocab
@@ -716,7 +724,7 @@ impl Sampler {
         [from, to]: [Reg; 2],
         [t, target]: [Reg; 2],
         mass: Reg,
-        weigh: &Amount,
+        weigh: Weighing,
     ) -> Reg {
         use crate::reduce::{shfl_u64, warp_scan_u64};
         let found = k.mov(RegClass::B32, &u32::MAX);
@@ -770,19 +778,16 @@ impl Sampler {
 
 /// Whether element `e` is kept at threshold `t` (inside the row, key at or above `t`), and its
 /// weight as u64.
-fn kept_weight(k: &mut Kernel, e: &Element, t: Reg, weigh: &Amount) -> (Reg, Reg) {
-    let Amount::Weight { m, t: temperature } = weigh else {
-        unreachable!("kept masses are weights")
-    };
+fn kept_weight(k: &mut Kernel, e: &Element, t: Reg, weigh: Weighing) -> (Reg, Reg) {
     let key = ordered_key(k, e.x);
     let kept = k.setp("ge.u32", &key, &t);
     k.emit(format!("and.pred {kept}, {kept}, {}", e.inside));
-    let w = weight_if(k, kept, e.x, [*m, *temperature]);
+    let w = weight_if(k, kept, e.x, weigh);
     (kept, k.op1("cvt.u64.u32", RegClass::B64, &w))
 }
 
 /// [`weight`] where `when` holds, 0 elsewhere (computed only where it holds).
-fn weight_if(k: &mut Kernel, when: Reg, x: Reg, [m, t]: [Reg; 2]) -> Reg {
+fn weight_if(k: &mut Kernel, when: Reg, x: Reg, Weighing { m, t }: Weighing) -> Reg {
     let w = k.mov(RegClass::B32, &0u32);
     let skip = k.label("weighed");
     k.bra(Some((when, false)), &skip);

@@ -531,7 +531,15 @@ impl<'a> Session<'a> {
             let chosen = if greedy {
                 self.exec.run_greedy(entry, &inputs)?
             } else {
-                let params: Vec<[u32; 4]> = picks.iter().map(sampler_words).collect();
+                // A row without a pick is greedy (its token is not used).
+                let greedy = Sampling::greedy();
+                let params: Vec<[u32; 4]> = picks
+                    .iter()
+                    .map(|pick| match pick {
+                        Some((s, step)) => crate::generate::sampler_words(s, *step),
+                        None => crate::generate::sampler_words(&greedy, 0),
+                    })
+                    .collect();
                 self.exec.run_sampled(entry, &inputs, &params)?
             };
             if let Some(tokens) = chosen {
@@ -685,20 +693,6 @@ impl<'a> Session<'a> {
             }
         }
         Ok(())
-    }
-}
-
-/// A row's parameters for the device's sampler: temperature and top-p as f32 bits, top-k, and
-/// the step's uniform word; a row without a pick is greedy (its token is not used).
-fn sampler_words(pick: &Option<(Sampling, u32)>) -> [u32; 4] {
-    match pick {
-        Some((s, step)) => [
-            s.temperature.to_bits(),
-            u32::try_from(s.top_k).unwrap_or(u32::MAX),
-            s.top_p.to_bits(),
-            crate::generate::uniform_word(s, *step),
-        ],
-        None => [0, 0, 1f32.to_bits(), 0],
     }
 }
 

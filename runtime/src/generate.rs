@@ -217,6 +217,17 @@ pub fn uniform_word(sampling: &Sampling, step: u32) -> u32 {
     philox4x32_10([step, 0, 0, 0], seed_key(sampling.seed))[0]
 }
 
+/// A row's four 32-bit words for the device's sampler (`ExecPlan::sampler`) at step `step`:
+/// temperature as f32 bits, top-k (saturated), top-p as f32 bits, and the step's uniform word.
+pub fn sampler_words(sampling: &Sampling, step: u32) -> [u32; 4] {
+    [
+        sampling.temperature.to_bits(),
+        u32::try_from(sampling.top_k).unwrap_or(u32::MAX),
+        sampling.top_p.to_bits(),
+        uniform_word(sampling, step),
+    ]
+}
+
 /// The token for `logits` under `sampling` (the definition the generated CPU sampler,
 /// `kiln_kernels::cpu::sampling`, follows bit for bit; executors with a generated sampler use it
 /// through [`Executor::choose`]). Temperature 0 takes the first largest logit (NaN never wins; a

@@ -118,7 +118,7 @@ fn chained_decode_steps_match_single_steps_on_the_gpu() {
 #[test]
 fn device_sampling_picks_the_reference_token() {
     use kiln_ir::Tensor;
-    use kiln_runtime::generate::{choose, uniform_word, Sampling};
+    use kiln_runtime::generate::{choose, sampler_words, Sampling};
     if !gpu() {
         return;
     }
@@ -177,18 +177,7 @@ fn device_sampling_picks_the_reference_token() {
             ]);
             let logits = exec.run(&art, &entry, &inputs).unwrap()["logits"].clone();
             let logits = logits.as_f32().unwrap().to_vec();
-            let params: Vec<[u32; 4]> = modes
-                .iter()
-                .map(|s| {
-                    let top_k = u32::try_from(s.top_k).unwrap();
-                    [
-                        s.temperature.to_bits(),
-                        top_k,
-                        s.top_p.to_bits(),
-                        uniform_word(s, step),
-                    ]
-                })
-                .collect();
+            let params: Vec<[u32; 4]> = modes.iter().map(|s| sampler_words(s, step)).collect();
             let got = exec.run_sampled(&entry, &inputs, &params).unwrap().unwrap();
             for (r, mode) in modes.iter().enumerate() {
                 if mask[r] == 0 {
