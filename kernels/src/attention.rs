@@ -439,7 +439,7 @@ pub fn attention_simt(cfg: &AttentionConfig) -> GeneratedKernel {
         share_of_keys(
             &mut k,
             (start, end),
-            cfg.splits,
+            Splits::Fixed(cfg.splits),
             split_index.expect("split"),
         )
     } else {
@@ -652,7 +652,7 @@ pub fn attention_combine(cfg: &AttentionConfig) -> GeneratedKernel {
     let i = k.special("ctaid.x");
     let h = k.special("ctaid.y");
     let b = k.special("ctaid.z");
-    combine_row(&mut k, cfg, [acc, ml, out], [b, h, i, lane]);
+    combine_row(&mut k, cfg, [acc, ml, out], [b, h, i, lane], None);
     GeneratedKernel::new(
         k,
         Launch {
@@ -664,12 +664,14 @@ pub fn attention_combine(cfg: &AttentionConfig) -> GeneratedKernel {
 }
 
 /// Merges the `cfg.splits` partial results (`partial_acc`, `partial_ml`) of query row `i` of head
-/// `h` of sequence `b` into `out`, the warp's lanes (`lane`) over the head dimension.
+/// `h` of sequence `b` into `out`, the warp's lanes (`lane`) over the head dimension; only the
+/// first `count` of them when given (a multiple of 8 that the row's keys took).
 pub(crate) fn combine_row(
     k: &mut Kernel,
     cfg: &AttentionConfig,
     [acc, ml, out]: [Reg; 3],
     [b, h, i, lane]: [Reg; 4],
+    count: Option<Reg>,
 ) {
     let e = cfg.elem;
     let d = cfg.head_dim;
@@ -690,6 +692,10 @@ pub(crate) fn combine_row(
         .into_iter()
         .find(|g| cfg.splits.is_multiple_of(*g))
         .expect("1 divides");
+    assert!(
+        count.is_none() || group == 8,
+        "a count of whole groups of 8"
+    );
     let s_i = k.mov(RegClass::B32, &0u32);
     let top = k.label("split_groups");
     k.place(&top);
@@ -741,7 +747,10 @@ pub(crate) fn combine_row(
     }
     k.emit(format!("mov.f32 {m_run}, {m_new}"));
     k.emit(format!("add.u32 {s_i}, {s_i}, {group}"));
-    let more = k.setp("lt.u32", &s_i, &cfg.splits);
+    let more = match count {
+        Some(n) => k.setp("lt.u32", &s_i, &n),
+        None => k.setp("lt.u32", &s_i, &cfg.splits),
+    };
     k.bra(Some((more, true)), &top);
     // If no split saw a key, the row stores zeros.
     let inv = reciprocal_or_zero(k, total);
@@ -791,18 +800,40 @@ pub(crate) fn rotated_element(
     k.fma_f32(&signed, &sv, &xc)
 }
 
+/// How many ranges a row's keys are split into: fixed when the kernel is generated, or counted
+/// per row in the kernel.
+#[derive(Clone, Copy)]
+pub(crate) enum Splits {
+    Fixed(u32),
+    Counted(Reg),
+}
+
+/// The number of keys in `[start, end)` (0 when `end < start`).
+pub(crate) fn keys_in(k: &mut Kernel, (start, end): (Reg, Reg)) -> Reg {
+    let top = k.op2("max.u32", RegClass::B32, &end, &start);
+    k.sub_u32(&top, &start)
+}
+
 /// Key range `split` of `splits` even shares of `[start, end)` (the last ones empty when the
 /// range is short).
 pub(crate) fn share_of_keys(
     k: &mut Kernel,
     (start, end): (Reg, Reg),
-    splits: u32,
+    splits: Splits,
     split: Reg,
 ) -> (Reg, Reg) {
-    let top = k.op2("max.u32", RegClass::B32, &end, &start);
-    let len = k.sub_u32(&top, &start);
-    let rounded = k.add_u32(&len, &(splits - 1));
-    let chunk = k.op2("div.u32", RegClass::B32, &rounded, &splits);
+    let len = keys_in(k, (start, end));
+    let chunk = match splits {
+        Splits::Fixed(n) => {
+            let rounded = k.add_u32(&len, &(n - 1));
+            k.op2("div.u32", RegClass::B32, &rounded, &n)
+        }
+        Splits::Counted(n) => {
+            let more = k.add_u32(&len, &n);
+            let rounded = k.sub_u32(&more, &1u32);
+            k.op2("div.u32", RegClass::B32, &rounded, &n)
+        }
+    };
     let from = k.mad_u32(&split, &chunk, &start);
     let s1 = k.add_u32(&from, &chunk);
     let to = k.op2("min.u32", RegClass::B32, &end, &s1);

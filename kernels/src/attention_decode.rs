@@ -11,21 +11,24 @@
 //!
 //! With several key ranges (`splits`, flash-decoding) each warp writes its heads' partial
 //! results, which `attention::attention_combine` merges, exactly as for the SIMT kernel: the same
-//! `partial_acc` / `partial_ml` layout, running maxima in base 2. Where the SIMT kernel
+//! `partial_acc` / `partial_ml` layout, running maxima in base 2. A kernel that merges them itself
+//! ([`Extras::combine`]) splits each row's keys over only the blocks they need, `BLOCK_KEYS`
+//! each (the rest exit): a row whose keys one block takes merges its warps' ranges in shared
+//! memory, and only longer rows count their blocks and merge through memory. Where the SIMT kernel
 //! (`crate::attention`) gives each query head its own warp, walking keys one per warp step with a
 //! shuffle reduction each, a K/V head with a group of 4 (Llama's 32 heads over 8) is read 4
 //! times; here it is read once.
 
 use crate::attention::{
-    combine_row, online_softmax_step, reciprocal_or_zero, rotated_element, share_of_keys,
-    store_max_and_sum, window_range, AttentionConfig, KeyRule,
+    combine_row, keys_in, online_softmax_step, reciprocal_or_zero, rotated_element, share_of_keys,
+    store_max_and_sum, window_range, AttentionConfig, KeyRule, Splits,
 };
 use crate::kv_cache::write_row;
-use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
+use crate::ptx::{Elem, Kernel, Label, Reg, RegClass, F32};
 use crate::{GeneratedKernel, KernelPath, Launch};
 
 /// Key ranges (warps) per block.
-const WARPS: u32 = 4;
+const WARPS: u32 = 8;
 /// Keys a warp takes at a time: one per lane.
 const TILE: u32 = 32;
 /// The largest query group one warp serves (its accumulators are registers).
@@ -61,8 +64,9 @@ pub struct NewEntries {
 }
 
 /// What the kernel does besides the attention: write the step's [`NewEntries`], and with
-/// several key ranges merge them itself (`combine`: the last block of a sequence's K/V head to
-/// finish merges its query heads, in place of an `attention_combine` launch after it).
+/// several key ranges merge them itself (`combine`, in place of an `attention_combine` launch
+/// after it: in shared memory when one block takes a row's keys, else the last of the row's
+/// blocks to finish merges its query heads).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Extras {
     /// The step's new key and value, written into the caches.
@@ -136,7 +140,14 @@ fn kernel(cfg: &AttentionConfig, extras: &Extras, name: String) -> GeneratedKern
         }
     }
     k.emit("bar.warp.sync -1");
-    let (from, to) = key_range(&mut k, cfg, pos, split);
+    let range = key_window(&mut k, cfg, pos);
+    let taken = params
+        .combine
+        .map(|_| Taken::count(&mut k, cfg, range, bx, &exit));
+    let splits = taken
+        .as_ref()
+        .map_or(Splits::Fixed(cfg.splits), |t| Splits::Counted(t.splits));
+    let (from, to) = share_of_keys(&mut k, range, splits, split);
     if let Some(new) = &extras.new {
         write_new_entries(&mut k, cfg, &params, new, [b, kvh, lane, pos, from, to]);
     }
@@ -148,6 +159,10 @@ fn kernel(cfg: &AttentionConfig, extras: &Extras, name: String) -> GeneratedKern
         state: &state,
     };
     tiles.run(&mut k, [b, kvh, lane, first, from, to]);
+    let in_block = k.label("merge_in_block");
+    if let Some(t) = &taken {
+        k.bra(Some((t.one_block, true)), &in_block);
+    }
     store(
         &mut k,
         cfg,
@@ -156,8 +171,18 @@ fn kernel(cfg: &AttentionConfig, extras: &Extras, name: String) -> GeneratedKern
         &heads,
         [b, split, lane, first],
     );
-    if let Some(targets) = params.combine {
-        merge_when_last(&mut k, cfg, &params, targets, [b, kvh, tid, warp, lane]);
+    if let (Some(targets), Some(t)) = (params.combine, &taken) {
+        merge_when_last(&mut k, cfg, &params, targets, t, [b, kvh, tid, warp, lane]);
+        k.bra(None, &exit);
+        k.place(&in_block);
+        let out = targets[1];
+        merge_in_block(
+            &mut k,
+            cfg,
+            (&shared, &state),
+            out,
+            [b, kvh, warp, lane, first],
+        );
     }
     k.place(&exit);
     GeneratedKernel::new(
@@ -249,14 +274,57 @@ fn load_q(
         .collect()
 }
 
-/// The warp's share `[from, to)` of the keys the query at `pos` sees: the query's own keys split
-/// evenly over the ranges.
-fn key_range(k: &mut Kernel, cfg: &AttentionConfig, pos: Reg, split: Reg) -> (Reg, Reg) {
+/// The keys `[start, end)` the query at `pos` sees.
+fn key_window(k: &mut Kernel, cfg: &AttentionConfig, pos: Reg) -> (Reg, Reg) {
     let KeyRule::Position { window } = cfg.keys else {
         unreachable!("supports() admits position keys only")
     };
-    let range = window_range(k, pos, window, cfg.kv_len);
-    share_of_keys(k, range, cfg.splits, split)
+    window_range(k, pos, window, cfg.kv_len)
+}
+
+/// The most keys a block takes when the kernel merges its key ranges: two tiles per warp. A
+/// row's keys take as many blocks as they need at this many each (at most the grid's), so
+/// that a short context runs in one block, which merges its warps' ranges in shared memory
+/// without the count of finished blocks and the reads back through L2 that blocks merging
+/// across the grid need.
+const BLOCK_KEYS: u32 = 2 * WARPS * TILE;
+
+/// The blocks (and key ranges, [`WARPS`] per block) a row's keys take when the kernel merges
+/// them ([`BLOCK_KEYS`] each); the other blocks of the row exit at once.
+struct Taken {
+    blocks: Reg,
+    splits: Reg,
+    /// Whether one block takes them all.
+    one_block: Reg,
+}
+
+impl Taken {
+    fn count(
+        k: &mut Kernel,
+        cfg: &AttentionConfig,
+        range: (Reg, Reg),
+        bx: Reg,
+        exit: &Label,
+    ) -> Taken {
+        k.comment("the blocks this row's keys take; the rest exit");
+        let len = keys_in(k, range);
+        let more = k.add_u32(&len, &(BLOCK_KEYS - 1));
+        let needed = k.op2("div.u32", RegClass::B32, &more, &BLOCK_KEYS);
+        let at_least_one = k.op2("max.u32", RegClass::B32, &needed, &1u32);
+        let blocks = k.op2(
+            "min.u32",
+            RegClass::B32,
+            &at_least_one,
+            &(cfg.splits / WARPS),
+        );
+        let idle = k.setp("ge.u32", &bx, &blocks);
+        k.bra(Some((idle, true)), exit);
+        Taken {
+            blocks,
+            splits: k.mul_u32(&blocks, &WARPS),
+            one_block: k.setp("eq.u32", &blocks, &1u32),
+        }
+    }
 }
 
 /// The step's new key (rotated) and value written into the caches at `pos` by the warp whose key
@@ -341,6 +409,8 @@ impl State {
 struct Shared {
     q: Reg,
     p: Reg,
+    /// Where the block's q array starts (warp 0's).
+    q_block: Reg,
 }
 
 impl Shared {
@@ -350,14 +420,17 @@ impl Shared {
         let p_bytes = group * TILE * 4;
         let q_name = k.shared("q_group", WARPS * q_bytes);
         let p_name = k.shared("tile_weights", WARPS * p_bytes);
-        let at = |k: &mut Kernel, name: &str, bytes: u32| {
+        let base = |k: &mut Kernel, name: &str| {
             let base = k.reg(RegClass::B32);
             k.emit(format!("mov.u32 {base}, {name}"));
-            k.mad_u32(&warp, &bytes, &base)
+            base
         };
+        let q_block = base(k, &q_name);
+        let p_block = base(k, &p_name);
         Shared {
-            q: at(k, &q_name, q_bytes),
-            p: at(k, &p_name, p_bytes),
+            q: k.mad_u32(&warp, &q_bytes, &q_block),
+            p: k.mad_u32(&warp, &p_bytes, &p_block),
+            q_block,
         }
     }
 
@@ -530,6 +603,7 @@ fn merge_when_last(
     cfg: &AttentionConfig,
     params: &Params,
     [counters, out]: [Reg; 2],
+    taken: &Taken,
     [b, kvh, tid, warp, lane]: [Reg; 5],
 ) {
     k.comment("the last block of the sequence's K/V head merges the key ranges");
@@ -545,8 +619,8 @@ fn merge_when_last(
     k.emit(format!(
         "atom.acq_rel.gpu.global.add.u32 {before}, [{ca}], 1"
     ));
-    let blocks = cfg.splits / WARPS;
-    let last = k.setp("eq.u32", &before, &(blocks - 1));
+    let last_one = k.sub_u32(&taken.blocks, &1u32);
+    let last = k.setp("eq.u32", &before, &last_one);
     let is_last = k.selp(RegClass::B32, "u32", &1u32, &0u32, last);
     k.emit(format!("st.shared.u32 [{flag}], {is_last}"));
     k.emit(format!("@{last} st.global.u32 [{ca}], 0"));
@@ -566,10 +640,105 @@ fn merge_when_last(
         let mine = k.setp("eq.u32", &warp, &(g % WARPS));
         k.bra(Some((mine, false)), &other);
         let h = k.mad_u32(&kvh, &group, &g);
-        combine_row(k, cfg, [acc, ml, out], [b, h, zero, lane]);
+        combine_row(
+            k,
+            cfg,
+            [acc, ml, out],
+            [b, h, zero, lane],
+            Some(taken.splits),
+        );
         k.place(&other);
     }
     k.place(&done);
+}
+
+/// With all of a row's keys in one block ([`Taken::one_block`]): every warp leaves each head's
+/// running max, sum and accumulators in shared memory (the accumulators where its q was), and
+/// after the barrier warp `g % WARPS` merges head `g` of the group into `out`, rescaling each
+/// range to the largest max as [`combine_row`] does.
+fn merge_in_block(
+    k: &mut Kernel,
+    cfg: &AttentionConfig,
+    (shared, state): (&Shared, &State),
+    out: Reg,
+    [b, kvh, warp, lane, first]: [Reg; 5],
+) {
+    k.comment("one block took every key: its warps' ranges merge in shared memory");
+    let group = cfg.heads / cfg.kv_heads;
+    let ml_name = k.shared("range_ml", WARPS * group * 8);
+    let ml = k.reg(RegClass::B32);
+    k.emit(format!("mov.u32 {ml}, {ml_name}"));
+    let mine = k.mad_u32(&warp, &(group * 8), &ml);
+    let lane0 = k.setp("eq.u32", &lane, &0u32);
+    k.emit("bar.warp.sync -1");
+    for g in 0..group as usize {
+        let l = k.warp_sum(state.l[g]);
+        let at = g as u32 * 8;
+        k.emit(format!(
+            "@{lane0} st.shared.f32 [{mine}+{at}], {}",
+            state.m[g]
+        ));
+        k.emit(format!("@{lane0} st.shared.f32 [{mine}+{}], {l}", at + 4));
+        for (c, a) in state.acc[g].iter().enumerate() {
+            let col = k.add_u32(&first, &(c as u32));
+            let qa = shared.q_at(k, cfg, g as u32, col);
+            k.emit(format!("st.shared.f32 [{qa}], {a}"));
+        }
+    }
+    k.emit("bar.sync 0");
+    let q_bytes = group * cfg.head_dim * 4;
+    let per_lane = cfg.head_dim / 32;
+    let os = cfg.strides[3];
+    let t0 = k.mul_u32(&b, &os[0]);
+    for g in 0..group {
+        let other = k.label("other_head");
+        let merger = k.setp("eq.u32", &warp, &(g % WARPS));
+        k.bra(Some((merger, false)), &other);
+        // Each range's max and sum, and the largest max (0 if no range saw a key: no NaN).
+        let ranges: Vec<(Reg, Reg)> = (0..WARPS)
+            .map(|w| {
+                let at = (w * group + g) * 8;
+                let [m, l] = [k.reg(RegClass::F32), k.reg(RegClass::F32)];
+                k.emit(format!("ld.shared.f32 {m}, [{ml}+{at}]"));
+                k.emit(format!("ld.shared.f32 {l}, [{ml}+{}]", at + 4));
+                (m, l)
+            })
+            .collect();
+        let mut top = ranges[0].0;
+        for (m, _) in &ranges[1..] {
+            top = k.max_f32(&top, m);
+        }
+        let none = k.setp("eq.f32", &top, &F32(f32::NEG_INFINITY));
+        let top = k.selp(RegClass::F32, "f32", &F32(0.0), &top, none);
+        let total = k.mov(RegClass::F32, &F32(0.0));
+        let sums: Vec<Reg> = (0..per_lane)
+            .map(|_| k.mov(RegClass::F32, &F32(0.0)))
+            .collect();
+        for (w, (m, l)) in ranges.iter().enumerate() {
+            let dm = k.sub_f32(m, &top);
+            let scale = k.op1("ex2.approx.ftz.f32", RegClass::F32, &dm);
+            k.fma_into(total, &scale, l);
+            for (c, sum) in sums.iter().enumerate() {
+                let col = k.add_u32(&first, &(c as u32));
+                let i = k.add_u32(&col, &(w as u32 * q_bytes / 4 + g * cfg.head_dim));
+                let a = k.mad_u32(&i, &4u32, &shared.q_block);
+                let v = k.reg(RegClass::F32);
+                k.emit(format!("ld.shared.f32 {v}, [{a}]"));
+                k.fma_into(*sum, &scale, &v);
+            }
+        }
+        let inv = reciprocal_or_zero(k, total);
+        let h = k.mad_u32(&kvh, &group, &g);
+        let row = k.mad_u32(&h, &os[1], &t0);
+        for (c, sum) in sums.iter().enumerate() {
+            let y = k.mul_f32(sum, &inv);
+            let col = k.add_u32(&first, &(c as u32));
+            let idx = k.add_u32(&row, &col);
+            let oa = k.address(out, &idx, cfg.elem.bytes());
+            k.st_global(cfg.elem, oa, y);
+        }
+        k.place(&other);
+    }
 }
 
 /// Each head's result: normalised into `out` (zeros for a query that saw no key), or with
