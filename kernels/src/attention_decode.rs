@@ -124,9 +124,21 @@ fn kernel(cfg: &AttentionConfig, extras: &Extras, name: String) -> GeneratedKern
 
     let per_lane = cfg.head_dim / 32;
     let first = k.mul_u32(&lane, &per_lane);
+    // Positions are the step's inputs and the cache rows before them earlier steps' writes: no
+    // kernel of this step writes either before this one, so they are read before the wait.
     let pa = k.address(params.positions, &b, 8);
     let wide = k.ld_global_i64(pa);
     let pos = k.op1("cvt.u32.u64", RegClass::B32, &wide);
+    let range = key_window(&mut k, cfg, pos);
+    let taken = params
+        .combine
+        .map(|_| Taken::count(&mut k, cfg, range, bx, &exit));
+    let splits = taken
+        .as_ref()
+        .map_or(Splits::Fixed(cfg.splits), |t| Splits::Counted(t.splits));
+    let (from, to) = share_of_keys(&mut k, range, splits, split);
+    prefetch(&mut k, cfg, &params, [b, kvh, lane, pos, from, to]);
+    k.wait_for_inputs();
     let group = cfg.heads / cfg.kv_heads;
     let heads: Vec<Reg> = (0..group).map(|g| k.mad_u32(&kvh, &group, &g)).collect();
     let shared = Shared::declare(&mut k, cfg, warp);
@@ -140,14 +152,6 @@ fn kernel(cfg: &AttentionConfig, extras: &Extras, name: String) -> GeneratedKern
         }
     }
     k.emit("bar.warp.sync -1");
-    let range = key_window(&mut k, cfg, pos);
-    let taken = params
-        .combine
-        .map(|_| Taken::count(&mut k, cfg, range, bx, &exit));
-    let splits = taken
-        .as_ref()
-        .map_or(Splits::Fixed(cfg.splits), |t| Splits::Counted(t.splits));
-    let (from, to) = share_of_keys(&mut k, range, splits, split);
     if let Some(new) = &extras.new {
         write_new_entries(&mut k, cfg, &params, new, [b, kvh, lane, pos, from, to]);
     }
@@ -272,6 +276,52 @@ fn load_q(
             k.mul_f32(&value, &scale)
         })
         .collect()
+}
+
+/// The tiles a warp takes first ([`TILE`] keys each) that it sends towards L2 before the wait.
+const PREFETCH_TILES: u32 = 2;
+
+/// Sends the K and V rows of the warp's first [`PREFETCH_TILES`] tiles of `[from, to)` (a key
+/// per lane and tile) and the RoPE tables' row at `pos` towards L2 while the kernel before
+/// runs, so that the loads after the wait find them there.
+fn prefetch(
+    k: &mut Kernel,
+    cfg: &AttentionConfig,
+    params: &Params,
+    [b, kvh, lane, pos, from, to]: [Reg; 6],
+) {
+    k.comment("the first tiles' K and V rows and the RoPE row towards L2 before the wait");
+    let e = cfg.elem;
+    let row_bytes = cfg.head_dim * e.bytes();
+    let [_, ks, vs, _] = cfg.strides;
+    for (cache, strides) in [(params.k, ks), (params.v, vs)] {
+        let c0 = k.mul_u32(&b, &strides[0]);
+        let head = k.mad_u32(&kvh, &strides[1], &c0);
+        for t in 0..PREFETCH_TILES {
+            let j0 = k.add_u32(&from, &(t * TILE));
+            let j = k.add_u32(&j0, &lane);
+            let inside = k.setp("lt.u32", &j, &to);
+            let row = k.mad_u32(&j, &strides[2], &head);
+            let a = k.address(cache, &row, e.bytes());
+            for line in (0..row_bytes).step_by(128) {
+                k.emit(format!("@{inside} prefetch.global.L2 [{a}+{line}]"));
+            }
+        }
+    }
+    if let Some((cos, sin)) = params.tables {
+        let half = cfg.head_dim / 2;
+        let lines = (half * 4).div_ceil(128);
+        let in_table = k.setp("lt.u32", &pos, &cfg.kv_len);
+        let line_lane = k.setp("lt.u32", &lane, &lines);
+        let first_lanes = k.reg(RegClass::Pred);
+        k.emit(format!("and.pred {first_lanes}, {in_table}, {line_lane}"));
+        let t = k.mul_u32(&pos, &half);
+        let at = k.mad_u32(&lane, &32u32, &t);
+        for table in [cos, sin] {
+            let a = k.address(table, &at, 4);
+            k.emit(format!("@{first_lanes} prefetch.global.L2 [{a}]"));
+        }
+    }
 }
 
 /// The keys `[start, end)` the query at `pos` sees.
