@@ -360,7 +360,7 @@ fn head_strides(g: &Graph, id: NodeId) -> Option<([u32; 3], u32)> {
 pub fn lower(g: &Graph, kernels: &mut Lowered) -> GraphLaunches {
     let mut out = GraphLaunches::default();
     let consumers = consumers(g);
-    let fused = Fused::find(g, &consumers);
+    let fused = Fused::find(g, &consumers, kernels.rows);
     let mut weight_only = vec![false; g.len()];
     for (id, node) in g.nodes() {
         weight_only[id.index()] = match &node.op {
@@ -402,39 +402,30 @@ pub fn lower(g: &Graph, kernels: &mut Lowered) -> GraphLaunches {
 /// `attention_mask`, i64 `[B, 1]`), the choice also advances them for the next step
 /// ([`TokenChoice::advances`]). `None` for other graphs.
 pub fn greedy_tokens(g: &Graph, kernels: &mut Lowered) -> Option<TokenChoice> {
-    g.inputs().find(|(_, name, _)| name.starts_with("past_"))?;
-    let logits = g
-        .outputs()
-        .iter()
-        .find(|o| o.name == crate::compile::LOGITS)?;
-    let ty = g.ty(logits.node);
-    let [rows, 1, vocab] = dims(ty)?[..] else {
-        return None;
-    };
-    let elem = Elem::of(ty.dtype)?;
-    let step_input = |name: &str| {
-        g.inputs()
-            .find(|(_, n, t)| {
-                *n == name
-                    && t.dtype == kiln_ir::DType::I64
-                    && dims(t).is_some_and(|d| d == [rows, 1])
-            })
-            .map(|(id, _, _)| Operand::Value(id))
-    };
-    let [ids, positions, mask] = kiln_ir::artifact::ADVANCED_INPUTS;
-    let next = [
-        ("ids", step_input(ids)),
-        ("positions", step_input(positions)),
-        ("mask", step_input(mask)),
-    ];
+    let site = TokenSite::find(g)?;
+    let chosen = choosing_product(g, &site, kernels.rows).is_some();
+    let TokenSite {
+        logits,
+        rows,
+        vocab,
+        elem,
+        next,
+    } = site;
     let advances = next.iter().all(|(_, op)| op.is_some());
-    let kernel = kernels.generate(&(elem, rows, vocab, advances), |&(e, r, v, a)| {
-        kiln_kernels::sampling::argmax(e, r, v, a)
-    });
-    let mut bind = vec![
-        ("logits", Operand::Value(logits.node)),
-        ("out", Operand::Tokens),
-    ];
+    let (kernel, mut bind) = if chosen {
+        // The LM head folded each row's choice into its key (`gemv::gemv_choosing`).
+        let kernel = kernels.generate(&(rows, advances), |&(r, a)| {
+            kiln_kernels::sampling::choose_from_keys(r, a)
+        });
+        let best = ("best", Operand::Counters(u64::from(rows) * 8));
+        (kernel, vec![best, ("out", Operand::Tokens)])
+    } else {
+        let kernel = kernels.generate(&(elem, rows, vocab, advances), |&(e, r, v, a)| {
+            kiln_kernels::sampling::argmax(e, r, v, a)
+        });
+        let bind = vec![("logits", Operand::Value(logits)), ("out", Operand::Tokens)];
+        (kernel, bind)
+    };
     if advances {
         bind.extend(next.into_iter().filter_map(|(name, op)| Some((name, op?))));
     }
@@ -445,7 +436,7 @@ pub fn greedy_tokens(g: &Graph, kernels: &mut Lowered) -> Option<TokenChoice> {
     let sampler = kernels.bound(
         sampler,
         &[
-            ("logits", Operand::Value(logits.node)),
+            ("logits", Operand::Value(logits)),
             ("params", Operand::SamplingParams),
             ("out", Operand::Tokens),
         ],
@@ -458,18 +449,76 @@ pub fn greedy_tokens(g: &Graph, kernels: &mut Lowered) -> Option<TokenChoice> {
     })
 }
 
+/// Where a decode step (a KV-cached graph whose `logits` are `[B, 1, V]`) chooses its tokens:
+/// the logits, their shape and type, and the decoder inputs the choice may advance
+/// (`input_ids`, `position_ids`, `attention_mask`, i64 `[B, 1]`), where the graph takes them.
+struct TokenSite {
+    logits: NodeId,
+    rows: u32,
+    vocab: u32,
+    elem: Elem,
+    next: [(&'static str, Option<Operand>); 3],
+}
+
+impl TokenSite {
+    fn find(g: &Graph) -> Option<TokenSite> {
+        g.inputs().find(|(_, name, _)| name.starts_with("past_"))?;
+        let logits = g
+            .outputs()
+            .iter()
+            .find(|o| o.name == crate::compile::LOGITS)?;
+        let ty = g.ty(logits.node);
+        let [rows, 1, vocab] = dims(ty)?[..] else {
+            return None;
+        };
+        let elem = Elem::of(ty.dtype)?;
+        let step_input = |name: &str| {
+            g.inputs()
+                .find(|(_, n, t)| {
+                    *n == name
+                        && t.dtype == kiln_ir::DType::I64
+                        && dims(t).is_some_and(|d| d == [rows, 1])
+                })
+                .map(|(id, _, _)| Operand::Value(id))
+        };
+        let [ids, positions, mask] = kiln_ir::artifact::ADVANCED_INPUTS;
+        Some(TokenSite {
+            logits: logits.node,
+            rows,
+            vocab,
+            elem,
+            next: [
+                ("ids", step_input(ids)),
+                ("positions", step_input(positions)),
+                ("mask", step_input(mask)),
+            ],
+        })
+    }
+}
+
+/// The decode step's LM head when it folds the greedy choice into its launch
+/// (`gemv::gemv_choosing`): the logits are that product's output, on the one-column-per-warp
+/// kernel under `rows` (its norm, if any, launched before it).
+fn choosing_product(g: &Graph, site: &TokenSite, rows: Rows) -> Option<NodeId> {
+    let (cfg, prologue) = gemm_parts(g, site.logits)?;
+    let apart = prologue.is_none_or(|p| !gemv::takes_prologue(&cfg, &p, rows));
+    (apart && gemv::chooses(&cfg, rows)).then_some(site.logits)
+}
+
 /// Work one kernel does for other nodes: the cache writes decode attentions do themselves.
 #[derive(Default)]
 struct Fused {
     /// Each such attention's key and value writes.
     attention_writes: BTreeMap<NodeId, [NodeId; 2]>,
+    /// The decode step's LM head when it folds the greedy choice in ([`choosing_product`]).
+    choosing: Option<NodeId>,
 }
 
 impl Fused {
     /// The fusions of the static graph `g` whose kernels serve them: a decode attention takes in
     /// its writes ([`decode_writes`]) when it runs on `attention_decode` and reads their new rows
     /// in place.
-    fn find(g: &Graph, consumers: &[Vec<(NodeId, usize)>]) -> Fused {
+    fn find(g: &Graph, consumers: &[Vec<(NodeId, usize)>], rows: Rows) -> Fused {
         let attention_writes = decode_writes(g, consumers)
             .into_iter()
             .filter(|f| {
@@ -484,13 +533,54 @@ impl Fused {
             })
             .map(|f| (f.attention, f.writes))
             .collect();
-        Fused { attention_writes }
+        let choosing = TokenSite::find(g).and_then(|site| choosing_product(g, &site, rows));
+        Fused {
+            attention_writes,
+            choosing,
+        }
     }
 
     /// Whether the cache write `id` is done by its attention's kernel.
     fn write_done(&self, id: NodeId) -> bool {
         self.attention_writes.values().flatten().any(|w| *w == id)
     }
+}
+
+/// The product node `id` takes, and the norm of its prologue: `None` for other nodes.
+fn gemm_parts(g: &Graph, id: NodeId) -> Option<(GemmConfig, Option<NormConfig>)> {
+    let node = g.node(id);
+    let Op::Gemm(spec) = &node.op else {
+        return None;
+    };
+    let elem = Elem::of(node.ty.dtype)?;
+    let x = dims(g.ty(node.args[0]))?;
+    let k = *x.last()?;
+    let m = x.iter().product::<u32>() / k;
+    let w = dims(g.ty(node.args[1]))?;
+    let cols = if spec.transpose_b { w[0] } else { w[1] };
+    if spec.swiglu && cols % 2 != 0 {
+        return None;
+    }
+    let cfg = GemmConfig {
+        m,
+        k,
+        n: cols,
+        transpose_b: spec.transpose_b,
+        bias: spec.bias,
+        activation: spec.activation,
+        swiglu: spec.swiglu,
+        residual: spec.residual,
+        elem,
+    };
+    let norm = spec.prologue.as_ref().map(|p| NormConfig {
+        kind: p.kind,
+        residual: false,
+        elem,
+        rows: m,
+        cols: k,
+        eps: p.eps as f32,
+    });
+    Some((cfg, norm))
 }
 
 fn lower_node(
@@ -563,29 +653,11 @@ fn lower_node(
             out.launch(n, kernel, &bind)?;
         }
         Op::Gemm(spec) => {
-            let x = dims(arg(0))?;
-            let k = *x.last()?;
-            let m = x.iter().product::<u32>() / k;
-            let w = dims(arg(1))?;
-            let cols = if spec.transpose_b { w[0] } else { w[1] };
-            if spec.swiglu && cols % 2 != 0 {
-                return None;
-            }
+            let (cfg, norm_cfg) = gemm_parts(g, id)?;
             // Operands: x, w, [bias], [residual], [prologue weight, [prologue bias]].
             let mut rest = 2..node.args.len();
             let bias = spec.bias.then(|| rest.next()).flatten().map(a);
             let residual = spec.residual.then(|| rest.next()).flatten().map(a);
-            let cfg = GemmConfig {
-                m,
-                k,
-                n: cols,
-                transpose_b: spec.transpose_b,
-                bias: spec.bias,
-                activation: spec.activation,
-                swiglu: spec.swiglu,
-                residual: spec.residual,
-                elem,
-            };
             let mut bind = vec![("x", a(0)), ("w", a(1)), ("out", this)];
             if let Some(b) = bias {
                 bind.push(("bias", b));
@@ -593,17 +665,9 @@ fn lower_node(
             if let Some(r) = residual {
                 bind.push(("residual", r));
             }
-            if let Some(p) = &spec.prologue {
+            if let Some(norm_cfg) = norm_cfg {
                 let norm_weight = a(rest.next()?);
                 let norm_bias = rest.next().map(a);
-                let norm_cfg = NormConfig {
-                    kind: p.kind,
-                    residual: false,
-                    elem,
-                    rows: m,
-                    cols: k,
-                    eps: p.eps as f32,
-                };
                 if gemv::takes_prologue(&cfg, &norm_cfg, out.rows) {
                     // One kernel normalises x and takes the product (f16/bf16 only, whose CPU
                     // plans come from their f32 twins).
@@ -614,7 +678,7 @@ fn lower_node(
                 }
                 // Otherwise the norm runs into a scratch buffer the product reads.
                 n.scratch
-                    .push(u64::from(m) * u64::from(k) * u64::from(elem.bytes()));
+                    .push(u64::from(cfg.m) * u64::from(cfg.k) * u64::from(elem.bytes()));
                 let mut norm_bind = vec![
                     ("x", a(0)),
                     ("weight", norm_weight),
@@ -626,13 +690,28 @@ fn lower_node(
                     CpuKernel::Norm(norm_cfg),
                     &norm_kernel,
                     &norm_bind,
-                    m.into(),
+                    cfg.m.into(),
                 );
                 out.launch(n, norm_kernel, &norm_bind)?;
                 bind[0].1 = Operand::Scratch(0);
             }
+            let m = u64::from(cfg.m);
+            if fused.choosing == Some(id) {
+                // The decode step's LM head, folding each row's greedy choice into its key
+                // (`greedy_tokens` reads it); the CPU takes the plain product.
+                let kernel = out.generate(&cfg, gemv::gemv_choosing);
+                let params: Vec<&str> = kernel
+                    .signature
+                    .iter()
+                    .map(|(p, _)| p.as_str())
+                    .filter(|p| *p != "best")
+                    .collect();
+                n.cpu(CpuKernel::Gemm(cfg.clone()), &bind, &params, m);
+                bind.push(("best", Operand::Counters(m * 8)));
+                return out.launch(n, kernel, &bind);
+            }
             let kernel = out.generate(&(cfg.clone(), out.rows), |(c, r)| gemm_for(c, *r));
-            n.cpu_like(CpuKernel::Gemm(cfg.clone()), &kernel, &bind, u64::from(m));
+            n.cpu_like(CpuKernel::Gemm(cfg.clone()), &kernel, &bind, m);
             if kernel.image == Image::Sm90a {
                 let fallback = out.generate(&cfg, gemm_base);
                 out.launch_with_fallback(n, kernel, fallback, &bind)?;

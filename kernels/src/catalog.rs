@@ -54,6 +54,9 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
         for advance in [false, true] {
             out.push(("sampling", argmax(elem, 4, 50257, advance)));
         }
+        for advance in [false, true] {
+            out.push(("sampling", crate::sampling::choose_from_keys(4, advance)));
+        }
         // Single-element loads (an odd vocabulary) and 16-byte loads.
         for vocab in [50257, 128256] {
             out.push(("sampling", top_k_top_p(elem, 4, vocab)));
@@ -242,6 +245,19 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
             };
             out.push(("gemm", crate::gemv::gemv_normed(&(cfg, norm))));
         }
+        // A one-row LM head folding the greedy choice into its keys.
+        let head = GemmConfig {
+            m: 1,
+            k: 768,
+            n: 50257,
+            transpose_b: true,
+            bias: false,
+            activation: None,
+            swiglu: false,
+            residual: false,
+            elem,
+        };
+        out.push(("gemm", crate::gemv::gemv_choosing(&head)));
         // An odd number of output columns (GPT-2's vocabulary is 50257): element stores.
         let odd = GemmConfig {
             m: 127,

@@ -117,8 +117,27 @@ pub fn gemv_for(cfg: &GemmConfig, name: String, rows: Rows) -> GeneratedKernel {
     if tensor_cores(cfg, rows) {
         gemv_tc(cfg, &name, None)
     } else {
-        gemv_simt(cfg, &name)
+        gemv_simt(cfg, &name, false)
     }
+}
+
+/// Whether [`gemv_choosing`] serves `cfg` under `rows`: a product (a decode step's LM head) on
+/// the one-column-per-warp kernel.
+pub fn chooses(cfg: &GemmConfig, rows: Rows) -> bool {
+    supports(cfg) && !tensor_cores(cfg, rows) && !cfg.swiglu
+}
+
+/// Generates the one-column-per-warp product that also folds each row's greedy choice into the
+/// u64 at `best[row]` (`sampling::choice_key` of each output as stored, the block's best by one
+/// `red.max` per row; the key must be 0 before the launch, and `sampling::choose_from_keys`
+/// reads it and sets it back to 0): a decode step's token without a pass over its logits.
+/// Parameters: the product's, then `best`.
+pub fn gemv_choosing(cfg: &GemmConfig) -> GeneratedKernel {
+    assert!(
+        chooses(cfg, Rows::Fastest),
+        "the greedy choice needs the one-column-per-warp kernel"
+    );
+    gemv_simt(cfg, &format!("{}_gemv_choosing", cfg.name()), true)
 }
 
 /// How the kernels of products with different row counts relate.
@@ -205,11 +224,12 @@ fn k_splits(cfg: &GemmConfig) -> u32 {
 
 /// The one-column-per-warp kernel: `k_splits` warps per column, each streaming its chunks of the
 /// weight row against every row of x, their sums met in shared memory in warp order.
-fn gemv_simt(cfg: &GemmConfig, name: &str) -> GeneratedKernel {
+fn gemv_simt(cfg: &GemmConfig, name: &str, choose: bool) -> GeneratedKernel {
     let mut k = Kernel::new(name);
     let x = k.param_ptr("x");
     let w = k.param_ptr("w");
     let epilogue = EpiloguePtrs::declare(&mut k, cfg);
+    let best = choose.then(|| k.param_ptr("best"));
     let splits = k_splits(cfg);
     let n_out = cfg.n_out();
     let tid = k.special("tid.x");
@@ -233,19 +253,31 @@ fn gemv_simt(cfg: &GemmConfig, name: &str) -> GeneratedKernel {
     } else {
         sums
     };
+    let rows = cfg.m as usize;
+    let keys: Vec<Reg> = match best {
+        Some(_) => (0..rows).map(|_| k.mov(RegClass::B64, &0u64)).collect(),
+        None => Vec::new(),
+    };
     let not_first = k.setp("ne.u32", &lane, &0u32);
     k.bra(Some((not_first, true)), &exit);
     k.bra(Some((outside, true)), &exit);
-    let rows = cfg.m as usize;
     for r in 0..rows {
         let up = cfg.swiglu.then(|| sums[rows + r]);
         addends.residual = residuals.get(r).copied();
         let v = apply(&mut k, cfg, sums[r], up, &addends);
         let oi = k.add_u32(&col, &(r as u32 * n_out));
         let oa = k.address(epilogue.out(), &oi, cfg.elem.bytes());
+        if let Some(key) = keys.get(r) {
+            let stored = k.rounded(cfg.elem, v);
+            let mine = crate::sampling::choice_key(&mut k, stored, col);
+            k.emit(format!("mov.b64 {key}, {mine}"));
+        }
         k.st_global(cfg.elem, oa, v);
     }
     k.place(&exit);
+    if let Some(best) = best {
+        fold_choices(&mut k, best, &keys, [tid, warp, lane]);
+    }
     GeneratedKernel::new(
         k,
         Launch {
@@ -255,6 +287,41 @@ fn gemv_simt(cfg: &GemmConfig, name: &str) -> GeneratedKernel {
         },
     )
     .on(crate::KernelPath::Gemv)
+}
+
+/// Each row's best key of the block (every warp's lane 0 holds its column's, 0 outside the
+/// product) into `best[row]` with one `red.max` by the block's first thread.
+fn fold_choices(k: &mut Kernel, best: Reg, keys: &[Reg], [tid, warp, lane]: [Reg; 3]) {
+    k.comment("the block's best choice key per row into the row's");
+    let rows = keys.len() as u32;
+    let slots = k.shared("choice_keys", WARPS * rows * 8);
+    let base = k.reg(RegClass::B32);
+    k.emit(format!("mov.u32 {base}, {slots}"));
+    let mine = k.mad_u32(&warp, &(rows * 8), &base);
+    let lane0 = k.setp("eq.u32", &lane, &0u32);
+    for (r, key) in keys.iter().enumerate() {
+        k.emit(format!("@{lane0} st.shared.u64 [{mine}+{}], {key}", r * 8));
+    }
+    k.barrier();
+    let done = k.label("choices_folded");
+    let leader = k.setp("eq.u32", &tid, &0u32);
+    k.bra(Some((leader, false)), &done);
+    for r in 0..rows {
+        let top = k.reg(RegClass::B64);
+        k.emit(format!("ld.shared.u64 {top}, [{base}+{}]", r * 8));
+        for w in 1..WARPS {
+            let other = k.reg(RegClass::B64);
+            k.emit(format!(
+                "ld.shared.u64 {other}, [{base}+{}]",
+                (w * rows + r) * 8
+            ));
+            k.emit(format!("max.u64 {top}, {top}, {other}"));
+        }
+        let some = k.setp("ne.u64", &top, &0u64);
+        let at = k.op2("add.u64", RegClass::B64, &best, &u64::from(r * 8));
+        k.emit(format!("@{some} red.global.max.u64 [{at}], {top}"));
+    }
+    k.place(&done);
 }
 
 /// The bias of the warp's column (and of its up column with SwiGLU), loaded before the wait for

@@ -528,6 +528,21 @@ impl Kernel {
         }
     }
 
+    /// f32 `value` rounded to `elem` (nearest even) and back: what a store of it leaves.
+    pub fn rounded(&mut self, elem: Elem, value: Reg) -> Reg {
+        match elem {
+            Elem::F32 => value,
+            Elem::F16 | Elem::BF16 => {
+                let h = self.op1(
+                    &format!("cvt.rn.{}.f32", elem.name()),
+                    RegClass::B16,
+                    &value,
+                );
+                self.op1(&format!("cvt.f32.{}", elem.name()), RegClass::F32, &h)
+            }
+        }
+    }
+
     /// Stores f32 `value` to global `addr` as `elem` (round to nearest even).
     pub fn st_global(&mut self, elem: Elem, addr: Reg, value: Reg) {
         match elem {

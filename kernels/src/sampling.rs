@@ -122,7 +122,22 @@ pub fn argmax(elem: Elem, rows: u32, vocab: u32, advance: bool) -> GeneratedKern
     k.comment("no value above -inf: index 0");
     let none = k.setp("eq.u32", &best_i, &u32::MAX);
     k.emit(format!("@{none} mov.u32 {best_i}, 0"));
-    let wide = k.op1("cvt.u64.u32", RegClass::B64, &best_i);
+    write_choice(&mut k, [out, row, best_i], next);
+    k.place(&end);
+    GeneratedKernel::new(
+        k,
+        Launch {
+            grid: [rows, 1, 1],
+            block: [ARGMAX_THREADS, 1, 1],
+            shared_bytes: 0,
+        },
+    )
+}
+
+/// Row `row`'s chosen `token` (u32) into `out` as i64, and with the decode step's inputs
+/// `next` (`ids, positions, mask`) the row's next id and position, unless its mask is 0.
+fn write_choice(k: &mut Kernel, [out, row, token]: [Reg; 3], next: Option<[Reg; 3]>) {
+    let wide = k.op1("cvt.u64.u32", RegClass::B64, &token);
     let oa = k.address(out, &row, 8);
     k.emit(format!("st.global.u64 [{oa}], {wide}"));
     if let Some([ids, positions, mask]) = next {
@@ -137,12 +152,65 @@ pub fn argmax(elem: Elem, rows: u32, vocab: u32, advance: bool) -> GeneratedKern
         let p1 = k.op2("add.s64", RegClass::B64, &p, &1u64);
         k.emit(format!("@{live} st.global.u64 [{pa}], {p1}"));
     }
+}
+
+/// The greedy choice as one 64-bit key per candidate, so that a product can fold its columns
+/// into a row's best with `atom.max.u64` as it computes them ([`choose_from_keys`] reads it):
+/// the value's order-preserving bits above `-inf`'s in the high word (at least 1 for a value
+/// above `-inf`), `u32::MAX - col` in the low word (the first column wins a tie); 0 for NaN and
+/// `-inf`, which never win, as [`argmax`] has it. `value` is the logit as stored (rounded to
+/// the logits' type).
+pub fn choice_key(k: &mut Kernel, value: Reg, col: Reg) -> Reg {
+    // -0 + 0 = +0: the two zeros tie, as `gt.f32` has them.
+    let value = k.add_f32(&value, &F32(0.0));
+    let bits = k.reg(RegClass::B32);
+    k.emit(format!("mov.b32 {bits}, {value}"));
+    let sign = k.op2("shr.s32", RegClass::B32, &bits, &31u32);
+    let flip = k.op2("or.b32", RegClass::B32, &sign, &0x8000_0000u32);
+    let ordered = k.op2("xor.b32", RegClass::B32, &bits, &flip);
+    // -inf's ordered bits: !0xff80_0000.
+    let above = k.sub_u32(&ordered, &0x007f_ffffu32);
+    let low = k.op1("not.b32", RegClass::B32, &col);
+    let key = k.reg(RegClass::B64);
+    k.emit(format!("mov.b64 {key}, {{{low}, {above}}}"));
+    let number = k.setp("num.f32", &value, &value);
+    let nan = k.reg(RegClass::Pred);
+    k.emit(format!("not.pred {nan}, {number}"));
+    let ninf = k.setp("eq.f32", &value, &F32(f32::NEG_INFINITY));
+    k.emit(format!("or.pred {nan}, {nan}, {ninf}"));
+    k.emit(format!("@{nan} mov.b64 {key}, 0"));
+    key
+}
+
+/// Generates the kernel that takes each row's greedy token from the key a product left in
+/// `best` ([`choice_key`]; 0: no value above `-inf`, index 0) and resets the key to 0 for the
+/// next launch, writing the token as [`argmax`] does. Parameters: `best, out`, and when
+/// `advance`, `ids, positions, mask`.
+pub fn choose_from_keys(rows: u32, advance: bool) -> GeneratedKernel {
+    let form = if advance { "_advance" } else { "" };
+    let mut k = Kernel::new(&format!("choose{form}_from_keys_r{rows}"));
+    let best = k.param_ptr("best");
+    let out = k.param_ptr("out");
+    let next = advance.then(|| ["ids", "positions", "mask"].map(|p| k.param_ptr(p)));
+    let row = k.special("tid.x");
+    let end = k.label("end");
+    let past = k.setp("ge.u32", &row, &rows);
+    k.bra(Some((past, true)), &end);
+    let ba = k.address(best, &row, 8);
+    let key = k.op1("ld.global.u64", RegClass::B64, &Bracket(ba));
+    k.emit(format!("st.global.u64 [{ba}], 0"));
+    let (low, high) = (k.reg(RegClass::B32), k.reg(RegClass::B32));
+    k.emit(format!("mov.b64 {{{low}, {high}}}, {key}"));
+    let token = k.op1("not.b32", RegClass::B32, &low);
+    let none = k.setp("eq.u32", &high, &0u32);
+    k.emit(format!("@{none} mov.u32 {token}, 0"));
+    write_choice(&mut k, [out, row, token], next);
     k.place(&end);
     GeneratedKernel::new(
         k,
         Launch {
-            grid: [rows, 1, 1],
-            block: [ARGMAX_THREADS, 1, 1],
+            grid: [1, 1, 1],
+            block: [rows.next_multiple_of(32), 1, 1],
             shared_bytes: 0,
         },
     )

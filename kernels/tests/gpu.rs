@@ -338,7 +338,7 @@ fn embeddings_match_the_interpreter() {
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng::seed_from_u64(0x5151_7777_2222_9999);
     for elem in ELEMS {
-        for (tokens, hidden) in [(1u32, 64u32), (17, 768), (127, 4097)] {
+        for (tokens, hidden) in [(1u32, 64u32), (17, 768), (3, 4096), (127, 4097)] {
             let rows = [512u32, 127];
             let tables: Vec<Vec<f32>> = rows
                 .iter()
@@ -466,6 +466,135 @@ fn argmax_picks_the_first_largest() {
                     );
                 }
                 println!("ok  {} rows={rows} vocab={vocab}", kernel.name);
+            }
+        }
+    }
+}
+
+/// A one-row LM head that folds the greedy choice into a key per row as it stores its logits
+/// (`gemv_choosing`), read back by `choose_from_keys`, picks what the runtime's choice at
+/// temperature 0 picks over the logits it stored (the first largest; NaN never wins; a row with
+/// nothing above -inf picks 0; -0 and +0 tie), and leaves its logits as the plain product does
+/// and its keys at 0, over launches one after another.
+#[test]
+fn products_choose_the_first_largest_logit() {
+    use kiln_kernels::gemv::gemv_choosing;
+    use kiln_kernels::sampling::choose_from_keys;
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng::seed_from_u64(0x0c40_05e5_1a57_0001);
+    let greedy = kiln_runtime::generate::Sampling::greedy();
+    for elem in ELEMS {
+        for (m, k, n) in [
+            (1u32, 768u32, 50257u32),
+            (1, 2048, 128256),
+            (1, 64, 17),
+            (3, 100, 1001),
+        ] {
+            if m > 1 && elem != Elem::F32 && k % 8 == 0 {
+                continue;
+            }
+            let cfg = GemmConfig {
+                m,
+                k,
+                n,
+                transpose_b: true,
+                bias: false,
+                activation: None,
+                swiglu: false,
+                residual: false,
+                elem,
+            };
+            // Random logits, then logits set through a one-hot x (each output is its weight
+            // row's first element): ties for the largest, NaN, -inf, signed zeros.
+            let nu = n as usize;
+            let mut cases: Vec<(String, Vec<f32>, Vec<f32>)> = vec![(
+                "random".into(),
+                values(&mut rng, (m * k) as usize, 1.0, elem),
+                values(&mut rng, (n * k) as usize, 1.0 / (k as f32).sqrt(), elem),
+            )];
+            let mut one_hot = vec![0.0f32; (m * k) as usize];
+            for r in 0..m as usize {
+                one_hot[r * k as usize] = 1.0;
+            }
+            let firsts = |f: &dyn Fn(usize) -> f32| -> Vec<f32> {
+                let mut w = vec![0.0f32; (n * k) as usize];
+                for c in 0..nu {
+                    w[c * k as usize] = f(c);
+                }
+                w
+            };
+            let last = nu - 1;
+            cases.push((
+                "tie, NaN first".into(),
+                one_hot.clone(),
+                firsts(&|c| match c {
+                    0 => f32::NAN,
+                    c if c == nu / 3 || c == last => 4.0,
+                    c => -((c % 7) as f32),
+                }),
+            ));
+            cases.push((
+                "all -inf".into(),
+                one_hot.clone(),
+                firsts(&|_| f32::NEG_INFINITY),
+            ));
+            cases.push(("all NaN".into(), one_hot.clone(), firsts(&|_| f32::NAN)));
+            cases.push((
+                "signed zeros".into(),
+                one_hot.clone(),
+                firsts(&|c| match c {
+                    c if c == nu / 2 => -0.0,
+                    c if c == last => 0.0,
+                    _ => -1.0,
+                }),
+            ));
+            let plain = gemm_for(&cfg, Rows::Fastest);
+            let kernel = gemv_choosing(&cfg);
+            let chooser = choose_from_keys(m, false);
+            let best = gpu.upload_i64(&vec![0; m as usize]);
+            for (what, x, w) in &cases {
+                let (bx, bw) = (gpu.upload(elem, x), gpu.upload(elem, w));
+                let want_logits = gpu.poisoned(elem, (m * n) as usize);
+                let args = BTreeMap::from([
+                    ("x", Arg::Buf(&bx)),
+                    ("w", Arg::Buf(&bw)),
+                    ("out", Arg::Buf(&want_logits)),
+                ]);
+                gpu.launch(&plain, &args);
+                let want_logits = gpu.download(elem, &want_logits);
+                let want: Vec<i64> = want_logits
+                    .chunks(nu)
+                    .map(|row| kiln_runtime::generate::choose(row, &greedy, 0) as i64)
+                    .collect();
+                let logits = gpu.poisoned(elem, (m * n) as usize);
+                let tokens = gpu.upload_i64(&vec![-1; m as usize]);
+                let args = BTreeMap::from([
+                    ("x", Arg::Buf(&bx)),
+                    ("w", Arg::Buf(&bw)),
+                    ("out", Arg::Buf(&logits)),
+                    ("best", Arg::Buf(&best)),
+                ]);
+                gpu.launch(&kernel, &args);
+                let args = BTreeMap::from([("best", Arg::Buf(&best)), ("out", Arg::Buf(&tokens))]);
+                gpu.launch(&chooser, &args);
+                let got = gpu.download(elem, &logits);
+                let same = got
+                    .iter()
+                    .zip(&want_logits)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "{} {what}: logits differ from the plain product's",
+                    kernel.name
+                );
+                assert_eq!(gpu.download_i64(&tokens), want, "{} {what}", kernel.name);
+                assert_eq!(
+                    gpu.download_i64(&best),
+                    vec![0; m as usize],
+                    "{} {what}: keys",
+                    kernel.name
+                );
+                println!("ok  {} {what}: {want:?}", kernel.name);
             }
         }
     }
