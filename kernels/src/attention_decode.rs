@@ -703,9 +703,8 @@ fn merge_when_last(
 }
 
 /// With all of a row's keys in one block ([`Taken::one_block`]): every warp leaves each head's
-/// running max, sum and accumulators in shared memory (the accumulators where its q was), and
-/// after the barrier warp `g % WARPS` merges head `g` of the group into `out`, rescaling each
-/// range to the largest max as [`combine_row`] does.
+/// running max, sum and accumulators in shared memory ([`leave_ranges`]), and after the barrier
+/// warp `g % WARPS` merges head `g` of the group into `out` ([`merge_head`]).
 fn merge_in_block(
     k: &mut Kernel,
     cfg: &AttentionConfig,
@@ -714,6 +713,26 @@ fn merge_in_block(
     [b, kvh, warp, lane, first]: [Reg; 5],
 ) {
     k.comment("one block took every key: its warps' ranges merge in shared memory");
+    let ml = leave_ranges(k, cfg, (shared, state), [warp, lane, first]);
+    k.emit("bar.sync 0");
+    let t0 = k.mul_u32(&b, &cfg.strides[3][0]);
+    for g in 0..cfg.heads / cfg.kv_heads {
+        let other = k.label("other_head");
+        let merger = k.setp("eq.u32", &warp, &(g % WARPS));
+        k.bra(Some((merger, false)), &other);
+        merge_head(k, cfg, (shared, ml), out, g, [kvh, first, t0]);
+        k.place(&other);
+    }
+}
+
+/// The warp's range of every head into shared memory: its running max and sum (summed over the
+/// lanes) at `range_ml[warp][g]`, which this returns, and its accumulators where its q was.
+fn leave_ranges(
+    k: &mut Kernel,
+    cfg: &AttentionConfig,
+    (shared, state): (&Shared, &State),
+    [warp, lane, first]: [Reg; 3],
+) -> Reg {
     let group = cfg.heads / cfg.kv_heads;
     let ml_name = k.shared("range_ml", WARPS * group * 8);
     let ml = k.reg(RegClass::B32);
@@ -735,59 +754,62 @@ fn merge_in_block(
             k.emit(format!("st.shared.f32 [{qa}], {a}"));
         }
     }
-    k.emit("bar.sync 0");
-    let q_bytes = group * cfg.head_dim * 4;
-    let per_lane = cfg.head_dim / 32;
-    let os = cfg.strides[3];
-    let t0 = k.mul_u32(&b, &os[0]);
-    for g in 0..group {
-        let other = k.label("other_head");
-        let merger = k.setp("eq.u32", &warp, &(g % WARPS));
-        k.bra(Some((merger, false)), &other);
-        // Each range's max and sum, and the largest max (0 if no range saw a key: no NaN).
-        let ranges: Vec<(Reg, Reg)> = (0..WARPS)
-            .map(|w| {
-                let at = (w * group + g) * 8;
-                let [m, l] = [k.reg(RegClass::F32), k.reg(RegClass::F32)];
-                k.emit(format!("ld.shared.f32 {m}, [{ml}+{at}]"));
-                k.emit(format!("ld.shared.f32 {l}, [{ml}+{}]", at + 4));
-                (m, l)
-            })
-            .collect();
-        let mut top = ranges[0].0;
-        for (m, _) in &ranges[1..] {
-            top = k.max_f32(&top, m);
-        }
-        let none = k.setp("eq.f32", &top, &F32(f32::NEG_INFINITY));
-        let top = k.selp(RegClass::F32, "f32", &F32(0.0), &top, none);
-        let total = k.mov(RegClass::F32, &F32(0.0));
-        let sums: Vec<Reg> = (0..per_lane)
-            .map(|_| k.mov(RegClass::F32, &F32(0.0)))
-            .collect();
-        for (w, (m, l)) in ranges.iter().enumerate() {
-            let dm = k.sub_f32(m, &top);
-            let scale = k.op1("ex2.approx.ftz.f32", RegClass::F32, &dm);
-            k.fma_into(total, &scale, l);
-            for (c, sum) in sums.iter().enumerate() {
-                let col = k.add_u32(&first, &(c as u32));
-                let i = k.add_u32(&col, &(w as u32 * q_bytes / 4 + g * cfg.head_dim));
-                let a = k.mad_u32(&i, &4u32, &shared.q_block);
-                let v = k.reg(RegClass::F32);
-                k.emit(format!("ld.shared.f32 {v}, [{a}]"));
-                k.fma_into(*sum, &scale, &v);
-            }
-        }
-        let inv = reciprocal_or_zero(k, total);
-        let h = k.mad_u32(&kvh, &group, &g);
-        let row = k.mad_u32(&h, &os[1], &t0);
+    ml
+}
+
+/// Head `g`'s output from every warp's range ([`leave_ranges`]), each rescaled to the largest
+/// max as [`combine_row`] does (a largest max of -inf, no key seen, taken as 0: no NaN), into
+/// `out` at the lane's elements from `first`; `t0` is the sequence's offset in `out`.
+fn merge_head(
+    k: &mut Kernel,
+    cfg: &AttentionConfig,
+    (shared, ml): (&Shared, Reg),
+    out: Reg,
+    g: u32,
+    [kvh, first, t0]: [Reg; 3],
+) {
+    let group = cfg.heads / cfg.kv_heads;
+    let ranges: Vec<(Reg, Reg)> = (0..WARPS)
+        .map(|w| {
+            let at = (w * group + g) * 8;
+            let [m, l] = [k.reg(RegClass::F32), k.reg(RegClass::F32)];
+            k.emit(format!("ld.shared.f32 {m}, [{ml}+{at}]"));
+            k.emit(format!("ld.shared.f32 {l}, [{ml}+{}]", at + 4));
+            (m, l)
+        })
+        .collect();
+    let mut top = ranges[0].0;
+    for (m, _) in &ranges[1..] {
+        top = k.max_f32(&top, m);
+    }
+    let none = k.setp("eq.f32", &top, &F32(f32::NEG_INFINITY));
+    let top = k.selp(RegClass::F32, "f32", &F32(0.0), &top, none);
+    let total = k.mov(RegClass::F32, &F32(0.0));
+    let sums: Vec<Reg> = (0..cfg.head_dim / 32)
+        .map(|_| k.mov(RegClass::F32, &F32(0.0)))
+        .collect();
+    for (w, (m, l)) in ranges.iter().enumerate() {
+        let dm = k.sub_f32(m, &top);
+        let scale = k.op1("ex2.approx.ftz.f32", RegClass::F32, &dm);
+        k.fma_into(total, &scale, l);
         for (c, sum) in sums.iter().enumerate() {
-            let y = k.mul_f32(sum, &inv);
             let col = k.add_u32(&first, &(c as u32));
-            let idx = k.add_u32(&row, &col);
-            let oa = k.address(out, &idx, cfg.elem.bytes());
-            k.st_global(cfg.elem, oa, y);
+            let i = k.add_u32(&col, &((w as u32 * group + g) * cfg.head_dim));
+            let a = k.mad_u32(&i, &4u32, &shared.q_block);
+            let v = k.reg(RegClass::F32);
+            k.emit(format!("ld.shared.f32 {v}, [{a}]"));
+            k.fma_into(*sum, &scale, &v);
         }
-        k.place(&other);
+    }
+    let inv = reciprocal_or_zero(k, total);
+    let h = k.mad_u32(&kvh, &group, &g);
+    let row = k.mad_u32(&h, &cfg.strides[3][1], &t0);
+    for (c, sum) in sums.iter().enumerate() {
+        let y = k.mul_f32(sum, &inv);
+        let col = k.add_u32(&first, &(c as u32));
+        let idx = k.add_u32(&row, &col);
+        let oa = k.address(out, &idx, cfg.elem.bytes());
+        k.st_global(cfg.elem, oa, y);
     }
 }
 
