@@ -204,7 +204,7 @@ pub struct GraphLaunches {
     /// Their CPU versions (strided primitive kernels), in the same order; `None` for an op
     /// without one.
     pub unsupported_cpu: Vec<Option<Vec<CpuLaunch>>>,
-    /// A decode step's greedy token choice after everything else (see [`greedy_tokens`]).
+    /// A decode step's greedy token choice after everything else (see `greedy_tokens`).
     pub tokens: Option<TokenChoice>,
 }
 
@@ -391,7 +391,7 @@ pub fn lower(g: &Graph, kernels: &mut Lowered) -> GraphLaunches {
             out.unsupported_cpu.push(strided::lower_primitive(g, id));
         }
     }
-    out.tokens = greedy_tokens(g, kernels);
+    out.tokens = greedy_tokens(&fused, kernels);
     out
 }
 
@@ -401,9 +401,9 @@ pub fn lower(g: &Graph, kernels: &mut Lowered) -> GraphLaunches {
 /// logits. When the step takes the decoder inputs (`input_ids`, `position_ids`,
 /// `attention_mask`, i64 `[B, 1]`), the choice also advances them for the next step
 /// ([`TokenChoice::advances`]). `None` for other graphs.
-pub fn greedy_tokens(g: &Graph, kernels: &mut Lowered) -> Option<TokenChoice> {
-    let site = TokenSite::find(g)?;
-    let chosen = choosing_product(g, &site, kernels.rows).is_some();
+fn greedy_tokens(fused: &Fused, kernels: &mut Lowered) -> Option<TokenChoice> {
+    let site = fused.token_site.clone()?;
+    let chosen = fused.choosing.is_some();
     let TokenSite {
         logits,
         rows,
@@ -452,6 +452,7 @@ pub fn greedy_tokens(g: &Graph, kernels: &mut Lowered) -> Option<TokenChoice> {
 /// Where a decode step (a KV-cached graph whose `logits` are `[B, 1, V]`) chooses its tokens:
 /// the logits, their shape and type, and the decoder inputs the choice may advance
 /// (`input_ids`, `position_ids`, `attention_mask`, i64 `[B, 1]`), where the graph takes them.
+#[derive(Clone)]
 struct TokenSite {
     logits: NodeId,
     rows: u32,
@@ -510,6 +511,8 @@ fn choosing_product(g: &Graph, site: &TokenSite, rows: Rows) -> Option<NodeId> {
 struct Fused {
     /// Each such attention's key and value writes.
     attention_writes: BTreeMap<NodeId, [NodeId; 2]>,
+    /// Where a decode step chooses its tokens ([`greedy_tokens`]).
+    token_site: Option<TokenSite>,
     /// The decode step's LM head when it folds the greedy choice in ([`choosing_product`]).
     choosing: Option<NodeId>,
 }
@@ -533,9 +536,13 @@ impl Fused {
             })
             .map(|f| (f.attention, f.writes))
             .collect();
-        let choosing = TokenSite::find(g).and_then(|site| choosing_product(g, &site, rows));
+        let token_site = TokenSite::find(g);
+        let choosing = token_site
+            .as_ref()
+            .and_then(|site| choosing_product(g, site, rows));
         Fused {
             attention_writes,
+            token_site,
             choosing,
         }
     }

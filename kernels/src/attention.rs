@@ -823,17 +823,14 @@ pub(crate) fn share_of_keys(
     split: Reg,
 ) -> (Reg, Reg) {
     let len = keys_in(k, (start, end));
-    let chunk = match splits {
-        Splits::Fixed(n) => {
-            let rounded = k.add_u32(&len, &(n - 1));
-            k.op2("div.u32", RegClass::B32, &rounded, &n)
-        }
+    let (rounded, n): (Reg, &dyn Operand) = match &splits {
+        Splits::Fixed(n) => (k.add_u32(&len, &(n - 1)), n),
         Splits::Counted(n) => {
-            let more = k.add_u32(&len, &n);
-            let rounded = k.sub_u32(&more, &1u32);
-            k.op2("div.u32", RegClass::B32, &rounded, &n)
+            let more = k.add_u32(&len, n);
+            (k.sub_u32(&more, &1u32), n)
         }
     };
+    let chunk = k.op2("div.u32", RegClass::B32, &rounded, n);
     let from = k.mad_u32(&split, &chunk, &start);
     let s1 = k.add_u32(&from, &chunk);
     let to = k.op2("min.u32", RegClass::B32, &end, &s1);
