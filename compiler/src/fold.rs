@@ -86,11 +86,19 @@ pub fn fold_weights(g: &Graph) -> Result<Folded, IrError> {
     })
 }
 
-/// `g` with every product whose weight (a weight-only `[K, N]` matrix) is not transposed
-/// rewritten to read `permute([1, 0], w)` with `transpose_b`: the same product. Also returns where
-/// each node of `g` went.
+/// `g` with its products' weights stored as the kernels read them: every product whose weight
+/// (a weight-only `[K, N]` matrix) is not transposed rewritten to read `permute([1, 0], w)` with
+/// `transpose_b`, and every product with an RMSNorm prologue whose weight matrix nothing else
+/// reads taking the norm's weight into its columns ([`scales_by_norm`]): the same products.
+/// Also returns where each node of `g` went.
 pub(crate) fn weights_n_by_k(g: &Graph) -> Result<(Graph, Vec<NodeId>), IrError> {
     let mut weight_only = vec![false; g.len()];
+    let mut consumers: Vec<Vec<NodeId>> = vec![Vec::new(); g.len()];
+    for (id, node) in g.nodes() {
+        for a in &node.args {
+            consumers[a.index()].push(id);
+        }
+    }
     let mut out = Graph::new();
     let mut map: Vec<NodeId> = Vec::with_capacity(g.len());
     for (id, node) in g.nodes() {
@@ -110,6 +118,12 @@ pub(crate) fn weights_n_by_k(g: &Graph) -> Result<(Graph, Vec<NodeId>), IrError>
                     args[1] = out.add(Op::Permute(vec![1, 0]), &[args[1]])?;
                     spec.transpose_b = true;
                 }
+                if scales_by_norm(g, id, &weight_only, &consumers) {
+                    let gamma = args.len() - 1;
+                    args[1] = out.mul(args[1], args[gamma])?;
+                    let one = out.scalar(1.0, out.ty(args[gamma]).dtype);
+                    args[gamma] = out.broadcast_to(one, &out.ty(args[gamma]).shape.clone())?;
+                }
             }
             out.add(op, &args)?
         };
@@ -119,6 +133,63 @@ pub(crate) fn weights_n_by_k(g: &Graph) -> Result<(Graph, Vec<NodeId>), IrError>
         out.set_output(&o.name, map[o.node.index()])?;
     }
     Ok((out, map))
+}
+
+/// Whether the product `gemm` of `g` takes its RMSNorm prologue's weight `gamma` into its own
+/// weight `w`, stored `[N, K]` (`w * gamma` along K, computed when the artifact is written), reading a
+/// weight of ones in its place: `w (x * r * gamma) = (w * gamma) (x * r)`, so that a kernel that
+/// folds the norm (`gemv::folds_norm`) only scales its sums by `r`. Only where nothing else reads
+/// `w` or the weights it is computed from (a tied LM head keeps the embedding table it shares),
+/// so that no weight is stored twice; a product already reading ones is left as it is.
+fn scales_by_norm(
+    g: &Graph,
+    gemm: NodeId,
+    weight_only: &[bool],
+    consumers: &[Vec<NodeId>],
+) -> bool {
+    let node = g.node(gemm);
+    let Op::Gemm(spec) = &node.op else {
+        return false;
+    };
+    let rms = spec
+        .prologue
+        .as_ref()
+        .is_some_and(|p| p.kind == kiln_ir::kernel::NormKind::RmsNorm && !p.residual);
+    let (w, gamma) = (node.args[1], node.args[node.args.len() - 1]);
+    if !rms || !weight_only[w.index()] || g.ty(w).rank() != 2 || is_ones(g, gamma) {
+        return false;
+    }
+    // Every value `w` is computed from is read only on the way to `w`, and `w` only by `gemm`.
+    let mut from = vec![w];
+    let mut inside = std::collections::BTreeSet::from([w]);
+    while let Some(v) = from.pop() {
+        for a in &g.node(v).args {
+            if inside.insert(*a) {
+                from.push(*a);
+            }
+        }
+    }
+    inside.iter().all(|v| {
+        consumers[v.index()]
+            .iter()
+            .all(|c| inside.contains(c) || (*v == w && *c == gemm))
+    })
+}
+
+/// Whether `id` of `g` is a weight of ones ([`scales_by_norm`]'s): the broadcast constant, or
+/// the weight [`fold_weights`] makes of it.
+pub(crate) fn is_ones(g: &Graph, id: NodeId) -> bool {
+    let node = g.node(id);
+    match &node.op {
+        Op::Broadcast(_) => matches!(g.node(node.args[0]).op, Op::Scalar(v) if v == 1.0),
+        Op::Weight(name) => {
+            let mut def = Graph::new();
+            let one = def.scalar(1.0, node.ty.dtype);
+            def.broadcast_to(one, &node.ty.shape)
+                .is_ok_and(|ones| *name == describe(&def, ones))
+        }
+        _ => false,
+    }
 }
 
 /// A leaf of another graph, added to `out`.
@@ -206,6 +277,84 @@ mod tests {
         folded_weights.insert(names[0].to_string(), std::sync::Arc::new(t));
         let got = kiln_ir::evaluate(&folded.graph, &inputs, &folded_weights).unwrap();
         assert_eq!(got["y"], want["y"]);
+    }
+
+    /// A product with an RMSNorm prologue: `x [2, 4]` normalised by `gamma`, times `w [3, 4]`
+    /// (stored `[N, K]`); `tied` also reads `w` elsewhere (an LM head sharing the embedding).
+    fn normed_product(tied: bool) -> Graph {
+        let mut g = Graph::new();
+        let dim = |v: i64| Dim::from(v);
+        let x = g.input("x", DType::F32, vec![dim(2), dim(4)]).unwrap();
+        let w = g.weight("w", DType::F32, vec![dim(3), dim(4)]).unwrap();
+        let gamma = g.weight("gamma", DType::F32, vec![dim(4)]).unwrap();
+        let spec = kiln_ir::kernel::GemmSpec {
+            prologue: Some(kiln_ir::kernel::NormSpec {
+                kind: kiln_ir::kernel::NormKind::RmsNorm,
+                eps: 1e-5,
+                residual: false,
+            }),
+            ..kiln_ir::kernel::GemmSpec::plain(true)
+        };
+        let y = g.add(Op::Gemm(spec), &[x, w, gamma]).unwrap();
+        g.set_output("y", y).unwrap();
+        if tied {
+            let e = g.add(Op::Unary(kiln_ir::UnaryOp::Neg), &[w]).unwrap();
+            g.set_output("e", e).unwrap();
+        }
+        g
+    }
+
+    /// Evaluates `g` and its folded form on the same input and weights.
+    fn before_and_after(g: &Graph) -> (Folded, [kiln_ir::Tensor; 2]) {
+        use std::sync::Arc;
+        let folded = fold_weights(g).unwrap();
+        let w = kiln_ir::Tensor::f32(vec![3, 4], (0..12).map(|v| v as f32 * 0.25 - 1.0).collect());
+        let gamma = kiln_ir::Tensor::f32(vec![4], vec![0.5, 2.0, -1.0, 3.0]);
+        let x = kiln_ir::Tensor::f32(vec![2, 4], (0..8).map(|v| v as f32 - 3.0).collect());
+        let mut weights = BTreeMap::from([
+            ("w".to_string(), Arc::new(w)),
+            ("gamma".to_string(), Arc::new(gamma)),
+        ]);
+        let inputs = BTreeMap::from([("x".to_string(), x)]);
+        let want = kiln_ir::evaluate(g, &inputs, &weights).unwrap().remove("y");
+        for (name, def) in &folded.definitions {
+            let t = kiln_ir::evaluate(def, &BTreeMap::new(), &weights).unwrap();
+            weights.insert(name.clone(), Arc::new(t[VALUE].clone()));
+        }
+        let got = kiln_ir::evaluate(&folded.graph, &inputs, &weights)
+            .unwrap()
+            .remove("y");
+        (folded, [want.unwrap(), got.unwrap()])
+    }
+
+    #[test]
+    fn rms_norm_weights_move_into_their_products() {
+        let (folded, [want, got]) = before_and_after(&normed_product(false));
+        let names: Vec<&str> = folded.graph.weights().map(|(_, n, _)| n).collect();
+        assert_eq!(
+            names,
+            [
+                "Binary(Mul)[w,Broadcast([3, 4])[gamma]]",
+                "Broadcast([4])[1]"
+            ]
+        );
+        let (_, gemm) = folded.graph.nodes().last().unwrap();
+        assert!(is_ones(&folded.graph, *gemm.args.last().unwrap()));
+        // Folding again changes nothing (the artifact writer folds graphs folded before).
+        let again = fold_weights(&folded.graph).unwrap();
+        let renamed: Vec<&str> = again.graph.weights().map(|(_, n, _)| n).collect();
+        assert_eq!(renamed, names);
+        let (a, b) = (want.as_f32().unwrap(), got.as_f32().unwrap());
+        let close = a.iter().zip(b).all(|(a, b)| (a - b).abs() < 1e-5);
+        assert!(close, "{want:?} against {got:?}");
+    }
+
+    #[test]
+    fn a_shared_product_weight_keeps_its_norm_weight() {
+        let (folded, [want, got]) = before_and_after(&normed_product(true));
+        let names: Vec<&str> = folded.graph.weights().map(|(_, n, _)| n).collect();
+        assert_eq!(names, ["w", "gamma", "Unary(Neg)[w]"]);
+        assert_eq!(want, got);
     }
 
     #[test]

@@ -498,12 +498,11 @@ impl TokenSite {
 }
 
 /// The decode step's LM head when it folds the greedy choice into its launch
-/// (`gemv::gemv_choosing`): the logits are that product's output, on the one-column-per-warp
-/// kernel under `rows` (its norm, if any, launched before it).
+/// (`gemv::gemv_choosing`, or `gemv::gemv_folded` with its RMSNorm): the logits are that
+/// product's output, on the one-column-per-warp kernel under `rows`.
 fn choosing_product(g: &Graph, site: &TokenSite, rows: Rows) -> Option<NodeId> {
-    let (cfg, prologue) = gemm_parts(g, site.logits)?;
-    let apart = prologue.is_none_or(|p| !gemv::takes_prologue(&cfg, &p, rows));
-    (apart && gemv::chooses(&cfg, rows)).then_some(site.logits)
+    let (cfg, _) = gemm_parts(g, site.logits)?;
+    gemv::chooses(&cfg, rows).then_some(site.logits)
 }
 
 /// Work one kernel does for other nodes: the cache writes decode attentions do themselves.
@@ -672,9 +671,23 @@ fn lower_node(
             if let Some(r) = residual {
                 bind.push(("residual", r));
             }
+            let choosing = fused.choosing == Some(id);
             if let Some(norm_cfg) = norm_cfg {
                 let norm_weight = a(rest.next()?);
                 let norm_bias = rest.next().map(a);
+                let ones = node
+                    .args
+                    .last()
+                    .is_some_and(|&w| crate::fold::is_ones(g, w));
+                if ones && gemv::folds_norm(&cfg, &norm_cfg, out.rows) {
+                    // The one-row product scales its sums by the norm's 1/rms itself (f16/bf16
+                    // only; the norm's weight is in the product's, `fold::scales_by_norm`).
+                    if choosing {
+                        bind.push(("best", Operand::Counters(u64::from(cfg.m) * 8)));
+                    }
+                    let kernel = out.generate(&(cfg, norm_cfg, choosing), gemv::gemv_folded);
+                    return out.launch(n, kernel, &bind);
+                }
                 if gemv::takes_prologue(&cfg, &norm_cfg, out.rows) {
                     // One kernel normalises x and takes the product (f16/bf16 only, whose CPU
                     // plans come from their f32 twins).
@@ -703,7 +716,7 @@ fn lower_node(
                 bind[0].1 = Operand::Scratch(0);
             }
             let m = u64::from(cfg.m);
-            if fused.choosing == Some(id) {
+            if choosing {
                 // The decode step's LM head, folding each row's greedy choice into its key
                 // (`greedy_tokens` reads it); the CPU takes the plain product.
                 let kernel = out.generate(&cfg, gemv::gemv_choosing);

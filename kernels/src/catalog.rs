@@ -258,6 +258,33 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
             elem,
         };
         out.push(("gemm", crate::gemv::gemv_choosing(&head)));
+        if elem != Elem::F32 {
+            // One-row products with the RMSNorm of x folded in: a SwiGLU gate/up of K = 8192
+            // (several warps per column) and a choosing LM head.
+            let rms = |rows, cols| NormConfig {
+                kind: NormKind::RmsNorm,
+                residual: false,
+                elem,
+                rows,
+                cols,
+                eps: 1e-5,
+            };
+            let gate_up = GemmConfig {
+                m: 1,
+                k: 8192,
+                n: 512,
+                transpose_b: true,
+                bias: false,
+                activation: None,
+                swiglu: true,
+                residual: false,
+                elem,
+            };
+            let norm = rms(1, gate_up.k);
+            out.push(("gemm", crate::gemv::gemv_folded(&(gate_up, norm, false))));
+            let norm = rms(1, head.k);
+            out.push(("gemm", crate::gemv::gemv_folded(&(head, norm, true))));
+        }
         // An odd number of output columns (GPT-2's vocabulary is 50257): element stores.
         let odd = GemmConfig {
             m: 127,

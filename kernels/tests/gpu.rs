@@ -832,6 +832,109 @@ fn gemv_norm_prologues_match_the_interpreter() {
     }
 }
 
+/// One-row decode products with x's RMSNorm folded in (`gemv_folded`: the norm's weight is in
+/// the product's, x's squares summed beside the products, 1/rms applied to the sums) against the
+/// interpreter's `Gemm` with that norm prologue, of a weight of ones: K from 770 (element loads)
+/// to 8192 (several warps per column), epilogues on top; the choosing form also picks what the
+/// runtime picks over the logits it stored, and leaves its key at 0.
+#[test]
+fn one_row_products_fold_their_rms_norm() {
+    use kiln_kernels::gemv::{folds_norm, gemv_folded};
+    use kiln_kernels::sampling::choose_from_keys;
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng::seed_from_u64(0x5ca1_ed0f_f01d_0002);
+    let greedy = kiln_runtime::generate::Sampling::greedy();
+    for elem in [Elem::F16, Elem::BF16] {
+        for (k, n, bias, swiglu, residual, choose) in [
+            (2048u32, 3072u32, false, false, false, false),
+            (2048, 1026, true, true, true, false),
+            (8192, 64, false, true, false, false),
+            (770, 34, true, false, true, false),
+            (2048, 32003, false, false, false, true),
+            (776, 1001, false, false, false, true),
+        ] {
+            let cfg = GemmConfig {
+                m: 1,
+                k,
+                n,
+                transpose_b: true,
+                bias,
+                activation: None,
+                swiglu,
+                residual,
+                elem,
+            };
+            let norm_cfg = NormConfig {
+                kind: NormKind::RmsNorm,
+                residual: false,
+                elem,
+                rows: 1,
+                cols: k,
+                eps: 1e-5,
+            };
+            assert!(folds_norm(&cfg, &norm_cfg, Rows::Fastest), "{cfg:?}");
+            let n_out = cfg.n_out();
+            // A spread away from 1, so that the scale matters.
+            let x = values(&mut rng, k as usize, 3.0, elem);
+            let w = values(&mut rng, (k * n) as usize, 1.0 / (k as f32).sqrt(), elem);
+            let b = values(&mut rng, n as usize, 0.5, elem);
+            let r = values(&mut rng, n_out as usize, 1.0, elem);
+            let gamma = vec![1.0; k as usize];
+            let mut inputs = vec![
+                (vec![1, k as usize], x.clone()),
+                (vec![n as usize, k as usize], w.clone()),
+            ];
+            if bias {
+                inputs.push((vec![n as usize], b.clone()));
+            }
+            if residual {
+                inputs.push((vec![1, n_out as usize], r.clone()));
+            }
+            inputs.push((vec![k as usize], gamma.clone()));
+            let spec = GemmSpec {
+                transpose_b: true,
+                bias,
+                activation: None,
+                swiglu,
+                residual,
+                prologue: Some(NormSpec {
+                    kind: NormKind::RmsNorm,
+                    eps: 1e-5,
+                    residual: false,
+                }),
+            };
+            let want = rounded_reference(Op::Gemm(spec), inputs, elem);
+            let kernel = gemv_folded(&(cfg, norm_cfg, choose));
+            let bufs: Vec<_> = [&x, &w, &b, &r]
+                .iter()
+                .map(|v| gpu.upload(elem, v))
+                .collect();
+            let out = gpu.poisoned(elem, n_out as usize);
+            let best = gpu.upload_i64(&[0]);
+            let args = BTreeMap::from([
+                ("x", Arg::Buf(&bufs[0])),
+                ("w", Arg::Buf(&bufs[1])),
+                ("bias", Arg::Buf(&bufs[2])),
+                ("residual", Arg::Buf(&bufs[3])),
+                ("out", Arg::Buf(&out)),
+                ("best", Arg::Buf(&best)),
+            ]);
+            gpu.launch(&kernel, &args);
+            let got = gpu.download(elem, &out);
+            let what = format!("{} 1x{n}x{k}", kernel.name);
+            check(&what, elem, &got, &want);
+            if choose {
+                let tokens = gpu.upload_i64(&[-1]);
+                let args = BTreeMap::from([("best", Arg::Buf(&best)), ("out", Arg::Buf(&tokens))]);
+                gpu.launch(&choose_from_keys(1, false), &args);
+                let picked = kiln_runtime::generate::choose(&got, &greedy, 0) as i64;
+                assert_eq!(gpu.download_i64(&tokens), vec![picked], "{what}");
+                assert_eq!(gpu.download_i64(&best), vec![0], "{what}: key");
+            }
+        }
+    }
+}
+
 /// Batch invariance of the tensor-core GEMV (what a batched artifact relies on for each sequence
 /// to decode as it does alone): row r of a product of 1 to 16 rows (past 8 in row groups), with
 /// and without the norm prologue, is bit for bit row r of the same product over 16 rows, and a

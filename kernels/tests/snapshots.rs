@@ -171,6 +171,30 @@ fn gemv_rms_norm_prologue_swiglu_bf16_decode() {
     insta::assert_snapshot!(k.module());
 }
 
+/// One decode row's RMSNorm folded into its gate/up product: x scaled by the norm's weight as it
+/// is multiplied, its squares summed beside, the sums scaled by 1/rms before SwiGLU.
+#[test]
+fn gemv_rms_norm_folded_swiglu_bf16_one_row() {
+    use kiln_ir::kernel::NormKind;
+    use kiln_kernels::norm::NormConfig;
+    let cfg = swiglu_bf16(1, false);
+    let norm = NormConfig {
+        kind: NormKind::RmsNorm,
+        residual: false,
+        elem: Elem::BF16,
+        rows: 1,
+        cols: 64,
+        eps: 1e-5,
+    };
+    let k = kiln_kernels::gemv::gemv_folded(&(cfg, norm, false));
+    assert!(
+        k.name.starts_with("rms_norm_") && k.name.ends_with("_gemv"),
+        "{}",
+        k.name
+    );
+    insta::assert_snapshot!(k.module());
+}
+
 /// The Hopper attention (sm_90a: TMA, wgmma, P from registers): GQA, causal, padding, d 128.
 #[test]
 fn attention_gqa_causal_padded_bf16_wgmma() {
