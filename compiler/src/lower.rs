@@ -693,7 +693,7 @@ fn lower_node(
                     // plans come from their f32 twins).
                     bind.push(("norm_weight", norm_weight));
                     bind.extend(norm_bias.map(|b| ("norm_bias", b)));
-                    let kernel = out.generate(&(cfg, norm_cfg), gemv::gemv_normed);
+                    let kernel = out.generate(&(cfg, norm_cfg, !ones), gemv::gemv_normed);
                     return out.launch(n, kernel, &bind);
                 }
                 // Otherwise the norm runs into a scratch buffer the product reads.

@@ -243,7 +243,9 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
                 cols: 2048,
                 eps: 1e-5,
             };
-            out.push(("gemm", crate::gemv::gemv_normed(&(cfg, norm))));
+            // RMSNorm's weight is ones where the compiler moved it into the product's.
+            let weighted = kind == NormKind::LayerNorm;
+            out.push(("gemm", crate::gemv::gemv_normed(&(cfg, norm, weighted))));
         }
         // A one-row LM head folding the greedy choice into its keys.
         let head = GemmConfig {
@@ -282,8 +284,10 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
             };
             let norm = rms(1, gate_up.k);
             out.push(("gemm", crate::gemv::gemv_folded(&(gate_up, norm, false))));
-            let norm = rms(1, head.k);
-            out.push(("gemm", crate::gemv::gemv_folded(&(head, norm, true))));
+            // A choosing LM head of a vocabulary the fold takes (32000, Llama-2's).
+            let small_head = GemmConfig { n: 32000, ..head };
+            let norm = rms(1, small_head.k);
+            out.push(("gemm", crate::gemv::gemv_folded(&(small_head, norm, true))));
         }
         // An odd number of output columns (GPT-2's vocabulary is 50257): element stores.
         let odd = GemmConfig {

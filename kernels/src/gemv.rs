@@ -190,8 +190,10 @@ pub fn takes_prologue(cfg: &GemmConfig, norm: &NormConfig, rows: Rows) -> bool {
 
 /// Generates the tensor-core kernel that first normalises the rows of x (`norm`: RMSNorm, or
 /// LayerNorm with its bias) into shared memory, one warp per row, then takes its product from
-/// there. Parameters: `x, w, norm_weight, [norm_bias], [bias], [residual], out`.
-pub fn gemv_normed((cfg, norm): &(GemmConfig, NormConfig)) -> GeneratedKernel {
+/// there; unless `weighted`, the norm's weight is ones (the compiler moved it into `w`) and the
+/// prologue neither reads nor multiplies it. Parameters: `x, w, [norm_weight], [norm_bias],
+/// [bias], [residual], out`.
+pub fn gemv_normed((cfg, norm, weighted): &(GemmConfig, NormConfig, bool)) -> GeneratedKernel {
     assert!(
         takes_prologue(cfg, norm, Rows::BatchInvariant),
         "the GEMV prologue needs the tensor-core kernel and x in shared memory"
@@ -200,7 +202,9 @@ pub fn gemv_normed((cfg, norm): &(GemmConfig, NormConfig)) -> GeneratedKernel {
         NormKind::LayerNorm => "layer_norm",
         NormKind::RmsNorm => "rms_norm",
     };
-    gemv_tc(cfg, &format!("{norm_name}_{}_gemv", cfg.name()), Some(norm))
+    let ones = if *weighted { "" } else { "_unweighted" };
+    let name = format!("{norm_name}{ones}_{}_gemv", cfg.name());
+    gemv_tc(cfg, &name, Some((norm, *weighted)))
 }
 
 /// Whether [`gemv_folded`] serves `cfg` under `rows` with x's RMSNorm `norm`, of a weight of
@@ -699,13 +703,14 @@ fn tc_unroll(cfg: &GemmConfig) -> u32 {
 }
 
 /// The tensor-core kernel (see the module documentation).
-fn gemv_tc(cfg: &GemmConfig, name: &str, norm: Option<&NormConfig>) -> GeneratedKernel {
+fn gemv_tc(cfg: &GemmConfig, name: &str, normed: Option<(&NormConfig, bool)>) -> GeneratedKernel {
+    let norm = normed.map(|(n, _)| n);
     let mut k = Kernel::new(&format!("{name}_tc"));
     k.directive(format!(".maxntid {}, 1, 1", TC_WARPS * 32));
     let x = k.param_ptr("x");
     let w = k.param_ptr("w");
-    let norm_ptrs = norm.map(|n| {
-        let weight = k.param_ptr("norm_weight");
+    let norm_ptrs = normed.map(|(n, weighted)| {
+        let weight = weighted.then(|| k.param_ptr("norm_weight"));
         let bias = (n.kind == NormKind::LayerNorm).then(|| k.param_ptr("norm_bias"));
         (weight, bias)
     });
@@ -962,13 +967,14 @@ const PROLOGUE_UNROLL: u32 = 4;
 
 /// The prologue: warp `w < M` normalises row `w` of x into `rows` (shared, `[M, K]`), with the
 /// norm kernel's arithmetic (`crate::norm`): f32 statistics, the variance of the centred values,
-/// `(x - mean) * rstd * weight (+ bias)` rounded to the element type; with row groups, warp
+/// `(x - mean) * rstd * weight (+ bias)` rounded to the element type (no `* weight` without
+/// one: a weight of ones moved into the product's); with row groups, warp
 /// `w < 8` normalises row `row0 + w` into row `w`. Ends with a barrier.
 fn prologue(
     k: &mut Kernel,
     n: &NormConfig,
     x: Reg,
-    (weight, bias): (Reg, Option<Reg>),
+    (weight, bias): (Option<Reg>, Option<Reg>),
     rows: &str,
     [warp, lane]: [Reg; 2],
     row0: Option<Reg>,
@@ -1070,8 +1076,10 @@ fn prologue(
         let sa = shared_at(k, &col);
         let words = k.ld_shared_words(sa);
         let values = k.unpack_halves(e, &words);
-        let wa = k.address(weight, &col, e.bytes());
-        let wv = k.ld_global_vec16(e, wa);
+        let wv = weight.map(|w| {
+            let wa = k.address(w, &col, e.bytes());
+            k.ld_global_vec16(e, wa)
+        });
         let bv = bias.map(|b| {
             let ba = k.address(b, &col, e.bytes());
             k.ld_global_vec16(e, ba)
@@ -1084,8 +1092,10 @@ fn prologue(
                     Some(m) => k.sub_f32(v, &m),
                     None => *v,
                 };
-                let nv = k.mul_f32(&c, &rstd);
-                let mut y = k.mul_f32(&nv, &wv[j]);
+                let mut y = k.mul_f32(&c, &rstd);
+                if let Some(w) = &wv {
+                    y = k.mul_f32(&y, &w[j]);
+                }
                 if let Some(b) = &bv {
                     y = k.add_f32(&y, &b[j]);
                 }

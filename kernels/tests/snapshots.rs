@@ -166,7 +166,7 @@ fn gemv_rms_norm_prologue_swiglu_bf16_decode() {
         cols: 64,
         eps: 1e-5,
     };
-    let k = kiln_kernels::gemv::gemv_normed(&(cfg, norm));
+    let k = kiln_kernels::gemv::gemv_normed(&(cfg, norm, true));
     assert!(k.name.starts_with("rms_norm_") && k.name.ends_with("_gemv_tc"));
     insta::assert_snapshot!(k.module());
 }
