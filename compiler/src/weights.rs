@@ -104,12 +104,13 @@ fn cut(layout: &[TensorSlot], cost: impl Fn(&TensorSlot) -> u64) -> Vec<&[Tensor
 }
 
 /// Bytes held while `slot` is transformed: the result, plus a piece of the stored tensor when it
-/// is converted, plus the interpreter's f32 copies of inputs and result when it is folded.
+/// is converted, plus the interpreter's f32 copies of inputs and result and the rounded copy of
+/// the result when it is folded.
 fn footprint(slot: &TensorSlot, plan: &ArtifactPlan, checkpoint: &Checkpoint) -> u64 {
     let elements = slot.shape.iter().product::<usize>() as u64;
     let bytes = slot.bytes();
     if plan.folded.contains_key(&slot.name) || plan.tables.contains_key(&slot.name) {
-        return bytes + 8 * elements;
+        return bytes + 12 * elements;
     }
     match checkpoint.dtype(&slot.name) {
         // A conversion reads the stored tensor 16 MiB at a time.
@@ -131,10 +132,14 @@ fn transformed(slot: &TensorSlot, plan: &ArtifactPlan, checkpoint: &Checkpoint) 
     let tensor = if let Some(t) = plan.tables.get(name) {
         t.clone()
     } else if let Some(def) = plan.folded.get(name) {
-        let mut out = kiln_ir::evaluate(def, &BTreeMap::new(), &Unkept(checkpoint))
+        // In f32 from the checkpoint's values, rounded once to the stored dtype (a norm's weight
+        // moved into a product's is one rounding of their product, not three).
+        let wide = crate::widen::widen(def).map_err(|e| anyhow!("folded weight `{name}`: {e}"))?;
+        let mut out = kiln_ir::evaluate(&wide, &BTreeMap::new(), &Unkept(checkpoint))
             .map_err(|e| anyhow!("folded weight `{name}`: {e}"))?;
         out.remove(crate::fold::VALUE)
             .ok_or_else(|| anyhow!("folded weight `{name}` has no value"))?
+            .cast(slot.dtype)
     } else {
         if checkpoint.shape(name) != Some(slot.shape.as_slice()) {
             bail!(
