@@ -18,7 +18,7 @@ use anyhow::{anyhow, bail, Result};
 use kiln_ir::artifact::{TensorSlot, ALIGN};
 use kiln_ir::checksum::Digester;
 use kiln_ir::io::AlignedWriter;
-use kiln_ir::{Graph, Op, Tensor, TensorType, WeightSource};
+use kiln_ir::{Graph, NodeId, Op, Tensor, TensorType, WeightSource};
 use kiln_models::Checkpoint;
 use rayon::prelude::*;
 
@@ -104,11 +104,17 @@ fn cut(layout: &[TensorSlot], cost: impl Fn(&TensorSlot) -> u64) -> Vec<&[Tensor
 }
 
 /// Bytes held while `slot` is transformed: the result, plus a piece of the stored tensor when it
-/// is converted, plus the interpreter's f32 copies of inputs and result and the rounded copy of
-/// the result when it is folded.
+/// is converted or read into place (a concatenation, columns scaled), else, when it is folded,
+/// the interpreter's f32 copies of inputs and result and the rounded copy of the result.
 fn footprint(slot: &TensorSlot, plan: &ArtifactPlan, checkpoint: &Checkpoint) -> u64 {
     let elements = slot.shape.iter().product::<usize>() as u64;
     let bytes = slot.bytes();
+    if let Some(def) = plan.folded.get(&slot.name) {
+        if leading_concat(def).is_some() || scaled_columns(def).is_some() {
+            // Read straight into place, a piece of stored bytes at a time.
+            return bytes + (16 << 20);
+        }
+    }
     if plan.folded.contains_key(&slot.name) || plan.tables.contains_key(&slot.name) {
         return bytes + 12 * elements;
     }
@@ -127,7 +133,13 @@ fn footprint(slot: &TensorSlot, plan: &ArtifactPlan, checkpoint: &Checkpoint) ->
 fn transformed(slot: &TensorSlot, plan: &ArtifactPlan, checkpoint: &Checkpoint) -> Result<Vec<u8>> {
     let name = &slot.name;
     if let Some(parts) = plan.folded.get(name).and_then(leading_concat) {
-        return concatenated(slot, &parts, checkpoint);
+        return concatenated(slot, &parts, None, checkpoint);
+    }
+    if let Some((parts, gamma)) = plan.folded.get(name).and_then(scaled_columns) {
+        let scale = checkpoint
+            .read_f32(gamma)
+            .map_err(|e| anyhow!("folded weight `{name}`: {e}"))?;
+        return concatenated(slot, &parts, Some(&scale), checkpoint);
     }
     let tensor = if let Some(t) = plan.tables.get(name) {
         t.clone()
@@ -175,8 +187,12 @@ fn leading_concat(def: &Graph) -> Option<Vec<(&str, &TensorType)>> {
     if node.op != Op::Concat(0) {
         return None;
     }
-    node.args
-        .iter()
+    weights(def, &node.args)
+}
+
+/// The name and type of each of `args`, when all are weights.
+fn weights<'a>(def: &'a Graph, args: &[NodeId]) -> Option<Vec<(&'a str, &'a TensorType)>> {
+    args.iter()
         .map(|&a| match &def.node(a).op {
             Op::Weight(w) => Some((w.as_str(), def.ty(a))),
             _ => None,
@@ -184,10 +200,43 @@ fn leading_concat(def: &Graph) -> Option<Vec<(&str, &TensorType)>> {
         .collect()
 }
 
-/// `slot`'s bytes as `parts` read one after another straight into place.
+/// The weights (name, type) of a folded definition that scales the columns of a weight, or of
+/// weights concatenated along their first axis, by a vector weight (a norm's weight moved into
+/// the product that reads the norm, `fold::scales_by_norm`), and that vector's name.
+fn scaled_columns(def: &Graph) -> Option<(Vec<(&str, &TensorType)>, &str)> {
+    let value = def
+        .outputs()
+        .iter()
+        .find(|o| o.name == crate::fold::VALUE)?;
+    let node = def.node(value.node);
+    let (Op::Binary(kiln_ir::BinaryOp::Mul), [matrix, scale]) = (&node.op, node.args.as_slice())
+    else {
+        return None;
+    };
+    let scale = def.node(*scale);
+    let Op::Broadcast(_) = scale.op else {
+        return None;
+    };
+    let Op::Weight(gamma) = &def.node(scale.args[0]).op else {
+        return None;
+    };
+    if def.ty(scale.args[0]).rank() != 1 {
+        return None;
+    }
+    let parts = match &def.node(*matrix).op {
+        Op::Weight(_) => weights(def, &[*matrix])?,
+        Op::Concat(0) => weights(def, &def.node(*matrix).args)?,
+        _ => return None,
+    };
+    Some((parts, gamma.as_str()))
+}
+
+/// `slot`'s bytes as `parts` read one after another straight into place, each value multiplied
+/// by `scale` along the last axis first when given (in f32, rounded once).
 fn concatenated(
     slot: &TensorSlot,
     parts: &[(&str, &TensorType)],
+    scale: Option<&[f32]>,
     checkpoint: &Checkpoint,
 ) -> Result<Vec<u8>> {
     let mut out = vec![0u8; slot.bytes() as usize];
@@ -211,7 +260,7 @@ fn concatenated(
             .get_mut(at..at + len)
             .ok_or_else(|| anyhow!("folded weight `{}` is smaller than its parts", slot.name))?;
         checkpoint
-            .read_into(name, ty.dtype, dst)
+            .read_scaled_into(name, ty.dtype, scale, dst)
             .map_err(|e| anyhow!("folded weight `{}`: {e}", slot.name))?;
         at += len;
     }

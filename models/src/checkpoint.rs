@@ -247,6 +247,19 @@ impl Checkpoint {
     /// nearest even) a piece at a time, without an f32 copy of the tensor; the same bits as
     /// reading it as f32 and casting. `out` must hold the tensor exactly.
     pub fn read_into(&self, name: &str, dtype: DType, out: &mut [u8]) -> Result<(), ModelError> {
+        self.read_scaled_into(name, dtype, None, out)
+    }
+
+    /// [`Checkpoint::read_into`], each value first multiplied in f32 by `scale[i % scale.len()]`
+    /// when `scale` is given (a row-major matrix's columns scaled, e.g. by a norm's weight), then
+    /// rounded once: the same bits as reading it as f32, scaling and casting.
+    pub fn read_scaled_into(
+        &self,
+        name: &str,
+        dtype: DType,
+        scale: Option<&[f32]>,
+        out: &mut [u8],
+    ) -> Result<(), ModelError> {
         let (path, file, stored, at, len) = self.locate(name)?;
         let width = float_width(name, stored)?;
         if out.len() != len / width * dtype.size_bytes() {
@@ -255,18 +268,29 @@ impl Checkpoint {
                 out.len()
             )));
         }
-        if self.dtype(name) == Some(dtype) {
+        if scale.is_some_and(|s| s.is_empty() || len / width % s.len() != 0) {
+            return Err(ModelError::Input(format!(
+                "tensor `{name}` has no whole rows of {} columns to scale",
+                scale.map_or(0, <[f32]>::len)
+            )));
+        }
+        if self.dtype(name) == Some(dtype) && scale.is_none() {
             return Self::read_at(path, file, out, at);
         }
         // Converted a piece at a time: what is held besides `out` is one piece of stored bytes.
         const PIECE: usize = 16 << 20;
         let size = dtype.size_bytes();
+        let per_piece = PIECE / width;
         let mut stored_bytes = vec![0u8; PIECE.min(len)];
-        for (i, dst) in out.chunks_mut(PIECE / width * size).enumerate() {
+        for (i, dst) in out.chunks_mut(per_piece * size).enumerate() {
             let src = &mut stored_bytes[..dst.len() / size * width];
-            Self::read_at(path, file, src, at + (i * (PIECE / width * width)) as u64)?;
-            for (b, o) in src.chunks_exact(width).zip(dst.chunks_exact_mut(size)) {
-                let v = stored_value(stored, b);
+            Self::read_at(path, file, src, at + (i * per_piece * width) as u64)?;
+            let values = src.chunks_exact(width).zip(dst.chunks_exact_mut(size));
+            for (j, (b, o)) in values.enumerate() {
+                let v = match scale {
+                    Some(s) => stored_value(stored, b) * s[(i * per_piece + j) % s.len()],
+                    None => stored_value(stored, b),
+                };
                 match dtype {
                     DType::F16 => o.copy_from_slice(&f16::from_f32(v).to_le_bytes()),
                     DType::BF16 => o.copy_from_slice(&bf16::from_f32(v).to_le_bytes()),
