@@ -1,8 +1,9 @@
 //! Writing `weights.safetensors`, streamed: every weight the bucket graphs read is read from the
 //! checkpoint, transformed (cast to the compiled dtype, folded definitions evaluated: the Q/K/V and
-//! gate/up concatenations, transposed Conv1D weights) and written at its planned offset, one group
-//! at a time, hashed on the way out. The header is known from the memory plan before any tensor
-//! is, so the file is written front to back and never read back; no stage holds the whole model.
+//! gate/up concatenations, transposed Conv1D weights, norm weights moved into products) and
+//! written at its planned offset, one group at a time, hashed on the way out. The header is known
+//! from the memory plan before any tensor is, so the file is written front to back and never
+//! read back; no stage holds the whole model.
 //!
 //! Tensors are transformed in parallel within a group whose estimated footprint stays under
 //! [`BUDGET`] (a tensor larger than that is a group of its own), so the peak is about the budget

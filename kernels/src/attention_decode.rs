@@ -295,8 +295,7 @@ fn prefetch(
     let row_bytes = cfg.head_dim * e.bytes();
     let [_, ks, vs, _] = cfg.strides;
     for (cache, strides) in [(params.k, ks), (params.v, vs)] {
-        let c0 = k.mul_u32(&b, &strides[0]);
-        let head = k.mad_u32(&kvh, &strides[1], &c0);
+        let head = head_start(k, [b, kvh], [strides[0], strides[1]]);
         for t in 0..PREFETCH_TILES {
             let j0 = k.add_u32(&from, &(t * TILE));
             let j = k.add_u32(&j0, &lane);
@@ -322,6 +321,13 @@ fn prefetch(
             k.emit(format!("@{first_lanes} prefetch.global.L2 [{a}]"));
         }
     }
+}
+
+/// The first element of sequence `b`'s K/V head `kvh` in a tensor of batch and head strides
+/// `[batch, head]` (a cache, or the step's new keys and values).
+fn head_start(k: &mut Kernel, [b, kvh]: [Reg; 2], [batch, head]: [u32; 2]) -> Reg {
+    let c0 = k.mul_u32(&b, &batch);
+    k.mad_u32(&kvh, &head, &c0)
 }
 
 /// The keys `[start, end)` the query at `pos` sees.
@@ -403,10 +409,8 @@ fn write_new_entries(
         (v_new, params.v, new.strides[1], cfg.strides[2]),
     ];
     for (i, (src, cache, [sb, sh, _], [cb, ch, cr])) in rows.into_iter().enumerate() {
-        let s0 = k.mul_u32(&b, &sb);
-        let src_row = k.mad_u32(&kvh, &sh, &s0);
-        let c0 = k.mul_u32(&b, &cb);
-        let c1 = k.mad_u32(&kvh, &ch, &c0);
+        let src_row = head_start(k, [b, kvh], [sb, sh]);
+        let c1 = head_start(k, [b, kvh], [cb, ch]);
         let dst_row = k.mad_u32(&pos, &cr, &c1);
         let rope = params.tables.filter(|_| i == 0).map(|t| (t, pos));
         write_row(
@@ -503,10 +507,8 @@ impl Tiles<'_> {
     /// The keys `[from, to)`, [`TILE`] at a time.
     fn run(&self, k: &mut Kernel, [b, kvh, lane, first, from, to]: [Reg; 6]) {
         let [_, ks, vs, _] = self.cfg.strides;
-        let k0 = k.mul_u32(&b, &ks[0]);
-        let k_head = k.mad_u32(&kvh, &ks[1], &k0);
-        let v0 = k.mul_u32(&b, &vs[0]);
-        let v1 = k.mad_u32(&kvh, &vs[1], &v0);
+        let k_head = head_start(k, [b, kvh], [ks[0], ks[1]]);
+        let v1 = head_start(k, [b, kvh], [vs[0], vs[1]]);
         let v_head = k.add_u32(&v1, &first);
         let t0 = k.mov(RegClass::B32, &from);
         let top = k.label("tiles");
