@@ -380,19 +380,30 @@ pub(crate) fn read_json(path: &Path) -> Result<Value, ModelError> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn conversions_read_in_pieces_match_casting_every_value() {
-        let dir = std::env::temp_dir().join(format!("kiln-ckpt-{}", std::process::id()));
+    /// A checkpoint in a fresh folder named after `what`, holding the f32 tensor `w` of `shape`
+    /// with values from `value`; returns it, the folder and the values.
+    fn f32_checkpoint(
+        what: &str,
+        shape: Vec<usize>,
+        value: impl Fn(usize) -> f32,
+    ) -> (Checkpoint, std::path::PathBuf, Vec<f32>) {
+        let dir = std::env::temp_dir().join(format!("kiln-ckpt-{what}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("config.json"), "{}").unwrap();
-        // More than one 16 MiB piece of f32, ending in a partial one.
-        let n = (5 << 20) + 3;
-        let values: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+        let values: Vec<f32> = (0..shape.iter().product()).map(value).collect();
         let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let view = safetensors::tensor::TensorView::new(StDtype::F32, vec![n], &bytes).unwrap();
+        let view = safetensors::tensor::TensorView::new(StDtype::F32, shape, &bytes).unwrap();
         safetensors::serialize_to_file([("w", view)], None, &dir.join("model.safetensors"))
             .unwrap();
-        let ck = Checkpoint::open(&dir).unwrap();
+        (Checkpoint::open(&dir).unwrap(), dir, values)
+    }
+
+    #[test]
+    fn conversions_read_in_pieces_match_casting_every_value() {
+        // More than one 16 MiB piece of f32, ending in a partial one.
+        let n = (5 << 20) + 3;
+        let (ck, dir, values) = f32_checkpoint("cast", vec![n], |i| (i as f32 * 0.37).sin() * 3.0);
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
         let mut out = vec![0u8; 2 * n];
         ck.read_into("w", DType::BF16, &mut out).unwrap();
         let want: Vec<u8> = values
@@ -401,6 +412,37 @@ mod tests {
             .collect();
         assert!(out == want, "bf16 bytes differ");
         assert_eq!(ck.read_as("w", DType::F32).unwrap(), bytes);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn scaled_reads_multiply_each_column_then_round_once() {
+        // Rows of 1000 columns over more than one piece, a piece ending inside a row.
+        let (rows, cols) = (4200, 1000);
+        let (ck, dir, values) =
+            f32_checkpoint("scale", vec![rows, cols], |i| (i as f32 * 0.11).cos() * 2.0);
+        let scale: Vec<f32> = (0..cols).map(|c| 0.5 + c as f32 / 300.0).collect();
+        for dtype in [DType::BF16, DType::F32] {
+            let mut out = vec![0u8; rows * cols * dtype.size_bytes()];
+            ck.read_scaled_into("w", dtype, Some(&scale), &mut out)
+                .unwrap();
+            let scaled = values.iter().enumerate().map(|(i, v)| v * scale[i % cols]);
+            let want: Vec<u8> = match dtype {
+                DType::BF16 => scaled
+                    .flat_map(|v| bf16::from_f32(v).to_le_bytes())
+                    .collect(),
+                _ => scaled.flat_map(|v| v.to_le_bytes()).collect(),
+            };
+            assert!(out == want, "{dtype}: scaled bytes differ");
+        }
+        let mut out = vec![0u8; rows * cols * 2];
+        let err = ck
+            .read_scaled_into("w", DType::BF16, Some(&scale[1..]), &mut out)
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("no whole rows of 999 columns"),
+            "{err}"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
