@@ -110,14 +110,14 @@ fn cut(layout: &[TensorSlot], cost: impl Fn(&TensorSlot) -> u64) -> Vec<&[Tensor
 fn footprint(slot: &TensorSlot, plan: &ArtifactPlan, checkpoint: &Checkpoint) -> u64 {
     let elements = slot.shape.iter().product::<usize>() as u64;
     let bytes = slot.bytes();
-    if let Some(def) = plan.folded.get(&slot.name) {
-        if leading_concat(def).is_some() || scaled_columns(def).is_some() {
-            // Read straight into place, a piece of stored bytes at a time.
+    match plan.folded.get(&slot.name) {
+        // Read straight into place, a piece of stored bytes at a time.
+        Some(def) if leading_concat(def).is_some() || scaled_columns(def).is_some() => {
             return bytes + (16 << 20);
         }
-    }
-    if plan.folded.contains_key(&slot.name) || plan.tables.contains_key(&slot.name) {
-        return bytes + 12 * elements;
+        Some(_) => return bytes + 12 * elements,
+        None if plan.tables.contains_key(&slot.name) => return bytes + 12 * elements,
+        None => {}
     }
     match checkpoint.dtype(&slot.name) {
         // A conversion reads the stored tensor 16 MiB at a time.

@@ -347,14 +347,12 @@ fn gemv_simt(
 
 /// Scales each row's sums (its product's, then its up product's with SwiGLU) by that row's
 /// `1 / sqrt(mean square + eps)` of x (`square_sums`: x's sum of squares per row), as the norm
-/// kernel computes it (`crate::norm`).
+/// kernel computes it ([`crate::norm::reciprocal_rms`]).
 fn rescale(k: &mut Kernel, norm: &NormConfig, sums: &mut [Reg], square_sums: &[Reg]) {
     k.comment("the RMSNorm's scale, applied to the sums");
     let rows = square_sums.len();
     for (r, sq) in square_sums.iter().enumerate() {
-        let mean = k.mul_f32(sq, &F32(1.0 / norm.cols as f32));
-        let var_eps = k.add_f32(&mean, &F32(norm.eps));
-        let rstd = k.rsqrt_f32(&var_eps);
+        let rstd = crate::norm::reciprocal_rms(k, sq, norm);
         for s in sums.iter_mut().skip(r).step_by(rows) {
             *s = k.mul_f32(s, &rstd);
         }
@@ -1067,9 +1065,7 @@ fn prologue(
     } else {
         (None, total)
     };
-    let var = k.mul_f32(&sq_total, &inv_cols);
-    let var_eps = k.add_f32(&var, &F32(n.eps));
-    let rstd = k.rsqrt_f32(&var_eps);
+    let rstd = crate::norm::reciprocal_rms(k, &sq_total, n);
     k.comment("prologue: normalise, scale, shift in place");
     chunked(k, "norm_write", 1, &mut |k, at| {
         let (col, _) = at[0];

@@ -122,9 +122,7 @@ pub fn norm(cfg: &NormConfig) -> GeneratedKernel {
             k.fma_into(sq, &c, &c);
         });
         let total = block_sum(&mut k, sq, &red, tid);
-        let var = k.mul_f32(&total, &F32(1.0 / cols as f32));
-        let var_eps = k.add_f32(&var, &F32(cfg.eps));
-        let rstd = k.rsqrt_f32(&var_eps);
+        let rstd = reciprocal_rms(&mut k, &total, cfg);
         k.comment("last pass: normalise, scale, shift, store");
         strided(&mut k, "write", &mut |k, col| {
             let v = load(k, col);
@@ -192,9 +190,14 @@ fn row_statistics(
         centred.push(group);
     }
     let total = block_sum(k, sq, red, tid);
-    let var = k.mul_f32(&total, &inv_cols);
+    (centred, reciprocal_rms(k, &total, cfg))
+}
+
+/// `1 / sqrt(square_sum / cols + eps)`: a row's scale from the sum of its (centred) squares.
+pub(crate) fn reciprocal_rms(k: &mut Kernel, square_sum: &Reg, cfg: &NormConfig) -> Reg {
+    let var = k.mul_f32(square_sum, &F32(1.0 / cfg.cols as f32));
     let var_eps = k.add_f32(&var, &F32(cfg.eps));
-    (centred, k.rsqrt_f32(&var_eps))
+    k.rsqrt_f32(&var_eps)
 }
 
 /// The register-cached form: each thread loads its `ceil(cols / ROW_THREADS)` columns once.

@@ -285,10 +285,15 @@ impl Checkpoint {
         for (i, dst) in out.chunks_mut(per_piece * size).enumerate() {
             let src = &mut stored_bytes[..dst.len() / size * width];
             Self::read_at(path, file, src, at + (i * per_piece * width) as u64)?;
-            let values = src.chunks_exact(width).zip(dst.chunks_exact_mut(size));
-            for (j, (b, o)) in values.enumerate() {
+            // The column of the piece's first value, then counted along (no division per value).
+            let mut col = scale.map_or(0, |s| i * per_piece % s.len());
+            for (b, o) in src.chunks_exact(width).zip(dst.chunks_exact_mut(size)) {
                 let v = match scale {
-                    Some(s) => stored_value(stored, b) * s[(i * per_piece + j) % s.len()],
+                    Some(s) => {
+                        let v = stored_value(stored, b) * s[col];
+                        col = if col + 1 == s.len() { 0 } else { col + 1 };
+                        v
+                    }
                     None => stored_value(stored, b),
                 };
                 match dtype {
