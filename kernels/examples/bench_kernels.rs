@@ -13,6 +13,7 @@ use cudarc::nvrtc::Ptx;
 use kiln_ir::kernel::{Activation, NormKind};
 use kiln_kernels::attention::{attention, AttentionConfig, KeyRule};
 use kiln_kernels::gemm::{gemm, gemm_base, GemmConfig};
+use kiln_kernels::gemm_wgmma::{gemm_wgmma_tiled, tile_width};
 use kiln_kernels::norm::{norm, NormConfig};
 use kiln_kernels::{Elem, GeneratedKernel, ParamType};
 use kiln_runtime::cuda::{encode_tensor_map, TensorMap};
@@ -457,15 +458,9 @@ fn emit_cases(dir: &std::path::Path) {
     };
     for (s, bias_gelu) in [(4096usize, false), (8192, false), (4096, true)] {
         let cfg = GemmConfig {
-            m: s as u32,
-            k: s as u32,
-            n: s as u32,
-            transpose_b: true,
             bias: bias_gelu,
             activation: bias_gelu.then_some(Activation::GeluTanh),
-            swiglu: false,
-            residual: false,
-            elem: Elem::BF16,
+            ..GemmConfig::plain(s as u32, s as u32, s as u32, Elem::BF16)
         };
         let mut buffers = vec![
             ("x", (vec![s, s], "bf16", 1.0)),
@@ -482,6 +477,32 @@ fn emit_cases(dir: &std::path::Path) {
             if bias_gelu { " bias+gelu" } else { "" }
         );
         add(name, gemm(&cfg), buffers, peer, 2.0 * (s as f64).powi(3));
+    }
+    // Products of the models' prefills whose output has few 128 x 256 tiles (GPT-2 small at 16
+    // and 1024 tokens, Llama-3.2-1B at 512), at every tile width of the Hopper kernel: the width
+    // `tile_width` picks should be the fastest.
+    for (m, n, k) in [
+        (1024usize, 768usize, 3072usize),
+        (1024, 768, 768),
+        (1024, 2304, 768),
+        (16, 3072, 768),
+        (512, 2048, 8192),
+        (512, 3072, 2048),
+    ] {
+        let cfg = GemmConfig::plain(m as u32, n as u32, k as u32, Elem::BF16);
+        let chosen = tile_width(&cfg);
+        for w in [256, 128, 64] {
+            let buffers = vec![
+                ("x", (vec![m, k], "bf16", 1.0)),
+                ("w", (vec![n, k], "bf16", 1.0 / (k as f64).sqrt())),
+                ("out", (vec![m, n], "bf16", 0.0)),
+            ];
+            let peer = serde_json::json!({"kind": "matmul", "epilogue": "none"});
+            let mark = if w == chosen { " (picked)" } else { "" };
+            let name = format!("gemm bf16 {m}x{n}x{k} tile {w}{mark}");
+            let kernel = gemm_wgmma_tiled(&cfg, w, format!("gemm_{m}x{n}x{k}_w{w}"));
+            add(name, kernel, buffers, peer, 2.0 * (m * n * k) as f64);
+        }
     }
     for (d, causal, dropout) in [
         (128u32, true, None),

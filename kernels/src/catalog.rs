@@ -215,6 +215,12 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
                 let kernel = gemm(&cfg);
                 if kernel.image == Image::Sm90a {
                     out.push(("gemm", gemm_base(&cfg)));
+                    // The Hopper kernel's other tile widths (127 rows take the narrowest).
+                    let chosen = crate::gemm_wgmma::tile_width(&cfg);
+                    for w in [256, 128, 64].into_iter().filter(|&w| w != chosen) {
+                        let name = format!("{}_w{w}", kernel.name);
+                        out.push(("gemm", crate::gemm_wgmma::gemm_wgmma_tiled(&cfg, w, name)));
+                    }
                 }
                 out.push(("gemm", kernel));
             }
@@ -248,17 +254,7 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
             out.push(("gemm", crate::gemv::gemv_normed(&(cfg, norm, weighted))));
         }
         // A one-row LM head folding the greedy choice into its keys.
-        let head = GemmConfig {
-            m: 1,
-            k: 768,
-            n: 50257,
-            transpose_b: true,
-            bias: false,
-            activation: None,
-            swiglu: false,
-            residual: false,
-            elem,
-        };
+        let head = GemmConfig::plain(1, 50257, 768, elem);
         out.push(("gemm", crate::gemv::gemv_choosing(&head)));
         if elem != Elem::F32 {
             // One-row products with the RMSNorm of x folded in: a SwiGLU gate/up of K = 8192

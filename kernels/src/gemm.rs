@@ -43,6 +43,21 @@ pub struct GemmConfig {
 }
 
 impl GemmConfig {
+    /// `x [M, K]` times weights stored `[N, K]`, without an epilogue.
+    pub fn plain(m: u32, n: u32, k: u32, elem: Elem) -> GemmConfig {
+        GemmConfig {
+            m,
+            k,
+            n,
+            transpose_b: true,
+            bias: false,
+            activation: None,
+            swiglu: false,
+            residual: false,
+            elem,
+        }
+    }
+
     /// Columns of the output.
     pub fn n_out(&self) -> u32 {
         if self.swiglu {

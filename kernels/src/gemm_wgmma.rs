@@ -2,22 +2,23 @@
 //! feeding `wgmma.mma_async` through an mbarrier pipeline.
 //!
 //! The grid is persistent (at most one block per SM of an H100/H200, each taking every
-//! `gridDim`-th tile), and each block of three warpgroups computes 128 x 256 output tiles
-//! (128 x 128 with SwiGLU):
+//! `gridDim`-th tile), and each block of three warpgroups computes 128-row output tiles 256, 128
+//! or 64 weight rows wide (half as many output columns with SwiGLU): the widest unless a narrower
+//! one spreads a product of few tiles over more SMs ([`tile_width`]):
 //! - warpgroup 0, the producer, gives up registers (`setmaxnreg`) and one of its threads copies
 //!   the x and w tiles of each 64-wide K step into a stage of shared memory with TMA (128-byte
 //!   swizzle, zeros past the matrix edges), `STAGES` deep: it waits on the stage's `empty`
 //!   barrier, then arms its `full` barrier with the stage's bytes;
 //! - warpgroups 1 and 2, the consumers, take the registers and each multiplies 64 rows of the
-//!   tile: per stage, four `m64n256k16` wgmmas straight from shared memory, one group kept in
+//!   tile: per stage, four `m64nWk16` wgmmas (W the tile's width) straight from shared memory, one group kept in
 //!   flight while the next stage is awaited; a stage is released (each warp arrives on `empty`)
 //!   once the group that read it has retired. The epilogue (bias, activation, SwiGLU, residual)
 //!   runs on the accumulators and stores element pairs, without branches (predicated stores,
 //!   clamped loads) so that its loads are all in flight at once; meanwhile the producer already
 //!   fills the stages with the block's next tile.
 //!
-//! With SwiGLU the B stage holds 128 gate rows and the matching 128 up rows (`[gate; up]` weight
-//! rows), so a thread's accumulators for gate column `c` and up column `c` are 64 registers apart.
+//! With SwiGLU the B stage holds W/2 gate rows and the matching W/2 up rows (`[gate; up]` weight
+//! rows), so a thread's accumulators for gate column `c` and up column `c` are W/4 registers apart.
 //! Tiles are visited in groups of 8 tile rows, so that a wave of blocks shares its weight tiles
 //! in L2.
 
@@ -32,8 +33,9 @@ use crate::{GeneratedKernel, Image, KernelPath, Launch, TensorMapSpec};
 
 /// Output rows per block (64 per consumer warpgroup).
 const BM: u32 = 128;
-/// Weight rows per stage: output columns, or 128 gate and 128 up rows with SwiGLU.
-const BN: u32 = 256;
+/// The tile widths (weight rows per stage) the kernel comes in, widest first, each with its
+/// speed relative to the widest in percent (a narrower tile loads x's rows for fewer columns).
+const WIDTHS: [(u32, u64); 3] = [(256, 100), (128, 80), (64, 60)];
 /// K per stage: one 128-byte swizzle row of halves.
 const BK: u32 = 64;
 /// Pipeline depth.
@@ -45,10 +47,8 @@ const GROUP_M: u32 = 8;
 /// tiles per block).
 const GRID: u32 = 132;
 const A_BYTES: u32 = BM * BK * 2;
-const B_BYTES: u32 = BN * BK * 2;
-const STAGE_BYTES: u32 = A_BYTES + B_BYTES;
-/// Registers per thread after reallocation: the producer's and the consumers' (128 accumulators
-/// each); 128 x 40 + 256 x 232 fits the 64K register file.
+/// Registers per thread after reallocation: the producer's and the consumers' (up to 128
+/// accumulators each); 128 x 40 + 256 x 232 fits the 64K register file.
 const PRODUCER_REGS: u32 = 40;
 const CONSUMER_REGS: u32 = 232;
 
@@ -65,17 +65,66 @@ pub fn supports(cfg: &GemmConfig) -> bool {
         && crate::check_index_range(&[m * n, m * k, n * k])
 }
 
-/// Output columns per block.
-fn bn_out(cfg: &GemmConfig) -> u32 {
-    if cfg.swiglu {
-        BN / 2
-    } else {
-        BN
+/// The tile width [`gemm_wgmma`] takes for `cfg`: the one with the least modelled time, waves of
+/// tiles over the persistent grid times each tile's work at its width's speed (the widest on a
+/// tie). A product of few tiles (few rows, or few columns such as GPT-2's 768) takes a narrower
+/// tile and more SMs.
+pub fn tile_width(cfg: &GemmConfig) -> u32 {
+    let cost = |&(width, speed): &(u32, u64)| {
+        let waves = u64::from(Tile::new(cfg, width).count(cfg).div_ceil(GRID));
+        waves * u64::from(width) * 100 / speed
+    };
+    let mut best = WIDTHS[0];
+    for w in &WIDTHS[1..] {
+        if cost(w) < cost(&best) {
+            best = *w;
+        }
+    }
+    best.0
+}
+
+/// A block's tile: [`BM`] output rows by `width` weight rows per stage.
+#[derive(Clone, Copy)]
+struct Tile {
+    width: u32,
+    swiglu: bool,
+}
+
+impl Tile {
+    fn new(cfg: &GemmConfig, width: u32) -> Tile {
+        Tile {
+            width,
+            swiglu: cfg.swiglu,
+        }
+    }
+
+    /// Output columns per tile.
+    fn columns(self) -> u32 {
+        if self.swiglu {
+            self.width / 2
+        } else {
+            self.width
+        }
+    }
+
+    /// Bytes of a stage's weight tile.
+    fn b_bytes(self) -> u32 {
+        self.width * BK * 2
+    }
+
+    /// Bytes of a stage: x's tile, then the weights'.
+    fn stage_bytes(self) -> u32 {
+        A_BYTES + self.b_bytes()
+    }
+
+    /// Tiles of the output.
+    fn count(self, cfg: &GemmConfig) -> u32 {
+        cfg.m.div_ceil(BM) * cfg.n_out().div_ceil(self.columns())
     }
 }
 
 /// The tensor maps of x (`[M, K]`) and w (`[N, K]`).
-fn tensor_maps(cfg: &GemmConfig) -> (TensorMapSpec, TensorMapSpec) {
+fn tensor_maps(cfg: &GemmConfig, tile: Tile) -> (TensorMapSpec, TensorMapSpec) {
     let dtype = match cfg.elem {
         Elem::F16 => kiln_ir::DType::F16,
         _ => kiln_ir::DType::BF16,
@@ -84,20 +133,30 @@ fn tensor_maps(cfg: &GemmConfig) -> (TensorMapSpec, TensorMapSpec) {
         TensorMapSpec::matrix(dtype, [rows.into(), cfg.k.into()], [box_rows, BK])
             .swizzled(crate::hopper::SWIZZLE_BYTES)
     };
-    let w_box = if cfg.swiglu { BN / 2 } else { BN };
-    (map(cfg.m, BM), map(cfg.n, w_box))
+    (map(cfg.m, BM), map(cfg.n, tile.columns()))
 }
 
-/// Generates the kernel. Parameters: `x` and `w` (tensor maps), `[bias], [residual], out`.
+/// Generates the kernel at [`tile_width`]'s width. Parameters: `x` and `w` (tensor maps),
+/// `[bias], [residual], out`.
 pub fn gemm_wgmma(cfg: &GemmConfig, name: String) -> GeneratedKernel {
+    gemm_wgmma_tiled(cfg, tile_width(cfg), name)
+}
+
+/// [`gemm_wgmma`] with tiles `width` weight rows wide (256, 128 or 64).
+pub fn gemm_wgmma_tiled(cfg: &GemmConfig, width: u32, name: String) -> GeneratedKernel {
     assert!(
         supports(cfg),
         "the Hopper GEMM needs f16/bf16, [N, K] weights, K % 8 == 0 (N even with SwiGLU)"
     );
+    assert!(
+        WIDTHS.iter().any(|&(w, _)| w == width),
+        "the Hopper GEMM's tiles are 256, 128 or 64 weight rows wide"
+    );
+    let tile = Tile::new(cfg, width);
     let mut k = Kernel::new(&name);
     k.directive(format!(".maxntid {THREADS}, 1, 1"));
     k.directive(".minnctapersm 1");
-    let (x_spec, w_spec) = tensor_maps(cfg);
+    let (x_spec, w_spec) = tensor_maps(cfg, tile);
     let x = k.param_tensor_map("x", x_spec);
     let w = k.param_tensor_map("w", w_spec);
     let epilogue = EpiloguePtrs::declare(&mut k, cfg);
@@ -133,6 +192,7 @@ pub fn gemm_wgmma(cfg: &GemmConfig, name: String) -> GeneratedKernel {
     let is_producer = k.setp("eq.u32", &warpgroup, &0u32);
     k.bra(Some((is_producer, false)), &consumers);
     let pipe = Pipeline {
+        tile,
         stages,
         full,
         empty,
@@ -142,34 +202,34 @@ pub fn gemm_wgmma(cfg: &GemmConfig, name: String) -> GeneratedKernel {
     k.place(&consumers);
     consumer(&mut k, cfg, &pipe, &epilogue, &tid, &warpgroup);
 
-    let tiles = tile_count(cfg);
     GeneratedKernel::new(
         k,
         Launch {
-            grid: [tiles.min(GRID), 1, 1],
+            grid: [tile.count(cfg).min(GRID), 1, 1],
             block: [THREADS, 1, 1],
-            shared_bytes: STAGES * STAGE_BYTES + 1024,
+            shared_bytes: STAGES * tile.stage_bytes() + 1024,
         },
     )
     .on(KernelPath::Wgmma)
     .in_image(Image::Sm90a)
 }
 
-fn tile_count(cfg: &GemmConfig) -> u32 {
-    cfg.m.div_ceil(BM) * cfg.n_out().div_ceil(bn_out(cfg))
-}
-
 /// Runs `body` for each tile of this block (`ctaid.x`, then every `nctaid.x`-th), with the
 /// tile's first output row and column.
-fn for_each_tile(k: &mut Kernel, cfg: &GemmConfig, mut body: impl FnMut(&mut Kernel, Reg, Reg)) {
+fn for_each_tile(
+    k: &mut Kernel,
+    cfg: &GemmConfig,
+    tile_shape: Tile,
+    mut body: impl FnMut(&mut Kernel, Reg, Reg),
+) {
     let tile = k.special("ctaid.x");
     let step = k.special("nctaid.x");
     let top = k.label("tile");
     let done = k.label("tiles_done");
     k.place(&top);
-    let past = k.setp("ge.u32", &tile, &tile_count(cfg));
+    let past = k.setp("ge.u32", &tile, &tile_shape.count(cfg));
     k.bra(Some((past, true)), &done);
-    let (m0, n0) = tile_origin(k, cfg, &tile);
+    let (m0, n0) = tile_origin(k, cfg, tile_shape, &tile);
     body(k, m0, n0);
     k.emit(format!("add.u32 {tile}, {tile}, {step}"));
     k.bra(None, &top);
@@ -178,9 +238,9 @@ fn for_each_tile(k: &mut Kernel, cfg: &GemmConfig, mut body: impl FnMut(&mut Ker
 
 /// The block's first output row and column, visiting tiles in groups of [`GROUP_M`] tile rows
 /// (column by column within a group).
-fn tile_origin(k: &mut Kernel, cfg: &GemmConfig, pid: &Reg) -> (Reg, Reg) {
+fn tile_origin(k: &mut Kernel, cfg: &GemmConfig, tile: Tile, pid: &Reg) -> (Reg, Reg) {
     let tiles_m = cfg.m.div_ceil(BM);
-    let tiles_n = cfg.n_out().div_ceil(bn_out(cfg));
+    let tiles_n = cfg.n_out().div_ceil(tile.columns());
     let span = GROUP_M * tiles_n;
     let group = k.op2("div.u32", RegClass::B32, pid, &span);
     let first_m = k.mul_u32(&group, &GROUP_M);
@@ -190,11 +250,12 @@ fn tile_origin(k: &mut Kernel, cfg: &GemmConfig, pid: &Reg) -> (Reg, Reg) {
     let dm = k.op2("rem.u32", RegClass::B32, &within, &rows);
     let tm = k.add_u32(&first_m, &dm);
     let tn = k.op2("div.u32", RegClass::B32, &within, &rows);
-    (k.mul_u32(&tm, &BM), k.mul_u32(&tn, &bn_out(cfg)))
+    (k.mul_u32(&tm, &BM), k.mul_u32(&tn, &tile.columns()))
 }
 
 /// Shared-memory stages and their barriers.
 struct Pipeline {
+    tile: Tile,
     stages: Reg,
     full: Reg,
     empty: Reg,
@@ -208,7 +269,7 @@ impl Pipeline {
         let s = k.op2("and.b32", RegClass::B32, kt, &(STAGES - 1));
         let round = k.op2("shr.u32", RegClass::B32, kt, &STAGES.trailing_zeros());
         let parity = k.op2("and.b32", RegClass::B32, &round, &1u32);
-        let a = k.mad_u32(&s, &STAGE_BYTES, &self.stages);
+        let a = k.mad_u32(&s, &self.tile.stage_bytes(), &self.stages);
         let b = k.add_u32(&a, &A_BYTES);
         let full = k.mad_u32(&s, &MBARRIER_BYTES, &self.full);
         let empty = k.mad_u32(&s, &MBARRIER_BYTES, &self.empty);
@@ -240,7 +301,7 @@ fn producer(k: &mut Kernel, cfg: &GemmConfig, pipe: &Pipeline, tid: &Reg, [x, w]
     prefetch_tensor_map(k, &x);
     prefetch_tensor_map(k, &w);
     let step = k.mov(RegClass::B32, &0u32);
-    for_each_tile(k, cfg, |k, m0, n0| {
+    for_each_tile(k, cfg, pipe.tile, |k, m0, n0| {
         let kt = k.mov(RegClass::B32, &0u32);
         let top = k.label("produce");
         k.place(&top);
@@ -252,13 +313,13 @@ fn producer(k: &mut Kernel, cfg: &GemmConfig, pipe: &Pipeline, tid: &Reg, [x, w]
         let released = k.op2("xor.b32", RegClass::B32, &st.parity, &1u32);
         mbarrier_wait(k, &st.empty, &released);
         k.place(&fresh);
-        mbarrier_arrive_expect_tx(k, &st.full, STAGE_BYTES);
+        mbarrier_arrive_expect_tx(k, &st.full, pipe.tile.stage_bytes());
         let k0 = k.mul_u32(&kt, &BK);
         tma_load(k, &st.a, &x, &[&k0, &m0], &st.full);
         tma_load(k, &st.b, &w, &[&k0, &n0], &st.full);
         if cfg.swiglu {
             let up = k.add_u32(&n0, &cfg.n_out());
-            let b_up = k.add_u32(&st.b, &(B_BYTES / 2));
+            let b_up = k.add_u32(&st.b, &(pipe.tile.b_bytes() / 2));
             tma_load(k, &b_up, &w, &[&k0, &up], &st.full);
         }
         k.emit(format!("add.u32 {step}, {step}, 1"));
@@ -281,14 +342,16 @@ fn consumer(
     warpgroup: &Reg,
 ) {
     setmaxnreg(k, true, CONSUMER_REGS);
-    let acc: Vec<Reg> = (0..BN / 2).map(|_| k.reg(RegClass::F32)).collect();
+    let acc: Vec<Reg> = (0..pipe.tile.width / 2)
+        .map(|_| k.reg(RegClass::F32))
+        .collect();
     let consumer = k.sub_u32(warpgroup, &1u32);
     // This warpgroup's 64 rows of the A tile: 64 rows of 128 bytes further per consumer.
     let a_rows = k.mul_u32(&consumer, &(64 * BK * 2));
     let lane = k.op2("and.b32", RegClass::B32, tid, &31u32);
     let lane0 = k.setp("eq.u32", &lane, &0u32);
     let step = k.mov(RegClass::B32, &0u32);
-    for_each_tile(k, cfg, |k, m0, n0| {
+    for_each_tile(k, cfg, pipe.tile, |k, m0, n0| {
         for a in &acc {
             k.set(*a, &F32(0.0));
         }
@@ -382,18 +445,20 @@ struct Fragment<'a> {
 }
 
 impl Fragment<'_> {
-    /// Chunks of 8 output columns per tile.
-    fn chunks(cfg: &GemmConfig) -> u32 {
-        bn_out(cfg) / 8
+    /// Chunks of 8 output columns per tile: four accumulators each, the up half's four more
+    /// with SwiGLU.
+    fn chunks(&self, cfg: &GemmConfig) -> u32 {
+        let per_chunk = if cfg.swiglu { 8 } else { 4 };
+        self.acc.len() as u32 / per_chunk
     }
 
     /// The accumulator of chunk `j`, row half `h`, column `c` (0, 1), and with SwiGLU the
-    /// matching up column's (64 registers further).
+    /// matching up column's (half the accumulators further).
     fn at(&self, cfg: &GemmConfig, j: u32, h: u32, c: u32) -> (Reg, Option<Reg>) {
         let i = (4 * j + 2 * h + c) as usize;
         (
             self.acc[i],
-            cfg.swiglu.then(|| self.acc[i + (BN / 4) as usize]),
+            cfg.swiglu.then(|| self.acc[i + self.acc.len() / 2]),
         )
     }
 }
@@ -410,7 +475,7 @@ fn store_pairs(k: &mut Kernel, cfg: &GemmConfig, epilogue: &EpiloguePtrs, frag: 
             (ok, k.mul_u32(&row, &n_out))
         })
         .collect();
-    for j in 0..Fragment::chunks(cfg) {
+    for j in 0..frag.chunks(cfg) {
         let col = k.add_u32(&frag.col0, &(8 * j));
         let col_ok = k.setp("lt.u32", &col, &n_out);
         let safe_col = k.selp(RegClass::B32, "u32", &col, &0u32, col_ok);
@@ -480,7 +545,7 @@ fn store_elements(k: &mut Kernel, cfg: &GemmConfig, epilogue: &EpiloguePtrs, fra
         let row = k.add_u32(&frag.row0, &(8 * h));
         let out_row = k.setp("ge.u32", &row, &cfg.m);
         k.bra(Some((out_row, true)), &skip_rows);
-        for j in 0..Fragment::chunks(cfg) {
+        for j in 0..frag.chunks(cfg) {
             for c in 0..2u32 {
                 let skip = k.label("element_done");
                 let col = k.add_u32(&frag.col0, &(8 * j + c));
@@ -492,5 +557,41 @@ fn store_elements(k: &mut Kernel, cfg: &GemmConfig, epilogue: &EpiloguePtrs, fra
             }
         }
         k.place(&skip_rows);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn product(m: u32, n: u32, k: u32, swiglu: bool) -> GemmConfig {
+        GemmConfig {
+            swiglu,
+            ..GemmConfig::plain(m, n, k, Elem::BF16)
+        }
+    }
+
+    #[test]
+    fn products_of_many_tiles_keep_the_widest() {
+        // Llama-3.2-1B at 4096 tokens: SwiGLU gate/up (2048 tiles), down and O (256), the LM head.
+        assert_eq!(tile_width(&product(4096, 16384, 2048, true)), 256);
+        assert_eq!(tile_width(&product(4096, 2048, 8192, false)), 256);
+        assert_eq!(tile_width(&product(4096, 128256, 2048, false)), 256);
+    }
+
+    #[test]
+    fn products_of_few_tiles_spread_over_more_sms() {
+        // GPT-2 small at 1024 tokens: 24 tiles of 768 columns become 96.
+        assert_eq!(tile_width(&product(1024, 768, 3072, false)), 64);
+        // 16 rows: 12 tiles become 48.
+        assert_eq!(tile_width(&product(16, 3072, 768, false)), 64);
+        // Llama-3.2-1B's QKV at 512 tokens: 48 tiles, 96 at 128 wide still one wave.
+        assert_eq!(tile_width(&product(512, 3072, 2048, false)), 128);
+    }
+
+    #[test]
+    fn a_narrower_tile_that_needs_more_waves_loses() {
+        // GPT-2's QKV at 1024 tokens: 72 tiles in one wave; 128 or 64 wide take two or three.
+        assert_eq!(tile_width(&product(1024, 2304, 768, false)), 256);
     }
 }

@@ -17,6 +17,7 @@ use kiln_ir::Op;
 use kiln_kernels::elementwise::activation_kernel;
 use kiln_kernels::embedding::{embedding, EmbeddingConfig};
 use kiln_kernels::gemm::{gemm, gemm_base, gemm_for, GemmConfig};
+use kiln_kernels::gemm_wgmma::{gemm_wgmma_tiled, tile_width};
 use kiln_kernels::gemv::Rows;
 use kiln_kernels::norm::{norm, NormConfig};
 use kiln_kernels::sampling::argmax;
@@ -493,17 +494,7 @@ fn products_choose_the_first_largest_logit() {
             if m > 1 && elem != Elem::F32 && k % 8 == 0 {
                 continue;
             }
-            let cfg = GemmConfig {
-                m,
-                k,
-                n,
-                transpose_b: true,
-                bias: false,
-                activation: None,
-                swiglu: false,
-                residual: false,
-                elem,
-            };
+            let cfg = GemmConfig::plain(m, n, k, elem);
             // Random logits, then logits set through a one-hot x (each output is its weight
             // row's first element): ties for the largest, NaN, -inf, signed zeros.
             let nu = n as usize;
@@ -639,8 +630,8 @@ fn gemms_match_the_interpreter() {
                 (64, 4104, 130),
                 (127, 768, 258),
                 (4097, 64, 64),
-                // Hopper tiles (128 x 256, K steps of 64) with ragged edges on every side, and
-                // an odd N (GPT-2's vocabulary is odd).
+                // Hopper tiles (128 rows, 256 / 128 / 64 weight rows, K steps of 64) with ragged
+                // edges on every side, and an odd N (GPT-2's vocabulary is odd).
                 (300, 776, 1000),
                 (520, 264, 520),
                 (130, 96, 1001),
@@ -664,11 +655,19 @@ fn gemms_match_the_interpreter() {
                 let w = values(&mut rng, (k * n) as usize, 1.0 / (k as f32).sqrt(), elem);
                 let b = values(&mut rng, n as usize, 0.5, elem);
                 let r = values(&mut rng, (m * n_out) as usize, 1.0, elem);
-                // The kernel lowering picks, the base-image kernel its launches fall back to, and
-                // the one a batched artifact picks (the tensor-core GEMV for one row too).
+                // The kernel lowering picks, the base-image kernel its launches fall back to, the
+                // Hopper kernel's other tile widths, and the one a batched artifact picks (the
+                // tensor-core GEMV for one row too).
                 let mut kernels = vec![gemm(&cfg)];
                 if kernels[0].image == Image::Sm90a {
                     kernels.push(gemm_base(&cfg));
+                    let (chosen, name) = (tile_width(&cfg), kernels[0].name.clone());
+                    kernels.extend(
+                        [256, 128, 64]
+                            .into_iter()
+                            .filter(|&w| w != chosen)
+                            .map(|w| gemm_wgmma_tiled(&cfg, w, format!("{name}_w{w}"))),
+                    );
                 }
                 let invariant = gemm_for(&cfg, Rows::BatchInvariant);
                 if invariant.name != kernels[0].name {
