@@ -478,9 +478,9 @@ fn emit_cases(dir: &std::path::Path) {
         );
         add(name, gemm(&cfg), buffers, peer, 2.0 * (s as f64).powi(3));
     }
-    // Products of the models' prefills whose output has few 128 x 256 tiles (GPT-2 small at 16
-    // and 1024 tokens, Llama-3.2-1B at 512), at every tile width of the Hopper kernel: the width
-    // `tile_width` picks should be the fastest.
+    // Products of the models' prefills (GPT-2 small at 16 and 1024 tokens, Llama-3.2-1B at 512,
+    // BERT-base at 128 x 128) at every tile width of the Hopper kernel: the width `tile_width`
+    // picks should be the fastest.
     for (m, n, k) in [
         (1024usize, 768usize, 3072usize),
         (1024, 768, 768),
@@ -488,6 +488,11 @@ fn emit_cases(dir: &std::path::Path) {
         (16, 3072, 768),
         (512, 2048, 8192),
         (512, 3072, 2048),
+        // BERT-base at 128 x 128 tokens: QKV, O, FFN up, FFN down.
+        (16384, 2304, 768),
+        (16384, 768, 768),
+        (16384, 3072, 768),
+        (16384, 768, 3072),
     ] {
         let cfg = GemmConfig::plain(m as u32, n as u32, k as u32, Elem::BF16);
         let chosen = tile_width(&cfg);

@@ -64,7 +64,9 @@ pub fn one_plus_erf(k: &mut Kernel, z: Reg) -> Reg {
     const A: [f32; 5] = ERF_A;
     let az = k.op1("abs.f32", RegClass::F32, &z);
     let d = k.fma_f32(&az, &F32(P), &F32(1.0));
-    let t = k.rcp_f32(&d);
+    // d >= 1 (no subnormals, no zero): the 1-ulp reciprocal is far inside the approximation's
+    // own error.
+    let t = k.rcp_approx_f32(&d);
     // Horner: ((((a5 t + a4) t + a3) t + a2) t + a1) t
     let mut poly = k.mov(RegClass::F32, &F32(A[4]));
     for a in A[..4].iter().rev() {

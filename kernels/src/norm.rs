@@ -1,8 +1,9 @@
-//! LayerNorm / RMSNorm over the last axis, optionally of `x + residual`: one block of
-//! `ROW_THREADS` threads per row, f32 statistics (the variance from centred values, so a large mean
-//! does not cancel), output in the tensor's dtype. Rows of up to `CACHED_COLS` columns are read
-//! once and kept in registers (one read and one write of the row); longer rows are read again for
-//! each statistic.
+//! LayerNorm / RMSNorm over the last axis, optionally of `x + residual`: f32 statistics (the
+//! variance from centred values, so a large mean does not cancel), output in the tensor's dtype.
+//! Rows of up to `CACHED_COLS` columns are read once and kept in registers (one read and one write
+//! of the row); longer rows are read again for each statistic. A row whose 16-byte chunks number at
+//! most `32 * WARP_CHUNKS` takes one warp (eight rows per block, sums by shuffles alone, no
+//! barrier); other rows take a block of `ROW_THREADS` threads.
 
 use kiln_ir::kernel::NormKind;
 
@@ -30,25 +31,109 @@ pub struct NormConfig {
 /// The longest row kept in registers (32 values per thread).
 pub const CACHED_COLS: u32 = 32 * ROW_THREADS;
 
+/// The most 16-byte chunks of a row one lane holds when a warp takes the row (64 f32 values).
+const WARP_CHUNKS: u32 = 8;
+
+/// The threads that normalise one row.
+#[derive(Clone, Copy, PartialEq)]
+enum RowThreads {
+    /// The block's `ROW_THREADS` threads.
+    Block,
+    /// One warp of the block's `ROW_THREADS / 32`.
+    Warp,
+}
+
+impl RowThreads {
+    fn of(cfg: &NormConfig) -> RowThreads {
+        let lanes = 16 / cfg.elem.bytes();
+        let chunks = cfg.cols / lanes;
+        if cfg.cols.is_multiple_of(lanes) && chunks <= 32 * WARP_CHUNKS {
+            RowThreads::Warp
+        } else {
+            RowThreads::Block
+        }
+    }
+
+    fn count(self) -> u32 {
+        match self {
+            RowThreads::Block => ROW_THREADS,
+            RowThreads::Warp => 32,
+        }
+    }
+
+    fn rows_per_block(self) -> u32 {
+        ROW_THREADS / self.count()
+    }
+}
+
+/// The threads of one row: which, and this thread's index among them (`tid` in the block).
+struct RowGroup {
+    threads: RowThreads,
+    index: Reg,
+    tid: Reg,
+}
+
+impl RowGroup {
+    /// `value` summed over the row's threads; every one of them gets the total. `red` is the
+    /// block's scratch ([`scratch`]), which a warp's sum does not use.
+    fn sum(&self, k: &mut Kernel, value: Reg, red: &str) -> Reg {
+        match self.threads {
+            RowThreads::Block => block_sum(k, value, red, self.tid),
+            RowThreads::Warp => k.warp_sum(value),
+        }
+    }
+}
+
 /// Generates the kernel. Parameters: `x, [residual], weight, [bias], out`.
 pub fn norm(cfg: &NormConfig) -> GeneratedKernel {
     let layer = cfg.kind == NormKind::LayerNorm;
-    let name = format!(
+    let threads = RowThreads::of(cfg);
+    let mut name = format!(
         "{}{}_{}_c{}",
         if layer { "layer_norm" } else { "rms_norm" },
         if cfg.residual { "_residual" } else { "" },
         cfg.elem.name(),
         cfg.cols
     );
+    if threads == RowThreads::Warp {
+        // The kernel stops the warps past the last row: its text depends on the rows.
+        name.push_str(&format!("_r{}", cfg.rows));
+    }
     let mut k = Kernel::new(&name);
     let x = k.param_ptr("x");
     let residual = cfg.residual.then(|| k.param_ptr("residual"));
     let weight = k.param_ptr("weight");
     let bias = layer.then(|| k.param_ptr("bias"));
     let out = k.param_ptr("out");
-    let red = scratch(&mut k);
+    // A warp's sums need no shared memory.
+    let red = match threads {
+        RowThreads::Block => scratch(&mut k),
+        RowThreads::Warp => String::new(),
+    };
     let tid = k.special("tid.x");
-    let row = k.special("ctaid.x");
+    let block = k.special("ctaid.x");
+    let group = match threads {
+        RowThreads::Block => RowGroup {
+            threads,
+            index: tid,
+            tid,
+        },
+        RowThreads::Warp => RowGroup {
+            threads,
+            index: k.op2("and.b32", RegClass::B32, &tid, &31u32),
+            tid,
+        },
+    };
+    let row = match threads {
+        RowThreads::Block => block,
+        RowThreads::Warp => {
+            let warp = k.op2("shr.u32", RegClass::B32, &tid, &5u32);
+            let row = k.mad_u32(&block, &threads.rows_per_block(), &warp);
+            let past = k.setp("ge.u32", &row, &cfg.rows);
+            k.emit(format!("@{past} ret"));
+            row
+        }
+    };
     let row_base = k.mul_u32(&row, &cfg.cols);
     let elem = cfg.elem;
     let cols = cfg.cols;
@@ -87,13 +172,21 @@ pub fn norm(cfg: &NormConfig) -> GeneratedKernel {
             &mut k,
             cfg,
             &red,
-            tid,
+            &group,
             (x, residual),
             row_base,
             (weight, bias, out),
         );
     } else if cols <= CACHED_COLS {
-        cached_row(&mut k, cfg, &red, tid, &load, row_base, (weight, bias, out));
+        cached_row(
+            &mut k,
+            cfg,
+            &red,
+            &group,
+            &load,
+            row_base,
+            (weight, bias, out),
+        );
     } else {
         let mean = if layer {
             k.comment("pass 1: mean");
@@ -102,7 +195,7 @@ pub fn norm(cfg: &NormConfig) -> GeneratedKernel {
                 let v = load(k, col);
                 k.emit(format!("add.f32 {sum}, {sum}, {v}"));
             });
-            let total = block_sum(&mut k, sum, &red, tid);
+            let total = group.sum(&mut k, sum, &red);
             Some(k.mul_f32(&total, &F32(1.0 / cols as f32)))
         } else {
             None
@@ -121,7 +214,7 @@ pub fn norm(cfg: &NormConfig) -> GeneratedKernel {
             };
             k.fma_into(sq, &c, &c);
         });
-        let total = block_sum(&mut k, sq, &red, tid);
+        let total = group.sum(&mut k, sq, &red);
         let rstd = reciprocal_rms(&mut k, &total, cfg);
         k.comment("last pass: normalise, scale, shift, store");
         strided(&mut k, "write", &mut |k, col| {
@@ -147,7 +240,7 @@ pub fn norm(cfg: &NormConfig) -> GeneratedKernel {
     GeneratedKernel::new(
         k,
         Launch {
-            grid: [cfg.rows, 1, 1],
+            grid: [cfg.rows.div_ceil(threads.rows_per_block()), 1, 1],
             block: [ROW_THREADS, 1, 1],
             shared_bytes: 0,
         },
@@ -163,14 +256,14 @@ fn row_statistics(
     k: &mut Kernel,
     cfg: &NormConfig,
     red: &str,
-    tid: Reg,
+    group: &RowGroup,
     sum: Reg,
     groups: &[Vec<Reg>],
     valid: &[Reg],
 ) -> (Vec<Vec<Reg>>, Reg) {
     let inv_cols = F32(1.0 / cfg.cols as f32);
     let mean = if cfg.kind == NormKind::LayerNorm {
-        let total = block_sum(k, sum, red, tid);
+        let total = group.sum(k, sum, red);
         Some(k.mul_f32(&total, &inv_cols))
     } else {
         None
@@ -189,7 +282,7 @@ fn row_statistics(
         }
         centred.push(group);
     }
-    let total = block_sum(k, sq, red, tid);
+    let total = group.sum(k, sq, red);
     (centred, reciprocal_rms(k, &total, cfg))
 }
 
@@ -200,18 +293,19 @@ pub(crate) fn reciprocal_rms(k: &mut Kernel, square_sum: &Reg, cfg: &NormConfig)
     k.rsqrt_f32(&var_eps)
 }
 
-/// The register-cached form: each thread loads its `ceil(cols / ROW_THREADS)` columns once.
+/// The register-cached form: each thread loads its `ceil(cols / threads)` columns once.
 fn cached_row(
     k: &mut Kernel,
     cfg: &NormConfig,
     red: &str,
-    tid: Reg,
+    group: &RowGroup,
     load: &dyn Fn(&mut Kernel, Reg) -> Reg,
     row_base: Reg,
     (weight, bias, out): (Reg, Option<Reg>, Reg),
 ) {
     let layer = cfg.kind == NormKind::LayerNorm;
-    let per_thread = cfg.cols.div_ceil(ROW_THREADS);
+    let stride = group.threads.count();
+    let per_thread = cfg.cols.div_ceil(stride);
     let elem = cfg.elem;
     k.comment("read the row once into registers");
     let mut cols = Vec::new();
@@ -219,7 +313,7 @@ fn cached_row(
     let mut vals = Vec::new();
     let sum = k.mov(RegClass::F32, &F32(0.0));
     for i in 0..per_thread {
-        let col = k.add_u32(&tid, &(i * ROW_THREADS));
+        let col = k.add_u32(&group.index, &(i * stride));
         let inside = k.setp("lt.u32", &col, &cfg.cols);
         let v = k.mov(RegClass::F32, &F32(0.0));
         let skip = k.label("skip_load");
@@ -235,7 +329,7 @@ fn cached_row(
         vals.push(v);
     }
     let groups: Vec<Vec<Reg>> = vals.iter().map(|v| vec![*v]).collect();
-    let (centred, rstd) = row_statistics(k, cfg, red, tid, sum, &groups, &valid);
+    let (centred, rstd) = row_statistics(k, cfg, red, group, sum, &groups, &valid);
     k.comment("normalise, scale, shift, store");
     for ((c, col), inside) in centred.iter().map(|c| &c[0]).zip(&cols).zip(&valid) {
         let skip = k.label("skip_store");
@@ -263,7 +357,7 @@ fn vector_row(
     k: &mut Kernel,
     cfg: &NormConfig,
     red: &str,
-    tid: Reg,
+    group: &RowGroup,
     (x, residual): (Reg, Option<Reg>),
     row_base: Reg,
     (weight, bias, out): (Reg, Option<Reg>, Reg),
@@ -272,11 +366,12 @@ fn vector_row(
     let elem = cfg.elem;
     let lanes = 16 / elem.bytes();
     let chunks = cfg.cols / lanes;
-    let per_thread = chunks.div_ceil(ROW_THREADS);
+    let stride = group.threads.count();
+    let per_thread = chunks.div_ceil(stride);
     let mut firsts = Vec::new();
     let mut valid = Vec::new();
     for i in 0..per_thread {
-        let chunk = k.add_u32(&tid, &(i * ROW_THREADS));
+        let chunk = k.add_u32(&group.index, &(i * stride));
         valid.push(k.setp("lt.u32", &chunk, &chunks));
         firsts.push(k.mul_u32(&chunk, &lanes));
     }
@@ -328,7 +423,7 @@ fn vector_row(
         }
         vals.push(v);
     }
-    let (centred, rstd) = row_statistics(k, cfg, red, tid, sum, &vals, &valid);
+    let (centred, rstd) = row_statistics(k, cfg, red, group, sum, &vals, &valid);
     k.comment("normalise, scale, shift, store, 16 bytes at a time");
     for (((c, first), inside), (w, b)) in centred.iter().zip(&firsts).zip(&valid).zip(&scales) {
         let skip = k.label("skip_store");

@@ -458,6 +458,12 @@ impl Kernel {
         self.op1("rcp.rn.f32", RegClass::F32, a)
     }
 
+    /// `d = 1 / a` (f32, within 1 ulp; one MUFU instruction where `rcp.rn` adds Newton steps
+    /// and a special-case branch).
+    pub fn rcp_approx_f32(&mut self, a: &dyn Operand) -> Reg {
+        self.op1("rcp.approx.ftz.f32", RegClass::F32, a)
+    }
+
     /// `d = a / b` (f32, IEEE round to nearest).
     pub fn div_f32(&mut self, a: &dyn Operand, b: &dyn Operand) -> Reg {
         self.op2("div.rn.f32", RegClass::F32, a, b)
@@ -656,13 +662,19 @@ impl Kernel {
 
     /// Adds `value` across a warp (butterfly shuffles); every lane gets the sum.
     pub fn warp_sum(&mut self, value: Reg) -> Reg {
+        self.warp_reduce(value, "add.f32", RegClass::F32)
+    }
+
+    /// Reduces the 32-bit `value` across a warp with the binary op `op` (`max.f32`, `add.f32`,
+    /// ...) of registers of `class` (butterfly shuffles); every lane gets the result.
+    pub fn warp_reduce(&mut self, value: Reg, op: &str, class: RegClass) -> Reg {
         let mut acc = value;
         for offset in [16u32, 8, 4, 2, 1] {
-            let other = self.reg(RegClass::F32);
+            let other = self.reg(class);
             self.emit(format!(
                 "shfl.sync.bfly.b32 {other}, {acc}, {offset}, 31, -1"
             ));
-            acc = self.add_f32(&acc, &other);
+            acc = self.op2(op, class, &acc, &other);
         }
         acc
     }

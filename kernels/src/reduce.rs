@@ -1,4 +1,5 @@
-//! Block-wide reductions for kernels that give one row to one block of `ROW_THREADS` threads.
+//! Block-wide and warp-wide reductions for kernels that give one row to one block of
+//! `ROW_THREADS` threads, or to one warp.
 
 use crate::ptx::{Kernel, Reg, RegClass};
 use crate::ROW_THREADS;
@@ -39,14 +40,7 @@ pub fn block_reduce_over(
     scratch: &str,
     warps: u32,
 ) -> Reg {
-    let mut acc = value;
-    for offset in [16u32, 8, 4, 2, 1] {
-        let other = k.reg(class);
-        k.emit(format!(
-            "shfl.sync.bfly.b32 {other}, {acc}, {offset}, 31, -1"
-        ));
-        acc = k.op2(op, class, &acc, &other);
-    }
+    let acc = k.warp_reduce(value, op, class);
     let (base, slot, is_first) = warp_slot(k, scratch, tid, 4);
     k.emit(format!("@{is_first} st.shared.b32 [{slot}], {acc}"));
     k.barrier();

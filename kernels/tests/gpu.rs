@@ -229,7 +229,17 @@ fn norms_match_the_interpreter() {
             (NormKind::LayerNorm, true),
             (NormKind::RmsNorm, true),
         ] {
-            for (rows, cols) in [(1u32, 64u32), (17, 4097), (127, 768), (2, 8193)] {
+            // A warp per row (64 to 2048 columns of 16-bit values; 127 and 9 rows leave
+            // warps of the last block without a row; 1032 leaves lanes without a last chunk),
+            // a block per row (odd, and longer rows), rows read again per statistic (8193).
+            for (rows, cols) in [
+                (1u32, 64u32),
+                (17, 4097),
+                (127, 768),
+                (9, 1032),
+                (5, 2048),
+                (2, 8193),
+            ] {
                 let n = (rows * cols) as usize;
                 let eps = 1e-5f32;
                 // An offset mean, so that a one-pass variance would show its cancellation.
