@@ -74,6 +74,35 @@ struct RowGroup {
 }
 
 impl RowGroup {
+    /// This thread's group and row; a warp past the last row stops here.
+    fn start(k: &mut Kernel, cfg: &NormConfig, threads: RowThreads) -> (RowGroup, Reg) {
+        let tid = k.special("tid.x");
+        let block = k.special("ctaid.x");
+        match threads {
+            RowThreads::Block => {
+                let group = RowGroup {
+                    threads,
+                    index: tid,
+                    tid,
+                };
+                (group, block)
+            }
+            RowThreads::Warp => {
+                let lane = k.op2("and.b32", RegClass::B32, &tid, &31u32);
+                let warp = k.op2("shr.u32", RegClass::B32, &tid, &5u32);
+                let row = k.mad_u32(&block, &threads.rows_per_block(), &warp);
+                let past = k.setp("ge.u32", &row, &cfg.rows);
+                k.emit(format!("@{past} ret"));
+                let group = RowGroup {
+                    threads,
+                    index: lane,
+                    tid,
+                };
+                (group, row)
+            }
+        }
+    }
+
     /// `value` summed over the row's threads; every one of them gets the total. `red` is the
     /// block's scratch ([`scratch`]), which a warp's sum does not use.
     fn sum(&self, k: &mut Kernel, value: Reg, red: &str) -> Reg {
@@ -110,30 +139,7 @@ pub fn norm(cfg: &NormConfig) -> GeneratedKernel {
         RowThreads::Block => scratch(&mut k),
         RowThreads::Warp => String::new(),
     };
-    let tid = k.special("tid.x");
-    let block = k.special("ctaid.x");
-    let group = match threads {
-        RowThreads::Block => RowGroup {
-            threads,
-            index: tid,
-            tid,
-        },
-        RowThreads::Warp => RowGroup {
-            threads,
-            index: k.op2("and.b32", RegClass::B32, &tid, &31u32),
-            tid,
-        },
-    };
-    let row = match threads {
-        RowThreads::Block => block,
-        RowThreads::Warp => {
-            let warp = k.op2("shr.u32", RegClass::B32, &tid, &5u32);
-            let row = k.mad_u32(&block, &threads.rows_per_block(), &warp);
-            let past = k.setp("ge.u32", &row, &cfg.rows);
-            k.emit(format!("@{past} ret"));
-            row
-        }
-    };
+    let (group, row) = RowGroup::start(&mut k, cfg, threads);
     let row_base = k.mul_u32(&row, &cfg.cols);
     let elem = cfg.elem;
     let cols = cfg.cols;
@@ -152,9 +158,9 @@ pub fn norm(cfg: &NormConfig) -> GeneratedKernel {
             None => v,
         }
     };
-    // for col in tid..cols step ROW_THREADS { body(col) }
+    // for col in index..cols step ROW_THREADS { body(col) } (rows this long take a block)
     let strided = |k: &mut Kernel, what: &str, body: &mut dyn FnMut(&mut Kernel, Reg)| {
-        let col = k.mov(RegClass::B32, &tid);
+        let col = k.mov(RegClass::B32, &group.index);
         let top = k.label(what);
         let done = k.label(&format!("{what}_done"));
         k.place(&top);
