@@ -587,15 +587,7 @@ pub fn attention_simt(cfg: &AttentionConfig) -> GeneratedKernel {
     }
     k.comment("normalise once and store (a row that sees no key stores zeros)");
     let inv = reciprocal_or_zero(&mut k, l);
-    for ((c, ok), a) in cols.iter().zip(&valid).zip(&acc) {
-        let skip = k.label("skip_out");
-        k.bra(Some((*ok, false)), &skip);
-        let y = k.mul_f32(a, &inv);
-        let idx = k.add_u32(&o_row, c);
-        let oa = k.address(out, &idx, e.bytes());
-        k.st_global(e, oa, y);
-        k.place(&skip);
-    }
+    store_scaled_row(&mut k, (e, out, &o_row), [&cols, &valid, &acc], &inv);
     k.place(&exit);
     GeneratedKernel::new(
         k,
@@ -758,13 +750,24 @@ pub(crate) fn combine_row(
     let t0 = k.mul_u32(&b, &o_stride[0]);
     let t1 = k.mad_u32(&h, &o_stride[1], &t0);
     let o_row = k.mad_u32(&i, &o_stride[2], &t1);
-    for ((col, ok), sum) in cols.iter().zip(&valid).zip(&sums) {
+    store_scaled_row(k, (e, out, &o_row), [&cols, &valid, &sums], &inv);
+}
+
+/// Stores `values[j] * scale` at column `cols[j]` of the row starting at element `row` of `out`
+/// (of `elem`), for each `j` whose `valid[j]` holds.
+fn store_scaled_row(
+    k: &mut Kernel,
+    (elem, out, row): (Elem, Reg, &Reg),
+    [cols, valid, values]: [&[Reg]; 3],
+    scale: &Reg,
+) {
+    for ((col, ok), value) in cols.iter().zip(valid).zip(values) {
         let skip = k.label("skip_out");
         k.bra(Some((*ok, false)), &skip);
-        let y = k.mul_f32(sum, &inv);
-        let oi = k.add_u32(&o_row, col);
-        let oa = k.address(out, &oi, e.bytes());
-        k.st_global(e, oa, y);
+        let y = k.mul_f32(value, scale);
+        let idx = k.add_u32(row, col);
+        let addr = k.address(out, &idx, elem.bytes());
+        k.st_global(elem, addr, y);
         k.place(&skip);
     }
 }

@@ -684,7 +684,7 @@ impl<'a> Attn<'a> {
         (0..self.m_tiles)
             .map(|mt| {
                 (0..cfg.head_dim / 16)
-                    .map(|kk| ldmatrix(k, "", a_addr, mt * 16 * rb + kk * 32))
+                    .map(|kk| k.ldmatrix_x4("", a_addr, mt * 16 * rb + kk * 32))
                     .collect()
             })
             .collect()
@@ -873,7 +873,7 @@ impl<'a> Attn<'a> {
         for kk in 0..self.cfg.head_dim / 16 {
             for jj in 0..BKV / 16 {
                 let off = jj * 16 * self.layout.row_bytes + kk * 32;
-                let r = ldmatrix(k, "", k_addr, off);
+                let r = k.ldmatrix_x4("", k_addr, off);
                 for (half, bf) in [[r[0], r[1]], [r[2], r[3]]].iter().enumerate() {
                     let n = (jj as usize * 2 + half) * 4;
                     for (a, s) in q_frag.iter().zip(&s) {
@@ -1062,7 +1062,7 @@ impl<'a> Attn<'a> {
             let k = &mut self.k;
             for dd in 0..self.cfg.head_dim / 16 {
                 let off = kb * 16 * self.layout.row_bytes + dd * 32;
-                let r = ldmatrix(k, ".trans", v_addr, off);
+                let r = k.ldmatrix_x4(".trans", v_addr, off);
                 for (half, bf) in [[r[0], r[1]], [r[2], r[3]]].iter().enumerate() {
                     let n = ((dd * 2) as usize + half) * 4;
                     for (a, st) in a.iter().zip(st.iter()) {
@@ -1116,16 +1116,6 @@ fn window_start(k: &mut Kernel, last: Reg, w: u32) -> Reg {
     let before = k.setp("lt.u32", &after, &w);
     let from = k.sub_u32(&after, &w);
     k.selp(RegClass::B32, "u32", &0u32, &from, before)
-}
-
-/// `ldmatrix.sync.aligned.m8n8.x4{trans}.shared.b16` at `[addr + offset]`.
-fn ldmatrix(k: &mut Kernel, trans: &str, addr: Reg, offset: u32) -> Vec<Reg> {
-    let r: Vec<Reg> = (0..4).map(|_| k.reg(RegClass::B32)).collect();
-    k.emit(format!(
-        "ldmatrix.sync.aligned.m8n8.x4{trans}.shared.b16 {{{}, {}, {}, {}}}, [{addr}+{offset}]",
-        r[0], r[1], r[2], r[3]
-    ));
-    r
 }
 
 fn ld_shared_v4_f32(k: &mut Kernel, addr: Reg, offset: u32) -> Vec<Reg> {

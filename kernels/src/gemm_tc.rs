@@ -182,22 +182,11 @@ pub fn gemm_tc(cfg: &GemmConfig, name: String) -> GeneratedKernel {
     for kk in 0..BK / 16 {
         let mut a_frag = Vec::new();
         for i in 0..4u32 {
-            let r: Vec<Reg> = (0..4).map(|_| k.reg(RegClass::B32)).collect();
-            let off = i * 16 * ROW_BYTES + kk * 32;
-            k.emit(format!(
-                "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{{}, {}, {}, {}}}, [{a_base}+{off}]",
-                r[0], r[1], r[2], r[3]
-            ));
-            a_frag.push(r);
+            a_frag.push(k.ldmatrix_x4("", a_base, i * 16 * ROW_BYTES + kk * 32));
         }
         let mut b_frag = Vec::new();
         for jj in 0..2u32 {
-            let r: Vec<Reg> = (0..4).map(|_| k.reg(RegClass::B32)).collect();
-            let off = jj * 16 * ROW_BYTES + kk * 32;
-            k.emit(format!(
-                "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{{}, {}, {}, {}}}, [{b_base}+{off}]",
-                r[0], r[1], r[2], r[3]
-            ));
+            let r = k.ldmatrix_x4("", b_base, jj * 16 * ROW_BYTES + kk * 32);
             // n-tile 2jj: (r0, r1); n-tile 2jj+1: (r2, r3).
             b_frag.push([r[0], r[1]]);
             b_frag.push([r[2], r[3]]);

@@ -660,6 +660,17 @@ impl Kernel {
         ));
     }
 
+    /// `ldmatrix.sync.aligned.m8n8.x4{trans}.shared.b16` at `[addr + offset]` (`trans`: `""` or
+    /// `".trans"`): four 8x8 matrices of 16-bit values, a register of each per thread.
+    pub fn ldmatrix_x4(&mut self, trans: &str, addr: Reg, offset: u32) -> Vec<Reg> {
+        let r: Vec<Reg> = (0..4).map(|_| self.reg(RegClass::B32)).collect();
+        self.emit(format!(
+            "ldmatrix.sync.aligned.m8n8.x4{trans}.shared.b16 {{{}, {}, {}, {}}}, [{addr}+{offset}]",
+            r[0], r[1], r[2], r[3]
+        ));
+        r
+    }
+
     /// Adds `value` across a warp (butterfly shuffles); every lane gets the sum.
     pub fn warp_sum(&mut self, value: Reg) -> Reg {
         self.warp_reduce(value, "add.f32", RegClass::F32)
