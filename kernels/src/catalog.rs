@@ -22,7 +22,9 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
             (NormKind::LayerNorm, true),
             (NormKind::RmsNorm, true),
         ] {
-            for cols in [4096, 8192, 8193] {
+            // 768 and 2048: a warp per row (the widest such row at 16-bit types); 4096 and up:
+            // a block per row, rows read again past 8192.
+            for cols in [768, 2048, 4096, 8192, 8193] {
                 let cfg = NormConfig {
                     kind,
                     residual,

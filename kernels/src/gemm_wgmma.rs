@@ -3,16 +3,16 @@
 //!
 //! The grid is persistent (at most one block per SM of an H100/H200, each taking every
 //! `gridDim`-th tile), and each block of three warpgroups computes 128-row output tiles 256, 128
-//! or 64 weight rows wide (half as many output columns with SwiGLU): the widest unless a narrower
-//! one spreads a product of few tiles over more SMs ([`tile_width`]):
+//! or 64 weight rows wide (half as many output columns with SwiGLU): the widest unless a
+//! narrower one spreads a product of few tiles over more SMs ([`tile_width`]):
 //! - warpgroup 0, the producer, gives up registers (`setmaxnreg`) and one of its threads copies
 //!   the x and w tiles of each 64-wide K step into a stage of shared memory with TMA (128-byte
 //!   swizzle, zeros past the matrix edges), `STAGES` deep: it waits on the stage's `empty`
 //!   barrier, then arms its `full` barrier with the stage's bytes;
 //! - warpgroups 1 and 2, the consumers, take the registers and each multiplies 64 rows of the
-//!   tile: per stage, four `m64nWk16` wgmmas (W the tile's width) straight from shared memory, one group kept in
-//!   flight while the next stage is awaited; a stage is released (each warp arrives on `empty`)
-//!   once the group that read it has retired. The epilogue (bias, activation, SwiGLU, residual)
+//!   tile: per stage, four `m64nWk16` wgmmas (W the tile's width) straight from shared memory,
+//!   one group kept in flight while the next stage is awaited; a stage is released (each warp
+//!   arrives on `empty`) once the group that read it has retired. The epilogue (bias, activation, SwiGLU, residual)
 //!   runs on the accumulators and stores element pairs, without branches (predicated stores,
 //!   clamped loads) so that its loads are all in flight at once; meanwhile the producer already
 //!   fills the stages with the block's next tile.
@@ -34,7 +34,9 @@ use crate::{GeneratedKernel, Image, KernelPath, Launch, TensorMapSpec};
 /// Output rows per block (64 per consumer warpgroup).
 const BM: u32 = 128;
 /// The tile widths (weight rows per stage) the kernel comes in, widest first, each with its
-/// speed relative to the widest in percent (a narrower tile loads x's rows for fewer columns).
+/// speed relative to the widest in percent (a narrower tile loads x's rows for fewer columns):
+/// set below the H200's at products of many tiles (BENCHMARKS.md, 2026-12-02: 95-101% at 128,
+/// 68-89% at 64), so that a narrower tile is taken only where it also fills more SMs.
 const WIDTHS: [(u32, u64); 3] = [(256, 100), (128, 80), (64, 60)];
 /// K per stage: one 128-byte swizzle row of halves.
 const BK: u32 = 64;

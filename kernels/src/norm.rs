@@ -1,9 +1,9 @@
 //! LayerNorm / RMSNorm over the last axis, optionally of `x + residual`: f32 statistics (the
 //! variance from centred values, so a large mean does not cancel), output in the tensor's dtype.
 //! Rows of up to `CACHED_COLS` columns are read once and kept in registers (one read and one write
-//! of the row); longer rows are read again for each statistic. A row whose 16-byte chunks number at
-//! most `32 * WARP_CHUNKS` takes one warp (eight rows per block, sums by shuffles alone, no
-//! barrier); other rows take a block of `ROW_THREADS` threads.
+//! of the row); longer rows are read again for each statistic. A row of whole 16-byte chunks, at
+//! most `32 * WARP_CHUNKS` of them, takes one warp (eight rows per block, sums by shuffles alone,
+//! no barrier); other rows take a block of `ROW_THREADS` threads.
 
 use kiln_ir::kernel::NormKind;
 
@@ -31,7 +31,8 @@ pub struct NormConfig {
 /// The longest row kept in registers (32 values per thread).
 pub const CACHED_COLS: u32 = 32 * ROW_THREADS;
 
-/// The most 16-byte chunks of a row one lane holds when a warp takes the row (64 f32 values).
+/// The most 16-byte chunks of a row one lane holds when a warp takes the row (64 values of a
+/// 16-bit type, 32 of f32).
 const WARP_CHUNKS: u32 = 8;
 
 /// The threads that normalise one row.
@@ -158,7 +159,11 @@ pub fn norm(cfg: &NormConfig) -> GeneratedKernel {
             None => v,
         }
     };
-    // for col in index..cols step ROW_THREADS { body(col) } (rows this long take a block)
+    // for col in index..cols step ROW_THREADS { body(col) }: rows this long take a block.
+    debug_assert!(
+        threads == RowThreads::Block || cols <= CACHED_COLS,
+        "a warp takes rows held in registers only"
+    );
     let strided = |k: &mut Kernel, what: &str, body: &mut dyn FnMut(&mut Kernel, Reg)| {
         let col = k.mov(RegClass::B32, &group.index);
         let top = k.label(what);
