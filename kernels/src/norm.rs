@@ -454,3 +454,45 @@ fn vector_row(
         k.place(&skip);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layer_norm(elem: Elem, rows: u32, cols: u32) -> GeneratedKernel {
+        norm(&NormConfig {
+            kind: NormKind::LayerNorm,
+            residual: false,
+            elem,
+            rows,
+            cols,
+            eps: 1e-5,
+        })
+    }
+
+    #[test]
+    fn rows_of_up_to_256_chunks_take_a_warp() {
+        // 768 and 2048 bf16 columns: 96 and 256 chunks of 8; eight rows a block, the last block
+        // partly idle.
+        for cols in [768, 2048] {
+            let k = layer_norm(Elem::BF16, 17, cols);
+            assert_eq!(k.name, format!("layer_norm_bf16_c{cols}_r17"));
+            assert_eq!(k.launch.grid, [3, 1, 1]);
+            assert!(!k.module().contains("bar.sync"), "{}", k.name);
+        }
+        // 1024 f32 columns: 256 chunks of 4.
+        assert_eq!(layer_norm(Elem::F32, 8, 1024).launch.grid, [1, 1, 1]);
+    }
+
+    #[test]
+    fn longer_or_unaligned_rows_take_a_block() {
+        // 2056 bf16 columns (257 chunks), 2048 f32 columns (512 chunks), 770 bf16 columns (not
+        // whole chunks): a block per row, whose name does not depend on the rows.
+        for (elem, cols) in [(Elem::BF16, 2056), (Elem::F32, 2048), (Elem::BF16, 770)] {
+            let k = layer_norm(elem, 17, cols);
+            assert_eq!(k.name, format!("layer_norm_{}_c{cols}", elem.name()));
+            assert_eq!(k.launch.grid, [17, 1, 1]);
+            assert!(k.module().contains("bar.sync"), "{}", k.name);
+        }
+    }
+}
