@@ -13,7 +13,7 @@ use cudarc::nvrtc::Ptx;
 use kiln_ir::kernel::{Activation, NormKind};
 use kiln_kernels::attention::{attention, AttentionConfig, KeyRule};
 use kiln_kernels::gemm::{gemm, gemm_base, GemmConfig};
-use kiln_kernels::gemm_wgmma::{gemm_wgmma_tiled, tile_width};
+use kiln_kernels::gemm_wgmma::{gemm_wgmma_tiled, tile_width, tile_widths};
 use kiln_kernels::norm::{norm, NormConfig};
 use kiln_kernels::{Elem, GeneratedKernel, ParamType};
 use kiln_runtime::cuda::{encode_tensor_map, TensorMap};
@@ -496,7 +496,7 @@ fn emit_cases(dir: &std::path::Path) {
     ] {
         let cfg = GemmConfig::plain(m as u32, n as u32, k as u32, Elem::BF16);
         let chosen = tile_width(&cfg);
-        for w in [256, 128, 64] {
+        for w in tile_widths() {
             let buffers = vec![
                 ("x", (vec![m, k], "bf16", 1.0)),
                 ("w", (vec![n, k], "bf16", 1.0 / (k as f64).sqrt())),

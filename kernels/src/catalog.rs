@@ -219,7 +219,7 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
                     out.push(("gemm", gemm_base(&cfg)));
                     // The Hopper kernel's other tile widths (127 rows take the narrowest).
                     let chosen = crate::gemm_wgmma::tile_width(&cfg);
-                    for w in [256, 128, 64].into_iter().filter(|&w| w != chosen) {
+                    for w in crate::gemm_wgmma::tile_widths().filter(|&w| w != chosen) {
                         let name = format!("{}_w{w}", kernel.name);
                         out.push(("gemm", crate::gemm_wgmma::gemm_wgmma_tiled(&cfg, w, name)));
                     }

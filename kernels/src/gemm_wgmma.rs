@@ -12,10 +12,10 @@
 //! - warpgroups 1 and 2, the consumers, take the registers and each multiplies 64 rows of the
 //!   tile: per stage, four `m64nWk16` wgmmas (W the tile's width) straight from shared memory,
 //!   one group kept in flight while the next stage is awaited; a stage is released (each warp
-//!   arrives on `empty`) once the group that read it has retired. The epilogue (bias, activation, SwiGLU, residual)
-//!   runs on the accumulators and stores element pairs, without branches (predicated stores,
-//!   clamped loads) so that its loads are all in flight at once; meanwhile the producer already
-//!   fills the stages with the block's next tile.
+//!   arrives on `empty`) once the group that read it has retired. The epilogue (bias,
+//!   activation, SwiGLU, residual) runs on the accumulators and stores element pairs, without
+//!   branches (predicated stores, clamped loads) so that its loads are all in flight at once;
+//!   meanwhile the producer already fills the stages with the block's next tile.
 //!
 //! With SwiGLU the B stage holds W/2 gate rows and the matching W/2 up rows (`[gate; up]` weight
 //! rows), so a thread's accumulators for gate column `c` and up column `c` are W/4 registers apart.
@@ -65,6 +65,11 @@ pub fn supports(cfg: &GemmConfig) -> bool {
         && (!cfg.swiglu || cfg.n.is_multiple_of(2))
         && cfg.k.is_multiple_of(8)
         && crate::check_index_range(&[m * n, m * k, n * k])
+}
+
+/// The tile widths [`gemm_wgmma_tiled`] takes, widest first.
+pub fn tile_widths() -> impl Iterator<Item = u32> {
+    WIDTHS.iter().map(|&(w, _)| w)
 }
 
 /// The tile width [`gemm_wgmma`] takes for `cfg`: the one with the least modelled time, waves of
@@ -151,7 +156,7 @@ pub fn gemm_wgmma_tiled(cfg: &GemmConfig, width: u32, name: String) -> Generated
         "the Hopper GEMM needs f16/bf16, [N, K] weights, K % 8 == 0 (N even with SwiGLU)"
     );
     assert!(
-        WIDTHS.iter().any(|&(w, _)| w == width),
+        tile_widths().any(|w| w == width),
         "the Hopper GEMM's tiles are 256, 128 or 64 weight rows wide"
     );
     let tile = Tile::new(cfg, width);

@@ -17,7 +17,7 @@ use kiln_ir::Op;
 use kiln_kernels::elementwise::activation_kernel;
 use kiln_kernels::embedding::{embedding, EmbeddingConfig};
 use kiln_kernels::gemm::{gemm, gemm_base, gemm_for, GemmConfig};
-use kiln_kernels::gemm_wgmma::{gemm_wgmma_tiled, tile_width};
+use kiln_kernels::gemm_wgmma::{gemm_wgmma_tiled, tile_width, tile_widths};
 use kiln_kernels::gemv::Rows;
 use kiln_kernels::norm::{norm, NormConfig};
 use kiln_kernels::sampling::argmax;
@@ -673,8 +673,7 @@ fn gemms_match_the_interpreter() {
                     kernels.push(gemm_base(&cfg));
                     let (chosen, name) = (tile_width(&cfg), kernels[0].name.clone());
                     kernels.extend(
-                        [256, 128, 64]
-                            .into_iter()
+                        tile_widths()
                             .filter(|&w| w != chosen)
                             .map(|w| gemm_wgmma_tiled(&cfg, w, format!("{name}_w{w}"))),
                     );
