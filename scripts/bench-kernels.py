@@ -103,8 +103,21 @@ def peers(case, t):
     """The peer computations of `case` over its tensors: name -> callable returning the output."""
     p = case["peer"]
     if p["kind"] == "matmul":
-        if p.get("epilogue") == "bias_gelu":
+        epilogue = p.get("epilogue")
+        if epilogue == "bias_gelu":
             return {"torch.matmul + eager bias, GELU": lambda: F.gelu(t["x"] @ t["w"].T + t["bias"], approximate="tanh")}
+        if epilogue == "bias_gelu_erf":
+            return {"torch.matmul + eager bias, GELU(erf)": lambda: F.gelu(t["x"] @ t["w"].T + t["bias"])}
+        if epilogue == "swiglu":
+            def swiglu():
+                h = t["x"] @ t["w"].T
+                gate, up = h.chunk(2, dim=-1)
+                return F.silu(gate) * up
+            return {"torch.matmul + eager SiLU(gate) * up": swiglu}
+        if epilogue == "bias":
+            return {"F.linear (cuBLAS bias epilogue)": lambda: F.linear(t["x"], t["w"], t["bias"])}
+        if epilogue == "bias_residual":
+            return {"torch.matmul + eager bias, residual": lambda: t["x"] @ t["w"].T + t["bias"] + t["residual"]}
         return {"torch.matmul": lambda: t["x"] @ t["w"].T}
     from torch.nn.attention import sdpa_kernel, SDPBackend
     q, k, v = t["q"], t["k"], t["v"]

@@ -13,7 +13,7 @@ use cudarc::nvrtc::Ptx;
 use kiln_ir::kernel::{Activation, NormKind};
 use kiln_kernels::attention::{attention, AttentionConfig, KeyRule};
 use kiln_kernels::gemm::{gemm, gemm_base, GemmConfig};
-use kiln_kernels::gemm_wgmma::{gemm_wgmma_tiled, tile_width, tile_widths};
+use kiln_kernels::gemm_wgmma::{gemm_wgmma_tiled, tiling, TILINGS};
 use kiln_kernels::norm::{norm, NormConfig};
 use kiln_kernels::{Elem, GeneratedKernel, ParamType};
 use kiln_runtime::cuda::{encode_tensor_map, TensorMap};
@@ -478,34 +478,69 @@ fn emit_cases(dir: &std::path::Path) {
         );
         add(name, gemm(&cfg), buffers, peer, 2.0 * (s as f64).powi(3));
     }
-    // Products of the models' prefills (GPT-2 small at 16 and 1024 tokens, Llama-3.2-1B at 512,
-    // BERT-base at 128 x 128) at every tile width of the Hopper kernel: the width `tile_width`
-    // picks should be the fastest.
-    for (m, n, k) in [
-        (1024usize, 768usize, 3072usize),
-        (1024, 768, 768),
-        (1024, 2304, 768),
-        (16, 3072, 768),
-        (512, 2048, 8192),
-        (512, 3072, 2048),
+    // Products of the models' prefills (GPT-2 small at 16 and 1024 tokens, Llama-3.2-1B at 512
+    // and 4096, BERT-base at 128 x 128) and the square ones in every tiling of the Hopper kernel, BERT's with their
+    // epilogues too: the one `tiling` picks should be the fastest.
+    for (m, n, k, epilogue) in [
+        (1024usize, 768usize, 3072usize, ""),
+        (1024, 768, 768, ""),
+        (1024, 2304, 768, ""),
+        (16, 3072, 768, ""),
+        (512, 2048, 8192, ""),
+        (512, 3072, 2048, ""),
+        (4096, 3072, 2048, ""),
+        (4096, 2048, 2048, ""),
+        (4096, 16384, 2048, "swiglu"),
+        (4096, 128256, 2048, ""),
+        (4096, 4096, 4096, ""),
+        (8192, 8192, 8192, ""),
         // BERT-base at 128 x 128 tokens: QKV, O, FFN up, FFN down.
-        (16384, 2304, 768),
-        (16384, 768, 768),
-        (16384, 3072, 768),
-        (16384, 768, 3072),
+        (16384, 2304, 768, ""),
+        (16384, 768, 768, ""),
+        (16384, 3072, 768, ""),
+        (16384, 768, 3072, ""),
+        (16384, 2304, 768, "bias"),
+        (16384, 768, 768, "bias_residual"),
+        (16384, 3072, 768, "bias_gelu_erf"),
+        (16384, 768, 3072, "bias_residual"),
     ] {
-        let cfg = GemmConfig::plain(m as u32, n as u32, k as u32, Elem::BF16);
-        let chosen = tile_width(&cfg);
-        for w in tile_widths() {
-            let buffers = vec![
+        let swiglu = epilogue == "swiglu";
+        let cfg = GemmConfig {
+            bias: !epilogue.is_empty() && !swiglu,
+            swiglu,
+            residual: epilogue == "bias_residual",
+            activation: (epilogue == "bias_gelu_erf").then_some(Activation::GeluErf),
+            ..GemmConfig::plain(m as u32, n as u32, k as u32, Elem::BF16)
+        };
+        let chosen = tiling(&cfg);
+        for (t, _) in TILINGS {
+            let mut buffers = vec![
                 ("x", (vec![m, k], "bf16", 1.0)),
                 ("w", (vec![n, k], "bf16", 1.0 / (k as f64).sqrt())),
-                ("out", (vec![m, n], "bf16", 0.0)),
             ];
-            let peer = serde_json::json!({"kind": "matmul", "epilogue": "none"});
-            let mark = if w == chosen { " (picked)" } else { "" };
-            let name = format!("gemm bf16 {m}x{n}x{k} tile {w}{mark}");
-            let kernel = gemm_wgmma_tiled(&cfg, w, format!("gemm_{m}x{n}x{k}_w{w}"));
+            if cfg.bias {
+                buffers.push(("bias", (vec![n], "bf16", 0.5)));
+            }
+            if cfg.residual {
+                buffers.push(("residual", (vec![m, n], "bf16", 1.0)));
+            }
+            buffers.push(("out", (vec![m, cfg.n_out() as usize], "bf16", 0.0)));
+            // A bias alone is cuBLAS's own epilogue: the peer is then F.linear's.
+            let peer = serde_json::json!({"kind": "matmul", "epilogue": epilogue});
+            let mark = if t == chosen { " (picked)" } else { "" };
+            let plus = if epilogue.is_empty() {
+                String::new()
+            } else {
+                format!(" {epilogue}")
+            };
+            let name = format!("gemm bf16 {m}x{n}x{k}{plus} {}{mark}", t.label());
+            let tag = if epilogue.is_empty() {
+                String::new()
+            } else {
+                format!("_{epilogue}")
+            };
+            let kernel_name = format!("gemm_{m}x{n}x{k}{tag}_{}", t.label());
+            let kernel = gemm_wgmma_tiled(&cfg, t, kernel_name);
             add(name, kernel, buffers, peer, 2.0 * (m * n * k) as f64);
         }
     }

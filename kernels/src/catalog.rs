@@ -217,11 +217,13 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
                 let kernel = gemm(&cfg);
                 if kernel.image == Image::Sm90a {
                     out.push(("gemm", gemm_base(&cfg)));
-                    // The Hopper kernel's other tile widths (127 rows take the narrowest).
-                    let chosen = crate::gemm_wgmma::tile_width(&cfg);
-                    for w in crate::gemm_wgmma::tile_widths().filter(|&w| w != chosen) {
-                        let name = format!("{}_w{w}", kernel.name);
-                        out.push(("gemm", crate::gemm_wgmma::gemm_wgmma_tiled(&cfg, w, name)));
+                    // The Hopper kernel's other tilings.
+                    let chosen = crate::gemm_wgmma::tiling(&cfg);
+                    for (t, _) in crate::gemm_wgmma::TILINGS {
+                        if t != chosen {
+                            let name = format!("{}_{}", kernel.name, t.label());
+                            out.push(("gemm", crate::gemm_wgmma::gemm_wgmma_tiled(&cfg, t, name)));
+                        }
                     }
                 }
                 out.push(("gemm", kernel));

@@ -4,7 +4,8 @@
 //! The grid is persistent (at most one block per SM of an H100/H200, each taking every
 //! `gridDim`-th tile), and each block of three warpgroups computes 128-row output tiles 256, 128
 //! or 64 weight rows wide (half as many output columns with SwiGLU): the widest unless a
-//! narrower one spreads a product of few tiles over more SMs ([`tile_width`]):
+//! narrower one spreads a product of few tiles over more SMs, or the consumers take turns
+//! ([`tiling`]):
 //! - warpgroup 0, the producer, gives up registers (`setmaxnreg`) and one of its threads copies
 //!   the x and w tiles of each 64-wide K step into a stage of shared memory with TMA (128-byte
 //!   swizzle, zeros past the matrix edges), `STAGES` deep: it waits on the stage's `empty`
@@ -33,11 +34,58 @@ use crate::{GeneratedKernel, Image, KernelPath, Launch, TensorMapSpec};
 
 /// Output rows per block (64 per consumer warpgroup).
 const BM: u32 = 128;
-/// The tile widths (weight rows per stage) the kernel comes in, widest first, each with its
-/// speed relative to the widest in percent (a narrower tile loads x's rows for fewer columns):
-/// set below the H200's at products of many tiles (BENCHMARKS.md, 2026-12-02: 95-101% at 128,
-/// 68-89% at 64), so that a narrower tile is taken only where it also fills more SMs.
-const WIDTHS: [(u32, u64); 3] = [(256, 100), (128, 80), (64, 60)];
+/// How a block's consumer warpgroups share its tiles, and how wide the tiles are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tiling {
+    /// Weight rows per stage: output columns, or half gate and half up rows with SwiGLU.
+    pub width: u32,
+    /// Each consumer multiplies whole tiles (all 128 rows), the two taking turns, so that one's
+    /// epilogue runs while the other multiplies; otherwise both multiply every tile, 64 rows
+    /// each, and finish it together.
+    pub ping_pong: bool,
+}
+
+/// The tilings the kernel comes in, widest first, each with its speed per K step relative to
+/// the widest in percent (a narrower tile loads x's rows for fewer columns). The together
+/// tilings' are set below the H200's (BENCHMARKS.md, 2026-12-02: 93-101% at 128, 55-89% at 64),
+/// so that a narrower tile is taken only where it also fills more SMs; the ping-pong one's is
+/// the 93% measured on products of many tiles.
+pub const TILINGS: [(Tiling, u64); 4] = [
+    (Tiling::together(256), 100),
+    (Tiling::together(128), 80),
+    (Tiling::together(64), 60),
+    (
+        Tiling {
+            width: 128,
+            ping_pong: true,
+        },
+        93,
+    ),
+];
+
+/// K steps of a tile's epilogue and the next tile's first loads that the consumers wait out
+/// unless they take turns: fitted to the H200 (2026-12-02), where taking turns wins on
+/// products of K up to 2048 and loses on K from 3072.
+const EPILOGUE_STEPS: u64 = 4;
+
+/// Tiles per block below which taking turns does not pay: with one or two, a consumer has no
+/// other's products to hide its epilogue under (measured 15% slower at two).
+const PING_PONG_MIN_TILES: u64 = 3;
+
+impl Tiling {
+    const fn together(width: u32) -> Tiling {
+        Tiling {
+            width,
+            ping_pong: false,
+        }
+    }
+
+    /// A short name: `w256`, or `pp128` taking turns.
+    pub fn label(self) -> String {
+        let kind = if self.ping_pong { "pp" } else { "w" };
+        format!("{kind}{}", self.width)
+    }
+}
 /// K per stage: one 128-byte swizzle row of halves.
 const BK: u32 = 64;
 /// Pipeline depth.
@@ -67,24 +115,30 @@ pub fn supports(cfg: &GemmConfig) -> bool {
         && crate::check_index_range(&[m * n, m * k, n * k])
 }
 
-/// The tile widths [`gemm_wgmma_tiled`] takes, widest first.
-pub fn tile_widths() -> impl Iterator<Item = u32> {
-    WIDTHS.iter().map(|&(w, _)| w)
-}
-
-/// The tile width [`gemm_wgmma`] takes for `cfg`: the one with the least modelled time, waves of
-/// tiles over the persistent grid times each tile's work at its width's speed (the widest on a
-/// tie). A product of few tiles (few rows, or few columns such as GPT-2's 768) takes a narrower
-/// tile and more SMs.
-pub fn tile_width(cfg: &GemmConfig) -> u32 {
-    let cost = |&(width, speed): &(u32, u64)| {
-        let waves = u64::from(Tile::new(cfg, width).count(cfg).div_ceil(GRID));
-        waves * u64::from(width) * 100 / speed
+/// The tiling [`gemm_wgmma`] takes for `cfg`: the one with the least modelled time, tiles per
+/// block of the persistent grid times each tile's K steps at its tiling's speed, plus the
+/// epilogues the consumers wait out (the first of [`TILINGS`] on a tie). A product of few tiles
+/// (few rows, or few columns such as GPT-2's 768) takes a narrower tile and more SMs; one of
+/// many tiles and short K, whose epilogues weigh, takes turns between the consumers.
+pub fn tiling(cfg: &GemmConfig) -> Tiling {
+    let k_steps = u64::from(cfg.k.div_ceil(BK));
+    let cost = |&(tiling, speed): &(Tiling, u64)| {
+        let tile = Tile::new(cfg, tiling);
+        let per_block = u64::from(tile.count(cfg).div_ceil(GRID));
+        let width = u64::from(tiling.width) * 100 / speed;
+        if !tiling.ping_pong {
+            per_block * (k_steps + EPILOGUE_STEPS) * width
+        } else if per_block >= PING_PONG_MIN_TILES {
+            // Every epilogue but the block's last runs under the other consumer's products.
+            (per_block * k_steps + EPILOGUE_STEPS) * width
+        } else {
+            u64::MAX
+        }
     };
-    let mut best = WIDTHS[0];
-    for w in &WIDTHS[1..] {
-        if cost(w) < cost(&best) {
-            best = *w;
+    let mut best = TILINGS[0];
+    for t in &TILINGS[1..] {
+        if cost(t) < cost(&best) {
+            best = *t;
         }
     }
     best.0
@@ -95,13 +149,33 @@ pub fn tile_width(cfg: &GemmConfig) -> u32 {
 struct Tile {
     width: u32,
     swiglu: bool,
+    ping_pong: bool,
 }
 
 impl Tile {
-    fn new(cfg: &GemmConfig, width: u32) -> Tile {
+    fn new(cfg: &GemmConfig, tiling: Tiling) -> Tile {
         Tile {
-            width,
+            width: tiling.width,
             swiglu: cfg.swiglu,
+            ping_pong: tiling.ping_pong,
+        }
+    }
+
+    /// Accumulators per consumer thread: 64 or 128 rows of the tile over 128 threads.
+    fn accumulators(self) -> u32 {
+        if self.ping_pong {
+            self.width
+        } else {
+            self.width / 2
+        }
+    }
+
+    /// Consumer warps that release each stage: the one consumer's four, or both consumers'.
+    fn releasing_warps(self) -> u32 {
+        if self.ping_pong {
+            4
+        } else {
+            8
         }
     }
 
@@ -143,23 +217,23 @@ fn tensor_maps(cfg: &GemmConfig, tile: Tile) -> (TensorMapSpec, TensorMapSpec) {
     (map(cfg.m, BM), map(cfg.n, tile.columns()))
 }
 
-/// Generates the kernel at [`tile_width`]'s width. Parameters: `x` and `w` (tensor maps),
+/// Generates the kernel in [`tiling`]'s tiling. Parameters: `x` and `w` (tensor maps),
 /// `[bias], [residual], out`.
 pub fn gemm_wgmma(cfg: &GemmConfig, name: String) -> GeneratedKernel {
-    gemm_wgmma_tiled(cfg, tile_width(cfg), name)
+    gemm_wgmma_tiled(cfg, tiling(cfg), name)
 }
 
-/// [`gemm_wgmma`] with tiles `width` weight rows wide (256, 128 or 64).
-pub fn gemm_wgmma_tiled(cfg: &GemmConfig, width: u32, name: String) -> GeneratedKernel {
+/// [`gemm_wgmma`] in `tiling`, one of [`TILINGS`].
+pub fn gemm_wgmma_tiled(cfg: &GemmConfig, tiling: Tiling, name: String) -> GeneratedKernel {
     assert!(
         supports(cfg),
         "the Hopper GEMM needs f16/bf16, [N, K] weights, K % 8 == 0 (N even with SwiGLU)"
     );
     assert!(
-        tile_widths().any(|w| w == width),
-        "the Hopper GEMM's tiles are 256, 128 or 64 weight rows wide"
+        TILINGS.iter().any(|&(t, _)| t == tiling),
+        "the Hopper GEMM's tilings are those of TILINGS"
     );
-    let tile = Tile::new(cfg, width);
+    let tile = Tile::new(cfg, tiling);
     let mut k = Kernel::new(&name);
     k.directive(format!(".maxntid {THREADS}, 1, 1"));
     k.directive(".minnctapersm 1");
@@ -180,7 +254,9 @@ pub fn gemm_wgmma_tiled(cfg: &GemmConfig, width: u32, name: String) -> Generated
     k.emit(format!("mov.u32 {full}, gemm_barriers"));
     let empty = k.add_u32(&full, &(STAGES * MBARRIER_BYTES));
 
-    k.comment("barriers: full (one arrival plus the stage's bytes), empty (one per consumer warp)");
+    k.comment(
+        "barriers: full (one arrival plus the stage's bytes), empty (one per releasing warp)",
+    );
     let first = k.setp("eq.u32", &tid, &0u32);
     let init_done = k.label("init_done");
     k.bra(Some((first, false)), &init_done);
@@ -188,7 +264,7 @@ pub fn gemm_wgmma_tiled(cfg: &GemmConfig, width: u32, name: String) -> Generated
         let f = k.add_u32(&full, &(s * MBARRIER_BYTES));
         mbarrier_init(&mut k, &f, 1);
         let e = k.add_u32(&empty, &(s * MBARRIER_BYTES));
-        mbarrier_init(&mut k, &e, 8);
+        mbarrier_init(&mut k, &e, tile.releasing_warps());
     }
     mbarrier_init_fence(&mut k);
     k.place(&init_done);
@@ -338,8 +414,13 @@ fn producer(k: &mut Kernel, cfg: &GemmConfig, pipe: &Pipeline, tid: &Reg, [x, w]
     k.emit("ret");
 }
 
-/// Warpgroups 1 and 2: take the registers; for each tile, multiply their 64 rows of every stage
-/// (`step` counts stages across tiles, as the producer's does), then run the epilogue.
+/// Warpgroups 1 and 2: take the registers; for each of their tiles, multiply their rows of every
+/// stage (`step` counts stages across the block's tiles, as the producer's does), then run the
+/// epilogue. Together, each multiplies its 64 rows of every tile; taking turns, each multiplies
+/// all 128 rows of every other tile (two row halves of accumulators), skipping the other's, and
+/// starts a tile's products only once the other has issued those of the tile before (named
+/// barriers 1 and 2): a consumer then never waits on a stage more than one fill ahead of it,
+/// which an mbarrier's phase parity could not tell from the fill before.
 fn consumer(
     k: &mut Kernel,
     cfg: &GemmConfig,
@@ -349,16 +430,59 @@ fn consumer(
     warpgroup: &Reg,
 ) {
     setmaxnreg(k, true, CONSUMER_REGS);
-    let acc: Vec<Reg> = (0..pipe.tile.width / 2)
+    let tile = pipe.tile;
+    let acc: Vec<Reg> = (0..tile.accumulators())
         .map(|_| k.reg(RegClass::F32))
         .collect();
     let consumer = k.sub_u32(warpgroup, &1u32);
-    // This warpgroup's 64 rows of the A tile: 64 rows of 128 bytes further per consumer.
-    let a_rows = k.mul_u32(&consumer, &(64 * BK * 2));
+    // The A rows each half of the accumulators multiplies: this warpgroup's 64 rows (64 rows of
+    // 128 bytes further per consumer), or both halves of the tile.
+    let halves: Vec<Reg> = if tile.ping_pong {
+        vec![
+            k.mov(RegClass::B32, &0u32),
+            k.mov(RegClass::B32, &(64 * BK * 2)),
+        ]
+    } else {
+        vec![k.mul_u32(&consumer, &(64 * BK * 2))]
+    };
+    let per_half = acc.len() / halves.len();
     let lane = k.op2("and.b32", RegClass::B32, tid, &31u32);
     let lane0 = k.setp("eq.u32", &lane, &0u32);
     let step = k.mov(RegClass::B32, &0u32);
-    for_each_tile(k, cfg, pipe.tile, |k, m0, n0| {
+    // Taking turns: the block's tiles so far, how many it has, and the named barriers on which
+    // this consumer waits for its turn and hands the other its own.
+    let turns = tile.ping_pong.then(|| {
+        let ordinal = k.mov(RegClass::B32, &0u32);
+        let block = k.special("ctaid.x");
+        let grid = k.special("nctaid.x");
+        let left = k.sub_u32(&tile.count(cfg), &block);
+        let spread = k.add_u32(&left, &grid);
+        let spread = k.sub_u32(&spread, &1u32);
+        let count = k.op2("div.u32", RegClass::B32, &spread, &grid);
+        let mine = k.add_u32(&consumer, &1u32);
+        let other = k.sub_u32(&2u32, &consumer);
+        (ordinal, count, mine, other)
+    });
+    for_each_tile(k, cfg, tile, |k, m0, n0| {
+        let skip = k.label("other_tile");
+        // Taking turns: whether the other consumer has a tile after this one.
+        let mut hand_over = None;
+        if let Some((ordinal, count, mine, other)) = turns {
+            k.comment("every other tile is the other consumer's: pass over its stages");
+            let turn = k.op2("and.b32", RegClass::B32, &ordinal, &1u32);
+            let theirs = k.setp("ne.u32", &turn, &consumer);
+            let first = k.setp("eq.u32", &ordinal, &0u32);
+            k.emit(format!("add.u32 {ordinal}, {ordinal}, 1"));
+            let past = k.add_u32(&step, &pipe.k_tiles);
+            k.emit(format!("@{theirs} mov.u32 {step}, {past}"));
+            k.bra(Some((theirs, true)), &skip);
+            k.comment("wait until the other consumer has issued the tile before's products");
+            let waited = k.label("turn_taken");
+            k.bra(Some((first, true)), &waited);
+            k.emit(format!("bar.sync {mine}, 256"));
+            k.place(&waited);
+            hand_over = Some((k.setp("lt.u32", &ordinal, &count), other));
+        }
         for a in &acc {
             k.set(*a, &F32(0.0));
         }
@@ -368,24 +492,33 @@ fn consumer(
         let st = pipe.at(k, &step);
         mbarrier_wait(k, &st.full, &st.parity);
         wgmma_fence(k);
-        let a_tile = k.add_u32(&st.a, &a_rows);
-        let a_desc = wgmma_descriptor(k, &a_tile, 16, 1024);
         let b_desc = wgmma_descriptor(k, &st.b, 16, 1024);
+        let a_descs: Vec<Reg> = halves
+            .iter()
+            .map(|rows| {
+                let a_tile = k.add_u32(&st.a, rows);
+                wgmma_descriptor(k, &a_tile, 16, 1024)
+            })
+            .collect();
         for kk in 0..BK / 16 {
             // Each k16 step is 32 bytes further along the swizzled rows: 2 descriptor units.
-            let (a, b) = if kk == 0 {
-                (a_desc, b_desc)
-            } else {
-                (
-                    k.op2("add.u64", RegClass::B64, &a_desc, &(2 * u64::from(kk))),
-                    k.op2("add.u64", RegClass::B64, &b_desc, &(2 * u64::from(kk))),
-                )
+            let further = |k: &mut Kernel, desc: Reg| {
+                if kk == 0 {
+                    desc
+                } else {
+                    k.op2("add.u64", RegClass::B64, &desc, &(2 * u64::from(kk)))
+                }
             };
-            let b = WgmmaB {
-                desc: &b,
-                transposed: false,
-            };
-            wgmma(k, cfg.elem, &acc, WgmmaA::Shared(&a), b, true);
+            let b = further(k, b_desc);
+            for (half, a_desc) in a_descs.iter().enumerate() {
+                let a = further(k, *a_desc);
+                let b = WgmmaB {
+                    desc: &b,
+                    transposed: false,
+                };
+                let acc = &acc[half * per_half..(half + 1) * per_half];
+                wgmma(k, cfg.elem, acc, WgmmaA::Shared(&a), b, true);
+            }
         }
         wgmma_commit(k);
         k.comment("the previous step's group has retired: release its stage");
@@ -401,38 +534,51 @@ fn consumer(
         k.emit(format!("add.u32 {kt}, {kt}, 1"));
         let more = k.setp("lt.u32", &kt, &pipe.k_tiles);
         k.bra(Some((more, true)), &top);
+        if let Some((next, other)) = hand_over {
+            k.comment("the other consumer's turn, if it has a tile after this one");
+            let no_next = k.label("no_next_tile");
+            k.bra(Some((next, false)), &no_next);
+            k.emit(format!("bar.arrive {other}, 256"));
+            k.place(&no_next);
+        }
         k.comment("the tile's last group: wait for it and release its stage");
         wgmma_wait(k, 0);
         let last = k.add_u32(&step, &(STAGES - 1));
         let last = k.op2("and.b32", RegClass::B32, &last, &(STAGES - 1));
         let last_empty = k.mad_u32(&last, &MBARRIER_BYTES, &pipe.empty);
         mbarrier_arrive(k, &last_empty, Some(lane0));
-        store(k, cfg, epilogue, &acc, tid, warpgroup, m0, n0);
+        if tile.ping_pong {
+            for half in 0..2u32 {
+                let rows = k.add_u32(&m0, &(64 * half));
+                let acc = &acc[half as usize * per_half..(half as usize + 1) * per_half];
+                store(k, cfg, epilogue, acc, tid, rows, n0);
+            }
+        } else {
+            let rows = k.mad_u32(&consumer, &64u32, &m0);
+            store(k, cfg, epilogue, &acc, tid, rows, n0);
+        }
+        k.place(&skip);
     });
 }
 
-/// The epilogue: thread `t` of a consumer warpgroup holds, for each 8-column chunk `j`, the
-/// columns `8 j + 2 (t % 4) + {0, 1}` of rows `16 (t / 32) + (t % 32) / 4 + {0, 8}` (registers
-/// `4 j + {0, 1}` and `4 j + {2, 3}`).
-#[allow(clippy::too_many_arguments)]
+/// The epilogue of 64 rows from `rows0`: thread `t` of a consumer warpgroup holds, for each
+/// 8-column chunk `j`, the columns `8 j + 2 (t % 4) + {0, 1}` of rows
+/// `16 (t / 32 % 4) + (t % 32) / 4 + {0, 8}` (registers `4 j + {0, 1}` and `4 j + {2, 3}`).
 fn store(
     k: &mut Kernel,
     cfg: &GemmConfig,
     epilogue: &EpiloguePtrs,
     acc: &[Reg],
     tid: &Reg,
-    warpgroup: &Reg,
-    m0: Reg,
+    rows0: Reg,
     n0: Reg,
 ) {
     k.comment("epilogue on the accumulators");
-    let consumer = k.sub_u32(warpgroup, &1u32);
     let lane = k.op2("and.b32", RegClass::B32, tid, &31u32);
     let warp = k.op2("shr.u32", RegClass::B32, tid, &5u32);
     let warp = k.op2("and.b32", RegClass::B32, &warp, &3u32);
     let quad = k.op2("shr.u32", RegClass::B32, &lane, &2u32);
     let pair = k.op2("and.b32", RegClass::B32, &lane, &3u32);
-    let rows0 = k.mad_u32(&consumer, &64u32, &m0);
     let rows1 = k.mad_u32(&warp, &16u32, &rows0);
     let row0 = k.add_u32(&rows1, &quad);
     let col0 = k.mad_u32(&pair, &2u32, &n0);
@@ -470,9 +616,14 @@ impl Fragment<'_> {
     }
 }
 
+/// Words of bias and residual a consumer thread loads before storing any: the epilogue loads
+/// the operands of a group of chunks at once, then finishes and stores them, since a load
+/// issued after a store to `out` (which may be the residual's buffer) would wait for it.
+const EPILOGUE_WORDS: u32 = 48;
+
 /// The epilogue for an even N: each pair of columns is finished and stored as one 32-bit word,
 /// its bias and residual read as words too; out-of-range places load from element 0 and store
-/// nothing, so there are no branches and every load of a chunk can be in flight at once.
+/// nothing, so there are no branches and a group's loads are all in flight at once.
 fn store_pairs(k: &mut Kernel, cfg: &GemmConfig, epilogue: &EpiloguePtrs, frag: &Fragment) {
     let n_out = cfg.n_out();
     let rows: Vec<(Reg, Reg)> = (0..2u32)
@@ -482,58 +633,138 @@ fn store_pairs(k: &mut Kernel, cfg: &GemmConfig, epilogue: &EpiloguePtrs, frag: 
             (ok, k.mul_u32(&row, &n_out))
         })
         .collect();
-    for j in 0..frag.chunks(cfg) {
-        let col = k.add_u32(&frag.col0, &(8 * j));
-        let col_ok = k.setp("lt.u32", &col, &n_out);
-        let safe_col = k.selp(RegClass::B32, "u32", &col, &0u32, col_ok);
-        let bias = epilogue
-            .bias()
-            .map(|b| load_pair(k, cfg.elem, b, &safe_col));
-        let bias_up = match (epilogue.bias(), cfg.swiglu) {
-            (Some(b), true) => {
-                let up = k.add_u32(&safe_col, &n_out);
-                Some(load_pair(k, cfg.elem, b, &up))
-            }
-            _ => None,
-        };
-        for (h, (row_ok, row_start)) in rows.iter().enumerate() {
-            let ok = k.reg(RegClass::Pred);
-            k.emit(format!("and.pred {ok}, {row_ok}, {col_ok}"));
-            let oi = k.add_u32(row_start, &col);
-            let safe_oi = k.selp(RegClass::B32, "u32", &oi, &0u32, ok);
-            let residual = epilogue
-                .residual()
-                .map(|r| load_pair(k, cfg.elem, r, &safe_oi));
-            let v: Vec<Reg> = (0..2)
-                .map(|c| {
-                    let (v, up) = frag.at(cfg, j, h as u32, c);
-                    let addends = Addends {
-                        bias: bias.map(|p| p[c as usize]),
-                        bias_up: bias_up.map(|p| p[c as usize]),
-                        residual: residual.map(|p| p[c as usize]),
-                    };
-                    apply(k, cfg, v, up, &addends)
-                })
-                .collect();
-            let word = k.reg(RegClass::B32);
-            // The first operand goes to the upper half.
-            k.emit(format!(
-                "cvt.rn.{}x2.f32 {word}, {}, {}",
-                cfg.elem.name(),
-                v[1],
-                v[0]
-            ));
-            let addr = k.address(epilogue.out(), &safe_oi, 2);
-            k.emit(format!("@{ok} st.global.b32 [{addr}], {word}"));
+    let words = u32::from(cfg.bias) * (1 + u32::from(cfg.swiglu)) + 2 * u32::from(cfg.residual);
+    let chunks = frag.chunks(cfg);
+    let group = EPILOGUE_WORDS
+        .checked_div(words)
+        .unwrap_or(chunks)
+        .clamp(1, chunks);
+    for first in (0..chunks).step_by(group as usize) {
+        let group: Vec<u32> = (first..chunks.min(first + group)).collect();
+        let loaded: Vec<PairOperands> = group
+            .iter()
+            .map(|&j| {
+                let place = PairPlace::of(k, cfg, frag, &rows, j);
+                PairOperands::load(k, cfg, epilogue, &place)
+            })
+            .collect();
+        for (&j, operands) in group.iter().zip(&loaded) {
+            let place = PairPlace::of(k, cfg, frag, &rows, j);
+            store_chunk(k, cfg, epilogue, frag, j, &place, operands);
         }
     }
 }
 
-/// Two adjacent halves at element `i` (even) of `base`, as f32.
-fn load_pair(k: &mut Kernel, elem: Elem, base: Reg, i: &Reg) -> [Reg; 2] {
+/// Where a thread's pairs of chunk `j` go: the column, and per row half whether the pair is
+/// inside the output and its element index (0 when outside, so that loads stay in bounds).
+struct PairPlace {
+    safe_col: Reg,
+    rows: Vec<(Reg, Reg)>,
+}
+
+impl PairPlace {
+    fn of(k: &mut Kernel, cfg: &GemmConfig, frag: &Fragment, rows: &[(Reg, Reg)], j: u32) -> Self {
+        let col = k.add_u32(&frag.col0, &(8 * j));
+        let col_ok = k.setp("lt.u32", &col, &cfg.n_out());
+        let safe_col = k.selp(RegClass::B32, "u32", &col, &0u32, col_ok);
+        let rows = rows
+            .iter()
+            .map(|(row_ok, row_start)| {
+                let ok = k.reg(RegClass::Pred);
+                k.emit(format!("and.pred {ok}, {row_ok}, {col_ok}"));
+                let oi = k.add_u32(row_start, &col);
+                (ok, k.selp(RegClass::B32, "u32", &oi, &0u32, ok))
+            })
+            .collect();
+        PairPlace { safe_col, rows }
+    }
+}
+
+/// A chunk's epilogue operands as loaded words (two halves each): bias, up bias, residual per
+/// row half.
+struct PairOperands {
+    bias: Option<Reg>,
+    bias_up: Option<Reg>,
+    residual: Vec<Reg>,
+}
+
+impl PairOperands {
+    fn load(k: &mut Kernel, cfg: &GemmConfig, epilogue: &EpiloguePtrs, place: &PairPlace) -> Self {
+        let bias = epilogue.bias().map(|b| load_word(k, b, &place.safe_col));
+        let bias_up = match (epilogue.bias(), cfg.swiglu) {
+            (Some(b), true) => {
+                let up = k.add_u32(&place.safe_col, &cfg.n_out());
+                Some(load_word(k, b, &up))
+            }
+            _ => None,
+        };
+        let residual = match epilogue.residual() {
+            Some(r) => place
+                .rows
+                .iter()
+                .map(|(_, oi)| load_word(k, r, oi))
+                .collect(),
+            None => Vec::new(),
+        };
+        PairOperands {
+            bias,
+            bias_up,
+            residual,
+        }
+    }
+}
+
+/// Finishes chunk `j`'s pairs with their loaded operands and stores those inside the output.
+fn store_chunk(
+    k: &mut Kernel,
+    cfg: &GemmConfig,
+    epilogue: &EpiloguePtrs,
+    frag: &Fragment,
+    j: u32,
+    place: &PairPlace,
+    operands: &PairOperands,
+) {
+    let bias = operands.bias.map(|w| unpack_pair(k, cfg.elem, w));
+    let bias_up = operands.bias_up.map(|w| unpack_pair(k, cfg.elem, w));
+    for (h, (ok, oi)) in place.rows.iter().enumerate() {
+        let residual = operands
+            .residual
+            .get(h)
+            .map(|&w| unpack_pair(k, cfg.elem, w));
+        let v: Vec<Reg> = (0..2)
+            .map(|c| {
+                let (v, up) = frag.at(cfg, j, h as u32, c);
+                let addends = Addends {
+                    bias: bias.map(|p| p[c as usize]),
+                    bias_up: bias_up.map(|p| p[c as usize]),
+                    residual: residual.map(|p| p[c as usize]),
+                };
+                apply(k, cfg, v, up, &addends)
+            })
+            .collect();
+        let word = k.reg(RegClass::B32);
+        // The first operand goes to the upper half.
+        k.emit(format!(
+            "cvt.rn.{}x2.f32 {word}, {}, {}",
+            cfg.elem.name(),
+            v[1],
+            v[0]
+        ));
+        let addr = k.address(epilogue.out(), oi, 2);
+        k.emit(format!("@{ok} st.global.b32 [{addr}], {word}"));
+    }
+}
+
+/// The 32-bit word of two adjacent halves at element `i` (even) of `base`.
+fn load_word(k: &mut Kernel, base: Reg, i: &Reg) -> Reg {
     let addr = k.address(base, i, 2);
     let word = k.reg(RegClass::B32);
     k.emit(format!("ld.global.b32 {word}, [{addr}]"));
+    word
+}
+
+/// A word's two halves as f32, the lower first.
+fn unpack_pair(k: &mut Kernel, elem: Elem, word: Reg) -> [Reg; 2] {
     let (lo, hi) = (k.reg(RegClass::B16), k.reg(RegClass::B16));
     k.emit(format!("mov.b32 {{{lo}, {hi}}}, {word}"));
     let cvt = format!("cvt.f32.{}", elem.name());
@@ -579,26 +810,56 @@ mod tests {
     }
 
     #[test]
-    fn products_of_many_tiles_keep_the_widest() {
-        // Llama-3.2-1B at 4096 tokens: SwiGLU gate/up (2048 tiles), down and O (256), the LM head.
-        assert_eq!(tile_width(&product(4096, 16384, 2048, true)), 256);
-        assert_eq!(tile_width(&product(4096, 2048, 8192, false)), 256);
-        assert_eq!(tile_width(&product(4096, 128256, 2048, false)), 256);
+    fn products_of_many_tiles_and_long_k_keep_the_widest() {
+        // Llama-3.2-1B's down product at 4096 tokens (K = 8192), the square products, BERT-base's
+        // FFN down product at 128 x 128 tokens (K = 3072).
+        for (m, n, k) in [
+            (4096, 2048, 8192),
+            (4096, 4096, 4096),
+            (8192, 8192, 8192),
+            (16384, 768, 3072),
+        ] {
+            assert_eq!(tiling(&product(m, n, k, false)), Tiling::together(256));
+        }
+    }
+
+    #[test]
+    fn products_of_many_tiles_and_short_k_take_turns() {
+        let turns = Tiling {
+            width: 128,
+            ping_pong: true,
+        };
+        // BERT-base at 128 x 128 tokens: QKV, O, FFN up (K = 768).
+        for n in [2304, 768, 3072] {
+            assert_eq!(tiling(&product(16384, n, 768, false)), turns);
+        }
+        // Llama-3.2-1B at 4096 tokens: QKV, O, SwiGLU gate/up, the LM head (K = 2048).
+        assert_eq!(tiling(&product(4096, 3072, 2048, false)), turns);
+        assert_eq!(tiling(&product(4096, 2048, 2048, false)), turns);
+        assert_eq!(tiling(&product(4096, 16384, 2048, true)), turns);
+        assert_eq!(tiling(&product(4096, 128256, 2048, false)), turns);
     }
 
     #[test]
     fn products_of_few_tiles_spread_over_more_sms() {
         // GPT-2 small at 1024 tokens: 24 tiles of 768 columns become 96.
-        assert_eq!(tile_width(&product(1024, 768, 3072, false)), 64);
+        assert_eq!(tiling(&product(1024, 768, 3072, false)).width, 64);
         // 16 rows: 12 tiles become 48.
-        assert_eq!(tile_width(&product(16, 3072, 768, false)), 64);
+        assert_eq!(tiling(&product(16, 3072, 768, false)).width, 64);
         // Llama-3.2-1B's QKV at 512 tokens: 48 tiles, 96 at 128 wide still one wave.
-        assert_eq!(tile_width(&product(512, 3072, 2048, false)), 128);
+        assert_eq!(
+            tiling(&product(512, 3072, 2048, false)),
+            Tiling::together(128)
+        );
     }
 
     #[test]
     fn a_narrower_tile_that_needs_more_waves_loses() {
-        // GPT-2's QKV at 1024 tokens: 72 tiles in one wave; 128 or 64 wide take two or three.
-        assert_eq!(tile_width(&product(1024, 2304, 768, false)), 256);
+        // GPT-2's QKV at 1024 tokens: 72 tiles in one wave; 128 or 64 wide take two or three,
+        // and taking turns over two tiles a block does not pay.
+        assert_eq!(
+            tiling(&product(1024, 2304, 768, false)),
+            Tiling::together(256)
+        );
     }
 }

@@ -17,7 +17,7 @@ use kiln_ir::Op;
 use kiln_kernels::elementwise::activation_kernel;
 use kiln_kernels::embedding::{embedding, EmbeddingConfig};
 use kiln_kernels::gemm::{gemm, gemm_base, gemm_for, GemmConfig};
-use kiln_kernels::gemm_wgmma::{gemm_wgmma_tiled, tile_width, tile_widths};
+use kiln_kernels::gemm_wgmma::{gemm_wgmma_tiled, tiling, TILINGS};
 use kiln_kernels::gemv::Rows;
 use kiln_kernels::norm::{norm, NormConfig};
 use kiln_kernels::sampling::argmax;
@@ -640,8 +640,9 @@ fn gemms_match_the_interpreter() {
                 (64, 4104, 130),
                 (127, 768, 258),
                 (4097, 64, 64),
-                // Hopper tiles (128 rows, 256 / 128 / 64 weight rows, K steps of 64) with ragged
-                // edges on every side, and an odd N (GPT-2's vocabulary is odd).
+                // Hopper tiles (128 rows, 256 / 128 / 64 weight rows, consumers together or taking
+                // turns, K steps of 64) with ragged edges on every side, and an odd N (GPT-2's
+                // vocabulary is odd).
                 (300, 776, 1000),
                 (520, 264, 520),
                 (130, 96, 1001),
@@ -660,74 +661,107 @@ fn gemms_match_the_interpreter() {
                     residual,
                     elem,
                 };
-                let n_out = cfg.n_out();
-                let x = values(&mut rng, (m * k) as usize, 1.0, elem);
-                let w = values(&mut rng, (k * n) as usize, 1.0 / (k as f32).sqrt(), elem);
-                let b = values(&mut rng, n as usize, 0.5, elem);
-                let r = values(&mut rng, (m * n_out) as usize, 1.0, elem);
                 // The kernel lowering picks, the base-image kernel its launches fall back to, the
-                // Hopper kernel's other tile widths, and the one a batched artifact picks (the
+                // Hopper kernel's other tilings, and the one a batched artifact picks (the
                 // tensor-core GEMV for one row too).
                 let mut kernels = vec![gemm(&cfg)];
                 if kernels[0].image == Image::Sm90a {
                     kernels.push(gemm_base(&cfg));
-                    let (chosen, name) = (tile_width(&cfg), kernels[0].name.clone());
-                    kernels.extend(
-                        tile_widths()
-                            .filter(|&w| w != chosen)
-                            .map(|w| gemm_wgmma_tiled(&cfg, w, format!("{name}_w{w}"))),
-                    );
+                    kernels.extend(other_tilings(&cfg, &kernels[0]));
                 }
                 let invariant = gemm_for(&cfg, Rows::BatchInvariant);
                 if invariant.name != kernels[0].name {
                     kernels.push(invariant);
                 }
-                let (bx, bw, bb, br) = (
-                    gpu.upload(elem, &x),
-                    gpu.upload(elem, &w),
-                    gpu.upload(elem, &b),
-                    gpu.upload(elem, &r),
-                );
-                let w_shape = if transpose_b {
-                    vec![n as usize, k as usize]
-                } else {
-                    vec![k as usize, n as usize]
-                };
-                let mut inputs = vec![(vec![m as usize, k as usize], x), (w_shape, w)];
-                if bias {
-                    inputs.push((vec![n as usize], b));
-                }
-                if residual {
-                    inputs.push((vec![m as usize, n_out as usize], r));
-                }
-                let spec = GemmSpec {
-                    transpose_b,
-                    bias,
-                    activation,
-                    swiglu,
-                    residual,
-                    prologue: None,
-                };
-                let want = rounded_reference(Op::Gemm(spec), inputs, elem);
-                for kernel in &kernels {
-                    let out = gpu.poisoned(elem, (m * n_out) as usize);
-                    let args = BTreeMap::from([
-                        ("x", Arg::Buf(&bx)),
-                        ("w", Arg::Buf(&bw)),
-                        ("bias", Arg::Buf(&bb)),
-                        ("residual", Arg::Buf(&br)),
-                        ("out", Arg::Buf(&out)),
-                    ]);
-                    gpu.launch(kernel, &args);
-                    check(
-                        &format!("{} {m}x{n}x{k}", kernel.name),
-                        elem,
-                        &gpu.download(elem, &out),
-                        &want,
-                    );
-                }
+                check_gemm(&gpu, &mut rng, &cfg, &kernels);
             }
         }
+    }
+}
+
+/// The Hopper kernel in every tiling but `chosen`'s (the kernel [`gemm`] made for `cfg`).
+fn other_tilings(cfg: &GemmConfig, chosen: &GeneratedKernel) -> Vec<GeneratedKernel> {
+    let picked = tiling(cfg);
+    TILINGS
+        .into_iter()
+        .filter(|&(t, _)| t != picked)
+        .map(|(t, _)| gemm_wgmma_tiled(cfg, t, format!("{}_{}", chosen.name, t.label())))
+        .collect()
+}
+
+/// Runs each of `kernels` (products of `cfg`) on random operands and checks them against the
+/// interpreter's `Gemm`.
+fn check_gemm(gpu: &Gpu, rng: &mut Rng, cfg: &GemmConfig, kernels: &[GeneratedKernel]) {
+    let (m, n, k, elem) = (cfg.m, cfg.n, cfg.k, cfg.elem);
+    let n_out = cfg.n_out();
+    let x = values(rng, (m * k) as usize, 1.0, elem);
+    let w = values(rng, (k * n) as usize, 1.0 / (k as f32).sqrt(), elem);
+    let b = values(rng, n as usize, 0.5, elem);
+    let r = values(rng, (m * n_out) as usize, 1.0, elem);
+    let (bx, bw, bb, br) = (
+        gpu.upload(elem, &x),
+        gpu.upload(elem, &w),
+        gpu.upload(elem, &b),
+        gpu.upload(elem, &r),
+    );
+    let w_shape = if cfg.transpose_b {
+        vec![n as usize, k as usize]
+    } else {
+        vec![k as usize, n as usize]
+    };
+    let mut inputs = vec![(vec![m as usize, k as usize], x), (w_shape, w)];
+    if cfg.bias {
+        inputs.push((vec![n as usize], b));
+    }
+    if cfg.residual {
+        inputs.push((vec![m as usize, n_out as usize], r));
+    }
+    let spec = GemmSpec {
+        transpose_b: cfg.transpose_b,
+        bias: cfg.bias,
+        activation: cfg.activation,
+        swiglu: cfg.swiglu,
+        residual: cfg.residual,
+        prologue: None,
+    };
+    let want = rounded_reference(Op::Gemm(spec), inputs, elem);
+    for kernel in kernels {
+        let out = gpu.poisoned(elem, (m * n_out) as usize);
+        let args = BTreeMap::from([
+            ("x", Arg::Buf(&bx)),
+            ("w", Arg::Buf(&bw)),
+            ("bias", Arg::Buf(&bb)),
+            ("residual", Arg::Buf(&br)),
+            ("out", Arg::Buf(&out)),
+        ]);
+        gpu.launch(kernel, &args);
+        check(
+            &format!("{} {m}x{n}x{k}", kernel.name),
+            elem,
+            &gpu.download(elem, &out),
+            &want,
+        );
+    }
+}
+
+/// The Hopper kernel's tilings over products of several tiles per block of the persistent grid
+/// (132 blocks): consumers taking turns hand tiles to each other many times, stages go round
+/// many times per tile.
+#[test]
+fn hopper_tiles_go_round_the_persistent_grid() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng::seed_from_u64(0x5eed_7113);
+    for (m, n, k, swiglu) in [(1100u32, 3900u32, 264u32, false), (1100, 2200, 1000, true)] {
+        let cfg = GemmConfig {
+            bias: true,
+            swiglu,
+            residual: true,
+            ..GemmConfig::plain(m, n, k, Elem::BF16)
+        };
+        let chosen = gemm(&cfg);
+        let mut kernels = other_tilings(&cfg, &chosen);
+        kernels.push(chosen);
+        check_gemm(&gpu, &mut rng, &cfg, &kernels);
     }
 }
 
