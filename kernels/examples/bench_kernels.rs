@@ -14,7 +14,7 @@ use kiln_ir::kernel::{Activation, NormKind};
 use kiln_kernels::attention::{attention, AttentionConfig, KeyRule};
 use kiln_kernels::gemm::{gemm, gemm_base, GemmConfig};
 use kiln_kernels::gemm_wgmma::{gemm_wgmma_tiled, tiling, TILINGS};
-use kiln_kernels::norm::{norm, NormConfig};
+use kiln_kernels::norm::{norm, norm_with, NormConfig, RowThreads};
 use kiln_kernels::{Elem, GeneratedKernel, ParamType};
 use kiln_runtime::cuda::{encode_tensor_map, TensorMap};
 
@@ -542,6 +542,48 @@ fn emit_cases(dir: &std::path::Path) {
             let kernel_name = format!("gemm_{m}x{n}x{k}{tag}_{}", t.label());
             let kernel = gemm_wgmma_tiled(&cfg, t, kernel_name);
             add(name, kernel, buffers, peer, 2.0 * (m * n * k) as f64);
+        }
+    }
+    // The models' norms (BERT-base's LayerNorm at 128 x 128 tokens, GPT-2's at 1024,
+    // Llama-3.2-1B's RMSNorm at 4096 tokens, an 8B-class RMSNorm), a warp or a block to a row.
+    for (kind, rows, cols) in [
+        (NormKind::LayerNorm, 16384usize, 768usize),
+        (NormKind::LayerNorm, 1024, 768),
+        (NormKind::RmsNorm, 4096, 2048),
+        (NormKind::LayerNorm, 4096, 2048),
+        (NormKind::RmsNorm, 4096, 4096),
+    ] {
+        let cfg = NormConfig {
+            kind,
+            residual: false,
+            elem: Elem::BF16,
+            rows: rows as u32,
+            cols: cols as u32,
+            eps: 1e-5,
+        };
+        let chosen = RowThreads::of(&cfg);
+        let forms = if chosen == RowThreads::Warp {
+            vec![RowThreads::Warp, RowThreads::Block]
+        } else {
+            vec![RowThreads::Block]
+        };
+        for threads in forms {
+            let layer = kind == NormKind::LayerNorm;
+            let mut buffers = vec![
+                ("x", (vec![rows, cols], "bf16", 1.0)),
+                ("weight", (vec![cols], "bf16", 1.0)),
+            ];
+            if layer {
+                buffers.push(("bias", (vec![cols], "bf16", 0.5)));
+            }
+            buffers.push(("out", (vec![rows, cols], "bf16", 0.0)));
+            let peer = serde_json::json!({"kind": if layer { "layer_norm" } else { "rms_norm" }, "eps": 1e-5});
+            let mark = if threads == chosen { " (picked)" } else { "" };
+            let form = format!("{threads:?}").to_lowercase();
+            let what = if layer { "layer_norm" } else { "rms_norm" };
+            let name = format!("{what} bf16 {rows}x{cols} {form}{mark}");
+            // The warp form's name carries its rows: the two names differ.
+            add(name, norm_with(&cfg, threads), buffers, peer, 0.0);
         }
     }
     for (d, causal, dropout) in [

@@ -724,13 +724,10 @@ fn store_chunk(
     place: &PairPlace,
     operands: &PairOperands,
 ) {
-    let bias = operands.bias.map(|w| unpack_pair(k, cfg.elem, w));
-    let bias_up = operands.bias_up.map(|w| unpack_pair(k, cfg.elem, w));
+    let bias = operands.bias.map(|w| pair(k, cfg.elem, w));
+    let bias_up = operands.bias_up.map(|w| pair(k, cfg.elem, w));
     for (h, (ok, oi)) in place.rows.iter().enumerate() {
-        let residual = operands
-            .residual
-            .get(h)
-            .map(|&w| unpack_pair(k, cfg.elem, w));
+        let residual = operands.residual.get(h).map(|&w| pair(k, cfg.elem, w));
         let v: Vec<Reg> = (0..2)
             .map(|c| {
                 let (v, up) = frag.at(cfg, j, h as u32, c);
@@ -755,23 +752,18 @@ fn store_chunk(
     }
 }
 
+/// A word's two halves as f32, the lower first.
+fn pair(k: &mut Kernel, elem: Elem, word: Reg) -> [Reg; 2] {
+    let halves = k.unpack_halves(elem, &[word]);
+    [halves[0], halves[1]]
+}
+
 /// The 32-bit word of two adjacent halves at element `i` (even) of `base`.
 fn load_word(k: &mut Kernel, base: Reg, i: &Reg) -> Reg {
     let addr = k.address(base, i, 2);
     let word = k.reg(RegClass::B32);
     k.emit(format!("ld.global.b32 {word}, [{addr}]"));
     word
-}
-
-/// A word's two halves as f32, the lower first.
-fn unpack_pair(k: &mut Kernel, elem: Elem, word: Reg) -> [Reg; 2] {
-    let (lo, hi) = (k.reg(RegClass::B16), k.reg(RegClass::B16));
-    k.emit(format!("mov.b32 {{{lo}, {hi}}}, {word}"));
-    let cvt = format!("cvt.f32.{}", elem.name());
-    [
-        k.op1(&cvt, RegClass::F32, &lo),
-        k.op1(&cvt, RegClass::F32, &hi),
-    ]
 }
 
 /// The epilogue for an odd N (rows are not 4-byte aligned): element by element, each finished

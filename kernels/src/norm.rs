@@ -36,8 +36,8 @@ pub const CACHED_COLS: u32 = 32 * ROW_THREADS;
 const WARP_CHUNKS: u32 = 8;
 
 /// The threads that normalise one row.
-#[derive(Clone, Copy, PartialEq)]
-enum RowThreads {
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowThreads {
     /// The block's `ROW_THREADS` threads.
     Block,
     /// One warp of the block's `ROW_THREADS / 32`.
@@ -45,7 +45,9 @@ enum RowThreads {
 }
 
 impl RowThreads {
-    fn of(cfg: &NormConfig) -> RowThreads {
+    /// The threads [`norm`] gives a row of `cfg`: a warp for rows of whole 16-byte chunks, at
+    /// most `32 * WARP_CHUNKS` of them; a block otherwise.
+    pub fn of(cfg: &NormConfig) -> RowThreads {
         let lanes = 16 / cfg.elem.bytes();
         let chunks = cfg.cols / lanes;
         if cfg.cols.is_multiple_of(lanes) && chunks <= 32 * WARP_CHUNKS {
@@ -116,8 +118,16 @@ impl RowGroup {
 
 /// Generates the kernel. Parameters: `x, [residual], weight, [bias], out`.
 pub fn norm(cfg: &NormConfig) -> GeneratedKernel {
+    norm_with(cfg, RowThreads::of(cfg))
+}
+
+/// [`norm`] with `threads` to a row (a warp only for rows [`RowThreads::of`] gives one).
+pub fn norm_with(cfg: &NormConfig, threads: RowThreads) -> GeneratedKernel {
+    assert!(
+        threads == RowThreads::Block || RowThreads::of(cfg) == RowThreads::Warp,
+        "a warp takes rows of at most {WARP_CHUNKS} whole 16-byte chunks per lane"
+    );
     let layer = cfg.kind == NormKind::LayerNorm;
-    let threads = RowThreads::of(cfg);
     let mut name = format!(
         "{}{}_{}_c{}",
         if layer { "layer_norm" } else { "rms_norm" },
@@ -387,15 +397,16 @@ fn vector_row(
         firsts.push(k.mul_u32(&chunk, &lanes));
     }
     k.comment("the scale and shift of the thread's chunks, loaded while the kernel before runs");
+    k.comment("(halves stay packed until used: fewer registers, more warps per SM)");
     let mut scales = Vec::new();
     for (first, inside) in firsts.iter().zip(&valid) {
         let skip = k.label("skip_scale");
         k.bra(Some((*inside, false)), &skip);
         let wa = k.address(weight, first, elem.bytes());
-        let w = k.ld_global_vec16(elem, wa);
+        let w = k.ld_global_words(wa);
         let b = bias.map(|b| {
             let ba = k.address(b, first, elem.bytes());
-            k.ld_global_vec16(elem, ba)
+            k.ld_global_words(ba)
         });
         k.place(&skip);
         scales.push((w, b));
@@ -439,6 +450,8 @@ fn vector_row(
     for (((c, first), inside), (w, b)) in centred.iter().zip(&firsts).zip(&valid).zip(&scales) {
         let skip = k.label("skip_store");
         k.bra(Some((*inside, false)), &skip);
+        let w = words_as_f32(k, elem, w);
+        let b = b.as_ref().map(|b| words_as_f32(k, elem, b));
         let mut y = Vec::with_capacity(c.len());
         for (j, value) in c.iter().enumerate() {
             let n = k.mul_f32(value, &rstd);
@@ -452,6 +465,17 @@ fn vector_row(
         let oa = k.address(out, &idx, elem.bytes());
         k.st_global_vec16(elem, oa, &y);
         k.place(&skip);
+    }
+}
+
+/// 16 loaded bytes as f32 values: f32 words as they are, packed halves unpacked.
+fn words_as_f32(k: &mut Kernel, elem: Elem, words: &[Reg]) -> Vec<Reg> {
+    match elem {
+        Elem::F32 => words
+            .iter()
+            .map(|w| k.op1("mov.b32", RegClass::F32, w))
+            .collect(),
+        Elem::F16 | Elem::BF16 => k.unpack_halves(elem, words),
     }
 }
 

@@ -576,14 +576,21 @@ impl Kernel {
                 r
             }
             Elem::F16 | Elem::BF16 => {
-                let w: Vec<Reg> = (0..4).map(|_| self.reg(RegClass::B32)).collect();
-                self.emit(format!(
-                    "ld.global.v4.b32 {{{}, {}, {}, {}}}, [{addr}]",
-                    w[0], w[1], w[2], w[3]
-                ));
+                let w = self.ld_global_words(addr);
                 self.unpack_halves(elem, &w)
             }
         }
+    }
+
+    /// The four b32 words of 16 bytes at `addr` (16-byte aligned), as stored: for f16/bf16, to
+    /// hold packed until used ([`Kernel::unpack_halves`]), in half the registers.
+    pub fn ld_global_words(&mut self, addr: Reg) -> Vec<Reg> {
+        let w: Vec<Reg> = (0..4).map(|_| self.reg(RegClass::B32)).collect();
+        self.emit(format!(
+            "ld.global.v4.b32 {{{}, {}, {}, {}}}, [{addr}]",
+            w[0], w[1], w[2], w[3]
+        ));
+        w
     }
 
     /// b32 words of packed f16/bf16 pairs (`elem`) as f32 values, in memory order (the lower
