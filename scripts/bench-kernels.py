@@ -132,7 +132,8 @@ def peers(case, t):
     def sdpa(backend):
         def run():
             with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout, scale=p["scale"])
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout, scale=p["scale"],
+                                                      enable_gqa=p.get("gqa", False))
         return run
     return {"sdpa flash": sdpa(SDPBackend.FLASH_ATTENTION), "sdpa cudnn": sdpa(SDPBackend.CUDNN_ATTENTION)}
 

@@ -12,6 +12,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, LaunchConfig
 use cudarc::nvrtc::Ptx;
 use kiln_ir::kernel::{Activation, NormKind};
 use kiln_kernels::attention::{attention, AttentionConfig, KeyRule};
+use kiln_kernels::attention_wgmma::{attention_wgmma_scheduled, persistent};
 use kiln_kernels::gemm::{gemm, gemm_base, GemmConfig};
 use kiln_kernels::gemm_wgmma::{gemm_wgmma_tiled, tiling, TILINGS};
 use kiln_kernels::norm::{norm, norm_with, NormConfig, RowThreads};
@@ -625,6 +626,60 @@ fn emit_cases(dir: &std::path::Path) {
             }
         );
         add(name, attention(&cfg), buffers, peer, flops);
+    }
+    // Attention of the models' prefills on one item per block and on a persistent grid:
+    // BERT-base at 128 x 128 tokens (all keys), GPT-2 at 1024 tokens and Llama-3.2-1B at 4096
+    // (causal, GQA 4:1).
+    for (b, h, kv, s, d, causal) in [
+        (128u32, 12u32, 12u32, 128u32, 64u32, false),
+        (1, 12, 12, 1024, 64, true),
+        (1, 32, 8, 4096, 64, true),
+    ] {
+        let mut cfg = AttentionConfig::plain([b, h, kv, s, s, d], Elem::BF16);
+        cfg.scale = 1.0 / (d as f32).sqrt();
+        if causal {
+            cfg.keys = KeyRule::Causal { window: None };
+        }
+        let chosen = persistent(&cfg);
+        for on_grid in [false, true] {
+            let (q, kv_shape) = (
+                vec![b as usize, h as usize, s as usize, d as usize],
+                vec![b as usize, kv as usize, s as usize, d as usize],
+            );
+            let buffers: Vec<(&str, Buffer)> = vec![
+                ("q", (q.clone(), "bf16", 1.0)),
+                ("k", (kv_shape.clone(), "bf16", 1.0)),
+                ("v", (kv_shape, "bf16", 1.0)),
+                ("out", (q, "bf16", 0.0)),
+            ];
+            let peer = serde_json::json!({
+                "kind": "sdpa", "causal": causal, "dropout": 0.0, "scale": cfg.scale,
+                "gqa": h != kv,
+            });
+            let flops = 4.0 * f64::from(b * h) * f64::from(s).powi(2) * f64::from(d)
+                / if causal { 2.0 } else { 1.0 };
+            let form = if on_grid {
+                "persistent"
+            } else {
+                "item a block"
+            };
+            let mark = if on_grid == chosen { " (picked)" } else { "" };
+            let name = format!(
+                "attention bf16 b{b} h{h}/{kv} s{s} d{d}{} {form}{mark}",
+                if causal { " causal" } else { "" }
+            );
+            let kernel_name = format!(
+                "attention_b{b}_h{h}_{kv}_s{s}_d{d}_{}",
+                if on_grid { "persistent" } else { "items" }
+            );
+            add(
+                name,
+                attention_wgmma_scheduled(&cfg, on_grid, kernel_name),
+                buffers,
+                peer,
+                flops,
+            );
+        }
     }
     let text = serde_json::to_string_pretty(&cases).unwrap();
     std::fs::write(dir.join("cases.json"), text).unwrap();
