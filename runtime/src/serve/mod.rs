@@ -22,6 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use axum::Router;
 use tokio::sync::{mpsc, oneshot};
 
@@ -148,6 +149,13 @@ pub fn serve(opts: ServeOptions, out: &mut dyn Write) -> Result<(), RuntimeError
     tracing::info!(%addr, model = %app.model, "listening");
     let drain = opts.drain;
     let router = router(app.clone());
+    // Streamed tokens are small writes: with Nagle's algorithm each would wait behind the
+    // client's delayed acknowledgement of the one before.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::warn!(error = %e, "cannot set TCP_NODELAY on a connection");
+        }
+    });
     runtime
         .block_on(async move {
             axum::serve(listener, router)
