@@ -92,6 +92,8 @@ pub struct Batcher<'a> {
     steps_ahead: usize,
     /// Seconds spent in decode steps in which every sequence was past its prompt.
     pub decode_seconds: f64,
+    /// Prompt chunk steps the last [`Batcher::step`] ran before its decode step.
+    pub last_chunks: usize,
     /// Runs per bucket graph file.
     pub runs: BTreeMap<String, u64>,
 }
@@ -131,6 +133,7 @@ impl<'a> Batcher<'a> {
             chunks_per_step: 1,
             steps_ahead: 1,
             decode_seconds: 0.0,
+            last_chunks: 0,
             runs: BTreeMap::new(),
         })
     }
@@ -255,7 +258,9 @@ impl<'a> Batcher<'a> {
     /// (their [`Emitted::last`] is set).
     pub fn step(&mut self) -> Result<Vec<Emitted>, RuntimeError> {
         let started = std::time::Instant::now();
+        self.last_chunks = 0;
         let chunks = self.run_chunks()?;
+        self.last_chunks = chunks;
         let work: Vec<Work> = self.rows.iter().map(|s| self.work(s.as_ref())).collect();
         let Some(used) = work.iter().rposition(|w| !matches!(w, Work::Idle)) else {
             return Ok(Vec::new());

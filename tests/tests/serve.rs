@@ -514,6 +514,16 @@ fn metrics(main: &Server, served: usize) {
         "{text}"
     );
     assert!(metric("kiln_time_to_first_token_seconds_count") >= 16.0);
+    // Every engine step is timed, by whether prompt chunks ran in it (prompts enter through the
+    // chunk bucket here); a step hands out at most 4 tokens (4 rows).
+    let steps = |kind: &str| {
+        metric(&format!(
+            "kiln_engine_step_seconds_count{{kind=\"{kind}\"}}"
+        ))
+    };
+    let (decode, chunked) = (steps("decode"), steps("prompt_chunks"));
+    assert!(decode >= 1.0 && chunked >= 1.0, "{text}");
+    assert!(decode + chunked >= served as f64 / 4.0, "{text}");
     assert_eq!(metric("kiln_requests_running"), 0.0);
     assert!(
         text.contains("kiln_bucket_replays_total{bucket=\"buckets/decode-b4-s1.ron\"}"),

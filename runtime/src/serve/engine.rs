@@ -10,7 +10,7 @@ use std::time::Instant;
 use kiln_ir::inputs::TokenBatch;
 use tokio::sync::{mpsc, oneshot};
 
-use super::metrics::{BucketLabel, FinishLabel, Metrics};
+use super::metrics::{BucketLabel, FinishLabel, Metrics, StepLabel};
 use crate::batcher::{Batcher, Job, SeqId};
 use crate::forward::forward;
 use crate::{Artifact, Executor, RuntimeError};
@@ -311,7 +311,9 @@ impl Loop<'_, '_> {
         if self.batcher.is_idle() {
             return Ok(());
         }
-        for e in self.batcher.step()? {
+        let started = Instant::now();
+        let emitted = self.batcher.step()?;
+        for e in emitted {
             let Some(live) = self.live.get_mut(&e.id) else {
                 continue;
             };
@@ -343,6 +345,15 @@ impl Loop<'_, '_> {
                 self.finished(finish.reason());
             }
         }
+        let kind = if self.batcher.last_chunks > 0 {
+            "prompt_chunks"
+        } else {
+            "decode"
+        };
+        self.metrics
+            .step_seconds
+            .get_or_create(&StepLabel { kind: kind.into() })
+            .observe(started.elapsed().as_secs_f64());
         Ok(())
     }
 
