@@ -29,7 +29,7 @@ use crate::hopper::{
     prefetch_tensor_map, setmaxnreg, tma_load, wgmma, wgmma_commit, wgmma_descriptor, wgmma_fence,
     wgmma_wait, WgmmaA, WgmmaB, MBARRIER_BYTES,
 };
-use crate::ptx::{Elem, Kernel, Reg, RegClass, F32};
+use crate::ptx::{Elem, Kernel, Label, Reg, RegClass, F32};
 use crate::{GeneratedKernel, Image, KernelPath, Launch, TensorMapSpec};
 
 /// Output rows per block (64 per consumer warpgroup).
@@ -417,10 +417,8 @@ fn producer(k: &mut Kernel, cfg: &GemmConfig, pipe: &Pipeline, tid: &Reg, [x, w]
 /// Warpgroups 1 and 2: take the registers; for each of their tiles, multiply their rows of every
 /// stage (`step` counts stages across the block's tiles, as the producer's does), then run the
 /// epilogue. Together, each multiplies its 64 rows of every tile; taking turns, each multiplies
-/// all 128 rows of every other tile (two row halves of accumulators), skipping the other's, and
-/// starts a tile's products only once the other has issued those of the tile before (named
-/// barriers 1 and 2): a consumer then never waits on a stage more than one fill ahead of it,
-/// which an mbarrier's phase parity could not tell from the fill before.
+/// all 128 rows of every other tile (two row halves of accumulators), skipping the other's
+/// ([`Turns`]).
 fn consumer(
     k: &mut Kernel,
     cfg: &GemmConfig,
@@ -445,13 +443,56 @@ fn consumer(
     } else {
         vec![k.mul_u32(&consumer, &(64 * BK * 2))]
     };
-    let per_half = acc.len() / halves.len();
     let lane = k.op2("and.b32", RegClass::B32, tid, &31u32);
     let lane0 = k.setp("eq.u32", &lane, &0u32);
     let step = k.mov(RegClass::B32, &0u32);
-    // Taking turns: the block's tiles so far, how many it has, and the named barriers on which
-    // this consumer waits for its turn and hands the other its own.
-    let turns = tile.ping_pong.then(|| {
+    let turns = tile.ping_pong.then(|| Turns::new(k, cfg, tile, &consumer));
+    let mac = Products {
+        cfg,
+        pipe,
+        acc: &acc,
+        halves: &halves,
+        step,
+        lane0,
+    };
+    for_each_tile(k, cfg, tile, |k, m0, n0| {
+        let skip = k.label("other_tile");
+        // Taking turns: whether the other consumer has a tile after this one.
+        let hand_over = turns.as_ref().map(|t| t.take(k, &consumer, &mac, &skip));
+        mac.multiply(k);
+        if let (Some(t), Some(next)) = (&turns, hand_over) {
+            t.hand_over(k, next);
+        }
+        mac.release_last(k);
+        if tile.ping_pong {
+            for half in 0..2u32 {
+                let rows = k.add_u32(&m0, &(64 * half));
+                let per_half = acc.len() / 2;
+                let acc = &acc[half as usize * per_half..(half as usize + 1) * per_half];
+                store(k, cfg, epilogue, acc, tid, rows, n0);
+            }
+        } else {
+            let rows = k.mad_u32(&consumer, &64u32, &m0);
+            store(k, cfg, epilogue, &acc, tid, rows, n0);
+        }
+        k.place(&skip);
+    });
+}
+
+/// The consumers taking turns: the block's tiles so far (`ordinal`), how many it has, and the
+/// named barriers on which this consumer waits for its turn (`mine`) and hands the other its
+/// own (`other`). A consumer starts a tile's products only once the other has issued those of
+/// the tile before, so that it never waits on a stage more than one fill ahead of it, which an
+/// mbarrier's phase parity could not tell from the fill before.
+struct Turns {
+    ordinal: Reg,
+    count: Reg,
+    mine: Reg,
+    other: Reg,
+}
+
+impl Turns {
+    fn new(k: &mut Kernel, cfg: &GemmConfig, tile: Tile, consumer: &Reg) -> Turns {
         let ordinal = k.mov(RegClass::B32, &0u32);
         let block = k.special("ctaid.x");
         let grid = k.special("nctaid.x");
@@ -459,31 +500,64 @@ fn consumer(
         let spread = k.add_u32(&left, &grid);
         let spread = k.sub_u32(&spread, &1u32);
         let count = k.op2("div.u32", RegClass::B32, &spread, &grid);
-        let mine = k.add_u32(&consumer, &1u32);
-        let other = k.sub_u32(&2u32, &consumer);
-        (ordinal, count, mine, other)
-    });
-    for_each_tile(k, cfg, tile, |k, m0, n0| {
-        let skip = k.label("other_tile");
-        // Taking turns: whether the other consumer has a tile after this one.
-        let mut hand_over = None;
-        if let Some((ordinal, count, mine, other)) = turns {
-            k.comment("every other tile is the other consumer's: pass over its stages");
-            let turn = k.op2("and.b32", RegClass::B32, &ordinal, &1u32);
-            let theirs = k.setp("ne.u32", &turn, &consumer);
-            let first = k.setp("eq.u32", &ordinal, &0u32);
-            k.emit(format!("add.u32 {ordinal}, {ordinal}, 1"));
-            let past = k.add_u32(&step, &pipe.k_tiles);
-            k.emit(format!("@{theirs} mov.u32 {step}, {past}"));
-            k.bra(Some((theirs, true)), &skip);
-            k.comment("wait until the other consumer has issued the tile before's products");
-            let waited = k.label("turn_taken");
-            k.bra(Some((first, true)), &waited);
-            k.emit(format!("bar.sync {mine}, 256"));
-            k.place(&waited);
-            hand_over = Some((k.setp("lt.u32", &ordinal, &count), other));
+        let mine = k.add_u32(consumer, &1u32);
+        let other = k.sub_u32(&2u32, consumer);
+        Turns {
+            ordinal,
+            count,
+            mine,
+            other,
         }
-        for a in &acc {
+    }
+
+    /// Passes over the other consumer's tile (its stages counted, to `skip`), or waits for this
+    /// consumer's turn (from its second tile on); returns whether a tile follows this one.
+    fn take(&self, k: &mut Kernel, consumer: &Reg, mac: &Products, skip: &Label) -> Reg {
+        let ordinal = self.ordinal;
+        k.comment("every other tile is the other consumer's: pass over its stages");
+        let turn = k.op2("and.b32", RegClass::B32, &ordinal, &1u32);
+        let theirs = k.setp("ne.u32", &turn, consumer);
+        let first = k.setp("eq.u32", &ordinal, &0u32);
+        k.emit(format!("add.u32 {ordinal}, {ordinal}, 1"));
+        let past = k.add_u32(&mac.step, &mac.pipe.k_tiles);
+        k.emit(format!("@{theirs} mov.u32 {}, {past}", mac.step));
+        k.bra(Some((theirs, true)), skip);
+        k.comment("wait until the other consumer has issued the tile before's products");
+        let waited = k.label("turn_taken");
+        k.bra(Some((first, true)), &waited);
+        k.emit(format!("bar.sync {}, 256", self.mine));
+        k.place(&waited);
+        k.setp("lt.u32", &ordinal, &self.count)
+    }
+
+    /// The other consumer's turn, if it has a tile after this one (`next`).
+    fn hand_over(&self, k: &mut Kernel, next: Reg) {
+        k.comment("the other consumer's turn, if it has a tile after this one");
+        let no_next = k.label("no_next_tile");
+        k.bra(Some((next, false)), &no_next);
+        k.emit(format!("bar.arrive {}, 256", self.other));
+        k.place(&no_next);
+    }
+}
+
+/// A consumer's products of one tile: its accumulators (one half per A row block in `halves`)
+/// over the K steps, stage by stage (`step` counts stages across the block's tiles).
+struct Products<'a> {
+    cfg: &'a GemmConfig,
+    pipe: &'a Pipeline,
+    acc: &'a [Reg],
+    halves: &'a [Reg],
+    step: Reg,
+    lane0: Reg,
+}
+
+impl Products<'_> {
+    /// Zeroes the accumulators and issues the tile's K steps, releasing each stage once the
+    /// group that read it has retired (all but the last).
+    fn multiply(&self, k: &mut Kernel) {
+        let (pipe, step) = (self.pipe, self.step);
+        let per_half = self.acc.len() / self.halves.len();
+        for a in self.acc {
             k.set(*a, &F32(0.0));
         }
         let kt = k.mov(RegClass::B32, &0u32);
@@ -493,7 +567,8 @@ fn consumer(
         mbarrier_wait(k, &st.full, &st.parity);
         wgmma_fence(k);
         let b_desc = wgmma_descriptor(k, &st.b, 16, 1024);
-        let a_descs: Vec<Reg> = halves
+        let a_descs: Vec<Reg> = self
+            .halves
             .iter()
             .map(|rows| {
                 let a_tile = k.add_u32(&st.a, rows);
@@ -516,8 +591,8 @@ fn consumer(
                     desc: &b,
                     transposed: false,
                 };
-                let acc = &acc[half * per_half..(half + 1) * per_half];
-                wgmma(k, cfg.elem, acc, WgmmaA::Shared(&a), b, true);
+                let acc = &self.acc[half * per_half..(half + 1) * per_half];
+                wgmma(k, self.cfg.elem, acc, WgmmaA::Shared(&a), b, true);
             }
         }
         wgmma_commit(k);
@@ -525,40 +600,31 @@ fn consumer(
         wgmma_wait(k, 1);
         let had_previous = k.setp("ne.u32", &kt, &0u32);
         let release = k.reg(RegClass::Pred);
-        k.emit(format!("and.pred {release}, {had_previous}, {lane0}"));
-        let prev = k.add_u32(&step, &(STAGES - 1));
-        let prev = k.op2("and.b32", RegClass::B32, &prev, &(STAGES - 1));
-        let prev_empty = k.mad_u32(&prev, &MBARRIER_BYTES, &pipe.empty);
-        mbarrier_arrive(k, &prev_empty, Some(release));
+        k.emit(format!(
+            "and.pred {release}, {had_previous}, {}",
+            self.lane0
+        ));
+        self.release(k, Some(release));
         k.emit(format!("add.u32 {step}, {step}, 1"));
         k.emit(format!("add.u32 {kt}, {kt}, 1"));
         let more = k.setp("lt.u32", &kt, &pipe.k_tiles);
         k.bra(Some((more, true)), &top);
-        if let Some((next, other)) = hand_over {
-            k.comment("the other consumer's turn, if it has a tile after this one");
-            let no_next = k.label("no_next_tile");
-            k.bra(Some((next, false)), &no_next);
-            k.emit(format!("bar.arrive {other}, 256"));
-            k.place(&no_next);
-        }
+    }
+
+    /// Waits for the tile's last group and releases its stage.
+    fn release_last(&self, k: &mut Kernel) {
         k.comment("the tile's last group: wait for it and release its stage");
         wgmma_wait(k, 0);
-        let last = k.add_u32(&step, &(STAGES - 1));
-        let last = k.op2("and.b32", RegClass::B32, &last, &(STAGES - 1));
-        let last_empty = k.mad_u32(&last, &MBARRIER_BYTES, &pipe.empty);
-        mbarrier_arrive(k, &last_empty, Some(lane0));
-        if tile.ping_pong {
-            for half in 0..2u32 {
-                let rows = k.add_u32(&m0, &(64 * half));
-                let acc = &acc[half as usize * per_half..(half as usize + 1) * per_half];
-                store(k, cfg, epilogue, acc, tid, rows, n0);
-            }
-        } else {
-            let rows = k.mad_u32(&consumer, &64u32, &m0);
-            store(k, cfg, epilogue, &acc, tid, rows, n0);
-        }
-        k.place(&skip);
-    });
+        self.release(k, Some(self.lane0));
+    }
+
+    /// Arrives (where `when`) on the empty barrier of the stage before `step`.
+    fn release(&self, k: &mut Kernel, when: Option<Reg>) {
+        let prev = k.add_u32(&self.step, &(STAGES - 1));
+        let prev = k.op2("and.b32", RegClass::B32, &prev, &(STAGES - 1));
+        let empty = k.mad_u32(&prev, &MBARRIER_BYTES, &self.pipe.empty);
+        mbarrier_arrive(k, &empty, when);
+    }
 }
 
 /// The epilogue of 64 rows from `rows0`: thread `t` of a consumer warpgroup holds, for each
