@@ -3,8 +3,10 @@
 /v1/completions requests of random token-id prompts (lengths uniform in --lengths) asking for
 --max-tokens new tokens each (ignore_eos), until --requests have finished. Prints one JSON object:
 aggregate generated tokens/s, time to first token and inter-token latency percentiles (from the
-arrival of each streamed chunk), errors, and, with --pid, the server's resident memory and the
-device memory (nvidia-smi) before and after.
+arrival of each streamed chunk), errors, the server's own view of the run (its inter-token latency
+and engine step histograms from /metrics, the run's counts alone: p50 and p99 as the bounds of the
+buckets that hold them, 25% apart), and, with --pid, the server's resident memory and the device
+memory (nvidia-smi) before and after.
 
     python3 scripts/load-serve.py http://127.0.0.1:8000 --model m --concurrency 64 \
         --requests 256 --lengths 100..4000 --max-tokens 512 --vocab 128256 --pid PID
@@ -68,6 +70,52 @@ def one(url, body):
                 times.append(time.perf_counter())
 
 
+def histograms(url):
+    """The server's histogram buckets from /metrics: {series: [(upper bound, cumulative count)]},
+    a series being the name with its labels other than `le`, and each series' sum."""
+    u = urllib.parse.urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    buckets, sums = {}, {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        series, value = line.rsplit(" ", 1)
+        name, _, labels = series.partition("{")
+        labels = labels.rstrip("}")
+        if name.endswith("_bucket"):
+            kept = ",".join(l for l in labels.split(",") if l and not l.startswith("le="))
+            le = next(l for l in labels.split(",") if l.startswith("le=")).split('"')[1]
+            key = name[: -len("_bucket")] + (f"{{{kept}}}" if kept else "")
+            buckets.setdefault(key, []).append((float("inf") if le == "+Inf" else float(le), float(value)))
+        elif name.endswith("_sum"):
+            sums[name[: -len("_sum")] + (f"{{{labels}}}" if labels else "")] = float(value)
+    return buckets, sums
+
+
+def server_view(before, after):
+    """p50 / p99 bucket bounds, count and mean (ms) of the run's observations of the server's
+    inter-token latency and engine steps: `after` less `before`."""
+    (b0, s0), (b1, s1) = before, after
+    out = {}
+    for key, rows in b1.items():
+        if not key.startswith(("kiln_inter_token_latency_seconds", "kiln_engine_step_seconds")):
+            continue
+        old = dict(b0.get(key, []))
+        run = [(le, c - old.get(le, 0.0)) for le, c in sorted(rows)]
+        n = run[-1][1] if run else 0
+        if n <= 0:
+            continue
+        bound = lambda q: next(le for le, c in run if c >= q * n)
+        total = s1.get(key, 0.0) - s0.get(key, 0.0)
+        ms = lambda v: None if v == float("inf") else round(v * 1e3, 3)
+        out[key] = {"count": int(n), "p50_ms_at_most": ms(bound(0.5)), "p99_ms_at_most": ms(bound(0.99)),
+                    "mean_ms": round(total / n * 1e3, 3)}
+    return out
+
+
 def pct(values, q):
     if not values:
         return None
@@ -96,6 +144,7 @@ def main():
     lock = threading.Lock()
     results = []
     before = {"rss_kib": rss_kib(args.pid) if args.pid else None, "gpu_mib": gpu_used_mib()}
+    metrics_before = histograms(args.url)
 
     def worker():
         while True:
@@ -121,6 +170,7 @@ def main():
     tokens = sum(t for _, _, t, err in results if not err)
     errors = [err for _, _, _, err in results if err]
     after = {"rss_kib": rss_kib(args.pid) if args.pid else None, "gpu_mib": gpu_used_mib()}
+    server = server_view(metrics_before, histograms(args.url))
     ms = lambda v: None if v is None else round(v * 1e3, 3)
     print(json.dumps({
         "requests": len(results), "errors": len(errors), "first_errors": errors[:3],
@@ -129,7 +179,7 @@ def main():
         "ttft_ms": {"p50": ms(pct(ttft, 0.5)), "p99": ms(pct(ttft, 0.99))},
         "itl_ms": {"p50": ms(pct(itl, 0.5)), "p99": ms(pct(itl, 0.99)),
                    "mean": ms(statistics.mean(itl)) if itl else None},
-        "before": before, "after": after,
+        "server": server, "before": before, "after": after,
     }))
 
 
