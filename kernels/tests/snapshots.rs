@@ -122,6 +122,21 @@ fn gemm_bias_gelu_odd_columns_bf16() {
     insta::assert_snapshot!(k.module());
 }
 
+/// The Hopper kernel with its consumers taking turns on whole tiles (BERT-base's O product at
+/// 128 x 128 tokens, bias and residual): the epilogue's loads ahead of its stores.
+#[test]
+fn gemm_taking_turns_bias_residual_bf16() {
+    let cfg = GemmConfig {
+        bias: true,
+        residual: true,
+        ..GemmConfig::plain(16384, 768, 768, Elem::BF16)
+    };
+    assert!(kiln_kernels::gemm_wgmma::tiling(&cfg).ping_pong);
+    let k = gemm(&cfg);
+    assert!(k.name.ends_with("_wgmma"), "{}", k.name);
+    insta::assert_snapshot!(k.module());
+}
+
 /// One decode row against `[N, K]` gate/up weights: the one-column-per-warp matrix-vector
 /// kernel.
 #[test]
