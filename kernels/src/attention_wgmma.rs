@@ -34,9 +34,10 @@
 use crate::attention::{philox_key, reciprocal_or_zero, AttentionConfig, KeyRule, PhiloxRow};
 use crate::attention_tc::RowState;
 use crate::hopper::{
-    mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_init_fence, mbarrier_wait,
-    prefetch_tensor_map, setmaxnreg, tma_load, wgmma, wgmma_commit, wgmma_descriptor, wgmma_fence,
-    wgmma_wait, WgmmaA, WgmmaB, MBARRIER_BYTES, SWIZZLE_BYTES,
+    for_each_block_item, mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init,
+    mbarrier_init_fence, mbarrier_wait, prefetch_tensor_map, setmaxnreg, tma_load, wgmma,
+    wgmma_commit, wgmma_descriptor, wgmma_fence, wgmma_wait, WgmmaA, WgmmaB, MBARRIER_BYTES,
+    SWIZZLE_BYTES,
 };
 use crate::ptx::{Elem, Kernel, Operand, Reg, RegClass, F32};
 use crate::{GeneratedKernel, Image, KernelPath, Launch, TensorMapSpec};
@@ -227,18 +228,10 @@ pub fn attention_wgmma_scheduled(
 
 /// Runs `body` for each of this block's items (`ctaid.x`, then every `nctaid.x`-th).
 fn for_each_item(k: &mut Kernel, cfg: &AttentionConfig, mut body: impl FnMut(&mut Kernel, Block)) {
-    let item = k.special("ctaid.x");
-    let step = k.special("nctaid.x");
-    let top = k.label("item");
-    let done = k.label("items_done");
-    k.place(&top);
-    let past = k.setp("ge.u32", &item, &items(cfg));
-    k.bra(Some((past, true)), &done);
-    let block = Block::at(k, cfg, &item);
-    body(k, block);
-    k.emit(format!("add.u32 {item}, {item}, {step}"));
-    k.bra(None, &top);
-    k.place(&done);
+    for_each_block_item(k, "item", items(cfg), |k, item| {
+        let block = Block::at(k, cfg, item);
+        body(k, block);
+    });
 }
 
 /// Where a warpgroup is in the block's items: how many it has taken (which Q buffer, and which

@@ -218,12 +218,8 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
                 if kernel.image == Image::Sm90a {
                     out.push(("gemm", gemm_base(&cfg)));
                     // The Hopper kernel's other tilings.
-                    let chosen = crate::gemm_wgmma::tiling(&cfg);
-                    for (t, _) in crate::gemm_wgmma::TILINGS {
-                        if t != chosen {
-                            let name = format!("{}_{}", kernel.name, t.label());
-                            out.push(("gemm", crate::gemm_wgmma::gemm_wgmma_tiled(&cfg, t, name)));
-                        }
+                    for other in crate::gemm_wgmma::other_tilings(&cfg, &kernel.name) {
+                        out.push(("gemm", other));
                     }
                 }
                 out.push(("gemm", kernel));

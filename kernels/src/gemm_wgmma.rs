@@ -25,9 +25,9 @@
 
 use crate::gemm::{apply, Addends, EpiloguePtrs, GemmConfig};
 use crate::hopper::{
-    mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_init_fence, mbarrier_wait,
-    prefetch_tensor_map, setmaxnreg, tma_load, wgmma, wgmma_commit, wgmma_descriptor, wgmma_fence,
-    wgmma_wait, WgmmaA, WgmmaB, MBARRIER_BYTES,
+    for_each_block_item, mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init,
+    mbarrier_init_fence, mbarrier_wait, prefetch_tensor_map, setmaxnreg, tma_load, wgmma,
+    wgmma_commit, wgmma_descriptor, wgmma_fence, wgmma_wait, WgmmaA, WgmmaB, MBARRIER_BYTES,
 };
 use crate::ptx::{Elem, Kernel, Label, Reg, RegClass, F32};
 use crate::{GeneratedKernel, Image, KernelPath, Launch, TensorMapSpec};
@@ -147,32 +147,38 @@ pub fn tiling(cfg: &GemmConfig) -> Tiling {
 /// A block's tile: [`BM`] output rows by `width` weight rows per stage.
 #[derive(Clone, Copy)]
 struct Tile {
-    width: u32,
+    tiling: Tiling,
     swiglu: bool,
-    ping_pong: bool,
 }
 
 impl Tile {
     fn new(cfg: &GemmConfig, tiling: Tiling) -> Tile {
         Tile {
-            width: tiling.width,
+            tiling,
             swiglu: cfg.swiglu,
-            ping_pong: tiling.ping_pong,
         }
+    }
+
+    fn width(self) -> u32 {
+        self.tiling.width
+    }
+
+    fn ping_pong(self) -> bool {
+        self.tiling.ping_pong
     }
 
     /// Accumulators per consumer thread: 64 or 128 rows of the tile over 128 threads.
     fn accumulators(self) -> u32 {
-        if self.ping_pong {
-            self.width
+        if self.ping_pong() {
+            self.width()
         } else {
-            self.width / 2
+            self.width() / 2
         }
     }
 
     /// Consumer warps that release each stage: the one consumer's four, or both consumers'.
     fn releasing_warps(self) -> u32 {
-        if self.ping_pong {
+        if self.ping_pong() {
             4
         } else {
             8
@@ -182,15 +188,15 @@ impl Tile {
     /// Output columns per tile.
     fn columns(self) -> u32 {
         if self.swiglu {
-            self.width / 2
+            self.width() / 2
         } else {
-            self.width
+            self.width()
         }
     }
 
     /// Bytes of a stage's weight tile.
     fn b_bytes(self) -> u32 {
-        self.width * BK * 2
+        self.width() * BK * 2
     }
 
     /// Bytes of a stage: x's tile, then the weights'.
@@ -221,6 +227,17 @@ fn tensor_maps(cfg: &GemmConfig, tile: Tile) -> (TensorMapSpec, TensorMapSpec) {
 /// `[bias], [residual], out`.
 pub fn gemm_wgmma(cfg: &GemmConfig, name: String) -> GeneratedKernel {
     gemm_wgmma_tiled(cfg, tiling(cfg), name)
+}
+
+/// The kernel in every tiling of [`TILINGS`] but the one [`tiling`] picks, each named `name`
+/// (the picked kernel's) with its tiling's label: for the tests, the catalog and benchmarks.
+pub fn other_tilings(cfg: &GemmConfig, name: &str) -> Vec<GeneratedKernel> {
+    let picked = tiling(cfg);
+    TILINGS
+        .into_iter()
+        .filter(|&(t, _)| t != picked)
+        .map(|(t, _)| gemm_wgmma_tiled(cfg, t, format!("{name}_{}", t.label())))
+        .collect()
 }
 
 /// [`gemm_wgmma`] in `tiling`, one of [`TILINGS`].
@@ -305,18 +322,10 @@ fn for_each_tile(
     tile_shape: Tile,
     mut body: impl FnMut(&mut Kernel, Reg, Reg),
 ) {
-    let tile = k.special("ctaid.x");
-    let step = k.special("nctaid.x");
-    let top = k.label("tile");
-    let done = k.label("tiles_done");
-    k.place(&top);
-    let past = k.setp("ge.u32", &tile, &tile_shape.count(cfg));
-    k.bra(Some((past, true)), &done);
-    let (m0, n0) = tile_origin(k, cfg, tile_shape, &tile);
-    body(k, m0, n0);
-    k.emit(format!("add.u32 {tile}, {tile}, {step}"));
-    k.bra(None, &top);
-    k.place(&done);
+    for_each_block_item(k, "tile", tile_shape.count(cfg), |k, tile| {
+        let (m0, n0) = tile_origin(k, cfg, tile_shape, tile);
+        body(k, m0, n0);
+    });
 }
 
 /// The block's first output row and column, visiting tiles in groups of [`GROUP_M`] tile rows
@@ -435,7 +444,7 @@ fn consumer(
     let consumer = k.sub_u32(warpgroup, &1u32);
     // The A rows each half of the accumulators multiplies: this warpgroup's 64 rows (64 rows of
     // 128 bytes further per consumer), or both halves of the tile.
-    let halves: Vec<Reg> = if tile.ping_pong {
+    let halves: Vec<Reg> = if tile.ping_pong() {
         vec![
             k.mov(RegClass::B32, &0u32),
             k.mov(RegClass::B32, &(64 * BK * 2)),
@@ -446,7 +455,9 @@ fn consumer(
     let lane = k.op2("and.b32", RegClass::B32, tid, &31u32);
     let lane0 = k.setp("eq.u32", &lane, &0u32);
     let step = k.mov(RegClass::B32, &0u32);
-    let turns = tile.ping_pong.then(|| Turns::new(k, cfg, tile, &consumer));
+    let turns = tile
+        .ping_pong()
+        .then(|| Turns::new(k, cfg, tile, &consumer));
     let mac = Products {
         cfg,
         pipe,
@@ -464,16 +475,13 @@ fn consumer(
             t.hand_over(k, next);
         }
         mac.release_last(k);
-        if tile.ping_pong {
-            for half in 0..2u32 {
-                let rows = k.add_u32(&m0, &(64 * half));
-                let per_half = acc.len() / 2;
-                let acc = &acc[half as usize * per_half..(half as usize + 1) * per_half];
-                store(k, cfg, epilogue, acc, tid, rows, n0);
-            }
-        } else {
-            let rows = k.mad_u32(&consumer, &64u32, &m0);
-            store(k, cfg, epilogue, &acc, tid, rows, n0);
+        for (half, acc) in (0u32..).zip(acc.chunks(acc.len() / halves.len())) {
+            let rows = if tile.ping_pong() {
+                k.add_u32(&m0, &(64 * half))
+            } else {
+                k.mad_u32(&consumer, &64u32, &m0)
+            };
+            store(k, cfg, epilogue, acc, tid, rows, n0);
         }
         k.place(&skip);
     });
@@ -699,10 +707,9 @@ fn store_pairs(k: &mut Kernel, cfg: &GemmConfig, epilogue: &EpiloguePtrs, frag: 
             (ok, k.mul_u32(&row, &n_out))
         })
         .collect();
-    let words = u32::from(cfg.bias) * (1 + u32::from(cfg.swiglu)) + 2 * u32::from(cfg.residual);
     let chunks = frag.chunks(cfg);
     let group = EPILOGUE_WORDS
-        .checked_div(words)
+        .checked_div(PairOperands::words(cfg))
         .unwrap_or(chunks)
         .clamp(1, chunks);
     for first in (0..chunks).step_by(group as usize) {
@@ -715,6 +722,7 @@ fn store_pairs(k: &mut Kernel, cfg: &GemmConfig, epilogue: &EpiloguePtrs, frag: 
             })
             .collect();
         for (&j, operands) in group.iter().zip(&loaded) {
+            // The place again rather than held since the loads: fewer live registers.
             let place = PairPlace::of(k, cfg, frag, &rows, j);
             store_chunk(k, cfg, epilogue, frag, j, &place, operands);
         }
@@ -755,6 +763,11 @@ struct PairOperands {
 }
 
 impl PairOperands {
+    /// Words a chunk's operands take: its bias (and up bias), its residual of both row halves.
+    fn words(cfg: &GemmConfig) -> u32 {
+        u32::from(cfg.bias) * (1 + u32::from(cfg.swiglu)) + 2 * u32::from(cfg.residual)
+    }
+
     fn load(k: &mut Kernel, cfg: &GemmConfig, epilogue: &EpiloguePtrs, place: &PairPlace) -> Self {
         let bias = epilogue.bias().map(|b| load_word(k, b, &place.safe_col));
         let bias_up = match (epilogue.bias(), cfg.swiglu) {

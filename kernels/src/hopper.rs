@@ -163,3 +163,24 @@ pub fn setmaxnreg(k: &mut Kernel, grow: bool, count: u32) {
     let dir = if grow { "inc" } else { "dec" };
     k.emit(format!("setmaxnreg.{dir}.sync.aligned.u32 {count}"));
 }
+
+/// Runs `body` for each of `count` work items this block takes on a persistent grid (`ctaid.x`,
+/// then every `nctaid.x`-th), with the item's index; `what` names the loop's labels.
+pub fn for_each_block_item(
+    k: &mut Kernel,
+    what: &str,
+    count: u32,
+    mut body: impl FnMut(&mut Kernel, &Reg),
+) {
+    let item = k.special("ctaid.x");
+    let step = k.special("nctaid.x");
+    let top = k.label(what);
+    let done = k.label(&format!("{what}s_done"));
+    k.place(&top);
+    let past = k.setp("ge.u32", &item, &count);
+    k.bra(Some((past, true)), &done);
+    body(k, &item);
+    k.emit(format!("add.u32 {item}, {item}, {step}"));
+    k.bra(None, &top);
+    k.place(&done);
+}

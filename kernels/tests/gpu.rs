@@ -17,7 +17,7 @@ use kiln_ir::Op;
 use kiln_kernels::elementwise::activation_kernel;
 use kiln_kernels::embedding::{embedding, EmbeddingConfig};
 use kiln_kernels::gemm::{gemm, gemm_base, gemm_for, GemmConfig};
-use kiln_kernels::gemm_wgmma::{gemm_wgmma_tiled, tiling, TILINGS};
+use kiln_kernels::gemm_wgmma::other_tilings;
 use kiln_kernels::gemv::Rows;
 use kiln_kernels::norm::{norm, NormConfig};
 use kiln_kernels::sampling::argmax;
@@ -667,7 +667,7 @@ fn gemms_match_the_interpreter() {
                 let mut kernels = vec![gemm(&cfg)];
                 if kernels[0].image == Image::Sm90a {
                     kernels.push(gemm_base(&cfg));
-                    kernels.extend(other_tilings(&cfg, &kernels[0]));
+                    kernels.extend(other_tilings(&cfg, &kernels[0].name));
                 }
                 let invariant = gemm_for(&cfg, Rows::BatchInvariant);
                 if invariant.name != kernels[0].name {
@@ -677,16 +677,6 @@ fn gemms_match_the_interpreter() {
             }
         }
     }
-}
-
-/// The Hopper kernel in every tiling but `chosen`'s (the kernel [`gemm`] made for `cfg`).
-fn other_tilings(cfg: &GemmConfig, chosen: &GeneratedKernel) -> Vec<GeneratedKernel> {
-    let picked = tiling(cfg);
-    TILINGS
-        .into_iter()
-        .filter(|&(t, _)| t != picked)
-        .map(|(t, _)| gemm_wgmma_tiled(cfg, t, format!("{}_{}", chosen.name, t.label())))
-        .collect()
 }
 
 /// Runs each of `kernels` (products of `cfg`) on random operands and checks them against the
@@ -759,7 +749,7 @@ fn hopper_tiles_go_round_the_persistent_grid() {
             ..GemmConfig::plain(m, n, k, Elem::BF16)
         };
         let chosen = gemm(&cfg);
-        let mut kernels = other_tilings(&cfg, &chosen);
+        let mut kernels = other_tilings(&cfg, &chosen.name);
         kernels.push(chosen);
         check_gemm(&gpu, &mut rng, &cfg, &kernels);
     }
