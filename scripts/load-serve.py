@@ -10,7 +10,8 @@ the drain), time to first token and inter-token latency percentiles (from the ar
 streamed chunk), errors, the server's own view of the run (its inter-token latency
 and engine step histograms from /metrics, the run's counts alone: p50 and p99 as the bounds of the
 buckets that hold them, 25% apart), and, with --pid, the server's resident memory and the device
-memory (nvidia-smi) before and after.
+memory (nvidia-smi) before and after, and the server's resident memory after every tenth of the
+requests.
 
     python3 scripts/load-serve.py http://127.0.0.1:8000 --model m --concurrency 64 \
         --requests 256 --lengths 100..4000 --max-tokens 512 --vocab 128256 --pid PID
@@ -128,9 +129,10 @@ def split(total, parts):
     return [total // parts + (i < total % parts) for i in range(parts)]
 
 
-def client(args, threads, todo, done):
-    """One process of the load: `threads` workers taking prompts from `todo` until it is empty;
-    every request's result goes to `done` in one list."""
+def client(args, threads, todo, done, finished):
+    """One process of the load: `threads` workers taking prompts from `todo` until it is empty,
+    counting each finished request in `finished`; every request's result goes to `done` in one
+    list."""
     sys.setswitchinterval(0.0005)
     lock = threading.Lock()
     results = []
@@ -146,6 +148,8 @@ def client(args, threads, todo, done):
             r = one(args.url, body)
             with lock:
                 results.append(r)
+            with finished.get_lock():
+                finished.value += 1
 
     workers = [threading.Thread(target=worker) for _ in range(threads)]
     for w in workers:
@@ -199,13 +203,19 @@ def main():
     metrics_before = histograms(args.url)
     processes = max(1, min(args.processes, args.concurrency))
     t0 = time.perf_counter()
-    procs = [multiprocessing.Process(target=client, args=(args, threads, todo, done))
+    finished = multiprocessing.Value("i", 0)
+    procs = [multiprocessing.Process(target=client, args=(args, threads, todo, done, finished))
              for threads in split(args.concurrency, processes)]
     for p in procs:
         p.start()
-    results = []
-    for _ in procs:
-        results.extend(done.get())
+    results, rss_by_requests, mark = [], [], args.requests // 10
+    while len(results) < args.requests and any(p.is_alive() for p in procs) or not done.empty():
+        try:
+            results.extend(done.get(timeout=0.5))
+        except queue.Empty:
+            pass
+        if args.pid and mark and finished.value >= mark * (len(rss_by_requests) + 1):
+            rss_by_requests.append([finished.value, rss_kib(args.pid)])
     for p in procs:
         p.join()
     wall = time.perf_counter() - t0
@@ -225,7 +235,7 @@ def main():
         "ttft_ms": {"p50": ms(pct(ttft, 0.5)), "p99": ms(pct(ttft, 0.99))},
         "itl_ms": {"p50": ms(pct(itl, 0.5)), "p99": ms(pct(itl, 0.99)),
                    "mean": ms(statistics.mean(itl)) if itl else None},
-        "server": server, "before": before, "after": after,
+        "server": server, "before": before, "after": after, "rss_kib_by_requests": rss_by_requests,
     }))
 
 
