@@ -66,6 +66,7 @@ class Kernel:
         if shared > 48 * 1024:
             check(CUDA.cuFuncSetAttribute(self.function, SHARED_LIMIT, shared), "shared memory limit")
         self.signature = k["signature"]
+        self.scalars = case.get("scalars", {})
 
     def bind(self, tensors):
         """Keeps the argument values alive and returns the `void**` cuLaunchKernel takes."""
@@ -75,6 +76,8 @@ class Kernel:
                 self.values.append(TensorMap(kind["TensorMap"], tensors[name]))
             elif kind == "Ptr":
                 self.values.append(ctypes.c_uint64(tensors[name].data_ptr()))
+            elif kind == "U32":
+                self.values.append(ctypes.c_uint32(self.scalars[name]))
             else:
                 raise ValueError(f"{self.name}: parameter {name} of kind {kind} has no binding here")
         pointers = [ctypes.c_void_p(v.address) if isinstance(v, TensorMap) else ctypes.cast(ctypes.pointer(v), ctypes.c_void_p)

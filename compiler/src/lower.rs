@@ -589,6 +589,27 @@ fn gemm_parts(g: &Graph, id: NodeId) -> Option<(GemmConfig, Option<NormConfig>)>
     Some((cfg, norm))
 }
 
+/// Launches the norm kernel of `cfg` over its tensors in `bind`, with its CPU twin (which takes
+/// the tensors alone); a kernel that gives each row a warp also takes the rows.
+fn launch_norm(
+    out: &mut Lowered,
+    n: &mut NodeLaunches,
+    cfg: NormConfig,
+    mut bind: Vec<(&str, Operand)>,
+) -> Option<()> {
+    let kernel = out.generate(&cfg, norm);
+    let tensors: Vec<&str> = kernel
+        .signature
+        .iter()
+        .map(|(p, _)| p.as_str())
+        .filter(|&p| p != "rows")
+        .collect();
+    let rows = cfg.rows;
+    n.cpu(CpuKernel::Norm(cfg), &bind, &tensors, u64::from(rows));
+    bind.push(("rows", Operand::U32(rows)));
+    out.launch(n, kernel, &bind)
+}
+
 fn lower_node(
     g: &Graph,
     id: NodeId,
@@ -643,7 +664,6 @@ fn lower_node(
                 cols,
                 eps,
             };
-            let kernel = out.generate(&cfg, norm);
             // Operands: x, [residual], weight, [bias].
             let mut rest = 1;
             let mut bind = vec![("x", a(0)), ("out", this)];
@@ -655,8 +675,7 @@ fn lower_node(
             if rest + 1 < node.args.len() {
                 bind.push(("bias", a(rest + 1)));
             }
-            n.cpu_like(CpuKernel::Norm(cfg), &kernel, &bind, u64::from(rows));
-            out.launch(n, kernel, &bind)?;
+            launch_norm(out, n, cfg, bind)?;
         }
         Op::Gemm(spec) => {
             let (cfg, norm_cfg) = gemm_parts(g, id)?;
@@ -705,14 +724,7 @@ fn lower_node(
                     ("out", Operand::Scratch(0)),
                 ];
                 norm_bind.extend(norm_bias.map(|b| ("bias", b)));
-                let norm_kernel = out.generate(&norm_cfg, norm);
-                n.cpu_like(
-                    CpuKernel::Norm(norm_cfg),
-                    &norm_kernel,
-                    &norm_bind,
-                    cfg.m.into(),
-                );
-                out.launch(n, norm_kernel, &norm_bind)?;
+                launch_norm(out, n, norm_cfg, norm_bind)?;
                 bind[0].1 = Operand::Scratch(0);
             }
             let m = u64::from(cfg.m);

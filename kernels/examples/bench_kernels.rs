@@ -441,9 +441,11 @@ type Buffer = (Vec<usize>, &'static str, f64);
 fn emit_cases(dir: &std::path::Path) {
     std::fs::create_dir_all(dir).unwrap();
     let mut cases = Vec::new();
+    // A case: its kernel, the tensors it takes, its u32 parameters, its peer and its FLOPs.
     let mut add = |case: String,
                    kernel: GeneratedKernel,
                    buffers: Vec<(&str, Buffer)>,
+                   scalars: &[(&str, u32)],
                    peer: serde_json::Value,
                    flops: f64| {
         let module = format!("{}.ptx", kernel.name);
@@ -452,9 +454,13 @@ fn emit_cases(dir: &std::path::Path) {
             .into_iter()
             .map(|(n, b)| (n.to_string(), serde_json::json!(b)))
             .collect();
+        let scalars: serde_json::Map<String, serde_json::Value> = scalars
+            .iter()
+            .map(|&(n, v)| (n.to_string(), serde_json::json!(v)))
+            .collect();
         cases.push(serde_json::json!({
             "case": case, "kernel": kernel, "module": module, "buffers": buffers,
-            "peer": peer, "flops": flops,
+            "scalars": scalars, "peer": peer, "flops": flops,
         }));
     };
     for (s, bias_gelu) in [(4096usize, false), (8192, false), (4096, true)] {
@@ -477,7 +483,14 @@ fn emit_cases(dir: &std::path::Path) {
             "gemm bf16 {s}^3{}",
             if bias_gelu { " bias+gelu" } else { "" }
         );
-        add(name, gemm(&cfg), buffers, peer, 2.0 * (s as f64).powi(3));
+        add(
+            name,
+            gemm(&cfg),
+            buffers,
+            &[],
+            peer,
+            2.0 * (s as f64).powi(3),
+        );
     }
     // Products of the models' prefills (GPT-2 small at 16 and 1024 tokens, Llama-3.2-1B at 512
     // and 4096, BERT-base at 128 x 128) and the square ones in every tiling of the Hopper kernel, BERT's with their
@@ -542,7 +555,7 @@ fn emit_cases(dir: &std::path::Path) {
             };
             let kernel_name = format!("gemm_{m}x{n}x{k}{tag}_{}", t.label());
             let kernel = gemm_wgmma_tiled(&cfg, t, kernel_name);
-            add(name, kernel, buffers, peer, 2.0 * (m * n * k) as f64);
+            add(name, kernel, buffers, &[], peer, 2.0 * (m * n * k) as f64);
         }
     }
     // The models' norms (BERT-base's LayerNorm at 128 x 128 tokens, GPT-2's at 1024,
@@ -583,8 +596,9 @@ fn emit_cases(dir: &std::path::Path) {
             let form = format!("{threads:?}").to_lowercase();
             let what = if layer { "layer_norm" } else { "rms_norm" };
             let name = format!("{what} bf16 {rows}x{cols} {form}{mark}");
-            // The warp form's name carries its rows: the two names differ.
-            add(name, norm_with(&cfg, threads), buffers, peer, 0.0);
+            // Forms and row counts share modules by name: the text depends on neither's rows.
+            let scalars = [("rows", rows as u32)];
+            add(name, norm_with(&cfg, threads), buffers, &scalars, peer, 0.0);
         }
     }
     for (d, causal, dropout) in [
@@ -625,7 +639,7 @@ fn emit_cases(dir: &std::path::Path) {
                 ""
             }
         );
-        add(name, attention(&cfg), buffers, peer, flops);
+        add(name, attention(&cfg), buffers, &[], peer, flops);
     }
     // Attention of the models' prefills on one item per block and on a persistent grid:
     // BERT-base at 128 x 128 tokens (all keys), GPT-2 at 1024 tokens and Llama-3.2-1B at 4096
@@ -672,13 +686,8 @@ fn emit_cases(dir: &std::path::Path) {
                 "attention_b{b}_h{h}_{kv}_s{s}_d{d}_{}",
                 if on_grid { "persistent" } else { "items" }
             );
-            add(
-                name,
-                attention_wgmma_scheduled(&cfg, on_grid, kernel_name),
-                buffers,
-                peer,
-                flops,
-            );
+            let kernel = attention_wgmma_scheduled(&cfg, on_grid, kernel_name);
+            add(name, kernel, buffers, &[], peer, flops);
         }
     }
     let text = serde_json::to_string_pretty(&cases).unwrap();

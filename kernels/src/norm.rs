@@ -77,8 +77,8 @@ struct RowGroup {
 }
 
 impl RowGroup {
-    /// This thread's group and row; a warp past the last row stops here.
-    fn start(k: &mut Kernel, cfg: &NormConfig, threads: RowThreads) -> (RowGroup, Reg) {
+    /// This thread's group and row; a warp past the last of `rows` stops here.
+    fn start(k: &mut Kernel, threads: RowThreads, rows: Option<Reg>) -> (RowGroup, Reg) {
         let tid = k.special("tid.x");
         let block = k.special("ctaid.x");
         match threads {
@@ -94,7 +94,8 @@ impl RowGroup {
                 let lane = k.op2("and.b32", RegClass::B32, &tid, &31u32);
                 let warp = k.op2("shr.u32", RegClass::B32, &tid, &5u32);
                 let row = k.mad_u32(&block, &threads.rows_per_block(), &warp);
-                let past = k.setp("ge.u32", &row, &cfg.rows);
+                let rows = rows.expect("a warp to a row takes the rows as a parameter");
+                let past = k.setp("ge.u32", &row, &rows);
                 k.emit(format!("@{past} ret"));
                 let group = RowGroup {
                     threads,
@@ -116,7 +117,8 @@ impl RowGroup {
     }
 }
 
-/// Generates the kernel. Parameters: `x, [residual], weight, [bias], out`.
+/// Generates the kernel. Parameters: `x, [residual], weight, [bias], out`, then `rows` (u32)
+/// when a warp takes each row.
 pub fn norm(cfg: &NormConfig) -> GeneratedKernel {
     norm_with(cfg, RowThreads::of(cfg))
 }
@@ -128,29 +130,33 @@ pub fn norm_with(cfg: &NormConfig, threads: RowThreads) -> GeneratedKernel {
         "a warp takes rows of at most {WARP_CHUNKS} whole 16-byte chunks per lane"
     );
     let layer = cfg.kind == NormKind::LayerNorm;
-    let mut name = format!(
-        "{}{}_{}_c{}",
+    let name = format!(
+        "{}{}_{}_c{}{}",
         if layer { "layer_norm" } else { "rms_norm" },
         if cfg.residual { "_residual" } else { "" },
         cfg.elem.name(),
-        cfg.cols
+        cfg.cols,
+        if threads == RowThreads::Warp {
+            "_w"
+        } else {
+            ""
+        }
     );
-    if threads == RowThreads::Warp {
-        // The kernel stops the warps past the last row: its text depends on the rows.
-        name.push_str(&format!("_r{}", cfg.rows));
-    }
     let mut k = Kernel::new(&name);
     let x = k.param_ptr("x");
     let residual = cfg.residual.then(|| k.param_ptr("residual"));
     let weight = k.param_ptr("weight");
     let bias = layer.then(|| k.param_ptr("bias"));
     let out = k.param_ptr("out");
+    // Warps past the last row stop: the rows come as a parameter, so that one kernel serves
+    // every bucket's rows (its grid changes with them, its text does not).
+    let rows = (threads == RowThreads::Warp).then(|| k.param_u32("rows"));
     // A warp's sums need no shared memory.
     let red = match threads {
         RowThreads::Block => scratch(&mut k),
         RowThreads::Warp => String::new(),
     };
-    let (group, row) = RowGroup::start(&mut k, cfg, threads);
+    let (group, row) = RowGroup::start(&mut k, threads, rows);
     let row_base = k.mul_u32(&row, &cfg.cols);
     let elem = cfg.elem;
     let cols = cfg.cols;
@@ -500,12 +506,24 @@ mod tests {
         // partly idle.
         for cols in [768, 2048] {
             let k = layer_norm(Elem::BF16, 17, cols);
-            assert_eq!(k.name, format!("layer_norm_bf16_c{cols}_r17"));
+            assert_eq!(k.name, format!("layer_norm_bf16_c{cols}_w"));
             assert_eq!(k.launch.grid, [3, 1, 1]);
             assert!(!k.module().contains("bar.sync"), "{}", k.name);
+            assert_eq!(k.signature.last().map(|(p, _)| p.as_str()), Some("rows"));
         }
         // 1024 f32 columns: 256 chunks of 4.
         assert_eq!(layer_norm(Elem::F32, 8, 1024).launch.grid, [1, 1, 1]);
+    }
+
+    #[test]
+    fn one_warp_per_row_kernel_serves_every_row_count() {
+        // Buckets of 16 and 16384 tokens: the same text, grids of their rows.
+        let (few, many) = (
+            layer_norm(Elem::BF16, 16, 768),
+            layer_norm(Elem::BF16, 16384, 768),
+        );
+        assert_eq!(few.ptx, many.ptx);
+        assert_eq!((few.launch.grid[0], many.launch.grid[0]), (2, 2048));
     }
 
     #[test]

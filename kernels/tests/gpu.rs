@@ -272,6 +272,7 @@ fn norms_match_the_interpreter() {
                     ("weight", Arg::Buf(&bw)),
                     ("bias", Arg::Buf(&bb)),
                     ("out", Arg::Buf(&out)),
+                    ("rows", Arg::U32(rows)),
                 ]);
                 gpu.launch(&kernel, &args);
                 let shape = vec![rows as usize, cols as usize];

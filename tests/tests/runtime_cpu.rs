@@ -347,17 +347,18 @@ fn plans_are_consistent_with_the_kernel_table_and_the_allocation() {
         let err = check_plan(&art, e, &bad, &table).unwrap_err().to_string();
         assert!(err.contains("`position_ids`"), "{err}");
     }
-    // A kernel whose code does not depend on the rows (the embedding's) serves every bucket, with
-    // the grid of each launch.
-    let embedding = grids
-        .iter()
-        .find(|(k, _)| k.starts_with("embedding"))
-        .expect("an embedding kernel");
-    assert!(
-        embedding.1.len() >= 3,
-        "one grid per row count: {:?}",
-        embedding.1
-    );
+    // Kernels whose code does not depend on the rows (the embedding's; a LayerNorm's, a warp to
+    // a row, which takes the rows as a parameter) serve every bucket, with the grid of each launch.
+    for prefix in ["embedding", "layer_norm"] {
+        let (name, kernel_grids) = grids
+            .iter()
+            .find(|(k, _)| k.starts_with(prefix))
+            .unwrap_or_else(|| panic!("a {prefix} kernel"));
+        assert!(
+            kernel_grids.len() >= 3,
+            "{name}: one grid per row count: {kernel_grids:?}"
+        );
+    }
     let region = art.weights.as_ref().unwrap().region(&m.memory).unwrap();
     assert_eq!(region.len() as u64, m.memory.weights_bytes);
     assert!(m
