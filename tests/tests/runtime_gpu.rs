@@ -269,12 +269,11 @@ fn encoders_match_references_on_the_gpu() {
     let tmp = tempfile::tempdir().unwrap();
     // The real MiniLM is fetched only when its turn comes, so that bert-tiny runs even where the
     // fetch cannot (a GPU machine without the network).
-    let models: [(fn() -> std::path::PathBuf, &str); 2] = [
-        (|| fixture("bert-tiny"), "bert-tiny"),
-        (minilm_dir, "minilm-reference"),
-    ];
-    for (dir, name) in models {
-        let dir = dir();
+    for name in ["bert-tiny", "minilm-reference"] {
+        let dir = match name {
+            "bert-tiny" => fixture(name),
+            _ => minilm_dir(),
+        };
         for dtype in ["f32", "bf16"] {
             let art = compile_artifact(
                 &dir,
