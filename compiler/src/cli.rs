@@ -93,9 +93,10 @@ pub enum Command {
         max_context: Option<usize>,
         /// Tokens per prompt chunk of generation, a KV-cached graph at batch 1 (decoders; default:
         /// the smallest of 128, the largest sequence bucket and the context; 1 enters prompts one
-        /// token per step).
-        #[arg(long)]
-        prefill_chunk: Option<usize>,
+        /// token per step). Several sizes (`512,128`) make a graph each: a prompt's last part
+        /// takes the smallest that holds it, the rest the largest.
+        #[arg(long, value_delimiter = ',')]
+        prefill_chunk: Vec<usize>,
         /// Prompts one prompt chunk takes at once: the chunk graph's batch (decoders; default 1,
         /// at most the largest batch bucket). Prompts arriving together then fill side by side.
         #[arg(long)]
@@ -173,7 +174,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                     cost: CostModel::default(),
                     histogram: None,
                     max_context: None,
-                    prefill_chunk: None,
+                    prefill_chunks: Vec::new(),
                 };
                 let (_, compiled) = compile(&model.graph, None, &opts)?;
                 writeln!(out, "{}", compiled.prefill[0].graph.to_ron())?;
@@ -263,8 +264,11 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                     if let Some(limit) = max_positions.filter(|l| context > *l) {
                         bail!("--max-context {context} exceeds the model's {limit} positions");
                     }
-                    if let Some(c) = prefill_chunk.filter(|&c| c == 0 || c > context) {
+                    if let Some(c) = prefill_chunk.iter().find(|&&c| c == 0 || c > context) {
                         bail!("--prefill-chunk {c} must be between 1 and the context ({context})");
+                    }
+                    if prefill_chunk.len() > 1 && prefill_chunk.contains(&1) {
+                        bail!("--prefill-chunk 1 enters prompts one token per step; it takes no other chunk sizes");
                     }
                     let rows = *plan.batch_sizes.last().expect("batch buckets");
                     if let Some(p) = prefill_batch.filter(|&p| p == 0 || p > rows) {
@@ -280,7 +284,8 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                     (Some(load(&options)?.graph), Some(context))
                 }
                 ModelKind::Encoder { .. } => {
-                    if max_context.is_some() || prefill_chunk.is_some() || prefill_batch.is_some() {
+                    if max_context.is_some() || !prefill_chunk.is_empty() || prefill_batch.is_some()
+                    {
                         bail!(
                             "--max-context, --prefill-chunk and --prefill-batch apply to decoders; {} is an encoder",
                             model.architecture
@@ -297,10 +302,8 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 cost: CostModel::default(),
                 histogram,
                 max_context: context,
-                prefill_chunk: context.map(|c| Bucket {
-                    batch: prefill_batch.unwrap_or(1),
-                    seq: prefill_chunk
-                        .unwrap_or_else(|| 128.min(*plan.seq_lens.last().expect("buckets")).min(c)),
+                prefill_chunks: context.map_or_else(Vec::new, |c| {
+                    prompt_chunks(prefill_chunk, prefill_batch.unwrap_or(1), &plan, c)
                 }),
             };
             let (mut compiled, buckets) =
@@ -352,13 +355,18 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 }))
                 .collect();
             let chunks = buckets.decode.iter().filter(|b| b.bucket.seq > 1).count();
+            let chunks_said = match chunks {
+                0 => String::new(),
+                1 => " + 1 prompt chunk".to_string(),
+                n => format!(" + {n} prompt chunks"),
+            };
             writeln!(
                 out,
                 "compiled {} ({} prefill + {} decode buckets{}) into {} in {:.2} s: {}",
                 model.architecture,
                 buckets.prefill.len(),
                 buckets.decode.len() - chunks,
-                if chunks > 0 { " + 1 prompt chunk" } else { "" },
+                chunks_said,
                 out_dir.display(),
                 compiled.stage_seconds["total"],
                 per_bucket.join(", ")
@@ -1075,4 +1083,19 @@ pub fn find_ptxas() -> Option<PathBuf> {
     std::env::split_paths(&std::env::var_os("PATH")?)
         .map(|dir| dir.join("ptxas"))
         .find(|p| p.is_file())
+}
+
+/// The prompt chunk buckets of `sizes` (largest first, each once) at `batch` prompts; with no
+/// size given, one of the smallest of 128, the largest sequence bucket and the `context`.
+fn prompt_chunks(sizes: &[usize], batch: usize, plan: &BucketPlan, context: usize) -> Vec<Bucket> {
+    let mut seqs: Vec<usize> = sizes.to_vec();
+    if seqs.is_empty() {
+        seqs.push(
+            128.min(*plan.seq_lens.last().expect("buckets"))
+                .min(context),
+        );
+    }
+    seqs.sort_unstable_by(|a, b| b.cmp(a));
+    seqs.dedup();
+    seqs.into_iter().map(|seq| Bucket { batch, seq }).collect()
 }

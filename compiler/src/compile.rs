@@ -31,10 +31,18 @@ pub struct CompileOptions {
     pub histogram: Option<BTreeMap<usize, u64>>,
     /// KV-cache capacity of the decode graphs (decoders only).
     pub max_context: Option<usize>,
-    /// The prompt chunk: a KV-cached graph of this many prompts (its batch, rows `0..batch` of
-    /// the cache) and tokens, through which generation enters prompts (decoders only; `None`, or
-    /// one token: one token per decode step).
-    pub prefill_chunk: Option<Bucket>,
+    /// The prompt chunks: KV-cached graphs of this many prompts (their batch, rows `0..batch` of
+    /// the cache, the same for all) and tokens, through which generation enters prompts
+    /// (decoders only; none, or one token: one token per decode step). Several sizes let a
+    /// prompt's last part take the smallest chunk that holds it.
+    pub prefill_chunks: Vec<Bucket>,
+}
+
+impl CompileOptions {
+    /// The prompt chunks that are graphs of their own (more than one token).
+    fn prompt_chunks(&self) -> impl Iterator<Item = Bucket> + '_ {
+        self.prefill_chunks.iter().copied().filter(|c| c.seq > 1)
+    }
 }
 
 /// One kernel of a bucket's static graph.
@@ -128,8 +136,8 @@ pub struct Compiled {
 }
 
 /// Compiles `graph` for every bucket of `opts.plan` and, for decoders, the KV-cached graph
-/// `cached` at `opts.max_context` cache entries: once at `opts.prefill_chunk` (the prompt chunk),
-/// then for every batch bucket at one token (the decode steps).
+/// `cached` at `opts.max_context` cache entries: once at each of `opts.prefill_chunks` (the
+/// prompt chunks), then for every batch bucket at one token (the decode steps).
 pub fn compile(
     graph: &Graph,
     cached: Option<&Graph>,
@@ -156,9 +164,7 @@ pub fn compile_with_progress(
     drop(stage);
     stage_seconds.insert("saturate".to_string(), start.elapsed().as_secs_f64());
     let decode_buckets = match (&saturated_cached, opts.max_context) {
-        (Some(_), Some(_)) => {
-            opts.plan.batch_sizes.len() + usize::from(opts.prefill_chunk.is_some_and(|c| c.seq > 1))
-        }
+        (Some(_), Some(_)) => opts.plan.batch_sizes.len() + opts.prompt_chunks().count(),
         _ => 0,
     };
     let stage = progress.stage(
@@ -176,7 +182,6 @@ pub fn compile_with_progress(
         .map(|b| (&saturated, b, None))
         .collect();
     if let (Some(sat), Some(context)) = (&saturated_cached, opts.max_context) {
-        let chunk = opts.prefill_chunk.filter(|c| c.seq > 1);
         let steps = opts
             .plan
             .batch_sizes
@@ -184,8 +189,7 @@ pub fn compile_with_progress(
             .rev()
             .map(|&batch| Bucket { batch, seq: 1 });
         jobs.extend(
-            chunk
-                .into_iter()
+            opts.prompt_chunks()
                 .chain(steps)
                 .map(|b| (sat, b, Some(context))),
         );

@@ -2,10 +2,11 @@
 //! the largest decode bucket's cache; sequences join and leave between steps, and each step runs
 //! the smallest one-token decode bucket that covers the occupied rows (rows without a token this
 //! step are masked, so they write nothing). A prompt but its last token enters the cache through
-//! the chunk bucket, whose batch of `P` rows works on rows `0..P`: a joining sequence takes one of
+//! the chunk buckets, whose batch of `P` rows works on rows `0..P`: a joining sequence takes one of
 //! them (a decoding occupant moves to a free row first) and fills it chunk by chunk, beside the
-//! other prompts filling there and interleaved with the others' decode steps; without a chunk
-//! bucket, prompts enter one token per decode step in their own rows. The last prompt token then
+//! other prompts filling there and interleaved with the others' decode steps; of several chunk
+//! sizes, each chunk step takes the smallest that holds what the filling prompts have left, else
+//! the largest. Without a chunk bucket, prompts enter one token per decode step in their own rows. The last prompt token then
 //! goes through a decode step, whose logits choose the first new token. Rows are compacted when a
 //! sequence leaves (a filling sequence only ever moves down, so it stays in the chunk rows), so
 //! the bucket stays as small as the batch.
@@ -83,7 +84,8 @@ pub struct Batcher<'a> {
     session: Session<'a>,
     /// The one-token decode buckets, by batch ascending.
     steps: Vec<&'a BucketEntry>,
-    chunk: Option<&'a BucketEntry>,
+    /// The prompt chunk buckets, by tokens ascending (all of one batch).
+    chunks: Vec<&'a BucketEntry>,
     rows: Vec<Option<Seq>>,
     /// Prompt chunks run before each decode step (the per-step prompt budget).
     chunks_per_step: usize,
@@ -113,12 +115,15 @@ impl<'a> Batcher<'a> {
         let largest = *steps
             .last()
             .ok_or_else(|| RuntimeError::Request("the artifact has no decode bucket".into()))?;
-        let chunk = m
-            .decode
-            .iter()
-            .filter(|e| e.seq > 1)
-            .max_by_key(|e| (e.seq, e.batch));
-        if let Some(c) = chunk.filter(|c| c.batch > largest.batch) {
+        let mut chunks: Vec<&BucketEntry> = m.decode.iter().filter(|e| e.seq > 1).collect();
+        chunks.sort_by_key(|e| e.seq);
+        if let Some(c) = chunks.iter().find(|c| c.batch != chunks[0].batch) {
+            return Err(RuntimeError::Request(format!(
+                "prompt chunks of {} and {} rows; every chunk bucket must take the same rows",
+                chunks[0].batch, c.batch
+            )));
+        }
+        if let Some(c) = chunks.first().filter(|c| c.batch > largest.batch) {
             return Err(RuntimeError::Request(format!(
                 "the prompt chunk takes {} rows; the largest decode bucket has {}",
                 c.batch, largest.batch
@@ -128,7 +133,7 @@ impl<'a> Batcher<'a> {
         Ok(Batcher {
             session,
             steps,
-            chunk,
+            chunks,
             rows: (0..largest.batch).map(|_| None).collect(),
             chunks_per_step: 1,
             steps_ahead: 1,
@@ -338,14 +343,14 @@ impl<'a> Batcher<'a> {
         ahead.max(1)
     }
 
-    /// Runs up to `chunks_per_step` steps of the chunk bucket, each taking the next chunk of
+    /// Runs up to `chunks_per_step` steps of the chunk buckets, each taking the next chunk of
     /// every prompt filling the chunk rows; how many ran.
     fn run_chunks(&mut self) -> Result<usize, RuntimeError> {
-        let Some(chunk) = self.chunk else {
-            return Ok(0);
-        };
         let mut ran = 0;
         while ran < self.chunks_per_step {
+            let Some(chunk) = self.next_chunk() else {
+                break;
+            };
             // Each chunk row's next tokens and their first position (none: masked).
             let parts: Vec<(Vec<i64>, usize)> = self.rows[..chunk.batch]
                 .iter_mut()
@@ -360,9 +365,6 @@ impl<'a> Batcher<'a> {
                     None => (Vec::new(), 0),
                 })
                 .collect();
-            if parts.iter().all(|(part, _)| part.is_empty()) {
-                break;
-            }
             let rows: Vec<Row> = parts.iter().map(|(p, start)| Row::new(p, *start)).collect();
             self.session.fill(chunk, &rows)?;
             *self.runs.entry(chunk.graph.clone()).or_default() += 1;
@@ -405,11 +407,30 @@ impl<'a> Batcher<'a> {
         Ok(emitted)
     }
 
+    /// The chunk bucket of the next chunk step: the smallest that holds what the prompts
+    /// filling the chunk rows have left, else the largest; `None` when no prompt is filling.
+    fn next_chunk(&self) -> Option<&'a BucketEntry> {
+        let largest = *self.chunks.last()?;
+        let left = self.rows[..largest.batch]
+            .iter()
+            .flatten()
+            .filter(|s| s.filling())
+            .map(|s| s.head() - s.filled)
+            .max()?;
+        Some(
+            self.chunks
+                .iter()
+                .copied()
+                .find(|c| c.seq >= left)
+                .unwrap_or(largest),
+        )
+    }
+
     /// What row `seq` does in the next decode step.
     fn work(&self, seq: Option<&Seq>) -> Work {
         match seq {
             None => Work::Idle,
-            Some(s) if s.filling() && self.chunk.is_some() => Work::Idle,
+            Some(s) if s.filling() && !self.chunks.is_empty() => Work::Idle,
             Some(s) if s.filling() => Work::Feed,
             Some(_) => Work::Choose,
         }
@@ -417,13 +438,13 @@ impl<'a> Batcher<'a> {
 
     /// Whether a prompt of `len` tokens enters through the chunk bucket.
     fn fills_by_chunk(&self, len: usize) -> bool {
-        self.chunk.is_some() && len > 1
+        !self.chunks.is_empty() && len > 1
     }
 
     /// A row of the chunk bucket that holds no prompt still filling: a free one first, else one
     /// whose (decoding) occupant can move out.
     fn open_chunk_row(&self) -> Option<usize> {
-        let rows = &self.rows[..self.chunk?.batch];
+        let rows = &self.rows[..self.chunks.first()?.batch];
         rows.iter().position(Option::is_none).or_else(|| {
             rows.iter()
                 .position(|s| !s.as_ref().is_some_and(Seq::filling))

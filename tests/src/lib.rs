@@ -301,7 +301,7 @@ pub fn compile_fixture(
         cost: Default::default(),
         histogram: None,
         max_context: None,
-        prefill_chunk: None,
+        prefill_chunks: Vec::new(),
     };
     let (report, compiled) = compile(&model.graph, None, &opts).expect("fixture compiles");
     (model, report, compiled.prefill)

@@ -204,6 +204,14 @@ fn bad_compile_arguments_name_the_problem() {
             "--prefill-batch 5 must be between 1 and the largest batch bucket (4)",
         ),
         (
+            vec![g, "-o", o, "--buckets", "16", "--prefill-chunk", "8,0"],
+            "--prefill-chunk 0 must be between 1 and the context (16)",
+        ),
+        (
+            vec![g, "-o", o, "--buckets", "16", "--prefill-chunk", "8,1"],
+            "--prefill-chunk 1 enters prompts one token per step; it takes no other chunk sizes",
+        ),
+        (
             vec![g, "-o", o, "--bucket-policy", "histogram"],
             "needs --length-histogram",
         ),

@@ -34,7 +34,7 @@ fn decoder(name: &str, batch: &[usize]) -> Decoder {
         cost: Default::default(),
         histogram: None,
         max_context: Some(CONTEXT),
-        prefill_chunk: None,
+        prefill_chunks: Vec::new(),
     };
     let (report, compiled) = compile(&plain.graph, Some(&cached.graph), &opts).unwrap();
     Decoder {

@@ -258,7 +258,7 @@ fn compile_with(
         cost: Default::default(),
         histogram: None,
         max_context: None,
-        prefill_chunk: None,
+        prefill_chunks: Vec::new(),
     };
     let (_, mut compiled) = compile(&model.graph, None, &opts).unwrap();
     (model, compiled.prefill.remove(0))

@@ -550,9 +550,10 @@ fn generate_reproduces_greedy_tokens() {
         .to_string();
         assert!(err.contains("exceed the compiled context of 64"), "{err}");
 
-        // The 10-token prompt through chunks of 3 (the last one masked past its first token) and
-        // one token per step: the same continuation.
-        for chunk in ["3", "1"] {
+        // The 10-token prompt through chunks of 3 (the last one masked past its first token),
+        // through chunks of 4 then one of 2 (its last part, 1 token, takes the smaller chunk),
+        // and one token per step: the same continuation.
+        for chunk in ["3", "4,2", "1"] {
             let dir = tmp.path().join(format!("{name}-chunk{chunk}.kiln"));
             compile(
                 &fixture(name),
@@ -568,7 +569,12 @@ fn generate_reproduces_greedy_tokens() {
             );
             let art = Artifact::open(&dir).unwrap();
             let chunks: Vec<usize> = art.manifest.decode.iter().map(|e| e.seq).collect();
-            assert_eq!(chunks, if chunk == "3" { vec![3, 1] } else { vec![1] });
+            let want = match chunk {
+                "3" => vec![3, 1],
+                "4,2" => vec![4, 2, 1],
+                _ => vec![1],
+            };
+            assert_eq!(chunks, want);
             let what = format!("through prompt chunks of {chunk}");
             assert_greedy_tokens(&art, &mut Executor::Interpreter, name, &what);
         }

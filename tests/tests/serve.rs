@@ -239,7 +239,7 @@ fn serve_answers_like_generate_and_survives_bad_requests() {
         &art,
         &[
             &flags[..],
-            &["--prefill-chunk", "8", "--prefill-batch", "2"],
+            &["--prefill-chunk", "8,3", "--prefill-batch", "2"],
         ]
         .concat(),
     );
@@ -501,6 +501,10 @@ fn bad_requests(main: &Server) {
 /// `/metrics` counts at least the `served` greedy tokens and the later requests', and
 /// `/v1/models` names the model.
 fn metrics(main: &Server, served: usize) {
+    // A prompt of 3 tokens alone: its head of 2 tokens takes the chunk of 3, not that of 8.
+    let body = json!({"model": "llama", "prompt": [5, 6, 7], "max_tokens": 1, "temperature": 0});
+    let (status, v) = post(&format!("{}/v1/completions", main.base), &body);
+    assert_eq!(status, 200, "{v}");
     // Metrics count what was served.
     let (status, text) = get(&format!("{}/metrics", main.base));
     assert_eq!(status, 200);
@@ -525,10 +529,16 @@ fn metrics(main: &Server, served: usize) {
     assert!(decode >= 1.0 && chunked >= 1.0, "{text}");
     assert!(decode + chunked >= served as f64 / 4.0, "{text}");
     assert_eq!(metric("kiln_requests_running"), 0.0);
-    assert!(
-        text.contains("kiln_bucket_replays_total{bucket=\"buckets/decode-b4-s1.ron\"}"),
-        "{text}"
-    );
+    // Prompts of 1 to 20 tokens fill through chunks of 8, and what is left of them at the end
+    // (at most 3 tokens in both rows) through chunks of 3.
+    for bucket in ["decode-b4-s1", "decode-b2-s8", "decode-b2-s3"] {
+        assert!(
+            metric(&format!(
+                "kiln_bucket_replays_total{{bucket=\"buckets/{bucket}.ron\"}}"
+            )) >= 1.0,
+            "{bucket}: {text}"
+        );
+    }
     let (_, models) = get(&format!("{}/v1/models", main.base));
     assert!(models.contains("\"id\":\"llama\""), "{models}");
 }

@@ -22,7 +22,7 @@ fn planned(model: &kiln_models::Model) -> ArtifactPlan {
         cost: CostModel::default(),
         histogram: None,
         max_context: None,
-        prefill_chunk: None,
+        prefill_chunks: Vec::new(),
     };
     let (_, compiled) = compile(&model.graph, None, &opts).unwrap();
     let graphs: Vec<&kiln_ir::Graph> = compiled.prefill.iter().map(|b| &b.graph).collect();
