@@ -6,10 +6,10 @@
 //! them (a decoding occupant moves to a free row first) and fills it chunk by chunk, beside the
 //! other prompts filling there and interleaved with the others' decode steps; of several chunk
 //! sizes, each chunk step takes the smallest that holds what the filling prompts have left, else
-//! the largest. Without a chunk bucket, prompts enter one token per decode step in their own rows. The last prompt token then
-//! goes through a decode step, whose logits choose the first new token. Rows are compacted when a
-//! sequence leaves (a filling sequence only ever moves down, so it stays in the chunk rows), so
-//! the bucket stays as small as the batch.
+//! the largest. Without a chunk bucket, prompts enter one token per decode step in their own
+//! rows. The last prompt token then goes through a decode step, whose logits choose the first new
+//! token. Rows are compacted when a sequence leaves (a filling sequence only ever moves down, so
+//! it stays in the chunk rows), so the bucket stays as small as the batch.
 //!
 //! A sequence's tokens do not depend on its neighbours, its row or the bucket it runs in: the
 //! executors' decode products are batch-invariant (see ARCHITECTURE.md), cache rows move by
