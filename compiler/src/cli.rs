@@ -303,7 +303,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 histogram,
                 max_context: context,
                 prefill_chunks: context.map_or_else(Vec::new, |c| {
-                    prompt_chunks(prefill_chunk, prefill_batch.unwrap_or(1), &plan, c)
+                    chunk_buckets(prefill_chunk, prefill_batch.unwrap_or(1), &plan, c)
                 }),
             };
             let (mut compiled, buckets) =
@@ -1087,7 +1087,7 @@ pub fn find_ptxas() -> Option<PathBuf> {
 
 /// The prompt chunk buckets of `sizes` (largest first, each once) at `batch` prompts; with no
 /// size given, one of the smallest of 128, the largest sequence bucket and the `context`.
-fn prompt_chunks(sizes: &[usize], batch: usize, plan: &BucketPlan, context: usize) -> Vec<Bucket> {
+fn chunk_buckets(sizes: &[usize], batch: usize, plan: &BucketPlan, context: usize) -> Vec<Bucket> {
     let mut seqs: Vec<usize> = sizes.to_vec();
     if seqs.is_empty() {
         seqs.push(

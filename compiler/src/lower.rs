@@ -12,6 +12,7 @@
 
 use std::collections::BTreeMap;
 
+use kiln_ir::artifact::ParamType;
 use kiln_ir::kernel::DecodeAttentionSpec;
 use kiln_ir::{Graph, NodeId, Op, RopeScaling, TensorType};
 use kiln_kernels::attention::{
@@ -128,8 +129,9 @@ pub struct NodeLaunches {
 }
 
 impl NodeLaunches {
-    /// Adds a CPU call with the parameter list of the GPU kernel `like` (the CPU kernels share
-    /// it), bound by `bind`.
+    /// Adds a CPU call with the tensor parameters of the GPU kernel `like` (the CPU kernels share
+    /// them; a count the GPU kernel takes as a scalar, such as a norm's rows, is the CPU call's
+    /// extent), bound by `bind`.
     fn cpu_like(
         &mut self,
         kernel: CpuKernel,
@@ -137,7 +139,12 @@ impl NodeLaunches {
         bind: &[(&str, Operand)],
         extent: u64,
     ) {
-        let params: Vec<&str> = like.signature.iter().map(|(p, _)| p.as_str()).collect();
+        let params: Vec<&str> = like
+            .signature
+            .iter()
+            .filter(|(_, ty)| !matches!(ty, ParamType::U32 | ParamType::F32))
+            .map(|(p, _)| p.as_str())
+            .collect();
         self.cpu(kernel, bind, &params, extent);
     }
 
@@ -589,8 +596,8 @@ fn gemm_parts(g: &Graph, id: NodeId) -> Option<(GemmConfig, Option<NormConfig>)>
     Some((cfg, norm))
 }
 
-/// Launches the norm kernel of `cfg` over its tensors in `bind`, with its CPU twin (which takes
-/// the tensors alone); a kernel that gives each row a warp also takes the rows.
+/// Launches the norm kernel of `cfg` over its tensors in `bind`, with its CPU twin; a kernel
+/// that gives each row a warp also takes the rows.
 fn launch_norm(
     out: &mut Lowered,
     n: &mut NodeLaunches,
@@ -598,14 +605,8 @@ fn launch_norm(
     mut bind: Vec<(&str, Operand)>,
 ) -> Option<()> {
     let kernel = out.generate(&cfg, norm);
-    let tensors: Vec<&str> = kernel
-        .signature
-        .iter()
-        .map(|(p, _)| p.as_str())
-        .filter(|&p| p != "rows")
-        .collect();
     let rows = cfg.rows;
-    n.cpu(CpuKernel::Norm(cfg), &bind, &tensors, u64::from(rows));
+    n.cpu_like(CpuKernel::Norm(cfg), &kernel, &bind, u64::from(rows));
     bind.push(("rows", Operand::U32(rows)));
     out.launch(n, kernel, &bind)
 }

@@ -263,7 +263,6 @@ impl<'a> Batcher<'a> {
     /// (their [`Emitted::last`] is set).
     pub fn step(&mut self) -> Result<Vec<Emitted>, RuntimeError> {
         let started = std::time::Instant::now();
-        self.last_chunks = 0;
         let chunks = self.run_chunks()?;
         self.last_chunks = chunks;
         let work: Vec<Work> = self.rows.iter().map(|s| self.work(s.as_ref())).collect();
@@ -411,7 +410,7 @@ impl<'a> Batcher<'a> {
     /// filling the chunk rows have left, else the largest; `None` when no prompt is filling.
     fn next_chunk(&self) -> Option<&'a BucketEntry> {
         let largest = *self.chunks.last()?;
-        let left = self.rows[..largest.batch]
+        let left = self.rows[..self.chunk_rows()]
             .iter()
             .flatten()
             .filter(|s| s.filling())
@@ -424,6 +423,11 @@ impl<'a> Batcher<'a> {
                 .find(|c| c.seq >= left)
                 .unwrap_or(largest),
         )
+    }
+
+    /// The rows the chunk buckets work on (`0..P`; none without a chunk bucket).
+    fn chunk_rows(&self) -> usize {
+        self.chunks.first().map_or(0, |c| c.batch)
     }
 
     /// What row `seq` does in the next decode step.
@@ -444,7 +448,7 @@ impl<'a> Batcher<'a> {
     /// A row of the chunk bucket that holds no prompt still filling: a free one first, else one
     /// whose (decoding) occupant can move out.
     fn open_chunk_row(&self) -> Option<usize> {
-        let rows = &self.rows[..self.chunks.first()?.batch];
+        let rows = &self.rows[..self.chunk_rows()];
         rows.iter().position(Option::is_none).or_else(|| {
             rows.iter()
                 .position(|s| !s.as_ref().is_some_and(Seq::filling))
