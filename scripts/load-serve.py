@@ -208,14 +208,19 @@ def main():
              for threads in split(args.concurrency, processes)]
     for p in procs:
         p.start()
+    # Each process hands in one list; the server's memory is read as each tenth of the requests
+    # has finished (a late reading stands for every tenth it passed).
     results, rss_by_requests, mark = [], [], args.requests // 10
-    while len(results) < args.requests and any(p.is_alive() for p in procs) or not done.empty():
+    pending = len(procs)
+    while pending:
         try:
             results.extend(done.get(timeout=0.5))
+            pending -= 1
         except queue.Empty:
-            pass
-        if args.pid and mark and finished.value >= mark * (len(rss_by_requests) + 1):
-            rss_by_requests.append([finished.value, rss_kib(args.pid)])
+            if not any(p.is_alive() for p in procs):
+                break  # a process died without its list
+        while args.pid and mark and finished.value >= mark * (len(rss_by_requests) + 1):
+            rss_by_requests.append([mark * (len(rss_by_requests) + 1), rss_kib(args.pid)])
     for p in procs:
         p.join()
     wall = time.perf_counter() - t0
