@@ -206,6 +206,7 @@ fn main() {
             elem: Elem::BF16,
             strides: [[0; 3]; 4],
             splits,
+            paging: None,
         };
         cfg.strides = cfg.contiguous_strides();
         let ms = if splits == 1 {
@@ -298,6 +299,7 @@ fn attention_variants(
             elem: Elem::BF16,
             strides: [[0; 3]; 4],
             splits: 1,
+            paging: None,
         };
         cfg.strides = cfg.contiguous_strides();
         let q = stream

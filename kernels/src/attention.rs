@@ -15,6 +15,7 @@
 //! A query that sees no key at all (a padding query of a left-padded batch, or a row of padding
 //! only) stores zeros, as the IR's attention defines it (`kiln_ir::kernel::visible`).
 
+use crate::paging::{KeyRows, Paging};
 use crate::ptx::{Elem, Kernel, Operand, Reg, RegClass, F32};
 use crate::rope::RotateConfig;
 use crate::{GeneratedKernel, KernelPath, Launch};
@@ -104,6 +105,9 @@ pub struct AttentionConfig {
     /// results (`partial_acc`, `partial_ml`) that `attention_combine` merges. 1 writes `out`
     /// directly. The grid depends only on the configuration, never on a request's length.
     pub splits: u32,
+    /// k and v are a paged KV cache (`strides[1..3]` the pool's, a `table` parameter; see
+    /// `crate::paging`).
+    pub paging: Option<Paging>,
 }
 
 impl AttentionConfig {
@@ -130,6 +134,7 @@ impl AttentionConfig {
             elem,
             strides: [[0; 3]; 4],
             splits: 1,
+            paging: None,
         };
         cfg.strides = cfg.contiguous_strides();
         cfg
@@ -223,7 +228,16 @@ impl AttentionConfig {
         if self.splits > 1 {
             n.push_str(&format!("_split{}", self.splits));
         }
+        n.push_str(&Paging::suffix(self.paging));
         n
+    }
+
+    /// Takes a paged cache as k and v: `paging`'s pool strides and the `table` parameter.
+    pub fn take_paging(&mut self, paging: Paging) {
+        let s = paging.strides(self.kv_heads, self.head_dim);
+        self.strides[1] = s;
+        self.strides[2] = s;
+        self.paging = Some(paging);
     }
 }
 
@@ -281,7 +295,7 @@ pub fn rotations(cfg: &AttentionConfig) -> [Option<RotateConfig>; 2] {
 
 /// Generates the kernel on [`path`]'s choice (a configuration with RoPE gets [`attention_base`]'s
 /// kernel: lowering runs [`prerotated`]'s instead). Parameters: `q, k, v, out` (or `partial_acc,
-/// partial_ml` when split), `[mask], [positions], [cos, sin], [seed]`.
+/// partial_ml` when split), `[mask], [positions], [cos, sin], [seed], [table]` (`table` when the k/v caches are paged).
 pub fn attention(cfg: &AttentionConfig) -> GeneratedKernel {
     if crate::attention_wgmma::supports(cfg) {
         crate::attention_wgmma::attention_wgmma(cfg, format!("{}_wgmma", cfg.name()))
@@ -325,6 +339,7 @@ pub fn attention_simt(cfg: &AttentionConfig) -> GeneratedKernel {
     let positions = needs_positions.then(|| k.param_ptr("positions"));
     let tables = cfg.rope.then(|| (k.param_ptr("cos"), k.param_ptr("sin")));
     let seed = cfg.dropout.map(|_| k.param_ptr("seed"));
+    let paged = cfg.paging.map(|p| (k.param_ptr("table"), p));
     let e = cfg.elem;
     let d = cfg.head_dim;
     let half = d / 2;
@@ -367,9 +382,8 @@ pub fn attention_simt(cfg: &AttentionConfig) -> GeneratedKernel {
     };
     let q_row = row_base(&mut k, qs, h, i);
     let o_row = row_base(&mut k, os, h, i);
-    let zero = k.mov(RegClass::B32, &0u32);
-    let k_head = row_base(&mut k, ks, kvh, zero);
-    let v_head = row_base(&mut k, vs, kvh, zero);
+    let k_rows = KeyRows::new(&mut k, ks, [b, kvh], paged);
+    let v_rows = KeyRows::new(&mut k, vs, [b, kvh], paged);
 
     // This lane's columns of the head dimension.
     let cols: Vec<Reg> = (0..per_lane).map(|c| k.add_u32(&lane, &(c * 32))).collect();
@@ -483,8 +497,8 @@ pub fn attention_simt(cfg: &AttentionConfig) -> GeneratedKernel {
                 k.emit(format!("and.pred {used}, {used}, {kept}"));
                 k.place(&skip);
             }
-            let k_row = k.mad_u32(&ju, &ks[2], &k_head);
-            let v_row = k.mad_u32(&ju, &vs[2], &v_head);
+            let k_row = k_rows.row(&mut k, &ju);
+            let v_row = v_rows.row(&mut k, &ju);
             let pos_j = match (cfg.rope && cfg.rope_k, positions) {
                 (true, Some(p)) => {
                     let wide = k.mov(RegClass::B64, &0u64);

@@ -24,6 +24,7 @@ use crate::attention::{
     store_max_and_sum, window_range, AttentionConfig, KeyRule, Splits,
 };
 use crate::kv_cache::write_row;
+use crate::paging::{KeyRows, Paging};
 use crate::ptx::{Elem, Kernel, Label, Reg, RegClass, F32};
 use crate::{GeneratedKernel, KernelPath, Launch};
 
@@ -214,6 +215,21 @@ struct Params {
     writes: Option<[Reg; 3]>,
     /// `counters, out` when it merges its key ranges.
     combine: Option<[Reg; 2]>,
+    /// The block table of a paged cache, and its layout.
+    table: Option<(Reg, Paging)>,
+}
+
+impl Params {
+    /// Where sequence `b`'s rows of K/V head `kvh` are in the `k` (`which` 1) or `v` (2) cache.
+    fn cache_rows(
+        &self,
+        k: &mut Kernel,
+        cfg: &AttentionConfig,
+        which: usize,
+        b_kvh: [Reg; 2],
+    ) -> KeyRows {
+        KeyRows::new(k, cfg.strides[which], b_kvh, self.table)
+    }
 }
 
 impl Params {
@@ -235,6 +251,7 @@ impl Params {
         let combine = extras
             .combine
             .then(|| ["counters", "out"].map(|p| k.param_ptr(p)));
+        let table = cfg.paging.map(|p| (k.param_ptr("table"), p));
         Params {
             q,
             k: kp,
@@ -245,6 +262,7 @@ impl Params {
             tables,
             writes,
             combine,
+            table,
         }
     }
 }
@@ -293,14 +311,13 @@ fn prefetch(
     k.comment("the first tiles' K and V rows and the RoPE row towards L2 before the wait");
     let e = cfg.elem;
     let row_bytes = cfg.head_dim * e.bytes();
-    let [_, ks, vs, _] = cfg.strides;
-    for (cache, strides) in [(params.k, ks), (params.v, vs)] {
-        let head = head_start(k, [b, kvh], [strides[0], strides[1]]);
+    for (which, cache) in [(1, params.k), (2, params.v)] {
+        let rows = params.cache_rows(k, cfg, which, [b, kvh]);
         for t in 0..PREFETCH_TILES {
             let j0 = k.add_u32(&from, &(t * TILE));
             let j = k.add_u32(&j0, &lane);
             let inside = k.setp("lt.u32", &j, &to);
-            let row = k.mad_u32(&j, &strides[2], &head);
+            let row = rows.row(k, &j);
             let a = k.address(cache, &row, e.bytes());
             for line in (0..row_bytes).step_by(128) {
                 k.emit(format!("@{inside} prefetch.global.L2 [{a}+{line}]"));
@@ -405,13 +422,12 @@ fn write_new_entries(
     let after = k.setp("ge.u32", &pos, &to);
     k.bra(Some((after, true)), &done);
     let rows = [
-        (k_new, params.k, new.strides[0], cfg.strides[1]),
-        (v_new, params.v, new.strides[1], cfg.strides[2]),
+        (k_new, params.k, new.strides[0]),
+        (v_new, params.v, new.strides[1]),
     ];
-    for (i, (src, cache, [sb, sh, _], [cb, ch, cr])) in rows.into_iter().enumerate() {
+    for (i, (src, cache, [sb, sh, _])) in rows.into_iter().enumerate() {
         let src_row = head_start(k, [b, kvh], [sb, sh]);
-        let c1 = head_start(k, [b, kvh], [cb, ch]);
-        let dst_row = k.mad_u32(&pos, &cr, &c1);
+        let dst_row = params.cache_rows(k, cfg, i + 1, [b, kvh]).row(k, &pos);
         let rope = params.tables.filter(|_| i == 0).map(|t| (t, pos));
         write_row(
             k,
@@ -506,22 +522,36 @@ struct Tiles<'a> {
 impl Tiles<'_> {
     /// The keys `[from, to)`, [`TILE`] at a time.
     fn run(&self, k: &mut Kernel, [b, kvh, lane, first, from, to]: [Reg; 6]) {
-        let [_, ks, vs, _] = self.cfg.strides;
-        let k_head = head_start(k, [b, kvh], [ks[0], ks[1]]);
-        let v1 = head_start(k, [b, kvh], [vs[0], vs[1]]);
-        let v_head = k.add_u32(&v1, &first);
+        let k_rows = self.params.cache_rows(k, self.cfg, 1, [b, kvh]);
+        let v_rows = self.params.cache_rows(k, self.cfg, 2, [b, kvh]);
+        let v_dense = v_rows
+            .dense()
+            .map(|(head, stride)| (k.add_u32(&head, &first), stride));
         let t0 = k.mov(RegClass::B32, &from);
         let top = k.label("tiles");
         let done = k.label("tiles_done");
         k.place(&top);
         let finished = k.setp("ge.u32", &t0, &to);
         k.bra(Some((finished, true)), &done);
+        let j = k.add_u32(&t0, &lane);
+        let mine = k.setp("lt.u32", &j, &to);
+        // Paged, each lane finds its own key's V row, and the values step takes every key's
+        // from its lane.
+        let v_lane = v_rows.paged().then(|| v_rows.row(k, &j));
         k.comment("every key's V elements of this lane, for the values step");
         let values: Vec<Vec<Reg>> = (0..TILE)
             .map(|u| {
-                let j = k.add_u32(&t0, &u);
-                let used = k.setp("lt.u32", &j, &to);
-                let row = k.mad_u32(&j, &vs[2], &v_head);
+                let ju = k.add_u32(&t0, &u);
+                let used = k.setp("lt.u32", &ju, &to);
+                let row = match (v_lane, v_dense) {
+                    (Some(v), _) => {
+                        let r = k.reg(RegClass::B32);
+                        k.emit(format!("shfl.sync.idx.b32 {r}, {v}, {u}, 31, -1"));
+                        k.add_u32(&r, &first)
+                    }
+                    (None, Some((head, stride))) => k.mad_u32(&ju, &stride, &head),
+                    (None, None) => unreachable!("rows are paged or dense"),
+                };
                 load_words(
                     k,
                     self.cfg.elem,
@@ -532,9 +562,7 @@ impl Tiles<'_> {
                 )
             })
             .collect();
-        let j = k.add_u32(&t0, &lane);
-        let mine = k.setp("lt.u32", &j, &to);
-        let row = k.mad_u32(&j, &ks[2], &k_head);
+        let row = k_rows.row(k, &j);
         let scores = self.scores(k, row, mine);
         self.softmax(k, &scores, lane);
         self.add_values(k, &values);

@@ -26,6 +26,7 @@
 //! Decode steps (one query row per sequence over a cache) take the SIMT flash-decoding kernel.
 
 use crate::attention::{philox_key, philox_words, reciprocal_or_zero, AttentionConfig, KeyRule};
+use crate::paging::KeyRows;
 use crate::ptx::{Elem, Kernel, Label, Operand, Reg, RegClass, F32};
 use crate::{GeneratedKernel, KernelPath, Launch};
 
@@ -206,8 +207,10 @@ struct Attn<'a> {
     h: Reg,
     q0: Reg,
     smem: Reg,
-    /// Element offsets of this block's q, k, v and out heads.
-    heads: [Reg; 4],
+    /// Element offset of this block's out head.
+    o_head: Reg,
+    /// Where q's, k's and v's rows are (k's and v's through the block table when paged).
+    operand_rows: [KeyRows; 3],
     /// m16 tiles per warp.
     m_tiles: u32,
     /// The thread's two query rows (`g` and `g + 8`) of each of its warp's m16 tiles.
@@ -230,6 +233,7 @@ impl<'a> Attn<'a> {
         let positions = needs_positions.then(|| k.param_ptr("positions"));
         let tables = cfg.rope.then(|| (k.param_ptr("cos"), k.param_ptr("sin")));
         let seed = cfg.dropout.map(|_| k.param_ptr("seed"));
+        let paged = cfg.paging.map(|p| (k.param_ptr("table"), p));
         let shared = k.dynamic_shared("attention_tiles");
         let smem = k.reg(RegClass::B32);
         k.emit(format!("mov.u32 {smem}, {shared}"));
@@ -245,16 +249,13 @@ impl<'a> Attn<'a> {
         let b = k.special("ctaid.z");
         let q0 = k.mul_u32(&qb, &bq);
         let kvh = k.op2("div.u32", RegClass::B32, &h, &(cfg.heads / cfg.kv_heads));
-        let head_base = |k: &mut Kernel, strides: [u32; 3], head: Reg| -> Reg {
-            let t0 = k.mul_u32(&b, &strides[0]);
-            k.mad_u32(&head, &strides[1], &t0)
-        };
         let [qs, ks, vs, os] = cfg.strides;
-        let heads = [
-            head_base(&mut k, qs, h),
-            head_base(&mut k, ks, kvh),
-            head_base(&mut k, vs, kvh),
-            head_base(&mut k, os, h),
+        let o0 = k.mul_u32(&b, &os[0]);
+        let o_head = k.mad_u32(&h, &os[1], &o0);
+        let operand_rows = [
+            KeyRows::new(&mut k, qs, [b, h], None),
+            KeyRows::new(&mut k, ks, [b, kvh], paged),
+            KeyRows::new(&mut k, vs, [b, kvh], paged),
         ];
         let g = k.op2("shr.u32", RegClass::B32, &lane, &2u32);
         let t = k.op2("and.b32", RegClass::B32, &lane, &3u32);
@@ -286,7 +287,8 @@ impl<'a> Attn<'a> {
             h,
             q0,
             smem,
-            heads,
+            o_head,
+            operand_rows,
             m_tiles,
             rows,
             t2,
@@ -298,21 +300,12 @@ impl<'a> Attn<'a> {
         16 * WARPS * self.m_tiles
     }
 
-    /// Queues `cp.async` copies of rows `r0 .. r0 + tile_rows` (of `rows` valid, row stride
-    /// `stride` elements, from element `head` of `src`) into the tile at shared address `dst`;
-    /// rows past the end are zero-filled.
-    #[allow(clippy::too_many_arguments)]
-    fn stage(
-        &mut self,
-        src: Reg,
-        head: Reg,
-        stride: u32,
-        r0: Reg,
-        rows: u32,
-        dst: Reg,
-        tile_rows: u32,
-    ) {
+    /// Queues `cp.async` copies of rows `r0 .. r0 + tile_rows` (of `rows` valid) of operand
+    /// `which` (0 q, 1 k, 2 v; at `src`) into the tile at shared address `dst`; rows past the end
+    /// are zero-filled.
+    fn stage(&mut self, src: Reg, which: usize, r0: Reg, rows: u32, dst: Reg, tile_rows: u32) {
         let k = &mut self.k;
+        let operand_rows = &self.operand_rows[which];
         let chunks_per_row = self.cfg.head_dim / 8;
         let total = tile_rows * chunks_per_row;
         for c in 0..total.div_ceil(THREADS) {
@@ -328,7 +321,7 @@ impl<'a> Attn<'a> {
             let ok = k.setp("lt.u32", &grow, &rows);
             let bytes = k.selp(RegClass::B32, "u32", &16u32, &0u32, ok);
             let safe = k.selp(RegClass::B32, "u32", &grow, &0u32, ok);
-            let r_off = k.mad_u32(&safe, &stride, &head);
+            let r_off = operand_rows.row(k, &safe);
             let idx = k.mad_u32(&kc, &8u32, &r_off);
             let g = k.address(src, &idx, 2);
             let s_row = k.mad_u32(&row, &self.layout.row_bytes, &dst);
@@ -664,8 +657,8 @@ impl<'a> Attn<'a> {
         self.k
             .comment("Q tile -> shared (RoPE) -> A fragments (16 rows per m16 tile)");
         let q_tile = self.smem;
-        let (q, head) = (self.q, self.heads[0]);
-        self.stage(q, head, cfg.strides[0][2], self.q0, cfg.q_len, q_tile, bq);
+        let (q, q0) = (self.q, self.q0);
+        self.stage(q, 0, q0, cfg.q_len, q_tile, bq);
         self.k.emit("cp.async.commit_group");
         self.k.emit("cp.async.wait_group 0");
         self.k.barrier();
@@ -703,9 +696,9 @@ impl<'a> Attn<'a> {
     fn stage_kv(&mut self, j: Reg, index: Reg) {
         let cfg = self.cfg;
         let (kt, vt) = self.buffer(&index);
-        let (kp, v, [_, kh, vh, _]) = (self.kp, self.v, self.heads);
-        self.stage(kp, kh, cfg.strides[1][2], j, cfg.kv_len, kt, BKV);
-        self.stage(v, vh, cfg.strides[2][2], j, cfg.kv_len, vt, BKV);
+        let (kp, v) = (self.kp, self.v);
+        self.stage(kp, 1, j, cfg.kv_len, kt, BKV);
+        self.stage(v, 2, j, cfg.kv_len, vt, BKV);
         let Some(mask) = self.mask else { return };
         let k = &mut self.k;
         let skip = k.label("skip_mask_stage");
@@ -1093,7 +1086,7 @@ impl<'a> Attn<'a> {
                 let skip: Label = k.label("skip_row");
                 let past = k.setp("ge.u32", &row, &cfg.q_len);
                 k.bra(Some((past, true)), &skip);
-                let o_row = k.mad_u32(&row, &cfg.strides[3][2], &self.heads[3]);
+                let o_row = k.mad_u32(&row, &cfg.strides[3][2], &self.o_head);
                 let col0 = k.add_u32(&o_row, &self.t2);
                 for dt in 0..cfg.head_dim / 8 {
                     let lo = k.mul_f32(&st.o[(dt * 4) as usize + half * 2], &inv);

@@ -78,6 +78,7 @@ pub fn supports(cfg: &AttentionConfig) -> bool {
         && cfg.kv_len > 0
         && cfg.heads.is_multiple_of(cfg.kv_heads)
         && cfg.strides.iter().all(|s| s.iter().all(|v| v % 8 == 0))
+        && cfg.paging.is_none()
 }
 
 /// Bytes of `rows` rows of the head dimension in shared memory: `D / 64` blocks of 128-byte rows.

@@ -8,6 +8,7 @@ use crate::elementwise::activation_kernel;
 use crate::embedding::{embedding, EmbeddingConfig};
 use crate::gemm::{gemm, gemm_base, GemmConfig};
 use crate::norm::{norm, NormConfig};
+use crate::paging::Paging;
 use crate::ptx::Elem;
 use crate::sampling::{argmax, top_k_top_p};
 use crate::{GeneratedKernel, Image};
@@ -63,7 +64,8 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
         for vocab in [50257, 128256] {
             out.push(("sampling", top_k_top_p(elem, 4, vocab)));
         }
-        for rope in [false, true] {
+        // Dense caches, and a paged one (16-key blocks).
+        for (rope, paging) in [(false, None), (true, None), (true, Paging::new(16, 4096))] {
             let cfg = crate::kv_cache::KvWriteConfig {
                 batch: 2,
                 kv_heads: 8,
@@ -73,6 +75,7 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
                 new_strides: [6144, 128, 6144],
                 rope,
                 elem,
+                paging,
             };
             out.push(("kv_cache", crate::kv_cache::kv_write(&cfg)));
         }
@@ -162,8 +165,15 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
                 elem,
                 strides: [[0; 3]; 4],
                 splits: 1,
+                paging: None,
             };
             cfg.strides = cfg.contiguous_strides();
+            if matches!(keys, KeyRule::Position { .. }) {
+                // The same attention over a paged cache of 16-key blocks.
+                let mut paged = cfg.clone();
+                paged.take_paging(Paging::new(16, kv_len).expect("a power of two"));
+                out.push(("attention", attention(&paged)));
+            }
             let kernel = attention(&cfg);
             if kernel.image == Image::Sm90a {
                 out.push(("attention", crate::attention::attention_base(&cfg)));
@@ -186,6 +196,9 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
                         combine: combines(&cfg),
                     };
                     out.push(("attention", attention_decode_with(&cfg, &extras)));
+                    let mut paged = cfg.clone();
+                    paged.take_paging(Paging::new(16, kv_len).expect("a power of two"));
+                    out.push(("attention", attention_decode_with(&paged, &extras)));
                 }
                 // The largest query group the decode kernel serves (8 heads per K/V head).
                 cfg.kv_heads = cfg.heads / 8;

@@ -1,7 +1,9 @@
 //! Writing a chunk of keys or values into a KV cache, in place: `cache[b, h, pos[b, s], :] =
 //! new[b, h, s, :]` for every token whose mask is 1, with RoPE applied on the way when the IR
-//! rotates the keys just before the write. One warp per (token, head), lanes over the head dim.
+//! rotates the keys just before the write. One warp per (token, head), lanes over the head dim. A
+//! paged cache's row is found through its block table (`crate::paging`).
 
+use crate::paging::{KeyRows, Paging};
 use crate::ptx::{Elem, Kernel, Reg, RegClass};
 use crate::rope::rotated;
 use crate::{GeneratedKernel, Launch};
@@ -25,18 +27,34 @@ pub struct KvWriteConfig {
     pub rope: bool,
     /// Element type of cache and values.
     pub elem: Elem,
+    /// A paged cache (`batch` rows of the block table), or `None` for `[batch, KVH, T, D]`.
+    pub paging: Option<Paging>,
 }
 
-/// Generates the kernel. Parameters: `cache, new, positions, mask, [cos, sin]`.
+impl KvWriteConfig {
+    /// The cache's `[batch, head, row]` strides (the pool's when paged).
+    pub fn cache_strides(&self) -> [u32; 3] {
+        match self.paging {
+            Some(p) => p.strides(self.kv_heads, self.head_dim),
+            None => {
+                let d = self.head_dim;
+                [self.kv_heads * self.capacity * d, self.capacity * d, d]
+            }
+        }
+    }
+}
+
+/// Generates the kernel. Parameters: `cache, new, positions, mask, [cos, sin], [table]`.
 pub fn kv_write(cfg: &KvWriteConfig) -> GeneratedKernel {
     let name = format!(
-        "kv_write_{}_kv{}_d{}_s{}_t{}{}",
+        "kv_write_{}_kv{}_d{}_s{}_t{}{}{}",
         cfg.elem.name(),
         cfg.kv_heads,
         cfg.head_dim,
         cfg.new_len,
         cfg.capacity,
-        if cfg.rope { "_rope" } else { "" }
+        if cfg.rope { "_rope" } else { "" },
+        Paging::suffix(cfg.paging)
     );
     let mut k = Kernel::new(&name);
     let cache = k.param_ptr("cache");
@@ -44,6 +62,7 @@ pub fn kv_write(cfg: &KvWriteConfig) -> GeneratedKernel {
     let positions = k.param_ptr("positions");
     let mask = k.param_ptr("mask");
     let tables = cfg.rope.then(|| (k.param_ptr("cos"), k.param_ptr("sin")));
+    let paged = cfg.paging.map(|p| (k.param_ptr("table"), p));
     let e = cfg.elem;
     let d = cfg.head_dim;
     let lane = k.special("tid.x");
@@ -65,9 +84,8 @@ pub fn kv_write(cfg: &KvWriteConfig) -> GeneratedKernel {
     let n0 = k.mul_u32(&b, &sb);
     let n1 = k.mad_u32(&h, &sh, &n0);
     let src_row = k.mad_u32(&s, &ss, &n1);
-    let c0 = k.mad_u32(&b, &cfg.kv_heads, &h);
-    let c1 = k.mad_u32(&c0, &cfg.capacity, &pos);
-    let dst_row = k.mul_u32(&c1, &d);
+    let rows = KeyRows::new(&mut k, cfg.cache_strides(), [b, h], paged);
+    let dst_row = rows.row(&mut k, &pos);
     let rope = tables.map(|t| (t, pos));
     write_row(&mut k, e, d, lane, [new, src_row], [cache, dst_row], rope);
     k.place(&exit);

@@ -18,6 +18,7 @@
 //! - [`gemv`] — products with at most 8 rows (decode; 16 in row groups where decode must be
 //!   batch-invariant): a warp per output column;
 //! - [`kv_cache`] — writing new keys/values into a KV cache in place (RoPE on the way);
+//! - [`paging`] — paged KV caches: block tables, rows found through them;
 //! - [`rope`] — RoPE into a contiguous buffer, ahead of the Hopper attention kernel;
 //! - [`sampling`] — token choice: greedy (argmax) and top-k / top-p with temperature;
 //! - [`catalog`] — the configurations the snapshot, assembler and GPU tests cover.
@@ -42,6 +43,7 @@ pub mod gemv;
 pub mod hopper;
 pub mod kv_cache;
 pub mod norm;
+pub mod paging;
 pub mod ptx;
 pub mod reduce;
 pub mod rope;

@@ -25,7 +25,7 @@ use rand::{Rng, SeedableRng};
 
 use common::{
     cache_write_reference, check, dropout_mask_reference, dropout_probe, mask_mismatches,
-    reference, reference_with_seed, rope_tables,
+    reference, reference_with_seed, rope_tables, PagedCache,
 };
 
 type KernelFn = unsafe extern "C" fn(*const u64, u64, u64);
@@ -240,6 +240,7 @@ fn kv_cache_writes_match_the_interpreter() {
             new_strides: [(kvh * s * d) as u32, (s * d) as u32, d as u32],
             rope,
             elem: Elem::F32,
+            paging: None,
         };
         built.push((kv_cache::kv_write(&mut module, &cfg).unwrap(), cfg));
     }
@@ -286,6 +287,132 @@ fn kv_cache_writes_match_the_interpreter() {
             cfg.rope,
         );
         check(&name, Elem::F32, &cache, &want);
+    }
+}
+
+/// Writes into a paged cache and attention over one store exactly what they store and read in a
+/// dense cache, the rows found through a shuffled block table (blocks of 8 keys, a capacity that
+/// is not a multiple of them).
+#[test]
+fn paged_caches_match_dense_ones() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(21);
+    let dir = tempfile::tempdir().unwrap();
+    let (b, kvh, t, d) = (2usize, 2usize, 44usize, 16usize);
+    let paged = PagedCache::new(&mut rng, [b, kvh, t, d], 8);
+    let write = |s: u32, paging| KvWriteConfig {
+        batch: b as u32,
+        kv_heads: kvh as u32,
+        new_len: s,
+        capacity: t as u32,
+        head_dim: d as u32,
+        new_strides: [(kvh * s as usize * d) as u32, s * d as u32, d as u32],
+        rope: true,
+        elem: Elem::F32,
+        paging,
+    };
+    let reads: Vec<AttentionConfig> = [(1, None), (5, Some(6))]
+        .into_iter()
+        .map(|(s, window)| {
+            attention_case(
+                (4, 2, s, t as u32, 16),
+                KeyRule::Position { window },
+                false,
+                true,
+            )
+            .cfg
+        })
+        .collect();
+    let mut module = CpuModule::new().unwrap();
+    let mut pairs = Vec::new();
+    for s in [1u32, 5] {
+        let dense = kv_cache::kv_write(&mut module, &write(s, None)).unwrap();
+        let on_pages = kv_cache::kv_write(&mut module, &write(s, Some(paged.paging))).unwrap();
+        pairs.push((dense, on_pages, s as usize, None));
+    }
+    for cfg in &reads {
+        let mut p = cfg.clone();
+        p.take_paging(paged.paging);
+        let dense = attention::attention(&mut module, cfg).unwrap();
+        let on_pages = attention::attention(&mut module, &p).unwrap();
+        pairs.push((
+            dense,
+            on_pages,
+            cfg.q_len as usize,
+            Some(cfg.heads as usize),
+        ));
+    }
+    let lib = load(module, dir.path());
+    let (cos, sin) = rope_tables(10000.0, d, t + 1);
+    for (dense_name, paged_name, s, heads) in pairs {
+        let positions: Vec<i64> = (0..b)
+            .flat_map(|row| (0..s as i64).map(move |x| (t - s - 3 * row) as i64 + x))
+            .collect();
+        let mask = vec![1i64; b * s];
+        // SAFETY: both symbols were generated with the kernel signature.
+        let dense_fn: libloading::Symbol<KernelFn> =
+            unsafe { lib.get(dense_name.as_bytes()) }.unwrap();
+        // SAFETY: as above.
+        let paged_fn: libloading::Symbol<KernelFn> =
+            unsafe { lib.get(paged_name.as_bytes()) }.unwrap();
+        let table = paged.table.as_ptr() as u64;
+        let (cos, sin, pos) = (
+            cos.as_ptr() as u64,
+            sin.as_ptr() as u64,
+            positions.as_ptr() as u64,
+        );
+        match heads {
+            None => {
+                let mut cache = values(&mut rng, b * kvh * t * d, 1.0, 0.0);
+                let mut pool = paged.scatter(&cache, f32::NAN);
+                let new = values(&mut rng, b * kvh * s * d, 1.0, 0.0);
+                let (new, mask) = (new.as_ptr() as u64, mask.as_ptr() as u64);
+                let args = [cache.as_mut_ptr() as u64, new, pos, mask, cos, sin];
+                let args_paged = [pool.as_mut_ptr() as u64, new, pos, mask, cos, sin, table];
+                let tokens = (b * s) as u64;
+                // SAFETY: buffers sized for the configurations; positions inside the cache.
+                unsafe {
+                    dense_fn(args.as_ptr(), 0, tokens);
+                    paged_fn(args_paged.as_ptr(), 0, tokens);
+                }
+                assert_eq!(paged.gather(&pool), cache, "{paged_name}");
+            }
+            Some(h) => {
+                let k = values(&mut rng, b * kvh * t * d, 1.0, 0.0);
+                let v = values(&mut rng, b * kvh * t * d, 1.0, 0.0);
+                let q = values(&mut rng, b * h * s * d, 1.0, 0.0);
+                let (kp, vp) = (paged.scatter(&k, f32::NAN), paged.scatter(&v, f32::NAN));
+                let mut out = vec![f32::NAN; b * h * s * d];
+                let mut out_paged = out.clone();
+                let q = q.as_ptr() as u64;
+                let args = [
+                    q,
+                    k.as_ptr() as u64,
+                    v.as_ptr() as u64,
+                    out.as_mut_ptr() as u64,
+                    pos,
+                    cos,
+                    sin,
+                ];
+                let args_paged = [
+                    q,
+                    kp.as_ptr() as u64,
+                    vp.as_ptr() as u64,
+                    out_paged.as_mut_ptr() as u64,
+                    pos,
+                    cos,
+                    sin,
+                    table,
+                ];
+                let rows = (b * h * s) as u64;
+                // SAFETY: as above.
+                unsafe {
+                    dense_fn(args.as_ptr(), 0, rows);
+                    paged_fn(args_paged.as_ptr(), 0, rows);
+                }
+                assert!(out.iter().all(|x| x.is_finite()), "{dense_name}");
+                assert_eq!(out_paged, out, "{paged_name}");
+            }
+        }
     }
 }
 
@@ -422,6 +549,7 @@ fn attention_case_with_dropout(
         elem: Elem::F32,
         strides: [[0; 3]; 4],
         splits: 1,
+        paging: None,
     };
     cfg.strides = cfg.contiguous_strides();
     let op = match keys {
@@ -557,6 +685,7 @@ fn dropout_masks_match_the_interpreter_bit_for_bit() {
                 elem: Elem::F32,
                 strides: [[0; 3]; 4],
                 splits: 1,
+                paging: None,
             };
             cfg.strides = cfg.contiguous_strides();
             cfg

@@ -28,7 +28,7 @@ use rand::{Rng as _, SeedableRng};
 
 use common::{
     cache_write_reference, check, dropout_mask_reference, dropout_probe, mask_mismatches,
-    reference, reference_with_seed, rope_tables, scaled_rope_tables,
+    reference, reference_with_seed, rope_tables, scaled_rope_tables, PagedCache,
 };
 
 struct Gpu {
@@ -121,6 +121,12 @@ impl Gpu {
 
     fn upload_i64(&self, values: &[i64]) -> Buf {
         Buf::I64(self.stream.clone_htod(values).unwrap())
+    }
+
+    /// u32 words (a block table), carried as the bits of an f32 buffer.
+    fn upload_u32(&self, values: &[u32]) -> Buf {
+        let bits: Vec<f32> = values.iter().map(|v| f32::from_bits(*v)).collect();
+        Buf::F32(self.stream.clone_htod(&bits).unwrap())
     }
 
     /// An output buffer filled with NaN (or -1 for integers), so unwritten elements show.
@@ -1485,6 +1491,7 @@ fn attention_config(
         elem,
         strides: [[0; 3]; 4],
         splits: 1,
+        paging: None,
     };
     cfg.strides = cfg.contiguous_strides();
     cfg
@@ -1894,6 +1901,7 @@ fn kv_cache_writes_match_the_interpreter() {
                 new_strides: [(kvh * s * d) as u32, (s * d) as u32, d as u32],
                 rope,
                 elem,
+                paging: None,
             };
             let kernel = kv_write(&cfg);
             let bc = gpu.upload(elem, &cache);
@@ -1934,6 +1942,91 @@ fn kv_cache_writes_match_the_interpreter() {
 /// which splits the keys over the blocks they need, one block merging in shared memory), through
 /// one key range and through many (the writing warp being any of them), with a row whose mask is
 /// 0 writing nothing; the merge leaves its counters at zero.
+/// Prompt chunks (tensor cores; SIMT in f32) and decode steps over a paged cache read what a
+/// dense cache of the same keys holds: the same outputs, bit for bit.
+#[test]
+fn attention_over_a_paged_cache_reads_what_a_dense_one_holds() {
+    use kiln_kernels::attention::{attention, decode_splits, AttentionConfig, KeyRule};
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng::seed_from_u64(0x9a6e_d0ca);
+    for elem in [Elem::BF16, Elem::F32] {
+        for (q_len, window, d, t, splits) in [
+            (128u32, None, 128u32, 1000u32, false),
+            (37, Some(300), 64, 700, false),
+            (1, None, 64, 1100, true),
+        ] {
+            let (b, heads, kv_heads) = (2u32, 8u32, 2u32);
+            let mut cfg = AttentionConfig::plain([b, heads, kv_heads, q_len, t, d], elem);
+            cfg.scale = 1.0 / (d as f32).sqrt();
+            cfg.keys = KeyRule::Position { window };
+            if splits {
+                cfg.splits = decode_splits(t, b, heads);
+            }
+            let (bu, hu, kvu, su, du, tu) = (
+                b as usize,
+                heads as usize,
+                kv_heads as usize,
+                q_len as usize,
+                d as usize,
+                t as usize,
+            );
+            let k = values(&mut rng, bu * kvu * tu * du, 1.0, elem);
+            let v = values(&mut rng, bu * kvu * tu * du, 1.0, elem);
+            let q = values(&mut rng, bu * hu * su * du, 1.0, elem);
+            // The chunk ends at the last key of row 1 and 200 keys earlier in row 0.
+            let positions: Vec<i64> = (0..bu)
+                .flat_map(|r| (0..su).map(move |i| (tu - su - 200 * (1 - r) + i) as i64))
+                .collect();
+            let pages = PagedCache::new(&mut rng, [bu, kvu, tu, du], 16);
+            let (bq, bp) = (gpu.upload(elem, &q), gpu.upload_i64(&positions));
+            let table = gpu.upload_u32(&pages.table);
+            let rows = bu * hu * su * cfg.splits as usize;
+            let pacc = gpu.upload(Elem::F32, &vec![f32::NAN; rows * du]);
+            let pml = gpu.upload(Elem::F32, &vec![f32::NAN; rows * 2]);
+            let mut outs = Vec::new();
+            for paged in [false, true] {
+                let mut c = cfg.clone();
+                let (bk, bv) = if paged {
+                    c.take_paging(pages.paging);
+                    let up = |x: &[f32]| gpu.upload(elem, &pages.scatter(x, f32::NAN));
+                    (up(&k), up(&v))
+                } else {
+                    (gpu.upload(elem, &k), gpu.upload(elem, &v))
+                };
+                let out = gpu.poisoned(elem, bu * hu * su * du);
+                let args = BTreeMap::from([
+                    ("q", Arg::Buf(&bq)),
+                    ("k", Arg::Buf(&bk)),
+                    ("v", Arg::Buf(&bv)),
+                    ("out", Arg::Buf(&out)),
+                    ("partial_acc", Arg::Buf(&pacc)),
+                    ("partial_ml", Arg::Buf(&pml)),
+                    ("positions", Arg::Buf(&bp)),
+                    ("table", Arg::Buf(&table)),
+                ]);
+                let kernel = attention(&c);
+                gpu.launch(&kernel, &args);
+                if c.splits > 1 {
+                    gpu.launch(&kiln_kernels::attention::attention_combine(&c), &args);
+                }
+                outs.push((kernel.name, gpu.download(elem, &out)));
+            }
+            let (dense, paged) = (&outs[0].1, &outs[1].1);
+            assert!(dense.iter().all(|x| x.is_finite()), "{}", outs[0].0);
+            let differ = dense
+                .iter()
+                .zip(paged)
+                .filter(|(x, y)| x.to_bits() != y.to_bits())
+                .count();
+            assert_eq!(
+                differ, 0,
+                "{} differs from {} at {differ} elements",
+                outs[1].0, outs[0].0
+            );
+        }
+    }
+}
+
 #[test]
 fn decode_attention_writes_and_merges_as_the_kernels_apart() {
     use kiln_kernels::attention::{attention, attention_combine, decode_splits, AttentionConfig};
@@ -1984,9 +2077,21 @@ fn decode_attention_writes_and_merges_as_the_kernels_apart() {
             let pacc = gpu.upload(Elem::F32, &vec![f32::NAN; rows * du]);
             let pml = gpu.upload(Elem::F32, &vec![f32::NAN; rows * 2]);
             let counters = gpu.upload(Elem::F32, &vec![0.0; bu * kvu]);
-            // `None`: the kernels apart.
-            let run = |extras: Option<&Extras>| {
-                let (bk, bv) = (gpu.upload(elem, &cache_k), gpu.upload(elem, &cache_v));
+            // The same caches paged (blocks of 16 keys, shuffled).
+            let pages = PagedCache::new(&mut rng, [bu, kvu, tu, du], 16);
+            let table = gpu.upload_u32(&pages.table);
+            // `None`: the kernels apart; `paged`: over `pages`.
+            let run = |extras: Option<&Extras>, paged: bool| {
+                let mut cfg = cfg.clone();
+                let paging = paged.then_some(pages.paging);
+                let upload = |x: &[f32]| match paged {
+                    true => gpu.upload(elem, &pages.scatter(x, f32::NAN)),
+                    false => gpu.upload(elem, x),
+                };
+                if let Some(p) = paging {
+                    cfg.take_paging(p);
+                }
+                let (bk, bv) = (upload(&cache_k), upload(&cache_v));
                 let out = gpu.poisoned(elem, bu * hu * du);
                 let mut args = BTreeMap::from([
                     ("q", Arg::Buf(&bq)),
@@ -2002,6 +2107,7 @@ fn decode_attention_writes_and_merges_as_the_kernels_apart() {
                     ("k_new", Arg::Buf(&bkn)),
                     ("v_new", Arg::Buf(&bvn)),
                     ("counters", Arg::Buf(&counters)),
+                    ("table", Arg::Buf(&table)),
                 ]);
                 if extras.is_none_or(|e| e.new.is_none()) {
                     for (cache, new, rope) in [(&bk, &bkn, true), (&bv, &bvn, false)] {
@@ -2014,6 +2120,7 @@ fn decode_attention_writes_and_merges_as_the_kernels_apart() {
                             new_strides,
                             rope,
                             elem,
+                            paging,
                         });
                         args.insert("cache", Arg::Buf(cache));
                         args.insert("new", Arg::Buf(new));
@@ -2028,10 +2135,31 @@ fn decode_attention_writes_and_merges_as_the_kernels_apart() {
                 if cfg.splits > 1 && extras.is_none_or(|e| !e.combine) {
                     gpu.launch(&attention_combine(&cfg), &args);
                 }
-                let downloaded = [&bk, &bv, &out].map(|x| gpu.download(elem, x));
+                let mut downloaded = [&bk, &bv, &out].map(|x| gpu.download(elem, x));
+                if paged {
+                    for cache in &mut downloaded[..2] {
+                        *cache = pages.gather(cache);
+                    }
+                }
                 (kernel.name, downloaded)
             };
-            let (_, apart) = run(None);
+            let (_, apart) = run(None, false);
+            // Over a paged cache the kernels apart store and compute exactly the same.
+            let (name, paged_apart) = run(None, true);
+            for (what, (a, w)) in ["k cache", "v cache", "out"]
+                .iter()
+                .zip(paged_apart.iter().zip(&apart))
+            {
+                let differ = a
+                    .iter()
+                    .zip(w)
+                    .filter(|(x, y)| x.to_bits() != y.to_bits())
+                    .count();
+                assert_eq!(
+                    differ, 0,
+                    "{name}: {what} differs from the dense cache's at {differ} elements"
+                );
+            }
             let new = NewEntries {
                 strides: [new_strides; 2],
             };
@@ -2049,8 +2177,8 @@ fn decode_attention_writes_and_merges_as_the_kernels_apart() {
                     combine: true,
                 });
             }
-            for extras in &variants {
-                let (name, fused) = run(Some(extras));
+            for (extras, paged) in variants.iter().flat_map(|e| [(e, false), (e, true)]) {
+                let (name, fused) = run(Some(extras), paged);
                 for (what, (a, w)) in ["k cache", "v cache", "out"]
                     .iter()
                     .zip(fused.iter().zip(&apart))

@@ -242,6 +242,7 @@ fn attention_gqa_causal_rope_dropout_bf16() {
         elem: Elem::BF16,
         strides: [[0; 3]; 4],
         splits: 1,
+        paging: None,
     };
     cfg.strides = cfg.contiguous_strides();
     insta::assert_snapshot!(attention(&cfg).module());
@@ -269,6 +270,7 @@ fn decode_config(elem: Elem) -> kiln_kernels::attention::AttentionConfig {
         elem,
         strides: [[0; 3]; 4],
         splits: decode_splits(2048, 1, 8),
+        paging: None,
     };
     cfg.strides = cfg.contiguous_strides();
     cfg
@@ -342,6 +344,7 @@ fn attention_tensor_cores_bf16_d64_causal() {
         elem: Elem::BF16,
         strides: [[0; 3]; 4],
         splits: 1,
+        paging: None,
     };
     cfg.strides = cfg.contiguous_strides();
     // The base image's kernel (the Hopper one is `attention_gqa_causal_padded_bf16_wgmma`).

@@ -8,7 +8,8 @@
 //! only keys its padding mask hides, stores zeros. The
 //! dot products and the accumulator update run four lanes at a time.
 //!
-//! Parameters: `q, k, v, out, [mask], [positions], [cos, sin]`; the parallel axis is query rows
+//! Parameters: `q, k, v, out, [mask], [positions], [cos, sin], [seed], [table]` (k and v a
+//! paged cache through its block table: `super::paging`); the parallel axis is query rows
 //! (`(b * heads + h) * q_len + i`). Dropout draws exactly the IR's Philox mask. Split key ranges
 //! (flash-decoding) are GPU-only: a CPU call covers every key.
 
@@ -22,7 +23,9 @@ use super::module::{
     f32_addr, fold_lanes, for_range, lane_sum, lanes, lanes_unrolled, load, load_i64, splat, store,
     sum_lanes_unrolled, Args, CpuError, CpuModule, VECTOR,
 };
+use super::paging::CacheRows;
 use crate::attention::{AttentionConfig, KeyRule};
+use crate::paging::Paging;
 
 /// Keys scored per block (the score buffer on the stack holds this many).
 const BLOCK: u32 = 128;
@@ -97,7 +100,7 @@ pub fn name(cfg: &AttentionConfig) -> String {
         .map(|s| format!("{}x{}x{}", s[0], s[1], s[2]))
         .collect();
     format!(
-        "cpu_attention_f32_h{}kv{}_d{}_s{}_t{}_{keys}{}{}{}_{}_scale{:08x}{}",
+        "cpu_attention_f32_h{}kv{}_d{}_s{}_t{}_{keys}{}{}{}_{}_scale{:08x}{}{}",
         cfg.heads,
         cfg.kv_heads,
         cfg.head_dim,
@@ -115,7 +118,8 @@ pub fn name(cfg: &AttentionConfig) -> String {
                 d.keep_scale.to_bits(),
                 d.stream
             ))
-            .unwrap_or_default()
+            .unwrap_or_default(),
+        Paging::suffix(cfg.paging)
     )
 }
 
@@ -156,6 +160,7 @@ fn body(b: &mut FunctionBuilder, p: super::module::KernelParams, cfg: &Attention
         let hi = b.ins().ireduce(I32, shifted);
         (lo, hi, d.stream, d.threshold, d.keep_scale)
     });
+    let paged = cfg.paging.map(|pg| (args.next(b), pg));
     let d = cfg.head_dim;
     let half = d / 2;
     let [qs, ks, vs, os] = cfg.strides.map(|s| s.map(i64::from));
@@ -194,9 +199,8 @@ fn body(b: &mut FunctionBuilder, p: super::module::KernelParams, cfg: &Attention
         };
         let q_row = base(b, qs, h, i);
         let o_row = base(b, os, h, i);
-        let zero = b.ins().iconst(I64, 0);
-        let k_head = base(b, ks, kvh, zero);
-        let v_head = base(b, vs, kvh, zero);
+        let k_rows = CacheRows::new(b, ks, [batch, kvh], paged);
+        let v_rows = CacheRows::new(b, vs, [batch, kvh], paged);
         let pos_i = positions.map(|pp| {
             let idx = b.ins().imul_imm_s(batch, s_len);
             let idx = b.ins().iadd(idx, i);
@@ -286,8 +290,7 @@ fn body(b: &mut FunctionBuilder, p: super::module::KernelParams, cfg: &Attention
             let zero = b.ins().iconst(I64, 0);
             for_range(b, zero, count, 1, |b, jj| {
                 let j = b.ins().iadd(kb, jj);
-                let k_row = b.ins().imul_imm_s(j, ks[2]);
-                let k_row = b.ins().iadd(k_head, k_row);
+                let k_row = k_rows.row(b, j);
                 let mut score = match (cfg.rope && cfg.rope_k, positions) {
                     (true, Some(pp)) => {
                         // Keys rotated at their own positions as they are read.
@@ -395,8 +398,7 @@ fn body(b: &mut FunctionBuilder, p: super::module::KernelParams, cfg: &Attention
                     let w = load(b, super::module::SCALAR, sa);
                     let w_x4 = splat(b, w);
                     let j = b.ins().iadd(kb, jj);
-                    let v_row = b.ins().imul_imm_s(j, vs[2]);
-                    let v_row = b.ins().iadd(v_head, v_row);
+                    let v_row = v_rows.row(b, j);
                     for &(var, ty, col) in &accs {
                         let wt = if ty == VECTOR { w_x4 } else { w };
                         let ix = b.ins().iadd_imm_s(v_row, col);

@@ -1,8 +1,9 @@
 //! Writing new keys or values into a KV cache in place, the CPU side of [`crate::kv_cache`]:
 //! `cache[b, h, pos[b, s], :] = new[b, h, s, :]` for every token whose mask is 1 and whose
 //! position is inside the cache, rotated (RoPE, the rotate-half pairing of `i` and `i + D/2`)
-//! on the way when the IR rotates the keys just before the write. Parameters: `cache, new,
-//! positions, mask, [cos, sin]`; the parallel axis is tokens (`b * S + s`).
+//! on the way when the IR rotates the keys just before the write; a paged cache's row through its
+//! block table (`super::paging`). Parameters: `cache, new, positions, mask, [cos, sin], [table]`;
+//! the parallel axis is tokens (`b * S + s`).
 
 use cranelift_codegen::ir::condcodes::IntCC;
 use cranelift_codegen::ir::types::I64;
@@ -12,18 +13,21 @@ use super::math::rotated;
 use super::module::{
     arg, f32_addr, for_range, if_then, lanes, load, load_i64, store, CpuError, CpuModule,
 };
+use super::paging::CacheRows;
 use crate::kv_cache::KvWriteConfig;
+use crate::paging::Paging;
 
 /// The function's name for `cfg` (everything its code depends on).
 pub fn name(cfg: &KvWriteConfig) -> String {
     let [sb, sh, ss] = cfg.new_strides;
     format!(
-        "cpu_kv_write_f32_kv{}_d{}_s{}_t{}_n{sb}x{sh}x{ss}{}",
+        "cpu_kv_write_f32_kv{}_d{}_s{}_t{}_n{sb}x{sh}x{ss}{}{}",
         cfg.kv_heads,
         cfg.head_dim,
         cfg.new_len,
         cfg.capacity,
-        if cfg.rope { "_rope" } else { "" }
+        if cfg.rope { "_rope" } else { "" },
+        Paging::suffix(cfg.paging)
     )
 }
 
@@ -37,7 +41,9 @@ pub fn kv_write(module: &mut CpuModule, cfg: &KvWriteConfig) -> Result<String, C
         let positions = arg(b, p, 2);
         let mask = arg(b, p, 3);
         let tables = cfg.rope.then(|| (arg(b, p, 4), arg(b, p, 5)));
-        let d = i64::from(cfg.head_dim);
+        let table_arg = if cfg.rope { 6 } else { 4 };
+        let paged = cfg.paging.map(|pg| (arg(b, p, table_arg), pg));
+        let strides = cfg.cache_strides().map(i64::from);
         let half = cfg.head_dim / 2;
         let [sb, sh, ss] = cfg.new_strides.map(i64::from);
         for_range(b, p.begin, p.end, 1, |b, token| {
@@ -59,11 +65,7 @@ pub fn kv_write(module: &mut CpuModule, cfg: &KvWriteConfig) -> Result<String, C
                     let r2 = b.ins().imul_imm_s(s, ss);
                     let src = b.ins().iadd(r0, r1);
                     let src = b.ins().iadd(src, r2);
-                    let c0 = b.ins().imul_imm_s(batch, i64::from(cfg.kv_heads));
-                    let c0 = b.ins().iadd(c0, h);
-                    let c1 = b.ins().imul_imm_s(c0, i64::from(cfg.capacity));
-                    let c1 = b.ins().iadd(c1, pos);
-                    let dst = b.ins().imul_imm_s(c1, d);
+                    let dst = CacheRows::new(b, strides, [batch, h], paged).row(b, pos);
                     match tables {
                         None => lanes(b, cfg.head_dim, |b, i, ty| {
                             let si = b.ins().iadd(src, i);

@@ -22,6 +22,7 @@
 //!   is computed by a CPU GEMM library the executor calls), f32x4;
 //! - [`embedding`] — summed embedding lookups, f32x4;
 //! - [`kv_cache`] — writes into a KV cache in place, RoPE on the way, f32x4;
+//! - `paging` — rows of a dense or paged KV cache;
 //! - [`norm`] — LayerNorm / RMSNorm rows (with the residual add), f32x4;
 //! - [`sampling`] — token choice (greedy, temperature, top-k, top-p) by bisection, scalar;
 //! - [`strided`] — primitive ops over strided operands (what no fused kernel covers: pooling heads),
@@ -35,6 +36,7 @@ pub mod kv_cache;
 pub mod math;
 pub mod module;
 pub mod norm;
+pub(crate) mod paging;
 pub mod sampling;
 pub mod strided;
 

@@ -195,3 +195,63 @@ pub fn mask_mismatches(got: &[f32], want: &[bool]) -> usize {
         .filter(|(g, w)| (**g != 0.0) != **w)
         .count()
 }
+
+/// A paged copy of the caches of `rows` sequences (`[rows, kv_heads, capacity, head_dim]`): every
+/// sequence's blocks in a shuffled order across the pool (block 0, the null block, left out),
+/// as the runtime's block table would hand them out over time.
+pub struct PagedCache {
+    /// The block table, `[rows, entries]`.
+    pub table: Vec<u32>,
+    /// Blocks in the pool.
+    pub blocks: usize,
+    pub paging: kiln_kernels::paging::Paging,
+    shape: [usize; 4],
+}
+
+impl PagedCache {
+    pub fn new(
+        rng: &mut rand::rngs::StdRng,
+        [rows, kv_heads, capacity, head_dim]: [usize; 4],
+        block: u32,
+    ) -> PagedCache {
+        use rand::seq::SliceRandom;
+        let paging = kiln_kernels::paging::Paging::new(block, capacity as u32).unwrap();
+        let n = rows * paging.entries as usize;
+        let mut order: Vec<u32> = (1..=n as u32).collect();
+        order.shuffle(rng);
+        PagedCache {
+            table: order,
+            blocks: n + 1,
+            paging,
+            shape: [rows, kv_heads, capacity, head_dim],
+        }
+    }
+
+    /// Index in the pool of element `(b, h, j, c)` of the dense cache.
+    fn at(&self, b: usize, h: usize, j: usize, c: usize) -> usize {
+        let [_, kvh, _, d] = self.shape;
+        let bs = self.paging.block as usize;
+        let block = self.table[b * self.paging.entries as usize + j / bs] as usize;
+        ((block * kvh + h) * bs + j % bs) * d + c
+    }
+
+    /// The pool holding `dense` (`fill` where no key is).
+    pub fn scatter<T: Copy>(&self, dense: &[T], fill: T) -> Vec<T> {
+        let [rows, kvh, t, d] = self.shape;
+        let mut pool = vec![fill; self.blocks * kvh * self.paging.block as usize * d];
+        for (i, x) in dense.iter().enumerate() {
+            let (b, h, j, c) = (i / (kvh * t * d), i / (t * d) % kvh, i / d % t, i % d);
+            debug_assert!(b < rows);
+            pool[self.at(b, h, j, c)] = *x;
+        }
+        pool
+    }
+
+    /// The dense caches `pool` holds.
+    pub fn gather<T: Copy>(&self, pool: &[T]) -> Vec<T> {
+        let [rows, kvh, t, d] = self.shape;
+        (0..rows * kvh * t * d)
+            .map(|i| pool[self.at(i / (kvh * t * d), i / (t * d) % kvh, i / d % t, i % d)])
+            .collect()
+    }
+}
