@@ -16,7 +16,7 @@ use crate::bucket::{Bucket, BucketPlan};
 use crate::compile::{compile, compile_with_progress, CompileOptions, Compiled, CompiledBucket};
 use crate::fusion::cost::CostModel;
 use crate::fusion::Limits;
-use crate::plan::ArtifactPlan;
+use crate::plan::{ArtifactPlan, KvPaging};
 use crate::progress::Progress;
 use crate::staging::Staging;
 use crate::tensor_io::{parent_folder, read_tensors, write_tensors};
@@ -101,6 +101,15 @@ pub enum Command {
         /// at most the largest batch bucket). Prompts arriving together then fill side by side.
         #[arg(long)]
         prefill_batch: Option<usize>,
+        /// Keys per block of the paged KV cache (decoders; a power of two, default 16; 0 keeps
+        /// one dense cache row of the whole context per sequence).
+        #[arg(long)]
+        kv_block_size: Option<u32>,
+        /// Blocks in the paged KV cache, shared by all sequences (decoders; default: enough for
+        /// every row of the largest batch at full context). Fewer save memory: requests then wait
+        /// for blocks.
+        #[arg(long)]
+        kv_blocks: Option<usize>,
         /// Which code to generate: GPU kernels (PTX, and SASS when ptxas is found), CPU kernels
         /// (Cranelift; f16/bf16 builds computed in f32), or both.
         #[arg(long, value_enum, default_value_t = Target::All)]
@@ -175,6 +184,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                     histogram: None,
                     max_context: None,
                     prefill_chunks: Vec::new(),
+                    kv_paging: None,
                 };
                 let (_, compiled) = compile(&model.graph, None, &opts)?;
                 writeln!(out, "{}", compiled.prefill[0].graph.to_ron())?;
@@ -210,6 +220,8 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
             max_context,
             prefill_chunk,
             prefill_batch,
+            kv_block_size,
+            kv_blocks,
             target,
             quiet,
         } => {
@@ -276,6 +288,14 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                             "--prefill-batch {p} must be between 1 and the largest batch bucket ({rows})"
                         );
                     }
+                    if let Some(b) = kv_block_size.filter(|&b| b != 0 && !b.is_power_of_two()) {
+                        bail!(
+                            "--kv-block-size {b} must be a power of two (or 0 for a dense cache)"
+                        );
+                    }
+                    if kv_blocks.is_some() && *kv_block_size == Some(0) {
+                        bail!("--kv-blocks sizes a paged cache; --kv-block-size 0 asks for a dense one");
+                    }
                     let options = ImportOptions {
                         kv_cache: true,
                         dropout: false,
@@ -284,10 +304,14 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                     (Some(load(&options)?.graph), Some(context))
                 }
                 ModelKind::Encoder { .. } => {
-                    if max_context.is_some() || !prefill_chunk.is_empty() || prefill_batch.is_some()
+                    if max_context.is_some()
+                        || !prefill_chunk.is_empty()
+                        || prefill_batch.is_some()
+                        || kv_block_size.is_some()
+                        || kv_blocks.is_some()
                     {
                         bail!(
-                            "--max-context, --prefill-chunk and --prefill-batch apply to decoders; {} is an encoder",
+                            "--max-context, --prefill-chunk, --prefill-batch, --kv-block-size and --kv-blocks apply to decoders; {} is an encoder",
                             model.architecture
                         );
                     }
@@ -305,6 +329,14 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 prefill_chunks: context.map_or_else(Vec::new, |c| {
                     chunk_buckets(prefill_chunk, prefill_batch.unwrap_or(1), &plan, c)
                 }),
+                kv_paging: match kv_block_size.unwrap_or(DEFAULT_KV_BLOCK) {
+                    _ if context.is_none() => None,
+                    0 => None,
+                    block => Some(KvPaging {
+                        block,
+                        blocks: *kv_blocks,
+                    }),
+                },
             };
             let (mut compiled, buckets) =
                 compile_with_progress(&model.graph, cached.as_ref(), &opts, &progress)?;
@@ -319,6 +351,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 with_weights: !*no_weights,
                 dtype,
                 target: *target,
+                kv_paging: opts.kv_paging,
             };
             for (stage, seconds) in write_artifact(out_dir, &src, &progress)? {
                 compiled
@@ -428,6 +461,13 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 mem.cache.len(),
                 mib(mem.arena_bytes)
             )?;
+            if let Some(p) = &mem.paging {
+                writeln!(
+                    out,
+                    "  KV cache paged: {} blocks of {} keys (block 0 unused), a block table of {} rows x {} entries",
+                    p.blocks, p.block_tokens, p.rows, p.entries
+                )?;
+            }
             if let Some(cpu) = &m.cpu_memory {
                 writeln!(
                     out,
@@ -676,6 +716,7 @@ struct ArtifactSource<'a> {
     with_weights: bool,
     dtype: DType,
     target: Target,
+    kv_paging: Option<KvPaging>,
 }
 
 /// Writes the artifact (`manifest.ron`, `buckets/*.ron`, `kernels.ptx` and the cubin,
@@ -725,7 +766,7 @@ fn fill_artifact(
         .collect();
     let art = {
         let _stage = progress.stage("plan", 0);
-        crate::plan::plan_artifact(&graphs, src.target.cpu())?
+        crate::plan::plan_artifact(&graphs, src.target.cpu(), src.kv_paging)?
     };
     timed("plan", start);
     std::fs::create_dir(dir.join("buckets"))?;
@@ -896,6 +937,8 @@ fn write_checksums(
 }
 
 const WEIGHTS: &str = "weights.safetensors";
+/// Keys per block of a paged KV cache unless `--kv-block-size` says otherwise (as vLLM's).
+const DEFAULT_KV_BLOCK: u32 = 16;
 const TOKENIZER: &str = "tokenizer.json";
 
 /// The kernel files of an artifact: each image's PTX module and, when ptxas was found, its cubin.

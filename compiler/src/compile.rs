@@ -36,6 +36,8 @@ pub struct CompileOptions {
     /// (decoders only; none, or one token: one token per decode step). Several sizes let a
     /// prompt's last part take the smallest chunk that holds it.
     pub prefill_chunks: Vec<Bucket>,
+    /// How the KV caches are paged (`None`: dense); lowering picks the paged kernels.
+    pub kv_paging: Option<crate::plan::KvPaging>,
 }
 
 impl CompileOptions {
@@ -202,8 +204,10 @@ pub fn compile_with_progress(
             done
         })
         .collect::<Result<_, _>>()?;
-    let mut generated =
-        crate::lower::Lowered::new(crate::lower::batch_rows(extracted.iter().map(|(g, _)| g)));
+    let mut generated = crate::lower::Lowered::new(
+        crate::lower::batch_rows(extracted.iter().map(|(g, _)| g)),
+        opts.kv_paging.map(|p| p.block),
+    );
     let mut prefill = Vec::new();
     let mut decode = Vec::new();
     for ((_, bucket, context), (graph, modelled)) in jobs.into_iter().zip(extracted) {

@@ -25,6 +25,7 @@ use kiln_kernels::gemm::{gemm_base, gemm_for, GemmConfig};
 use kiln_kernels::gemv::{self, Rows};
 use kiln_kernels::kv_cache::{kv_write, KvWriteConfig};
 use kiln_kernels::norm::{norm, NormConfig};
+use kiln_kernels::paging::Paging;
 use kiln_kernels::rope::rotate;
 use kiln_kernels::{Elem, GeneratedKernel, Image};
 
@@ -69,6 +70,8 @@ pub enum Operand {
     SamplingParams,
     /// The counters region (`Region::Counters`), of which the launch uses this many bytes.
     Counters(u64),
+    /// The paged KV cache's block table (`CachePaging::table` in the cache region).
+    BlockTable,
 }
 
 /// One kernel launch of a node: the kernel's (deduplicated) entry name and an operand per
@@ -182,6 +185,8 @@ pub struct Lowered {
     generated: std::collections::HashMap<String, GeneratedKernel>,
     /// How decode products of different batch sizes relate (see [`batch_rows`]).
     pub rows: Rows,
+    /// Keys per block of a paged KV cache; `None`: dense caches.
+    pub kv_block: Option<u32>,
 }
 
 /// The row policy of an artifact's matrix-vector products: batch-invariant when one of `graphs`
@@ -233,12 +238,19 @@ pub struct TokenChoice {
 }
 
 impl Lowered {
-    /// No kernels yet; matrix-vector products under `rows`.
-    pub fn new(rows: Rows) -> Lowered {
+    /// No kernels yet; matrix-vector products under `rows`; KV caches paged in blocks of
+    /// `kv_block` keys (`None`: dense).
+    pub fn new(rows: Rows, kv_block: Option<u32>) -> Lowered {
         Lowered {
             rows,
+            kv_block,
             ..Lowered::default()
         }
+    }
+
+    /// The paging of a KV cache of `capacity` keys.
+    fn paging(&self, capacity: u32) -> Option<Paging> {
+        self.kv_block.and_then(|b| Paging::new(b, capacity))
     }
 
     /// The kernel `make` generates for `cfg`, generated the first time it is asked for.
@@ -367,7 +379,7 @@ fn head_strides(g: &Graph, id: NodeId) -> Option<([u32; 3], u32)> {
 pub fn lower(g: &Graph, kernels: &mut Lowered) -> GraphLaunches {
     let mut out = GraphLaunches::default();
     let consumers = consumers(g);
-    let fused = Fused::find(g, &consumers, kernels.rows);
+    let fused = Fused::find(g, &consumers, kernels);
     let mut weight_only = vec![false; g.len()];
     for (id, node) in g.nodes() {
         weight_only[id.index()] = match &node.op {
@@ -527,7 +539,7 @@ impl Fused {
     /// The fusions of the static graph `g` whose kernels serve them: a decode attention takes in
     /// its writes ([`decode_writes`]) when it runs on `attention_decode` and reads their new rows
     /// in place.
-    fn find(g: &Graph, consumers: &[Vec<(NodeId, usize)>], rows: Rows) -> Fused {
+    fn find(g: &Graph, consumers: &[Vec<(NodeId, usize)>], kernels: &Lowered) -> Fused {
         let attention_writes = decode_writes(g, consumers)
             .into_iter()
             .filter(|f| {
@@ -536,7 +548,7 @@ impl Fused {
                 else {
                     return false;
                 };
-                lower_decode(g, f.attention, spec, elem)
+                lower_decode(g, f.attention, spec, elem, kernels)
                     .is_some_and(|(cfg, _)| kiln_kernels::attention_decode::supports(&cfg))
                     && new_entries(g, f.writes).is_some()
             })
@@ -545,7 +557,7 @@ impl Fused {
         let token_site = TokenSite::find(g);
         let choosing = token_site
             .as_ref()
-            .and_then(|site| choosing_product(g, site, rows));
+            .and_then(|site| choosing_product(g, site, kernels.rows));
         Fused {
             attention_writes,
             token_site,
@@ -792,11 +804,14 @@ fn lower_node(
             }
         }
         Op::DecodeAttention(spec) => {
-            let (cfg, split) = lower_decode(g, id, spec, elem)?;
+            let (cfg, split) = lower_decode(g, id, spec, elem, out)?;
             // Operands: q, k cache, v cache, positions.
             let mut bind = vec![("q", a(0)), ("k", a(1)), ("v", a(2)), ("positions", a(3))];
             if let Some((theta, scaling)) = &spec.rope {
                 bind.extend(rope_tables(rope_table(*theta, scaling, arg(0))?));
+            }
+            if cfg.paging.is_some() {
+                bind.push(("table", Operand::BlockTable));
             }
             // On the CPU one call covers every key (no partials to combine).
             let mut one = cfg.clone();
@@ -806,6 +821,9 @@ fn lower_node(
             let mut params = vec!["q", "k", "v", "out", "positions"];
             if cfg.rope {
                 params.extend(["cos", "sin"]);
+            }
+            if cfg.paging.is_some() {
+                params.push("table");
             }
             let rows = u64::from(cfg.batch * cfg.heads * cfg.q_len);
             n.cpu(CpuKernel::Attention(one), &cpu_bind, &params, rows);
@@ -879,6 +897,10 @@ fn lower_node(
                 _ => (new_id, None),
             };
             let (new_strides, _) = head_strides(g, values)?;
+            let paging = out.paging(cache[2]);
+            if paging.is_some() && !is_cache_input(g, node.args[0]) {
+                return None;
+            }
             let cfg = KvWriteConfig {
                 batch: cache[0],
                 kv_heads: cache[1],
@@ -888,6 +910,7 @@ fn lower_node(
                 new_strides,
                 rope: rope.is_some(),
                 elem,
+                paging,
             };
             let kernel = out.generate(&cfg, kv_write);
             let mut bind = vec![
@@ -898,6 +921,9 @@ fn lower_node(
             ];
             if let Some(table) = rope {
                 bind.extend(rope_tables(table));
+            }
+            if paging.is_some() {
+                bind.push(("table", Operand::BlockTable));
             }
             let tokens = u64::from(cfg.batch * cfg.new_len);
             n.cpu_like(CpuKernel::KvWrite(cfg), &kernel, &bind, tokens);
@@ -929,6 +955,11 @@ fn new_entries(
         strides: [k_strides, v_strides],
     };
     Some(([keys, values, g.node(kw).args[3]], new))
+}
+
+/// Whether `id` is a KV-cache input itself (not a view of one): what a paged cache needs.
+fn is_cache_input(g: &Graph, id: NodeId) -> bool {
+    matches!(&g.node(id).op, Op::Input(name) if name.starts_with("past_"))
 }
 
 /// The RoPE table of a rotation over the last axis of values of type `ty`.
@@ -1035,14 +1066,28 @@ fn lower_prerotated(
     out.launch_with_fallback(n, kernel, fallback, &attention_bind)
 }
 
+/// The configuration of decode attention `id` (its keys and values the KV cache, paged as
+/// `kernels` pages caches) and whether it splits its keys.
 fn lower_decode(
     g: &Graph,
     id: NodeId,
     spec: &DecodeAttentionSpec,
     elem: Elem,
+    kernels: &Lowered,
 ) -> Option<(AttentionConfig, bool)> {
     let (mut cfg, _) = base_config(g, id, elem)?;
     cfg.take_decode(spec);
+    if let Some(paging) = kernels.paging(cfg.kv_len) {
+        // A paged cache is read through its table: k and v must be the cache writes' values.
+        let writes = &g.node(id).args[1..3];
+        let cached = writes.iter().all(|&w| {
+            matches!(g.node(w).op, Op::CacheWrite) && is_cache_input(g, g.node(w).args[0])
+        });
+        if !cached {
+            return None;
+        }
+        cfg.take_paging(paging);
+    }
     // Decode steps (one query row) over long caches split each query's keys evenly across
     // several warps (flash-decoding); prompt chunks take the tensor-core kernel, whose blocks
     // already cover many rows.

@@ -5,7 +5,8 @@
 //!   name order, each at a multiple of `ALIGN` bytes; `weights.safetensors` is written in exactly
 //!   that layout, so its data section is the weights region byte for byte.
 //! - The KV cache has one slot per `past_*` input, sized for the largest decode batch; a
-//!   `CacheWrite` updates its slot in place and its `present_*` output is that slot.
+//!   `CacheWrite` updates its slot in place and its `present_*` output is that slot. Paged
+//!   ([`KvPaging`]), each slot is a pool of blocks and the region ends with the block table.
 //! - Activations, scratch buffers and the graph's inputs and outputs share the arena: each lives
 //!   from the node that writes it to the last node that reads it (through views), and
 //!   `memory::place` gives buffers alive at once disjoint offsets. Buckets never run at once, so
@@ -17,8 +18,8 @@
 use std::collections::BTreeMap;
 
 use kiln_ir::artifact::{
-    align, Arg, CpuCall, CpuPlan, CpuStep, ExecPlan, KernelEntry, MemoryPlan, ParamType, Region,
-    Step, TensorSlot, ALIGN,
+    align, Arg, CachePaging, CpuCall, CpuPlan, CpuStep, ExecPlan, KernelEntry, MemoryPlan,
+    ParamType, Region, Step, TensorSlot, ALIGN,
 };
 use kiln_ir::io::aligned_layout;
 use kiln_ir::{DType, Graph, NodeId, Op, Tensor};
@@ -36,6 +37,17 @@ pub enum PlanError {
     /// A value the plan cannot place.
     #[error("{0}")]
     Layout(String),
+}
+
+/// How the compiler pages KV caches: blocks of `block` keys, `blocks` of them per cache input
+/// (block 0 included; `None`: as many as the largest decode batch can hold at full context,
+/// plus block 0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvPaging {
+    /// Keys per block (a power of two).
+    pub block: u32,
+    /// Blocks per pool.
+    pub blocks: Option<usize>,
 }
 
 /// One bucket's graph as the artifact stores it (weights folded) and how it runs.
@@ -97,15 +109,19 @@ impl ArtifactPlan {
 /// Plans `graphs` (static bucket graphs, prefill and decode alike) as one artifact; with
 /// `cpu_plans`, half-precision graphs also get CPU plans, made from their f32 twins
 /// (`widen.rs`) over a memory plan of their own.
-pub fn plan_artifact(graphs: &[&Graph], cpu_plans: bool) -> Result<ArtifactPlan, PlanError> {
-    let mut art = plan_graphs(graphs)?;
+pub fn plan_artifact(
+    graphs: &[&Graph],
+    cpu_plans: bool,
+    paging: Option<KvPaging>,
+) -> Result<ArtifactPlan, PlanError> {
+    let mut art = plan_graphs(graphs, paging)?;
     if cpu_plans && art.buckets.iter().any(|b| crate::widen::has_half(&b.graph)) {
         let widened = art
             .buckets
             .iter()
             .map(|b| crate::widen::widen(&b.graph))
             .collect::<Result<Vec<_>, _>>()?;
-        let wide = plan_graphs(&widened.iter().collect::<Vec<_>>())?;
+        let wide = plan_graphs(&widened.iter().collect::<Vec<_>>(), paging)?;
         for (bucket, twin) in art.buckets.iter_mut().zip(wide.buckets) {
             if let Some(plan) = bucket.plan.as_mut() {
                 plan.cpu = twin.plan.and_then(|p| p.cpu);
@@ -119,8 +135,9 @@ pub fn plan_artifact(graphs: &[&Graph], cpu_plans: bool) -> Result<ArtifactPlan,
 }
 
 /// Plans `graphs` as they are typed: GPU plans, and CPU plans for f32 graphs.
-fn plan_graphs(graphs: &[&Graph]) -> Result<ArtifactPlan, PlanError> {
-    let mut kernels = Lowered::new(crate::lower::batch_rows(graphs.iter().copied()));
+fn plan_graphs(graphs: &[&Graph], paging: Option<KvPaging>) -> Result<ArtifactPlan, PlanError> {
+    let rows = crate::lower::batch_rows(graphs.iter().copied());
+    let mut kernels = Lowered::new(rows, paging.map(|p| p.block));
     let mut folded = BTreeMap::new();
     let mut lowered = Vec::new();
     for g in graphs {
@@ -193,12 +210,21 @@ fn plan_graphs(graphs: &[&Graph]) -> Result<ArtifactPlan, PlanError> {
             }
         }
     }
-    let list: Vec<(String, DType, Vec<usize>)> = cache_shapes
+    let mut list: Vec<(String, DType, Vec<usize>)> = cache_shapes
         .into_iter()
         .map(|(n, (d, s))| (n, d, s))
         .collect();
+    let cache_paging = match paging {
+        Some(p) if !list.is_empty() => Some(page_caches(&mut list, p)?),
+        _ => None,
+    };
     let cache = aligned_layout(&list, ALIGN);
-    let cache_bytes = cache.last().map_or(0, |s| s.offset + s.bytes());
+    let mut cache_bytes = cache.last().map_or(0, |s| s.offset + s.bytes());
+    let cache_paging = cache_paging.map(|mut p| {
+        p.table = align(cache_bytes);
+        cache_bytes = p.table + p.table_bytes();
+        p
+    });
 
     // Counters: every launch counts from offset 0 of one region, as large as the most any uses.
     let counter_bytes = lowered
@@ -217,6 +243,7 @@ fn plan_graphs(graphs: &[&Graph]) -> Result<ArtifactPlan, PlanError> {
         weights,
         cache_bytes,
         cache,
+        paging: cache_paging,
         counter_bytes,
         arena_bytes: 0,
     };
@@ -250,6 +277,59 @@ fn plan_graphs(graphs: &[&Graph]) -> Result<ArtifactPlan, PlanError> {
         tables,
         cpu_kernels,
         cpu_memory: None,
+    })
+}
+
+/// Turns the cache slots `list` (`[rows, KVH, T, D]` each) into pools of `paging`'s blocks, and
+/// returns the paging (its table not yet placed).
+fn page_caches(
+    list: &mut [(String, DType, Vec<usize>)],
+    paging: KvPaging,
+) -> Result<CachePaging, PlanError> {
+    let layout = |e: String| PlanError::Layout(format!("paged KV cache: {e}"));
+    let first = list[0].0.clone();
+    let [rows, _, context, _] = list[0].2[..] else {
+        return Err(layout(format!(
+            "`{first}` is not [rows, heads, keys, head dim]"
+        )));
+    };
+    let block = paging.block as usize;
+    if !block.is_power_of_two() {
+        return Err(layout(format!(
+            "blocks of {block} keys; a block holds a power of two"
+        )));
+    }
+    let entries = context.div_ceil(block);
+    let blocks = paging.blocks.unwrap_or(rows * entries + 1);
+    if blocks <= entries {
+        return Err(layout(format!(
+            "{blocks} blocks hold no sequence of the context: {context} keys need {entries} blocks beside block 0"
+        )));
+    }
+    for (name, _, shape) in list.iter_mut() {
+        let [r, heads, keys, dim] = shape[..] else {
+            return Err(layout(format!(
+                "`{name}` is not [rows, heads, keys, head dim]"
+            )));
+        };
+        if (r, keys) != (rows, context) {
+            return Err(layout(format!(
+                "`{name}` has {r} rows of {keys} keys; `{first}` has {rows} of {context}"
+            )));
+        }
+        if u32::try_from(blocks * heads * block * dim).is_err() {
+            return Err(layout(format!(
+                "`{name}`'s pool of {blocks} blocks exceeds 2^32 elements"
+            )));
+        }
+        *shape = vec![blocks, heads, block, dim];
+    }
+    Ok(CachePaging {
+        block_tokens: block,
+        blocks,
+        rows,
+        entries,
+        table: 0,
     })
 }
 
@@ -590,6 +670,12 @@ fn plan_bucket(
             Operand::U32(v) => Arg::U32(*v),
             Operand::Arena(offset) => Arg::Ptr(Region::Arena, *offset),
             Operand::Counters(_) => Arg::Ptr(Region::Counters, 0),
+            Operand::BlockTable => {
+                let paging = memory.paging.as_ref().ok_or_else(|| {
+                    PlanError::Layout("a launch reads the block table of a dense cache".into())
+                })?;
+                Arg::Ptr(Region::Cache, paging.table)
+            }
             Operand::Tokens => {
                 let b = tokens_buffer.ok_or_else(|| {
                     PlanError::Layout("a launch writes tokens the bucket does not choose".into())

@@ -24,8 +24,8 @@ use crate::DType;
 /// launch); since version 10 the allocation holds a counters region between the KV cache and the
 /// arena ([`Region::Counters`]); since version 11 a decode step's plan may advance its own
 /// inputs ([`ExecPlan::advances`]); since version 12 it may carry a sampler
-/// ([`ExecPlan::sampler`]).
-pub const FORMAT_VERSION: u32 = 12;
+/// ([`ExecPlan::sampler`]); since version 13 the cache may be paged ([`MemoryPlan::paging`]).
+pub const FORMAT_VERSION: u32 = 13;
 /// The inputs a decode step that advances them ([`ExecPlan::advances`]) leaves for the next
 /// step: token ids (each unmasked row's chosen token), positions (one further) and the mask
 /// (unchanged), each i64 `[batch, 1]`.
@@ -112,16 +112,79 @@ pub struct MemoryPlan {
     /// Each weight's place in that region (derived tensors such as RoPE tables included).
     pub weights: Vec<TensorSlot>,
     /// The KV-cache region (decoders): one slot per cache input (`past_key.0`, ...), sized for
-    /// the largest decode batch; a smaller batch uses the leading rows.
+    /// the largest decode batch (a smaller batch uses the leading rows), or, paged, a pool of
+    /// blocks per input and the block table ([`MemoryPlan::paging`]).
     pub cache_bytes: u64,
-    /// The cache slots.
+    /// The cache slots: `[rows, KVH, T, D]`, or paged `[blocks, KVH, block_tokens, D]`.
     pub cache: Vec<TensorSlot>,
+    /// How the cache is paged; `None`: dense.
+    #[serde(default)]
+    pub paging: Option<CachePaging>,
     /// The counters region: the most any one launch uses (launches run one at a time, each
     /// leaving them at zero, so all share it from offset 0).
     #[serde(default)]
     pub counter_bytes: u64,
     /// The activation arena: the largest of the buckets' footprints (buckets never run at once).
     pub arena_bytes: u64,
+}
+
+/// A paged KV cache: every cache slot is a pool of `blocks` blocks of `block_tokens` keys
+/// (`[blocks, KVH, block_tokens, D]`), and row `r`'s key `j` is row `j % block_tokens` of block
+/// `table[r * entries + j / block_tokens]`. The table (u32, `[rows, entries]`) lies in the cache
+/// region at byte `table`; the runtime writes it between steps, the kernels only read it. Block 0
+/// is never handed out: unassigned entries point at it, and nothing writes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CachePaging {
+    /// Keys per block (a power of two).
+    pub block_tokens: usize,
+    /// Blocks in each pool, block 0 included.
+    pub blocks: usize,
+    /// Table rows: the largest decode batch.
+    pub rows: usize,
+    /// Table entries per row: the context in blocks, rounded up.
+    pub entries: usize,
+    /// The table's byte offset in the cache region.
+    pub table: u64,
+}
+
+impl CachePaging {
+    /// Bytes of the block table.
+    pub fn table_bytes(&self) -> u64 {
+        (self.rows * self.entries * 4) as u64
+    }
+
+    /// Blocks a sequence holding `tokens` keys needs.
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_tokens)
+    }
+
+    /// `Err` naming what contradicts this paging of `memory`'s cache over a context of
+    /// `context` keys: every pool holds a whole sequence of the context beside block 0, and the
+    /// pools and the table lie in the cache region apart.
+    pub fn check(&self, memory: &MemoryPlan, context: usize) -> Result<(), String> {
+        let bad = |why: String| Err(format!("its paged KV cache {why}"));
+        if !self.block_tokens.is_power_of_two() {
+            return bad(format!("has blocks of {} keys", self.block_tokens));
+        }
+        if self.entries != self.blocks_for(context) || self.blocks <= self.entries {
+            return bad(format!(
+                "has {} blocks and {} table entries per row for a context of {context} keys",
+                self.blocks, self.entries
+            ));
+        }
+        if self.table + self.table_bytes() > memory.cache_bytes {
+            return bad("has its block table outside the cache region".into());
+        }
+        for slot in &memory.cache {
+            let pool = slot.shape.len() == 4
+                && slot.shape[0] == self.blocks
+                && slot.shape[2] == self.block_tokens;
+            if !pool || slot.offset + slot.bytes() > self.table {
+                return bad(format!("has `{}` shaped {:?}", slot.name, slot.shape));
+            }
+        }
+        Ok(())
+    }
 }
 
 impl MemoryPlan {

@@ -112,6 +112,13 @@ impl Artifact {
         }
         let manifest: Manifest = ron::from_str(&text)
             .map_err(|e| bad(artifact::MANIFEST, format!("is malformed: {e}")))?;
+        let context = manifest.decode.iter().filter_map(|e| e.context).max();
+        for memory in std::iter::once(&manifest.memory).chain(&manifest.cpu_memory) {
+            if let Some(p) = &memory.paging {
+                p.check(memory, context.unwrap_or(0))
+                    .map_err(|e| bad(artifact::MANIFEST, e))?;
+            }
+        }
         let mut graphs = BTreeMap::new();
         for entry in manifest.prefill.iter().chain(&manifest.decode) {
             if !listed(&entry.graph) {

@@ -11,15 +11,23 @@
 //! token. Rows are compacted when a sequence leaves (a filling sequence only ever moves down, so
 //! it stays in the chunk rows), so the bucket stays as small as the batch.
 //!
+//! A paged cache ([`crate::blocks`]) gives each row the blocks its keys reach, out of what the
+//! sequence was promised when it joined: a sequence joins only when a row is free and the
+//! blocks it can come to need are unpromised, so a running sequence never runs out; rows move by
+//! moving their table rows. A dense cache gives each row the whole context and moves rows by
+//! copying them.
+//!
 //! A sequence's tokens do not depend on its neighbours, its row or the bucket it runs in: the
 //! executors' decode products are batch-invariant (see ARCHITECTURE.md), cache rows move by
-//! exact copies, and each sequence samples from its own stream (step `i` of its own seed).
+//! exact copies (or not at all), and each sequence samples from its own stream (step `i` of its
+//! own seed).
 
 use std::collections::BTreeMap;
 
 use kiln_ir::artifact::BucketEntry;
 use kiln_ir::{Data, Graph, Tensor};
 
+use crate::blocks::BlockPool;
 use crate::generate::{check_prompt, chosen, Sampling};
 use crate::{Artifact, Executor, RuntimeError};
 
@@ -58,6 +66,16 @@ struct Seq {
 }
 
 impl Seq {
+    /// Keys the sequence can come to write: its prompt and its new tokens but the last.
+    fn keys(job: &Job) -> usize {
+        job.prompt.len() + job.max_new - 1
+    }
+
+    /// Keys in the cache (the position of the next token to enter it).
+    fn cached(&self) -> usize {
+        self.filled + self.generated.len()
+    }
+
     /// Prompt tokens to put in the cache before the last one goes through a decode step.
     fn head(&self) -> usize {
         self.job.prompt.len() - 1
@@ -87,6 +105,8 @@ pub struct Batcher<'a> {
     /// The prompt chunk buckets, by tokens ascending (all of one batch).
     chunks: Vec<&'a BucketEntry>,
     rows: Vec<Option<Seq>>,
+    /// The paged cache's blocks; `None` for a dense cache.
+    blocks: Option<BlockPool>,
     /// Prompt chunks run before each decode step (the per-step prompt budget).
     chunks_per_step: usize,
     /// Decode steps one [`Batcher::step`] may chain (see
@@ -129,12 +149,20 @@ impl<'a> Batcher<'a> {
                 c.batch, largest.batch
             )));
         }
+        let blocks = m.memory.paging.map(BlockPool::new);
+        if let Some(p) = m.memory.paging.filter(|p| p.rows < largest.batch) {
+            return Err(RuntimeError::Request(format!(
+                "the block table has {} rows; the largest decode bucket has {}",
+                p.rows, largest.batch
+            )));
+        }
         let session = Session::new(art, exec, largest)?;
         Ok(Batcher {
             session,
             steps,
             chunks,
             rows: (0..largest.batch).map(|_| None).collect(),
+            blocks,
             chunks_per_step: 1,
             steps_ahead: 1,
             decode_seconds: 0.0,
@@ -183,11 +211,20 @@ impl<'a> Batcher<'a> {
 
     /// Tokens whose keys and values the sequences hold in the cache.
     pub fn cached_tokens(&self) -> usize {
-        self.rows
-            .iter()
-            .flatten()
-            .map(|s| s.filled + s.generated.len())
-            .sum()
+        self.rows.iter().flatten().map(Seq::cached).sum()
+    }
+
+    /// The paged cache's blocks the sequences hold, and all its blocks; `None` for a dense
+    /// cache.
+    pub fn kv_blocks(&self) -> Option<(usize, usize)> {
+        self.blocks.as_ref().map(|p| (p.used(), p.capacity()))
+    }
+
+    /// Blocks of the paged cache `job` can come to need (0 for a dense cache).
+    fn blocks_needed(&self, job: &Job) -> usize {
+        self.blocks
+            .as_ref()
+            .map_or(0, |p| p.blocks_for(Seq::keys(job)))
     }
 
     /// Whether no sequence is in a row.
@@ -207,11 +244,18 @@ impl<'a> Batcher<'a> {
             .map_err(RuntimeError::Request)
     }
 
-    /// Whether `job` can join now: a row is free and, if its prompt enters through the chunk
-    /// bucket, one of the chunk's rows holds no other prompt still filling.
+    /// Whether `job` can join now: a row is free, the blocks it can come to need are
+    /// unpromised (a paged cache; every job [`Batcher::check`] passes fits the empty cache, which
+    /// holds a whole context beside block 0) and, if its prompt enters through the chunk bucket, one of the
+    /// chunk's rows holds no other prompt still filling.
     pub fn can_admit(&self, job: &Job) -> bool {
         let free = self.rows.iter().any(Option::is_none);
-        free && (!self.fills_by_chunk(job.prompt.len()) || self.open_chunk_row().is_some())
+        let blocks = self
+            .blocks
+            .as_ref()
+            .is_none_or(|p| p.unpromised() >= self.blocks_needed(job));
+        free && blocks
+            && (!self.fills_by_chunk(job.prompt.len()) || self.open_chunk_row().is_some())
     }
 
     /// Puts `job` in a row as sequence `id` (see [`Batcher::can_admit`]); nothing runs until the
@@ -220,9 +264,10 @@ impl<'a> Batcher<'a> {
         self.check(&job)?;
         if !self.can_admit(&job) {
             return Err(RuntimeError::Request(format!(
-                "sequence {id} cannot join now: no row is free, or prompts fill every chunk row"
+                "sequence {id} cannot join now: no row is free, the KV cache's blocks are promised, or prompts fill every chunk row"
             )));
         }
+        let need = self.blocks_needed(&job);
         let row = if self.fills_by_chunk(job.prompt.len()) {
             let row = self.open_chunk_row().expect("can_admit found a chunk row");
             if self.rows[row].is_some() {
@@ -233,6 +278,10 @@ impl<'a> Batcher<'a> {
         } else {
             self.free_row().expect("can_admit found a free row")
         };
+        if let Some(p) = self.blocks.as_mut() {
+            let promised = p.promise(row, need);
+            debug_assert!(promised, "can_admit found the blocks unpromised");
+        }
         self.rows[row] = Some(Seq {
             id,
             job,
@@ -248,6 +297,9 @@ impl<'a> Batcher<'a> {
             return Ok(false);
         };
         self.rows[row] = None;
+        if let Some(p) = self.blocks.as_mut() {
+            p.release(row);
+        }
         // The highest occupied row moves down into the hole, keeping the rows dense.
         if let Some(high) = self.rows.iter().rposition(Option::is_some) {
             if high > row {
@@ -289,10 +341,7 @@ impl<'a> Batcher<'a> {
         let rows: Vec<Row> = self.rows[..entry.batch]
             .iter()
             .zip(&tokens)
-            .map(|(s, t)| match s {
-                Some(s) => Row::new(t, s.filled + s.generated.len()),
-                None => Row::new(t, 0),
-            })
+            .map(|(s, t)| Row::new(t, s.as_ref().map_or(0, Seq::cached)))
             .collect();
         let picks: Vec<Option<(Sampling, u32)>> = self.rows[..entry.batch]
             .iter()
@@ -309,6 +358,18 @@ impl<'a> Batcher<'a> {
                 .flatten()
                 .all(|s| !s.filling() && !s.generated.is_empty());
         let ahead = if all_decoding { self.ahead() } else { 1 };
+        // Each row with a token writes its keys at `cached..cached + ahead`.
+        let writes: Vec<(usize, usize)> = self
+            .rows
+            .iter()
+            .zip(&work)
+            .enumerate()
+            .filter_map(|(r, (s, w))| match (s, w) {
+                (Some(s), Work::Feed | Work::Choose) => Some((r, s.cached() + ahead)),
+                _ => None,
+            })
+            .collect();
+        Self::hold_blocks(&mut self.blocks, self.session.exec, writes)?;
         let chained = match ahead {
             1 => None,
             n => self.session.next_steps(entry, &rows, &picks, n)?,
@@ -364,6 +425,12 @@ impl<'a> Batcher<'a> {
                     None => (Vec::new(), 0),
                 })
                 .collect();
+            let writes = parts
+                .iter()
+                .enumerate()
+                .filter(|(_, (p, _))| !p.is_empty())
+                .map(|(r, (p, start))| (r, start + p.len()));
+            Self::hold_blocks(&mut self.blocks, self.session.exec, writes)?;
             let rows: Vec<Row> = parts.iter().map(|(p, start)| Row::new(p, *start)).collect();
             self.session.fill(chunk, &rows)?;
             *self.runs.entry(chunk.graph.clone()).or_default() += 1;
@@ -465,11 +532,34 @@ impl<'a> Batcher<'a> {
             .position(|s| s.as_ref().is_some_and(|s| s.id == id))
     }
 
-    /// Moves the sequence in row `from` (cache and state) to the free row `to`.
+    /// Moves the sequence in row `from` (cache and state) to the free row `to`: its table row
+    /// when the cache is paged, its cache row when the cache is dense.
     fn move_row(&mut self, from: usize, to: usize) -> Result<(), RuntimeError> {
-        self.session.copy_row(from, to)?;
+        if let Some(p) = self.blocks.as_mut() {
+            p.move_row(from, to);
+        }
+        self.session.copy_row(from, to, self.blocks.is_some())?;
         self.rows[to] = self.rows[from].take();
         Ok(())
+    }
+
+    /// Hands each `(row, keys)` of `writes` the blocks of its first `keys` keys (a paged cache)
+    /// and writes the table to `exec` when it changed, before the step that writes them.
+    fn hold_blocks(
+        blocks: &mut Option<BlockPool>,
+        exec: &mut Executor,
+        writes: impl IntoIterator<Item = (usize, usize)>,
+    ) -> Result<(), RuntimeError> {
+        let Some(pool) = blocks.as_mut() else {
+            return Ok(());
+        };
+        for (row, keys) in writes {
+            pool.ensure(row, keys)?;
+        }
+        match pool.take_table() {
+            Some(table) => exec.write_block_table(table),
+            None => Ok(()),
+        }
     }
 }
 
@@ -711,10 +801,14 @@ impl<'a> Session<'a> {
         inputs
     }
 
-    /// Copies cache row `from` to row `to`.
-    fn copy_row(&mut self, from: usize, to: usize) -> Result<(), RuntimeError> {
+    /// Copies cache row `from` to row `to`: the caller's dense tensors always, the executor's
+    /// cache unless it is `paged` (its block table moves the row).
+    fn copy_row(&mut self, from: usize, to: usize, paged: bool) -> Result<(), RuntimeError> {
         if self.exec.keeps_cache() {
-            return self.exec.copy_cache_row(from, to);
+            return match paged {
+                true => Ok(()),
+                false => self.exec.copy_cache_row(from, to),
+            };
         }
         for cache in self.caches.values_mut() {
             let row = cache.numel() / cache.shape[0].max(1);

@@ -236,6 +236,15 @@ impl CpuExecutor {
         }
     }
 
+    /// Writes the paged cache's block table (`[rows, entries]`).
+    pub fn write_block_table(&mut self, table: &[u32]) -> Result<(), RuntimeError> {
+        let paging = self.memory.paging.map(|p| (p.table, p.table_bytes()));
+        let at = crate::executor::block_table_at(paging, table)?;
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut self.cache);
+        bytes[at..at + table.len() * 4].copy_from_slice(bytemuck::cast_slice(table));
+        Ok(())
+    }
+
     /// Copies row `from` of every KV-cache slot to row `to`.
     pub fn copy_cache_row(&mut self, from: usize, to: usize) -> Result<(), RuntimeError> {
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut self.cache);

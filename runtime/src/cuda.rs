@@ -72,6 +72,8 @@ pub struct CudaExecutor {
     cache_bytes: u64,
     /// The cache region's slots (offsets within it).
     cache_slots: Vec<TensorSlot>,
+    /// The paged cache's block table: its byte offset in the cache region and its bytes.
+    block_table: Option<(u64, u64)>,
     /// Driver work so far, and as it stood when `load` returned.
     counts: DriverCounts,
     at_load: DriverCounts,
@@ -586,6 +588,7 @@ impl CudaExecutor {
             cache,
             cache_bytes,
             cache_slots: m.memory.cache.clone(),
+            block_table: m.memory.paging.map(|p| (p.table, p.table_bytes())),
             ctx,
             stream,
             memory,
@@ -854,6 +857,22 @@ impl CudaExecutor {
                 .map_err(dev)?;
         }
         Ok(())
+    }
+
+    /// Writes the paged cache's block table (`[rows, entries]`, in stream order: every step
+    /// launched later reads it).
+    pub fn write_block_table(&mut self, table: &[u32]) -> Result<(), RuntimeError> {
+        let at = crate::executor::block_table_at(self.block_table, table)?;
+        let (a, b) = (
+            self.cache as usize + at,
+            self.cache as usize + at + table.len() * 4,
+        );
+        self.stream
+            .memcpy_htod(
+                bytemuck::cast_slice::<u32, u8>(table),
+                &mut self.memory.slice_mut(a..b),
+            )
+            .map_err(dev)
     }
 
     /// Copies row `from` of every KV-cache slot to row `to` (device to device, in stream order).

@@ -253,6 +253,16 @@ impl Executor {
         }
     }
 
+    /// Writes the block table of the paged KV cache the executor keeps (the interpreter's
+    /// caches are dense tensors: nothing to write).
+    pub fn write_block_table(&mut self, table: &[u32]) -> Result<(), RuntimeError> {
+        match self {
+            Executor::Interpreter => Ok(()),
+            Executor::Cpu(c) => c.write_block_table(table),
+            Executor::Cuda(c) => c.write_block_table(table),
+        }
+    }
+
     /// Empties the KV cache the executor keeps (a new generation).
     pub fn reset_cache(&mut self) -> Result<(), RuntimeError> {
         match self {
@@ -324,6 +334,25 @@ fn host_tail(
     outputs.retain(|name, _| !name.starts_with(HOST_VALUE));
     outputs.extend(host);
     Ok(outputs)
+}
+
+/// The byte offset in the cache region of a block table of `paging` (`(offset, bytes)`) that
+/// `table` fills exactly.
+pub(crate) fn block_table_at(
+    paging: Option<(u64, u64)>,
+    table: &[u32],
+) -> Result<usize, RuntimeError> {
+    match paging {
+        Some((at, bytes)) if bytes == table.len() as u64 * 4 => Ok(at as usize),
+        Some((_, bytes)) => Err(RuntimeError::Request(format!(
+            "a block table of {} entries; the cache's holds {}",
+            table.len(),
+            bytes / 4
+        ))),
+        None => Err(RuntimeError::Request(
+            "the artifact's KV cache is not paged".into(),
+        )),
+    }
 }
 
 /// The copies that move row `from` of every cache slot to row `to`: `(source, destination,

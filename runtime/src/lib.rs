@@ -6,6 +6,7 @@
 //!   GPU executor uploads as it is);
 //! - [`cpu`]: the CPU executor: the artifact's generated kernels and a GEMM library over the
 //!   same plans;
+//! - [`blocks`]: the blocks of a paged KV cache and its block table;
 //! - [`cuda`]: the CUDA executor: one allocation, graphs captured at load, replayed per request;
 //! - [`executor`]: the executor a command runs on (CUDA, or the interpreter without a GPU);
 //! - [`forward`]: a request through the smallest prefill bucket that holds it;
@@ -20,6 +21,7 @@
 pub mod artifact;
 pub mod batcher;
 pub mod bench;
+pub mod blocks;
 pub mod cli;
 pub mod cpu;
 pub mod cuda;

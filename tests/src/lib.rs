@@ -302,6 +302,7 @@ pub fn compile_fixture(
         histogram: None,
         max_context: None,
         prefill_chunks: Vec::new(),
+        kv_paging: None,
     };
     let (report, compiled) = compile(&model.graph, None, &opts).expect("fixture compiles");
     (model, report, compiled.prefill)
@@ -598,4 +599,85 @@ pub fn assert_chained_steps_match(
         "ok: {name}: chained steps give the single steps' tokens ({:?}; {calls:?} calls)",
         runs[0]
     );
+}
+
+/// `kiln compile` flags of an artifact [`assert_sequences_wait_for_blocks`] takes: decode
+/// batches of 1 and 4, a context of 64, a paged cache of 17 blocks of 4 keys (16 usable).
+pub const SMALL_POOL_ARTIFACT: [&str; 12] = [
+    "--buckets",
+    "16",
+    "--batch-buckets",
+    "1,4",
+    "--max-context",
+    "64",
+    "--prefill-chunk",
+    "8",
+    "--kv-block-size",
+    "4",
+    "--kv-blocks",
+    "17",
+];
+
+/// Over a paged cache smaller than every row at full context (`art` compiled with
+/// [`SMALL_POOL_ARTIFACT`]; a sequence of 12 prompt and 12 new tokens needs 6 of its 16 blocks):
+/// with rows free, a sequence that cannot be promised its blocks waits and joins when one
+/// leaves; the blocks held never exceed the pool and all come back; each sequence gets the
+/// tokens it gets alone.
+pub fn assert_sequences_wait_for_blocks(
+    art: &kiln_runtime::Artifact,
+    exec: &mut kiln_runtime::Executor,
+) {
+    use kiln_runtime::batcher::{Batcher, Job};
+    use kiln_runtime::generate::{generate, Sampling};
+    let p = art.manifest.memory.paging.expect("a paged cache");
+    assert_eq!(
+        (p.block_tokens, p.blocks, p.rows, p.entries),
+        (4, 17, 4, 16)
+    );
+    let prompts: Vec<Vec<i64>> = (0..4)
+        .map(|i| (0..12).map(|t| (t * 37 + i * 101) % 500 + 1).collect())
+        .collect();
+    let alone: Vec<Vec<i64>> = prompts
+        .iter()
+        .map(|p| generate(art, exec, p, 12, &Sampling::greedy()).unwrap())
+        .collect();
+    let job = |i: usize| Job {
+        prompt: prompts[i].clone(),
+        max_new: 12,
+        sampling: Sampling::greedy(),
+    };
+    let mut b = Batcher::new(art, exec).unwrap();
+    assert_eq!(b.kv_blocks(), Some((0, 16)));
+    let (mut out, mut next, mut most, mut waited) = (vec![Vec::new(); 4], 0, 0, false);
+    while !b.is_idle() || next < 4 {
+        while next < 4 && b.can_admit(&job(next)) {
+            b.admit(next as u64, job(next)).unwrap();
+            next += 1;
+        }
+        waited |= next < 4 && b.active() < b.capacity();
+        for e in b.step().unwrap() {
+            out[e.id as usize].push(e.token);
+        }
+        assert!(b.kv_blocks().unwrap().0 <= 16);
+        most = most.max(b.active());
+    }
+    assert!(waited, "a sequence waited for blocks with rows free");
+    assert_eq!(most, 2, "two sequences of 6 blocks fit 16 blocks");
+    assert_eq!(b.kv_blocks(), Some((0, 16)), "every block came back");
+    assert_eq!(out, alone);
+}
+
+/// Gives every row of `art`'s paged cache blocks of its own for the whole context (the default
+/// pool holds them) in `exec`'s block table, for a caller that runs decode buckets itself rather
+/// than through a `Batcher` (which hands blocks out); nothing for a dense cache.
+pub fn give_rows_whole_contexts(art: &kiln_runtime::Artifact, exec: &mut kiln_runtime::Executor) {
+    let Some(p) = art.manifest.memory.paging else {
+        return;
+    };
+    assert!(
+        p.blocks > p.rows * p.entries,
+        "the pool holds every row's context"
+    );
+    let table: Vec<u32> = (0..p.rows * p.entries).map(|i| i as u32 + 1).collect();
+    exec.write_block_table(&table).unwrap();
 }

@@ -142,8 +142,10 @@ fn kiln_run_refuses_bad_input_in_one_line() {
 /// one line per sequence, in order, each what that prompt gets alone, greedy and sampled, with
 /// prompts entering through the chunk bucket (then copied to their rows; or three rows of chunks
 /// of 4 tokens side by side, `--prefill-batch 3`) or one token per batched step, in f32 and in bf16
-/// builds (whose CPU plans run over a memory plan of their own); the interpreter, whose cache the
-/// caller holds, agrees; five prompts are refused.
+/// builds (whose CPU plans run over a memory plan of their own), over paged caches (blocks of 16
+/// keys, the default, or of 4 in a pool that holds one sequence of the context: sequences wait
+/// for blocks) and a dense one; the interpreter, whose cache the caller holds, agrees; five
+/// prompts are refused.
 #[test]
 fn several_prompts_decode_together_as_each_alone() {
     use kiln_runtime::generate::{generate_batch, Sampling};
@@ -157,15 +159,23 @@ fn several_prompts_decode_together_as_each_alone() {
             ids(&r["batch_b"]),
             ids(&r["greedy_prompt"]),
         ];
-        for (chunk, rows, dtype) in [
-            ("16", "1", "f32"),
-            ("1", "1", "f32"),
-            ("16", "1", "bf16"),
-            ("4", "3", "f32"),
+        let paged: [&[&str]; 3] = [
+            &[],
+            &["--kv-block-size", "4", "--kv-blocks", "17"],
+            &["--kv-block-size", "0"],
+        ];
+        for (chunk, rows, dtype, cache) in [
+            ("16", "1", "f32", paged[0]),
+            ("1", "1", "f32", paged[0]),
+            ("16", "1", "bf16", paged[0]),
+            ("4", "3", "f32", paged[0]),
+            ("4", "3", "f32", paged[1]),
+            ("16", "1", "f32", paged[2]),
         ] {
-            let art = tmp
-                .path()
-                .join(format!("{name}-{chunk}x{rows}-{dtype}.kiln"));
+            let art = tmp.path().join(format!(
+                "{name}-{chunk}x{rows}-{dtype}-{}.kiln",
+                cache.len()
+            ));
             let buckets = ["--buckets", "16,64", "--batch-buckets", "1,4"];
             let rest = [
                 "--max-context",
@@ -177,7 +187,11 @@ fn several_prompts_decode_together_as_each_alone() {
                 "--dtype",
                 dtype,
             ];
-            compile(&fixture(name), &art, &[&buckets[..], &rest[..]].concat());
+            compile(
+                &fixture(name),
+                &art,
+                &[&buckets[..], &rest[..], cache].concat(),
+            );
             let a = art.to_str().unwrap();
             let sampled = ["--temperature", "0.8", "--top-k", "20", "--seed", "7"];
             for sampling in [&[][..], &sampled[..]] {
@@ -198,7 +212,7 @@ fn several_prompts_decode_together_as_each_alone() {
                     let alone = run(&[p]);
                     assert_eq!(
                         together[i], alone[0],
-                        "{name} chunk {chunk}x{rows} {dtype} {sampling:?}: sequence {i} decoded together"
+                        "{name} chunk {chunk}x{rows} {dtype} {cache:?} {sampling:?}: sequence {i} decoded together"
                     );
                 }
                 if sampling.is_empty() && dtype == "f32" {

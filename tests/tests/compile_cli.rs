@@ -48,6 +48,10 @@ fn compile_writes_plan_buckets_and_report() {
     for needle in [
         "architecture: \"GPT2LMHeadModel\"",
         "max_context: Some(200)",
+        // Paged by default: blocks of 16 keys, 13 per row of 200 keys, 2 rows of them and block 0.
+        "block_tokens: 16",
+        "blocks: 27",
+        "entries: 13",
         "graph: \"buckets/prefill-b2-s128.ron\"",
         "graph: \"buckets/decode-b1-s1.ron\"",
     ] {
@@ -159,7 +163,8 @@ fn bad_compile_arguments_name_the_problem() {
     let gpt2 = fixture("gpt2-tiny");
     let g = gpt2.to_str().unwrap();
     let bert = fixture("bert-tiny");
-    let cases: Vec<(Vec<&str>, &str)> = vec![
+    let cases: Vec<(Vec<&str>, &str)> =
+        vec![
         (vec![g, "-o", o], "--bucket-policy pow2 needs --max-seq"),
         (
             vec![g, "-o", o, "--buckets", "0,16"],
@@ -210,6 +215,22 @@ fn bad_compile_arguments_name_the_problem() {
         (
             vec![g, "-o", o, "--buckets", "16", "--prefill-chunk", "8,1"],
             "--prefill-chunk 1 enters prompts one token per step; it takes no other chunk sizes",
+        ),
+        (
+            vec![g, "-o", o, "--buckets", "16", "--kv-block-size", "12"],
+            "--kv-block-size 12 must be a power of two (or 0 for a dense cache)",
+        ),
+        (
+            vec![g, "-o", o, "--buckets", "16", "--kv-blocks", "1"],
+            "1 blocks hold no sequence of the context: 16 keys need 1 blocks beside block 0",
+        ),
+        (
+            vec![g, "-o", o, "--buckets", "16", "--kv-block-size", "0", "--kv-blocks", "9"],
+            "--kv-blocks sizes a paged cache; --kv-block-size 0 asks for a dense one",
+        ),
+        (
+            vec![bert.to_str().unwrap(), "-o", o, "--buckets", "16", "--kv-block-size", "16"],
+            "--kv-block-size and --kv-blocks apply to decoders",
         ),
         (
             vec![g, "-o", o, "--bucket-policy", "histogram"],
@@ -368,6 +389,8 @@ fn report_and_inspect_name_each_kernels_path() {
         assert!(chunk.outputs().iter().all(|o| o.name != "logits"));
         let summary = kiln_tests::kiln(&["inspect", out.to_str().unwrap()]).unwrap();
         assert!(summary.contains("    paths: "), "{summary}");
+        let paged = "KV cache paged: 5 blocks of 16 keys (block 0 unused), a block table of 1 rows x 4 entries";
+        assert!(summary.contains(paged), "{summary}");
         if dtype == "f32" {
             assert!(summary.contains("; on simt: gemm_"), "{summary}");
             assert!(summary.contains(" attention_"), "{summary}");

@@ -128,6 +128,7 @@ fn device_sampling_picks_the_reference_token() {
         let args = [&CHAINED_ARTIFACT[..], &["--dtype", "bf16"]].concat();
         let art = compile_artifact(&fixture(name), &dir, &args);
         let mut exec = cuda(&art);
+        kiln_tests::give_rows_whole_contexts(&art, &mut exec);
         let entry = art
             .manifest
             .decode
@@ -428,5 +429,22 @@ fn kiln_run_forward_and_generate_on_the_gpu() {
             "kiln-run forward --device cuda bert-tiny {dtype}: {err:e}"
         );
         println!("ok: kiln-run on the GPU: bert-tiny {dtype}, relative error {err:e}");
+    }
+}
+
+/// Sequences wait for the blocks of a small paged cache and get their own tokens, on the GPU
+/// ([`kiln_tests::assert_sequences_wait_for_blocks`]).
+#[test]
+fn sequences_wait_for_kv_blocks_on_the_gpu() {
+    if !gpu() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    for dtype in ["f32", "bf16"] {
+        let dir = tmp.path().join(format!("llama-{dtype}.kiln"));
+        let flags = [&kiln_tests::SMALL_POOL_ARTIFACT[..], &["--dtype", dtype]].concat();
+        let art = compile_artifact(&fixture("llama-tiny"), &dir, &flags);
+        kiln_tests::assert_sequences_wait_for_blocks(&art, &mut cuda(&art));
+        println!("ok: llama-tiny {dtype}: sequences wait for KV blocks");
     }
 }

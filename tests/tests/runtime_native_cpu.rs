@@ -7,8 +7,8 @@ use kiln_runtime::generate::{generate, Sampling};
 use kiln_runtime::{forward::forward, Artifact, Device, Executor};
 use kiln_tests::{
     assert_chained_steps_match, assert_decoder_references, assert_embeddings_close,
-    assert_greedy_tokens, compile_artifact, fixture, masked_rel_err, minilm_dir, reference,
-    CHAINED_ARTIFACT,
+    assert_greedy_tokens, assert_sequences_wait_for_blocks, compile_artifact, fixture,
+    masked_rel_err, minilm_dir, reference, CHAINED_ARTIFACT, SMALL_POOL_ARTIFACT,
 };
 
 /// The CPU executor, which must be the generated kernels (not the interpreter) for an f32 build.
@@ -378,4 +378,14 @@ fn targets_choose_the_code_generated() {
     assert!(e.to_string().contains("--target cuda"), "{e}");
     let exec = Executor::open(&cuda, Device::Interpreter).unwrap();
     assert!(matches!(exec, Executor::Interpreter));
+}
+
+/// Sequences wait for the blocks of a small paged cache and get their own tokens
+/// ([`assert_sequences_wait_for_blocks`]).
+#[test]
+fn sequences_wait_for_kv_blocks_and_get_their_own_tokens() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("llama.kiln");
+    let art = compile_artifact(&fixture("llama-tiny"), &dir, &SMALL_POOL_ARTIFACT);
+    assert_sequences_wait_for_blocks(&art, &mut native(&art));
 }

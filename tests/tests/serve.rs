@@ -240,6 +240,9 @@ fn serve_answers_like_generate_and_survives_bad_requests() {
         &[
             &flags[..],
             &["--prefill-chunk", "8,3", "--prefill-batch", "2"],
+            // A paged cache of 16 blocks of 4 keys, one sequence of the context: requests wait
+            // for blocks as well as for rows.
+            &["--kv-block-size", "4", "--kv-blocks", "17"],
         ]
         .concat(),
     );
@@ -257,8 +260,9 @@ fn serve_answers_like_generate_and_survives_bad_requests() {
 /// 16 concurrent requests get `kiln-run generate`'s greedy tokens; the tokens they asked for.
 fn concurrent_greedy(main: &Server, art: &Path) -> usize {
     let completions = format!("{}/v1/completions", main.base);
-    // 16 concurrent requests (4 rows: most wait for one), every other one streamed; prompts of
-    // 1 to 20 tokens (up to three chunks), 3 to 18 new tokens each.
+    // 16 concurrent requests (4 rows, and KV blocks for two or three of them: most wait), every
+    // other one streamed; prompts of 1 to 20 tokens (up to three chunks), 3 to 18 new tokens
+    // each.
     let requests: Vec<(Vec<i64>, usize, bool)> = (0..16)
         .map(|i| {
             let prompt = (0..1 + (i * 7) % 20)
@@ -529,6 +533,8 @@ fn metrics(main: &Server, served: usize) {
     assert!(decode >= 1.0 && chunked >= 1.0, "{text}");
     assert!(decode + chunked >= served as f64 / 4.0, "{text}");
     assert_eq!(metric("kiln_requests_running"), 0.0);
+    assert_eq!(metric("kiln_kv_blocks"), 16.0);
+    assert_eq!(metric("kiln_kv_blocks_used"), 0.0, "every block came back");
     // Prompts of 1 to 20 tokens fill through chunks of 8, and what is left of them at the end
     // (at most 3 tokens in both rows) through chunks of 3.
     for bucket in ["decode-b4-s1", "decode-b2-s8", "decode-b2-s3"] {

@@ -23,10 +23,11 @@ fn planned(model: &kiln_models::Model) -> ArtifactPlan {
         histogram: None,
         max_context: None,
         prefill_chunks: Vec::new(),
+        kv_paging: None,
     };
     let (_, compiled) = compile(&model.graph, None, &opts).unwrap();
     let graphs: Vec<&kiln_ir::Graph> = compiled.prefill.iter().map(|b| &b.graph).collect();
-    plan_artifact(&graphs, false).unwrap()
+    plan_artifact(&graphs, false, None).unwrap()
 }
 
 /// The weights file as the interpreter defines it.

@@ -400,6 +400,10 @@ impl Loop<'_, '_> {
         }
         m.running.set(self.batcher.active() as i64);
         m.cache_tokens_used.set(self.batcher.cached_tokens() as i64);
+        if let Some((used, blocks)) = self.batcher.kv_blocks() {
+            m.kv_blocks_used.set(used as i64);
+            m.kv_blocks.set(blocks as i64);
+        }
         m.waiting
             .set(self.shared.waiting.load(Ordering::SeqCst) as i64);
         for (bucket, n) in &self.batcher.runs {

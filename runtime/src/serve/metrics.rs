@@ -39,10 +39,14 @@ pub struct Metrics {
     registry: Registry,
     /// Sequences decoding (in a cache row).
     pub running: Gauge,
-    /// Requests waiting for a row.
+    /// Requests waiting for a row (or for the blocks of a paged cache).
     pub waiting: Gauge,
     /// Tokens whose keys and values the running sequences hold in the KV cache.
     pub cache_tokens_used: Gauge,
+    /// Blocks of the paged KV cache the running sequences hold (0 for a dense cache).
+    pub kv_blocks_used: Gauge,
+    /// Blocks of the paged KV cache sequences can hold (0 for a dense cache).
+    pub kv_blocks: Gauge,
     /// Prompt tokens of admitted requests.
     pub prompt_tokens: Counter,
     /// Generated tokens.
@@ -78,6 +82,8 @@ impl Metrics {
             running: Gauge::default(),
             waiting: Gauge::default(),
             cache_tokens_used: Gauge::default(),
+            kv_blocks_used: Gauge::default(),
+            kv_blocks: Gauge::default(),
             prompt_tokens: Counter::default(),
             generated_tokens: Counter::default(),
             finished: Family::default(),
@@ -92,14 +98,32 @@ impl Metrics {
             registry: Registry::default(),
         };
         let r = &mut registry;
-        r.register("requests_running", "Sequences decoding", m.running.clone());
-        r.register(
-            "requests_waiting",
-            "Requests waiting for a KV-cache row",
-            m.waiting.clone(),
-        );
-        let used = m.cache_tokens_used.clone();
-        r.register("kv_cache_tokens_used", "Tokens held in the KV cache", used);
+        let gauges = [
+            ("requests_running", "Sequences decoding", &m.running),
+            (
+                "requests_waiting",
+                "Requests waiting for a KV-cache row or its blocks",
+                &m.waiting,
+            ),
+            (
+                "kv_cache_tokens_used",
+                "Tokens held in the KV cache",
+                &m.cache_tokens_used,
+            ),
+            (
+                "kv_blocks_used",
+                "Blocks of the paged KV cache held (0: dense cache)",
+                &m.kv_blocks_used,
+            ),
+            (
+                "kv_blocks",
+                "Blocks of the paged KV cache (0: dense cache)",
+                &m.kv_blocks,
+            ),
+        ];
+        for (name, help, gauge) in gauges {
+            r.register(name, help, gauge.clone());
+        }
         let prompt = m.prompt_tokens.clone();
         r.register(
             "prompt_tokens",
