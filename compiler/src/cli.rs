@@ -105,9 +105,9 @@ pub enum Command {
         /// one dense cache row of the whole context per sequence).
         #[arg(long)]
         kv_block_size: Option<u32>,
-        /// Blocks in the paged KV cache, shared by all sequences (decoders; default: enough for
-        /// every row of the largest batch at full context). Fewer save memory: requests then wait
-        /// for blocks.
+        /// Blocks in the paged KV cache, shared by all sequences, block 0 included, which no
+        /// sequence holds (decoders; default: enough for every row of the largest batch at full
+        /// context, plus block 0). Fewer save memory: requests then wait for blocks.
         #[arg(long)]
         kv_blocks: Option<usize>,
         /// Which code to generate: GPU kernels (PTX, and SASS when ptxas is found), CPU kernels
@@ -292,6 +292,9 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                         bail!(
                             "--kv-block-size {b} must be a power of two (or 0 for a dense cache)"
                         );
+                    }
+                    if let Some(b) = kv_block_size.filter(|&b| b as usize > context) {
+                        bail!("--kv-block-size {b} exceeds the context ({context} keys)");
                     }
                     if kv_blocks.is_some() && *kv_block_size == Some(0) {
                         bail!("--kv-blocks sizes a paged cache; --kv-block-size 0 asks for a dense one");

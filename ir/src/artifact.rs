@@ -172,8 +172,8 @@ impl CachePaging {
                 self.blocks, self.entries
             ));
         }
-        if self.table + self.table_bytes() > memory.cache_bytes {
-            return bad("has its block table outside the cache region".into());
+        if !self.table.is_multiple_of(4) || self.table + self.table_bytes() > memory.cache_bytes {
+            return bad("has its block table misplaced in the cache region".into());
         }
         for slot in &memory.cache {
             let pool = slot.shape.len() == 4

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use kiln_ir::artifact::{self, BucketEntry, Manifest, FORMAT_VERSION};
+use kiln_ir::artifact::{self, BucketEntry, CachePaging, Manifest, FORMAT_VERSION};
 use kiln_ir::checksum;
 use kiln_ir::Graph;
 use memmap2::Mmap;
@@ -112,13 +112,7 @@ impl Artifact {
         }
         let manifest: Manifest = ron::from_str(&text)
             .map_err(|e| bad(artifact::MANIFEST, format!("is malformed: {e}")))?;
-        let context = manifest.decode.iter().filter_map(|e| e.context).max();
-        for memory in std::iter::once(&manifest.memory).chain(&manifest.cpu_memory) {
-            if let Some(p) = &memory.paging {
-                p.check(memory, context.unwrap_or(0))
-                    .map_err(|e| bad(artifact::MANIFEST, e))?;
-            }
-        }
+        check_paging(&manifest).map_err(|e| bad(artifact::MANIFEST, e))?;
         let mut graphs = BTreeMap::new();
         for entry in manifest.prefill.iter().chain(&manifest.decode) {
             if !listed(&entry.graph) {
@@ -211,6 +205,32 @@ impl Artifact {
             ))),
         }
     }
+}
+
+/// `Err` naming what is wrong with the manifest's paged KV cache: each memory plan's paging fits
+/// its cache region and the context, the CPU plans' pages as the GPU plans' do (one block pool
+/// hands out both), and the table has a row for every row of the largest decode batch.
+fn check_paging(m: &Manifest) -> Result<(), String> {
+    let context = m.decode.iter().filter_map(|e| e.context).max().unwrap_or(0);
+    let rows = m.decode.iter().map(|e| e.batch).max().unwrap_or(0);
+    let plans = std::iter::once(&m.memory).chain(&m.cpu_memory);
+    for memory in plans.clone() {
+        if let Some(p) = &memory.paging {
+            p.check(memory, context)?;
+            if p.rows < rows {
+                return Err(format!(
+                    "its block table has {} rows; the largest decode batch has {rows}",
+                    p.rows
+                ));
+            }
+        }
+    }
+    let layout = |p: &CachePaging| (p.block_tokens, p.blocks, p.rows, p.entries);
+    let layouts: Vec<_> = plans.map(|m| m.paging.as_ref().map(layout)).collect();
+    if layouts.windows(2).any(|w| w[0] != w[1]) {
+        return Err("its GPU and CPU memory plans page the KV cache differently".into());
+    }
+    Ok(())
 }
 
 /// Maps `path` read-only (`None` for an empty file, which cannot be mapped).

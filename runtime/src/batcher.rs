@@ -1,5 +1,5 @@
 //! Continuous batching over a decoder artifact's KV-cached buckets. Every sequence owns one row of
-//! the largest decode bucket's cache; sequences join and leave between steps, and each step runs
+//! the largest decode bucket's cache (of its block table, when the cache is paged); sequences join and leave between steps, and each step runs
 //! the smallest one-token decode bucket that covers the occupied rows (rows without a token this
 //! step are masked, so they write nothing). A prompt but its last token enters the cache through
 //! the chunk buckets, whose batch of `P` rows works on rows `0..P`: a joining sequence takes one of
@@ -836,7 +836,8 @@ fn picked(
 }
 
 /// Elements of `cache`'s leading `rows` rows: caches are kept for the largest decode batch, and
-/// a bucket of fewer rows reads and updates the leading ones, as the executors' cache regions do.
+/// a bucket of fewer rows reads and updates the leading ones, as it does the executors' dense
+/// caches and block tables.
 fn leading_rows(cache: &Tensor, rows: usize) -> usize {
     cache.numel() / cache.shape[0].max(1) * rows
 }

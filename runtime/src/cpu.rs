@@ -238,17 +238,22 @@ impl CpuExecutor {
 
     /// Writes the paged cache's block table (`[rows, entries]`).
     pub fn write_block_table(&mut self, table: &[u32]) -> Result<(), RuntimeError> {
-        let paging = self.memory.paging.map(|p| (p.table, p.table_bytes()));
-        let at = crate::executor::block_table_at(paging, table)?;
+        let at = crate::executor::block_table_at(self.memory.paging.as_ref(), table)?;
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut self.cache);
         bytes[at..at + table.len() * 4].copy_from_slice(bytemuck::cast_slice(table));
         Ok(())
     }
 
-    /// Copies row `from` of every KV-cache slot to row `to`.
+    /// Copies row `from` of every slot of a dense KV cache to row `to`.
     pub fn copy_cache_row(&mut self, from: usize, to: usize) -> Result<(), RuntimeError> {
+        let copies = crate::executor::cache_row_copies(
+            &self.memory.cache,
+            self.memory.paging.as_ref(),
+            from,
+            to,
+        )?;
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut self.cache);
-        for (src, dst, n) in crate::executor::cache_row_copies(&self.memory.cache, from, to)? {
+        for (src, dst, n) in copies {
             let (src, dst, n) = (src as usize, dst as usize, n as usize);
             bytes.copy_within(src..src + n, dst);
         }

@@ -25,7 +25,8 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 use kiln_ir::artifact::{
-    Arg, BucketEntry, ExecPlan, Image, KernelEntry, ParamType, Region, Step, TensorSlot,
+    Arg, BucketEntry, CachePaging, ExecPlan, Image, KernelEntry, ParamType, Region, Step,
+    TensorSlot,
 };
 use kiln_ir::{DType, Data, Tensor};
 
@@ -72,8 +73,8 @@ pub struct CudaExecutor {
     cache_bytes: u64,
     /// The cache region's slots (offsets within it).
     cache_slots: Vec<TensorSlot>,
-    /// The paged cache's block table: its byte offset in the cache region and its bytes.
-    block_table: Option<(u64, u64)>,
+    /// How the cache is paged (`None`: dense).
+    paging: Option<CachePaging>,
     /// Driver work so far, and as it stood when `load` returned.
     counts: DriverCounts,
     at_load: DriverCounts,
@@ -588,7 +589,7 @@ impl CudaExecutor {
             cache,
             cache_bytes,
             cache_slots: m.memory.cache.clone(),
-            block_table: m.memory.paging.map(|p| (p.table, p.table_bytes())),
+            paging: m.memory.paging,
             ctx,
             stream,
             memory,
@@ -862,7 +863,7 @@ impl CudaExecutor {
     /// Writes the paged cache's block table (`[rows, entries]`, in stream order: every step
     /// launched later reads it).
     pub fn write_block_table(&mut self, table: &[u32]) -> Result<(), RuntimeError> {
-        let at = crate::executor::block_table_at(self.block_table, table)?;
+        let at = crate::executor::block_table_at(self.paging.as_ref(), table)?;
         let (a, b) = (
             self.cache as usize + at,
             self.cache as usize + at + table.len() * 4,
@@ -875,10 +876,13 @@ impl CudaExecutor {
             .map_err(dev)
     }
 
-    /// Copies row `from` of every KV-cache slot to row `to` (device to device, in stream order).
+    /// Copies row `from` of every slot of a dense KV cache to row `to` (device to device, in
+    /// stream order).
     pub fn copy_cache_row(&mut self, from: usize, to: usize) -> Result<(), RuntimeError> {
+        let copies =
+            crate::executor::cache_row_copies(&self.cache_slots, self.paging.as_ref(), from, to)?;
         let (base, _sync) = self.memory.device_ptr(&self.stream);
-        for (src, dst, bytes) in crate::executor::cache_row_copies(&self.cache_slots, from, to)? {
+        for (src, dst, bytes) in copies {
             // SAFETY: both ranges lie inside the cache region of `memory` (the slots are the
             // plan's, checked against the allocation at load), and rows of one slot never
             // overlap; the copy is ordered on `stream` with every launch.

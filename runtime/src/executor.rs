@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use kiln_ir::artifact::{BucketEntry, ADVANCED_INPUTS};
+use kiln_ir::artifact::{BucketEntry, CachePaging, ADVANCED_INPUTS};
 use kiln_ir::{Data, Tensor};
 
 use crate::cpu::CpuExecutor;
@@ -242,9 +242,10 @@ impl Executor {
         }
     }
 
-    /// Copies row `from` of every KV-cache slot the executor keeps to row `to` (a prompt entered
-    /// through the batch-1 chunk bucket, moved to its sequence's row of a batched decode); the
-    /// interpreter's cache is the caller's.
+    /// Copies row `from` of every slot of the dense KV cache the executor keeps to row `to` (a
+    /// prompt entered through the chunk bucket, moved to its sequence's row of a batched decode;
+    /// a paged cache is an error: its rows move through the block table); the interpreter's
+    /// cache is the caller's.
     pub fn copy_cache_row(&mut self, from: usize, to: usize) -> Result<(), RuntimeError> {
         match self {
             Executor::Interpreter => Ok(()),
@@ -336,32 +337,44 @@ fn host_tail(
     Ok(outputs)
 }
 
-/// The byte offset in the cache region of a block table of `paging` (`(offset, bytes)`) that
-/// `table` fills exactly.
+/// The byte offset in the cache region of `paging`'s block table, once `table` is checked to
+/// fill it exactly with blocks of the pools (the kernels trust every entry).
 pub(crate) fn block_table_at(
-    paging: Option<(u64, u64)>,
+    paging: Option<&CachePaging>,
     table: &[u32],
 ) -> Result<usize, RuntimeError> {
-    match paging {
-        Some((at, bytes)) if bytes == table.len() as u64 * 4 => Ok(at as usize),
-        Some((_, bytes)) => Err(RuntimeError::Request(format!(
+    let p = paging
+        .ok_or_else(|| RuntimeError::Request("the artifact's KV cache is not paged".into()))?;
+    if table.len() != p.rows * p.entries {
+        return Err(RuntimeError::Request(format!(
             "a block table of {} entries; the cache's holds {}",
             table.len(),
-            bytes / 4
-        ))),
-        None => Err(RuntimeError::Request(
-            "the artifact's KV cache is not paged".into(),
-        )),
+            p.rows * p.entries
+        )));
     }
+    if let Some(b) = table.iter().find(|&&b| b as usize >= p.blocks) {
+        return Err(RuntimeError::Request(format!(
+            "block {b} in a block table of {} blocks",
+            p.blocks
+        )));
+    }
+    Ok(p.table as usize)
 }
 
-/// The copies that move row `from` of every cache slot to row `to`: `(source, destination,
-/// bytes)`, offsets within the cache region (a slot's leading axis is the decode batch).
+/// The copies that move row `from` of every slot of a dense cache to row `to`: `(source,
+/// destination, bytes)`, offsets within the cache region (a slot's leading axis is the decode
+/// batch). A paged cache (`paging`) moves rows by its block table instead: an error.
 pub(crate) fn cache_row_copies(
     slots: &[kiln_ir::artifact::TensorSlot],
+    paging: Option<&CachePaging>,
     from: usize,
     to: usize,
 ) -> Result<Vec<(u64, u64, u64)>, RuntimeError> {
+    if paging.is_some() {
+        return Err(RuntimeError::Request(
+            "a paged KV cache moves rows through its block table, not by copies".into(),
+        ));
+    }
     slots
         .iter()
         .map(|slot| {

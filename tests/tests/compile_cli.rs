@@ -221,6 +221,10 @@ fn bad_compile_arguments_name_the_problem() {
             "--kv-block-size 12 must be a power of two (or 0 for a dense cache)",
         ),
         (
+            vec![g, "-o", o, "--buckets", "16", "--kv-block-size", "32"],
+            "--kv-block-size 32 exceeds the context (16 keys)",
+        ),
+        (
             vec![g, "-o", o, "--buckets", "16", "--kv-blocks", "1"],
             "1 blocks hold no sequence of the context: 16 keys need 1 blocks beside block 0",
         ),

@@ -387,5 +387,14 @@ fn sequences_wait_for_kv_blocks_and_get_their_own_tokens() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("llama.kiln");
     let art = compile_artifact(&fixture("llama-tiny"), &dir, &SMALL_POOL_ARTIFACT);
-    assert_sequences_wait_for_blocks(&art, &mut native(&art));
+    let mut exec = native(&art);
+    assert_sequences_wait_for_blocks(&art, &mut exec);
+    // The kernels trust the table: the executor takes only tables of the pool's blocks, and a
+    // paged cache moves no rows by copying them.
+    let err = |r: Result<(), kiln_runtime::RuntimeError>| r.unwrap_err().to_string();
+    let bad = err(exec.write_block_table(&[17; 64]));
+    assert_eq!(bad, "block 17 in a block table of 17 blocks");
+    let short = err(exec.write_block_table(&[1; 63]));
+    assert_eq!(short, "a block table of 63 entries; the cache's holds 64");
+    assert!(err(exec.copy_cache_row(0, 1)).contains("through its block table"));
 }
