@@ -195,7 +195,7 @@ pub struct Lowered {
 pub fn batch_rows<'g>(mut graphs: impl Iterator<Item = &'g Graph>) -> Rows {
     let batched = graphs.any(|g| {
         g.inputs()
-            .any(|(_, name, ty)| name.starts_with("past_") && ty.shape[0].as_const() > Some(1))
+            .any(|(_, name, ty)| is_cache(name) && ty.shape[0].as_const() > Some(1))
     });
     if batched {
         Rows::BatchInvariant
@@ -482,7 +482,7 @@ struct TokenSite {
 
 impl TokenSite {
     fn find(g: &Graph) -> Option<TokenSite> {
-        g.inputs().find(|(_, name, _)| name.starts_with("past_"))?;
+        g.inputs().find(|(_, name, _)| is_cache(name))?;
         let logits = g
             .outputs()
             .iter()
@@ -957,9 +957,14 @@ fn new_entries(
     Some(([keys, values, g.node(kw).args[3]], new))
 }
 
+/// Whether an input is a KV-cache slot.
+pub(crate) fn is_cache(name: &str) -> bool {
+    name.starts_with("past_")
+}
+
 /// Whether `id` is a KV-cache input itself (not a view of one): what a paged cache needs.
 fn is_cache_input(g: &Graph, id: NodeId) -> bool {
-    matches!(&g.node(id).op, Op::Input(name) if name.starts_with("past_"))
+    matches!(&g.node(id).op, Op::Input(name) if is_cache(name))
 }
 
 /// The RoPE table of a rotation over the last axis of values of type `ty`.

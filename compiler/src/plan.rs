@@ -23,10 +23,13 @@ use kiln_ir::artifact::{
 };
 use kiln_ir::io::aligned_layout;
 use kiln_ir::{DType, Graph, NodeId, Op, Tensor};
+use kiln_kernels::paging::Paging;
 
 use crate::fold::{fold_weights, Folded};
 use crate::fusion::cost::is_view;
-use crate::lower::{lower, CpuKernel, CpuLaunch, KernelLaunch, Lowered, Operand, RopeTable};
+use crate::lower::{
+    is_cache, lower, CpuKernel, CpuLaunch, KernelLaunch, Lowered, Operand, RopeTable,
+};
 
 /// Why an artifact cannot be planned.
 #[derive(Debug, thiserror::Error)]
@@ -294,12 +297,14 @@ fn page_caches(
         )));
     };
     let block = paging.block as usize;
-    if !block.is_power_of_two() {
-        return Err(layout(format!(
-            "blocks of {block} keys; a block holds a power of two"
-        )));
-    }
-    let entries = context.div_ceil(block);
+    // The kernels' layout: `Paging::new` is what lowering paged them by.
+    let entries = Paging::new(paging.block, context as u32)
+        .ok_or_else(|| {
+            layout(format!(
+                "blocks of {block} keys; a block holds a power of two"
+            ))
+        })?
+        .entries as usize;
     let blocks = paging.blocks.unwrap_or(rows * entries + 1);
     if blocks <= entries {
         return Err(layout(format!(
@@ -331,11 +336,6 @@ fn page_caches(
         entries,
         table: 0,
     })
-}
-
-/// Whether an input is a KV-cache slot.
-fn is_cache(name: &str) -> bool {
-    name.starts_with("past_")
 }
 
 fn static_shape(ty: &kiln_ir::TensorType, name: &str) -> Result<Vec<usize>, PlanError> {

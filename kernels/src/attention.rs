@@ -295,7 +295,8 @@ pub fn rotations(cfg: &AttentionConfig) -> [Option<RotateConfig>; 2] {
 
 /// Generates the kernel on [`path`]'s choice (a configuration with RoPE gets [`attention_base`]'s
 /// kernel: lowering runs [`prerotated`]'s instead). Parameters: `q, k, v, out` (or `partial_acc,
-/// partial_ml` when split), `[mask], [positions], [cos, sin], [seed], [table]` (`table` when the k/v caches are paged).
+/// partial_ml` when split), `[mask], [positions], [cos, sin], [seed], [table]` (`table` when
+/// the k/v caches are paged).
 pub fn attention(cfg: &AttentionConfig) -> GeneratedKernel {
     if crate::attention_wgmma::supports(cfg) {
         crate::attention_wgmma::attention_wgmma(cfg, format!("{}_wgmma", cfg.name()))

@@ -1,7 +1,8 @@
 //! Continuous batching over a decoder artifact's KV-cached buckets. Every sequence owns one row of
-//! the largest decode bucket's cache (of its block table, when the cache is paged); sequences join and leave between steps, and each step runs
-//! the smallest one-token decode bucket that covers the occupied rows (rows without a token this
-//! step are masked, so they write nothing). A prompt but its last token enters the cache through
+//! the largest decode bucket's cache (of its block table, when the cache is paged); sequences
+//! join and leave between steps, and each step runs the smallest one-token decode bucket that
+//! covers the occupied rows (rows without a token this step are masked, so they write nothing).
+//! A prompt but its last token enters the cache through
 //! the chunk buckets, whose batch of `P` rows works on rows `0..P`: a joining sequence takes one of
 //! them (a decoding occupant moves to a free row first) and fills it chunk by chunk, beside the
 //! other prompts filling there and interleaved with the others' decode steps; of several chunk
@@ -149,13 +150,8 @@ impl<'a> Batcher<'a> {
                 c.batch, largest.batch
             )));
         }
+        // The table holds a row for each of `largest`'s (checked when the artifact was opened).
         let blocks = m.memory.paging.map(BlockPool::new);
-        if let Some(p) = m.memory.paging.filter(|p| p.rows < largest.batch) {
-            return Err(RuntimeError::Request(format!(
-                "the block table has {} rows; the largest decode bucket has {}",
-                p.rows, largest.batch
-            )));
-        }
         let session = Session::new(art, exec, largest)?;
         Ok(Batcher {
             session,
@@ -246,8 +242,8 @@ impl<'a> Batcher<'a> {
 
     /// Whether `job` can join now: a row is free, the blocks it can come to need are
     /// unpromised (a paged cache; every job [`Batcher::check`] passes fits the empty cache, which
-    /// holds a whole context beside block 0) and, if its prompt enters through the chunk bucket, one of the
-    /// chunk's rows holds no other prompt still filling.
+    /// holds a whole context beside block 0) and, if its prompt enters through the chunk bucket,
+    /// one of the chunk's rows holds no other prompt still filling.
     pub fn can_admit(&self, job: &Job) -> bool {
         let free = self.rows.iter().any(Option::is_none);
         let blocks = self
