@@ -101,6 +101,13 @@ pub enum Command {
         /// at most the largest batch bucket). Prompts arriving together then fill side by side.
         #[arg(long)]
         prefill_batch: Option<usize>,
+        /// Tokens per logits chunk (decoders; none by default): a KV-cached graph of one
+        /// sequence that keeps every token's logits. A prompt longer than the largest (or than
+        /// every prefill bucket) then runs through them, each chunk's logits copied to the host
+        /// while the next computes. Several sizes (`1024,256`): the prompt's last part takes the
+        /// smallest that holds it, the rest the largest.
+        #[arg(long, value_delimiter = ',')]
+        logits_chunk: Vec<usize>,
         /// Keys per block of the paged KV cache (decoders; a power of two, default 16; 0 keeps
         /// one dense cache row of the whole context per sequence).
         #[arg(long)]
@@ -184,6 +191,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                     histogram: None,
                     max_context: None,
                     prefill_chunks: Vec::new(),
+                    logits_chunks: Vec::new(),
                     kv_paging: None,
                 };
                 let (_, compiled) = compile(&model.graph, None, &opts)?;
@@ -220,6 +228,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
             max_context,
             prefill_chunk,
             prefill_batch,
+            logits_chunk,
             kv_block_size,
             kv_blocks,
             target,
@@ -279,6 +288,9 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                     if let Some(c) = prefill_chunk.iter().find(|&&c| c == 0 || c > context) {
                         bail!("--prefill-chunk {c} must be between 1 and the context ({context})");
                     }
+                    if let Some(c) = logits_chunk.iter().find(|&&c| c < 2 || c > context) {
+                        bail!("--logits-chunk {c} must be between 2 and the context ({context})");
+                    }
                     if prefill_chunk.len() > 1 && prefill_chunk.contains(&1) {
                         bail!("--prefill-chunk 1 enters prompts one token per step; it takes no other chunk sizes");
                     }
@@ -310,11 +322,12 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                     if max_context.is_some()
                         || !prefill_chunk.is_empty()
                         || prefill_batch.is_some()
+                        || !logits_chunk.is_empty()
                         || kv_block_size.is_some()
                         || kv_blocks.is_some()
                     {
                         bail!(
-                            "--max-context, --prefill-chunk, --prefill-batch, --kv-block-size and --kv-blocks apply to decoders; {} is an encoder",
+                            "--max-context, --prefill-chunk, --prefill-batch, --logits-chunk, --kv-block-size and --kv-blocks apply to decoders; {} is an encoder",
                             model.architecture
                         );
                     }
@@ -332,6 +345,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 prefill_chunks: context.map_or_else(Vec::new, |c| {
                     chunk_buckets(prefill_chunk, prefill_batch.unwrap_or(1), &plan, c)
                 }),
+                logits_chunks: logits_chunk_buckets(logits_chunk),
                 kv_paging: match kv_block_size.unwrap_or(DEFAULT_KV_BLOCK) {
                     _ if context.is_none() => None,
                     0 => None,
@@ -389,13 +403,23 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                         )
                     }
                 }))
+                .chain(compiled.logits_chunks.iter().map(|b| {
+                    format!(
+                        "logits chunk b{}-s{}: {} kernels",
+                        b.batch,
+                        b.seq,
+                        b.kernels.len()
+                    )
+                }))
                 .collect();
             let chunks = buckets.decode.iter().filter(|b| b.bucket.seq > 1).count();
-            let chunks_said = match chunks {
+            let counted = |n: usize, what: &str| match n {
                 0 => String::new(),
-                1 => " + 1 prompt chunk".to_string(),
-                n => format!(" + {n} prompt chunks"),
+                1 => format!(" + 1 {what}"),
+                n => format!(" + {n} {what}s"),
             };
+            let chunks_said = counted(chunks, "prompt chunk")
+                + &counted(buckets.logits_chunks.len(), "logits chunk");
             writeln!(
                 out,
                 "compiled {} ({} prefill + {} decode buckets{}) into {} in {:.2} s: {}",
@@ -495,7 +519,12 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                     "  no CPU code compiled (--target cuda): the CPU executor cannot run it"
                 )?;
             }
-            for (kind, entries) in [("prefill", &m.prefill), ("decode", &m.decode)] {
+            let kinds = [
+                ("prefill", &m.prefill),
+                ("decode", &m.decode),
+                ("logits chunk", &m.logits_chunks),
+            ];
+            for (kind, entries) in kinds {
                 for e in entries {
                     let cpu = |p: &artifact::ExecPlan| match &p.cpu {
                         _ if !cpu_code => String::new(),
@@ -765,6 +794,7 @@ fn fill_artifact(
         .prefill
         .iter()
         .chain(&compiled.decode)
+        .chain(&compiled.logits_chunks)
         .map(|b| &b.graph)
         .collect();
     let art = {
@@ -785,6 +815,7 @@ fn fill_artifact(
     };
     let prefill = entries("prefill", &compiled.prefill)?;
     let decode = entries("decode", &compiled.decode)?;
+    let logits_chunks = entries("logits", &compiled.logits_chunks)?;
     let start = std::time::Instant::now();
     let kernel_files = if src.target.cuda() {
         write_kernels(dir, &art.kernels, progress)?
@@ -867,6 +898,7 @@ fn fill_artifact(
         max_context: compiled.decode.first().and_then(|b| b.context),
         prefill,
         decode,
+        logits_chunks,
         memory: art.memory.clone(),
         cpu_memory: art.cpu_memory.clone(),
         kernel_table: art.kernel_table(),
@@ -921,13 +953,7 @@ fn write_checksums(
     files.extend(manifest.tokenizer.iter().cloned());
     files.extend(manifest.tokenizer_config.iter().cloned());
     files.extend(manifest.generation_config.iter().cloned());
-    files.extend(
-        manifest
-            .prefill
-            .iter()
-            .chain(&manifest.decode)
-            .map(|b| b.graph.clone()),
-    );
+    files.extend(manifest.buckets().map(|b| b.graph.clone()));
     let mut sums = checksum::digest_files(dir, &files)?;
     if let (Some(file), Some(digest)) = (&manifest.weights, weights_digest) {
         sums.push((digest, file.clone()));
@@ -1129,6 +1155,16 @@ pub fn find_ptxas() -> Option<PathBuf> {
     std::env::split_paths(&std::env::var_os("PATH")?)
         .map(|dir| dir.join("ptxas"))
         .find(|p| p.is_file())
+}
+
+/// The logits chunk buckets of `sizes` (largest first, each once), of one sequence.
+fn logits_chunk_buckets(sizes: &[usize]) -> Vec<Bucket> {
+    let mut seqs = sizes.to_vec();
+    seqs.sort_unstable_by(|a, b| b.cmp(a));
+    seqs.dedup();
+    seqs.into_iter()
+        .map(|seq| Bucket { batch: 1, seq })
+        .collect()
 }
 
 /// The prompt chunk buckets of `sizes` (largest first, each once) at `batch` prompts; with no

@@ -15,8 +15,7 @@ use crate::fusion::cost::{fusions, graph_work, CostModel, KernelKind};
 use crate::fusion::{saturate, FusionError, Limits, PhaseStats, Saturated};
 use crate::progress::Progress;
 
-/// The output generation samples from; prompt chunks leave it out.
-pub const LOGITS: &str = "logits";
+pub use kiln_ir::artifact::LOGITS;
 
 /// How to compile.
 #[derive(Clone, Debug)]
@@ -36,6 +35,9 @@ pub struct CompileOptions {
     /// (decoders only; none, or one token: one token per decode step). Several sizes let a
     /// prompt's last part take the smallest chunk that holds it.
     pub prefill_chunks: Vec<Bucket>,
+    /// The logits chunks: KV-cached graphs of one sequence at these tokens that keep their
+    /// logits (decoders only), through which long prompts run with every token's logits.
+    pub logits_chunks: Vec<Bucket>,
     /// How the KV caches are paged (`None`: dense); lowering picks the paged kernels.
     pub kv_paging: Option<crate::plan::KvPaging>,
 }
@@ -101,6 +103,8 @@ pub struct CompileReport {
     pub buckets: Vec<BucketReport>,
     /// Decode buckets (one token per row over the KV cache), largest batch first.
     pub decode_buckets: Vec<BucketReport>,
+    /// Logits chunks (KV-cached, every token's logits kept), largest first.
+    pub logits_chunks: Vec<BucketReport>,
     /// Rule name -> times applied.
     pub rules: BTreeMap<String, usize>,
     /// E-graph sizes and times per phase (the prefill e-graph's phases, then the KV-cached one's).
@@ -133,13 +137,16 @@ pub struct Compiled {
     pub prefill: Vec<CompiledBucket>,
     /// Decode buckets, largest batch first.
     pub decode: Vec<CompiledBucket>,
+    /// Logits chunks, largest first.
+    pub logits_chunks: Vec<CompiledBucket>,
     /// The generated kernels of every bucket, deduplicated.
     pub kernels: crate::lower::Lowered,
 }
 
 /// Compiles `graph` for every bucket of `opts.plan` and, for decoders, the KV-cached graph
 /// `cached` at `opts.max_context` cache entries: once at each of `opts.prefill_chunks` (the
-/// prompt chunks), then for every batch bucket at one token (the decode steps).
+/// prompt chunks), then for every batch bucket at one token (the decode steps), then at each of
+/// `opts.logits_chunks` with its logits.
 pub fn compile(
     graph: &Graph,
     cached: Option<&Graph>,
@@ -166,7 +173,9 @@ pub fn compile_with_progress(
     drop(stage);
     stage_seconds.insert("saturate".to_string(), start.elapsed().as_secs_f64());
     let decode_buckets = match (&saturated_cached, opts.max_context) {
-        (Some(_), Some(_)) => opts.plan.batch_sizes.len() + opts.prompt_chunks().count(),
+        (Some(_), Some(_)) => {
+            opts.plan.batch_sizes.len() + opts.prompt_chunks().count() + opts.logits_chunks.len()
+        }
         _ => 0,
     };
     let stage = progress.stage(
@@ -177,11 +186,11 @@ pub fn compile_with_progress(
     let start = Instant::now();
     // Every bucket's extraction on every core; lowering then goes bucket after bucket, so the
     // kernel table (names of kernels that clash included) is the same whatever the scheduling.
-    let mut jobs: Vec<(&Saturated, Bucket, Option<usize>)> = opts
+    let mut jobs: Vec<(&Saturated, Bucket, Role)> = opts
         .plan
         .prefill()
         .into_iter()
-        .map(|b| (&saturated, b, None))
+        .map(|b| (&saturated, b, Role::Prefill))
         .collect();
     if let (Some(sat), Some(context)) = (&saturated_cached, opts.max_context) {
         let steps = opts
@@ -193,13 +202,18 @@ pub fn compile_with_progress(
         jobs.extend(
             opts.prompt_chunks()
                 .chain(steps)
-                .map(|b| (sat, b, Some(context))),
+                .map(|b| (sat, b, Role::Cached(context))),
+        );
+        jobs.extend(
+            opts.logits_chunks
+                .iter()
+                .map(|&b| (sat, b, Role::LogitsChunk(context))),
         );
     }
     let extracted: Vec<(Graph, f64)> = jobs
         .par_iter()
-        .map(|&(sat, bucket, context)| {
-            let done = extract_bucket(sat, bucket, context, &opts.cost);
+        .map(|&(sat, bucket, role)| {
+            let done = extract_bucket(sat, bucket, role, &opts.cost);
             stage.inc(1);
             done
         })
@@ -208,13 +222,13 @@ pub fn compile_with_progress(
         crate::lower::batch_rows(extracted.iter().map(|(g, _)| g)),
         opts.kv_paging.map(|p| p.block),
     );
-    let mut prefill = Vec::new();
-    let mut decode = Vec::new();
-    for ((_, bucket, context), (graph, modelled)) in jobs.into_iter().zip(extracted) {
-        let done = lower_bucket(graph, bucket, context, modelled, &mut generated)?;
-        match context {
-            None => prefill.push(done),
-            Some(_) => decode.push(done),
+    let (mut prefill, mut decode, mut logits_chunks) = (Vec::new(), Vec::new(), Vec::new());
+    for ((_, bucket, role), (graph, modelled)) in jobs.into_iter().zip(extracted) {
+        let done = lower_bucket(graph, bucket, role.context(), modelled, &mut generated)?;
+        match role {
+            Role::Prefill => prefill.push(done),
+            Role::Cached(_) => decode.push(done),
+            Role::LogitsChunk(_) => logits_chunks.push(done),
         }
     }
     stage.say("");
@@ -234,10 +248,12 @@ pub fn compile_with_progress(
     }
     let (reports, buckets): (Vec<_>, Vec<_>) = prefill.into_iter().unzip();
     let (decode_reports, decode): (Vec<_>, Vec<_>) = decode.into_iter().unzip();
+    let (chunk_reports, logits_chunks): (Vec<_>, Vec<_>) = logits_chunks.into_iter().unzip();
     Ok((
         CompileReport {
             buckets: reports,
             decode_buckets: decode_reports,
+            logits_chunks: chunk_reports,
             rules,
             egraph,
             stage_seconds,
@@ -248,26 +264,49 @@ pub fn compile_with_progress(
         Compiled {
             prefill: buckets,
             decode,
+            logits_chunks,
             kernels: generated,
         },
     ))
 }
 
+/// What a bucket is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Role {
+    /// A prefill (or encode) bucket of the whole graph.
+    Prefill,
+    /// A KV-cached bucket at this many cache entries: a decode step, or, of more than one
+    /// token, a prompt chunk.
+    Cached(usize),
+    /// A KV-cached chunk at this many cache entries that keeps its logits.
+    LogitsChunk(usize),
+}
+
+impl Role {
+    /// The KV-cache capacity of a KV-cached bucket.
+    fn context(self) -> Option<usize> {
+        match self {
+            Role::Prefill => None,
+            Role::Cached(c) | Role::LogitsChunk(c) => Some(c),
+        }
+    }
+}
+
 /// Extracts and specialises one bucket of `sat`, with the cost the model gives it; a KV-cached
-/// bucket (`context`) of more than one token is a prompt chunk, which only fills the cache: its
-/// `logits` output, and the LM head with it, are left out (generation takes the prompt's last
-/// token through a decode step).
+/// bucket of more than one token that is not a logits chunk is a prompt chunk, which only fills
+/// the cache: its `logits` output, and the LM head with it, are left out (generation takes the
+/// prompt's last token through a decode step).
 fn extract_bucket(
     sat: &Saturated,
     bucket: Bucket,
-    context: Option<usize>,
+    role: Role,
     cost: &CostModel,
 ) -> Result<(Graph, f64), FusionError> {
     let mut bindings = bucket.bindings();
-    if let Some(c) = context {
+    if let Some(c) = role.context() {
         bindings.insert(CONTEXT.to_string(), c as i64);
     }
-    let prompt_chunk = context.is_some() && bucket.seq > 1;
+    let prompt_chunk = matches!(role, Role::Cached(_)) && bucket.seq > 1;
     let (fused, modelled_seconds) =
         sat.extract_outputs(&bindings, cost, |name| !(prompt_chunk && name == LOGITS))?;
     Ok((fused.specialize(&bindings)?, modelled_seconds))

@@ -24,14 +24,17 @@ use crate::DType;
 /// launch); since version 10 the allocation holds a counters region between the KV cache and the
 /// arena ([`Region::Counters`]); since version 11 a decode step's plan may advance its own
 /// inputs ([`ExecPlan::advances`]); since version 12 it may carry a sampler
-/// ([`ExecPlan::sampler`]); since version 13 the cache may be paged ([`MemoryPlan::paging`]).
-pub const FORMAT_VERSION: u32 = 13;
+/// ([`ExecPlan::sampler`]); since version 13 the cache may be paged ([`MemoryPlan::paging`]);
+/// since version 14 a decoder may list logits chunks ([`Manifest::logits_chunks`]).
+pub const FORMAT_VERSION: u32 = 14;
 /// The inputs a decode step that advances them ([`ExecPlan::advances`]) leaves for the next
 /// step: token ids (each unmasked row's chosen token), positions (one further) and the mask
 /// (unchanged), each i64 `[batch, 1]`.
 pub const ADVANCED_INPUTS: [&str; 3] = ["input_ids", "position_ids", "attention_mask"];
 /// Every region and every tensor in the device allocation starts at a multiple of this many bytes.
 pub const ALIGN: u64 = 256;
+/// The output of a decoder's graphs that generation samples from (prompt chunks leave it out).
+pub const LOGITS: &str = "logits";
 /// The manifest's file name.
 pub const MANIFEST: &str = "manifest.ron";
 pub use crate::checksum::CHECKSUMS;
@@ -91,6 +94,12 @@ pub struct Manifest {
     pub prefill: Vec<BucketEntry>,
     /// Decode buckets, largest batch first.
     pub decode: Vec<BucketEntry>,
+    /// Logits chunks (decoders, `kiln compile --logits-chunk`), largest first: KV-cached graphs
+    /// of one sequence's chunk of tokens that keep every token's logits (prompt chunks do not),
+    /// through which a prompt longer than the largest is run whole, each chunk's logits copied to
+    /// the host while the next chunk computes.
+    #[serde(default)]
+    pub logits_chunks: Vec<BucketEntry>,
     /// Streaming multiprocessor versions the cubin was assembled for (`[90]`); empty without one.
     pub targets: Vec<u32>,
     /// The device allocation's layout.
@@ -101,6 +110,16 @@ pub struct Manifest {
     pub cpu_memory: Option<MemoryPlan>,
     /// Every kernel the plans launch: entry name, parameters, launch configuration.
     pub kernel_table: Vec<KernelEntry>,
+}
+
+impl Manifest {
+    /// Every bucket: prefill, decode (prompt chunks included), then logits chunks.
+    pub fn buckets(&self) -> impl Iterator<Item = &BucketEntry> {
+        self.prefill
+            .iter()
+            .chain(&self.decode)
+            .chain(&self.logits_chunks)
+    }
 }
 
 /// The one device allocation every plan of an artifact runs in: `[weights | cache | arena]`, each

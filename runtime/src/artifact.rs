@@ -114,7 +114,7 @@ impl Artifact {
             .map_err(|e| bad(artifact::MANIFEST, format!("is malformed: {e}")))?;
         check_paging(&manifest).map_err(|e| bad(artifact::MANIFEST, e))?;
         let mut graphs = BTreeMap::new();
-        for entry in manifest.prefill.iter().chain(&manifest.decode) {
+        for entry in manifest.buckets() {
             if !listed(&entry.graph) {
                 return Err(bad(&entry.graph, "has no checksum".into()));
             }

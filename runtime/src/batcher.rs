@@ -25,7 +25,7 @@
 
 use std::collections::BTreeMap;
 
-use kiln_ir::artifact::BucketEntry;
+use kiln_ir::artifact::{BucketEntry, LOGITS};
 use kiln_ir::{Data, Graph, Tensor};
 
 use crate::blocks::BlockPool;
@@ -152,6 +152,7 @@ impl<'a> Batcher<'a> {
         }
         // The table holds a row for each of `largest`'s (checked when the artifact was opened).
         let blocks = m.memory.paging.map(BlockPool::new);
+        exec.reset_cache()?;
         let session = Session::new(art, exec, largest)?;
         Ok(Batcher {
             session,
@@ -586,23 +587,22 @@ impl Logits {
 }
 
 /// The executor and (for the interpreter) the KV cache tensors, for the largest decode batch.
-struct Session<'a> {
+pub(crate) struct Session<'a> {
     art: &'a Artifact,
-    exec: &'a mut Executor,
+    pub(crate) exec: &'a mut Executor,
     caches: BTreeMap<String, Tensor>,
     vocab: usize,
     context: usize,
 }
 
 impl<'a> Session<'a> {
-    /// An empty cache for the decode bucket `largest` (the largest batch): the executor's own,
-    /// or tensors passed along (the interpreter).
-    fn new(
+    /// A session over the cache of the decode bucket `largest` (the largest batch): the
+    /// executor's own as it is, or new empty tensors passed along (the interpreter).
+    pub(crate) fn new(
         art: &'a Artifact,
         exec: &'a mut Executor,
         largest: &BucketEntry,
     ) -> Result<Session<'a>, RuntimeError> {
-        exec.reset_cache()?;
         let mut caches = BTreeMap::new();
         if !exec.keeps_cache() {
             let graph: &Graph = &art.graphs[&largest.graph];
@@ -706,7 +706,7 @@ impl<'a> Session<'a> {
         inputs: BTreeMap<String, Tensor>,
     ) -> Result<Logits, RuntimeError> {
         let mut outputs = self.run(entry, &inputs)?;
-        let Some(Data::Float(values)) = outputs.remove("logits").map(|t| t.data) else {
+        let Some(Data::Float(values)) = outputs.remove(LOGITS).map(|t| t.data) else {
             return Err(RuntimeError::Request(
                 "the decode graph has no float logits".into(),
             ));
@@ -734,7 +734,7 @@ impl<'a> Session<'a> {
 
     /// Runs `inputs` through the KV-cached bucket `entry`, keeps the updated caches the caller
     /// keeps, and returns the bucket's other outputs.
-    fn run(
+    pub(crate) fn run(
         &mut self,
         entry: &BucketEntry,
         inputs: &BTreeMap<String, Tensor>,
@@ -755,37 +755,11 @@ impl<'a> Session<'a> {
         Ok(outputs)
     }
 
-    /// The inputs of the KV-cached bucket `entry` for `rows` (see [`Session::fill`]): token ids,
-    /// the mask of each row's tokens, positions, and the caches the caller keeps.
-    fn inputs(&self, entry: &BucketEntry, rows: &[Row]) -> BTreeMap<String, Tensor> {
-        let (b, s) = (entry.batch, entry.seq);
-        let last = self.context.saturating_sub(1);
-        let grid = |f: &dyn Fn(&Row, usize) -> i64| -> Vec<i64> {
-            let empty = Row::new(&[], 0);
-            (0..b)
-                .flat_map(|r| {
-                    let row = rows.get(r).unwrap_or(&empty);
-                    (0..s).map(move |i| f(row, i)).collect::<Vec<_>>()
-                })
-                .collect()
-        };
-        let mut inputs = BTreeMap::from([
-            (
-                "input_ids".to_string(),
-                Tensor::i64(
-                    vec![b, s],
-                    grid(&|row, i| row.tokens.get(i).copied().unwrap_or(0)),
-                ),
-            ),
-            (
-                "attention_mask".to_string(),
-                Tensor::i64(vec![b, s], grid(&|row, i| i64::from(i < row.tokens.len()))),
-            ),
-            (
-                "position_ids".to_string(),
-                Tensor::i64(vec![b, s], grid(&|row, i| (row.start + i).min(last) as i64)),
-            ),
-        ]);
+    /// The inputs of the KV-cached bucket `entry` for `rows` (see [`Session::fill`]): those of
+    /// [`step_inputs`] and the caches the caller keeps.
+    pub(crate) fn inputs(&self, entry: &BucketEntry, rows: &[Row]) -> BTreeMap<String, Tensor> {
+        let mut inputs = step_inputs(entry, rows, self.context);
+        let b = entry.batch;
         for (name, cache) in &self.caches {
             let mut part = cache.clone();
             if let Data::Float(v) = &mut part.data {
@@ -814,6 +788,45 @@ impl<'a> Session<'a> {
         }
         Ok(())
     }
+}
+
+/// The inputs of the KV-cached bucket `entry` for `rows` (row `r` of the bucket: its tokens at
+/// positions `start..`) in a cache of `context` entries: token ids, the mask of each row's
+/// tokens (a row's tail past its tokens, and the bucket's rows past `rows`, masked) and
+/// positions.
+pub(crate) fn step_inputs(
+    entry: &BucketEntry,
+    rows: &[Row],
+    context: usize,
+) -> BTreeMap<String, Tensor> {
+    let (b, s) = (entry.batch, entry.seq);
+    let last = context.saturating_sub(1);
+    let grid = |f: &dyn Fn(&Row, usize) -> i64| -> Vec<i64> {
+        let empty = Row::new(&[], 0);
+        (0..b)
+            .flat_map(|r| {
+                let row = rows.get(r).unwrap_or(&empty);
+                (0..s).map(move |i| f(row, i)).collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    BTreeMap::from([
+        (
+            "input_ids".to_string(),
+            Tensor::i64(
+                vec![b, s],
+                grid(&|row, i| row.tokens.get(i).copied().unwrap_or(0)),
+            ),
+        ),
+        (
+            "attention_mask".to_string(),
+            Tensor::i64(vec![b, s], grid(&|row, i| i64::from(i < row.tokens.len()))),
+        ),
+        (
+            "position_ids".to_string(),
+            Tensor::i64(vec![b, s], grid(&|row, i| (row.start + i).min(last) as i64)),
+        ),
+    ])
 }
 
 /// The token of each row with a pick among a step's `tokens` (chosen on the device, checked

@@ -11,7 +11,7 @@ use kiln_ir::inputs::TokenBatch;
 use kiln_ir::philox::{philox4x32_10, seed_key};
 use serde::Serialize;
 
-use crate::forward::{forward, prefill_bucket, prepare};
+use crate::forward::{forward, logits_chunks, prefill_bucket, prepare, stream_chunks, streams};
 use crate::generate::{generate_batch, Sampling};
 use crate::{Artifact, Executor, RuntimeError};
 
@@ -104,7 +104,12 @@ pub fn bench(
     exec: &mut Executor,
     opts: &BenchOptions,
 ) -> Result<BenchReport, RuntimeError> {
-    let largest = art.longest_prefill();
+    // A decoder's single sequences may be as long as the cache when logits chunks take them.
+    let chunked = opts.batch == 1 && !art.manifest.logits_chunks.is_empty();
+    let largest = match (chunked, art.manifest.max_context) {
+        (true, Some(context)) => context,
+        _ => art.longest_prefill(),
+    };
     if opts.requests == 0 || opts.batch == 0 || opts.min_len == 0 || opts.min_len > opts.max_len {
         return Err(RuntimeError::Request(
             "bench needs --requests >= 1, --batch >= 1 and --lengths MIN..MAX with 1 <= MIN <= MAX"
@@ -113,7 +118,7 @@ pub fn bench(
     }
     if opts.max_len > largest {
         return Err(RuntimeError::Request(format!(
-            "--lengths up to {} exceed the largest prefill bucket ({largest})",
+            "--lengths up to {} exceed the longest request the artifact takes ({largest} tokens)",
             opts.max_len
         )));
     }
@@ -139,19 +144,32 @@ pub fn bench(
                     .collect()
             })
             .collect();
-        let bucket = prefill_bucket(art, opts.batch, len)?;
-        let label = format!("b{}-s{}", bucket.batch, bucket.seq);
-        tokens += opts.batch * len;
-        slots += bucket.batch * bucket.seq;
         let batch = TokenBatch {
             ids: rows,
             mask: None,
             types: None,
         };
+        let chunks = logits_chunks(art, &batch)?;
+        let label = match &chunks {
+            Some(chunks) => {
+                slots += chunks.iter().map(|c| c.entry.seq).sum::<usize>();
+                "b1-logits-chunks".to_string()
+            }
+            None => {
+                let bucket = prefill_bucket(art, opts.batch, len)?;
+                slots += bucket.batch * bucket.seq;
+                format!("b{}-s{}", bucket.batch, bucket.seq)
+            }
+        };
+        tokens += opts.batch * len;
         let t0 = Instant::now();
+        let streamed = chunks.as_deref().filter(|c| streams(exec, c));
         match exec {
             // A server hands the output bytes on: no conversion to host floats is timed.
-            Executor::Cuda(c) => {
+            Executor::Cuda(c) if streamed.is_some() => {
+                stream_chunks(art, c, &batch.ids[0], streamed.unwrap_or_default())?;
+            }
+            Executor::Cuda(c) if chunks.is_none() => {
                 let (bucket, inputs) = prepare(art, &batch)?;
                 if bucket.plan.as_ref().is_some_and(|p| p.host_tail.is_some()) {
                     // Part of the bucket runs on the host: the whole request is timed.
@@ -160,7 +178,8 @@ pub fn bench(
                     c.replay(&bucket.graph, &inputs)?;
                 }
             }
-            Executor::Interpreter | Executor::Cpu(_) => {
+            // Elsewhere, and logits chunks that run part of their graph on the host.
+            _ => {
                 forward(art, exec, &batch)?;
             }
         }

@@ -105,7 +105,7 @@ impl CpuExecutor {
         let mut plans = BTreeMap::new();
         let mut functions = BTreeMap::new();
         let mut product = 0usize;
-        for entry in m.prefill.iter().chain(&m.decode) {
+        for entry in m.buckets() {
             let Some(plan) = entry.plan.as_ref().and_then(|p| p.cpu.as_ref()) else {
                 continue;
             };

@@ -20,13 +20,13 @@ use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMI
 use cudarc::driver::sys::CUgraphInstantiate_flags;
 use cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr,
+    CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr,
     LaunchConfig, PinnedHostSlice,
 };
 use cudarc::nvrtc::Ptx;
 use kiln_ir::artifact::{
     Arg, BucketEntry, CachePaging, ExecPlan, Image, KernelEntry, ParamType, Region, Step,
-    TensorSlot,
+    TensorSlot, LOGITS,
 };
 use kiln_ir::{DType, Data, Tensor};
 
@@ -75,6 +75,8 @@ pub struct CudaExecutor {
     cache_slots: Vec<TensorSlot>,
     /// How the cache is paged (`None`: dense).
     paging: Option<CachePaging>,
+    /// What streaming logits chunks to the host takes, when the artifact has logits chunks.
+    ring: Option<LogitsRing>,
     /// Driver work so far, and as it stood when `load` returned.
     counts: DriverCounts,
     at_load: DriverCounts,
@@ -85,6 +87,42 @@ pub struct CudaExecutor {
     pub device: String,
     /// Whether the sm_90a kernels run (else their steps' fallbacks do).
     pub sm90a: bool,
+}
+
+/// What streaming logits chunks to the host takes
+/// ([`CudaExecutor::replay_logits_chunks`]): a second stream for the copies, two device
+/// buffers of the largest chunk's logits that chunks take in turn, and the events that order
+/// each buffer's fill (on the replay stream) and its copy out (on the copy stream).
+struct LogitsRing {
+    copies: Arc<CudaStream>,
+    buffers: CudaSlice<u8>,
+    /// Bytes of each buffer.
+    half: usize,
+    /// `ready[k]`: buffer `k` holds a chunk's logits.
+    ready: [CudaEvent; 2],
+    /// `copied[k]`: buffer `k`'s logits are on the host.
+    copied: [CudaEvent; 2],
+}
+
+impl LogitsRing {
+    /// A ring for chunks of at most `half` bytes of logits.
+    fn new(
+        ctx: &Arc<CudaContext>,
+        stream: &Arc<CudaStream>,
+        half: usize,
+        counts: &mut DriverCounts,
+    ) -> Result<LogitsRing, RuntimeError> {
+        counts.allocated();
+        let buffers = stream.alloc_zeros::<u8>(2 * half).map_err(dev)?;
+        let event = || ctx.new_event(None).map_err(dev);
+        Ok(LogitsRing {
+            copies: ctx.new_stream().map_err(dev)?,
+            buffers,
+            half,
+            ready: [event()?, event()?],
+            copied: [event()?, event()?],
+        })
+    }
 }
 
 /// A kernel of the loaded modules, with its parameter kinds (tensor maps are encoded from them).
@@ -405,17 +443,20 @@ impl CudaExecutor {
             .iter()
             .map(|k| (k.name.as_str(), k))
             .collect();
-        let prefill: &[BucketEntry] = match work {
-            Work::All => &m.prefill,
-            Work::Generation => &[],
+        // Generation takes only the KV-cached steps; a forward request the prefill buckets and
+        // the logits chunks.
+        let (prefill, logits_chunks): (&[BucketEntry], &[BucketEntry]) = match work {
+            Work::All => (&m.prefill, &m.logits_chunks),
+            Work::Generation => (&[], &[]),
         };
         let buckets: Vec<(&BucketEntry, &ExecPlan)> = prefill
             .iter()
             .chain(&m.decode)
+            .chain(logits_chunks)
             .filter_map(|e| e.plan.as_ref().map(|p| (e, p)))
             .collect();
         if buckets.is_empty() {
-            let missing = m.prefill.iter().chain(&m.decode).flat_map(|e| &e.no_gpu);
+            let missing = m.buckets().flat_map(|e| &e.no_gpu);
             return Err(RuntimeError::Device(format!(
                 "no bucket of this artifact runs on a GPU (ops without a GPU kernel: {})",
                 missing.cloned().collect::<Vec<_>>().join(", ")
@@ -566,7 +607,18 @@ impl CudaExecutor {
             .iter()
             .map(|(e, p)| (e.graph.clone(), p.clone()))
             .collect();
-        let staging_bytes = plans_outputs_bytes(&buckets);
+        let mut staging_bytes = plans_outputs_bytes(&buckets);
+        let mut ring = None;
+        let chunk_logits = buckets
+            .iter()
+            .filter(|(e, _)| m.logits_chunks.contains(e))
+            .filter_map(|(e, p)| Some((e.seq, p.outputs.iter().find(|s| s.name == LOGITS)?)));
+        let widest = chunk_logits.map(|(seq, s)| (s.bytes() as usize, s.bytes() as usize / seq));
+        if let Some((half, row)) = widest.reduce(|a, b| (a.0.max(b.0), a.1.max(b.1))) {
+            // A prompt of the whole context comes back through the chunks.
+            staging_bytes = staging_bytes.max(row * m.max_context.unwrap_or(0));
+            ring = Some(LogitsRing::new(&ctx, &stream, half, &mut counts)?);
+        }
         counts.allocated();
         // SAFETY: host memory that is only read after a copy into it has completed; flags 0 is
         // ordinary (cached) page-locked memory, which the host reads fast. (Allocated on another
@@ -590,6 +642,7 @@ impl CudaExecutor {
             cache_bytes,
             cache_slots: m.memory.cache.clone(),
             paging: m.memory.paging,
+            ring,
             ctx,
             stream,
             memory,
@@ -858,6 +911,80 @@ impl CudaExecutor {
                 .map_err(dev)?;
         }
         Ok(())
+    }
+
+    /// Runs a sequence through logits chunks: each of `chunks` (graph, inputs, and the tokens of
+    /// it that are the sequence's) is replayed after the one before; its logits go to one of two
+    /// device buffers in turn, from which the copy stream moves them to the host while the next
+    /// chunks compute. Returns every chunk's logits (its tokens' rows), one after the other, in
+    /// page-locked memory the next request reuses.
+    pub fn replay_logits_chunks(
+        &mut self,
+        chunks: &[(&str, BTreeMap<String, Tensor>, usize)],
+    ) -> Result<&[u8], RuntimeError> {
+        let mut at = 0usize;
+        for (i, (graph, inputs, tokens)) in chunks.iter().enumerate() {
+            self.launch(graph, inputs)?;
+            let plan = &self.plans[*graph];
+            let ring = self.ring.as_ref().ok_or_else(|| {
+                RuntimeError::Request(format!("{graph} is not a logits chunk of this artifact"))
+            })?;
+            let logits = plan.outputs.iter().find(|s| s.name == LOGITS);
+            let seq = plan.inputs.first().and_then(|s| s.shape.get(1)).copied();
+            let (Some(logits), Some(seq)) = (logits, seq.filter(|&s| s >= *tokens)) else {
+                return Err(RuntimeError::Request(format!(
+                    "{graph} does not keep the logits of {tokens} tokens"
+                )));
+            };
+            let bytes = logits.bytes() as usize / seq * tokens;
+            let staging = self.staging.as_mut_slice().map_err(dev)?;
+            if bytes > ring.half || at + bytes > staging.len() {
+                return Err(RuntimeError::Request(format!(
+                    "the chunks' logits exceed the {} bytes kept for them",
+                    staging.len()
+                )));
+            }
+            let k = i % 2;
+            let (base, _sync) = self.memory.device_ptr(&self.stream);
+            let (buffers, _sync) = ring.buffers.device_ptr(&self.stream);
+            let buffer = buffers + (k * ring.half) as u64;
+            if i >= 2 {
+                self.stream.wait(&ring.copied[k]).map_err(dev)?;
+            }
+            // SAFETY: the source is the plan's logits slot inside the one allocation (checked
+            // at load) and `bytes` fit in it and in buffer `k`; the copy follows the chunk's
+            // replay on `stream`, and the wait above orders it after buffer `k`'s last copy out.
+            unsafe {
+                cudarc::driver::result::memcpy_dtod_async(
+                    buffer,
+                    base + self.arena + logits.offset,
+                    bytes,
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(dev)?;
+            ring.ready[k].record(&self.stream).map_err(dev)?;
+            ring.copies.wait(&ring.ready[k]).map_err(dev)?;
+            // SAFETY: `staging[at..at + bytes]` lies inside the page-locked buffer (checked
+            // above) and is read only after the copy stream is synchronised below; the copy
+            // waits for buffer `k` to be filled.
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(
+                    &mut staging[at..at + bytes],
+                    buffer,
+                    ring.copies.cu_stream(),
+                )
+            }
+            .map_err(dev)?;
+            ring.copied[k].record(&ring.copies).map_err(dev)?;
+            at += bytes;
+        }
+        let failed = |e| RuntimeError::Device(format!("logits chunks: a kernel failed: {e}"));
+        self.stream.synchronize().map_err(failed)?;
+        if let Some(ring) = &self.ring {
+            ring.copies.synchronize().map_err(failed)?;
+        }
+        Ok(&self.staging.as_slice().map_err(dev)?[..at])
     }
 
     /// Writes the paged cache's block table (`[rows, entries]`, in stream order: every step

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use kiln_ir::artifact::{BucketEntry, CachePaging, ADVANCED_INPUTS};
+use kiln_ir::artifact::{BucketEntry, CachePaging, ADVANCED_INPUTS, LOGITS};
 use kiln_ir::{Data, Tensor};
 
 use crate::cpu::CpuExecutor;
@@ -199,7 +199,7 @@ impl Executor {
         let mut all = Vec::with_capacity(steps);
         for _ in 0..steps {
             let outputs = self.run(art, entry, &inputs)?;
-            let Some(Data::Float(logits)) = outputs.get("logits").map(|t| &t.data) else {
+            let Some(Data::Float(logits)) = outputs.get(LOGITS).map(|t| &t.data) else {
                 return Err(RuntimeError::Request(
                     "the decode graph has no float logits".into(),
                 ));

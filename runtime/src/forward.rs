@@ -1,21 +1,33 @@
 //! A forward request: validated against the model's input contract, padded to the smallest
 //! prefill bucket that holds it (extra batch rows are one-token dummies), run, and cut back to the
 //! request's own rows and tokens. Padding never changes a result (the compiler's tests show it).
+//!
+//! A decoder's single sequence that is longer than its largest logits chunk, or that no prefill
+//! bucket holds, runs through the logits chunks instead ([`logits_chunks`]): chunk after chunk
+//! through the KV cache's row 0, every token's logits kept; on CUDA each chunk's logits go to the
+//! host while the next chunk computes ([`crate::cuda::CudaExecutor::replay_logits_chunks`]).
 
 use std::collections::BTreeMap;
 
-use kiln_ir::artifact::BucketEntry;
+use kiln_ir::artifact::{BucketEntry, LOGITS};
 use kiln_ir::inputs::{model_inputs, TokenBatch};
 use kiln_ir::{Data, Tensor};
 
+use crate::batcher::{step_inputs, Row, Session};
+use crate::blocks::BlockPool;
+use crate::cuda::CudaExecutor;
 use crate::{Artifact, Executor, RuntimeError};
 
-/// Runs `batch` through the artifact's prefill buckets on `exec`.
+/// Runs `batch` through the artifact's prefill buckets (or its logits chunks) on `exec`.
 pub fn forward(
     art: &Artifact,
     exec: &mut Executor,
     batch: &TokenBatch,
 ) -> Result<BTreeMap<String, Tensor>, RuntimeError> {
+    if let Some(chunks) = logits_chunks(art, batch)? {
+        let logits = run_chunks(art, exec, &batch.ids[0], &chunks)?;
+        return Ok(BTreeMap::from([(LOGITS.to_string(), logits)]));
+    }
     let (bucket, inputs) = prepare(art, batch)?;
     let outputs = exec.run(art, bucket, &inputs)?;
     let (b, l) = (batch.ids.len(), batch.ids[0].len());
@@ -119,4 +131,163 @@ fn cut(t: &Tensor, b: usize, l: usize, seq: usize) -> Tensor {
                 .collect(),
         ),
     }
+}
+
+/// One chunk of a sequence run through the logits chunks: the chunk bucket, and the tokens
+/// `start..start + len` of the sequence it takes.
+#[derive(Clone, Copy, Debug)]
+pub struct Chunk<'a> {
+    /// The logits chunk bucket.
+    pub entry: &'a BucketEntry,
+    /// The chunk's first token.
+    pub start: usize,
+    /// Its tokens (at most `entry.seq`).
+    pub len: usize,
+}
+
+/// How `batch` runs through the artifact's logits chunks (chunks of the largest size, then the
+/// smallest that holds the rest), or `None` when it takes a prefill bucket: only a decoder's
+/// single unpadded sequence, no longer than the KV cache, that is longer than the largest logits
+/// chunk or that no prefill bucket holds, takes them. The request is validated first.
+pub fn logits_chunks<'a>(
+    art: &'a Artifact,
+    batch: &TokenBatch,
+) -> Result<Option<Vec<Chunk<'a>>>, RuntimeError> {
+    let m = &art.manifest;
+    let mut sizes: Vec<&BucketEntry> = m.logits_chunks.iter().collect();
+    sizes.sort_by_key(|e| e.seq);
+    let (Some(&largest), Some(context)) = (sizes.last(), m.max_context) else {
+        return Ok(None);
+    };
+    model_inputs(&m.model.contract(), batch).map_err(RuntimeError::Request)?;
+    let padded = |mask: &Vec<Vec<i64>>| mask.iter().flatten().any(|&v| v != 1);
+    if batch.ids.len() != 1 || batch.mask.as_ref().is_some_and(padded) {
+        return Ok(None);
+    }
+    let len = batch.ids[0].len();
+    let bucket = prefill_bucket(art, 1, len).is_ok();
+    if len > context && !bucket {
+        return Err(RuntimeError::Request(format!(
+            "{len} tokens exceed the KV cache ({context} entries) the logits chunks run through, \
+             and every prefill bucket (the longest takes {})",
+            art.longest_prefill()
+        )));
+    }
+    if len > context || (len <= largest.seq && bucket) {
+        return Ok(None);
+    }
+    let mut chunks = Vec::new();
+    let mut start = 0;
+    while start < len {
+        let left = len - start;
+        let entry = *sizes.iter().find(|e| e.seq >= left).unwrap_or(&largest);
+        let take = left.min(entry.seq);
+        chunks.push(Chunk {
+            entry,
+            start,
+            len: take,
+        });
+        start += take;
+    }
+    Ok(Some(chunks))
+}
+
+/// Runs `tokens` through `chunks` (from [`logits_chunks`]) on `exec` and returns their logits,
+/// `[1, tokens, vocab]`.
+pub fn run_chunks(
+    art: &Artifact,
+    exec: &mut Executor,
+    tokens: &[i64],
+    chunks: &[Chunk],
+) -> Result<Tensor, RuntimeError> {
+    let vocab = art.manifest.model.vocab_size;
+    if let (true, Executor::Cuda(cuda)) = (streams(exec, chunks), &mut *exec) {
+        let bytes = stream_chunks(art, cuda, tokens, chunks)?;
+        return Ok(crate::cuda::decode(
+            bytes,
+            art.manifest.dtype,
+            vec![1, tokens.len(), vocab],
+        ));
+    }
+    if let Some(table) = row_blocks(art, tokens.len())? {
+        exec.write_block_table(&table)?;
+    }
+    let step = largest_step(art)?;
+    let mut session = Session::new(art, exec, step)?;
+    let mut logits = Vec::with_capacity(tokens.len() * vocab);
+    for c in chunks {
+        let inputs = session.inputs(c.entry, &[chunk_row(tokens, c)]);
+        let out = session.run(c.entry, &inputs)?;
+        let Some(Data::Float(values)) = out.get(LOGITS).map(|t| &t.data) else {
+            return Err(RuntimeError::Request(format!(
+                "logits chunk {} has no float logits",
+                c.entry.graph
+            )));
+        };
+        logits.extend_from_slice(&values[..c.len * vocab]);
+    }
+    Ok(Tensor::f32(vec![1, tokens.len(), vocab], logits).cast(art.manifest.dtype))
+}
+
+/// Runs `tokens` through `chunks` on the CUDA executor, each chunk's logits copied to the host
+/// while the next computes, and returns the logits as the device holds them (what a server
+/// hands on).
+pub fn stream_chunks<'e>(
+    art: &Artifact,
+    cuda: &'e mut CudaExecutor,
+    tokens: &[i64],
+    chunks: &[Chunk],
+) -> Result<&'e [u8], RuntimeError> {
+    if let Some(table) = row_blocks(art, tokens.len())? {
+        cuda.write_block_table(&table)?;
+    }
+    let context = art.manifest.max_context.unwrap_or(0);
+    let runs: Vec<(&str, BTreeMap<String, Tensor>, usize)> = chunks
+        .iter()
+        .map(|c| {
+            let inputs = step_inputs(c.entry, &[chunk_row(tokens, c)], context);
+            (c.entry.graph.as_str(), inputs, c.len)
+        })
+        .collect();
+    cuda.replay_logits_chunks(&runs)
+}
+
+/// Whether `exec` streams `chunks` ([`stream_chunks`]): the CUDA executor, and no chunk runs
+/// part of its graph on the host.
+pub fn streams(exec: &Executor, chunks: &[Chunk]) -> bool {
+    let on_device = |c: &Chunk| c.entry.plan.as_ref().is_some_and(|p| p.host_tail.is_none());
+    matches!(exec, Executor::Cuda(_)) && chunks.iter().all(on_device)
+}
+
+/// Chunk `c` of `tokens` as row 0 of its bucket.
+fn chunk_row<'t>(tokens: &'t [i64], c: &Chunk) -> Row<'t> {
+    Row::new(&tokens[c.start..c.start + c.len], c.start)
+}
+
+/// The largest one-token decode bucket (the cache's rows).
+fn largest_step(art: &Artifact) -> Result<&BucketEntry, RuntimeError> {
+    art.manifest
+        .decode
+        .iter()
+        .filter(|e| e.seq == 1)
+        .max_by_key(|e| e.batch)
+        .ok_or_else(|| RuntimeError::Request("the artifact has no decode bucket".into()))
+}
+
+/// For a paged cache, the block table that hands row 0 the blocks of `tokens` keys (nothing
+/// else runs while a forward request does); `None` for a dense one.
+fn row_blocks(art: &Artifact, tokens: usize) -> Result<Option<Vec<u32>>, RuntimeError> {
+    let Some(paging) = art.manifest.memory.paging else {
+        return Ok(None);
+    };
+    let mut pool = BlockPool::new(paging);
+    let need = pool.blocks_for(tokens);
+    if !pool.promise(0, need) {
+        return Err(RuntimeError::Request(format!(
+            "{tokens} tokens need {need} blocks of the KV cache; it has {}",
+            pool.capacity()
+        )));
+    }
+    pool.ensure(0, tokens)?;
+    Ok(pool.take_table().map(<[u32]>::to_vec))
 }

@@ -302,6 +302,7 @@ pub fn compile_fixture(
         histogram: None,
         max_context: None,
         prefill_chunks: Vec::new(),
+        logits_chunks: Vec::new(),
         kv_paging: None,
     };
     let (report, compiled) = compile(&model.graph, None, &opts).expect("fixture compiles");

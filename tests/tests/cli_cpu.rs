@@ -59,6 +59,84 @@ fn decoders_through_kiln_run_forward_and_generate() {
     }
 }
 
+/// A prompt longer than the largest logits chunk, or than every prefill bucket, runs through the
+/// logits chunks (the KV cache's row 0, chunk after chunk, the last the smallest that holds the
+/// rest) and gives the reference's logits: paged and dense caches, the generated CPU kernels and
+/// the interpreter. One past the cache is a one-line error naming both lengths.
+#[test]
+fn long_prompts_through_logits_chunks() {
+    let tmp = tempfile::tempdir().unwrap();
+    for name in ["gpt2-tiny", "llama-tiny"] {
+        let reference = reference(name);
+        for cache in ["16", "0"] {
+            let art = tmp.path().join(format!("{name}-{cache}.kiln"));
+            let args = [
+                "--buckets",
+                "16",
+                "--max-context",
+                "128",
+                "--logits-chunk",
+                "32,8",
+            ];
+            compile(
+                &fixture(name),
+                &art,
+                &[&args[..], &["--kv-block-size", cache]].concat(),
+            );
+            for (device, lengths) in [("interpreter", &[33usize][..]), ("cpu", &[7, 33, 100])] {
+                for &l in lengths {
+                    let ids = reference[&format!("input_ids_{l}")].clone();
+                    let out = kiln_run_forward(
+                        &art,
+                        BTreeMap::from([("input_ids".to_string(), ids)]),
+                        device,
+                    );
+                    let logits = &out["logits"];
+                    let want = &reference[&format!("logits_{l}")];
+                    assert_eq!(logits.shape, vec![l, 512], "{name} L={l}");
+                    let err = rel_err(floats(logits), floats(want));
+                    assert!(
+                        err < 1e-4,
+                        "{name} block {cache} {device} L={l}: error {err:e}"
+                    );
+                }
+            }
+        }
+        let art = tmp.path().join(format!("{name}-0.kiln"));
+        // `bench` takes single sequences up to the cache's length through them.
+        let p = |p: &Path| p.to_str().unwrap().to_string();
+        let args = [
+            "--requests",
+            "3",
+            "--lengths",
+            "100..128",
+            "--device",
+            "cpu",
+            "--json",
+        ];
+        let report = kiln_run(&[&["bench", &p(&art)][..], &args].concat()).unwrap();
+        let report: serde_json::Value = serde_json::from_str(&report).unwrap();
+        assert_eq!(report["replays"]["b1-logits-chunks"], 3, "{report}");
+        let (input, output) = (tmp.path().join("long.safetensors"), tmp.path().join("o"));
+        let ids = Tensor::i64(vec![129], vec![1; 129]);
+        kiln_ir::io::write_tensors(&input, &BTreeMap::from([("input_ids".to_string(), ids)]))
+            .unwrap();
+        let err = kiln_run(&[
+            "forward",
+            &p(&art),
+            "--input",
+            &p(&input),
+            "--output",
+            &p(&output),
+            "--device",
+            "cpu",
+        ])
+        .unwrap_err();
+        assert!(err.contains("129") && err.contains("128"), "{name}: {err}");
+        assert!(!err.contains('\n') && !output.exists(), "{name}: {err}");
+    }
+}
+
 #[test]
 fn encoders_through_kiln_run_forward_and_embed() {
     let tmp = tempfile::tempdir().unwrap();

@@ -217,6 +217,18 @@ fn bad_compile_arguments_name_the_problem() {
             "--prefill-chunk 1 enters prompts one token per step; it takes no other chunk sizes",
         ),
         (
+            vec![g, "-o", o, "--buckets", "16", "--logits-chunk", "8,1"],
+            "--logits-chunk 1 must be between 2 and the context (16)",
+        ),
+        (
+            vec![g, "-o", o, "--buckets", "16", "--logits-chunk", "32"],
+            "--logits-chunk 32 must be between 2 and the context (16)",
+        ),
+        (
+            vec![bert.to_str().unwrap(), "-o", o, "--buckets", "16", "--logits-chunk", "8"],
+            "--logits-chunk, --kv-block-size and --kv-blocks apply to decoders",
+        ),
+        (
             vec![g, "-o", o, "--buckets", "16", "--kv-block-size", "12"],
             "--kv-block-size 12 must be a power of two (or 0 for a dense cache)",
         ),
@@ -343,6 +355,8 @@ fn report_and_inspect_name_each_kernels_path() {
             "64",
             "--prefill-chunk",
             "16",
+            "--logits-chunk",
+            "32",
             "--dtype",
             dtype,
             "--report",
@@ -391,10 +405,24 @@ fn report_and_inspect_name_each_kernels_path() {
         let chunk = std::fs::read_to_string(out.join("buckets/decode-b1-s16.ron")).unwrap();
         let chunk = kiln_ir::Graph::from_ron(&chunk).unwrap();
         assert!(chunk.outputs().iter().all(|o| o.name != "logits"));
+        // A logits chunk keeps them, and every layer with them.
+        let logits_chunk = &r["logits_chunks"][0];
+        assert_eq!(
+            (&logits_chunk["batch"], &logits_chunk["seq"]),
+            (&1.into(), &32.into())
+        );
+        assert_eq!(products(logits_chunk), products(&decode[1]), "{dtype}");
+        let chunk = std::fs::read_to_string(out.join("buckets/logits-b1-s32.ron")).unwrap();
+        let chunk = kiln_ir::Graph::from_ron(&chunk).unwrap();
+        assert!(chunk.outputs().iter().any(|o| o.name == "logits"));
         let summary = kiln_tests::kiln(&["inspect", out.to_str().unwrap()]).unwrap();
         assert!(summary.contains("    paths: "), "{summary}");
         let paged = "KV cache paged: 5 blocks of 16 keys (block 0 unused), a block table of 1 rows x 4 entries";
         assert!(summary.contains(paged), "{summary}");
+        assert!(
+            summary.contains("  logits chunk b1 s32 (context 64): "),
+            "{summary}"
+        );
         if dtype == "f32" {
             assert!(summary.contains("; on simt: gemm_"), "{summary}");
             assert!(summary.contains(" attention_"), "{summary}");

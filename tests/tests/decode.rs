@@ -35,6 +35,7 @@ fn decoder(name: &str, batch: &[usize]) -> Decoder {
         histogram: None,
         max_context: Some(CONTEXT),
         prefill_chunks: Vec::new(),
+        logits_chunks: Vec::new(),
         kv_paging: None,
     };
     let (report, compiled) = compile(&plain.graph, Some(&cached.graph), &opts).unwrap();

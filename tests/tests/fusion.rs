@@ -259,6 +259,7 @@ fn compile_with(
         histogram: None,
         max_context: None,
         prefill_chunks: Vec::new(),
+        logits_chunks: Vec::new(),
         kv_paging: None,
     };
     let (_, mut compiled) = compile(&model.graph, None, &opts).unwrap();

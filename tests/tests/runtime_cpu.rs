@@ -244,7 +244,7 @@ fn plans_are_consistent_with_the_kernel_table_and_the_allocation() {
         .collect();
     let mut grids: std::collections::BTreeMap<&str, std::collections::BTreeSet<[u32; 3]>> =
         Default::default();
-    for e in m.prefill.iter().chain(&m.decode) {
+    for e in m.buckets() {
         let plan = e.plan.as_ref().expect("every gpt2 bucket has a GPU plan");
         check_plan(&art, e, plan, &table).unwrap();
         assert!(plan.arena_bytes <= m.memory.arena_bytes);
@@ -258,7 +258,7 @@ fn plans_are_consistent_with_the_kernel_table_and_the_allocation() {
     // Decode steps end with the greedy choice into `tokens` (one i64 per row), which also
     // advances the step's inputs for the next step; prefill buckets and the prompt chunk choose
     // none.
-    for e in m.prefill.iter().chain(&m.decode) {
+    for e in m.buckets() {
         let plan = e.plan.as_ref().unwrap();
         let decode_step = m.decode.contains(e) && e.seq == 1;
         assert_eq!(plan.tokens.is_some(), decode_step, "{}", e.graph);
@@ -675,7 +675,7 @@ fn bench_accounts_for_every_request() {
     .unwrap()
     .to_string();
     assert!(
-        err.contains("exceed the largest prefill bucket (32)"),
+        err.contains("exceed the longest request the artifact takes (32 tokens)"),
         "{err}"
     );
 }

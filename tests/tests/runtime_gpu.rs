@@ -95,6 +95,55 @@ fn decoders_match_references_on_the_gpu() {
     }
 }
 
+/// Prompts longer than the largest logits chunk (33 and 100 tokens; chunks of 32, the last of 8)
+/// stream through the logits chunks, each chunk's logits copied to the host while the next
+/// computes, and match the references (the shorter ones and the padded batch take the prefill
+/// bucket); paged and dense caches, f32 and bf16; nothing captured or allocated after load.
+#[test]
+fn long_prompts_stream_through_logits_chunks_on_the_gpu() {
+    if !gpu() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    for name in ["gpt2-tiny", "llama-tiny"] {
+        for (dtype, block) in [("f32", "16"), ("bf16", "16"), ("bf16", "0")] {
+            let dir = tmp.path().join(format!("{name}-{dtype}-{block}.kiln"));
+            let art = compile_artifact(
+                &fixture(name),
+                &dir,
+                &[
+                    "--buckets",
+                    "16",
+                    "--max-context",
+                    "128",
+                    "--logits-chunk",
+                    "32,8",
+                    "--kv-block-size",
+                    block,
+                    "--dtype",
+                    dtype,
+                ],
+            );
+            let mut exec = cuda(&art);
+            assert_decoder_references(&art, &mut exec, name, dtype);
+            let Executor::Cuda(c) = &exec else {
+                unreachable!()
+            };
+            let counters = c.counters();
+            assert!(counters.after_load.is_zero(), "{}", counters.after_load);
+            let chunked: u64 = counters
+                .replays
+                .iter()
+                .filter(|(g, _)| g.contains("logits-"))
+                .map(|(_, n)| n)
+                .sum();
+            // 33 tokens: 32 + 8; 100: 3 x 32 + 8.
+            assert_eq!(chunked, 6, "{name} {dtype} {block}: {:?}", counters.replays);
+            println!("ok: {name} {dtype} block {block}: logits chunks");
+        }
+    }
+}
+
 /// Greedy decode steps chained on the device (each step's token choice leaves the next step's
 /// ids and positions in place, the host reading the tokens after the last) give the tokens of
 /// steps the host runs one at a time ([`assert_chained_steps_match`]).
@@ -214,13 +263,7 @@ fn driver_work_is_counted_at_load_and_none_after() {
         &dir,
         &["--buckets", "16,64", "--max-context", "64"],
     );
-    let captures = art
-        .manifest
-        .prefill
-        .iter()
-        .chain(&art.manifest.decode)
-        .filter(|e| e.plan.is_some())
-        .count() as u64;
+    let captures = art.manifest.buckets().filter(|e| e.plan.is_some()).count() as u64;
     let at_load = |ptx_jits| DriverCounts {
         module_loads: 1,
         ptx_jits,

@@ -13,7 +13,7 @@ use kiln_tests::{
 
 /// The CPU executor, which must be the generated kernels (not the interpreter) for an f32 build.
 fn native(art: &Artifact) -> Executor {
-    for e in art.manifest.prefill.iter().chain(&art.manifest.decode) {
+    for e in art.manifest.buckets() {
         let plan = e.plan.as_ref().expect("a plan");
         assert!(plan.cpu.is_some(), "{} has a CPU plan", e.graph);
     }

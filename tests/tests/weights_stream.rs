@@ -23,6 +23,7 @@ fn planned(model: &kiln_models::Model) -> ArtifactPlan {
         histogram: None,
         max_context: None,
         prefill_chunks: Vec::new(),
+        logits_chunks: Vec::new(),
         kv_paging: None,
     };
     let (_, compiled) = compile(&model.graph, None, &opts).unwrap();
