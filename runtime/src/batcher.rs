@@ -113,12 +113,22 @@ pub struct Batcher<'a> {
     /// Decode steps one [`Batcher::step`] may chain (see
     /// [`Batcher::with_steps_ahead`]).
     steps_ahead: usize,
+    /// Whether a decode step's successor is launched before its tokens are handed out (see
+    /// [`Batcher::with_launch_ahead`]).
+    launch_ahead: bool,
+    /// The decode step launched ahead and not read yet: its bucket, and each row's work.
+    in_flight: Option<(&'a BucketEntry, Vec<Work>)>,
+    /// Tokens of the step launched ahead, read before an admission or a retirement, that the
+    /// next [`Batcher::step`] hands out.
+    ready: Vec<Emitted>,
     /// Seconds spent in decode steps in which every sequence was past its prompt.
     pub decode_seconds: f64,
     /// Prompt chunk steps the last [`Batcher::step`] ran before its decode step.
     pub last_chunks: usize,
     /// Runs per bucket graph file.
     pub runs: BTreeMap<String, u64>,
+    /// Decode steps launched ahead ([`Batcher::with_launch_ahead`]).
+    pub launched_ahead: u64,
 }
 
 impl<'a> Batcher<'a> {
@@ -162,9 +172,13 @@ impl<'a> Batcher<'a> {
             blocks,
             chunks_per_step: 1,
             steps_ahead: 1,
+            launch_ahead: false,
+            in_flight: None,
+            ready: Vec::new(),
             decode_seconds: 0.0,
             last_chunks: 0,
             runs: BTreeMap::new(),
+            launched_ahead: 0,
         })
     }
 
@@ -183,6 +197,18 @@ impl<'a> Batcher<'a> {
     /// sequences by itself between calls, not one that must act on every token.
     pub fn with_steps_ahead(mut self, n: usize) -> Batcher<'a> {
         self.steps_ahead = n.clamp(1, crate::cuda::MAX_STEPS);
+        self
+    }
+
+    /// Launches each greedy decode step's successor before [`Batcher::step`] returns, when
+    /// every sequence is past its prompt, chooses greedily and stays (none finished in the step)
+    /// and the executor can run a step over the inputs the last one left (CUDA: each step's
+    /// tokens become the next step's ids on the device): the caller's work between steps then
+    /// runs while the GPU computes. The next `step` hands out that step's tokens; an admission
+    /// or a retirement first reads them (a retired sequence's are dropped). The tokens are those
+    /// of single steps.
+    pub fn with_launch_ahead(mut self, on: bool) -> Batcher<'a> {
+        self.launch_ahead = on;
         self
     }
 
@@ -259,6 +285,7 @@ impl<'a> Batcher<'a> {
     /// next [`Batcher::step`].
     pub fn admit(&mut self, id: SeqId, job: Job) -> Result<(), RuntimeError> {
         self.check(&job)?;
+        self.settle()?;
         if !self.can_admit(&job) {
             return Err(RuntimeError::Request(format!(
                 "sequence {id} cannot join now: no row is free, the KV cache's blocks are promised, or prompts fill every chunk row"
@@ -290,6 +317,8 @@ impl<'a> Batcher<'a> {
 
     /// Removes sequence `id` (finished or cancelled); `false` if it is not in a row.
     pub fn retire(&mut self, id: SeqId) -> Result<bool, RuntimeError> {
+        self.settle()?;
+        self.ready.retain(|e| e.id != id);
         let Some(row) = self.row_of(id) else {
             return Ok(false);
         };
@@ -312,6 +341,20 @@ impl<'a> Batcher<'a> {
     /// (their [`Emitted::last`] is set).
     pub fn step(&mut self) -> Result<Vec<Emitted>, RuntimeError> {
         let started = std::time::Instant::now();
+        if let Some((entry, work)) = self.in_flight.take() {
+            // Nothing joined or left since it was launched (that would have read it).
+            let ids = self.ids();
+            let mut emitted = std::mem::take(&mut self.ready);
+            emitted.extend(self.read_launched(entry, &work)?);
+            self.last_chunks = 0;
+            self.launch_next(entry, work, &ids)?;
+            self.decode_seconds += started.elapsed().as_secs_f64();
+            return Ok(emitted);
+        }
+        if !self.ready.is_empty() {
+            return Ok(std::mem::take(&mut self.ready));
+        }
+        let ids = self.ids();
         let chunks = self.run_chunks()?;
         self.last_chunks = chunks;
         let work: Vec<Work> = self.rows.iter().map(|s| self.work(s.as_ref())).collect();
@@ -381,10 +424,80 @@ impl<'a> Batcher<'a> {
         for step in &chosen {
             emitted.extend(self.advance(&work, step)?);
         }
+        if all_decoding && chosen.len() == 1 {
+            self.launch_next(entry, work, &ids)?;
+        }
         if all_decoding {
             self.decode_seconds += started.elapsed().as_secs_f64();
         }
         Ok(emitted)
+    }
+
+    /// Each row's sequence.
+    fn ids(&self) -> Vec<Option<SeqId>> {
+        self.rows.iter().map(|s| s.as_ref().map(|s| s.id)).collect()
+    }
+
+    /// After the decode step `entry` ran `work` on rows that held `ids`, launches its successor
+    /// over the inputs it left (see [`Batcher::with_launch_ahead`]) when the same sequences,
+    /// all greedy, are still in their rows.
+    fn launch_next(
+        &mut self,
+        entry: &'a BucketEntry,
+        work: Vec<Work>,
+        ids: &[Option<SeqId>],
+    ) -> Result<(), RuntimeError> {
+        let greedy = self
+            .rows
+            .iter()
+            .flatten()
+            .all(|s| s.job.sampling.temperature <= 0.0);
+        let each_chose = work
+            .iter()
+            .zip(&self.rows)
+            .all(|(w, s)| matches!(w, Work::Choose) == s.is_some());
+        if !self.launch_ahead || !greedy || !each_chose || self.ids() != ids {
+            return Ok(());
+        }
+        // Each row writes the key of the token it chose.
+        let writes: Vec<(usize, usize)> = self
+            .rows
+            .iter()
+            .enumerate()
+            .filter_map(|(r, s)| s.as_ref().map(|s| (r, s.cached() + 1)))
+            .collect();
+        Self::hold_blocks(&mut self.blocks, self.session.exec, writes)?;
+        if self.session.exec.launch_advanced(entry)? {
+            *self.runs.entry(entry.graph.clone()).or_default() += 1;
+            self.launched_ahead += 1;
+            self.in_flight = Some((entry, work));
+        }
+        Ok(())
+    }
+
+    /// Reads the tokens of the step launched ahead, `entry` running `work`, and records them.
+    fn read_launched(
+        &mut self,
+        entry: &BucketEntry,
+        work: &[Work],
+    ) -> Result<Vec<Emitted>, RuntimeError> {
+        let tokens = self.session.exec.read_launched(entry)?;
+        let picks: Vec<Option<(Sampling, u32)>> = work
+            .iter()
+            .map(|w| matches!(w, Work::Choose).then(|| (Sampling::greedy(), 0)))
+            .collect();
+        let chosen = picked(&picks[..entry.batch], &tokens, self.session.vocab)?;
+        self.advance(work, &chosen)
+    }
+
+    /// Reads the step launched ahead, if one is in flight, keeping its tokens for the next
+    /// [`Batcher::step`] (before the rows change).
+    fn settle(&mut self) -> Result<(), RuntimeError> {
+        if let Some((entry, work)) = self.in_flight.take() {
+            let emitted = self.read_launched(entry, &work)?;
+            self.ready.extend(emitted);
+        }
+        Ok(())
     }
 
     /// Decode steps the next [`Batcher::step`] may chain: every sequence chooses greedily, and

@@ -167,6 +167,10 @@ enum Command {
         /// steps: the per-step prompt budget.
         #[arg(long, default_value_t = 1)]
         chunks_per_step: usize,
+        /// Launch each greedy decode step's successor before its tokens go out, so that the
+        /// server's work between steps runs while the GPU computes (CUDA).
+        #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+        launch_ahead: bool,
         /// The model's name in the API (default: the artifact folder's name without `.kiln`).
         #[arg(long)]
         model_name: Option<String>,
@@ -361,6 +365,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
             request_timeout,
             drain_seconds,
             chunks_per_step,
+            launch_ahead,
             model_name,
             placement,
         } => {
@@ -380,7 +385,10 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
                 max_queue,
                 request_timeout: seconds("request-timeout", request_timeout)?,
                 drain: seconds("drain-seconds", drain_seconds)?,
-                chunks_per_step,
+                stepping: crate::serve::engine::Stepping {
+                    chunks_per_step,
+                    launch_ahead,
+                },
                 model_name,
             };
             serve(opts, out)?;

@@ -775,6 +775,51 @@ impl CudaExecutor {
         self.read_tokens(graph)
     }
 
+    /// Replays the decode step `graph` over the inputs its last replay left
+    /// ([`ExecPlan::advances`]) and queues its tokens' copy to page-locked memory behind it,
+    /// without waiting ([`CudaExecutor::read_launched`] reads them); `false`, with nothing
+    /// launched, when the plan does not advance its inputs.
+    pub fn launch_advanced(&mut self, graph: &str) -> Result<bool, RuntimeError> {
+        let Some(slot) = self.plans.get(graph).filter(|p| p.advances) else {
+            return Ok(false);
+        };
+        let Some(slot) = slot.tokens.clone() else {
+            return Ok(false);
+        };
+        self.enqueue(graph)?;
+        let n = slot.bytes() as usize;
+        let staging = self.staging.as_mut_slice().map_err(dev)?;
+        // SAFETY: the token slot lies inside the one allocation (`check_plan`) and `staging[..n]`
+        // inside the page-locked buffer (sized for every plan's tokens); the copy follows the
+        // replay in the stream, and the bytes are read only after `read_launched` synchronises.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(
+                &mut staging[..n],
+                self.addresses.base + self.arena + slot.offset,
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(dev)?;
+        Ok(true)
+    }
+
+    /// Waits for the step [`CudaExecutor::launch_advanced`] launched and returns its tokens.
+    pub fn read_launched(&mut self, graph: &str) -> Result<Vec<i64>, RuntimeError> {
+        let slot = self.plans.get(graph).and_then(|p| p.tokens.clone());
+        let Some(slot) = slot else {
+            return Err(RuntimeError::Request(format!("{graph} chooses no tokens")));
+        };
+        self.stream
+            .synchronize()
+            .map_err(|e| RuntimeError::Device(format!("{graph}: a kernel failed: {e}")))?;
+        let staging: &[u8] = self.staging.as_slice().map_err(dev)?;
+        let bytes = &staging[..slot.bytes() as usize];
+        match decode(bytes, DType::I64, slot.shape.clone()).data {
+            Data::Int(tokens) => Ok(tokens),
+            Data::Float(_) => Err(RuntimeError::Device(format!("{graph}: tokens not i64"))),
+        }
+    }
+
     /// Replays the decode step `graph` `steps` times (at most [`MAX_STEPS`]) from `inputs`, the
     /// first step's, without the host in between: each replay leaves the next step's inputs in
     /// place ([`ExecPlan::advances`]), and its tokens are copied to page-locked memory behind it,

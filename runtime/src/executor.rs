@@ -184,6 +184,28 @@ impl Executor {
         }
     }
 
+    /// Launches the decode step `entry` over the inputs its last run left (a plan that advances
+    /// them: each row's chosen token at its next position), its tokens copied back behind it,
+    /// without waiting; [`Executor::read_launched`] reads them. `false`, with nothing launched,
+    /// where the executor or the plan cannot (only CUDA plans that advance their inputs can).
+    pub fn launch_advanced(&mut self, entry: &BucketEntry) -> Result<bool, RuntimeError> {
+        match self {
+            Executor::Cuda(c) if c.has(&entry.graph) => c.launch_advanced(&entry.graph),
+            _ => Ok(false),
+        }
+    }
+
+    /// Waits for the step [`Executor::launch_advanced`] launched and returns its tokens.
+    pub fn read_launched(&mut self, entry: &BucketEntry) -> Result<Vec<i64>, RuntimeError> {
+        match self {
+            Executor::Cuda(c) => c.read_launched(&entry.graph),
+            _ => Err(RuntimeError::Request(format!(
+                "no decode step of {} was launched ahead",
+                entry.graph
+            ))),
+        }
+    }
+
     /// [`Executor::run_greedy_steps`] with the host between the steps: each step runs, its
     /// greedy tokens are chosen from its logits, and [`advance`] makes the next step's inputs.
     fn chain_on_host(

@@ -623,11 +623,14 @@ pub const SMALL_POOL_ARTIFACT: [&str; 12] = [
 /// [`SMALL_POOL_ARTIFACT`]; a sequence of 12 prompt and 12 new tokens needs 6 of its 16 blocks):
 /// with rows free, a sequence that cannot be promised its blocks waits and joins when one
 /// leaves; the blocks held never exceed the pool and all come back; each sequence gets the
-/// tokens it gets alone.
+/// tokens it gets alone, but sequence 1, retired after its 5th token, which gets no more. With
+/// `launch_ahead` ([`kiln_runtime::batcher::Batcher::with_launch_ahead`]) the same, and
+/// returns how many steps were launched ahead.
 pub fn assert_sequences_wait_for_blocks(
     art: &kiln_runtime::Artifact,
     exec: &mut kiln_runtime::Executor,
-) {
+    launch_ahead: bool,
+) -> u64 {
     use kiln_runtime::batcher::{Batcher, Job};
     use kiln_runtime::generate::{generate, Sampling};
     let p = art.manifest.memory.paging.expect("a paged cache");
@@ -647,7 +650,9 @@ pub fn assert_sequences_wait_for_blocks(
         max_new: 12,
         sampling: Sampling::greedy(),
     };
-    let mut b = Batcher::new(art, exec).unwrap();
+    let mut b = Batcher::new(art, exec)
+        .unwrap()
+        .with_launch_ahead(launch_ahead);
     assert_eq!(b.kv_blocks(), Some((0, 16)));
     let (mut out, mut next, mut most, mut waited) = (vec![Vec::new(); 4], 0, 0, false);
     while !b.is_idle() || next < 4 {
@@ -658,6 +663,9 @@ pub fn assert_sequences_wait_for_blocks(
         waited |= next < 4 && b.active() < b.capacity();
         for e in b.step().unwrap() {
             out[e.id as usize].push(e.token);
+            if e.id == 1 && out[1].len() == 5 {
+                assert!(b.retire(1).unwrap(), "sequence 1 is running");
+            }
         }
         assert!(b.kv_blocks().unwrap().0 <= 16);
         most = most.max(b.active());
@@ -665,7 +673,15 @@ pub fn assert_sequences_wait_for_blocks(
     assert!(waited, "a sequence waited for blocks with rows free");
     assert_eq!(most, 2, "two sequences of 6 blocks fit 16 blocks");
     assert_eq!(b.kv_blocks(), Some((0, 16)), "every block came back");
+    let launched = b.launched_ahead;
+    assert_eq!(
+        out[1],
+        alone[1][..5],
+        "sequence 1 gets nothing after it left"
+    );
+    out[1] = alone[1].clone();
     assert_eq!(out, alone);
+    launched
 }
 
 /// Gives every row of `art`'s paged cache blocks of its own for the whole context (the default

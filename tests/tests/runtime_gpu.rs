@@ -114,6 +114,8 @@ fn long_prompts_stream_through_logits_chunks_on_the_gpu() {
                 &[
                     "--buckets",
                     "16",
+                    "--batch-buckets",
+                    "1,2",
                     "--max-context",
                     "128",
                     "--logits-chunk",
@@ -487,7 +489,13 @@ fn sequences_wait_for_kv_blocks_on_the_gpu() {
         let dir = tmp.path().join(format!("llama-{dtype}.kiln"));
         let flags = [&kiln_tests::SMALL_POOL_ARTIFACT[..], &["--dtype", dtype]].concat();
         let art = compile_artifact(&fixture("llama-tiny"), &dir, &flags);
-        kiln_tests::assert_sequences_wait_for_blocks(&art, &mut cuda(&art));
-        println!("ok: llama-tiny {dtype}: sequences wait for KV blocks");
+        let mut exec = cuda(&art);
+        assert_eq!(
+            kiln_tests::assert_sequences_wait_for_blocks(&art, &mut exec, false),
+            0
+        );
+        let ahead = kiln_tests::assert_sequences_wait_for_blocks(&art, &mut exec, true);
+        assert!(ahead > 0, "decode steps were launched ahead");
+        println!("ok: llama-tiny {dtype}: sequences wait for KV blocks ({ahead} steps ahead)");
     }
 }

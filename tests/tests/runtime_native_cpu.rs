@@ -388,7 +388,13 @@ fn sequences_wait_for_kv_blocks_and_get_their_own_tokens() {
     let dir = tmp.path().join("llama.kiln");
     let art = compile_artifact(&fixture("llama-tiny"), &dir, &SMALL_POOL_ARTIFACT);
     let mut exec = native(&art);
-    assert_sequences_wait_for_blocks(&art, &mut exec);
+    for launch_ahead in [false, true] {
+        // The CPU executor runs no step over inputs a step left: nothing is launched ahead.
+        assert_eq!(
+            assert_sequences_wait_for_blocks(&art, &mut exec, launch_ahead),
+            0
+        );
+    }
     // The kernels trust the table: the executor takes only tables of the pool's blocks, and a
     // paged cache moves no rows by copying them.
     let err = |r: Result<(), kiln_runtime::RuntimeError>| r.unwrap_err().to_string();

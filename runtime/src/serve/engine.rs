@@ -98,6 +98,16 @@ struct Live {
     last_token: Option<Instant>,
 }
 
+/// How the engine's batcher steps.
+#[derive(Clone, Copy, Debug)]
+pub struct Stepping {
+    /// Prompt chunks run between two decode steps.
+    pub chunks_per_step: usize,
+    /// Whether each greedy decode step's successor is launched before its tokens go out
+    /// ([`Batcher::with_launch_ahead`]).
+    pub launch_ahead: bool,
+}
+
 /// Loads `art` on `exec`'s device and serves `commands` until they end or a drain finishes.
 pub fn run(
     art: &Artifact,
@@ -105,13 +115,15 @@ pub fn run(
     commands: mpsc::UnboundedReceiver<Command>,
     shared: &Shared,
     metrics: &Metrics,
-    chunks_per_step: usize,
+    stepping: Stepping,
 ) -> Result<(), RuntimeError> {
     if !art.manifest.model.decoder {
         shared.ready.store(true, Ordering::SeqCst);
         return serve_encoder(art, exec, commands);
     }
-    let batcher = Batcher::new(art, exec)?.with_chunks_per_step(chunks_per_step);
+    let batcher = Batcher::new(art, exec)?
+        .with_chunks_per_step(stepping.chunks_per_step)
+        .with_launch_ahead(stepping.launch_ahead);
     shared.free_rows.store(batcher.capacity(), Ordering::SeqCst);
     shared.ready.store(true, Ordering::SeqCst);
     Loop {

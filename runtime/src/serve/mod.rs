@@ -53,8 +53,8 @@ pub struct ServeOptions {
     pub request_timeout: Duration,
     /// On SIGTERM or Ctrl-C: how long running requests may take to finish.
     pub drain: Duration,
-    /// Prompt chunks run between two decode steps.
-    pub chunks_per_step: usize,
+    /// Prompt chunks run between two decode steps, and whether decode steps are launched ahead.
+    pub stepping: engine::Stepping,
     /// The model's name in the API (default: the artifact folder's name).
     pub model_name: Option<String>,
 }
@@ -130,11 +130,11 @@ pub fn serve(opts: ServeOptions, out: &mut dyn Write) -> Result<(), RuntimeError
         .local_addr()
         .map_err(|e| RuntimeError::Device(format!("the listener has no address: {e}")))?;
     let (ended_tx, ended_rx) = oneshot::channel();
-    let (device, chunks) = (opts.device, opts.chunks_per_step);
+    let (device, stepping) = (opts.device, opts.stepping);
     let engine = std::thread::Builder::new()
         .name("kiln-engine".into())
         .spawn(move || {
-            let result = run_engine(art, device, commands, &shared, &metrics, chunks);
+            let result = run_engine(art, device, commands, &shared, &metrics, stepping);
             if let Err(e) = &result {
                 tracing::error!(error = %e, "the engine stopped");
                 *shared.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
@@ -176,7 +176,7 @@ fn run_engine(
     commands: mpsc::UnboundedReceiver<Command>,
     shared: &Shared,
     metrics: &Metrics,
-    chunks_per_step: usize,
+    stepping: engine::Stepping,
 ) -> Result<(), RuntimeError> {
     let work = if art.manifest.model.decoder {
         Work::Generation
@@ -185,7 +185,7 @@ fn run_engine(
     };
     let mut exec = Executor::open_for(&art, device, work)?;
     tracing::info!(executor = %exec.describe(), "loaded");
-    engine::run(&art, &mut exec, commands, shared, metrics, chunks_per_step)
+    engine::run(&art, &mut exec, commands, shared, metrics, stepping)
 }
 
 /// Resolves on SIGTERM or Ctrl-C (then tells the engine to drain) or when the engine stops.
