@@ -1,12 +1,17 @@
 //! Writing a chunk of keys or values into a KV cache, in place: `cache[b, h, pos[b, s], :] =
 //! new[b, h, s, :]` for every token whose mask is 1, with RoPE applied on the way when the IR
-//! rotates the keys just before the write. One warp per (token, head), lanes over the head dim. A
-//! paged cache's row is found through its block table (`crate::paging`).
+//! rotates the keys just before the write. One warp per (token, head), lanes over the head dim,
+//! up to [`WARPS`] tokens of a head per block (a block of one warp each would leave most of a
+//! long chunk's time to block scheduling). A paged cache's row is found through its block table
+//! (`crate::paging`).
 
 use crate::paging::{KeyRows, Paging};
 use crate::ptx::{Elem, Kernel, Reg, RegClass};
 use crate::rope::rotated;
 use crate::{GeneratedKernel, Launch};
+
+/// Tokens (warps) per block.
+const WARPS: u32 = 8;
 
 /// A cache-write kernel's static configuration.
 #[derive(Clone, Debug, PartialEq)]
@@ -65,14 +70,19 @@ pub fn kv_write(cfg: &KvWriteConfig) -> GeneratedKernel {
     let paged = cfg.paging.map(|p| (k.param_ptr("table"), p));
     let e = cfg.elem;
     let d = cfg.head_dim;
+    let warps = cfg.new_len.min(WARPS);
     let lane = k.special("tid.x");
-    let s = k.special("ctaid.x");
+    let warp = k.special("tid.y");
+    let first = k.special("ctaid.x");
     let h = k.special("ctaid.y");
     let b = k.special("ctaid.z");
+    let exit = k.label("exit");
+    let s = k.mad_u32(&first, &warps, &warp);
+    let past = k.setp("ge.u32", &s, &cfg.new_len);
+    k.bra(Some((past, true)), &exit);
     let token = k.mad_u32(&b, &cfg.new_len, &s);
     let ma = k.address(mask, &token, 8);
     let present = k.ld_global_i64(ma);
-    let exit = k.label("exit");
     let absent = k.setp("eq.s64", &present, &0u64);
     k.bra(Some((absent, true)), &exit);
     let pa = k.address(positions, &token, 8);
@@ -92,8 +102,8 @@ pub fn kv_write(cfg: &KvWriteConfig) -> GeneratedKernel {
     GeneratedKernel::new(
         k,
         Launch {
-            grid: [cfg.new_len, cfg.kv_heads, cfg.batch],
-            block: [32, 1, 1],
+            grid: [cfg.new_len.div_ceil(warps), cfg.kv_heads, cfg.batch],
+            block: [32, warps, 1],
             shared_bytes: 0,
         },
     )
