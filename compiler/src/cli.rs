@@ -105,7 +105,9 @@ pub enum Command {
         /// sequence that keeps every token's logits. A prompt longer than the largest (or than
         /// every prefill bucket) then runs through them, each chunk's logits copied to the host
         /// while the next computes. Several sizes (`1024,256`): the prompt's last part takes the
-        /// smallest that holds it, the rest the largest.
+        /// smallest that holds it, the rest the largest. A CUDA executor of such an artifact
+        /// keeps page-locked host memory for a whole context of logits (context x vocab x dtype
+        /// bytes) and two device buffers of the largest chunk's.
         #[arg(long, value_delimiter = ',')]
         logits_chunk: Vec<usize>,
         /// Keys per block of the paged KV cache (decoders; a power of two, default 16; 0 keeps

@@ -123,6 +123,7 @@ impl Artifact {
             let graph = Graph::from_ron(&text).map_err(|e| bad(&entry.graph, e.to_string()))?;
             graphs.insert(entry.graph.clone(), graph);
         }
+        check_logits_chunks(&manifest, &graphs).map_err(|e| bad(artifact::MANIFEST, e))?;
         let extras = [
             &manifest.tokenizer,
             &manifest.tokenizer_config,
@@ -229,6 +230,30 @@ fn check_paging(m: &Manifest) -> Result<(), String> {
     let layouts: Vec<_> = plans.map(|m| m.paging.as_ref().map(layout)).collect();
     if layouts.windows(2).any(|w| w[0] != w[1]) {
         return Err("its GPU and CPU memory plans page the KV cache differently".into());
+    }
+    Ok(())
+}
+
+/// `Err` naming what is wrong with a logits chunk of the manifest: each takes one sequence of at
+/// least two tokens over the whole KV cache, and its graph keeps its tokens' logits.
+fn check_logits_chunks(m: &Manifest, graphs: &BTreeMap<String, Graph>) -> Result<(), String> {
+    for e in &m.logits_chunks {
+        let what = format!("logits chunk {}", e.graph);
+        if e.batch != 1 || e.seq < 2 || e.context.is_none() || e.context != m.max_context {
+            return Err(format!(
+                "{what} takes {} sequences of {} tokens over {:?} cache entries; one of at least 2 over all {:?} is needed",
+                e.batch, e.seq, e.context, m.max_context
+            ));
+        }
+        let g = &graphs[&e.graph];
+        let logits = g.outputs().iter().find(|o| o.name == artifact::LOGITS);
+        let shape: Option<Vec<i64>> = logits
+            .map(|o| g.ty(o.node).shape.iter().map(|d| d.as_const()).collect())
+            .and_then(|s: Vec<Option<i64>>| s.into_iter().collect());
+        let want = [1, e.seq as i64, m.model.vocab_size as i64];
+        if shape.as_deref() != Some(&want[..]) {
+            return Err(format!("{what} does not output logits {want:?}"));
+        }
     }
     Ok(())
 }

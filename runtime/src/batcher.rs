@@ -141,11 +141,9 @@ impl<'a> Batcher<'a> {
                 m.architecture
             )));
         }
+        let largest = largest_step(art)?;
         let mut steps: Vec<&BucketEntry> = m.decode.iter().filter(|e| e.seq == 1).collect();
         steps.sort_by_key(|e| e.batch);
-        let largest = *steps
-            .last()
-            .ok_or_else(|| RuntimeError::Request("the artifact has no decode bucket".into()))?;
         let mut chunks: Vec<&BucketEntry> = m.decode.iter().filter(|e| e.seq > 1).collect();
         chunks.sort_by_key(|e| e.seq);
         if let Some(c) = chunks.iter().find(|c| c.batch != chunks[0].batch) {
@@ -252,7 +250,7 @@ impl<'a> Batcher<'a> {
 
     /// Whether no sequence is in a row.
     pub fn is_idle(&self) -> bool {
-        self.active() == 0
+        self.active() == 0 && self.ready.is_empty() && self.in_flight.is_none()
     }
 
     /// `Err` naming what is wrong with `job` for this artifact.
@@ -352,6 +350,7 @@ impl<'a> Batcher<'a> {
             return Ok(emitted);
         }
         if !self.ready.is_empty() {
+            self.last_chunks = 0;
             return Ok(std::mem::take(&mut self.ready));
         }
         let ids = self.ids();
@@ -940,6 +939,16 @@ pub(crate) fn step_inputs(
             Tensor::i64(vec![b, s], grid(&|row, i| (row.start + i).min(last) as i64)),
         ),
     ])
+}
+
+/// The largest one-token decode bucket: its rows are the cache's.
+pub(crate) fn largest_step(art: &Artifact) -> Result<&BucketEntry, RuntimeError> {
+    art.manifest
+        .decode
+        .iter()
+        .filter(|e| e.seq == 1)
+        .max_by_key(|e| e.batch)
+        .ok_or_else(|| RuntimeError::Request("the artifact has no decode bucket".into()))
 }
 
 /// The token of each row with a pick among a step's `tokens` (chosen on the device, checked

@@ -77,6 +77,8 @@ pub struct CudaExecutor {
     paging: Option<CachePaging>,
     /// What streaming logits chunks to the host takes, when the artifact has logits chunks.
     ring: Option<LogitsRing>,
+    /// The decode step [`CudaExecutor::launch_advanced`] launched and nothing has read yet.
+    launched: Option<String>,
     /// Driver work so far, and as it stood when `load` returned.
     counts: DriverCounts,
     at_load: DriverCounts,
@@ -643,6 +645,7 @@ impl CudaExecutor {
             cache_slots: m.memory.cache.clone(),
             paging: m.memory.paging,
             ring,
+            launched: None,
             ctx,
             stream,
             memory,
@@ -800,11 +803,17 @@ impl CudaExecutor {
             )
         }
         .map_err(dev)?;
+        self.launched = Some(graph.to_string());
         Ok(true)
     }
 
     /// Waits for the step [`CudaExecutor::launch_advanced`] launched and returns its tokens.
     pub fn read_launched(&mut self, graph: &str) -> Result<Vec<i64>, RuntimeError> {
+        if self.launched.take().as_deref() != Some(graph) {
+            return Err(RuntimeError::Request(format!(
+                "no decode step of {graph} was launched ahead"
+            )));
+        }
         let slot = self.plans.get(graph).and_then(|p| p.tokens.clone());
         let Some(slot) = slot else {
             return Err(RuntimeError::Request(format!("{graph} chooses no tokens")));
@@ -962,33 +971,77 @@ impl CudaExecutor {
     /// it that are the sequence's) is replayed after the one before; its logits go to one of two
     /// device buffers in turn, from which the copy stream moves them to the host while the next
     /// chunks compute. Returns every chunk's logits (its tokens' rows), one after the other, in
-    /// page-locked memory the next request reuses.
+    /// page-locked memory the next request reuses, and their type.
     pub fn replay_logits_chunks(
         &mut self,
         chunks: &[(&str, BTreeMap<String, Tensor>, usize)],
-    ) -> Result<&[u8], RuntimeError> {
-        let mut at = 0usize;
-        for (i, (graph, inputs, tokens)) in chunks.iter().enumerate() {
-            self.launch(graph, inputs)?;
-            let plan = &self.plans[*graph];
-            let ring = self.ring.as_ref().ok_or_else(|| {
-                RuntimeError::Request(format!("{graph} is not a logits chunk of this artifact"))
-            })?;
-            let logits = plan.outputs.iter().find(|s| s.name == LOGITS);
-            let seq = plan.inputs.first().and_then(|s| s.shape.get(1)).copied();
-            let (Some(logits), Some(seq)) = (logits, seq.filter(|&s| s >= *tokens)) else {
+    ) -> Result<(&[u8], DType), RuntimeError> {
+        let logits = self.chunk_logits(chunks)?;
+        let outcome = self.stream_chunks(chunks, &logits);
+        // Nothing may still be landing in the staging buffer when this returns, failed or not.
+        let failed = |e| RuntimeError::Device(format!("logits chunks: a kernel failed: {e}"));
+        let synced = self
+            .stream
+            .synchronize()
+            .map_err(failed)
+            .and_then(|()| match &self.ring {
+                Some(ring) => ring.copies.synchronize().map_err(failed),
+                None => Ok(()),
+            });
+        let at = outcome?;
+        synced?;
+        let dtype = logits.first().map_or(DType::F32, |(slot, _)| slot.dtype);
+        Ok((&self.staging.as_slice().map_err(dev)?[..at], dtype))
+    }
+
+    /// Each chunk's logits slot and the bytes of its sequence's rows, checked to fit the ring
+    /// and, all together, the staging buffer.
+    fn chunk_logits(
+        &self,
+        chunks: &[(&str, BTreeMap<String, Tensor>, usize)],
+    ) -> Result<Vec<(TensorSlot, usize)>, RuntimeError> {
+        let ring = self
+            .ring
+            .as_ref()
+            .ok_or_else(|| RuntimeError::Request("this executor loaded no logits chunks".into()))?;
+        let mut total = 0usize;
+        let mut all = Vec::with_capacity(chunks.len());
+        for (graph, _, tokens) in chunks {
+            let slot = self
+                .plans
+                .get(*graph)
+                .and_then(|p| p.outputs.iter().find(|s| s.name == LOGITS));
+            let seq = slot.and_then(|s| s.shape.get(1)).copied().unwrap_or(0);
+            let (Some(slot), true) = (slot, seq >= *tokens && *tokens > 0) else {
                 return Err(RuntimeError::Request(format!(
                     "{graph} does not keep the logits of {tokens} tokens"
                 )));
             };
-            let bytes = logits.bytes() as usize / seq * tokens;
-            let staging = self.staging.as_mut_slice().map_err(dev)?;
-            if bytes > ring.half || at + bytes > staging.len() {
+            let bytes = slot.bytes() as usize / seq * tokens;
+            total += bytes;
+            if bytes > ring.half || total > self.staging.len() {
                 return Err(RuntimeError::Request(format!(
                     "the chunks' logits exceed the {} bytes kept for them",
-                    staging.len()
+                    self.staging.len()
                 )));
             }
+            all.push((slot.clone(), bytes));
+        }
+        Ok(all)
+    }
+
+    /// Launches `chunks` with the copies of `logits` (from [`Self::chunk_logits`]) behind them,
+    /// without waiting; returns the bytes the copies will have written.
+    fn stream_chunks(
+        &mut self,
+        chunks: &[(&str, BTreeMap<String, Tensor>, usize)],
+        logits: &[(TensorSlot, usize)],
+    ) -> Result<usize, RuntimeError> {
+        let mut at = 0usize;
+        for (i, ((graph, inputs, _), (slot, bytes))) in chunks.iter().zip(logits).enumerate() {
+            self.launch(graph, inputs)?;
+            let ring = self.ring.as_ref().expect("chunk_logits found the ring");
+            let staging = self.staging.as_mut_slice().map_err(dev)?;
             let k = i % 2;
             let (base, _sync) = self.memory.device_ptr(&self.stream);
             let (buffers, _sync) = ring.buffers.device_ptr(&self.stream);
@@ -997,22 +1050,23 @@ impl CudaExecutor {
                 self.stream.wait(&ring.copied[k]).map_err(dev)?;
             }
             // SAFETY: the source is the plan's logits slot inside the one allocation (checked
-            // at load) and `bytes` fit in it and in buffer `k`; the copy follows the chunk's
-            // replay on `stream`, and the wait above orders it after buffer `k`'s last copy out.
+            // at load) and `bytes` fit in it and in buffer `k` (`chunk_logits`); the copy follows
+            // the chunk's replay on `stream`, and the wait above orders it after buffer `k`'s
+            // last copy out.
             unsafe {
                 cudarc::driver::result::memcpy_dtod_async(
                     buffer,
-                    base + self.arena + logits.offset,
-                    bytes,
+                    base + self.arena + slot.offset,
+                    *bytes,
                     self.stream.cu_stream(),
                 )
             }
             .map_err(dev)?;
             ring.ready[k].record(&self.stream).map_err(dev)?;
             ring.copies.wait(&ring.ready[k]).map_err(dev)?;
-            // SAFETY: `staging[at..at + bytes]` lies inside the page-locked buffer (checked
-            // above) and is read only after the copy stream is synchronised below; the copy
-            // waits for buffer `k` to be filled.
+            // SAFETY: `staging[at..at + bytes]` lies inside the page-locked buffer (the chunks'
+            // bytes together fit, `chunk_logits`) and is read only after the copy stream is
+            // synchronised; the copy waits for buffer `k` to be filled.
             unsafe {
                 cudarc::driver::result::memcpy_dtoh_async(
                     &mut staging[at..at + bytes],
@@ -1024,12 +1078,7 @@ impl CudaExecutor {
             ring.copied[k].record(&ring.copies).map_err(dev)?;
             at += bytes;
         }
-        let failed = |e| RuntimeError::Device(format!("logits chunks: a kernel failed: {e}"));
-        self.stream.synchronize().map_err(failed)?;
-        if let Some(ring) = &self.ring {
-            ring.copies.synchronize().map_err(failed)?;
-        }
-        Ok(&self.staging.as_slice().map_err(dev)?[..at])
+        Ok(at)
     }
 
     /// Writes the paged cache's block table (`[rows, entries]`, in stream order: every step

@@ -11,9 +11,9 @@ use std::collections::BTreeMap;
 
 use kiln_ir::artifact::{BucketEntry, LOGITS};
 use kiln_ir::inputs::{model_inputs, TokenBatch};
-use kiln_ir::{Data, Tensor};
+use kiln_ir::{DType, Data, Tensor};
 
-use crate::batcher::{step_inputs, Row, Session};
+use crate::batcher::{largest_step, step_inputs, Row, Session};
 use crate::blocks::BlockPool;
 use crate::cuda::CudaExecutor;
 use crate::{Artifact, Executor, RuntimeError};
@@ -202,10 +202,10 @@ pub fn run_chunks(
 ) -> Result<Tensor, RuntimeError> {
     let vocab = art.manifest.model.vocab_size;
     if let (true, Executor::Cuda(cuda)) = (streams(exec, chunks), &mut *exec) {
-        let bytes = stream_chunks(art, cuda, tokens, chunks)?;
+        let (bytes, dtype) = stream_chunks(art, cuda, tokens, chunks)?;
         return Ok(crate::cuda::decode(
             bytes,
-            art.manifest.dtype,
+            dtype,
             vec![1, tokens.len(), vocab],
         ));
     }
@@ -218,30 +218,34 @@ pub fn run_chunks(
     for c in chunks {
         let inputs = session.inputs(c.entry, &[chunk_row(tokens, c)]);
         let out = session.run(c.entry, &inputs)?;
-        let Some(Data::Float(values)) = out.get(LOGITS).map(|t| &t.data) else {
+        let values = match out.get(LOGITS).map(|t| &t.data) {
+            Some(Data::Float(values)) => values.get(..c.len * vocab),
+            _ => None,
+        };
+        let Some(values) = values else {
             return Err(RuntimeError::Request(format!(
-                "logits chunk {} has no float logits",
-                c.entry.graph
+                "logits chunk {} has no float logits of {} tokens",
+                c.entry.graph, c.len
             )));
         };
-        logits.extend_from_slice(&values[..c.len * vocab]);
+        logits.extend_from_slice(values);
     }
     Ok(Tensor::f32(vec![1, tokens.len(), vocab], logits).cast(art.manifest.dtype))
 }
 
 /// Runs `tokens` through `chunks` on the CUDA executor, each chunk's logits copied to the host
 /// while the next computes, and returns the logits as the device holds them (what a server
-/// hands on).
+/// hands on) and their type.
 pub fn stream_chunks<'e>(
     art: &Artifact,
     cuda: &'e mut CudaExecutor,
     tokens: &[i64],
     chunks: &[Chunk],
-) -> Result<&'e [u8], RuntimeError> {
+) -> Result<(&'e [u8], DType), RuntimeError> {
     if let Some(table) = row_blocks(art, tokens.len())? {
         cuda.write_block_table(&table)?;
     }
-    let context = art.manifest.max_context.unwrap_or(0);
+    let context = largest_step(art)?.context.unwrap_or(0);
     let runs: Vec<(&str, BTreeMap<String, Tensor>, usize)> = chunks
         .iter()
         .map(|c| {
@@ -262,16 +266,6 @@ pub fn streams(exec: &Executor, chunks: &[Chunk]) -> bool {
 /// Chunk `c` of `tokens` as row 0 of its bucket.
 fn chunk_row<'t>(tokens: &'t [i64], c: &Chunk) -> Row<'t> {
     Row::new(&tokens[c.start..c.start + c.len], c.start)
-}
-
-/// The largest one-token decode bucket (the cache's rows).
-fn largest_step(art: &Artifact) -> Result<&BucketEntry, RuntimeError> {
-    art.manifest
-        .decode
-        .iter()
-        .filter(|e| e.seq == 1)
-        .max_by_key(|e| e.batch)
-        .ok_or_else(|| RuntimeError::Request("the artifact has no decode bucket".into()))
 }
 
 /// For a paged cache, the block table that hands row 0 the blocks of `tokens` keys (nothing

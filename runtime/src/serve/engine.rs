@@ -237,9 +237,13 @@ impl Loop<'_, '_> {
                 self.cancel_all("the server is shutting down");
                 return Ok(());
             }
-            self.drop_cancelled()?;
-            self.admit()?;
-            if let Err(e) = self.step() {
+            // Cancelling and admitting first read a step launched ahead, so they fail as a
+            // step does.
+            let stepped = self
+                .drop_cancelled()
+                .and_then(|()| self.admit())
+                .and_then(|()| self.step());
+            if let Err(e) = stepped {
                 // A failed step leaves the rows' caches unknown: every running sequence fails.
                 tracing::error!(error = %e, "decode step failed");
                 self.fail_running(&e.to_string())?;
