@@ -694,3 +694,33 @@ fn released_weight_pages_read_back_the_same_bytes() {
     art.release_weights(before.len() / 2, before.len());
     assert!(art.weights_region().unwrap() == before.as_slice());
 }
+
+/// A manifest's logits chunk is checked when the artifact is opened: one that takes no tokens is
+/// refused, naming it.
+#[test]
+fn logits_chunks_are_checked_when_opened() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("chunks.kiln");
+    let flags = [
+        "--buckets",
+        "16",
+        "--max-context",
+        "64",
+        "--logits-chunk",
+        "8",
+    ];
+    compile(&fixture("llama-tiny"), &dir, &flags);
+    assert_eq!(
+        Artifact::open(&dir).unwrap().manifest.logits_chunks.len(),
+        1
+    );
+    let manifest = dir.join("manifest.ron");
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    let (head, tail) = text.split_at(text.find("logits_chunks:").unwrap());
+    let tail = tail.replacen("seq: 8,", "seq: 0,", 1);
+    std::fs::write(&manifest, format!("{head}{tail}")).unwrap();
+    reseal_checksums(&dir);
+    let err = Artifact::open(&dir).err().expect("refused").to_string();
+    let want = "logits chunk buckets/logits-b1-s8.ron takes 1 sequences of 0 tokens";
+    assert!(err.contains(want), "{err}");
+}
