@@ -341,9 +341,9 @@ impl<'a> Batcher<'a> {
         let started = std::time::Instant::now();
         if let Some((entry, work)) = self.in_flight.take() {
             // Nothing joined or left since it was launched (that would have read it).
+            // (`ready` is empty: only `settle` fills it, and it takes the step in flight.)
             let ids = self.ids();
-            let mut emitted = std::mem::take(&mut self.ready);
-            emitted.extend(self.read_launched(entry, &work)?);
+            let emitted = self.read_launched(entry, &work)?;
             self.last_chunks = 0;
             self.launch_next(entry, work, &ids)?;
             self.decode_seconds += started.elapsed().as_secs_f64();

@@ -164,12 +164,12 @@ pub fn bench(
         tokens += opts.batch * len;
         let t0 = Instant::now();
         let streamed = chunks.as_deref().filter(|c| streams(exec, c));
-        match exec {
+        match (&mut *exec, streamed) {
             // A server hands the output bytes on: no conversion to host floats is timed.
-            Executor::Cuda(c) if streamed.is_some() => {
-                stream_chunks(art, c, &batch.ids[0], streamed.unwrap_or_default())?;
+            (Executor::Cuda(c), Some(chunks)) => {
+                stream_chunks(art, c, &batch.ids[0], chunks)?;
             }
-            Executor::Cuda(c) if chunks.is_none() => {
+            (Executor::Cuda(c), None) if chunks.is_none() => {
                 let (bucket, inputs) = prepare(art, &batch)?;
                 if bucket.plan.as_ref().is_some_and(|p| p.host_tail.is_some()) {
                     // Part of the bucket runs on the host: the whole request is timed.
@@ -179,7 +179,7 @@ pub fn bench(
                 }
             }
             // Elsewhere, and logits chunks that run part of their graph on the host.
-            _ => {
+            (exec, _) => {
                 forward(art, exec, &batch)?;
             }
         }

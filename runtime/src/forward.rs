@@ -148,7 +148,8 @@ pub struct Chunk<'a> {
 /// How `batch` runs through the artifact's logits chunks (chunks of the largest size, then the
 /// smallest that holds the rest), or `None` when it takes a prefill bucket: only a decoder's
 /// single unpadded sequence, no longer than the KV cache, that is longer than the largest logits
-/// chunk or that no prefill bucket holds, takes them. The request is validated first.
+/// chunk or that no prefill bucket holds, takes them, validated (a request that takes a bucket is
+/// validated when it is padded to it, [`prepare`]).
 pub fn logits_chunks<'a>(
     art: &'a Artifact,
     batch: &TokenBatch,
@@ -159,7 +160,6 @@ pub fn logits_chunks<'a>(
     let (Some(&largest), Some(context)) = (sizes.last(), m.max_context) else {
         return Ok(None);
     };
-    model_inputs(&m.model.contract(), batch).map_err(RuntimeError::Request)?;
     let padded = |mask: &Vec<Vec<i64>>| mask.iter().flatten().any(|&v| v != 1);
     if batch.ids.len() != 1 || batch.mask.as_ref().is_some_and(padded) {
         return Ok(None);
@@ -176,6 +176,7 @@ pub fn logits_chunks<'a>(
     if len > context || (len <= largest.seq && bucket) {
         return Ok(None);
     }
+    model_inputs(&m.model.contract(), batch).map_err(RuntimeError::Request)?;
     let mut chunks = Vec::new();
     let mut start = 0;
     while start < len {
