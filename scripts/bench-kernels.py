@@ -22,7 +22,8 @@ CUDA = ctypes.CDLL("libcuda.so.1")
 SHARED_LIMIT = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 TMAP_DTYPE = {"F16": 6, "BF16": 9, "F32": 7}
 SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}
-TORCH_DTYPE = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "i64": torch.int64}
+TORCH_DTYPE = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "i64": torch.int64,
+               "i32": torch.int32}
 
 
 def check(status, what):
@@ -97,6 +98,9 @@ def tensors_of(case):
     for name, (shape, dtype, scale) in case["buffers"].items():
         if dtype == "i64":
             out[name] = torch.full(shape, 1234, dtype=torch.int64, device="cuda")
+        elif scale == 0:
+            # Outputs, and scratch a kernel needs zero before its launch (split-K counters).
+            out[name] = torch.zeros(shape, dtype=TORCH_DTYPE[dtype], device="cuda")
         else:
             out[name] = (torch.rand(shape, generator=gen, device="cuda") * 2 - 1).mul_(scale).to(TORCH_DTYPE[dtype])
     return out

@@ -50,7 +50,8 @@ pub struct RopeTable {
 pub enum Operand {
     /// The storage of a graph value (views resolved to the value they read, with its offset).
     Value(NodeId),
-    /// The node's `i`-th scratch buffer (a norm prologue's output, split-attention partials).
+    /// The node's `i`-th scratch buffer (a norm prologue's output, split-attention partials, a
+    /// split-K product's partial sums).
     Scratch(usize),
     /// A RoPE table: cos, or sin when `sin`.
     Rope {
@@ -757,6 +758,13 @@ fn lower_node(
             }
             let kernel = out.generate(&(cfg.clone(), out.rows), |(c, r)| gemm_for(c, *r));
             n.cpu_like(CpuKernel::Gemm(cfg.clone()), &kernel, &bind, m);
+            // A Hopper kernel splitting K leaves each part's sums in a scratch buffer.
+            let (partials, counters) = kiln_kernels::gemm::split_scratch(&cfg, out.rows);
+            if partials > 0 {
+                bind.push(("partials", Operand::Scratch(n.scratch.len())));
+                n.scratch.push(partials);
+                bind.push(("counters", Operand::Counters(counters)));
+            }
             if kernel.image == Image::Sm90a {
                 let fallback = out.generate(&cfg, gemm_base);
                 out.launch_with_fallback(n, kernel, fallback, &bind)?;

@@ -14,7 +14,9 @@ use kiln_ir::kernel::{Activation, NormKind};
 use kiln_kernels::attention::{attention, AttentionConfig, KeyRule};
 use kiln_kernels::attention_wgmma::{attention_wgmma_scheduled, persistent};
 use kiln_kernels::gemm::{gemm, gemm_base, GemmConfig};
-use kiln_kernels::gemm_wgmma::{gemm_wgmma_tiled, tiling, TILINGS};
+use kiln_kernels::gemm_wgmma::{
+    gemm_wgmma_tiled, split_scratch, splits_fit, tiling, Tiling, TILINGS,
+};
 use kiln_kernels::norm::{norm, norm_with, NormConfig, RowThreads};
 use kiln_kernels::{Elem, GeneratedKernel, ParamType};
 use kiln_runtime::cuda::{encode_tensor_map, TensorMap};
@@ -494,11 +496,23 @@ fn emit_cases(dir: &std::path::Path) {
             2.0 * (s as f64).powi(3),
         );
     }
-    // Products of the models' prefills (GPT-2 small at 16 and 1024 tokens, Llama-3.2-1B at 512
-    // and 4096, BERT-base at 128 x 128) and the square ones in every tiling of the Hopper kernel, BERT's with their
-    // epilogues too: the one `tiling` picks should be the fastest.
+    // Products of the models' prefills (GPT-2 small at 16 and 1024 tokens, Llama-3.2-1B at 512,
+    // 1024 and 4096, BERT-base at 128 x 128), of Llama-3.2-1B's decode step at 64 sequences, and
+    // the square ones in every tiling of the Hopper kernel (and the split one it picks, and the
+    // GEMV where lowering takes it), BERT's with their epilogues too: the one picked should be
+    // the fastest.
     for (m, n, k, epilogue) in [
-        (1024usize, 768usize, 3072usize, ""),
+        (64usize, 2048usize, 8192usize, ""),
+        (64, 2048, 2048, ""),
+        (64, 3072, 2048, ""),
+        (64, 16384, 2048, "swiglu"),
+        (32, 2048, 8192, ""),
+        (32, 2048, 2048, ""),
+        (16, 2048, 8192, ""),
+        (1024, 2048, 8192, ""),
+        (1024, 3072, 2048, ""),
+        (1024, 2048, 2048, ""),
+        (1024, 768, 3072, ""),
         (1024, 768, 768, ""),
         (1024, 2304, 768, ""),
         (16, 3072, 768, ""),
@@ -529,7 +543,30 @@ fn emit_cases(dir: &std::path::Path) {
             ..GemmConfig::plain(m as u32, n as u32, k as u32, Elem::BF16)
         };
         let chosen = tiling(&cfg);
-        for (t, _) in TILINGS {
+        let mut tilings: Vec<Tiling> = TILINGS.iter().map(|&(t, _)| t).collect();
+        // Products of few rows: K split in parts, in several tilings.
+        let splits = [
+            (64, 2),
+            (64, 4),
+            (64, 8),
+            (128, 2),
+            (128, 4),
+            (128, 8),
+            (128, 16),
+            (256, 8),
+            (256, 16),
+        ];
+        for (width, parts) in splits.into_iter().filter(|_| m <= 64) {
+            let t = Tiling::together(width).split(parts);
+            if splits_fit(&cfg, t) && t != chosen {
+                tilings.push(t);
+            }
+        }
+        if chosen.splits > 1 {
+            tilings.push(chosen);
+        }
+        let lowered = gemm(&cfg);
+        for t in tilings.into_iter().map(Some).chain([None]) {
             let mut buffers = vec![
                 ("x", (vec![m, k], "bf16", 1.0)),
                 ("w", (vec![n, k], "bf16", 1.0 / (k as f64).sqrt())),
@@ -541,22 +578,42 @@ fn emit_cases(dir: &std::path::Path) {
                 buffers.push(("residual", (vec![m, n], "bf16", 1.0)));
             }
             buffers.push(("out", (vec![m, cfg.n_out() as usize], "bf16", 0.0)));
+            let (partials, counters) = t.map_or((0, 0), |t| split_scratch(&cfg, t));
+            if partials > 0 {
+                buffers.push(("partials", (vec![partials as usize / 4], "f32", 0.0)));
+                buffers.push(("counters", (vec![counters as usize / 4], "i32", 0.0)));
+            }
             // A bias alone is cuBLAS's own epilogue: the peer is then F.linear's.
             let peer = serde_json::json!({"kind": "matmul", "epilogue": epilogue});
-            let mark = if t == chosen { " (picked)" } else { "" };
+            let picked = lowered.path == kiln_kernels::KernelPath::Wgmma;
+            let (label, mark) = match t {
+                Some(t) => (
+                    t.label(),
+                    if picked && t == chosen {
+                        " (picked)"
+                    } else {
+                        ""
+                    },
+                ),
+                None if !picked => (lowered.path.name().to_string(), " (picked)"),
+                None => continue,
+            };
             let plus = if epilogue.is_empty() {
                 String::new()
             } else {
                 format!(" {epilogue}")
             };
-            let name = format!("gemm bf16 {m}x{n}x{k}{plus} {}{mark}", t.label());
+            let name = format!("gemm bf16 {m}x{n}x{k}{plus} {label}{mark}");
             let tag = if epilogue.is_empty() {
                 String::new()
             } else {
                 format!("_{epilogue}")
             };
-            let kernel_name = format!("gemm_{m}x{n}x{k}{tag}_{}", t.label());
-            let kernel = gemm_wgmma_tiled(&cfg, t, kernel_name);
+            let kernel_name = format!("gemm_{m}x{n}x{k}{tag}_{label}");
+            let kernel = match t {
+                Some(t) => gemm_wgmma_tiled(&cfg, t, kernel_name),
+                None => lowered.clone(),
+            };
             add(name, kernel, buffers, &[], peer, 2.0 * (m * n * k) as f64);
         }
     }

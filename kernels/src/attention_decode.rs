@@ -688,30 +688,12 @@ fn merge_when_last(
 ) {
     k.comment("the last block of the sequence's K/V head merges the key ranges");
     let flag = k.shared("last_block", 4);
-    k.emit("fence.acq_rel.gpu");
-    k.emit("bar.sync 0");
-    let counted = k.label("counted");
-    let leader = k.setp("eq.u32", &tid, &0u32);
-    k.bra(Some((leader, false)), &counted);
     let ci = k.mad_u32(&b, &cfg.kv_heads, &kvh);
     let ca = k.address(counters, &ci, 4);
-    let before = k.reg(RegClass::B32);
-    k.emit(format!(
-        "atom.acq_rel.gpu.global.add.u32 {before}, [{ca}], 1"
-    ));
-    let last_one = k.sub_u32(&taken.blocks, &1u32);
-    let last = k.setp("eq.u32", &before, &last_one);
-    let is_last = k.selp(RegClass::B32, "u32", &1u32, &0u32, last);
-    k.emit(format!("st.shared.u32 [{flag}], {is_last}"));
-    k.emit(format!("@{last} st.global.u32 [{ca}], 0"));
-    k.place(&counted);
-    k.emit("bar.sync 0");
-    let seen = k.reg(RegClass::B32);
-    k.emit(format!("ld.shared.u32 {seen}, [{flag}]"));
+    let leader = k.setp("eq.u32", &tid, &0u32);
+    let last = crate::reduce::last_arrival(k, [ca, leader], &taken.blocks, "bar.sync 0", &flag);
     let done = k.label("merged");
-    let not_last = k.setp("eq.u32", &seen, &0u32);
-    k.bra(Some((not_last, true)), &done);
-    k.emit("fence.acq_rel.gpu");
+    k.bra(Some((last, false)), &done);
     let [acc, ml] = [params.out, params.partial_ml.expect("several key ranges")];
     let group = cfg.heads / cfg.kv_heads;
     let zero = k.mov(RegClass::B32, &0u32);

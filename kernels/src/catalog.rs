@@ -230,9 +230,12 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
                 let kernel = gemm(&cfg);
                 if kernel.image == Image::Sm90a {
                     out.push(("gemm", gemm_base(&cfg)));
-                    // The Hopper kernel's other tilings.
+                    // The Hopper kernel's other tilings, and with K split.
                     for other in crate::gemm_wgmma::other_tilings(&cfg, &kernel.name) {
                         out.push(("gemm", other));
+                    }
+                    for split in crate::gemm_wgmma::split_tilings(&cfg, &kernel.name) {
+                        out.push(("gemm", split));
                     }
                 }
                 out.push(("gemm", kernel));

@@ -95,7 +95,7 @@ impl GemmConfig {
 }
 
 /// The path [`gemm`] takes for `cfg`: the matrix-vector kernel (`crate::gemv`) for at most 8 rows
-/// against `[N, K]` weights (up to 64 rows in row groups when few columns would leave the GEMM's
+/// against `[N, K]` weights (up to 16 rows in row groups when few columns would leave the GEMM's
 /// tiles few, `gemv::narrow_grouped`), the Hopper kernel (`crate::gemm_wgmma`) where it applies (f16/bf16,
 /// `[N, K]` weights, K a multiple of 8; its launches carry [`gemm_base`]'s kernel for GPUs
 /// without sm_90a), the SIMT kernel otherwise. The compiler's cost model asks the same question,
@@ -129,6 +129,16 @@ pub fn gemm_for(cfg: &GemmConfig, rows: Rows) -> GeneratedKernel {
         KernelPath::Mma => crate::gemm_tc::gemm_tc(cfg, format!("{}_tc", cfg.name())),
         _ => gemm_simt(cfg),
     }
+}
+
+/// The scratch [`gemm_for`]'s kernel binds besides the product's operands: bytes of its f32
+/// `partials` and of its u32 `counters` (zero before the launch, left zero), where the Hopper
+/// kernel splits K (`crate::gemm_wgmma::Tiling::splits`); `(0, 0)` for every other kernel.
+pub fn split_scratch(cfg: &GemmConfig, rows: Rows) -> (u64, u64) {
+    if crate::gemv::supports_grouped(cfg, rows) || path(cfg) != KernelPath::Wgmma {
+        return (0, 0);
+    }
+    crate::gemm_wgmma::split_scratch(cfg, crate::gemm_wgmma::tiling(cfg))
 }
 
 /// The kernel [`gemm`] picks where sm_90a is not available: the same work under the same

@@ -34,7 +34,8 @@ use crate::{GeneratedKernel, Image, KernelPath, Launch, TensorMapSpec};
 
 /// Output rows per block (64 per consumer warpgroup).
 const BM: u32 = 128;
-/// How a block's consumer warpgroups share its tiles, and how wide the tiles are.
+/// How a block's consumer warpgroups share its tiles, how wide the tiles are, and in how many
+/// parts their K is split.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Tiling {
     /// Weight rows per stage: output columns, or half gate and half up rows with SwiGLU.
@@ -43,6 +44,11 @@ pub struct Tiling {
     /// epilogue runs while the other multiplies; otherwise both multiply every tile, 64 rows
     /// each, and finish it together.
     pub ping_pong: bool,
+    /// Parts of K, each a work item of its own (consumers together only): each item leaves its
+    /// partial sums in the `partials` scratch, and the last of a tile's items to finish (counted
+    /// on `counters`) adds them up in split order, so the result does not depend on which one
+    /// that is, and runs the epilogue. 1: no split.
+    pub splits: u32,
 }
 
 /// The tilings the kernel comes in, widest first, each with its speed per K step relative to
@@ -58,10 +64,26 @@ pub const TILINGS: [(Tiling, u64); 4] = [
         Tiling {
             width: 128,
             ping_pong: true,
+            splits: 1,
         },
         93,
     ),
 ];
+
+/// The most parts [`tiling`] splits K into.
+pub const MAX_SPLITS: u32 = 16;
+/// The fewest K steps of a split part.
+const MIN_SPLIT_STEPS: u32 = 2;
+/// The widest tiles that split K: at 256 wide a consumer thread's 128 accumulators leave too few
+/// registers to add the parts' sums without spilling (and on the H200 no product measured
+/// faster split 256 wide than 128 wide).
+const SPLIT_WIDEST: u32 = 128;
+/// Work items below which [`tiling`] considers splitting K: where the best unsplit tiling leaves
+/// more than half the SMs idle. (H200, 2026-12-03: Llama-3.2-1B's down product at 64 rows, 32
+/// tiles of 64 columns, took 31 us in 8 parts of 128 columns against 47 unsplit; where the tiles
+/// filled most SMs, split parts lost: 1024 rows of it 66 us in 2 parts of 256 columns against 60
+/// unsplit at 128 columns.)
+const SPLIT_BELOW: u32 = GRID / 2;
 
 /// K steps of a tile's epilogue and the next tile's first loads that the consumers wait out
 /// unless they take turns: fitted to the H200 (2026-12-02), where taking turns wins on
@@ -73,17 +95,28 @@ const EPILOGUE_STEPS: u64 = 4;
 const PING_PONG_MIN_TILES: u64 = 3;
 
 impl Tiling {
-    const fn together(width: u32) -> Tiling {
+    pub const fn together(width: u32) -> Tiling {
         Tiling {
             width,
             ping_pong: false,
+            splits: 1,
         }
     }
 
-    /// A short name: `w256`, or `pp128` taking turns.
+    /// This tiling with K in `splits` parts.
+    pub const fn split(self, splits: u32) -> Tiling {
+        Tiling { splits, ..self }
+    }
+
+    /// A short name: `w256`, `pp128` taking turns, `w128k8` with K in 8 parts.
     pub fn label(self) -> String {
         let kind = if self.ping_pong { "pp" } else { "w" };
-        format!("{kind}{}", self.width)
+        let split = if self.splits > 1 {
+            format!("k{}", self.splits)
+        } else {
+            String::new()
+        };
+        format!("{kind}{}{split}", self.width)
     }
 }
 /// K per stage: one 128-byte swizzle row of halves.
@@ -115,34 +148,113 @@ pub fn supports(cfg: &GemmConfig) -> bool {
         && crate::check_index_range(&[m * n, m * k, n * k])
 }
 
-/// The tiling [`gemm_wgmma`] takes for `cfg`: the one with the least modelled time, tiles per
-/// block of the persistent grid times each tile's K steps at its tiling's speed, plus the
-/// epilogues the consumers wait out (the first of [`TILINGS`] on a tie). A product of few tiles
-/// (few rows, or few columns such as GPT-2's 768) takes a narrower tile and more SMs; one of
-/// many tiles and short K, whose epilogues weigh, takes turns between the consumers.
+/// The tiling [`gemm_wgmma`] takes for `cfg`: the one with the least modelled time, work items
+/// per block of the persistent grid times each item's K steps at its tiling's speed, plus the
+/// epilogues the consumers wait out and a split item's partial sums ([`split_steps`]; the first
+/// of [`TILINGS`] on a tie). A product of few tiles (few rows, or few columns such as GPT-2's
+/// 768) takes a narrower tile and more SMs, and where even the narrowest leave most SMs idle
+/// ([`SPLIT_BELOW`]: a decode step's products of 64 rows) its K in parts; one of many tiles and
+/// short K, whose epilogues weigh, takes turns between the consumers.
 pub fn tiling(cfg: &GemmConfig) -> Tiling {
-    let k_steps = u64::from(cfg.k.div_ceil(BK));
-    let cost = |&(tiling, speed): &(Tiling, u64)| {
+    let k_steps = cfg.k.div_ceil(BK);
+    let cost = |tiling: Tiling, speed: u64| {
         let tile = Tile::new(cfg, tiling);
-        let per_block = u64::from(tile.count(cfg).div_ceil(GRID));
+        let per_block = u64::from(tile.items(cfg).div_ceil(GRID));
+        let steps = u64::from(tile.part_steps(k_steps));
         let width = u64::from(tiling.width) * 100 / speed;
-        if !tiling.ping_pong {
-            per_block * (k_steps + EPILOGUE_STEPS) * width
+        if tiling.splits > 1 {
+            per_block * (steps + EPILOGUE_STEPS + split_steps(cfg, tiling)) * width
+        } else if !tiling.ping_pong {
+            per_block * (steps + EPILOGUE_STEPS) * width
         } else if per_block >= PING_PONG_MIN_TILES {
             // Every epilogue but the block's last runs under the other consumer's products.
-            (per_block * k_steps + EPILOGUE_STEPS) * width
+            (per_block * steps + EPILOGUE_STEPS) * width
         } else {
             u64::MAX
         }
     };
-    let mut best = TILINGS[0];
-    for t in &TILINGS[1..] {
-        if cost(t) < cost(&best) {
-            best = *t;
-        }
+    let cheapest = |candidates: &mut dyn Iterator<Item = (Tiling, u64)>| {
+        candidates.fold((TILINGS[0].0, u64::MAX), |best, (tiling, speed)| {
+            let c = cost(tiling, speed);
+            if c < best.1 {
+                (tiling, c)
+            } else {
+                best
+            }
+        })
+    };
+    let unsplit = cheapest(&mut TILINGS.iter().copied());
+    if Tile::new(cfg, unsplit.0).items(cfg) >= SPLIT_BELOW {
+        return unsplit.0;
     }
-    best.0
+    let split = cheapest(&mut TILINGS.iter().flat_map(|&(tiling, speed)| {
+        (2..=MAX_SPLITS)
+            .map(move |splits| (tiling.split(splits), speed))
+            .filter(|&(t, _)| splits_fit(cfg, t))
+    }));
+    if split.1 < unsplit.1 {
+        split.0
+    } else {
+        unsplit.0
+    }
 }
+
+/// K steps a split item's partial sums take: its own stored and, for the tile's last part, every
+/// part's loaded (the tile's rows the product has, as f32), against the bytes a K step loads.
+fn split_steps(cfg: &GemmConfig, tiling: Tiling) -> u64 {
+    let rows = u64::from(cfg.m.min(BM).next_multiple_of(64));
+    let sums = rows * u64::from(tiling.width) * 4;
+    let step = u64::from((BM + tiling.width) * BK * 2);
+    (u64::from(tiling.splits + 1) * sums).div_ceil(step)
+}
+
+/// The kernel with K split, in the tilings that fit `cfg` of: 128 wide in two parts and in as many
+/// as fit, 64 wide in three; each named `name` with its tiling's label. For the tests.
+pub fn split_tilings(cfg: &GemmConfig, name: &str) -> Vec<GeneratedKernel> {
+    let most = (2..=MAX_SPLITS)
+        .rev()
+        .find(|&s| splits_fit(cfg, Tiling::together(128).split(s)))
+        .unwrap_or(1);
+    [
+        Tiling::together(128).split(2),
+        Tiling::together(128).split(most),
+        Tiling::together(64).split(3),
+    ]
+    .into_iter()
+    .filter(|&t| t.splits > 1 && splits_fit(cfg, t))
+    .map(|t| gemm_wgmma_tiled(cfg, t, format!("{name}_{}", t.label())))
+    .collect()
+}
+
+/// Whether `tiling` can split `cfg`'s K in its parts: consumers together, tiles at most
+/// [`SPLIT_WIDEST`] wide, every part at least [`MIN_SPLIT_STEPS`] K steps (equal parts but the
+/// last), the partial sums' indices in 32 bits.
+pub fn splits_fit(cfg: &GemmConfig, tiling: Tiling) -> bool {
+    let k_steps = cfg.k.div_ceil(BK);
+    let per_part = k_steps.div_ceil(tiling.splits);
+    !tiling.ping_pong
+        && tiling.width <= SPLIT_WIDEST
+        && per_part >= MIN_SPLIT_STEPS
+        && k_steps.div_ceil(per_part) == tiling.splits
+        && crate::check_index_range(&[split_scratch(cfg, tiling).0 / 4])
+}
+
+/// The scratch a launch of `cfg` in `tiling` binds besides its operands: bytes of the f32
+/// `partials` and of the u32 `counters` (zero before the launch, and left zero); none unsplit.
+pub fn split_scratch(cfg: &GemmConfig, tiling: Tiling) -> (u64, u64) {
+    if tiling.splits <= 1 {
+        return (0, 0);
+    }
+    let tiles = u64::from(Tile::new(cfg, tiling).count(cfg));
+    let per_tile = u64::from(BM * tiling.width) * 4;
+    (
+        tiles * u64::from(tiling.splits) * per_tile,
+        tiles * CONSUMERS * 4,
+    )
+}
+
+/// Consumer warpgroups per block.
+const CONSUMERS: u64 = 2;
 
 /// A block's tile: [`BM`] output rows by `width` weight rows per stage.
 #[derive(Clone, Copy)]
@@ -208,6 +320,16 @@ impl Tile {
     fn count(self, cfg: &GemmConfig) -> u32 {
         cfg.m.div_ceil(BM) * cfg.n_out().div_ceil(self.columns())
     }
+
+    /// Work items: each tile once per part of K.
+    fn items(self, cfg: &GemmConfig) -> u32 {
+        self.count(cfg) * self.tiling.splits
+    }
+
+    /// K steps of a part of K (all of them unsplit; the last part may have fewer).
+    fn part_steps(self, k_steps: u32) -> u32 {
+        k_steps.div_ceil(self.tiling.splits)
+    }
 }
 
 /// The tensor maps of x (`[M, K]`) and w (`[N, K]`).
@@ -247,8 +369,9 @@ pub fn gemm_wgmma_tiled(cfg: &GemmConfig, tiling: Tiling, name: String) -> Gener
         "the Hopper GEMM needs f16/bf16, [N, K] weights, K % 8 == 0 (N even with SwiGLU)"
     );
     assert!(
-        TILINGS.iter().any(|&(t, _)| t == tiling),
-        "the Hopper GEMM's tilings are those of TILINGS"
+        TILINGS.iter().any(|&(t, _)| t == tiling.split(1))
+            && (tiling.splits == 1 || splits_fit(cfg, tiling)),
+        "the Hopper GEMM's tilings are those of TILINGS, K split where it fits"
     );
     let tile = Tile::new(cfg, tiling);
     let mut k = Kernel::new(&name);
@@ -258,6 +381,12 @@ pub fn gemm_wgmma_tiled(cfg: &GemmConfig, tiling: Tiling, name: String) -> Gener
     let x = k.param_tensor_map("x", x_spec);
     let w = k.param_tensor_map("w", w_spec);
     let epilogue = EpiloguePtrs::declare(&mut k, cfg);
+    let split = (tiling.splits > 1).then(|| Split {
+        partials: k.param_ptr("partials"),
+        counters: k.param_ptr("counters"),
+        flags: k.shared("split_last", 4 * CONSUMERS as u32),
+        splits: tiling.splits,
+    });
     let smem = k.dynamic_shared_aligned("gemm_stages", 1024);
     k.shared("gemm_barriers", 2 * STAGES * MBARRIER_BYTES);
 
@@ -300,12 +429,19 @@ pub fn gemm_wgmma_tiled(cfg: &GemmConfig, tiling: Tiling, name: String) -> Gener
     };
     producer(&mut k, cfg, &pipe, &tid, [x, w]);
     k.place(&consumers);
-    consumer(&mut k, cfg, &pipe, &epilogue, &tid, &warpgroup);
+    consumer(
+        &mut k,
+        cfg,
+        &pipe,
+        (&epilogue, split.as_ref()),
+        &tid,
+        &warpgroup,
+    );
 
     GeneratedKernel::new(
         k,
         Launch {
-            grid: [tile.count(cfg).min(GRID), 1, 1],
+            grid: [tile.items(cfg).min(GRID), 1, 1],
             block: [THREADS, 1, 1],
             shared_bytes: STAGES * tile.stage_bytes() + 1024,
         },
@@ -314,17 +450,48 @@ pub fn gemm_wgmma_tiled(cfg: &GemmConfig, tiling: Tiling, name: String) -> Gener
     .in_image(Image::Sm90a)
 }
 
-/// Runs `body` for each tile of this block (`ctaid.x`, then every `nctaid.x`-th), with the
-/// tile's first output row and column.
-fn for_each_tile(
+/// A block's work item: a tile (its index and first output row and column) and the part of K
+/// it multiplies (the part's index, its first K step and its K steps).
+struct Item {
+    tile: Reg,
+    m0: Reg,
+    n0: Reg,
+    part: Reg,
+    first: Reg,
+    steps: Reg,
+}
+
+/// Runs `body` for each work item of this block (`ctaid.x`, then every `nctaid.x`-th): the
+/// parts of a tile's K are adjacent items.
+fn for_each_item(
     k: &mut Kernel,
     cfg: &GemmConfig,
-    tile_shape: Tile,
-    mut body: impl FnMut(&mut Kernel, Reg, Reg),
+    pipe: &Pipeline,
+    mut body: impl FnMut(&mut Kernel, &Item),
 ) {
-    for_each_block_item(k, "tile", tile_shape.count(cfg), |k, tile| {
-        let (m0, n0) = tile_origin(k, cfg, tile_shape, tile);
-        body(k, m0, n0);
+    let (shape, k_tiles) = (pipe.tile, pipe.k_tiles);
+    let splits = shape.tiling.splits;
+    for_each_block_item(k, "item", shape.items(cfg), |k, item| {
+        let (tile, part) = if splits > 1 {
+            let tile = k.op2("div.u32", RegClass::B32, item, &splits);
+            (tile, k.op2("rem.u32", RegClass::B32, item, &splits))
+        } else {
+            (*item, k.mov(RegClass::B32, &0u32))
+        };
+        let (m0, n0) = tile_origin(k, cfg, shape, &tile);
+        let per_part = shape.part_steps(k_tiles);
+        let first = k.mul_u32(&part, &per_part);
+        let left = k.sub_u32(&k_tiles, &first);
+        let steps = k.op2("min.u32", RegClass::B32, &left, &per_part);
+        let item = Item {
+            tile,
+            m0,
+            n0,
+            part,
+            first,
+            steps,
+        };
+        body(k, &item);
     });
 }
 
@@ -393,7 +560,8 @@ fn producer(k: &mut Kernel, cfg: &GemmConfig, pipe: &Pipeline, tid: &Reg, [x, w]
     prefetch_tensor_map(k, &x);
     prefetch_tensor_map(k, &w);
     let step = k.mov(RegClass::B32, &0u32);
-    for_each_tile(k, cfg, pipe.tile, |k, m0, n0| {
+    for_each_item(k, cfg, pipe, |k, item| {
+        let (m0, n0) = (item.m0, item.n0);
         let kt = k.mov(RegClass::B32, &0u32);
         let top = k.label("produce");
         k.place(&top);
@@ -406,7 +574,8 @@ fn producer(k: &mut Kernel, cfg: &GemmConfig, pipe: &Pipeline, tid: &Reg, [x, w]
         mbarrier_wait(k, &st.empty, &released);
         k.place(&fresh);
         mbarrier_arrive_expect_tx(k, &st.full, pipe.tile.stage_bytes());
-        let k0 = k.mul_u32(&kt, &BK);
+        let at = k.add_u32(&item.first, &kt);
+        let k0 = k.mul_u32(&at, &BK);
         tma_load(k, &st.a, &x, &[&k0, &m0], &st.full);
         tma_load(k, &st.b, &w, &[&k0, &n0], &st.full);
         if cfg.swiglu {
@@ -416,23 +585,23 @@ fn producer(k: &mut Kernel, cfg: &GemmConfig, pipe: &Pipeline, tid: &Reg, [x, w]
         }
         k.emit(format!("add.u32 {step}, {step}, 1"));
         k.emit(format!("add.u32 {kt}, {kt}, 1"));
-        let more = k.setp("lt.u32", &kt, &pipe.k_tiles);
+        let more = k.setp("lt.u32", &kt, &item.steps);
         k.bra(Some((more, true)), &top);
     });
     k.place(&exit);
     k.emit("ret");
 }
 
-/// Warpgroups 1 and 2: take the registers; for each of their tiles, multiply their rows of every
-/// stage (`step` counts stages across the block's tiles, as the producer's does), then run the
-/// epilogue. Together, each multiplies its 64 rows of every tile; taking turns, each multiplies
-/// all 128 rows of every other tile (two row halves of accumulators), skipping the other's
-/// ([`Turns`]).
+/// Warpgroups 1 and 2: take the registers; for each of their work items, multiply their rows of
+/// every stage (`step` counts stages across the block's items, as the producer's does), then
+/// run the epilogue (with K split, only the tile's last part to finish, over every part's sums).
+/// Together, each multiplies its 64 rows of every tile; taking turns, each multiplies all 128
+/// rows of every other tile (two row halves of accumulators), skipping the other's ([`Turns`]).
 fn consumer(
     k: &mut Kernel,
     cfg: &GemmConfig,
     pipe: &Pipeline,
-    epilogue: &EpiloguePtrs,
+    (epilogue, split): (&EpiloguePtrs, Option<&Split>),
     tid: &Reg,
     warpgroup: &Reg,
 ) {
@@ -466,15 +635,25 @@ fn consumer(
         step,
         lane0,
     };
-    for_each_tile(k, cfg, tile, |k, m0, n0| {
+    for_each_item(k, cfg, pipe, |k, item| {
+        let (m0, n0) = (item.m0, item.n0);
         let skip = k.label("other_tile");
         // Taking turns: whether the other consumer has a tile after this one.
         let hand_over = turns.as_ref().map(|t| t.take(k, &consumer, &mac, &skip));
-        mac.multiply(k);
+        mac.multiply(k, &item.steps);
         if let (Some(t), Some(next)) = (&turns, hand_over) {
             t.hand_over(k, next);
         }
         mac.release_last(k);
+        if let Some(split) = split {
+            // A consumer whose 64 rows are all past M (a decode step's 64 rows) has nothing to
+            // add up or store.
+            let rows = k.mad_u32(&consumer, &64u32, &m0);
+            let outside = k.setp("ge.u32", &rows, &cfg.m);
+            k.bra(Some((outside, true)), &skip);
+            let last = split.add_parts(k, &acc, item, [*tid, consumer]);
+            k.bra(Some((last, false)), &skip);
+        }
         for (half, acc) in (0u32..).zip(acc.chunks(acc.len() / halves.len())) {
             let rows = if tile.ping_pong() {
                 k.add_u32(&m0, &(64 * half))
@@ -560,9 +739,9 @@ struct Products<'a> {
 }
 
 impl Products<'_> {
-    /// Zeroes the accumulators and issues the tile's K steps, releasing each stage once the
-    /// group that read it has retired (all but the last).
-    fn multiply(&self, k: &mut Kernel) {
+    /// Zeroes the accumulators and issues the item's `steps` K steps, releasing each stage once
+    /// the group that read it has retired (all but the last).
+    fn multiply(&self, k: &mut Kernel, steps: &Reg) {
         let (pipe, step) = (self.pipe, self.step);
         let per_half = self.acc.len() / self.halves.len();
         for a in self.acc {
@@ -615,7 +794,7 @@ impl Products<'_> {
         self.release(k, Some(release));
         k.emit(format!("add.u32 {step}, {step}, 1"));
         k.emit(format!("add.u32 {kt}, {kt}, 1"));
-        let more = k.setp("lt.u32", &kt, &pipe.k_tiles);
+        let more = k.setp("lt.u32", &kt, steps);
         k.bra(Some((more, true)), &top);
     }
 
@@ -632,6 +811,101 @@ impl Products<'_> {
         let prev = k.op2("and.b32", RegClass::B32, &prev, &(STAGES - 1));
         let empty = k.mad_u32(&prev, &MBARRIER_BYTES, &self.pipe.empty);
         mbarrier_arrive(k, &empty, when);
+    }
+}
+
+/// A kernel splitting K: its parameters, the shared flags on which each consumer learns whether
+/// its item finished the tile, and the parts.
+struct Split {
+    partials: Reg,
+    counters: Reg,
+    flags: String,
+    splits: u32,
+}
+
+/// Named barriers of the consumers' split sums: this one plus the consumer (0, 1 being the whole
+/// block's and, taking turns, never split, 1 and 2 the turns').
+const SPLIT_BARRIER: u32 = 3;
+/// Accumulators whose sums of every part a consumer thread adds up before the next ones (bounds
+/// the registers the loads in flight may take).
+const SUMS_AT_ONCE: usize = 64;
+
+impl Split {
+    /// Stores the consumer's sums of `item` into its part's partials (register by register, the
+    /// warpgroup's 128 threads side by side) and counts the part done on the tile's counter of
+    /// this consumer. Returns whether this part finished the tile; its accumulators then hold
+    /// the sum of every part's, added in part order.
+    fn add_parts(
+        &self,
+        k: &mut Kernel,
+        acc: &[Reg],
+        item: &Item,
+        [tid, consumer]: [Reg; 2],
+    ) -> Reg {
+        k.comment(
+            "K split: this part's sums into the partials; the tile's last part adds them all",
+        );
+        let thread = k.op2("and.b32", RegClass::B32, &tid, &127u32);
+        let stride = 128 * 4u32;
+        let part_sums = |k: &mut Kernel, part: &Reg| {
+            let index = k.mad_u32(&item.tile, &self.splits, part);
+            let index = k.mad_u32(&index, &(CONSUMERS as u32), &consumer);
+            let first = k.mul_u32(&index, &(acc.len() as u32 * 128));
+            let first = k.add_u32(&first, &thread);
+            k.address(self.partials, &first, 4)
+        };
+        let mine = part_sums(k, &item.part);
+        for (i, a) in (0u32..).zip(acc) {
+            k.emit(format!("st.global.f32 [{mine}+{}], {a}", i * stride));
+        }
+        let counter = k.mad_u32(&item.tile, &(CONSUMERS as u32), &consumer);
+        let counter = k.address(self.counters, &counter, 4);
+        let leader = k.setp("eq.u32", &thread, &0u32);
+        let flag = k.reg(RegClass::B32);
+        k.emit(format!("mov.u32 {flag}, {}", self.flags));
+        let flag = k.mad_u32(&consumer, &4u32, &flag);
+        let barrier = k.add_u32(&consumer, &SPLIT_BARRIER);
+        let last = crate::reduce::last_arrival(
+            k,
+            [counter, leader],
+            &self.splits,
+            &format!("bar.sync {barrier}, 128"),
+            &flag.to_string(),
+        );
+        let done = k.label("parts_added");
+        k.bra(Some((last, false)), &done);
+        // Part by part, each part's sums all loaded before any is added (a loop: unrolled, the
+        // loads of later parts were hoisted until the registers spilled).
+        let first = {
+            let zero = k.mov(RegClass::B32, &0u32);
+            part_sums(k, &zero)
+        };
+        let part_bytes = CONSUMERS as u32 * acc.len() as u32 * stride;
+        for a in acc {
+            k.set(*a, &F32(0.0));
+        }
+        let part = k.mov(RegClass::B32, &0u32);
+        let top = k.label("add_part");
+        k.place(&top);
+        let sums = k.address(first, &part, part_bytes);
+        for (c, chunk) in acc.chunks(SUMS_AT_ONCE).enumerate() {
+            let loaded: Vec<Reg> = (0..chunk.len())
+                .map(|j| {
+                    let v = k.reg(RegClass::F32);
+                    let at = (c * SUMS_AT_ONCE + j) as u32 * stride;
+                    k.emit(format!("ld.global.cg.f32 {v}, [{sums}+{at}]"));
+                    v
+                })
+                .collect();
+            for (a, v) in chunk.iter().zip(&loaded) {
+                k.emit(format!("add.f32 {a}, {a}, {v}"));
+            }
+        }
+        k.emit(format!("add.u32 {part}, {part}, 1"));
+        let more = k.setp("lt.u32", &part, &self.splits);
+        k.bra(Some((more, true)), &top);
+        k.place(&done);
+        last
     }
 }
 
@@ -899,6 +1173,7 @@ mod tests {
         let turns = Tiling {
             width: 128,
             ping_pong: true,
+            splits: 1,
         };
         // BERT-base at 128 x 128 tokens: QKV, O, FFN up (K = 768).
         for n in [2304, 768, 3072] {
@@ -915,13 +1190,71 @@ mod tests {
     fn products_of_few_tiles_spread_over_more_sms() {
         // GPT-2 small at 1024 tokens: 24 tiles of 768 columns become 96.
         assert_eq!(tiling(&product(1024, 768, 3072, false)).width, 64);
-        // 16 rows: 12 tiles become 48.
+        // 16 rows: 12 tiles become 48 (and K in two parts, 96 items).
         assert_eq!(tiling(&product(16, 3072, 768, false)).width, 64);
         // Llama-3.2-1B's QKV at 512 tokens: 48 tiles, 96 at 128 wide still one wave.
         assert_eq!(
             tiling(&product(512, 3072, 2048, false)),
             Tiling::together(128)
         );
+    }
+
+    #[test]
+    fn products_leaving_most_sms_idle_split_k() {
+        // Llama-3.2-1B's decode step at 32 and 64 sequences: the down (K = 8192), O and QKV
+        // products, 32 to 48 tiles unsplit, become one wave of parts.
+        for m in [32, 64] {
+            for (n, k) in [(2048, 8192), (2048, 2048), (3072, 2048)] {
+                let cfg = product(m, n, k, false);
+                let t = tiling(&cfg);
+                let items = Tile::new(&cfg, t).items(&cfg);
+                assert!(t.splits > 1, "{m}x{n}x{k}: {}", t.label());
+                assert!(
+                    (SPLIT_BELOW..=GRID).contains(&items),
+                    "{m}x{n}x{k}: {items}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn products_filling_most_sms_stay_unsplit() {
+        // The down product at 512 and 1024 rows (128 tiles of 64 and 128 columns), the decode
+        // step's gate/up product with SwiGLU (128 tiles), GPT-2's FFN down at 1024 rows (96).
+        for cfg in [
+            product(512, 2048, 8192, false),
+            product(1024, 2048, 8192, false),
+            product(64, 16384, 2048, true),
+            product(1024, 768, 3072, false),
+        ] {
+            assert_eq!(tiling(&cfg).splits, 1, "{cfg:?}");
+        }
+    }
+
+    #[test]
+    fn split_parts_cover_k() {
+        // Every part that fits has at least MIN_SPLIT_STEPS steps and the last is not empty;
+        // products of one K step do not split.
+        for k in [64, 128, 200, 776, 2048, 4104, 8192, 8200] {
+            let cfg = product(64, 2048, k, false);
+            let steps = k.div_ceil(BK);
+            for (tiling, _) in TILINGS {
+                for splits in 2..=MAX_SPLITS {
+                    let t = tiling.split(splits);
+                    if !splits_fit(&cfg, t) {
+                        continue;
+                    }
+                    let per_part = Tile::new(&cfg, t).part_steps(steps);
+                    assert!(
+                        !t.ping_pong && per_part >= MIN_SPLIT_STEPS,
+                        "{k}: {}",
+                        t.label()
+                    );
+                    assert!((splits - 1) * per_part < steps, "{k}: {}", t.label());
+                }
+            }
+            assert!(k > BK || tiling(&cfg).splits == 1);
+        }
     }
 
     #[test]

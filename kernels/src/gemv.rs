@@ -81,12 +81,14 @@ pub fn supports_grouped(cfg: &GemmConfig, rows: Rows) -> bool {
         && indices_fit(cfg)
 }
 
-/// Whether `cfg`, a product of 9 to 64 rows with few output columns and no SwiGLU, streams
+/// Whether `cfg`, a product of 9 to 16 rows with few output columns and no SwiGLU, streams
 /// faster through the tensor-core kernel in row groups than through the Hopper GEMM, whose 128 x
-/// 256 tiles give it at most 8 blocks (H200, Llama-3.2-1B shape at 64 rows: the down projection
+/// 256 tiles gave it at most 8 blocks (H200, Llama-3.2-1B shape at 64 rows: the down projection
 /// 56 against 98 us, O 24 against 39; the gate/up product, many columns, 181 against 34; GPT-2
-/// small prefill at 32 tokens 0.74 against 1.29 ms). A batch-invariant artifact's products of 9
-/// to 16 rows take the row groups anyway ([`supports_grouped`]).
+/// small prefill at 32 tokens 0.74 against 1.29 ms). With K split in parts the Hopper GEMM takes
+/// more rows (H200, 2026-12-03, the down product of 2048 x 8192 in 8 parts 128 wide against
+/// here: 33.9 against 41.6 us at 32 rows, 34.1 against 65.8 at 64, but 34.5 against 30.7 at 16). A batch-invariant artifact's products
+/// of 9 to 16 rows take the row groups anyway ([`supports_grouped`]).
 pub fn narrow_grouped(cfg: &GemmConfig) -> bool {
     cfg.transpose_b
         && cfg.m > MAX_ROWS
@@ -98,7 +100,7 @@ pub fn narrow_grouped(cfg: &GemmConfig) -> bool {
 }
 
 /// The most rows [`narrow_grouped`] takes.
-const NARROW_ROWS: u32 = 64;
+const NARROW_ROWS: u32 = 16;
 /// The most output columns [`narrow_grouped`] takes.
 const NARROW_COLUMNS: u32 = 2048;
 

@@ -142,3 +142,38 @@ fn warp_slot(k: &mut Kernel, scratch: &str, tid: Reg, bytes: u32) -> (Reg, Reg, 
     let slot = k.mad_u32(&warp, &bytes, &base);
     (base, slot, is_first)
 }
+
+/// Counts this block done on the u32 counter at `counter` and returns, in every thread taking
+/// part, whether it was the last of `total` blocks to be; the last sets the counter back to 0.
+/// `leader` (a predicate true in one thread) counts between two executions of `barrier` (the
+/// `bar.sync` of the threads taking part), and hands the answer on through the shared u32 at
+/// `[flag]`. The fences make every block's stores before the call visible to the last block's
+/// loads after it.
+pub fn last_arrival(
+    k: &mut Kernel,
+    [counter, leader]: [Reg; 2],
+    total: &dyn crate::ptx::Operand,
+    barrier: &str,
+    flag: &str,
+) -> Reg {
+    k.emit("fence.acq_rel.gpu");
+    k.emit(barrier);
+    let counted = k.label("counted");
+    k.bra(Some((leader, false)), &counted);
+    let before = k.reg(RegClass::B32);
+    k.emit(format!(
+        "atom.acq_rel.gpu.global.add.u32 {before}, [{counter}], 1"
+    ));
+    let last_one = k.sub_u32(total, &1u32);
+    let last = k.setp("eq.u32", &before, &last_one);
+    let is_last = k.selp(RegClass::B32, "u32", &1u32, &0u32, last);
+    k.emit(format!("st.shared.u32 [{flag}], {is_last}"));
+    k.emit(format!("@{last} st.global.u32 [{counter}], 0"));
+    k.place(&counted);
+    k.emit(barrier);
+    let seen = k.reg(RegClass::B32);
+    k.emit(format!("ld.shared.u32 {seen}, [{flag}]"));
+    let last = k.setp("ne.u32", &seen, &0u32);
+    k.emit("fence.acq_rel.gpu");
+    last
+}

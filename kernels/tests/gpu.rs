@@ -17,7 +17,9 @@ use kiln_ir::Op;
 use kiln_kernels::elementwise::activation_kernel;
 use kiln_kernels::embedding::{embedding, EmbeddingConfig};
 use kiln_kernels::gemm::{gemm, gemm_base, gemm_for, GemmConfig};
-use kiln_kernels::gemm_wgmma::other_tilings;
+use kiln_kernels::gemm_wgmma::{
+    gemm_wgmma, other_tilings, split_scratch, split_tilings, MAX_SPLITS, TILINGS,
+};
 use kiln_kernels::gemv::Rows;
 use kiln_kernels::norm::{norm, NormConfig};
 use kiln_kernels::sampling::argmax;
@@ -639,7 +641,8 @@ fn gemms_match_the_interpreter() {
                 (7, 4104, 34),
                 (17, 127, 130),
                 // The tensor-core GEMV in row groups (batched decode of 9 to 16 sequences, and
-                // products of up to 64 rows with few columns).
+                // products of up to 16 rows with few columns), and products of 33 and 64 rows
+                // on the Hopper kernel with K split.
                 (16, 2056, 66),
                 (9, 776, 258),
                 (13, 4104, 130),
@@ -675,6 +678,7 @@ fn gemms_match_the_interpreter() {
                 if kernels[0].image == Image::Sm90a {
                     kernels.push(gemm_base(&cfg));
                     kernels.extend(other_tilings(&cfg, &kernels[0].name));
+                    kernels.extend(split_tilings(&cfg, &kernels[0].name));
                 }
                 let invariant = gemm_for(&cfg, Rows::BatchInvariant);
                 if invariant.name != kernels[0].name {
@@ -722,6 +726,14 @@ fn check_gemm(gpu: &Gpu, rng: &mut Rng, cfg: &GemmConfig, kernels: &[GeneratedKe
         prologue: None,
     };
     let want = rounded_reference(Op::Gemm(spec), inputs, elem);
+    // The scratch of kernels splitting K: partial sums (as many as any tiling takes) and
+    // counters, zero before the first launch.
+    let (partial_bytes, counter_bytes) = TILINGS
+        .iter()
+        .flat_map(|&(t, _)| (1..=MAX_SPLITS).map(move |s| split_scratch(cfg, t.split(s))))
+        .fold((4, 4), |(p, c), (tp, tc)| (p.max(tp), c.max(tc)));
+    let partials = gpu.upload(Elem::F32, &vec![f32::NAN; partial_bytes as usize / 4]);
+    let counters = gpu.upload_u32(&vec![0; counter_bytes as usize / 4]);
     for kernel in kernels {
         let out = gpu.poisoned(elem, (m * n_out) as usize);
         let args = BTreeMap::from([
@@ -730,25 +742,42 @@ fn check_gemm(gpu: &Gpu, rng: &mut Rng, cfg: &GemmConfig, kernels: &[GeneratedKe
             ("bias", Arg::Buf(&bb)),
             ("residual", Arg::Buf(&br)),
             ("out", Arg::Buf(&out)),
+            ("partials", Arg::Buf(&partials)),
+            ("counters", Arg::Buf(&counters)),
         ]);
         gpu.launch(kernel, &args);
-        check(
-            &format!("{} {m}x{n}x{k}", kernel.name),
-            elem,
-            &gpu.download(elem, &out),
-            &want,
-        );
+        let got = gpu.download(elem, &out);
+        let what = format!("{} {m}x{n}x{k}", kernel.name);
+        check(&what, elem, &got, &want);
+        if kernel.signature.iter().any(|(p, _)| p == "partials") {
+            // The parts' sums are added in part order, whichever part finishes last, and the
+            // counters are left zero: a second launch gives the same bits.
+            let counts = gpu.download(Elem::F32, &counters);
+            assert!(
+                counts.iter().all(|c| c.to_bits() == 0),
+                "{what}: counters left"
+            );
+            gpu.launch(kernel, &args);
+            let again = gpu.download(elem, &out);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&again), "{what}: a second launch differs");
+        }
     }
 }
 
 /// The Hopper kernel's tilings over products of several tiles per block of the persistent grid
 /// (132 blocks): consumers taking turns hand tiles to each other many times, stages go round
-/// many times per tile.
+/// many times per tile, blocks take several parts of split tiles (some of the same tile); and a
+/// decode step's down product of 64 rows (K split in 8 parts of 16 steps).
 #[test]
 fn hopper_tiles_go_round_the_persistent_grid() {
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng::seed_from_u64(0x5eed_7113);
-    for (m, n, k, swiglu) in [(1100u32, 3900u32, 264u32, false), (1100, 2200, 1000, true)] {
+    for (m, n, k, swiglu) in [
+        (1100u32, 3900u32, 264u32, false),
+        (1100, 2200, 1000, true),
+        (64, 2048, 8192, false),
+    ] {
         let cfg = GemmConfig {
             bias: true,
             swiglu,
@@ -757,6 +786,11 @@ fn hopper_tiles_go_round_the_persistent_grid() {
         };
         let chosen = gemm(&cfg);
         let mut kernels = other_tilings(&cfg, &chosen.name);
+        kernels.extend(split_tilings(&cfg, &chosen.name));
+        if chosen.path != KernelPath::Wgmma {
+            // The Hopper kernel in the tiling it picks (the GEMV takes this product today).
+            kernels.push(gemm_wgmma(&cfg, format!("{}_wgmma", chosen.name)));
+        }
         kernels.push(chosen);
         check_gemm(&gpu, &mut rng, &cfg, &kernels);
     }

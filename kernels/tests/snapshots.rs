@@ -137,6 +137,20 @@ fn gemm_taking_turns_bias_residual_bf16() {
     insta::assert_snapshot!(k.module());
 }
 
+/// The Hopper kernel with K split in parts (a decode step's down product of 64 rows, residual
+/// added): each part's sums into the partials, the tile's last part adding them all in order.
+#[test]
+fn gemm_split_k_residual_bf16() {
+    let cfg = GemmConfig {
+        residual: true,
+        ..GemmConfig::plain(64, 2048, 8192, Elem::BF16)
+    };
+    let tiling = kiln_kernels::gemm_wgmma::tiling(&cfg);
+    assert_eq!(tiling.label(), "w64k4");
+    let k = kiln_kernels::gemm_wgmma::gemm_wgmma(&cfg, "gemm_split".into());
+    insta::assert_snapshot!(k.module());
+}
+
 /// One decode row against `[N, K]` gate/up weights: the one-column-per-warp matrix-vector
 /// kernel.
 #[test]
