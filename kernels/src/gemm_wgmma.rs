@@ -22,6 +22,15 @@
 //! rows), so a thread's accumulators for gate column `c` and up column `c` are W/4 registers apart.
 //! Tiles are visited in groups of 8 tile rows, so that a wave of blocks shares its weight tiles
 //! in L2.
+//!
+//! Where even the narrowest tiles leave most SMs idle (a decode step's products of 32-64 rows),
+//! K is split in parts (`Tiling::splits`), each part of a tile a work item of its own, adjacent
+//! in the grid: a consumer stores its part's f32 sums in the `partials` scratch (register by
+//! register, the warpgroup's threads side by side) and counts the part done on its tile's
+//! counter (`counters`, zero before the launch); the consumer of the tile's last part to finish
+//! adds every part's sums in part order, so the result does not depend on which part that is,
+//! sets the counter back to zero and runs the epilogue. A consumer whose 64 rows are all past M
+//! neither stores nor adds.
 
 use crate::gemm::{apply, Addends, EpiloguePtrs, GemmConfig};
 use crate::hopper::{
@@ -823,8 +832,8 @@ struct Split {
     splits: u32,
 }
 
-/// Named barriers of the consumers' split sums: this one plus the consumer (0, 1 being the whole
-/// block's and, taking turns, never split, 1 and 2 the turns').
+/// Named barrier of a consumer's split sums: this plus the consumer (0 is the whole block's; 1
+/// and 2 order consumers taking turns, which never split K).
 const SPLIT_BARRIER: u32 = 3;
 /// Accumulators whose sums of every part a consumer thread adds up before the next ones (bounds
 /// the registers the loads in flight may take).
