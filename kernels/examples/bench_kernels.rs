@@ -553,8 +553,6 @@ fn emit_cases(dir: &std::path::Path) {
             (128, 4),
             (128, 8),
             (128, 16),
-            (256, 8),
-            (256, 16),
         ];
         for (width, parts) in splits.into_iter().filter(|_| m <= 64) {
             let t = Tiling::together(width).split(parts);
