@@ -87,8 +87,9 @@ pub fn supports_grouped(cfg: &GemmConfig, rows: Rows) -> bool {
 /// 56 against 98 us, O 24 against 39; the gate/up product, many columns, 181 against 34; GPT-2
 /// small prefill at 32 tokens 0.74 against 1.29 ms). With K split in parts the Hopper GEMM takes
 /// more rows (H200, 2026-12-03, the down product of 2048 x 8192 in 8 parts 128 wide against
-/// here: 33.9 against 41.6 us at 32 rows, 34.1 against 65.8 at 64, but 34.5 against 30.7 at 16). A batch-invariant artifact's products
-/// of 9 to 16 rows take the row groups anyway ([`supports_grouped`]).
+/// here: 33.9 against 41.6 us at 32 rows, 34.1 against 65.8 at 64, but 34.5 against 30.7 at
+/// 16). A batch-invariant artifact's products of 9 to 16 rows take the row groups anyway
+/// ([`supports_grouped`]).
 pub fn narrow_grouped(cfg: &GemmConfig) -> bool {
     cfg.transpose_b
         && cfg.m > MAX_ROWS
