@@ -550,7 +550,7 @@ impl Fused {
                     return false;
                 };
                 lower_decode(g, f.attention, spec, elem, kernels)
-                    .is_some_and(|(cfg, _)| kiln_kernels::attention_decode::supports(&cfg))
+                    .is_some_and(|(cfg, _, _)| kiln_kernels::attention_decode::supports(&cfg))
                     && new_entries(g, f.writes).is_some()
             })
             .map(|f| (f.attention, f.writes))
@@ -812,7 +812,7 @@ fn lower_node(
             }
         }
         Op::DecodeAttention(spec) => {
-            let (cfg, split) = lower_decode(g, id, spec, elem, out)?;
+            let (cfg, split, offsets) = lower_decode(g, id, spec, elem, out)?;
             // Operands: q, k cache, v cache, positions.
             let mut bind = vec![("q", a(0)), ("k", a(1)), ("v", a(2)), ("positions", a(3))];
             if let Some((theta, scaling)) = &spec.rope {
@@ -845,6 +845,14 @@ fn lower_node(
                 new: writes.as_ref().map(|(_, new)| new.clone()),
                 combine: decode && kiln_kernels::attention_decode::combines(&cfg),
             };
+            // A prompt chunk over a dense cache: q rotated ahead of the Hopper kernel.
+            let aligned = offsets.iter().all(|o| o % 8 == 0);
+            let prerotated = kiln_kernels::attention::prerotated(&cfg)
+                .filter(|_| extras == Extras::default() && !split && aligned);
+            if let Some(plain) = prerotated {
+                bind.push(("out", this));
+                return lower_prerotated(out, n, &cfg, plain, &bind);
+            }
             if let Some(([keys, values, mask], _)) = writes {
                 bind.extend([("k_new", Value(keys)), ("v_new", Value(values))]);
                 bind.push(("mask", Value(mask)));
@@ -859,7 +867,17 @@ fn lower_node(
             // Kernels bind the parameters they declare: `out` unless they leave partials.
             bind.push(("out", this.clone()));
             let kernel = if extras == Extras::default() {
-                out.generate(&cfg, attention)
+                // The Hopper kernel (a chunk without RoPE over a dense cache) only where aligned.
+                let kernel = out.generate(&cfg, attention);
+                if kernel.image == Image::Sm90a {
+                    let fallback = out.generate(&cfg, attention_base);
+                    return if aligned {
+                        out.launch_with_fallback(n, kernel, fallback, &bind)
+                    } else {
+                        out.launch(n, fallback, &bind)
+                    };
+                }
+                kernel
             } else {
                 let counters = kiln_kernels::attention_decode::counter_bytes(&cfg);
                 bind.push(("counters", Operand::Counters(counters)));
@@ -1051,7 +1069,7 @@ fn lower_prerotated(
     };
     let mut attention_bind: Vec<(&str, Operand)> = bind
         .iter()
-        .filter(|(p, _)| !matches!(*p, "positions" | "cos" | "sin"))
+        .filter(|(p, _)| !matches!(*p, "cos" | "sin"))
         .cloned()
         .collect();
     for (rotation, name) in kiln_kernels::attention::rotations(cfg)
@@ -1080,15 +1098,15 @@ fn lower_prerotated(
 }
 
 /// The configuration of decode attention `id` (its keys and values the KV cache, paged as
-/// `kernels` pages caches) and whether it splits its keys.
+/// `kernels` pages caches), whether it splits its keys, and its q/k/v element offsets.
 fn lower_decode(
     g: &Graph,
     id: NodeId,
     spec: &DecodeAttentionSpec,
     elem: Elem,
     kernels: &Lowered,
-) -> Option<(AttentionConfig, bool)> {
-    let (mut cfg, _) = base_config(g, id, elem)?;
+) -> Option<(AttentionConfig, bool, [u32; 3])> {
+    let (mut cfg, offsets) = base_config(g, id, elem)?;
     cfg.take_decode(spec);
     if let Some(paging) = kernels.paging(cfg.kv_len) {
         // A paged cache is read through its table: k and v must be the cache writes' values.
@@ -1102,12 +1120,12 @@ fn lower_decode(
         cfg.take_paging(paging);
     }
     // Decode steps (one query row) over long caches split each query's keys evenly across
-    // several warps (flash-decoding); prompt chunks take the tensor-core kernel, whose blocks
-    // already cover many rows.
+    // several warps (flash-decoding); prompt chunks take the Hopper or tensor-core kernel, whose
+    // blocks already cover many rows.
     cfg.splits = if cfg.q_len == 1 {
         kiln_kernels::attention::decode_splits(cfg.kv_len, cfg.batch, cfg.heads)
     } else {
         1
     };
-    Some((cfg.clone(), cfg.splits > 1))
+    Some((cfg.clone(), cfg.splits > 1, offsets))
 }

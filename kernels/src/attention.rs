@@ -1117,10 +1117,20 @@ mod tests {
         let dropout = llama(Elem::BF16, None, Some((0.1, 0)));
         assert!(prerotated(&dropout).is_some_and(|plain| plain.dropout == dropout.dropout));
         assert_eq!(path(&dropout), KernelPath::Wgmma, "dropout");
+        // A prompt chunk over a dense cache rotates q alone ahead of the Hopper kernel; over a
+        // paged cache, or with a window, it keeps RoPE in the mma kernel.
         let mut over_cache = llama(Elem::BF16, None, None);
         over_cache.rope_k = false;
         over_cache.keys = KeyRule::Position { window: None };
-        assert_eq!(prerotated(&over_cache), None, "position keys over a cache");
+        let plain = prerotated(&over_cache).expect("a chunk over a dense cache");
+        assert_eq!(plain.keys, over_cache.keys);
+        assert!(matches!(rotations(&over_cache), [Some(_), None]));
+        let mut paged = over_cache.clone();
+        paged.take_paging(crate::paging::Paging::new(16, 512).expect("a power of two"));
+        assert_eq!(prerotated(&paged), None, "position keys over a paged cache");
+        let mut windowed = over_cache.clone();
+        windowed.keys = KeyRule::Position { window: Some(256) };
+        assert_eq!(prerotated(&windowed), None, "position keys with a window");
         assert_eq!(
             prerotated(&AttentionConfig::plain([1, 2, 2, 8, 8, 64], Elem::BF16)),
             None

@@ -19,9 +19,12 @@
 //!   (Issuing the scores as a group of their own, to run their softmax under the warpgroup's
 //!   own `P V`, measured 15-30% slower on the H200 with the ping-pong in place.)
 //!
-//! Key rules: every key, or causal (query `i` sees keys `j <= i + T - S`), masked per element on
-//! the tiles that cross a row's last key or the end of the keys only; causal blocks are visited
-//! longest first. A padding mask `[B, T]` is staged per key tile in shared memory as an additive
+//! Key rules: every key, causal (query `i` sees keys `j <= i + T - S`), or position keys (query
+//! `i` of sequence `b` sees keys `j <= positions[b, i]`: a prompt chunk over a dense cache),
+//! masked per element on the tiles that cross a row's last key or the end of the keys only;
+//! causal and position blocks are visited longest first. With position keys each warpgroup finds
+//! the smallest and largest position of an item's rows itself ([`PositionKeys`]), so that the
+//! producer and both consumers agree on the item's tiles without waiting for one another. A padding mask `[B, T]` is staged per key tile in shared memory as an additive
 //! 0 / -inf row by each consumer warpgroup. A row that sees no key stores zeros. GQA reads the
 //! K/V head `h / (heads / kv_heads)`. RoPE takes the `mma.sync` kernel (or is rotated ahead).
 //!
@@ -66,6 +69,8 @@ pub fn supports(cfg: &AttentionConfig) -> bool {
     let keys = match cfg.keys {
         KeyRule::All => true,
         KeyRule::Causal { window: None } => cfg.kv_len >= cfg.q_len,
+        // Prompt chunks over a dense cache: each row sees the keys up to its position.
+        KeyRule::Position { window: None } => cfg.q_len > 1,
         _ => false,
     };
     cfg.elem != Elem::F32
@@ -171,6 +176,10 @@ pub fn attention_wgmma_scheduled(
     ];
     let out = k.param_ptr("out");
     let mask = cfg.padding.then(|| k.param_ptr("mask"));
+    let positions = matches!(cfg.keys, KeyRule::Position { .. }).then(|| {
+        k.shared("attention_ranges", 3 * 4 * 2 * 4);
+        k.param_ptr("positions")
+    });
     let seed = cfg.dropout.map(|_| k.param_ptr("seed"));
     let smem = k.dynamic_shared_aligned("attention_tiles", 1024);
     k.shared("attention_barriers", BARRIERS * MBARRIER_BYTES);
@@ -198,17 +207,35 @@ pub fn attention_wgmma_scheduled(
     k.barrier();
 
     let warpgroup = k.op2("shr.u32", RegClass::B32, &tid, &7u32);
+    // Every warpgroup's share in finding an item's positions, before the roles part.
+    let keys = positions.map(|p| PositionKeys::new(&mut k, p, &tid, &warpgroup));
     let consumers = k.label("consumers");
     let is_producer = k.setp("eq.u32", &warpgroup, &0u32);
     k.bra(Some((is_producer, false)), &consumers);
-    producer(&mut k, cfg, &layout, &base, &bars, &tid, maps);
+    producer(
+        &mut k,
+        cfg,
+        (&layout, keys.as_ref()),
+        &base,
+        &bars,
+        &tid,
+        maps,
+    );
     k.place(&consumers);
     let c = Consumer::new(&mut k, &tid, &warpgroup);
     let progress = Progress::new(&mut k);
-    for_each_item(&mut k, cfg, |k, block| {
+    for_each_item(&mut k, cfg, keys.as_ref(), |k, block| {
         let dropping = seed.map(|seed| c.dropping(k, cfg, &block, seed));
         let state = c.main_loop(
-            k, cfg, &layout, &block, &base, &bars, mask, &dropping, &progress,
+            k,
+            cfg,
+            (&layout, keys.as_ref()),
+            &block,
+            &base,
+            &bars,
+            mask,
+            &dropping,
+            &progress,
         );
         c.store(k, cfg, &block, &state, out);
         progress.next_item(k, &block);
@@ -227,12 +254,103 @@ pub fn attention_wgmma_scheduled(
     .in_image(Image::Sm90a)
 }
 
-/// Runs `body` for each of this block's items (`ctaid.x`, then every `nctaid.x`-th).
-fn for_each_item(k: &mut Kernel, cfg: &AttentionConfig, mut body: impl FnMut(&mut Kernel, Block)) {
+/// Runs `body` for each of this block's items (`ctaid.x`, then every `nctaid.x`-th); with
+/// position keys every thread of the warpgroup must run it (`keys` finds the item's range).
+fn for_each_item(
+    k: &mut Kernel,
+    cfg: &AttentionConfig,
+    keys: Option<&PositionKeys>,
+    mut body: impl FnMut(&mut Kernel, Block),
+) {
     for_each_block_item(k, "item", items(cfg), |k, item| {
-        let block = Block::at(k, cfg, item);
+        let block = Block::at(k, cfg, item, keys);
         body(k, block);
     });
+}
+
+/// Position keys: the `positions` operand (`[B, S]`, i64), and this thread's share in its
+/// warpgroup's search for an item's smallest and largest position (thread `t` of the 128 reads
+/// row `q0 + t`; each warp's extremes meet in shared memory behind named barrier 5 + the
+/// warpgroup).
+struct PositionKeys {
+    positions: Reg,
+    wt: Reg,
+    lane0: Reg,
+    /// This warp's slot (smallest, largest) in the shared `attention_ranges`.
+    slot: Reg,
+    /// The warpgroup's first slot.
+    slots: Reg,
+    barrier: Reg,
+}
+
+impl PositionKeys {
+    fn new(k: &mut Kernel, positions: Reg, tid: &Reg, warpgroup: &Reg) -> PositionKeys {
+        let wt = k.op2("and.b32", RegClass::B32, tid, &127u32);
+        let lane = k.op2("and.b32", RegClass::B32, tid, &31u32);
+        let lane0 = k.setp("eq.u32", &lane, &0u32);
+        let warp = k.op2("shr.u32", RegClass::B32, tid, &5u32);
+        let base = k.reg(RegClass::B32);
+        k.emit(format!("mov.u32 {base}, attention_ranges"));
+        let slot = k.mad_u32(&warp, &8u32, &base);
+        let slots = k.mad_u32(warpgroup, &32u32, &base);
+        let barrier = k.add_u32(warpgroup, &5u32);
+        PositionKeys {
+            positions,
+            wt,
+            lane0,
+            slot,
+            slots,
+            barrier,
+        }
+    }
+
+    /// Row `row` of sequence `b`'s position (`cfg.q_len` rows), 0 past the rows.
+    fn position(&self, k: &mut Kernel, cfg: &AttentionConfig, b: &Reg, row: &Reg) -> Reg {
+        let inside = k.setp("lt.u32", row, &cfg.q_len);
+        let safe = k.selp(RegClass::B32, "u32", row, &0u32, inside);
+        let i = k.mad_u32(b, &cfg.q_len, &safe);
+        let a = k.address(self.positions, &i, 8);
+        let wide = k.ld_global_i64(a);
+        k.op1("cvt.u32.u64", RegClass::B32, &wide)
+    }
+
+    /// The smallest and largest position of sequence `b`'s rows `q0 .. q0 + BM` (those inside
+    /// the sequence), in every thread of the warpgroup.
+    fn range(&self, k: &mut Kernel, cfg: &AttentionConfig, b: &Reg, q0: &Reg) -> (Reg, Reg) {
+        k.comment("position keys: the item's smallest and largest position");
+        let row = k.add_u32(q0, &self.wt);
+        let inside = k.setp("lt.u32", &row, &cfg.q_len);
+        let pos = self.position(k, cfg, b, &row);
+        let mut lo = k.selp(RegClass::B32, "u32", &pos, &u32::MAX, inside);
+        let mut hi = k.selp(RegClass::B32, "u32", &pos, &0u32, inside);
+        for lanes in [16u32, 8, 4, 2, 1] {
+            for (r, op) in [(&mut lo, "min"), (&mut hi, "max")] {
+                let other = k.reg(RegClass::B32);
+                k.emit(format!("shfl.sync.bfly.b32 {other}, {r}, {lanes}, 31, -1"));
+                *r = k.op2(&format!("{op}.u32"), RegClass::B32, r, &other);
+            }
+        }
+        k.emit(format!(
+            "@{} st.shared.v2.u32 [{}], {{{lo}, {hi}}}",
+            self.lane0, self.slot
+        ));
+        // Not `bar.sync` (aligned): the producer's thread 0 comes to it later than its warp.
+        k.emit(format!("barrier.sync {}, 128", self.barrier));
+        let (mut lo, mut hi) = (k.mov(RegClass::B32, &u32::MAX), k.mov(RegClass::B32, &0u32));
+        for w in 0..4 {
+            let (a, b) = (k.reg(RegClass::B32), k.reg(RegClass::B32));
+            k.emit(format!(
+                "ld.shared.v2.u32 {{{a}, {b}}}, [{}+{}]",
+                self.slots,
+                8 * w
+            ));
+            lo = k.op2("min.u32", RegClass::B32, &lo, &a);
+            hi = k.op2("max.u32", RegClass::B32, &hi, &b);
+        }
+        // The slots are the next item's only once every thread has read them.
+        k.emit(format!("barrier.sync {}, 128", self.barrier));
+        (lo, hi)
+    }
 }
 
 /// Where a warpgroup is in the block's items: how many it has taken (which Q buffer, and which
@@ -285,9 +403,9 @@ struct Block {
 }
 
 impl Block {
-    /// Item `item`: query blocks slowest (longest first when causal: the last has the most
-    /// keys), then batch, then heads fastest.
-    fn at(k: &mut Kernel, cfg: &AttentionConfig, item: &Reg) -> Block {
+    /// Item `item`: query blocks slowest (longest first when causal or by position: the last
+    /// has the most keys), then batch, then heads fastest.
+    fn at(k: &mut Kernel, cfg: &AttentionConfig, item: &Reg, keys: Option<&PositionKeys>) -> Block {
         let blocks = cfg.q_len.div_ceil(BM);
         let planes = cfg.heads * cfg.batch;
         let rank = k.op2("div.u32", RegClass::B32, item, &planes);
@@ -295,7 +413,7 @@ impl Block {
         let h = k.op2("rem.u32", RegClass::B32, &plane, &cfg.heads);
         let b = k.op2("div.u32", RegClass::B32, &plane, &cfg.heads);
         let causal = matches!(cfg.keys, KeyRule::Causal { .. });
-        let qb = if causal {
+        let qb = if causal || keys.is_some() {
             k.sub_u32(&(blocks - 1), &rank)
         } else {
             rank
@@ -304,7 +422,20 @@ impl Block {
         let kvh = k.op2("div.u32", RegClass::B32, &h, &(cfg.heads / cfg.kv_heads));
         let all = cfg.kv_len.div_ceil(BKV);
         let whole = cfg.kv_len / BKV;
-        let (tiles, edge_from) = if causal {
+        let (tiles, edge_from) = if let Some(keys) = keys {
+            // Tiles up to the largest position's key; per-element masks from the tile that
+            // crosses the smallest one's.
+            let (lo, hi) = keys.range(k, cfg, &b, &q0);
+            // At least one tile (the consumers multiply the first unconditionally), and no
+            // overflow from a position of 2^32 - 1 (a negative one's low half).
+            let hi = k.op2("min.u32", RegClass::B32, &hi, &(cfg.kv_len - 1));
+            let needed = k.add_u32(&hi, &BKV);
+            let needed = k.op2("shr.u32", RegClass::B32, &needed, &BKV.trailing_zeros());
+            let tiles = k.op2("min.u32", RegClass::B32, &needed, &all);
+            let lo_end = k.add_u32(&lo, &1u32);
+            let clean = k.op2("shr.u32", RegClass::B32, &lo_end, &BKV.trailing_zeros());
+            (tiles, k.op2("min.u32", RegClass::B32, &clean, &whole))
+        } else if causal {
             // The block's last row sees keys up to q0 + BM - 1 + T - S; its first row up to q0 + T - S.
             let shift = cfg.kv_len - cfg.q_len;
             let end = k.add_u32(&q0, &(BM + shift));
@@ -329,11 +460,11 @@ impl Block {
 }
 
 /// Warpgroup 0: thread 0 copies each item's Q, then streams its K/V tiles; the warpgroup then
-/// leaves.
+/// leaves (with position keys, once every thread has helped find each item's range).
 fn producer(
     k: &mut Kernel,
     cfg: &AttentionConfig,
-    layout: &Layout,
+    (layout, keys): (&Layout, Option<&PositionKeys>),
     base: &Reg,
     bars: &Reg,
     tid: &Reg,
@@ -342,12 +473,21 @@ fn producer(
     setmaxnreg(k, false, PRODUCER_REGS);
     let exit = k.label("producer_done");
     let first = k.setp("eq.u32", tid, &0u32);
-    k.bra(Some((first, false)), &exit);
+    // With position keys every thread goes round the items, the first alone loading.
+    let maps_done = keys.map(|_| k.label("maps_prefetched"));
+    k.bra(Some((first, false)), maps_done.as_ref().unwrap_or(&exit));
     for map in [&q, &kk, &v] {
         prefetch_tensor_map(k, map);
     }
+    if let Some(label) = &maps_done {
+        k.place(label);
+    }
     let progress = Progress::new(k);
-    for_each_item(k, cfg, |k, block| {
+    for_each_item(k, cfg, keys, |k, block| {
+        let loaded = keys.map(|_| k.label("item_loaded"));
+        if let Some(label) = &loaded {
+            k.bra(Some((first, false)), label);
+        }
         load_q(k, cfg, layout, base, bars, &progress, &block, &q);
         let j = k.mov(RegClass::B32, &0u32);
         let top = k.label("produce");
@@ -382,6 +522,9 @@ fn producer(
         k.bra(None, &top);
         k.place(&done);
         progress.next_item(k, &block);
+        if let Some(label) = &loaded {
+            k.place(label);
+        }
     });
     k.place(&exit);
     k.emit("ret");
@@ -543,7 +686,7 @@ impl Consumer {
         &self,
         k: &mut Kernel,
         cfg: &AttentionConfig,
-        layout: &Layout,
+        (layout, keys): (&Layout, Option<&PositionKeys>),
         block: &Block,
         base: &Reg,
         bars: &Reg,
@@ -552,18 +695,17 @@ impl Consumer {
         progress: &Progress,
     ) -> RowState {
         let state = RowState::new(k, cfg.head_dim);
-        // The last key each of the thread's rows sees (T - 1 without a causal rule).
+        // The last key each of the thread's rows sees (T - 1 without a causal or position rule).
         let last: Vec<Reg> = (0..2u32)
             .map(|h| {
                 let row = k.add_u32(&self.row, &(8 * h));
                 let row = k.add_u32(&row, &block.q0);
-                match cfg.keys {
-                    KeyRule::Causal { .. } => {
-                        let l = k.add_u32(&row, &(cfg.kv_len - cfg.q_len));
-                        k.op2("min.u32", RegClass::B32, &l, &(cfg.kv_len - 1))
-                    }
-                    _ => k.mov(RegClass::B32, &(cfg.kv_len - 1)),
-                }
+                let l = match (cfg.keys, keys) {
+                    (KeyRule::Causal { .. }, _) => k.add_u32(&row, &(cfg.kv_len - cfg.q_len)),
+                    (_, Some(keys)) => keys.position(k, cfg, &block.b, &row),
+                    _ => return k.mov(RegClass::B32, &(cfg.kv_len - 1)),
+                };
+                k.op2("min.u32", RegClass::B32, &l, &(cfg.kv_len - 1))
             })
             .collect();
         // This warpgroup's 64 rows of each 128-row block of the item's Q buffer.

@@ -138,6 +138,16 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
                 1,
                 2048,
             ),
+            // A prompt chunk over a dense cache on the Hopper kernel (q rotated ahead), ragged.
+            (
+                64,
+                KeyRule::Position { window: None },
+                false,
+                false,
+                None,
+                300,
+                4097,
+            ),
             // A prompt chunk over a cache (tensor cores), head dim 96, with a window.
             (
                 96,

@@ -1274,6 +1274,17 @@ fn attention_matches_the_interpreter() {
             rope: true,
             dropout: None,
         },
+        // Prompt chunks over a dense cache on the Hopper kernel: ragged rows and keys, d 64
+        // without RoPE; d 128 with RoPE on q (rotated ahead of it).
+        AttentionCase {
+            keys: KeyRule::Position { window: None },
+            ..AttentionCase::new(4, 2, 300, 1000, 64)
+        },
+        AttentionCase {
+            keys: KeyRule::Position { window: None },
+            rope: true,
+            ..AttentionCase::new(4, 1, 130, 520, 128)
+        },
         // Chunked prefill over a cache with a window.
         AttentionCase {
             heads: 4,
@@ -1342,11 +1353,12 @@ fn attention_on_tensor_cores_at_benchmark_shapes() {
             ..AttentionCase::new(8, 2, 4096, 4096, 64)
         },
     ];
-    // Llama's RoPE leaves the kernel (`prerotated`); windows and cache chunks stay on mma.
+    // Llama's RoPE leaves the kernel (`prerotated`), for a prefill and for a chunk over a dense
+    // cache; windows stay on mma.
     let paths = [
         KernelPath::Wgmma,
         KernelPath::Mma,
-        KernelPath::Mma,
+        KernelPath::Wgmma,
         KernelPath::Wgmma,
     ];
     for (case, expected) in cases.iter().zip(paths) {
@@ -1581,11 +1593,18 @@ fn attention_case(
             (0..t).map(move |j| i64::from(j < keep))
         })
         .collect();
+    // Over a cache, the second sequence's positions run backwards: kernels may not assume an
+    // order.
     let positions: Vec<i64> = if cached {
         (0..b)
-            .flat_map(|_| {
+            .flat_map(|row| {
                 let first = s as u64 - 1 + rng.random::<u64>() % (t as u64 - s as u64 + 1);
-                (0..s as i64).map(move |x| first as i64 + 1 - s as i64 + x)
+                let ahead = (0..s as i64).map(move |x| first as i64 + 1 - s as i64 + x);
+                let mut row_positions: Vec<i64> = ahead.collect();
+                if row == 1 {
+                    row_positions.reverse();
+                }
+                row_positions
             })
             .collect()
     } else {
@@ -1693,16 +1712,18 @@ fn attention_case(
             ("cos", Arg::Buf(&bc)),
             ("sin", Arg::Buf(&bn)),
         ]);
+        // A chunk over a cache rotates q only (the cache holds rotated keys).
         let q_rot = gpu.poisoned(elem, b * h * s * d);
         let k_rot = gpu.poisoned(elem, b * kvh * t * d);
+        let k_rotated = rk.is_some();
         for (rotation, (x, rotated)) in [rq, rk].iter().zip([(&bq, &q_rot), (&bk, &k_rot)]) {
-            let rotation = rotation.as_ref().expect("prefill rotates q and k");
+            let Some(rotation) = rotation else { continue };
             args.insert("x", Arg::Buf(x));
             args.insert("out", Arg::Buf(rotated));
             gpu.launch(&kiln_kernels::rope::rotate(rotation), &args);
         }
         args.insert("q", Arg::Buf(&q_rot));
-        args.insert("k", Arg::Buf(&k_rot));
+        args.insert("k", Arg::Buf(if k_rotated { &k_rot } else { &bk }));
         let kernels = with_few_blocks(vec![
             attention(&plain),
             kiln_kernels::attention::attention_base(&plain),
@@ -1977,10 +1998,12 @@ fn kv_cache_writes_match_the_interpreter() {
 /// one key range and through many (the writing warp being any of them), with a row whose mask is
 /// 0 writing nothing; the merge leaves its counters at zero.
 /// Prompt chunks (tensor cores; SIMT in f32) and decode steps over a paged cache read what a
-/// dense cache of the same keys holds: the same outputs, bit for bit.
+/// dense cache of the same keys holds: the same outputs, bit for bit, from the base image's
+/// kernel of each (a dense cache's chunks take the Hopper kernel where sm_90a is there, checked
+/// against the interpreter in `attention_matches_the_interpreter`).
 #[test]
 fn attention_over_a_paged_cache_reads_what_a_dense_one_holds() {
-    use kiln_kernels::attention::{attention, decode_splits, AttentionConfig, KeyRule};
+    use kiln_kernels::attention::{attention_base, decode_splits, AttentionConfig, KeyRule};
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng::seed_from_u64(0x9a6e_d0ca);
     for elem in [Elem::BF16, Elem::F32] {
@@ -2038,7 +2061,7 @@ fn attention_over_a_paged_cache_reads_what_a_dense_one_holds() {
                     ("positions", Arg::Buf(&bp)),
                     ("table", Arg::Buf(&table)),
                 ]);
-                let kernel = attention(&c);
+                let kernel = attention_base(&c);
                 gpu.launch(&kernel, &args);
                 if c.splits > 1 {
                     gpu.launch(&kiln_kernels::attention::attention_combine(&c), &args);

@@ -237,6 +237,19 @@ fn attention_gqa_causal_padded_bf16_wgmma() {
     insta::assert_snapshot!(k.module());
 }
 
+/// The Hopper attention over a dense cache with position keys (a prompt chunk, q rotated ahead):
+/// each warpgroup's search for an item's smallest and largest position, per-row last keys.
+#[test]
+fn attention_chunk_over_a_dense_cache_bf16_wgmma() {
+    use kiln_kernels::attention::{attention, AttentionConfig, KeyRule};
+    let mut cfg = AttentionConfig::plain([1, 32, 8, 512, 4608, 64], Elem::BF16);
+    cfg.keys = KeyRule::Position { window: None };
+    cfg.scale = 0.125;
+    let k = attention(&cfg);
+    assert!(k.name.ends_with("_wgmma"), "{}", k.name);
+    insta::assert_snapshot!(k.module());
+}
+
 #[test]
 fn attention_gqa_causal_rope_dropout_bf16() {
     use kiln_kernels::attention::{attention, AttentionConfig, KeyRule};

@@ -180,6 +180,31 @@ fn rope_prefill_attention_runs_on_wgmma() {
     }
 }
 
+/// A prompt chunk's attention over a dense cache (`--kv-block-size 0`) runs on wgmma, q rotated
+/// ahead of it and each row's keys bounded by its position; over a paged cache it stays on mma.
+#[test]
+fn prompt_chunks_over_a_dense_cache_run_on_wgmma() {
+    for (block, path) in [("0", "wgmma"), ("16", "mma")] {
+        let r = report(
+            &configs_dir().join("llama-3.1-8b"),
+            &["--no-weights", "--dtype", "bf16", "--kv-block-size", block],
+        );
+        let mut checked = 0;
+        for b in r["decode_buckets"].as_array().unwrap() {
+            if b["seq"].as_u64() == Some(1) {
+                continue;
+            }
+            for k in b["kernels"].as_array().unwrap() {
+                if k["kind"] == "decode_attention" {
+                    assert_eq!(k["path"], path, "blocks of {block}: {k}");
+                    checked += 1;
+                }
+            }
+        }
+        assert!(checked > 0, "blocks of {block}: no prompt chunk attention");
+    }
+}
+
 /// Decode steps of f16/bf16 builds that decode several sequences together take the tensor-core
 /// GEMV at every batch size (batch-invariant: a sequence decodes as it does alone), which
 /// normalises x in its prologue: no norm launch before a product (Llama's RMSNorms, GPT-2's
