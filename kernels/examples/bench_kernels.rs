@@ -497,10 +497,10 @@ fn emit_cases(dir: &std::path::Path) {
         );
     }
     // Products of the models' prefills (GPT-2 small at 16 and 1024 tokens, Llama-3.2-1B at 512,
-    // 1024 and 4096, BERT-base at 128 x 128), of Llama-3.2-1B's decode step at 64 sequences, and
-    // the square ones in every tiling of the Hopper kernel (and the split one it picks, and the
-    // GEMV where lowering takes it), BERT's with their epilogues too: the one picked should be
-    // the fastest.
+    // 1024 and 4096, Llama-3.1-8B's QKV at 1024, BERT-base at 128 x 128), of Llama-3.2-1B's
+    // decode step at 64 sequences, and the square ones in every tiling of the Hopper kernel (and
+    // the split one it picks, and the GEMV where lowering takes it), BERT's with their epilogues
+    // too: the one picked should be the fastest.
     for (m, n, k, epilogue) in [
         (64usize, 2048usize, 8192usize, ""),
         (64, 2048, 2048, ""),
@@ -515,6 +515,9 @@ fn emit_cases(dir: &std::path::Path) {
         (1024, 768, 3072, ""),
         (1024, 768, 768, ""),
         (1024, 2304, 768, ""),
+        (1024, 16384, 2048, "swiglu"),
+        (1024, 128256, 2048, ""),
+        (1024, 6144, 4096, ""),
         (16, 3072, 768, ""),
         (512, 2048, 8192, ""),
         (512, 3072, 2048, ""),

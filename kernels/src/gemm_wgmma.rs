@@ -64,9 +64,12 @@ pub struct Tiling {
 /// the widest in percent (a narrower tile loads x's rows for fewer columns). The together
 /// tilings' are set below the H200's (BENCHMARKS.md, 2026-12-02: 93-101% at 128, 55-89% at 64),
 /// so that a narrower tile is taken only where it also fills more SMs; the ping-pong one's is
-/// the 93% measured on products of many tiles.
-pub const TILINGS: [(Tiling, u64); 4] = [
+/// the 93% measured on products of many tiles. 192 wide fills the SMs where 256 leaves a
+/// quarter idle and 128 takes two rounds (1024 rows of Llama-3.2-1B's QKV, 3072 columns: 96,
+/// 128 and 192 tiles).
+pub const TILINGS: [(Tiling, u64); 5] = [
     (Tiling::together(256), 100),
+    (Tiling::together(192), 90),
     (Tiling::together(128), 80),
     (Tiling::together(64), 60),
     (
@@ -1209,6 +1212,20 @@ mod tests {
     }
 
     #[test]
+    fn products_a_quarter_short_at_256_wide_take_192() {
+        // Llama-3.2-1B's QKV at 1024 tokens: 96 tiles at 256 wide, 128 at 192; GPT-2's at 1024
+        // tokens (2304 columns, K = 768): 72 and 96.
+        let wide = Tiling::together(192);
+        assert_eq!(tiling(&product(1024, 3072, 2048, false)), wide);
+        assert_eq!(tiling(&product(1024, 2304, 768, false)), wide);
+        // Near misses: where 256 wide already fills the SMs, or 192 wide needs a round more.
+        assert_ne!(tiling(&product(1024, 4096, 4096, false)), wide);
+        assert_ne!(tiling(&product(1024, 16384, 2048, true)), wide);
+        assert_ne!(tiling(&product(1024, 128256, 2048, false)), wide);
+        assert_ne!(tiling(&product(4096, 3072, 2048, false)), wide);
+    }
+
+    #[test]
     fn products_leaving_most_sms_idle_split_k() {
         // Llama-3.2-1B's decode step at 32 and 64 sequences: the down (K = 8192), O and QKV
         // products, 32 to 48 tiles unsplit, become one wave of parts.
@@ -1268,11 +1285,10 @@ mod tests {
 
     #[test]
     fn a_narrower_tile_that_needs_more_waves_loses() {
-        // GPT-2's QKV at 1024 tokens: 72 tiles in one wave; 128 or 64 wide take two or three,
-        // and taking turns over two tiles a block does not pay.
-        assert_eq!(
-            tiling(&product(1024, 2304, 768, false)),
-            Tiling::together(256)
-        );
+        // GPT-2's QKV at 1024 tokens: 96 tiles at 192 wide in one wave; 128 or 64 wide take two
+        // or three, and taking turns over two tiles a block does not pay.
+        for (t, _) in &TILINGS[2..] {
+            assert_ne!(tiling(&product(1024, 2304, 768, false)), *t);
+        }
     }
 }
