@@ -23,7 +23,7 @@ use kiln_kernels::elementwise::activation_kernel;
 use kiln_kernels::embedding::{embedding, EmbeddingConfig};
 use kiln_kernels::gemm::{gemm_base, gemm_for, GemmConfig};
 use kiln_kernels::gemv::{self, Rows};
-use kiln_kernels::kv_cache::{kv_write, KvWriteConfig};
+use kiln_kernels::kv_cache::{chunk_entries, kv_write, ChunkEntriesConfig, KvWriteConfig};
 use kiln_kernels::norm::{norm, NormConfig};
 use kiln_kernels::paging::Paging;
 use kiln_kernels::rope::rotate;
@@ -530,6 +530,10 @@ fn choosing_product(g: &Graph, site: &TokenSite, rows: Rows) -> Option<NodeId> {
 struct Fused {
     /// Each such attention's key and value writes.
     attention_writes: BTreeMap<NodeId, [NodeId; 2]>,
+    /// Each prompt chunk's attention over a dense cache whose key and value writes one launch
+    /// does together with q's rotation ([`kiln_kernels::kv_cache::chunk_entries`]), and those
+    /// writes.
+    chunk_writes: BTreeMap<NodeId, [NodeId; 2]>,
     /// Where a decode step chooses its tokens ([`greedy_tokens`]).
     token_site: Option<TokenSite>,
     /// The decode step's LM head when it folds the greedy choice in ([`choosing_product`]).
@@ -541,34 +545,45 @@ impl Fused {
     /// its writes ([`decode_writes`]) when it runs on `attention_decode` and reads their new rows
     /// in place.
     fn find(g: &Graph, consumers: &[Vec<(NodeId, usize)>], kernels: &Lowered) -> Fused {
-        let attention_writes = decode_writes(g, consumers)
-            .into_iter()
-            .filter(|f| {
-                let node = g.node(f.attention);
-                let (Op::DecodeAttention(spec), Some(elem)) = (&node.op, Elem::of(node.ty.dtype))
-                else {
-                    return false;
-                };
-                lower_decode(g, f.attention, spec, elem, kernels)
-                    .is_some_and(|(cfg, _, _)| kiln_kernels::attention_decode::supports(&cfg))
-                    && new_entries(g, f.writes).is_some()
-            })
-            .map(|f| (f.attention, f.writes))
-            .collect();
+        let mut attention_writes = BTreeMap::new();
+        let mut chunk_writes = BTreeMap::new();
+        for f in decode_writes(g, consumers) {
+            let node = g.node(f.attention);
+            let (Op::DecodeAttention(spec), Some(elem)) = (&node.op, Elem::of(node.ty.dtype))
+            else {
+                continue;
+            };
+            let Some((cfg, split, offsets)) = lower_decode(g, f.attention, spec, elem, kernels)
+            else {
+                continue;
+            };
+            if new_entries(g, f.writes).is_none() {
+                continue;
+            }
+            if kiln_kernels::attention_decode::supports(&cfg) {
+                attention_writes.insert(f.attention, f.writes);
+            } else if prerotated_chunk(&cfg, split, offsets) {
+                chunk_writes.insert(f.attention, f.writes);
+            }
+        }
         let token_site = TokenSite::find(g);
         let choosing = token_site
             .as_ref()
             .and_then(|site| choosing_product(g, site, kernels.rows));
         Fused {
             attention_writes,
+            chunk_writes,
             token_site,
             choosing,
         }
     }
 
-    /// Whether the cache write `id` is done by its attention's kernel.
+    /// Whether the cache write `id` is done by its attention's kernel or its chunk's entries.
     fn write_done(&self, id: NodeId) -> bool {
-        self.attention_writes.values().flatten().any(|w| *w == id)
+        (self.attention_writes.values())
+            .chain(self.chunk_writes.values())
+            .flatten()
+            .any(|w| *w == id)
     }
 }
 
@@ -799,7 +814,7 @@ fn lower_node(
                 // The CPU runs the fused kernel, RoPE included; the GPU rotates first.
                 let params: Vec<&str> = bind.iter().map(|(p, _)| *p).collect();
                 n.cpu(CpuKernel::Attention(cfg.clone()), &bind, &params, rows);
-                lower_prerotated(out, n, &cfg, plain, &bind)?;
+                lower_prerotated(out, n, &cfg, plain, &bind, None)?;
             } else {
                 let kernel = attention_kernel(out, &cfg, offsets);
                 n.cpu_like(CpuKernel::Attention(cfg.clone()), &kernel, &bind, rows);
@@ -845,13 +860,18 @@ fn lower_node(
                 new: writes.as_ref().map(|(_, new)| new.clone()),
                 combine: decode && kiln_kernels::attention_decode::combines(&cfg),
             };
-            // A prompt chunk over a dense cache: q rotated ahead of the Hopper kernel.
+            // A prompt chunk over a dense cache: q rotated ahead of the Hopper kernel, in one
+            // launch with the cache writes where they are this attention's alone.
             let aligned = offsets.iter().all(|o| o % 8 == 0);
             let prerotated = kiln_kernels::attention::prerotated(&cfg)
                 .filter(|_| extras == Extras::default() && !split && aligned);
             if let Some(plain) = prerotated {
                 bind.push(("out", this));
-                return lower_prerotated(out, n, &cfg, plain, &bind);
+                let entries = match fused.chunk_writes.get(&id) {
+                    Some(&[kw, vw]) => Some(chunk_entries_launch(g, [kw, vw], elem, out)?),
+                    None => None,
+                };
+                return lower_prerotated(out, n, &cfg, plain, &bind, entries);
             }
             if let Some(([keys, values, mask], _)) = writes {
                 bind.extend([("k_new", Value(keys)), ("v_new", Value(values))]);
@@ -913,31 +933,7 @@ fn lower_node(
         Op::CacheWrite => {
             // Operands: cache, new (possibly its RoPE), positions, mask. The cache is updated in
             // place: this node's value is its first operand's storage.
-            let cache = dims(&node.ty)?;
-            let new_id = node.args[1];
-            let (values, rope) = match &g.node(new_id).op {
-                Op::Rope { theta, scaling } => {
-                    let values = g.node(new_id).args[0];
-                    (values, Some(rope_table(*theta, scaling, g.ty(values))?))
-                }
-                _ => (new_id, None),
-            };
-            let (new_strides, _) = head_strides(g, values)?;
-            let paging = out.paging(cache[2]);
-            if paging.is_some() && !is_cache_input(g, node.args[0]) {
-                return None;
-            }
-            let cfg = KvWriteConfig {
-                batch: cache[0],
-                kv_heads: cache[1],
-                new_len: dims(arg(1))?[2],
-                capacity: cache[2],
-                head_dim: cache[3],
-                new_strides,
-                rope: rope.is_some(),
-                elem,
-                paging,
-            };
+            let (cfg, values, rope) = cache_write(g, id, elem, out)?;
             let kernel = out.generate(&cfg, kv_write);
             let mut bind = vec![
                 ("cache", a(0)),
@@ -948,7 +944,7 @@ fn lower_node(
             if let Some(table) = rope {
                 bind.extend(rope_tables(table));
             }
-            if paging.is_some() {
+            if cfg.paging.is_some() {
                 bind.push(("table", Operand::BlockTable));
             }
             let tokens = u64::from(cfg.batch * cfg.new_len);
@@ -960,6 +956,89 @@ fn lower_node(
         _ => return None,
     }
     Some(())
+}
+
+/// Cache write `id`'s kernel configuration, the values it writes (before their RoPE) and its
+/// RoPE table where it rotates them.
+fn cache_write(
+    g: &Graph,
+    id: NodeId,
+    elem: Elem,
+    out: &Lowered,
+) -> Option<(KvWriteConfig, NodeId, Option<RopeTable>)> {
+    let node = g.node(id);
+    let cache = dims(&node.ty)?;
+    let new_id = node.args[1];
+    let (values, rope) = match &g.node(new_id).op {
+        Op::Rope { theta, scaling } => {
+            let values = g.node(new_id).args[0];
+            (values, Some(rope_table(*theta, scaling, g.ty(values))?))
+        }
+        _ => (new_id, None),
+    };
+    let (new_strides, _) = head_strides(g, values)?;
+    let paging = out.paging(cache[2]);
+    if paging.is_some() && !is_cache_input(g, node.args[0]) {
+        return None;
+    }
+    let cfg = KvWriteConfig {
+        batch: cache[0],
+        kv_heads: cache[1],
+        new_len: dims(g.ty(new_id))?[2],
+        capacity: cache[2],
+        head_dim: cache[3],
+        new_strides,
+        rope: rope.is_some(),
+        elem,
+        paging,
+    };
+    Some((cfg, values, rope))
+}
+
+/// Whether a decode attention of configuration `cfg` (split or not, at q/k/v element `offsets`)
+/// is a prompt chunk that [`lower_prerotated`] runs with q alone rotated: the one whose cache
+/// writes [`chunk_entries_launch`] can take in.
+fn prerotated_chunk(cfg: &AttentionConfig, split: bool, offsets: [u32; 3]) -> bool {
+    let rotations = kiln_kernels::attention::rotations(cfg);
+    cfg.q_len > 1
+        && cfg.paging.is_none()
+        && !split
+        && offsets.iter().all(|o| o % 8 == 0)
+        && kiln_kernels::attention::prerotated(cfg).is_some()
+        && rotations[0].is_some()
+        && rotations[1].is_none()
+}
+
+/// The writes `[kw, vw]` of a prompt chunk's keys and values, as one [`chunk_entries`] kernel
+/// takes them: its configuration's keys and values, and its bindings but q's.
+fn chunk_entries_launch(
+    g: &Graph,
+    [kw, vw]: [NodeId; 2],
+    elem: Elem,
+    out: &Lowered,
+) -> Option<ChunkEntries> {
+    let (keys, k_new, _) = cache_write(g, kw, elem, out)?;
+    let (values, v_new, _) = cache_write(g, vw, elem, out)?;
+    let write = g.node(kw);
+    let bind = vec![
+        ("k_cache", Operand::Value(write.args[0])),
+        ("v_cache", Operand::Value(g.node(vw).args[0])),
+        ("k_new", Operand::Value(k_new)),
+        ("v_new", Operand::Value(v_new)),
+        ("mask", Operand::Value(write.args[3])),
+    ];
+    Some(ChunkEntries {
+        keys,
+        value_strides: values.new_strides,
+        bind,
+    })
+}
+
+/// A prompt chunk's cache writes that its q rotation's launch takes in ([`chunk_entries`]).
+struct ChunkEntries {
+    keys: KvWriteConfig,
+    value_strides: [u32; 3],
+    bind: Vec<(&'static str, Operand)>,
 }
 
 /// What the decode attention reading the cache writes `writes` stores itself: the new keys
@@ -1054,13 +1133,15 @@ fn attention_kernel(
 
 /// Attention `cfg` (with RoPE) as [`kiln_kernels::attention::prerotated`] runs it: q (and k) rotated
 /// into scratch buffers, then `plain`'s Hopper kernel over them (the base-image kernel of `plain`
-/// as its fallback). `bind` binds `cfg`'s parameters.
+/// as its fallback). `bind` binds `cfg`'s parameters; `entries`, a prompt chunk's cache writes,
+/// are done in q's rotation's launch.
 fn lower_prerotated(
     out: &mut Lowered,
     n: &mut NodeLaunches,
     cfg: &AttentionConfig,
     plain: AttentionConfig,
     bind: &[(&str, Operand)],
+    mut entries: Option<ChunkEntries>,
 ) -> Option<()> {
     let operand = |name: &str| {
         bind.iter()
@@ -1081,15 +1162,31 @@ fn lower_prerotated(
         let scratch = Operand::Scratch(n.scratch.len());
         n.scratch
             .push(u64::from(bytes) * u64::from(cfg.elem.bytes()));
-        let rotate_bind = [
-            ("x", operand(name)?),
-            ("out", scratch.clone()),
+        let tables = [
             ("positions", operand("positions")?),
             ("cos", operand("cos")?),
             ("sin", operand("sin")?),
         ];
-        let kernel = out.generate(&rotation, rotate);
-        out.launch(n, kernel, &rotate_bind)?;
+        match entries.take().filter(|_| name == "q") {
+            Some(e) => {
+                let cfg = ChunkEntriesConfig {
+                    keys: e.keys,
+                    value_strides: e.value_strides,
+                    query: rotation,
+                };
+                let mut entries_bind = e.bind;
+                entries_bind.extend([("q", operand(name)?), ("q_out", scratch.clone())]);
+                entries_bind.extend(tables);
+                let kernel = out.generate(&cfg, chunk_entries);
+                out.launch(n, kernel, &entries_bind)?;
+            }
+            None => {
+                let mut rotate_bind = vec![("x", operand(name)?), ("out", scratch.clone())];
+                rotate_bind.extend(tables);
+                let kernel = out.generate(&rotation, rotate);
+                out.launch(n, kernel, &rotate_bind)?;
+            }
+        }
         attention_bind.iter_mut().find(|(p, _)| *p == name)?.1 = scratch;
     }
     let kernel = out.generate(&plain, attention);

@@ -89,6 +89,24 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
             elem,
         };
         out.push(("rope", crate::rope::rotate(&rotation)));
+        // A prompt chunk's entries in one launch: the same q, keys and values of that product.
+        let keys = crate::kv_cache::KvWriteConfig {
+            batch: 2,
+            kv_heads: 8,
+            new_len: 127,
+            capacity: 4096,
+            head_dim: 64,
+            new_strides: rotation.strides,
+            rope: true,
+            elem,
+            paging: None,
+        };
+        let entries = crate::kv_cache::ChunkEntriesConfig {
+            keys,
+            value_strides: rotation.strides,
+            query: rotation,
+        };
+        out.push(("kv_cache", crate::kv_cache::chunk_entries(&entries)));
         for (head_dim, keys, padding, rope, dropout, q_len, kv_len) in [
             (
                 64,

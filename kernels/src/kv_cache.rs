@@ -6,8 +6,8 @@
 //! (`crate::paging`).
 
 use crate::paging::{KeyRows, Paging};
-use crate::ptx::{Elem, Kernel, Reg, RegClass};
-use crate::rope::rotated;
+use crate::ptx::{Elem, Kernel, Label, Reg, RegClass};
+use crate::rope::{rotated, RotateConfig};
 use crate::{GeneratedKernel, Launch};
 
 /// Tokens (warps) per block.
@@ -68,8 +68,6 @@ pub fn kv_write(cfg: &KvWriteConfig) -> GeneratedKernel {
     let mask = k.param_ptr("mask");
     let tables = cfg.rope.then(|| (k.param_ptr("cos"), k.param_ptr("sin")));
     let paged = cfg.paging.map(|p| (k.param_ptr("table"), p));
-    let e = cfg.elem;
-    let d = cfg.head_dim;
     let warps = cfg.new_len.min(WARPS);
     let lane = k.special("tid.x");
     let warp = k.special("tid.y");
@@ -80,24 +78,12 @@ pub fn kv_write(cfg: &KvWriteConfig) -> GeneratedKernel {
     let s = k.mad_u32(&first, &warps, &warp);
     let past = k.setp("ge.u32", &s, &cfg.new_len);
     k.bra(Some((past, true)), &exit);
-    let token = k.mad_u32(&b, &cfg.new_len, &s);
-    let ma = k.address(mask, &token, 8);
-    let present = k.ld_global_i64(ma);
-    let absent = k.setp("eq.s64", &present, &0u64);
-    k.bra(Some((absent, true)), &exit);
-    let pa = k.address(positions, &token, 8);
-    let pos64 = k.ld_global_i64(pa);
-    let outside = k.setp("ge.u64", &pos64, &u64::from(cfg.capacity));
-    k.bra(Some((outside, true)), &exit);
-    let pos = k.op1("cvt.u32.u64", RegClass::B32, &pos64);
-    let [sb, sh, ss] = cfg.new_strides;
-    let n0 = k.mul_u32(&b, &sb);
-    let n1 = k.mad_u32(&h, &sh, &n0);
-    let src_row = k.mad_u32(&s, &ss, &n1);
-    let rows = KeyRows::new(&mut k, cfg.cache_strides(), [b, h], paged);
-    let dst_row = rows.row(&mut k, &pos);
-    let rope = tables.map(|t| (t, pos));
-    write_row(&mut k, e, d, lane, [new, src_row], [cache, dst_row], rope);
+    let entry = Entry {
+        at: [b, h, s, lane],
+        positions,
+        mask,
+    };
+    entry.write(&mut k, cfg, [cache, new], tables, paged, &exit);
     k.place(&exit);
     GeneratedKernel::new(
         k,
@@ -107,6 +93,210 @@ pub fn kv_write(cfg: &KvWriteConfig) -> GeneratedKernel {
             shared_bytes: 0,
         },
     )
+}
+
+/// A prompt chunk's new entries in one launch ([`chunk_entries`]): its keys and values written
+/// into their caches as [`kv_write`] writes each, and q rotated as [`crate::rope::rotate`]
+/// rotates it, for the attention that reads all three.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChunkEntriesConfig {
+    /// The keys' write (rotated where the IR rotates the keys).
+    pub keys: KvWriteConfig,
+    /// `[batch, head, row]` strides of the new values.
+    pub value_strides: [u32; 3],
+    /// q's rotation into a contiguous `[B, H, S, D]` buffer (its batch, length, head dim and
+    /// element type those of `keys`).
+    pub query: RotateConfig,
+}
+
+impl ChunkEntriesConfig {
+    /// The values' write.
+    pub fn values(&self) -> KvWriteConfig {
+        KvWriteConfig {
+            new_strides: self.value_strides,
+            rope: false,
+            ..self.keys.clone()
+        }
+    }
+}
+
+/// Generates the kernel. Parameters: `k_cache, v_cache, k_new, v_new, positions, mask, cos, sin,
+/// q, q_out, [table]`. Blocks over `y` take q's heads, then the keys', then the values'; each
+/// warp one token of one head, as [`kv_write`] does (the rotation the same multiply and fused
+/// multiply-add, so every output is the three kernels' bit for bit).
+pub fn chunk_entries(cfg: &ChunkEntriesConfig) -> GeneratedKernel {
+    let keys = &cfg.keys;
+    let q = &cfg.query;
+    assert!(
+        q.batch == keys.batch
+            && q.len == keys.new_len
+            && q.head_dim == keys.head_dim
+            && q.elem == keys.elem,
+        "q's rotation and the cache writes cover the same tokens"
+    );
+    let [qb, qh, qs] = q.strides;
+    let name = format!(
+        "chunk_entries_{}_h{}_kv{}_d{}_s{}_t{}_st{qb}x{qh}x{qs}{}{}",
+        keys.elem.name(),
+        q.heads,
+        keys.kv_heads,
+        keys.head_dim,
+        keys.new_len,
+        keys.capacity,
+        if keys.rope { "_rope" } else { "" },
+        Paging::suffix(keys.paging)
+    );
+    let mut k = Kernel::new(&name);
+    let caches = [k.param_ptr("k_cache"), k.param_ptr("v_cache")];
+    let news = [k.param_ptr("k_new"), k.param_ptr("v_new")];
+    let positions = k.param_ptr("positions");
+    let mask = k.param_ptr("mask");
+    let tables = (k.param_ptr("cos"), k.param_ptr("sin"));
+    let (q_in, q_out) = (k.param_ptr("q"), k.param_ptr("q_out"));
+    let paged = keys.paging.map(|p| (k.param_ptr("table"), p));
+    let warps = keys.new_len.min(WARPS);
+    let lane = k.special("tid.x");
+    let warp = k.special("tid.y");
+    let first = k.special("ctaid.x");
+    let y = k.special("ctaid.y");
+    let b = k.special("ctaid.z");
+    let exit = k.label("exit");
+    let s = k.mad_u32(&first, &warps, &warp);
+    let past = k.setp("ge.u32", &s, &keys.new_len);
+    k.bra(Some((past, true)), &exit);
+    let cache_rows = k.label("cache_rows");
+    let is_q = k.setp("lt.u32", &y, &q.heads);
+    k.bra(Some((is_q, false)), &cache_rows);
+    k.comment("q's heads: every token rotated into q_out, whatever its mask");
+    let entry = Entry {
+        at: [b, y, s, lane],
+        positions,
+        mask,
+    };
+    let pos = entry.position(&mut k, keys.new_len);
+    let src_row = strided_row(&mut k, q.strides, [b, y, s]);
+    let dst_row = strided_row(&mut k, q.out_strides(), [b, y, s]);
+    let rope = Some((tables, pos));
+    write_row(
+        &mut k,
+        q.elem,
+        q.head_dim,
+        lane,
+        [q_in, src_row],
+        [q_out, dst_row],
+        rope,
+    );
+    k.bra(None, &exit);
+    k.place(&cache_rows);
+    let h = k.sub_u32(&y, &q.heads);
+    let value_rows = k.label("value_rows");
+    let is_value = k.setp("ge.u32", &h, &keys.kv_heads);
+    k.bra(Some((is_value, true)), &value_rows);
+    k.comment("the keys' heads");
+    let entry = Entry {
+        at: [b, h, s, lane],
+        ..entry
+    };
+    entry.write(
+        &mut k,
+        keys,
+        [caches[0], news[0]],
+        Some(tables),
+        paged,
+        &exit,
+    );
+    k.bra(None, &exit);
+    k.place(&value_rows);
+    k.comment("the values' heads");
+    let h = k.sub_u32(&h, &keys.kv_heads);
+    let entry = Entry {
+        at: [b, h, s, lane],
+        ..entry
+    };
+    entry.write(
+        &mut k,
+        &cfg.values(),
+        [caches[1], news[1]],
+        None,
+        paged,
+        &exit,
+    );
+    k.place(&exit);
+    GeneratedKernel::new(
+        k,
+        Launch {
+            grid: [
+                keys.new_len.div_ceil(warps),
+                q.heads + 2 * keys.kv_heads,
+                keys.batch,
+            ],
+            block: [32, warps, 1],
+            shared_bytes: 0,
+        },
+    )
+}
+
+/// One token of one head: row `b`, head `h`, token `s` of the chunk, the warp's `lane`; where
+/// its position is found and whether it is written.
+struct Entry {
+    at: [Reg; 4],
+    positions: Reg,
+    mask: Reg,
+}
+
+impl Entry {
+    /// The token's position, as a u32 (read from the `positions` input).
+    fn position(&self, k: &mut Kernel, new_len: u32) -> Reg {
+        let [b, _, s, _] = self.at;
+        let token = k.mad_u32(&b, &new_len, &s);
+        let pa = k.address(self.positions, &token, 8);
+        let pos64 = k.ld_global_i64(pa);
+        k.op1("cvt.u32.u64", RegClass::B32, &pos64)
+    }
+
+    /// Writes the entry of `new` into its row of `cache` as `cfg` says (rotated with `tables`
+    /// when `cfg.rope`), or jumps to `exit` where its mask is 0 or its position is past the cache.
+    fn write(
+        &self,
+        k: &mut Kernel,
+        cfg: &KvWriteConfig,
+        [cache, new]: [Reg; 2],
+        tables: Option<(Reg, Reg)>,
+        paged: Option<(Reg, Paging)>,
+        exit: &Label,
+    ) {
+        let [b, h, s, lane] = self.at;
+        let token = k.mad_u32(&b, &cfg.new_len, &s);
+        let ma = k.address(self.mask, &token, 8);
+        let present = k.ld_global_i64(ma);
+        let absent = k.setp("eq.s64", &present, &0u64);
+        k.bra(Some((absent, true)), exit);
+        let pa = k.address(self.positions, &token, 8);
+        let pos64 = k.ld_global_i64(pa);
+        let outside = k.setp("ge.u64", &pos64, &u64::from(cfg.capacity));
+        k.bra(Some((outside, true)), exit);
+        let pos = k.op1("cvt.u32.u64", RegClass::B32, &pos64);
+        let src_row = strided_row(k, cfg.new_strides, [b, h, s]);
+        let rows = KeyRows::new(k, cfg.cache_strides(), [b, h], paged);
+        let dst_row = rows.row(k, &pos);
+        let rope = tables.filter(|_| cfg.rope).map(|t| (t, pos));
+        write_row(
+            k,
+            cfg.elem,
+            cfg.head_dim,
+            lane,
+            [new, src_row],
+            [cache, dst_row],
+            rope,
+        );
+    }
+}
+
+/// The element index of row `[b, h, s]` under `[batch, head, row]` strides.
+fn strided_row(k: &mut Kernel, [sb, sh, ss]: [u32; 3], [b, h, s]: [Reg; 3]) -> Reg {
+    let n0 = k.mul_u32(&b, &sb);
+    let n1 = k.mad_u32(&h, &sh, &n0);
+    k.mad_u32(&s, &ss, &n1)
 }
 
 /// Copies the `d` elements at element `src_row` of `new` to element `dst_row` of `cache`, the

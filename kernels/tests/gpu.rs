@@ -1990,6 +1990,121 @@ fn kv_cache_writes_match_the_interpreter() {
     }
 }
 
+/// A prompt chunk's entries in one launch (`chunk_entries`: q rotated, keys rotated and values
+/// written into their caches) leave q's buffer and both caches exactly as the rotation and the
+/// two cache writes launched apart do: q, k and v read in place from one fused product's rows,
+/// a token whose mask is 0 and one past the cache written to neither cache (q still rotated).
+#[test]
+fn prompt_chunk_entries_are_the_three_kernels_apart() {
+    use kiln_kernels::kv_cache::{chunk_entries, kv_write, ChunkEntriesConfig, KvWriteConfig};
+    use kiln_kernels::rope::{rotate, RotateConfig};
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng::seed_from_u64(0x0c4e_e17e_5ca7_7e12);
+    for elem in ELEMS {
+        for (b, heads, kvh, s, t, d) in [
+            (2usize, 8usize, 2usize, 37usize, 300usize, 64usize),
+            (1, 4, 4, 16, 64, 128),
+        ] {
+            // q, k and v are views of one fused product's rows of (heads + 2 kv heads) x d.
+            let row = (heads + 2 * kvh) * d;
+            let strides = [(s * row) as u32, d as u32, row as u32];
+            let [q, k, v] = [0; 3].map(|_| values(&mut rng, b * s * row, 1.0, elem));
+            let caches = [0; 2].map(|_| values(&mut rng, b * kvh * t * d, 1.0, elem));
+            let positions: Vec<i64> = (0..b * s)
+                .map(|i| (t - s - 3 + i % s) as i64 + i64::from(i == b * s - 1) * 10)
+                .collect();
+            let mask: Vec<i64> = (0..b * s).map(|i| i64::from(i % 11 != 4)).collect();
+            let (cos, sin) = rope_tables(10000.0, d, t + 16);
+            let keys = KvWriteConfig {
+                batch: b as u32,
+                kv_heads: kvh as u32,
+                new_len: s as u32,
+                capacity: t as u32,
+                head_dim: d as u32,
+                new_strides: strides,
+                rope: true,
+                elem,
+                paging: None,
+            };
+            let query = RotateConfig {
+                batch: b as u32,
+                heads: heads as u32,
+                len: s as u32,
+                head_dim: d as u32,
+                strides,
+                elem,
+            };
+            let cfg = ChunkEntriesConfig {
+                keys: keys.clone(),
+                value_strides: strides,
+                query: query.clone(),
+            };
+            let [bq, bk, bv] = [&q, &k, &v].map(|x| gpu.upload(elem, x));
+            let (bp, bm) = (gpu.upload_i64(&positions), gpu.upload_i64(&mask));
+            let (tc, ts) = (gpu.upload(Elem::F32, &cos), gpu.upload(Elem::F32, &sin));
+            let mut outs = Vec::new();
+            for fused in [false, true] {
+                let [kc, vc] = [&caches[0], &caches[1]].map(|c| gpu.upload(elem, c));
+                let q_out = gpu.poisoned(elem, b * heads * s * d);
+                let common = || {
+                    [
+                        ("positions", Arg::Buf(&bp)),
+                        ("mask", Arg::Buf(&bm)),
+                        ("cos", Arg::Buf(&tc)),
+                        ("sin", Arg::Buf(&ts)),
+                    ]
+                };
+                if fused {
+                    let mut args = BTreeMap::from([
+                        ("k_cache", Arg::Buf(&kc)),
+                        ("v_cache", Arg::Buf(&vc)),
+                        ("k_new", Arg::Buf(&bk)),
+                        ("v_new", Arg::Buf(&bv)),
+                        ("q", Arg::Buf(&bq)),
+                        ("q_out", Arg::Buf(&q_out)),
+                    ]);
+                    args.extend(common());
+                    gpu.launch(&chunk_entries(&cfg), &args);
+                } else {
+                    let mut args =
+                        BTreeMap::from([("x", Arg::Buf(&bq)), ("out", Arg::Buf(&q_out))]);
+                    args.extend(common());
+                    gpu.launch(&rotate(&query), &args);
+                    for (c, (cache, new)) in
+                        [(keys.clone(), (&kc, &bk)), (cfg.values(), (&vc, &bv))]
+                    {
+                        let mut args =
+                            BTreeMap::from([("cache", Arg::Buf(cache)), ("new", Arg::Buf(new))]);
+                        args.extend(common());
+                        gpu.launch(&kv_write(&c), &args);
+                    }
+                }
+                outs.push([&q_out, &kc, &vc].map(|x| gpu.download(elem, x)));
+            }
+            for (what, (apart, fused)) in ["q", "k cache", "v cache"]
+                .iter()
+                .zip(outs[0].iter().zip(&outs[1]))
+            {
+                let differ = apart
+                    .iter()
+                    .zip(fused)
+                    .filter(|(x, y)| x.to_bits() != y.to_bits())
+                    .count();
+                assert_eq!(
+                    differ, 0,
+                    "{elem:?} b{b} h{heads}/{kvh} d{d}: {what} differs"
+                );
+            }
+            let moved = outs[1][1]
+                .iter()
+                .zip(&caches[0])
+                .filter(|(x, y)| x.to_bits() != y.to_bits())
+                .count();
+            assert!(moved > 0, "the keys were written");
+        }
+    }
+}
+
 /// A decode step's attention that writes the step's new key (rotated) and value into the caches
 /// itself, merges its key ranges itself, or both (`attention_decode_with`), leaves the caches
 /// exactly as the two cache writes launched apart do and its output as the attention and the

@@ -181,10 +181,12 @@ fn rope_prefill_attention_runs_on_wgmma() {
 }
 
 /// A prompt chunk's attention over a dense cache (`--kv-block-size 0`) runs on wgmma, q rotated
-/// ahead of it and each row's keys bounded by its position; over a paged cache it stays on mma.
+/// ahead of it and each row's keys bounded by its position, in one launch with the chunk's cache
+/// writes (no `rope` launch, and `kv_write` launches only where no attention reads the writes);
+/// over a paged cache it stays on mma and the writes keep their launches.
 #[test]
 fn prompt_chunks_over_a_dense_cache_run_on_wgmma() {
-    for (block, path) in [("0", "wgmma"), ("16", "mma")] {
+    for (block, path, fused) in [("0", "wgmma", true), ("16", "mma", false)] {
         let r = report(
             &configs_dir().join("llama-3.1-8b"),
             &["--no-weights", "--dtype", "bf16", "--kv-block-size", block],
@@ -194,9 +196,26 @@ fn prompt_chunks_over_a_dense_cache_run_on_wgmma() {
             if b["seq"].as_u64() == Some(1) {
                 continue;
             }
+            let launches: Vec<&str> = b["kernels"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .flat_map(|k| k["launches"].as_array().unwrap())
+                .map(|l| l.as_str().unwrap())
+                .collect();
+            let count = |p: &str| launches.iter().filter(|l| l.starts_with(p)).count();
+            // A prompt chunk's last layer only fills the cache (nothing reads its attention).
+            assert_eq!(
+                count("kv_write") <= 2,
+                fused,
+                "blocks of {block}: {launches:?}"
+            );
+            assert_eq!(count("rope_"), 0, "blocks of {block}: {launches:?}");
             for k in b["kernels"].as_array().unwrap() {
                 if k["kind"] == "decode_attention" {
                     assert_eq!(k["path"], path, "blocks of {block}: {k}");
+                    let first = k["launches"][0].as_str().unwrap();
+                    assert_eq!(first.starts_with("chunk_entries"), fused, "{k}");
                     checked += 1;
                 }
             }
