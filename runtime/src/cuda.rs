@@ -93,13 +93,16 @@ pub struct CudaExecutor {
 
 /// What streaming logits chunks to the host takes
 /// ([`CudaExecutor::replay_logits_chunks`]): a second stream for the copies, two device
-/// buffers of the largest chunk's logits that chunks take in turn, and the events that order
-/// each buffer's fill (on the replay stream) and its copy out (on the copy stream).
+/// buffers of the largest chunk's logits that chunks take in turn, each chunk's graph captured
+/// once per buffer with its logits written straight into it, and the events that order each
+/// buffer's fill (on the replay stream) and its copy out (on the copy stream).
 struct LogitsRing {
     copies: Arc<CudaStream>,
     buffers: CudaSlice<u8>,
     /// Bytes of each buffer.
     half: usize,
+    /// Each logits chunk's graph writing its logits into buffer 0 and into buffer 1.
+    graphs: BTreeMap<String, [CudaGraph; 2]>,
     /// `ready[k]`: buffer `k` holds a chunk's logits.
     ready: [CudaEvent; 2],
     /// `copied[k]`: buffer `k`'s logits are on the host.
@@ -107,7 +110,7 @@ struct LogitsRing {
 }
 
 impl LogitsRing {
-    /// A ring for chunks of at most `half` bytes of logits.
+    /// A ring for chunks of at most `half` bytes of logits (their graphs captured later).
     fn new(
         ctx: &Arc<CudaContext>,
         stream: &Arc<CudaStream>,
@@ -121,9 +124,31 @@ impl LogitsRing {
             copies: ctx.new_stream().map_err(dev)?,
             buffers,
             half,
+            graphs: BTreeMap::new(),
             ready: [event()?, event()?],
             copied: [event()?, event()?],
         })
+    }
+
+    /// Device address of buffer `k`.
+    fn buffer(&self, stream: &CudaStream, k: usize) -> u64 {
+        let (buffers, _sync) = self.buffers.device_ptr(stream);
+        buffers + (k * self.half) as u64
+    }
+
+    /// `addresses` with the logits `slot` of the arena moved to buffer `k`.
+    fn moved_to(
+        &self,
+        stream: &CudaStream,
+        addresses: &Addresses,
+        slot: &TensorSlot,
+        k: usize,
+    ) -> Addresses {
+        let start = addresses.at(Region::Arena, slot.offset);
+        Addresses {
+            moved: Some((start, slot.bytes(), self.buffer(stream, k))),
+            ..addresses.clone()
+        }
     }
 }
 
@@ -555,7 +580,20 @@ impl CudaExecutor {
         let addresses = Addresses {
             base,
             plan: m.memory.clone(),
+            moved: None,
         };
+        let mut staging_bytes = plans_outputs_bytes(&buckets);
+        let mut ring = None;
+        let chunk_logits = buckets
+            .iter()
+            .filter(|(e, _)| m.logits_chunks.contains(e))
+            .filter_map(|(e, p)| Some((e.seq, p.outputs.iter().find(|s| s.name == LOGITS)?)));
+        let widest = chunk_logits.map(|(seq, s)| (s.bytes() as usize, s.bytes() as usize / seq));
+        if let Some((half, row)) = widest.reduce(|a, b| (a.0.max(b.0), a.1.max(b.1))) {
+            // A prompt of the whole context comes back through the chunks.
+            staging_bytes = staging_bytes.max(row * m.max_context.unwrap_or(0));
+            ring = Some(LogitsRing::new(&ctx, &stream, half, &mut counts)?);
+        }
         let mut graphs = BTreeMap::new();
         let arena = m.memory.base(Region::Arena);
         for (entry, plan) in &buckets {
@@ -589,6 +627,17 @@ impl CudaExecutor {
                 &entry.graph,
                 &mut counts,
             )?;
+            let logits = plan.outputs.iter().find(|s| s.name == LOGITS);
+            if let (Some(ring), Some(slot)) = (ring.as_mut(), logits) {
+                if m.logits_chunks.contains(entry) {
+                    let mut into = |k| {
+                        let moved = ring.moved_to(&stream, &addresses, slot, k);
+                        capture(&stream, &functions, plan, &moved, &entry.graph, &mut counts)
+                    };
+                    let pair = [into(0)?, into(1)?];
+                    ring.graphs.insert(entry.graph.clone(), pair);
+                }
+            }
             tracing::info!(
                 seconds = start.elapsed().as_secs_f64(),
                 bucket = %entry.graph,
@@ -609,18 +658,6 @@ impl CudaExecutor {
             .iter()
             .map(|(e, p)| (e.graph.clone(), p.clone()))
             .collect();
-        let mut staging_bytes = plans_outputs_bytes(&buckets);
-        let mut ring = None;
-        let chunk_logits = buckets
-            .iter()
-            .filter(|(e, _)| m.logits_chunks.contains(e))
-            .filter_map(|(e, p)| Some((e.seq, p.outputs.iter().find(|s| s.name == LOGITS)?)));
-        let widest = chunk_logits.map(|(seq, s)| (s.bytes() as usize, s.bytes() as usize / seq));
-        if let Some((half, row)) = widest.reduce(|a, b| (a.0.max(b.0), a.1.max(b.1))) {
-            // A prompt of the whole context comes back through the chunks.
-            staging_bytes = staging_bytes.max(row * m.max_context.unwrap_or(0));
-            ring = Some(LogitsRing::new(&ctx, &stream, half, &mut counts)?);
-        }
         counts.allocated();
         // SAFETY: host memory that is only read after a copy into it has completed; flags 0 is
         // ordinary (cached) page-locked memory, which the host reads fast. (Allocated on another
@@ -924,6 +961,38 @@ impl CudaExecutor {
         Ok(())
     }
 
+    /// Replays logits chunk `graph` with its logits (`slot`) written into ring buffer `k` (or,
+    /// when profiling, launches its steps so), without waiting for it.
+    fn enqueue_into(
+        &mut self,
+        graph: &str,
+        slot: &TensorSlot,
+        k: usize,
+    ) -> Result<(), RuntimeError> {
+        let ring = self.ring.as_ref().expect("a logits chunk has the ring");
+        let (Some(plan), Some(captured)) = (self.plans.get(graph), ring.graphs.get(graph)) else {
+            return Err(RuntimeError::Device(format!(
+                "logits chunk {graph} has no captured graph"
+            )));
+        };
+        let _range = nvtx::range!("kiln {}", bucket_name(graph));
+        if self.eager {
+            let moved = ring.moved_to(&self.stream, &self.addresses, slot, k);
+            launch_steps(
+                &self.stream,
+                &self.functions,
+                &plan.steps,
+                &moved,
+                graph,
+                Some(&mut self.profile),
+            )?;
+        } else {
+            captured[k].launch().map_err(dev)?;
+        }
+        *self.replays.entry(graph.to_string()).or_default() += 1;
+        Ok(())
+    }
+
     /// Copies `inputs` (every non-cache input of `graph`'s plan, by name) into their slots.
     fn upload_inputs(
         &mut self,
@@ -1039,29 +1108,18 @@ impl CudaExecutor {
     ) -> Result<usize, RuntimeError> {
         let mut at = 0usize;
         for (i, ((graph, inputs, _), (slot, bytes))) in chunks.iter().zip(logits).enumerate() {
-            self.launch(graph, inputs)?;
-            let ring = self.ring.as_ref().expect("chunk_logits found the ring");
-            let staging = self.staging.as_mut_slice().map_err(dev)?;
             let k = i % 2;
-            let (base, _sync) = self.memory.device_ptr(&self.stream);
-            let (buffers, _sync) = ring.buffers.device_ptr(&self.stream);
-            let buffer = buffers + (k * ring.half) as u64;
             if i >= 2 {
+                // The chunk writes its logits into buffer `k`: after the copy out of the chunk
+                // two before.
+                let ring = self.ring.as_ref().expect("chunk_logits found the ring");
                 self.stream.wait(&ring.copied[k]).map_err(dev)?;
             }
-            // SAFETY: the source is the plan's logits slot inside the one allocation (checked
-            // at load) and `bytes` fit in it and in buffer `k` (`chunk_logits`); the copy follows
-            // the chunk's replay on `stream`, and the wait above orders it after buffer `k`'s
-            // last copy out.
-            unsafe {
-                cudarc::driver::result::memcpy_dtod_async(
-                    buffer,
-                    base + self.arena + slot.offset,
-                    *bytes,
-                    self.stream.cu_stream(),
-                )
-            }
-            .map_err(dev)?;
+            self.upload_inputs(graph, inputs)?;
+            self.enqueue_into(graph, slot, k)?;
+            let ring = self.ring.as_ref().expect("chunk_logits found the ring");
+            let staging = self.staging.as_mut_slice().map_err(dev)?;
+            let buffer = ring.buffer(&self.stream, k);
             ring.ready[k].record(&self.stream).map_err(dev)?;
             ring.copies.wait(&ring.ready[k]).map_err(dev)?;
             // SAFETY: `staging[at..at + bytes]` lies inside the page-locked buffer (the chunks'
@@ -1293,10 +1351,25 @@ fn bucket_name(graph: &str) -> &str {
         .unwrap_or(graph)
 }
 
-/// Device addresses of the plan's regions.
+/// Device addresses of the plan's regions, and a range of them that the steps find elsewhere.
+#[derive(Clone)]
 struct Addresses {
     base: u64,
     plan: kiln_ir::artifact::MemoryPlan,
+    /// `(start, bytes, to)`: addresses in `start..start + bytes` are read as `to` on (a logits
+    /// chunk's logits written straight into a [`LogitsRing`] buffer).
+    moved: Option<(u64, u64, u64)>,
+}
+
+impl Addresses {
+    /// Device address of byte `offset` of `region`, moved where `moved` says.
+    fn at(&self, region: Region, offset: u64) -> u64 {
+        let a = self.base + self.plan.base(region) + offset;
+        match self.moved {
+            Some((start, bytes, to)) if (start..start + bytes).contains(&a) => to + (a - start),
+            _ => a,
+        }
+    }
 }
 
 /// Launches `plan`'s steps on `stream` (captured when the stream is capturing); with a
@@ -1320,7 +1393,7 @@ fn launch_steps(
                 step.node, step.kernel
             ))
         };
-        let address = |r: Region, o: u64| addresses.base + addresses.plan.base(r) + o;
+        let address = |r: Region, o: u64| addresses.at(r, o);
         let mut values: Vec<ArgValue> = step
             .args
             .iter()
@@ -1347,8 +1420,9 @@ fn launch_steps(
         let driver = |e: cudarc::driver::DriverError| failed(e.to_string());
         // SAFETY: `check_plan` verified one argument of the declared kind per parameter, every
         // pointer inside the one allocation and every tensor map's matrix inside its region,
-        // whose regions the compiler sized for these kernels' shapes; format 9 kernels wait for
-        // their predecessor before reading (`launch::launch`).
+        // whose regions the compiler sized for these kernels' shapes (a logits slot `moved` to
+        // a ring buffer lies in it whole: the buffers hold the widest logits slot); format 9
+        // kernels wait for their predecessor before reading (`launch::launch`).
         unsafe {
             launch::launch(
                 stream,
