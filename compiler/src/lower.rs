@@ -562,7 +562,9 @@ impl Fused {
             }
             if kiln_kernels::attention_decode::supports(&cfg) {
                 attention_writes.insert(f.attention, f.writes);
-            } else if prerotated_chunk(&cfg, split, offsets) {
+            } else if prerotated_chunk(&cfg, split, offsets)
+                && chunk_entries_launch(g, f.writes, elem, kernels).is_some()
+            {
                 chunk_writes.insert(f.attention, f.writes);
             }
         }
@@ -1010,7 +1012,8 @@ fn prerotated_chunk(cfg: &AttentionConfig, split: bool, offsets: [u32; 3]) -> bo
 }
 
 /// The writes `[kw, vw]` of a prompt chunk's keys and values, as one [`chunk_entries`] kernel
-/// takes them: its configuration's keys and values, and its bindings but q's.
+/// takes them: its configuration's keys and values, and its bindings but q's; `None` where the
+/// writes cannot be built or their caches differ in shape (each then keeps its own launch).
 fn chunk_entries_launch(
     g: &Graph,
     [kw, vw]: [NodeId; 2],
@@ -1019,6 +1022,15 @@ fn chunk_entries_launch(
 ) -> Option<ChunkEntries> {
     let (keys, k_new, _) = cache_write(g, kw, elem, out)?;
     let (values, v_new, _) = cache_write(g, vw, elem, out)?;
+    // One launch covers both caches' rows: the values' cache is shaped as the keys'.
+    let same_cache = KvWriteConfig {
+        new_strides: values.new_strides,
+        rope: false,
+        ..keys.clone()
+    };
+    if values != same_cache {
+        return None;
+    }
     let write = g.node(kw);
     let bind = vec![
         ("k_cache", Operand::Value(write.args[0])),
