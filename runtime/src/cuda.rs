@@ -1516,4 +1516,41 @@ mod tests {
         }
         assert_eq!(cubin_sm(b"not an elf"), None);
     }
+
+    /// A logits slot moved to a ring buffer: every address inside it lands at the same offset
+    /// in the buffer; its neighbours, and the other regions, stay where the plan puts them.
+    #[test]
+    fn addresses_inside_a_moved_slot_land_in_its_buffer() {
+        let plan = kiln_ir::artifact::MemoryPlan {
+            weights_bytes: 1000,
+            weights: Vec::new(),
+            cache_bytes: 512,
+            cache: Vec::new(),
+            paging: None,
+            counter_bytes: 0,
+            arena_bytes: 1 << 20,
+        };
+        let base = 1 << 40;
+        let plain = Addresses {
+            base,
+            plan,
+            moved: None,
+        };
+        let (offset, bytes, to) = (4096u64, 2048u64, 7 << 40);
+        let start = plain.at(Region::Arena, offset);
+        let moved = Addresses {
+            moved: Some((start, bytes, to)),
+            ..plain.clone()
+        };
+        assert_eq!(moved.at(Region::Arena, offset), to);
+        assert_eq!(moved.at(Region::Arena, offset + bytes - 1), to + bytes - 1);
+        for (region, o) in [
+            (Region::Arena, offset - 1),
+            (Region::Arena, offset + bytes),
+            (Region::Weights, offset),
+            (Region::Cache, 0),
+        ] {
+            assert_eq!(moved.at(region, o), plain.at(region, o), "{region:?} {o}");
+        }
+    }
 }
