@@ -496,11 +496,11 @@ fn emit_cases(dir: &std::path::Path) {
             2.0 * (s as f64).powi(3),
         );
     }
-    // Products of the models' prefills (GPT-2 small at 16 and 1024 tokens, Llama-3.2-1B at 512,
-    // 1024 and 4096, Llama-3.1-8B's QKV at 1024, BERT-base at 128 x 128), of Llama-3.2-1B's
-    // decode step at 64 sequences, and the square ones in every tiling of the Hopper kernel (and
-    // the split one it picks, and the GEMV where lowering takes it), BERT's with their epilogues
-    // too: the one picked should be the fastest.
+    // Products of the models' prefills (GPT-2 small at 16 and 1024 tokens, Llama-3.2-1B at 512
+    // (a server's prompt chunks), 1024 and 4096, Llama-3.1-8B's QKV at 1024, BERT-base at 128 x
+    // 128), of Llama-3.2-1B's decode step at 64 sequences, and the square ones in every tiling of
+    // the Hopper kernel (and the split one it picks, and the GEMV where lowering takes it),
+    // BERT's with their epilogues too: the one picked should be the fastest.
     for (m, n, k, epilogue) in [
         (64usize, 2048usize, 8192usize, ""),
         (64, 2048, 2048, ""),
@@ -521,6 +521,8 @@ fn emit_cases(dir: &std::path::Path) {
         (16, 3072, 768, ""),
         (512, 2048, 8192, ""),
         (512, 3072, 2048, ""),
+        (512, 2048, 2048, ""),
+        (512, 16384, 2048, "swiglu"),
         (4096, 3072, 2048, ""),
         (4096, 2048, 2048, ""),
         (4096, 16384, 2048, "swiglu"),
@@ -547,7 +549,8 @@ fn emit_cases(dir: &std::path::Path) {
         };
         let chosen = tiling(&cfg);
         let mut tilings: Vec<Tiling> = TILINGS.iter().map(|&(t, _)| t).collect();
-        // Products of few rows: K split in parts, in several tilings.
+        // Products of few row tiles (a decode step's, a server prompt chunk's of 512 rows): K
+        // split in parts, in several tilings.
         let splits = [
             (64, 2),
             (64, 4),
@@ -557,7 +560,7 @@ fn emit_cases(dir: &std::path::Path) {
             (128, 8),
             (128, 16),
         ];
-        for (width, parts) in splits.into_iter().filter(|_| m <= 64) {
+        for (width, parts) in splits.into_iter().filter(|_| m <= 512) {
             let t = Tiling::together(width).split(parts);
             if splits_fit(&cfg, t) && t != chosen {
                 tilings.push(t);
