@@ -531,9 +531,9 @@ struct Fused {
     /// Each such attention's key and value writes.
     attention_writes: BTreeMap<NodeId, [NodeId; 2]>,
     /// Each prompt chunk's attention over a dense cache whose key and value writes one launch
-    /// does together with q's rotation ([`kiln_kernels::kv_cache::chunk_entries`]), and those
-    /// writes.
-    chunk_writes: BTreeMap<NodeId, [NodeId; 2]>,
+    /// does together with q's rotation ([`kiln_kernels::kv_cache::chunk_entries`]): the writes,
+    /// and what that launch takes of them.
+    chunk_writes: BTreeMap<NodeId, ([NodeId; 2], ChunkEntries)>,
     /// Where a decode step chooses its tokens ([`greedy_tokens`]).
     token_site: Option<TokenSite>,
     /// The decode step's LM head when it folds the greedy choice in ([`choosing_product`]).
@@ -562,10 +562,10 @@ impl Fused {
             }
             if kiln_kernels::attention_decode::supports(&cfg) {
                 attention_writes.insert(f.attention, f.writes);
-            } else if prerotated_chunk(&cfg, split, offsets)
-                && chunk_entries_launch(g, f.writes, elem, kernels).is_some()
-            {
-                chunk_writes.insert(f.attention, f.writes);
+            } else if prerotated_chunk(&cfg, split, offsets) {
+                if let Some(entries) = chunk_entries_launch(g, f.writes, elem, kernels) {
+                    chunk_writes.insert(f.attention, (f.writes, entries));
+                }
             }
         }
         let token_site = TokenSite::find(g);
@@ -583,7 +583,7 @@ impl Fused {
     /// Whether the cache write `id` is done by its attention's kernel or its chunk's entries.
     fn write_done(&self, id: NodeId) -> bool {
         (self.attention_writes.values())
-            .chain(self.chunk_writes.values())
+            .chain(self.chunk_writes.values().map(|(writes, _)| writes))
             .flatten()
             .any(|w| *w == id)
     }
@@ -869,10 +869,7 @@ fn lower_node(
                 .filter(|_| extras == Extras::default() && !split && aligned);
             if let Some(plain) = prerotated {
                 bind.push(("out", this));
-                let entries = match fused.chunk_writes.get(&id) {
-                    Some(&[kw, vw]) => Some(chunk_entries_launch(g, [kw, vw], elem, out)?),
-                    None => None,
-                };
+                let entries = fused.chunk_writes.get(&id).map(|(_, e)| e.clone());
                 return lower_prerotated(out, n, &cfg, plain, &bind, entries);
             }
             if let Some(([keys, values, mask], _)) = writes {
@@ -1047,6 +1044,7 @@ fn chunk_entries_launch(
 }
 
 /// A prompt chunk's cache writes that its q rotation's launch takes in ([`chunk_entries`]).
+#[derive(Clone)]
 struct ChunkEntries {
     keys: KvWriteConfig,
     value_strides: [u32; 3],

@@ -68,31 +68,64 @@ pub fn kv_write(cfg: &KvWriteConfig) -> GeneratedKernel {
     let mask = k.param_ptr("mask");
     let tables = cfg.rope.then(|| (k.param_ptr("cos"), k.param_ptr("sin")));
     let paged = cfg.paging.map(|p| (k.param_ptr("table"), p));
-    let warps = cfg.new_len.min(WARPS);
-    let lane = k.special("tid.x");
-    let warp = k.special("tid.y");
-    let first = k.special("ctaid.x");
-    let h = k.special("ctaid.y");
-    let b = k.special("ctaid.z");
-    let exit = k.label("exit");
-    let s = k.mad_u32(&first, &warps, &warp);
-    let past = k.setp("ge.u32", &s, &cfg.new_len);
-    k.bra(Some((past, true)), &exit);
+    let WarpToken {
+        lane,
+        y,
+        b,
+        s,
+        exit,
+    } = WarpToken::new(&mut k, cfg.new_len);
     let entry = Entry {
-        at: [b, h, s, lane],
+        at: [b, y, s, lane],
         positions,
         mask,
     };
     entry.write(&mut k, cfg, [cache, new], tables, paged, &exit);
     k.place(&exit);
-    GeneratedKernel::new(
-        k,
+    GeneratedKernel::new(k, WarpToken::launch(cfg.new_len, cfg.kv_heads, cfg.batch))
+}
+
+/// A warp's token of the chunk: its lane, the block's `y` (a head) and row `b`, the token `s`
+/// (warps of a block take consecutive tokens), and the label the kernel ends at, to which a
+/// warp past the chunk's tokens has jumped already.
+struct WarpToken {
+    lane: Reg,
+    y: Reg,
+    b: Reg,
+    s: Reg,
+    exit: Label,
+}
+
+impl WarpToken {
+    fn new(k: &mut Kernel, new_len: u32) -> WarpToken {
+        let warps = new_len.min(WARPS);
+        let lane = k.special("tid.x");
+        let warp = k.special("tid.y");
+        let first = k.special("ctaid.x");
+        let y = k.special("ctaid.y");
+        let b = k.special("ctaid.z");
+        let exit = k.label("exit");
+        let s = k.mad_u32(&first, &warps, &warp);
+        let past = k.setp("ge.u32", &s, &new_len);
+        k.bra(Some((past, true)), &exit);
+        WarpToken {
+            lane,
+            y,
+            b,
+            s,
+            exit,
+        }
+    }
+
+    /// The launch of `heads` blocks over `y` for each of `batch` rows, a warp per token.
+    fn launch(new_len: u32, heads: u32, batch: u32) -> Launch {
+        let warps = new_len.min(WARPS);
         Launch {
-            grid: [cfg.new_len.div_ceil(warps), cfg.kv_heads, cfg.batch],
+            grid: [new_len.div_ceil(warps), heads, batch],
             block: [32, warps, 1],
             shared_bytes: 0,
-        },
-    )
+        }
+    }
 }
 
 /// A prompt chunk's new entries in one launch ([`chunk_entries`]): its keys and values written
@@ -154,16 +187,13 @@ pub fn chunk_entries(cfg: &ChunkEntriesConfig) -> GeneratedKernel {
     let tables = (k.param_ptr("cos"), k.param_ptr("sin"));
     let (q_in, q_out) = (k.param_ptr("q"), k.param_ptr("q_out"));
     let paged = keys.paging.map(|p| (k.param_ptr("table"), p));
-    let warps = keys.new_len.min(WARPS);
-    let lane = k.special("tid.x");
-    let warp = k.special("tid.y");
-    let first = k.special("ctaid.x");
-    let y = k.special("ctaid.y");
-    let b = k.special("ctaid.z");
-    let exit = k.label("exit");
-    let s = k.mad_u32(&first, &warps, &warp);
-    let past = k.setp("ge.u32", &s, &keys.new_len);
-    k.bra(Some((past, true)), &exit);
+    let WarpToken {
+        lane,
+        y,
+        b,
+        s,
+        exit,
+    } = WarpToken::new(&mut k, keys.new_len);
     let cache_rows = k.label("cache_rows");
     let is_q = k.setp("lt.u32", &y, &q.heads);
     k.bra(Some((is_q, false)), &cache_rows);
@@ -222,18 +252,8 @@ pub fn chunk_entries(cfg: &ChunkEntriesConfig) -> GeneratedKernel {
         &exit,
     );
     k.place(&exit);
-    GeneratedKernel::new(
-        k,
-        Launch {
-            grid: [
-                keys.new_len.div_ceil(warps),
-                q.heads + 2 * keys.kv_heads,
-                keys.batch,
-            ],
-            block: [32, warps, 1],
-            shared_bytes: 0,
-        },
-    )
+    let heads = q.heads + 2 * keys.kv_heads;
+    GeneratedKernel::new(k, WarpToken::launch(keys.new_len, heads, keys.batch))
 }
 
 /// One token of one head: row `b`, head `h`, token `s` of the chunk, the warp's `lane`; where

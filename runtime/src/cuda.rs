@@ -939,55 +939,47 @@ impl CudaExecutor {
     /// Replays `graph` on the stream (or, when profiling, launches its steps one by one, timing
     /// each), without waiting for it.
     fn enqueue(&mut self, graph: &str) -> Result<(), RuntimeError> {
-        let (Some(plan), Some(captured)) = (self.plans.get(graph), self.graphs.get(graph)) else {
+        self.enqueue_to(graph, None)
+    }
+
+    /// [`Self::enqueue`], a logits chunk writing its logits (`slot`) into ring buffer `k` where
+    /// `into` says so (its graph captured for that buffer, or its steps launched with the slot
+    /// moved there).
+    fn enqueue_to(
+        &mut self,
+        graph: &str,
+        into: Option<(&TensorSlot, usize)>,
+    ) -> Result<(), RuntimeError> {
+        let captured = match into {
+            None => self.graphs.get(graph),
+            Some((_, k)) => self
+                .ring
+                .as_ref()
+                .and_then(|r| Some(&r.graphs.get(graph)?[k])),
+        };
+        let (Some(plan), Some(captured)) = (self.plans.get(graph), captured) else {
             return Err(RuntimeError::Device(format!(
                 "bucket {graph} has no captured graph"
             )));
         };
         let _range = nvtx::range!("kiln {}", bucket_name(graph));
         if self.eager {
+            let moved = match (into, &self.ring) {
+                (Some((slot, k)), Some(ring)) => {
+                    Some(ring.moved_to(&self.stream, &self.addresses, slot, k))
+                }
+                _ => None,
+            };
             launch_steps(
                 &self.stream,
                 &self.functions,
                 &plan.steps,
-                &self.addresses,
+                moved.as_ref().unwrap_or(&self.addresses),
                 graph,
                 Some(&mut self.profile),
             )?;
         } else {
             captured.launch().map_err(dev)?;
-        }
-        *self.replays.entry(graph.to_string()).or_default() += 1;
-        Ok(())
-    }
-
-    /// Replays logits chunk `graph` with its logits (`slot`) written into ring buffer `k` (or,
-    /// when profiling, launches its steps so), without waiting for it.
-    fn enqueue_into(
-        &mut self,
-        graph: &str,
-        slot: &TensorSlot,
-        k: usize,
-    ) -> Result<(), RuntimeError> {
-        let ring = self.ring.as_ref().expect("a logits chunk has the ring");
-        let (Some(plan), Some(captured)) = (self.plans.get(graph), ring.graphs.get(graph)) else {
-            return Err(RuntimeError::Device(format!(
-                "logits chunk {graph} has no captured graph"
-            )));
-        };
-        let _range = nvtx::range!("kiln {}", bucket_name(graph));
-        if self.eager {
-            let moved = ring.moved_to(&self.stream, &self.addresses, slot, k);
-            launch_steps(
-                &self.stream,
-                &self.functions,
-                &plan.steps,
-                &moved,
-                graph,
-                Some(&mut self.profile),
-            )?;
-        } else {
-            captured[k].launch().map_err(dev)?;
         }
         *self.replays.entry(graph.to_string()).or_default() += 1;
         Ok(())
@@ -1116,7 +1108,7 @@ impl CudaExecutor {
                 self.stream.wait(&ring.copied[k]).map_err(dev)?;
             }
             self.upload_inputs(graph, inputs)?;
-            self.enqueue_into(graph, slot, k)?;
+            self.enqueue_to(graph, Some((slot, k)))?;
             let ring = self.ring.as_ref().expect("chunk_logits found the ring");
             let staging = self.staging.as_mut_slice().map_err(dev)?;
             let buffer = ring.buffer(&self.stream, k);
@@ -1393,18 +1385,17 @@ fn launch_steps(
                 step.node, step.kernel
             ))
         };
-        let address = |r: Region, o: u64| addresses.at(r, o);
         let mut values: Vec<ArgValue> = step
             .args
             .iter()
             .zip(&kernel.params)
             .map(|(a, ty)| {
                 Ok(match (*a, ty) {
-                    (Arg::Ptr(r, o), _) => ArgValue::U64(address(r, o)),
+                    (Arg::Ptr(r, o), _) => ArgValue::U64(addresses.at(r, o)),
                     (Arg::U32(v), _) => ArgValue::U32(v),
                     (Arg::F32(v), _) => ArgValue::F32(v),
                     (Arg::TensorMap(r, o), ParamType::TensorMap(spec)) => {
-                        ArgValue::Map(tma::encode(spec, address(r, o))?)
+                        ArgValue::Map(tma::encode(spec, addresses.at(r, o))?)
                     }
                     (Arg::TensorMap(..), _) => return Err("a tensor map for another kind".into()),
                 })
