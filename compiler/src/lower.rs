@@ -865,8 +865,8 @@ fn lower_node(
             // A prompt chunk over a dense cache: q rotated ahead of the Hopper kernel, in one
             // launch with the cache writes where they are this attention's alone.
             let aligned = offsets.iter().all(|o| o % 8 == 0);
-            let prerotated = kiln_kernels::attention::prerotated(&cfg)
-                .filter(|_| extras == Extras::default() && !split && aligned);
+            let prerotated =
+                decode_prerotated(&cfg, split, offsets).filter(|_| extras == Extras::default());
             if let Some(plain) = prerotated {
                 bind.push(("out", this));
                 let entries = fused.chunk_writes.get(&id).map(|(_, e)| e.clone());
@@ -1001,11 +1001,21 @@ fn prerotated_chunk(cfg: &AttentionConfig, split: bool, offsets: [u32; 3]) -> bo
     let rotations = kiln_kernels::attention::rotations(cfg);
     cfg.q_len > 1
         && cfg.paging.is_none()
-        && !split
-        && offsets.iter().all(|o| o % 8 == 0)
-        && kiln_kernels::attention::prerotated(cfg).is_some()
+        && decode_prerotated(cfg, split, offsets).is_some()
         && rotations[0].is_some()
         && rotations[1].is_none()
+}
+
+/// The plain configuration a decode attention of configuration `cfg` (split or not, at q/k/v
+/// element `offsets`) runs on the Hopper kernel with its RoPE rotated ahead
+/// ([`lower_prerotated`]): one key range, and offsets the kernel's 16-byte copies take.
+fn decode_prerotated(
+    cfg: &AttentionConfig,
+    split: bool,
+    offsets: [u32; 3],
+) -> Option<AttentionConfig> {
+    let aligned = offsets.iter().all(|o| o % 8 == 0);
+    kiln_kernels::attention::prerotated(cfg).filter(|_| !split && aligned)
 }
 
 /// The writes `[kw, vw]` of a prompt chunk's keys and values, as one [`chunk_entries`] kernel
