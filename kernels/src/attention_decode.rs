@@ -1,27 +1,31 @@
 //! Decode attention over a KV cache (one query row per sequence, f16/bf16): one warp per (key
 //! range, K/V head, sequence) serves the head's whole query group from one read of its K/V
-//! rows, 32 keys at a time:
-//! 1. scores: each lane takes one key, streams its whole K row (16-byte loads) and takes its dot
-//!    product with every head's q (in shared memory, read by all lanes at once): no reduction
-//!    across lanes per key;
-//! 2. softmax: per head, the tile's max across the warp, each lane's weight and its share of the
-//!    running sum (summed across the warp once, at the end), the weights into shared memory;
-//! 3. values: the lanes switch to the head dimension (contiguous elements each), and every key's
-//!    V row (loaded before the scores, so its latency is hidden) is added with each head's weight.
+//! rows, on tensor cores (`mma.sync` m16n8k16, the group's heads rows 0..group of A's 16), a tile
+//! of [`tile_keys`] keys at a time:
+//! 1. loads: thread `t` takes keys `8j + t / 4` of the tile and the quarter `t % 4` of their K
+//!    and V rows (16-byte loads). The head dimension is permuted so that these contiguous words
+//!    are the B fragments of `q K^T` as they stand (and q's A fragments take the same
+//!    permutation);
+//! 2. scores per 8 keys, then a base-2 online softmax per head across the 4 threads of its row;
+//! 3. values: the weights, rounded, are the A fragments of `P V` as they stand (as in
+//!    FlashAttention-2), and each 8x8 block of V's words is transposed in registers
+//!    (`movmatrix`) into a B fragment; the output's columns come back in a permuted order that
+//!    leaves each thread a contiguous quarter of its head's row.
 //!
+//! After the last tile the accumulators go through shared memory into the layout the stores and
+//! merges below share with the SIMT kernels: each lane a slice of every head's dimensions.
 //! With several key ranges (`splits`, flash-decoding) each warp writes its heads' partial
 //! results, which `attention::attention_combine` merges, exactly as for the SIMT kernel: the same
 //! `partial_acc` / `partial_ml` layout, running maxima in base 2. A kernel that merges them itself
 //! ([`Extras::combine`]) splits each row's keys over only the blocks they need, `BLOCK_KEYS`
 //! each (the rest exit): a row whose keys one block takes merges its warps' ranges in shared
 //! memory, and only longer rows count their blocks and merge through memory. Where the SIMT kernel
-//! (`crate::attention`) gives each query head its own warp, walking keys one per warp step with a
-//! shuffle reduction each, a K/V head with a group of 4 (Llama's 32 heads over 8) is read 4
-//! times; here it is read once.
+//! (`crate::attention`) gives each query head its own warp, a K/V head with a group of 4
+//! (Llama's 32 heads over 8) is read 4 times; here it is read once.
 
 use crate::attention::{
-    combine_row, keys_in, online_softmax_step, reciprocal_or_zero, rotated_element, share_of_keys,
-    store_max_and_sum, window_range, AttentionConfig, KeyRule, Splits,
+    combine_row, keys_in, reciprocal_or_zero, rotated_element, share_of_keys, store_max_and_sum,
+    window_range, AttentionConfig, KeyRule, Splits,
 };
 use crate::kv_cache::write_row;
 use crate::paging::{KeyRows, Paging};
@@ -30,10 +34,14 @@ use crate::{GeneratedKernel, KernelPath, Launch};
 
 /// Key ranges (warps) per block.
 const WARPS: u32 = 8;
-/// Keys a warp takes at a time: one per lane.
-const TILE: u32 = 32;
-/// The largest query group one warp serves (its accumulators are registers).
+/// The largest query group one warp serves: rows 0..8 of the products' 16 (rows 8..16 are zero).
 const MAX_GROUP: u32 = 8;
+
+/// The keys a warp takes at a time: 8 per n-block of the score product, as many as keep a
+/// thread's K words, and its V words, at 32 registers (32 keys at D = 64, 16 at D = 128).
+fn tile_keys(cfg: &AttentionConfig) -> u32 {
+    2048 / cfg.head_dim
+}
 
 /// Whether `cfg` is a decode step this kernel serves: one query row over a cache (position
 /// keys, RoPE on q only), no padding mask or dropout, f16/bf16, a head dimension of 64 or 128
@@ -141,14 +149,14 @@ fn kernel(cfg: &AttentionConfig, extras: &Extras, name: String) -> GeneratedKern
     prefetch(&mut k, cfg, &params, [b, kvh, lane, pos, from, to]);
     k.wait_for_inputs();
     let group = cfg.heads / cfg.kv_heads;
-    let heads: Vec<Reg> = (0..group).map(|g| k.mad_u32(&kvh, &group, &g)).collect();
     let shared = Shared::declare(&mut k, cfg, warp);
-    k.comment("q of each head of the group, rotated and pre-scaled by scale * log2(e)");
-    for (g, h) in heads.iter().enumerate() {
-        let q = load_q(&mut k, cfg, &params, [b, *h, first, pos]);
+    k.comment("q of each head of the group, rotated");
+    for g in 0..group {
+        let h = k.mad_u32(&kvh, &group, &g);
+        let q = load_q(&mut k, cfg, &params, [b, h, first, pos]);
         for (c, v) in q.iter().enumerate() {
             let col = k.add_u32(&first, &(c as u32));
-            let at = shared.q_at(&mut k, cfg, g as u32, col);
+            let at = shared.q_at(&mut k, cfg, g, col);
             k.emit(format!("st.shared.f32 [{at}], {v}"));
         }
     }
@@ -156,14 +164,13 @@ fn kernel(cfg: &AttentionConfig, extras: &Extras, name: String) -> GeneratedKern
     if let Some(new) = &extras.new {
         write_new_entries(&mut k, cfg, &params, new, [b, kvh, lane, pos, from, to]);
     }
-    let state = State::new(&mut k, group, per_lane);
     let tiles = Tiles {
         cfg,
         params: &params,
         shared: &shared,
-        state: &state,
     };
-    tiles.run(&mut k, [b, kvh, lane, first, from, to]);
+    let state = tiles.run(&mut k, [b, kvh, lane, first, from, to]);
+    let heads: Vec<Reg> = (0..group).map(|g| k.mad_u32(&kvh, &group, &g)).collect();
     let in_block = k.label("merge_in_block");
     if let Some(t) = &taken {
         k.bra(Some((t.one_block, true)), &in_block);
@@ -268,7 +275,7 @@ impl Params {
 }
 
 /// The lane's elements `first..first + per_lane` of q's row for head `h`, rotated (RoPE at
-/// `pos`, `rotate_half`'s pairing as the IR defines it) and scaled.
+/// `pos`, `rotate_half`'s pairing as the IR defines it); the scale is applied to the scores.
 fn load_q(
     k: &mut Kernel,
     cfg: &AttentionConfig,
@@ -280,27 +287,25 @@ fn load_q(
     let t0 = k.mul_u32(&b, &qs[0]);
     let row = k.mad_u32(&h, &qs[1], &t0);
     let half = cfg.head_dim / 2;
-    let scale = F32(cfg.scale * std::f32::consts::LOG2_E);
     (0..cfg.head_dim / 32)
         .map(|c| {
             let col = k.add_u32(&first, &c);
             let idx = k.add_u32(&row, &col);
             let a = k.address(params.q, &idx, e.bytes());
             let x = k.ld_global(e, a);
-            let value = match params.tables {
+            match params.tables {
                 None => x,
                 Some(tables) => rotated_element(k, e, [params.q, row, col, pos], x, half, tables),
-            };
-            k.mul_f32(&value, &scale)
+            }
         })
         .collect()
 }
 
-/// The tiles a warp takes first ([`TILE`] keys each) that it sends towards L2 before the wait.
-const PREFETCH_TILES: u32 = 2;
+/// The keys a warp sends towards L2 before the wait: the first of its range, a key per lane at a
+/// time.
+const PREFETCH_KEYS: u32 = 64;
 
-/// Sends the K and V rows of the warp's first [`PREFETCH_TILES`] tiles of `[from, to)` (a key
-/// per lane and tile) and the RoPE tables' row at `pos` towards L2 while the kernel before
+/// Sends the K and V rows of the warp's first [`PREFETCH_KEYS`] keys of `[from, to)` and the RoPE tables' row at `pos` towards L2 while the kernel before
 /// runs, so that the loads after the wait find them there.
 fn prefetch(
     k: &mut Kernel,
@@ -313,8 +318,8 @@ fn prefetch(
     let row_bytes = cfg.head_dim * e.bytes();
     for (which, cache) in [(1, params.k), (2, params.v)] {
         let rows = params.cache_rows(k, cfg, which, [b, kvh]);
-        for t in 0..PREFETCH_TILES {
-            let j0 = k.add_u32(&from, &(t * TILE));
+        for t in 0..PREFETCH_KEYS / 32 {
+            let j0 = k.add_u32(&from, &(t * 32));
             let j = k.add_u32(&j0, &lane);
             let inside = k.setp("lt.u32", &j, &to);
             let row = rows.row(k, &j);
@@ -355,12 +360,12 @@ fn key_window(k: &mut Kernel, cfg: &AttentionConfig, pos: Reg) -> (Reg, Reg) {
     window_range(k, pos, window, cfg.kv_len)
 }
 
-/// The most keys a block takes when the kernel merges its key ranges: two tiles per warp. A
+/// The most keys a block takes when the kernel merges its key ranges: 64 per warp. A
 /// row's keys take as many blocks as they need at this many each (at most the grid's), so
 /// that a short context runs in one block, which merges its warps' ranges in shared memory
 /// without the count of finished blocks and the reads back through L2 that blocks merging
 /// across the grid need.
-const BLOCK_KEYS: u32 = 2 * WARPS * TILE;
+const BLOCK_KEYS: u32 = 2 * WARPS * 32;
 
 /// The blocks (and key ranges, [`WARPS`] per block) a row's keys take when the kernel merges
 /// them ([`BLOCK_KEYS`] each); the other blocks of the row exit at once.
@@ -444,41 +449,19 @@ fn write_new_entries(
 }
 
 /// Each head's running max (base 2, the same in every lane), this lane's share of the running
-/// sum (its keys' weights) and accumulators (the lane's elements of the head dimension).
+/// sum (its keys' weights) and accumulators (the lane's elements of the head dimension): the
+/// layout the stores and merges take.
 struct State {
     m: Vec<Reg>,
     l: Vec<Reg>,
     acc: Vec<Vec<Reg>>,
 }
 
-impl State {
-    fn new(k: &mut Kernel, group: u32, per_lane: u32) -> State {
-        let heads = 0..group;
-        State {
-            m: heads
-                .clone()
-                .map(|_| k.mov(RegClass::F32, &F32(f32::NEG_INFINITY)))
-                .collect(),
-            l: heads
-                .clone()
-                .map(|_| k.mov(RegClass::F32, &F32(0.0)))
-                .collect(),
-            acc: heads
-                .map(|_| {
-                    (0..per_lane)
-                        .map(|_| k.mov(RegClass::F32, &F32(0.0)))
-                        .collect()
-                })
-                .collect(),
-        }
-    }
-}
-
-/// The warp's shared memory: every head's q (`[group, D]` f32) and the tile's weights
-/// (`[group, TILE]` f32), at this warp's offset.
+/// The warp's shared memory: every head's q (`[group, D]` f32, later its accumulators) and its
+/// running max and sum (`[group, 2]` f32), at this warp's offset.
 struct Shared {
     q: Reg,
-    p: Reg,
+    ml: Reg,
     /// Where the block's q array starts (warp 0's).
     q_block: Reg,
 }
@@ -487,19 +470,19 @@ impl Shared {
     fn declare(k: &mut Kernel, cfg: &AttentionConfig, warp: Reg) -> Shared {
         let group = cfg.heads / cfg.kv_heads;
         let q_bytes = group * cfg.head_dim * 4;
-        let p_bytes = group * TILE * 4;
+        let ml_bytes = group * 8;
         let q_name = k.shared("q_group", WARPS * q_bytes);
-        let p_name = k.shared("tile_weights", WARPS * p_bytes);
+        let ml_name = k.shared("head_ml", WARPS * ml_bytes);
         let base = |k: &mut Kernel, name: &str| {
             let base = k.reg(RegClass::B32);
             k.emit(format!("mov.u32 {base}, {name}"));
             base
         };
         let q_block = base(k, &q_name);
-        let p_block = base(k, &p_name);
+        let ml_block = base(k, &ml_name);
         Shared {
             q: k.mad_u32(&warp, &q_bytes, &q_block),
-            p: k.mad_u32(&warp, &p_bytes, &p_block),
+            ml: k.mad_u32(&warp, &ml_bytes, &ml_block),
             q_block,
         }
     }
@@ -511,167 +494,389 @@ impl Shared {
     }
 }
 
+/// A thread's place in the products' fragments: row (query head) `g = lane / 4`, real when
+/// below the group, and quarter `q4 = lane % 4` (of a row's 8 key columns, pairs
+/// `2 q4, 2 q4 + 1`; of K, V and the output's elements, the contiguous `q4 * D/4 ..`).
+struct Quad {
+    g: Reg,
+    q4: Reg,
+    real: Reg,
+    /// `q4 * D / 4`: the thread's first element of a K or V row.
+    col: Reg,
+}
+
+impl Quad {
+    fn new(k: &mut Kernel, cfg: &AttentionConfig, lane: Reg) -> Quad {
+        let g = k.op2("shr.u32", RegClass::B32, &lane, &2u32);
+        let q4 = k.op2("and.b32", RegClass::B32, &lane, &3u32);
+        Quad {
+            real: k.setp("lt.u32", &g, &(cfg.heads / cfg.kv_heads)),
+            col: k.mul_u32(&q4, &(cfg.head_dim / 4)),
+            g,
+            q4,
+        }
+    }
+}
+
+/// The thread's row of the products (head `g`): its running max (base 2, the same in the
+/// quad), its share of the running sum, and its quarter of the accumulators, an `[o0, o1]`
+/// pair of output elements per n-block of 8 columns.
+struct Running {
+    m: Reg,
+    l: Reg,
+    o: Vec<[Reg; 2]>,
+}
+
+impl Running {
+    fn new(k: &mut Kernel, cfg: &AttentionConfig) -> Running {
+        Running {
+            m: k.mov(RegClass::F32, &F32(f32::NEG_INFINITY)),
+            l: k.mov(RegClass::F32, &F32(0.0)),
+            o: (0..cfg.head_dim / 8)
+                .map(|_| [0; 2].map(|_| k.mov(RegClass::F32, &F32(0.0))))
+                .collect(),
+        }
+    }
+}
+
+/// `d[0..2] = a b + c` with `mma.sync.aligned.m16n8k16` on `ty` operands: rows 8..16 of A are
+/// zero here (`zero`), so the results' rows 8..16 are dropped and read as zero.
+fn mma_upper(k: &mut Kernel, ty: &str, d: [Reg; 2], a: [Reg; 2], b: [Reg; 2], c: [Reg; 2]) {
+    let zero = k.mov(RegClass::B32, &0u32);
+    let fzero = k.mov(RegClass::F32, &F32(0.0));
+    let dropped = [k.reg(RegClass::F32), k.reg(RegClass::F32)];
+    k.emit(format!(
+        "mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{{}, {}, {}, {}}}, {{{}, {zero}, {}, {zero}}}, {{{}, {}}}, {{{}, {}, {fzero}, {fzero}}}",
+        d[0], d[1], dropped[0], dropped[1], a[0], a[1], b[0], b[1], c[0], c[1]
+    ));
+}
+
+/// Whether a tile's V words are loaded with its K words (in flight together), rather than
+/// once the scores have taken K's: where both fit in the registers of two blocks a
+/// multiprocessor.
+fn values_ahead(cfg: &AttentionConfig) -> bool {
+    cfg.head_dim == 64
+}
+
 /// The tile loop's inputs.
 struct Tiles<'a> {
     cfg: &'a AttentionConfig,
     params: &'a Params,
     shared: &'a Shared,
-    state: &'a State,
 }
 
 impl Tiles<'_> {
-    /// The keys `[from, to)`, [`TILE`] at a time.
-    fn run(&self, k: &mut Kernel, [b, kvh, lane, first, from, to]: [Reg; 6]) {
-        let k_rows = self.params.cache_rows(k, self.cfg, 1, [b, kvh]);
-        let v_rows = self.params.cache_rows(k, self.cfg, 2, [b, kvh]);
-        let v_dense = v_rows
-            .dense()
-            .map(|(head, stride)| (k.add_u32(&head, &first), stride));
+    /// The keys `[from, to)`, [`tile_keys`] at a time; every head's state in the lanes' layout.
+    fn run(&self, k: &mut Kernel, [b, kvh, lane, first, from, to]: [Reg; 6]) -> State {
+        let cfg = self.cfg;
+        let quad = Quad::new(k, cfg, lane);
+        let q = self.q_words(k, &quad);
+        let k_rows = self.params.cache_rows(k, cfg, 1, [b, kvh]);
+        let v_rows = self.params.cache_rows(k, cfg, 2, [b, kvh]);
+        let run = Running::new(k, cfg);
         let t0 = k.mov(RegClass::B32, &from);
         let top = k.label("tiles");
         let done = k.label("tiles_done");
         k.place(&top);
         let finished = k.setp("ge.u32", &t0, &to);
         k.bra(Some((finished, true)), &done);
-        let j = k.add_u32(&t0, &lane);
-        let mine = k.setp("lt.u32", &j, &to);
-        // Paged, each lane finds its own key's V row, and the values step takes every key's
-        // from its lane.
-        let v_lane = v_rows.paged().then(|| v_rows.row(k, &j));
-        k.comment("every key's V elements of this lane, for the values step");
-        let values: Vec<Vec<Reg>> = (0..TILE)
-            .map(|u| {
-                let ju = k.add_u32(&t0, &u);
-                let used = k.setp("lt.u32", &ju, &to);
-                let row = match (v_lane, v_dense) {
-                    (Some(v), _) => {
-                        let r = k.reg(RegClass::B32);
-                        k.emit(format!("shfl.sync.idx.b32 {r}, {v}, {u}, 31, -1"));
-                        k.add_u32(&r, &first)
-                    }
-                    (None, Some((head, stride))) => k.mad_u32(&ju, &stride, &head),
-                    (None, None) => unreachable!("rows are paged or dense"),
+        let base = k.add_u32(&t0, &quad.g);
+        let rows: Vec<(Reg, Reg, Reg)> = (0..tile_keys(cfg) / 8)
+            .map(|j| {
+                let key = k.add_u32(&base, &(8 * j));
+                let inside = k.setp("lt.u32", &key, &to);
+                let k_row = k_rows.row(k, &key);
+                // K and V share their rows' offsets when they share strides (a paged pool, or
+                // the two halves of one cache layout).
+                let v_row = if cfg.strides[1] == cfg.strides[2] {
+                    k_row
+                } else {
+                    v_rows.row(k, &key)
                 };
-                load_words(
-                    k,
-                    self.cfg.elem,
-                    self.params.v,
-                    row,
-                    self.cfg.head_dim / 64,
-                    used,
-                )
+                (inside, k_row, v_row)
             })
             .collect();
-        let row = k_rows.row(k, &j);
-        let scores = self.scores(k, row, mine);
-        self.softmax(k, &scores, lane);
-        self.add_values(k, &values);
-        k.emit(format!("add.u32 {t0}, {t0}, {TILE}"));
+        let load = |k: &mut Kernel, cache: Reg, which: usize, zeroed: bool| -> Vec<Vec<Reg>> {
+            rows.iter()
+                .map(|r| {
+                    let row = if which == 1 { r.1 } else { r.2 };
+                    self.quarter_row(k, cache, row, &quad, (r.0, zeroed))
+                })
+                .collect()
+        };
+        let k_words = load(k, self.params.k, 1, false);
+        // V's words in flight with K's where registers allow (D = 64); at D = 128 they are
+        // loaded once the scores have taken K's.
+        let ahead = values_ahead(cfg);
+        let v_ahead = ahead.then(|| load(k, self.params.v, 2, true));
+        let s = self.scores(k, q, &k_words);
+        let v_words = v_ahead.unwrap_or_else(|| load(k, self.params.v, 2, true));
+        let p = self.softmax(k, &run, s, [t0, quad.q4, to]);
+        self.add_values(k, &run, &p, &v_words);
+        k.emit(format!("add.u32 {t0}, {t0}, {}", tile_keys(cfg)));
         k.bra(None, &top);
         k.place(&done);
+        self.to_lanes(k, run, &quad, [lane, first])
     }
 
-    /// This lane's key (row `row` of the cache, when `mine`): its scores for every head, -inf
-    /// for a key past the range.
-    fn scores(&self, k: &mut Kernel, row: Reg, mine: Reg) -> Vec<Reg> {
+    /// Head `g`'s q (rotated, in shared memory) at the thread's quarter, rounded into the b32
+    /// words of the A fragments and left at the start of that quarter (each thread's own);
+    /// returns their address. Rows past the group read row `group - 1`'s and write nothing:
+    /// their rows of the products are never stored.
+    fn q_words(&self, k: &mut Kernel, quad: &Quad) -> Reg {
         let cfg = self.cfg;
-        let e = cfg.elem;
-        k.comment("scores: this lane's key against every head's q");
-        let chunks = cfg.head_dim / 8;
-        let words: Vec<Vec<Reg>> = (0..chunks)
-            .map(|c| {
-                let w: Vec<Reg> = (0..4).map(|_| k.mov(RegClass::B32, &0u32)).collect();
-                let i = k.add_u32(&row, &(c * 8));
-                let a = k.address(self.params.k, &i, e.bytes());
-                k.emit(format!(
-                    "@{mine} ld.global.v4.b32 {{{}, {}, {}, {}}}, [{a}]",
-                    w[0], w[1], w[2], w[3]
-                ));
-                w
+        k.comment("q's A fragments: the thread's quarter of its head's row, rounded");
+        let last = cfg.heads / cfg.kv_heads - 1;
+        let g = k.op2("min.u32", RegClass::B32, &quad.g, &last);
+        let i = k.mad_u32(&g, &cfg.head_dim, &quad.col);
+        let at = k.mad_u32(&i, &4u32, &self.shared.q);
+        let values: Vec<Reg> = (0..cfg.head_dim / 4)
+            .map(|_| k.reg(RegClass::F32))
+            .collect();
+        for (c, four) in values.chunks(4).enumerate() {
+            k.emit(format!(
+                "ld.shared.v4.f32 {{{}, {}, {}, {}}}, [{at}+{}]",
+                four[0],
+                four[1],
+                four[2],
+                four[3],
+                c * 16
+            ));
+        }
+        let words = k.pack_halves(cfg.elem, &values);
+        k.emit("bar.warp.sync -1");
+        for (c, w) in words.chunks(4).enumerate() {
+            k.emit(format!(
+                "@{} st.shared.v4.b32 [{at}+{}], {{{}, {}, {}, {}}}",
+                quad.real,
+                c * 16,
+                w[0],
+                w[1],
+                w[2],
+                w[3]
+            ));
+        }
+        k.emit("bar.warp.sync -1");
+        at
+    }
+
+    /// The thread's quarter of cache row `row` of `base` (`D / 8` b32 words), loaded when
+    /// `inside`; with `zeroed`, zeros otherwise (V's: a weight of 0 times a stale word could be
+    /// NaN), else whatever the registers held (K's: the score is set to -inf).
+    fn quarter_row(
+        &self,
+        k: &mut Kernel,
+        base: Reg,
+        row: Reg,
+        quad: &Quad,
+        (inside, zeroed): (Reg, bool),
+    ) -> Vec<Reg> {
+        let cfg = self.cfg;
+        let col = k.add_u32(&row, &quad.col);
+        let a = k.address(base, &col, cfg.elem.bytes());
+        let words: Vec<Reg> = (0..cfg.head_dim / 8)
+            .map(|_| {
+                if zeroed {
+                    k.mov(RegClass::B32, &0u32)
+                } else {
+                    k.reg(RegClass::B32)
+                }
             })
             .collect();
-        let group = cfg.heads / cfg.kv_heads;
-        let sums: Vec<Reg> = (0..group)
-            .map(|_| k.mov(RegClass::F32, &F32(0.0)))
+        for (c, w) in words.chunks(4).enumerate() {
+            k.emit(format!(
+                "@{inside} ld.global.v4.b32 {{{}, {}, {}, {}}}, [{a}+{}]",
+                w[0],
+                w[1],
+                w[2],
+                w[3],
+                c * 16
+            ));
+        }
+        words
+    }
+
+    /// Each n-block's scores `q K^T` (the thread's two keys `2 q4, 2 q4 + 1` of the block's 8):
+    /// k-block `kb` takes words `2 kb, 2 kb + 1` of q (at `q_at`) and of each key, which hold the
+    /// elements the fragments want at `q4 * D/4 + 4 kb ..`, the same permutation for both.
+    fn scores(&self, k: &mut Kernel, q_at: Reg, keys: &[Vec<Reg>]) -> Vec<[Reg; 2]> {
+        k.comment("scores: q K^T per 8 keys, q's words from shared memory a k-block at a time");
+        let ty = self.cfg.elem.name();
+        let zero = k.mov(RegClass::F32, &F32(0.0));
+        let s: Vec<[Reg; 2]> = keys
+            .iter()
+            .map(|_| [k.reg(RegClass::F32), k.reg(RegClass::F32)])
             .collect();
-        for (c, w) in words.iter().enumerate() {
-            let key = k.unpack_halves(e, w);
-            for (g, sum) in sums.iter().enumerate() {
-                for half in 0..2u32 {
-                    let off = (g as u32 * cfg.head_dim + c as u32 * 8 + half * 4) * 4;
-                    let q: Vec<Reg> = (0..4).map(|_| k.reg(RegClass::F32)).collect();
-                    k.emit(format!(
-                        "ld.shared.v4.f32 {{{}, {}, {}, {}}}, [{}+{off}]",
-                        q[0], q[1], q[2], q[3], self.shared.q
-                    ));
-                    for (qe, ke) in q.iter().zip(&key[half as usize * 4..]) {
-                        k.fma_into(*sum, qe, ke);
-                    }
-                }
+        for kb in 0..self.cfg.head_dim / 16 {
+            let a = [k.reg(RegClass::B32), k.reg(RegClass::B32)];
+            k.emit(format!(
+                "ld.shared.v2.b32 {{{}, {}}}, [{q_at}+{}]",
+                a[0],
+                a[1],
+                kb * 8
+            ));
+            for (words, s) in keys.iter().zip(&s) {
+                let c = if kb == 0 { [zero, zero] } else { *s };
+                let b = [words[2 * kb as usize], words[2 * kb as usize + 1]];
+                mma_upper(k, ty, *s, a, b, c);
             }
         }
+        s
+    }
+
+    /// The tile's scores scaled to base 2 (keys past `to` at -inf), the head's running max
+    /// across the quad, the weights (returned), the running sum and the accumulators rescaled.
+    fn softmax(
+        &self,
+        k: &mut Kernel,
+        run: &Running,
+        scores: Vec<[Reg; 2]>,
+        [t0, q4, to]: [Reg; 3],
+    ) -> Vec<[Reg; 2]> {
+        k.comment("softmax: the tile's max per head across its quad, the weights");
+        let scale = F32(self.cfg.scale * std::f32::consts::LOG2_E);
+        let first = k.mad_u32(&q4, &2u32, &t0);
         let minus_inf = F32(f32::NEG_INFINITY);
-        sums.iter()
-            .map(|s| k.selp(RegClass::F32, "f32", s, &minus_inf, mine))
-            .collect()
-    }
-
-    /// Per head: the tile's max across the warp, the running max, this lane's weight into
-    /// shared memory and its share of the running sum, the accumulators rescaled.
-    fn softmax(&self, k: &mut Kernel, scores: &[Reg], lane: Reg) {
-        k.comment("softmax: the tile's max per head, each lane's weight");
-        for (g, s) in scores.iter().enumerate() {
-            let mut max = *s;
-            for offset in [16u32, 8, 4, 2, 1] {
-                let o = k.reg(RegClass::F32);
-                k.emit(format!("shfl.sync.bfly.b32 {o}, {max}, {offset}, 31, -1"));
-                max = k.max_f32(&max, &o);
-            }
-            let running = (self.state.m[g], self.state.l[g]);
-            let (corr, p) = online_softmax_step(k, running, *s, max);
-            for a in &self.state.acc[g] {
-                k.emit(format!("mul.rn.f32 {a}, {a}, {corr}"));
-            }
-            let i = k.add_u32(&lane, &(g as u32 * TILE));
-            let at = k.mad_u32(&i, &4u32, &self.shared.p);
-            k.emit(format!("st.shared.f32 [{at}], {p}"));
+        let scaled: Vec<[Reg; 2]> = scores
+            .iter()
+            .enumerate()
+            .map(|(nb, pair)| {
+                [0, 1].map(|c| {
+                    let key = k.add_u32(&first, &(8 * nb as u32 + c as u32));
+                    let inside = k.setp("lt.u32", &key, &to);
+                    let x = k.mul_f32(&pair[c], &scale);
+                    k.selp(RegClass::F32, "f32", &x, &minus_inf, inside)
+                })
+            })
+            .collect();
+        let mut max = scaled[0][0];
+        for x in scaled.iter().flatten().skip(1) {
+            max = k.max_f32(&max, x);
         }
-        k.emit("bar.warp.sync -1");
-    }
-
-    /// Every key of the tile (`values`: the words of this lane's elements of its V row) added to
-    /// each head's accumulators with the head's weight; keys past the range have weight 0 and
-    /// zeros loaded.
-    fn add_values(&self, k: &mut Kernel, values: &[Vec<Reg>]) {
-        k.comment("values: lanes over the head dimension, every key of the tile");
-        let group = self.cfg.heads / self.cfg.kv_heads;
-        for (u, words) in values.iter().enumerate() {
-            let v = k.unpack_halves(self.cfg.elem, words);
-            for g in 0..group {
-                let off = (g * TILE + u as u32) * 4;
-                let p = k.reg(RegClass::F32);
-                k.emit(format!("ld.shared.f32 {p}, [{}+{off}]", self.shared.p));
-                for (a, ve) in self.state.acc[g as usize].iter().zip(&v) {
-                    k.fma_into(*a, &p, ve);
-                }
+        for offset in [1u32, 2] {
+            let o = k.reg(RegClass::F32);
+            k.emit(format!("shfl.sync.bfly.b32 {o}, {max}, {offset}, 31, -1"));
+            max = k.max_f32(&max, &o);
+        }
+        let m_new = k.max_f32(&run.m, &max);
+        let dm = k.sub_f32(&run.m, &m_new);
+        let corr = k.op1("ex2.approx.ftz.f32", RegClass::F32, &dm);
+        k.emit(format!("mov.f32 {}, {m_new}", run.m));
+        let weights: Vec<[Reg; 2]> = scaled
+            .iter()
+            .map(|pair| {
+                pair.map(|x| {
+                    let d = k.sub_f32(&x, &m_new);
+                    k.op1("ex2.approx.ftz.f32", RegClass::F32, &d)
+                })
+            })
+            .collect();
+        let mut sum = k.add_f32(&weights[0][0], &weights[0][1]);
+        for pair in &weights[1..] {
+            for p in pair {
+                sum = k.add_f32(&sum, p);
             }
         }
-        k.emit("bar.warp.sync -1");
+        k.emit(format!("fma.rn.f32 {}, {}, {corr}, {sum}", run.l, run.l));
+        for a in run.o.iter().flatten() {
+            k.emit(format!("mul.rn.f32 {a}, {a}, {corr}"));
+        }
+        weights
     }
-}
 
-/// `n` words (2 elements each) of row `row` (elements) of `base`, loaded only when `when`
-/// (zeros otherwise).
-fn load_words(k: &mut Kernel, e: Elem, base: Reg, row: Reg, n: u32, when: Reg) -> Vec<Reg> {
-    let words: Vec<Reg> = (0..n).map(|_| k.mov(RegClass::B32, &0u32)).collect();
-    let a = k.address(base, &row, e.bytes());
-    let dst = match words.as_slice() {
-        [w] => format!("ld.global.b32 {w}"),
-        [w0, w1] => format!("ld.global.v2.b32 {{{w0}, {w1}}}"),
-        _ => unreachable!("2 or 4 elements per lane"),
-    };
-    k.emit(format!("@{when} {dst}, [{a}]"));
-    words
+    /// `P V` into the accumulators: the weights of n-blocks `2 kk, 2 kk + 1`, rounded, are the
+    /// A fragment of k-block `kk` (16 keys); V's words of keys `16 kk + g` and `16 kk + 8 + g`,
+    /// each 8x8 block transposed, its B fragments. Output n-block `nd` holds elements
+    /// `q4 * D/4 + 2 nd, + 1` of the thread's head.
+    fn add_values(&self, k: &mut Kernel, run: &Running, p: &[[Reg; 2]], values: &[Vec<Reg>]) {
+        k.comment("values: P V, V's 8x8 blocks transposed in registers");
+        let e = self.cfg.elem;
+        for kk in 0..p.len() / 2 {
+            let lo = k.pack_halves(e, &p[2 * kk]);
+            let hi = k.pack_halves(e, &p[2 * kk + 1]);
+            for (nd, o) in run.o.iter().enumerate() {
+                let b = [&values[2 * kk], &values[2 * kk + 1]].map(|v| {
+                    let t = k.reg(RegClass::B32);
+                    k.emit(format!(
+                        "movmatrix.sync.aligned.m8n8.trans.b16 {t}, {}",
+                        v[nd]
+                    ));
+                    t
+                });
+                mma_upper(k, e.name(), *o, [lo[0], hi[0]], b, *o);
+            }
+        }
+    }
+
+    /// The quads' rows (head `g`'s running max, its sum over the quad, the accumulators)
+    /// through shared memory into the lanes' layout: every lane the max and elements
+    /// `first..` of every head, lane 0 the whole sum (the others 0).
+    fn to_lanes(
+        &self,
+        k: &mut Kernel,
+        run: Running,
+        quad: &Quad,
+        [lane, first]: [Reg; 2],
+    ) -> State {
+        let cfg = self.cfg;
+        let group = cfg.heads / cfg.kv_heads;
+        k.comment("the heads' rows into the lanes' layout");
+        let mut l = run.l;
+        for offset in [1u32, 2] {
+            let o = k.reg(RegClass::F32);
+            k.emit(format!("shfl.sync.bfly.b32 {o}, {l}, {offset}, 31, -1"));
+            l = k.add_f32(&l, &o);
+        }
+        let i = k.mad_u32(&quad.g, &cfg.head_dim, &quad.col);
+        let at = k.mad_u32(&i, &4u32, &self.shared.q);
+        for (nd, o) in run.o.iter().enumerate() {
+            k.emit(format!(
+                "@{} st.shared.v2.f32 [{at}+{}], {{{}, {}}}",
+                quad.real,
+                nd * 8,
+                o[0],
+                o[1]
+            ));
+        }
+        let first_of_quad = k.setp("eq.u32", &quad.q4, &0u32);
+        let writes = k.reg(RegClass::Pred);
+        k.emit(format!("and.pred {writes}, {first_of_quad}, {}", quad.real));
+        let ml = k.mad_u32(&quad.g, &8u32, &self.shared.ml);
+        k.emit(format!(
+            "@{writes} st.shared.v2.f32 [{ml}], {{{}, {l}}}",
+            run.m
+        ));
+        k.emit("bar.warp.sync -1");
+        let lane0 = k.setp("eq.u32", &lane, &0u32);
+        let mut state = State {
+            m: Vec::new(),
+            l: Vec::new(),
+            acc: Vec::new(),
+        };
+        for g in 0..group {
+            let [m, sum] = [k.reg(RegClass::F32), k.reg(RegClass::F32)];
+            k.emit(format!(
+                "ld.shared.v2.f32 {{{m}, {sum}}}, [{}+{}]",
+                self.shared.ml,
+                g * 8
+            ));
+            state.m.push(m);
+            state
+                .l
+                .push(k.selp(RegClass::F32, "f32", &sum, &F32(0.0), lane0));
+            state.acc.push(
+                (0..cfg.head_dim / 32)
+                    .map(|c| {
+                        let col = k.add_u32(&first, &c);
+                        let a = self.shared.q_at(k, cfg, g, col);
+                        k.op1("ld.shared.f32", RegClass::F32, &crate::ptx::Bracket(a))
+                    })
+                    .collect(),
+            );
+        }
+        k.emit("bar.warp.sync -1");
+        state
+    }
 }
 
 /// With several key ranges merged in the kernel: once the block's partial results are stored,

@@ -110,14 +110,4 @@ impl KeyRows {
         let r = k.mad_u32(&within, &self.row_stride, &self.head);
         k.mad_u32(&block, &p.block_stride, &r)
     }
-
-    /// Whether rows are found through a table (so consecutive rows are not a stride apart).
-    pub(crate) fn paged(&self) -> bool {
-        self.paged.is_some()
-    }
-
-    /// The dense rows' `(head start, row stride)`.
-    pub(crate) fn dense(&self) -> Option<(Reg, u32)> {
-        self.paged.is_none().then_some((self.head, self.row_stride))
-    }
 }
