@@ -457,8 +457,9 @@ struct State {
     acc: Vec<Vec<Reg>>,
 }
 
-/// The warp's shared memory: every head's q (`[group, D]` f32, later its accumulators) and its
-/// running max and sum (`[group, 2]` f32), at this warp's offset.
+/// The warp's shared memory: every head's q (`[group, D]` f32; then each thread's A-fragment
+/// words at the start of its quarter; at the end the accumulators) and each head's running max
+/// and sum (`[group, 2]` f32), at this warp's offset.
 struct Shared {
     q: Reg,
     ml: Reg,
