@@ -553,8 +553,8 @@ fn mma_upper(k: &mut Kernel, ty: &str, d: [Reg; 2], a: [Reg; 2], b: [Reg; 2], c:
 }
 
 /// Whether a tile's V words are loaded with its K words (in flight together), rather than
-/// once the scores have taken K's: where both fit in the registers of two blocks a
-/// multiprocessor.
+/// once the scores have taken K's. At D = 64 both fit in two blocks' registers a
+/// multiprocessor; at D = 128 (one block either way) loading them together measured slower.
 fn values_ahead(cfg: &AttentionConfig) -> bool {
     cfg.head_dim == 64
 }
@@ -582,7 +582,7 @@ impl Tiles<'_> {
         let finished = k.setp("ge.u32", &t0, &to);
         k.bra(Some((finished, true)), &done);
         let base = k.add_u32(&t0, &quad.g);
-        let rows: Vec<(Reg, Reg, Reg)> = (0..tile_keys(cfg) / 8)
+        let rows: Vec<(Reg, [Reg; 2])> = (0..tile_keys(cfg) / 8)
             .map(|j| {
                 let key = k.add_u32(&base, &(8 * j));
                 let inside = k.setp("lt.u32", &key, &to);
@@ -594,24 +594,22 @@ impl Tiles<'_> {
                 } else {
                     v_rows.row(k, &key)
                 };
-                (inside, k_row, v_row)
+                (inside, [k_row, v_row])
             })
             .collect();
-        let load = |k: &mut Kernel, cache: Reg, which: usize, zeroed: bool| -> Vec<Vec<Reg>> {
+        // Operand `i` (0: K, 1: V) of each of the thread's keys.
+        let load = |k: &mut Kernel, cache: Reg, i: usize, zeroed: bool| -> Vec<Vec<Reg>> {
             rows.iter()
-                .map(|r| {
-                    let row = if which == 1 { r.1 } else { r.2 };
-                    self.quarter_row(k, cache, row, &quad, (r.0, zeroed))
-                })
+                .map(|(inside, row)| self.quarter_row(k, cache, row[i], &quad, (*inside, zeroed)))
                 .collect()
         };
-        let k_words = load(k, self.params.k, 1, false);
+        let k_words = load(k, self.params.k, 0, false);
         // V's words in flight with K's where registers allow (D = 64); at D = 128 they are
         // loaded once the scores have taken K's.
         let ahead = values_ahead(cfg);
-        let v_ahead = ahead.then(|| load(k, self.params.v, 2, true));
+        let v_ahead = ahead.then(|| load(k, self.params.v, 1, true));
         let s = self.scores(k, q, &k_words);
-        let v_words = v_ahead.unwrap_or_else(|| load(k, self.params.v, 2, true));
+        let v_words = v_ahead.unwrap_or_else(|| load(k, self.params.v, 1, true));
         let p = self.softmax(k, &run, s, [t0, quad.q4, to]);
         self.add_values(k, &run, &p, &v_words);
         k.emit(format!("add.u32 {t0}, {t0}, {}", tile_keys(cfg)));
