@@ -312,7 +312,15 @@ fn attention_decode_query_group_bf16() {
         [4, 2, 1],
         "32 ranges, 8 per block, per K/V head"
     );
-    insta::assert_snapshot!(k.module());
+    // A 32-key tile on tensor cores: 16 score products (4 n-blocks of 8 keys, 4 k-blocks of
+    // the head dimension) and 16 value products (2 k-blocks of 16 keys, 8 n-blocks), each of
+    // V's 32 words transposed once, K and V loaded 16 bytes at a time (4 keys, 2 loads each).
+    let module = k.module();
+    let count = |what: &str| module.matches(what).count();
+    assert_eq!(count("mma.sync.aligned.m16n8k16"), 32);
+    assert_eq!(count("movmatrix.sync.aligned.m8n8.trans.b16"), 32);
+    assert_eq!(count("ld.global.v4.b32"), 16);
+    insta::assert_snapshot!(module);
 }
 
 /// The same step writing its new key (rotated) and value into the caches itself, read from head
