@@ -34,6 +34,11 @@ use crate::{GeneratedKernel, KernelPath, Launch};
 
 /// Key ranges (warps) per block.
 const WARPS: u32 = 8;
+// A row's counted key ranges (whole blocks of `WARPS`) are merged by `combine_row` 8 at a time.
+const _: () = assert!(
+    WARPS.is_multiple_of(8),
+    "combine_row adds counted ranges in eights"
+);
 /// The largest query group one warp serves: rows 0..8 of the products' 16 (rows 8..16 are zero).
 const MAX_GROUP: u32 = 8;
 
