@@ -175,6 +175,7 @@ fn kernel(cfg: &AttentionConfig, extras: &Extras, name: String) -> GeneratedKern
         shared: &shared,
     };
     let state = tiles.run(&mut k, [b, kvh, lane, first, from, to]);
+    // The heads' indices again for the stores, rather than held in registers across the tiles.
     let heads: Vec<Reg> = (0..group).map(|g| k.mad_u32(&kvh, &group, &g)).collect();
     let in_block = k.label("merge_in_block");
     if let Some(t) = &taken {
@@ -310,8 +311,9 @@ fn load_q(
 /// time.
 const PREFETCH_KEYS: u32 = 64;
 
-/// Sends the K and V rows of the warp's first [`PREFETCH_KEYS`] keys of `[from, to)` and the RoPE tables' row at `pos` towards L2 while the kernel before
-/// runs, so that the loads after the wait find them there.
+/// Sends the K and V rows of the warp's first [`PREFETCH_KEYS`] keys of `[from, to)` and the
+/// RoPE tables' row at `pos` towards L2 while the kernel before runs, so that the loads after
+/// the wait find them there.
 fn prefetch(
     k: &mut Kernel,
     cfg: &AttentionConfig,
