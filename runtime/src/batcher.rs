@@ -7,7 +7,8 @@
 //! them (a decoding occupant moves to a free row first) and fills it chunk by chunk, beside the
 //! other prompts filling there and interleaved with the others' decode steps; of several chunk
 //! sizes, each chunk step takes the smallest that holds what the filling prompts have left, else
-//! the largest. Without a chunk bucket, prompts enter one token per decode step in their own
+//! the largest, and with a chunk budget ([`Batcher::with_chunk_budget`]) no larger one than
+//! [`crate::pacing`] predicts to fit it. Without a chunk bucket, prompts enter one token per decode step in their own
 //! rows. The last prompt token then goes through a decode step, whose logits choose the first new
 //! token. Rows are compacted when a sequence leaves (a filling sequence only ever moves down, so
 //! it stays in the chunk rows), so the bucket stays as small as the batch.
@@ -30,6 +31,7 @@ use kiln_ir::{Data, Graph, Tensor};
 
 use crate::blocks::BlockPool;
 use crate::generate::{check_prompt, chosen, Sampling};
+use crate::pacing::Pacing;
 use crate::{Artifact, Executor, RuntimeError};
 
 /// The caller's name for a sequence.
@@ -110,6 +112,11 @@ pub struct Batcher<'a> {
     blocks: Option<BlockPool>,
     /// Prompt chunks run before each decode step (the per-step prompt budget).
     chunks_per_step: usize,
+    /// The chunk buckets' measured times and the decode steps' pace, which size the chunks.
+    pacing: Pacing,
+    /// When the last decode-only [`Batcher::step`] began, and the steps it ran: the next one
+    /// times it (from start to start, the caller's work between steps included).
+    decode_began: Option<(std::time::Instant, usize)>,
     /// Decode steps one [`Batcher::step`] may chain (see
     /// [`Batcher::with_steps_ahead`]).
     steps_ahead: usize,
@@ -162,6 +169,7 @@ impl<'a> Batcher<'a> {
         let blocks = m.memory.paging.map(BlockPool::new);
         exec.reset_cache()?;
         let session = Session::new(art, exec, largest)?;
+        let pacing = Pacing::new(chunks.iter().map(|c| c.seq).collect(), None);
         Ok(Batcher {
             session,
             steps,
@@ -169,6 +177,8 @@ impl<'a> Batcher<'a> {
             rows: (0..largest.batch).map(|_| None).collect(),
             blocks,
             chunks_per_step: 1,
+            pacing,
+            decode_began: None,
             steps_ahead: 1,
             launch_ahead: false,
             in_flight: None,
@@ -183,6 +193,16 @@ impl<'a> Batcher<'a> {
     /// Sets how many prompt chunks run before each decode step (at least one).
     pub fn with_chunks_per_step(mut self, n: usize) -> Batcher<'a> {
         self.chunks_per_step = n.max(1);
+        self
+    }
+
+    /// Limits each prompt chunk to `fraction` of a decode step's time (a positive fraction):
+    /// a chunk step then takes the largest chunk bucket [`Pacing`] predicts to fit, so the
+    /// sequences decoding beside a prompt wait at most that much longer for their token. The
+    /// times are measured as the batcher runs; the tokens do not depend on them.
+    pub fn with_chunk_budget(mut self, fraction: f64) -> Batcher<'a> {
+        let sizes = self.chunks.iter().map(|c| c.seq).collect();
+        self.pacing = Pacing::new(sizes, Some(fraction));
         self
     }
 
@@ -339,6 +359,10 @@ impl<'a> Batcher<'a> {
     /// (their [`Emitted::last`] is set).
     pub fn step(&mut self) -> Result<Vec<Emitted>, RuntimeError> {
         let started = std::time::Instant::now();
+        if let Some((began, steps)) = self.decode_began.take() {
+            let seconds = started.duration_since(began).as_secs_f64();
+            self.pacing.decoded(seconds / steps as f64);
+        }
         if let Some((entry, work)) = self.in_flight.take() {
             // Nothing joined or left since it was launched (that would have read it).
             // (`ready` is empty: only `settle` fills it, and it takes the step in flight.)
@@ -347,6 +371,7 @@ impl<'a> Batcher<'a> {
             self.last_chunks = 0;
             self.launch_next(entry, work, &ids)?;
             self.decode_seconds += started.elapsed().as_secs_f64();
+            self.decode_began = Some((started, 1));
             return Ok(emitted);
         }
         if !self.ready.is_empty() {
@@ -428,6 +453,7 @@ impl<'a> Batcher<'a> {
         }
         if all_decoding {
             self.decode_seconds += started.elapsed().as_secs_f64();
+            self.decode_began = Some((started, chosen.len()));
         }
         Ok(emitted)
     }
@@ -517,9 +543,10 @@ impl<'a> Batcher<'a> {
     fn run_chunks(&mut self) -> Result<usize, RuntimeError> {
         let mut ran = 0;
         while ran < self.chunks_per_step {
-            let Some(chunk) = self.next_chunk() else {
+            let Some(bucket) = self.next_chunk() else {
                 break;
             };
+            let chunk = self.chunks[bucket];
             // Each chunk row's next tokens and their first position (none: masked).
             let parts: Vec<(Vec<i64>, usize)> = self.rows[..chunk.batch]
                 .iter_mut()
@@ -541,7 +568,15 @@ impl<'a> Batcher<'a> {
                 .map(|(r, (p, start))| (r, start + p.len()));
             Self::hold_blocks(&mut self.blocks, self.session.exec, writes)?;
             let rows: Vec<Row> = parts.iter().map(|(p, start)| Row::new(p, *start)).collect();
+            let first = rows
+                .iter()
+                .filter(|r| !r.tokens.is_empty())
+                .map(|r| r.start);
+            let first = first.max().unwrap_or(0);
+            let began = std::time::Instant::now();
             self.session.fill(chunk, &rows)?;
+            let seconds = began.elapsed().as_secs_f64();
+            self.pacing.chunked(bucket, first, seconds);
             *self.runs.entry(chunk.graph.clone()).or_default() += 1;
             ran += 1;
         }
@@ -582,23 +617,19 @@ impl<'a> Batcher<'a> {
         Ok(emitted)
     }
 
-    /// The chunk bucket of the next chunk step: the smallest that holds what the prompts
-    /// filling the chunk rows have left, else the largest; `None` when no prompt is filling.
-    fn next_chunk(&self) -> Option<&'a BucketEntry> {
-        let largest = *self.chunks.last()?;
-        let left = self.rows[..self.chunk_rows()]
+    /// The chunk bucket (an index into `chunks`) of the next chunk step, as [`Pacing::pick`]
+    /// chooses it for the most tokens a prompt filling the chunk rows has left and the latest
+    /// position one is at; `None` when no prompt is filling.
+    fn next_chunk(&self) -> Option<usize> {
+        let filling = self.rows[..self.chunk_rows()]
             .iter()
             .flatten()
-            .filter(|s| s.filling())
-            .map(|s| s.head() - s.filled)
-            .max()?;
-        Some(
-            self.chunks
-                .iter()
-                .copied()
-                .find(|c| c.seq >= left)
-                .unwrap_or(largest),
-        )
+            .filter(|s| s.filling());
+        let (left, first) = filling.fold(None, |most: Option<(usize, usize)>, s| {
+            let (left, first) = most.unwrap_or_default();
+            Some((left.max(s.head() - s.filled), first.max(s.filled)))
+        })?;
+        Some(self.pacing.pick(left, first))
     }
 
     /// The rows the chunk buckets work on (`0..P`; none without a chunk bucket).

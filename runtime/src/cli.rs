@@ -167,6 +167,12 @@ enum Command {
         /// steps: the per-step prompt budget.
         #[arg(long, default_value_t = 1)]
         chunks_per_step: usize,
+        /// The time a prompt chunk may add to a decode step, as a fraction of that step: each
+        /// chunk step takes the largest of the artifact's chunk sizes whose measured time fits
+        /// it, so the sequences decoding beside a prompt wait at most this much longer for a
+        /// token (0: always the largest chunk).
+        #[arg(long, default_value_t = 1.0)]
+        chunk_budget: f64,
         /// Launch each greedy decode step's successor before its tokens go out, so that the
         /// server's work between steps runs while the GPU computes (CUDA).
         #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
@@ -210,6 +216,14 @@ enum Command {
         #[command(flatten)]
         placement: Placement,
     },
+}
+
+/// `--chunk-budget`: a finite fraction, 0 for none.
+fn budget(fraction: f64) -> Result<Option<f64>> {
+    if !fraction.is_finite() || fraction < 0.0 {
+        anyhow::bail!("--chunk-budget {fraction} must be a fraction of a decode step, 0 or more");
+    }
+    Ok((fraction > 0.0).then_some(fraction))
 }
 
 /// Parses `MIN..MAX`.
@@ -365,6 +379,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
             request_timeout,
             drain_seconds,
             chunks_per_step,
+            chunk_budget,
             launch_ahead,
             model_name,
             placement,
@@ -387,6 +402,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
                 drain: seconds("drain-seconds", drain_seconds)?,
                 stepping: crate::serve::engine::Stepping {
                     chunks_per_step,
+                    chunk_budget: budget(chunk_budget)?,
                     launch_ahead,
                 },
                 model_name,

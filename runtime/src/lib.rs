@@ -11,6 +11,8 @@
 //! - [`executor`]: the executor a command runs on (CUDA, or the interpreter without a GPU);
 //! - [`forward`]: a request through the smallest prefill bucket that holds it;
 //! - [`generate`]: token generation through the decode graph and its KV cache;
+//! - [`batcher`]: continuous batching over the decode buckets, and [`pacing`]: which prompt chunk
+//!   a step takes, timed against the decode steps;
 //! - [`bench`]: latency percentiles, throughput and memory over a stream of requests;
 //! - [`tokenizer`]: text to ids and back with the artifact's `tokenizer.json`.
 //!
@@ -28,6 +30,7 @@ pub mod cuda;
 pub mod executor;
 pub mod forward;
 pub mod generate;
+pub mod pacing;
 pub mod serve;
 pub mod tokenizer;
 pub mod weights;

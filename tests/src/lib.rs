@@ -524,9 +524,10 @@ pub fn strip_cubin(dir: &Path) {
     reseal_checksums(dir);
 }
 
-/// `kiln compile` flags of an artifact [`assert_chained_steps_match`] takes: decode batches of 1
-/// and 4, prompt chunks of 4 tokens, a context of 128.
-pub const CHAINED_ARTIFACT: [&str; 8] = [
+/// `kiln compile` flags of an artifact [`assert_chained_steps_match`] and
+/// [`assert_paced_chunks_keep_tokens`] take: decode batches of 1 and 4, prompt chunks of 16 and
+/// 4 tokens, a context of 128.
+pub const BATCHER_ARTIFACT: [&str; 8] = [
     "--buckets",
     "16",
     "--batch-buckets",
@@ -534,14 +535,14 @@ pub const CHAINED_ARTIFACT: [&str; 8] = [
     "--max-context",
     "128",
     "--prefill-chunk",
-    "4",
+    "16,4",
 ];
 
 /// Greedy decode steps chained by `exec` (`Batcher::with_steps_ahead`) give the tokens of steps
 /// the caller sees one at a time, for sequences decoded together that want different numbers of
 /// tokens (so sequences leave between chains and prompts join as the chunk bucket frees up), in
 /// as many runs of each bucket and with fewer calls. `art` is compiled with
-/// [`CHAINED_ARTIFACT`].
+/// [`BATCHER_ARTIFACT`].
 pub fn assert_chained_steps_match(
     art: &kiln_runtime::Artifact,
     exec: &mut kiln_runtime::Executor,
@@ -600,6 +601,71 @@ pub fn assert_chained_steps_match(
         "ok: {name}: chained steps give the single steps' tokens ({:?}; {calls:?} calls)",
         runs[0]
     );
+}
+
+/// A chunk budget ([`kiln_runtime::batcher::Batcher::with_chunk_budget`]) too small for any
+/// chunk makes prompts fill through the smallest chunk bucket once a decode step has been timed,
+/// and every sequence gets the tokens it gets without one. Sequence 0 (a 3-token prompt)
+/// decodes alone first, so decode-only steps set the pace; three longer prompts then join.
+/// `art` is compiled with [`BATCHER_ARTIFACT`].
+pub fn assert_paced_chunks_keep_tokens(
+    art: &kiln_runtime::Artifact,
+    exec: &mut kiln_runtime::Executor,
+    name: &str,
+) {
+    use kiln_runtime::batcher::{Batcher, Job};
+    use kiln_runtime::generate::Sampling;
+    let jobs: Vec<Job> = [(3, 40), (37, 12), (45, 12), (29, 12)]
+        .iter()
+        .enumerate()
+        .map(|(i, &(len, max_new))| Job {
+            prompt: (0..len)
+                .map(|t| (t * 31 + i as i64 * 97) % 200 + 1)
+                .collect(),
+            max_new,
+            sampling: Sampling::greedy(),
+        })
+        .collect();
+    let chunk = |seq: usize| {
+        let entry = art.manifest.decode.iter().find(|e| e.seq == seq);
+        entry
+            .expect("a chunk bucket of BATCHER_ARTIFACT")
+            .graph
+            .clone()
+    };
+    let (large, small) = (chunk(16), chunk(4));
+    let (mut tokens, mut runs) = (Vec::new(), Vec::new());
+    for budget in [None, Some(1e-9)] {
+        let mut b = Batcher::new(art, exec).unwrap();
+        if let Some(fraction) = budget {
+            b = b.with_chunk_budget(fraction);
+        }
+        b.admit(0, jobs[0].clone()).unwrap();
+        let (mut out, mut next) = (vec![Vec::new(); jobs.len()], 1);
+        while !b.is_idle() || next < jobs.len() {
+            while next < jobs.len() && out[0].len() >= 4 && b.can_admit(&jobs[next]) {
+                b.admit(next as u64, jobs[next].clone()).unwrap();
+                next += 1;
+            }
+            for e in b.step().unwrap() {
+                out[e.id as usize].push(e.token);
+            }
+        }
+        tokens.push(out);
+        runs.push(b.runs.clone());
+    }
+    let count = |r: &std::collections::BTreeMap<String, u64>, g: &str| r.get(g).copied();
+    let (free, paced) = (&runs[0], &runs[1]);
+    assert!(
+        count(paced, &small).unwrap_or(0) > count(free, &small).unwrap_or(0) + 10
+            && count(paced, &large) < count(free, &large),
+        "{name}: the paced prompts take the small chunk: {free:?} against {paced:?}"
+    );
+    for (i, job) in jobs.iter().enumerate() {
+        assert_eq!(tokens[0][i].len(), job.max_new, "{name}: sequence {i}");
+        assert_eq!(tokens[1][i], tokens[0][i], "{name}: sequence {i}, paced");
+    }
+    println!("ok: {name}: paced chunks keep the tokens ({free:?} against {paced:?})");
 }
 
 /// `kiln compile` flags of an artifact [`assert_sequences_wait_for_blocks`] takes: decode

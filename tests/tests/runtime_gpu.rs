@@ -8,9 +8,9 @@ use kiln_ir::inputs::TokenBatch;
 use kiln_runtime::{forward::forward, Artifact, Device, Executor};
 use kiln_tests::{
     assert_chained_steps_match, assert_close_for, assert_decoder_references,
-    assert_embeddings_close, assert_greedy_tokens, compile_artifact, fixture, floats,
-    kiln_run_forward, kiln_run_greedy, masked_rel_err, minilm_dir, reference, rel_err, strip_cubin,
-    CHAINED_ARTIFACT,
+    assert_embeddings_close, assert_greedy_tokens, assert_paced_chunks_keep_tokens,
+    compile_artifact, fixture, floats, kiln_run_forward, kiln_run_greedy, masked_rel_err,
+    minilm_dir, reference, rel_err, strip_cubin, BATCHER_ARTIFACT,
 };
 
 fn gpu() -> bool {
@@ -148,18 +148,20 @@ fn long_prompts_stream_through_logits_chunks_on_the_gpu() {
 
 /// Greedy decode steps chained on the device (each step's token choice leaves the next step's
 /// ids and positions in place, the host reading the tokens after the last) give the tokens of
-/// steps the host runs one at a time ([`assert_chained_steps_match`]).
+/// steps the host runs one at a time ([`assert_chained_steps_match`]), and prompt chunks paced
+/// against the decode steps those of unpaced ones ([`assert_paced_chunks_keep_tokens`]).
 #[test]
-fn chained_decode_steps_match_single_steps_on_the_gpu() {
+fn chained_steps_and_paced_chunks_keep_the_tokens_on_the_gpu() {
     if !gpu() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
     for name in ["gpt2-tiny", "llama-tiny"] {
         let dir = tmp.path().join(format!("{name}.kiln"));
-        let args = [&CHAINED_ARTIFACT[..], &["--dtype", "bf16"]].concat();
+        let args = [&BATCHER_ARTIFACT[..], &["--dtype", "bf16"]].concat();
         let art = compile_artifact(&fixture(name), &dir, &args);
         assert_chained_steps_match(&art, &mut cuda(&art), name);
+        assert_paced_chunks_keep_tokens(&art, &mut cuda(&art), name);
     }
 }
 
@@ -176,7 +178,7 @@ fn device_sampling_picks_the_reference_token() {
     let tmp = tempfile::tempdir().unwrap();
     for name in ["gpt2-tiny", "llama-tiny"] {
         let dir = tmp.path().join(format!("{name}.kiln"));
-        let args = [&CHAINED_ARTIFACT[..], &["--dtype", "bf16"]].concat();
+        let args = [&BATCHER_ARTIFACT[..], &["--dtype", "bf16"]].concat();
         let art = compile_artifact(&fixture(name), &dir, &args);
         let mut exec = cuda(&art);
         kiln_tests::give_rows_whole_contexts(&art, &mut exec);

@@ -7,8 +7,9 @@ use kiln_runtime::generate::{generate, Sampling};
 use kiln_runtime::{forward::forward, Artifact, Device, Executor};
 use kiln_tests::{
     assert_chained_steps_match, assert_decoder_references, assert_embeddings_close,
-    assert_greedy_tokens, assert_sequences_wait_for_blocks, compile_artifact, fixture,
-    masked_rel_err, minilm_dir, reference, CHAINED_ARTIFACT, SMALL_POOL_ARTIFACT,
+    assert_greedy_tokens, assert_paced_chunks_keep_tokens, assert_sequences_wait_for_blocks,
+    compile_artifact, fixture, masked_rel_err, minilm_dir, reference, BATCHER_ARTIFACT,
+    SMALL_POOL_ARTIFACT,
 };
 
 /// The CPU executor, which must be the generated kernels (not the interpreter) for an f32 build.
@@ -51,13 +52,14 @@ fn decoders_match_references_on_the_cpu_executor() {
 
 /// Greedy decode steps chained on the CPU executor (each step's tokens become the next step's
 /// ids at the next positions, as the GPU's advancing token choice leaves them) give the tokens
-/// of single steps.
+/// of single steps, and prompt chunks paced against the decode steps those of unpaced ones.
 #[test]
-fn chained_decode_steps_match_single_steps_on_the_cpu_executor() {
+fn chained_steps_and_paced_chunks_keep_the_tokens_on_the_cpu_executor() {
     let tmp = tempfile::tempdir().unwrap();
     for name in ["gpt2-tiny", "llama-tiny"] {
-        let art = compile_artifact(&fixture(name), &tmp.path().join(name), &CHAINED_ARTIFACT);
+        let art = compile_artifact(&fixture(name), &tmp.path().join(name), &BATCHER_ARTIFACT);
         assert_chained_steps_match(&art, &mut native(&art), name);
+        assert_paced_chunks_keep_tokens(&art, &mut native(&art), name);
     }
 }
 

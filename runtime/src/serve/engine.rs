@@ -103,6 +103,9 @@ struct Live {
 pub struct Stepping {
     /// Prompt chunks run between two decode steps.
     pub chunks_per_step: usize,
+    /// The share of a decode step's time a prompt chunk may add to it
+    /// ([`Batcher::with_chunk_budget`]); `None`: any chunk.
+    pub chunk_budget: Option<f64>,
     /// Whether each greedy decode step's successor is launched before its tokens go out
     /// ([`Batcher::with_launch_ahead`]).
     pub launch_ahead: bool,
@@ -121,9 +124,12 @@ pub fn run(
         shared.ready.store(true, Ordering::SeqCst);
         return serve_encoder(art, exec, commands);
     }
-    let batcher = Batcher::new(art, exec)?
+    let mut batcher = Batcher::new(art, exec)?
         .with_chunks_per_step(stepping.chunks_per_step)
         .with_launch_ahead(stepping.launch_ahead);
+    if let Some(fraction) = stepping.chunk_budget {
+        batcher = batcher.with_chunk_budget(fraction);
+    }
     shared.free_rows.store(batcher.capacity(), Ordering::SeqCst);
     shared.ready.store(true, Ordering::SeqCst);
     Loop {
