@@ -220,7 +220,8 @@ pub fn compile_with_progress(
         .collect::<Result<_, _>>()?;
     let mut generated = crate::lower::Lowered::new(
         crate::lower::batch_rows(extracted.iter().map(|(g, _)| g)),
-        opts.kv_paging.map(|p| p.block),
+        opts.kv_paging,
+        crate::lower::cache_rows(extracted.iter().map(|(g, _)| g)),
     );
     let (mut prefill, mut decode, mut logits_chunks) = (Vec::new(), Vec::new(), Vec::new());
     for ((_, bucket, role), (graph, modelled)) in jobs.into_iter().zip(extracted) {

@@ -30,6 +30,7 @@ use kiln_kernels::rope::rotate;
 use kiln_kernels::{Elem, GeneratedKernel, Image};
 
 use crate::fusion::cost::{consumers, decode_writes, done_by_writes, is_view};
+use crate::plan::KvPaging;
 
 mod strided;
 pub use strided::materialize;
@@ -186,8 +187,9 @@ pub struct Lowered {
     generated: std::collections::HashMap<String, GeneratedKernel>,
     /// How decode products of different batch sizes relate (see [`batch_rows`]).
     pub rows: Rows,
-    /// Keys per block of a paged KV cache; `None`: dense caches.
-    pub kv_block: Option<u32>,
+    /// How KV caches are paged, and the rows of the largest one (which size the default pool);
+    /// `None`: dense caches.
+    pub kv_paging: Option<(KvPaging, usize)>,
 }
 
 /// The row policy of an artifact's matrix-vector products: batch-invariant when one of `graphs`
@@ -203,6 +205,17 @@ pub fn batch_rows<'g>(mut graphs: impl Iterator<Item = &'g Graph>) -> Rows {
     } else {
         Rows::Fastest
     }
+}
+
+/// The rows of the largest KV cache any of `graphs` declares (its largest decode batch); 0
+/// without one.
+pub fn cache_rows<'g>(graphs: impl Iterator<Item = &'g Graph>) -> usize {
+    graphs
+        .flat_map(|g| g.inputs())
+        .filter(|(_, name, _)| is_cache(name))
+        .filter_map(|(_, _, ty)| ty.shape[0].as_const())
+        .max()
+        .map_or(0, |rows| rows as usize)
 }
 
 /// How one graph runs: the launches of each lowered node, and the ops that have no generator yet.
@@ -239,19 +252,22 @@ pub struct TokenChoice {
 }
 
 impl Lowered {
-    /// No kernels yet; matrix-vector products under `rows`; KV caches paged in blocks of
-    /// `kv_block` keys (`None`: dense).
-    pub fn new(rows: Rows, kv_block: Option<u32>) -> Lowered {
+    /// No kernels yet; matrix-vector products under `rows`; KV caches paged as `kv_paging` says,
+    /// the largest of `cache_rows` rows (`None`: dense).
+    pub fn new(rows: Rows, kv_paging: Option<KvPaging>, cache_rows: usize) -> Lowered {
         Lowered {
             rows,
-            kv_block,
+            kv_paging: kv_paging.map(|p| (p, cache_rows)),
             ..Lowered::default()
         }
     }
 
     /// The paging of a KV cache of `capacity` keys.
     fn paging(&self, capacity: u32) -> Option<Paging> {
-        self.kv_block.and_then(|b| Paging::new(b, capacity))
+        let (p, rows) = self.kv_paging?;
+        let entries = capacity.div_ceil(p.block) as usize;
+        let blocks = u32::try_from(p.pool_blocks(rows, entries)).ok()?;
+        Paging::new(p.block, capacity, blocks)
     }
 
     /// The kernel `make` generates for `cfg`, generated the first time it is asked for.
@@ -530,7 +546,7 @@ fn choosing_product(g: &Graph, site: &TokenSite, rows: Rows) -> Option<NodeId> {
 struct Fused {
     /// Each such attention's key and value writes.
     attention_writes: BTreeMap<NodeId, [NodeId; 2]>,
-    /// Each prompt chunk's attention over a dense cache whose key and value writes one launch
+    /// Each prompt chunk's attention over a KV cache whose key and value writes one launch
     /// does together with q's rotation ([`kiln_kernels::kv_cache::chunk_entries`]): the writes,
     /// and what that launch takes of them.
     chunk_writes: BTreeMap<NodeId, ([NodeId; 2], ChunkEntries)>,
@@ -862,7 +878,7 @@ fn lower_node(
                 new: writes.as_ref().map(|(_, new)| new.clone()),
                 combine: decode && kiln_kernels::attention_decode::combines(&cfg),
             };
-            // A prompt chunk over a dense cache: q rotated ahead of the Hopper kernel, in one
+            // A prompt chunk over a KV cache: q rotated ahead of the Hopper kernel, in one
             // launch with the cache writes where they are this attention's alone.
             let aligned = offsets.iter().all(|o| o % 8 == 0);
             let prerotated =
@@ -886,7 +902,7 @@ fn lower_node(
             // Kernels bind the parameters they declare: `out` unless they leave partials.
             bind.push(("out", this.clone()));
             let kernel = if extras == Extras::default() {
-                // The Hopper kernel (a chunk without RoPE over a dense cache) only where aligned.
+                // The Hopper kernel (a chunk without RoPE over a KV cache) only where aligned.
                 let kernel = out.generate(&cfg, attention);
                 if kernel.image == Image::Sm90a {
                     let fallback = out.generate(&cfg, attention_base);
@@ -1000,7 +1016,6 @@ fn cache_write(
 fn prerotated_chunk(cfg: &AttentionConfig, split: bool, offsets: [u32; 3]) -> bool {
     let rotations = kiln_kernels::attention::rotations(cfg);
     cfg.q_len > 1
-        && cfg.paging.is_none()
         && decode_prerotated(cfg, split, offsets).is_some()
         && rotations[0].is_some()
         && rotations[1].is_none()
@@ -1039,13 +1054,16 @@ fn chunk_entries_launch(
         return None;
     }
     let write = g.node(kw);
-    let bind = vec![
+    let mut bind = vec![
         ("k_cache", Operand::Value(write.args[0])),
         ("v_cache", Operand::Value(g.node(vw).args[0])),
         ("k_new", Operand::Value(k_new)),
         ("v_new", Operand::Value(v_new)),
         ("mask", Operand::Value(write.args[3])),
     ];
+    if keys.paging.is_some() {
+        bind.push(("table", Operand::BlockTable));
+    }
     Some(ChunkEntries {
         keys,
         value_strides: values.new_strides,

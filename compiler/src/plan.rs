@@ -53,6 +53,13 @@ pub struct KvPaging {
     pub blocks: Option<usize>,
 }
 
+impl KvPaging {
+    /// Blocks in each pool of caches of `rows` rows, `entries` table entries each.
+    pub fn pool_blocks(&self, rows: usize, entries: usize) -> usize {
+        self.blocks.unwrap_or(rows * entries + 1)
+    }
+}
+
 /// One bucket's graph as the artifact stores it (weights folded) and how it runs.
 pub struct PlannedBucket {
     /// The static graph with its weight-only values folded.
@@ -140,7 +147,8 @@ pub fn plan_artifact(
 /// Plans `graphs` as they are typed: GPU plans, and CPU plans for f32 graphs.
 fn plan_graphs(graphs: &[&Graph], paging: Option<KvPaging>) -> Result<ArtifactPlan, PlanError> {
     let rows = crate::lower::batch_rows(graphs.iter().copied());
-    let mut kernels = Lowered::new(rows, paging.map(|p| p.block));
+    let cache_rows = crate::lower::cache_rows(graphs.iter().copied());
+    let mut kernels = Lowered::new(rows, paging, cache_rows);
     let mut folded = BTreeMap::new();
     let mut lowered = Vec::new();
     for g in graphs {
@@ -297,15 +305,18 @@ fn page_caches(
         )));
     };
     let block = paging.block as usize;
-    // The kernels' layout: `Paging::new` is what lowering paged them by.
-    let entries = Paging::new(paging.block, context as u32)
-        .ok_or_else(|| {
-            layout(format!(
-                "blocks of {block} keys; a block holds a power of two"
-            ))
-        })?
-        .entries as usize;
-    let blocks = paging.blocks.unwrap_or(rows * entries + 1);
+    if !block.is_power_of_two() {
+        return Err(layout(format!(
+            "blocks of {block} keys; a block holds a power of two"
+        )));
+    }
+    let entries = context.div_ceil(block);
+    let blocks = paging.pool_blocks(rows, entries);
+    // The kernels' layout: `Lowered::paging` paged them by the same numbers.
+    debug_assert_eq!(
+        Paging::new(paging.block, context as u32, blocks as u32).map(|p| p.entries as usize),
+        Some(entries)
+    );
     if blocks <= entries {
         return Err(layout(format!(
             "{blocks} blocks hold no sequence of the context: {context} keys need {entries} blocks beside block 0"

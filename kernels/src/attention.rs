@@ -299,7 +299,11 @@ pub fn rotations(cfg: &AttentionConfig) -> [Option<RotateConfig>; 2] {
 /// the k/v caches are paged).
 pub fn attention(cfg: &AttentionConfig) -> GeneratedKernel {
     if crate::attention_wgmma::supports(cfg) {
-        crate::attention_wgmma::attention_wgmma(cfg, format!("{}_wgmma", cfg.name()))
+        // A tensor map over a paged pool declares its blocks.
+        let pool = cfg
+            .paging
+            .map_or(String::new(), |p| format!("_pool{}", p.blocks));
+        crate::attention_wgmma::attention_wgmma(cfg, format!("{}{pool}_wgmma", cfg.name()))
     } else {
         attention_base(cfg)
     }
@@ -1117,8 +1121,8 @@ mod tests {
         let dropout = llama(Elem::BF16, None, Some((0.1, 0)));
         assert!(prerotated(&dropout).is_some_and(|plain| plain.dropout == dropout.dropout));
         assert_eq!(path(&dropout), KernelPath::Wgmma, "dropout");
-        // A prompt chunk over a dense cache rotates q alone ahead of the Hopper kernel; over a
-        // paged cache, or with a window, it keeps RoPE in the mma kernel.
+        // A prompt chunk over a KV cache, dense or paged, rotates q alone ahead of the Hopper
+        // kernel; with a window it keeps RoPE in the mma kernel.
         let mut over_cache = llama(Elem::BF16, None, None);
         over_cache.rope_k = false;
         over_cache.keys = KeyRule::Position { window: None };
@@ -1126,8 +1130,19 @@ mod tests {
         assert_eq!(plain.keys, over_cache.keys);
         assert!(matches!(rotations(&over_cache), [Some(_), None]));
         let mut paged = over_cache.clone();
-        paged.take_paging(crate::paging::Paging::new(16, 512).expect("a power of two"));
-        assert_eq!(prerotated(&paged), None, "position keys over a paged cache");
+        paged.take_paging(crate::paging::Paging::new(16, 512, 33).expect("a power of two"));
+        let plain = prerotated(&paged).expect("a chunk over a paged cache");
+        assert_eq!(
+            (plain.paging, plain.strides[1]),
+            (paged.paging, paged.strides[1])
+        );
+        let mut small = paged.clone();
+        small.take_paging(crate::paging::Paging::new(4, 512, 129).expect("a power of two"));
+        assert_eq!(
+            prerotated(&small),
+            None,
+            "blocks of fewer keys than a swizzle group"
+        );
         let mut windowed = over_cache.clone();
         windowed.keys = KeyRule::Position { window: Some(256) };
         assert_eq!(prerotated(&windowed), None, "position keys with a window");

@@ -20,7 +20,12 @@
 //!   own `P V`, measured 15-30% slower on the H200 with the ping-pong in place.)
 //!
 //! Key rules: every key, causal (query `i` sees keys `j <= i + T - S`), or position keys (query
-//! `i` of sequence `b` sees keys `j <= positions[b, i]`: a prompt chunk over a dense cache),
+//! `i` of sequence `b` sees keys `j <= positions[b, i]`: a prompt chunk over a KV cache, dense or
+//! paged: over a paged cache the producer copies each tile block by block, a box of the pool's
+//! `[blocks, KVH, block, D]` per table entry, into the rows one box of the tile would fill, so
+//! the consumers see the same swizzled tile; a tile's keys past a row's own are read and weighted
+//! by 0, so a cache must hold finite values there, as the runtime's do: zeroed at load and
+//! written only with the model's keys and values),
 //! masked per element on the tiles that cross a row's last key or the end of the keys only;
 //! causal and position blocks are visited longest first. With position keys each warpgroup finds
 //! the smallest and largest position of an item's rows itself ([`PositionKeys`]), so that the
@@ -42,6 +47,7 @@ use crate::hopper::{
     wgmma_commit, wgmma_descriptor, wgmma_fence, wgmma_wait, WgmmaA, WgmmaB, MBARRIER_BYTES,
     SWIZZLE_BYTES,
 };
+use crate::paging::{KeyRows, Paging};
 use crate::ptx::{Elem, Kernel, Operand, Reg, RegClass, F32};
 use crate::{GeneratedKernel, Image, KernelPath, Launch, TensorMapSpec};
 
@@ -69,10 +75,16 @@ pub fn supports(cfg: &AttentionConfig) -> bool {
     let keys = match cfg.keys {
         KeyRule::All => true,
         KeyRule::Causal { window: None } => cfg.kv_len >= cfg.q_len,
-        // Prompt chunks over a dense cache: each row sees the keys up to its position.
+        // Prompt chunks over a KV cache: each row sees the keys up to its position.
         KeyRule::Position { window: None } => cfg.q_len > 1,
         _ => false,
     };
+    // A paged cache's blocks are whole 1024-byte swizzle groups (8 rows) of a tile.
+    let paged = cfg.paging.is_none_or(|p| {
+        matches!(cfg.keys, KeyRule::Position { .. })
+            && (8..=BKV).contains(&p.block)
+            && BKV.is_multiple_of(p.block)
+    });
     cfg.elem != Elem::F32
         && matches!(cfg.head_dim, 64 | 128)
         && keys
@@ -83,7 +95,7 @@ pub fn supports(cfg: &AttentionConfig) -> bool {
         && cfg.kv_len > 0
         && cfg.heads.is_multiple_of(cfg.kv_heads)
         && cfg.strides.iter().all(|s| s.iter().all(|v| v % 8 == 0))
-        && cfg.paging.is_none()
+        && paged
 }
 
 /// Bytes of `rows` rows of the head dimension in shared memory: `D / 64` blocks of 128-byte rows.
@@ -119,20 +131,25 @@ impl Layout {
 }
 
 /// The tensor map of operand `i` (q, k, v) over `[B, heads, rows, D]` with its strides, in boxes
-/// of `box_rows` x 64.
+/// of `box_rows` x 64; k and v over a paged cache: its pool `[blocks, KVH, block, D]`, in boxes
+/// of a block.
 fn map(cfg: &AttentionConfig, i: usize, heads: u32, rows: u32, box_rows: u32) -> TensorMapSpec {
     let dtype = match cfg.elem {
         Elem::F16 => kiln_ir::DType::F16,
         _ => kiln_ir::DType::BF16,
     };
     let [batch, head, row] = cfg.strides[i].map(|s| u64::from(s) * 2);
+    let (rows, box_rows, batch_dim) = match cfg.paging.filter(|_| i > 0) {
+        Some(p) => (p.block, p.block, p.blocks),
+        None => (rows, box_rows, cfg.batch),
+    };
     TensorMapSpec {
         dtype,
         dims: [
             cfg.head_dim.into(),
             rows.into(),
             heads.into(),
-            cfg.batch.into(),
+            batch_dim.into(),
         ],
         strides: [row, head, batch],
         box_dims: [COLS, box_rows, 1, 1],
@@ -151,7 +168,8 @@ pub fn persistent(cfg: &AttentionConfig) -> bool {
     cfg.kv_len.div_ceil(BKV) <= PERSISTENT_MAX_TILES && items(cfg) > GRID
 }
 
-/// Generates the kernel. Parameters: `q, k, v` (tensor maps), `out, [mask], [seed]`.
+/// Generates the kernel. Parameters: `q, k, v` (tensor maps), `out, [mask], [positions], [seed],
+/// [table]`.
 pub fn attention_wgmma(cfg: &AttentionConfig, name: String) -> GeneratedKernel {
     attention_wgmma_scheduled(cfg, persistent(cfg), name)
 }
@@ -181,6 +199,7 @@ pub fn attention_wgmma_scheduled(
         k.param_ptr("positions")
     });
     let seed = cfg.dropout.map(|_| k.param_ptr("seed"));
+    let table = cfg.paging.map(|p| (k.param_ptr("table"), p));
     let smem = k.dynamic_shared_aligned("attention_tiles", 1024);
     k.shared("attention_barriers", BARRIERS * MBARRIER_BYTES);
     k.shared("attention_mask", 2 * 2 * BKV * 4);
@@ -215,7 +234,7 @@ pub fn attention_wgmma_scheduled(
     producer(
         &mut k,
         cfg,
-        (&layout, keys.as_ref()),
+        (&layout, keys.as_ref(), table),
         &base,
         &bars,
         &tid,
@@ -464,7 +483,7 @@ impl Block {
 fn producer(
     k: &mut Kernel,
     cfg: &AttentionConfig,
-    (layout, keys): (&Layout, Option<&PositionKeys>),
+    (layout, keys, table): (&Layout, Option<&PositionKeys>, Option<(Reg, Paging)>),
     base: &Reg,
     bars: &Reg,
     tid: &Reg,
@@ -510,12 +529,22 @@ fn producer(
         let key0 = k.mul_u32(&j, &BKV);
         let stage = k.mad_u32(&s, &layout.stage, &layout.kv);
         let stage = k.add_u32(&stage, base);
-        for (t, map) in [&kk, &v].into_iter().enumerate() {
-            for i in 0..cfg.head_dim / COLS {
-                let off = t as u32 * layout.kv_tile + i * BKV * SWIZZLE_BYTES;
-                let dst = k.add_u32(&stage, &off);
-                let at = [&(i * COLS) as &dyn Operand, &key0, &block.kvh, &block.b];
-                tma_load(k, &dst, map, &at, &full);
+        match table {
+            None => {
+                let at = [&key0 as &dyn Operand, &block.kvh, &block.b];
+                load_tile(k, cfg, layout, [&kk, &v], (&stage, &full), at, 0);
+            }
+            Some((table, p)) => {
+                // One box per block, each looked up just before its copies (the producer has
+                // few registers to keep blocks in).
+                let rows = KeyRows::new(k, cfg.strides[1], [block.b, block.kvh], Some((table, p)));
+                for i in 0..BKV / p.block {
+                    let key = k.add_u32(&key0, &(i * p.block));
+                    let pool_block = rows.block(k, &key).expect("a paged cache");
+                    let at = [&0u32 as &dyn Operand, &block.kvh, &pool_block];
+                    let within = i * p.block * SWIZZLE_BYTES;
+                    load_tile(k, cfg, layout, [&kk, &v], (&stage, &full), at, within);
+                }
             }
         }
         k.emit(format!("add.u32 {j}, {j}, 1"));
@@ -528,6 +557,28 @@ fn producer(
     });
     k.place(&exit);
     k.emit("ret");
+}
+
+/// Copies the K and V boxes at coordinates `[row, head, outer]` (a dense operand's key, K/V
+/// head and batch row; a paged pool's row in a block, K/V head and block) into `stage`, `within`
+/// bytes into each tile, every 64-column block of the head dimension, arriving on `full`.
+fn load_tile(
+    k: &mut Kernel,
+    cfg: &AttentionConfig,
+    layout: &Layout,
+    maps: [&Reg; 2],
+    (stage, full): (&Reg, &Reg),
+    [row, kvh, outer]: [&dyn Operand; 3],
+    within: u32,
+) {
+    for (t, map) in maps.into_iter().enumerate() {
+        for i in 0..cfg.head_dim / COLS {
+            let off = t as u32 * layout.kv_tile + i * BKV * SWIZZLE_BYTES + within;
+            let dst = k.add_u32(stage, &off);
+            let at = [&(i * COLS) as &dyn Operand, row, kvh, outer];
+            tma_load(k, &dst, map, &at, full);
+        }
+    }
 }
 
 /// Copies the item's Q tile into its buffer, once both consumers have released the buffer's

@@ -65,7 +65,11 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
             out.push(("sampling", top_k_top_p(elem, 4, vocab)));
         }
         // Dense caches, and a paged one (16-key blocks).
-        for (rope, paging) in [(false, None), (true, None), (true, Paging::new(16, 4096))] {
+        for (rope, paging) in [
+            (false, None),
+            (true, None),
+            (true, Paging::new(16, 4096, 513)),
+        ] {
             let cfg = crate::kv_cache::KvWriteConfig {
                 batch: 2,
                 kv_heads: 8,
@@ -199,8 +203,12 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
             if matches!(keys, KeyRule::Position { .. }) {
                 // The same attention over a paged cache of 16-key blocks.
                 let mut paged = cfg.clone();
-                paged.take_paging(Paging::new(16, kv_len).expect("a power of two"));
-                out.push(("attention", attention(&paged)));
+                paged.take_paging(pool(16, kv_len, cfg.batch));
+                let kernel = attention(&paged);
+                if kernel.image == Image::Sm90a {
+                    out.push(("attention", crate::attention::attention_base(&paged)));
+                }
+                out.push(("attention", kernel));
             }
             let kernel = attention(&cfg);
             if kernel.image == Image::Sm90a {
@@ -225,7 +233,7 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
                     };
                     out.push(("attention", attention_decode_with(&cfg, &extras)));
                     let mut paged = cfg.clone();
-                    paged.take_paging(Paging::new(16, kv_len).expect("a power of two"));
+                    paged.take_paging(pool(16, kv_len, cfg.batch));
                     out.push(("attention", attention_decode_with(&paged, &extras)));
                 }
                 // The largest query group the decode kernel serves (8 heads per K/V head).
@@ -344,4 +352,11 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
         out.push(("gemm", gemm(&odd)));
     }
     out
+}
+
+/// Paging of `block`-key blocks over `rows` sequences of `capacity` keys, each with blocks of its
+/// own (the compiler's default pool).
+fn pool(block: u32, capacity: u32, rows: u32) -> Paging {
+    let entries = capacity.div_ceil(block);
+    Paging::new(block, capacity, rows * entries + 1).expect("a power of two")
 }

@@ -15,15 +15,18 @@ pub struct Paging {
     pub block: u32,
     /// Table entries per sequence (the cache capacity in blocks, rounded up).
     pub entries: u32,
+    /// Blocks in the pool, block 0 included: the extent a TMA tensor map over it declares.
+    pub blocks: u32,
 }
 
 impl Paging {
-    /// Paging of `block` keys per block over a cache of `capacity` keys; `None` unless `block`
-    /// is a power of two.
-    pub fn new(block: u32, capacity: u32) -> Option<Paging> {
+    /// Paging of `block` keys per block over a cache of `capacity` keys, in pools of `blocks`
+    /// blocks; `None` unless `block` is a power of two.
+    pub fn new(block: u32, capacity: u32, blocks: u32) -> Option<Paging> {
         block.is_power_of_two().then(|| Paging {
             block,
             entries: capacity.div_ceil(block),
+            blocks,
         })
     }
 
@@ -101,13 +104,20 @@ impl KeyRows {
         let Some(p) = &self.paged else {
             return k.mad_u32(j, &self.row_stride, &self.head);
         };
+        let block = self.block(k, j).expect("a paged cache");
+        let within = k.op2("and.b32", RegClass::B32, j, &(p.paging.block - 1));
+        let r = k.mad_u32(&within, &self.row_stride, &self.head);
+        k.mad_u32(&block, &p.block_stride, &r)
+    }
+
+    /// The pool block holding row `j` (its table entry, the last one past the table); `None`
+    /// for a dense cache.
+    pub(crate) fn block(&self, k: &mut Kernel, j: &Reg) -> Option<Reg> {
+        let p = self.paged.as_ref()?;
         let shifted = k.op2("shr.u32", RegClass::B32, j, &p.paging.shift());
         let entry = k.op2("min.u32", RegClass::B32, &shifted, &(p.paging.entries - 1));
         let at = k.add_u32(&p.first, &entry);
         let a = k.address(p.table, &at, 4);
-        let block = k.op1("ld.global.nc.u32", RegClass::B32, &crate::ptx::Bracket(a));
-        let within = k.op2("and.b32", RegClass::B32, j, &(p.paging.block - 1));
-        let r = k.mad_u32(&within, &self.row_stride, &self.head);
-        k.mad_u32(&block, &p.block_stride, &r)
+        Some(k.op1("ld.global.nc.u32", RegClass::B32, &crate::ptx::Bracket(a)))
     }
 }

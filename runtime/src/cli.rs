@@ -171,7 +171,7 @@ enum Command {
         /// chunk step takes the largest of the artifact's chunk sizes whose measured time fits
         /// it, so the sequences decoding beside a prompt wait at most this much longer for a
         /// token (0: always the largest chunk).
-        #[arg(long, default_value_t = 1.0)]
+        #[arg(long, default_value_t = 0.9)]
         chunk_budget: f64,
         /// Launch each greedy decode step's successor before its tokens go out, so that the
         /// server's work between steps runs while the GPU computes (CUDA).

@@ -180,13 +180,18 @@ fn rope_prefill_attention_runs_on_wgmma() {
     }
 }
 
-/// A prompt chunk's attention over a dense cache (`--kv-block-size 0`) runs on wgmma, q rotated
-/// ahead of it and each row's keys bounded by its position, in one launch with the chunk's cache
-/// writes (no `rope` launch, and `kv_write` launches only where no attention reads the writes);
-/// over a paged cache it stays on mma and the writes keep their launches.
+/// A prompt chunk's attention over a KV cache runs on wgmma, q rotated ahead of it and each
+/// row's keys bounded by its position, in one launch with the chunk's cache writes (no `rope`
+/// launch, and `kv_write` launches only where no attention reads the writes): over a dense cache
+/// (`--kv-block-size 0`) and over a paged one of 16-key blocks; blocks of 4 keys (less than a
+/// swizzle group) keep the mma kernel and the writes their launches.
 #[test]
-fn prompt_chunks_over_a_dense_cache_run_on_wgmma() {
-    for (block, path, fused) in [("0", "wgmma", true), ("16", "mma", false)] {
+fn prompt_chunks_over_a_kv_cache_run_on_wgmma() {
+    for (block, path, fused) in [
+        ("0", "wgmma", true),
+        ("16", "wgmma", true),
+        ("4", "mma", false),
+    ] {
         let r = report(
             &configs_dir().join("llama-3.1-8b"),
             &["--no-weights", "--dtype", "bf16", "--kv-block-size", block],

@@ -215,8 +215,9 @@ impl PagedCache {
         block: u32,
     ) -> PagedCache {
         use rand::seq::SliceRandom;
-        let paging = kiln_kernels::paging::Paging::new(block, capacity as u32).unwrap();
-        let n = rows * paging.entries as usize;
+        let n = rows * capacity.div_ceil(block as usize);
+        let paging =
+            kiln_kernels::paging::Paging::new(block, capacity as u32, n as u32 + 1).unwrap();
         let mut order: Vec<u32> = (1..=n as u32).collect();
         order.shuffle(rng);
         PagedCache {
