@@ -8,10 +8,11 @@
 //! other prompts filling there and interleaved with the others' decode steps; of several chunk
 //! sizes, each chunk step takes the smallest that holds what the filling prompts have left, else
 //! the largest, and with a chunk budget ([`Batcher::with_chunk_budget`]) no larger one than
-//! [`crate::pacing`] predicts to fit it. Without a chunk bucket, prompts enter one token per decode step in their own
-//! rows. The last prompt token then goes through a decode step, whose logits choose the first new
-//! token. Rows are compacted when a sequence leaves (a filling sequence only ever moves down, so
-//! it stays in the chunk rows), so the bucket stays as small as the batch.
+//! [`crate::pacing`] predicts to fit it. Without a chunk bucket, prompts enter one token per
+//! decode step in their own rows. The last prompt token then goes through a decode step, whose
+//! logits choose the first new token. Rows are compacted when a sequence leaves (a filling
+//! sequence only ever moves down, so it stays in the chunk rows), so the bucket stays as small
+//! as the batch.
 //!
 //! A paged cache ([`crate::blocks`]) gives each row the blocks its keys reach, out of what the
 //! sequence was promised when it joined: a sequence joins only when a row is free and the
