@@ -197,8 +197,9 @@ impl<'a> Batcher<'a> {
         self
     }
 
-    /// Limits each prompt chunk to `fraction` of a decode step's time (a positive fraction):
-    /// a chunk step then takes the largest chunk bucket [`Pacing`] predicts to fit, so the
+    /// Limits each prompt chunk to `fraction` of a decode step's time (a positive fraction; of
+    /// the largest chunk's at a prompt's start when that is longer, see [`crate::pacing`]): a
+    /// chunk step then takes the largest chunk bucket [`Pacing`] predicts to fit, so the
     /// sequences decoding beside a prompt wait at most that much longer for their token. The
     /// times are measured as the batcher runs; the tokens do not depend on them.
     pub fn with_chunk_budget(mut self, fraction: f64) -> Batcher<'a> {

@@ -167,10 +167,11 @@ enum Command {
         /// steps: the per-step prompt budget.
         #[arg(long, default_value_t = 1)]
         chunks_per_step: usize,
-        /// The time a prompt chunk may add to a decode step, as a fraction of that step: each
-        /// chunk step takes the largest of the artifact's chunk sizes whose measured time fits
-        /// it, so the sequences decoding beside a prompt wait at most this much longer for a
-        /// token (0: always the largest chunk).
+        /// The time a prompt chunk may add to a decode step, as a fraction of that step (or of
+        /// the largest chunk's time at a prompt's start, when that is longer): each chunk step
+        /// takes the largest of the artifact's chunk sizes whose measured time fits it, so the
+        /// sequences decoding beside a prompt wait at most this much longer for a token (0:
+        /// always the largest chunk).
         #[arg(long, default_value_t = 0.9)]
         chunk_budget: f64,
         /// Launch each greedy decode step's successor before its tokens go out, so that the

@@ -12,6 +12,13 @@
 //! when none fits (prompts always advance), the largest before anything was measured. A
 //! bucket not measured yet is predicted from the nearest measured one, in proportion to their
 //! tokens (a chunk's products and its attention both grow with its rows).
+//!
+//! While few sequences decode, their steps are short, and a limit of a share of them would
+//! shrink every chunk, so prompts would fill slowly and the batch stay small (measured: a
+//! server whose chunks were paced by every step's decode time from the first request on ran
+//! at 0.6 of its rate). So the limit is `fraction` of the longer of a decode step and the
+//! largest chunk bucket's predicted time at a prompt's start: chunks shrink below the largest
+//! only as far as a full batch's decode steps, or a prompt's later positions, ask.
 
 /// Least-squares line `y = a + b x` through observations, `b >= 0`.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -108,10 +115,16 @@ impl Pacing {
         self.costs[near].at(x).map(|t| t * scale)
     }
 
-    /// The seconds a chunk may take: `fraction` of a decode step; `None` before one was timed,
-    /// or without a fraction.
+    /// The seconds a chunk may take: `fraction` of a decode step or of the largest chunk
+    /// bucket's predicted time at position 0, whichever is longer; `None` before a decode step
+    /// was timed, or without a fraction.
     pub fn limit(&self) -> Option<f64> {
-        Some(self.decode? * self.fraction?)
+        let first = self
+            .sizes
+            .len()
+            .checked_sub(1)
+            .and_then(|l| self.predict(l, 0));
+        Some(self.decode?.max(first.unwrap_or(0.0)) * self.fraction?)
     }
 
     /// The chunk bucket (an index into the sizes) for prompts whose longest has `left` tokens to
@@ -182,6 +195,23 @@ mod tests {
         // When nothing fits, the smallest runs anyway.
         p.chunked(0, 0, 9.0);
         assert_eq!(p.pick(4000, 3000), 0);
+    }
+
+    #[test]
+    fn short_decode_steps_leave_the_largest_chunk_its_start() {
+        let mut p = Pacing::new(vec![128, 256, 512], Some(1.0));
+        // A batch of a few rows: 0.5 s decode steps; the 512-token chunk 2.0 s at position 0,
+        // 3.0 at 2000.
+        p.decoded(0.5);
+        p.chunked(2, 0, 2.0);
+        p.chunked(2, 2000, 3.0);
+        assert_eq!(p.limit(), Some(2.0));
+        assert_eq!(p.pick(4000, 0), 2, "a prompt's first chunk is the largest");
+        assert_eq!(p.pick(4000, 1000), 1, "later ones shrink as the keys grow");
+        // At half the budget neither a fresh prompt's largest chunk fits.
+        let mut half = p.clone();
+        half.fraction = Some(0.5);
+        assert_eq!(half.pick(4000, 0), 1);
     }
 
     #[test]
