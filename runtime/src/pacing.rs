@@ -14,9 +14,9 @@
 //! tokens (a chunk's products and its attention both grow with its rows).
 //!
 //! While few sequences decode, their steps are short, and a limit of a share of them would
-//! shrink every chunk, so prompts would fill slowly and the batch stay small (measured: a
-//! server whose chunks were paced by every step's decode time from the first request on ran
-//! at 0.6 of its rate). So the limit is `fraction` of the longer of a decode step and the
+//! shrink every chunk, so prompts would fill slowly and the batch stay small (BENCHMARKS.md
+//! has a server paced that way from its first request on). So the limit is `fraction` of the
+//! longer of a decode step and the
 //! largest chunk bucket's predicted time at a prompt's start: chunks shrink below the largest
 //! only as far as a full batch's decode steps, or a prompt's later positions, ask.
 
