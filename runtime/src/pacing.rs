@@ -16,9 +16,9 @@
 //! While few sequences decode, their steps are short, and a limit of a share of them would
 //! shrink every chunk, so prompts would fill slowly and the batch stay small (BENCHMARKS.md
 //! has a server paced that way from its first request on). So the limit is `fraction` of the
-//! longer of a decode step and the
-//! largest chunk bucket's predicted time at a prompt's start: chunks shrink below the largest
-//! only as far as a full batch's decode steps, or a prompt's later positions, ask.
+//! longer of a decode step and the largest chunk bucket's predicted time at a prompt's start:
+//! chunks shrink below the largest only as far as a full batch's decode steps, or a prompt's
+//! later positions, ask.
 
 /// Least-squares line `y = a + b x` through observations, `b >= 0`.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
