@@ -262,11 +262,12 @@ impl Lowered {
         }
     }
 
-    /// The paging of a KV cache of `capacity` keys.
+    /// The paging of a KV cache of `capacity` keys (a pool past `u32::MAX` blocks, which the
+    /// memory plan refuses, saturates rather than reading as a dense cache).
     fn paging(&self, capacity: u32) -> Option<Paging> {
         let (p, rows) = self.kv_paging?;
         let entries = capacity.div_ceil(p.block) as usize;
-        let blocks = u32::try_from(p.pool_blocks(rows, entries)).ok()?;
+        let blocks = u32::try_from(p.pool_blocks(rows, entries)).unwrap_or(u32::MAX);
         Paging::new(p.block, capacity, blocks)
     }
 
