@@ -242,6 +242,12 @@ impl<'a> Batcher<'a> {
         self.session.context
     }
 
+    /// Seconds a prompt chunk may take now under the chunk budget (see [`crate::pacing`]);
+    /// `None` without a budget or before a decode step was timed.
+    pub fn chunk_limit(&self) -> Option<f64> {
+        self.pacing.limit()
+    }
+
     /// Sequences in rows.
     pub fn active(&self) -> usize {
         self.rows.iter().flatten().count()

@@ -533,6 +533,8 @@ fn metrics(main: &Server, served: usize) {
     assert!(decode >= 1.0 && chunked >= 1.0, "{text}");
     assert!(decode + chunked >= served as f64 / 4.0, "{text}");
     assert_eq!(metric("kiln_requests_running"), 0.0);
+    // The default chunk budget has a decode step to measure chunks against by now.
+    assert!(metric("kiln_prompt_chunk_limit_seconds") > 0.0, "{text}");
     assert_eq!(metric("kiln_kv_blocks"), 16.0);
     assert_eq!(metric("kiln_kv_blocks_used"), 0.0, "every block came back");
     // Prompts of 1 to 20 tokens fill through chunks of 8, and what is left of them at the end

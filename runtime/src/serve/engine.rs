@@ -421,6 +421,7 @@ impl Loop<'_, '_> {
             m.compilations_after_load.set(after.module_loads as i64);
         }
         m.running.set(self.batcher.active() as i64);
+        m.chunk_limit.set(self.batcher.chunk_limit().unwrap_or(0.0));
         m.cache_tokens_used.set(self.batcher.cached_tokens() as i64);
         if let Some((used, blocks)) = self.batcher.kv_blocks() {
             m.kv_blocks_used.set(used as i64);

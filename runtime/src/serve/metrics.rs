@@ -6,6 +6,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
 
 /// A bucket graph's label.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -64,6 +65,9 @@ pub struct Metrics {
     /// Seconds per engine step (its prompt chunks, its decode step and the hand-out of its
     /// tokens), by whether prompt chunks ran in it: where uneven inter-token latency comes from.
     pub step_seconds: Family<StepLabel, Histogram>,
+    /// Seconds a prompt chunk may take under `--chunk-budget` (0: any chunk, before a decode
+    /// step was timed or without a budget).
+    pub chunk_limit: Gauge<f64, AtomicU64>,
     /// Bucket runs (graph replays on a GPU) since load.
     pub replays: Family<BucketLabel, Counter>,
     /// Graph captures after load (CUDA; stays 0 when nothing is captured late).
@@ -92,6 +96,7 @@ impl Metrics {
             end_to_end: latency(),
             queue_time: latency(),
             step_seconds: Family::new_with_constructor(latency),
+            chunk_limit: Gauge::default(),
             replays: Family::default(),
             captures_after_load: Gauge::default(),
             compilations_after_load: Gauge::default(),
@@ -166,6 +171,11 @@ impl Metrics {
             "engine_step_seconds",
             "Engine steps, with or without prompt chunks",
             m.step_seconds.clone(),
+        );
+        r.register(
+            "prompt_chunk_limit_seconds",
+            "The time a prompt chunk may take under --chunk-budget (0: any)",
+            m.chunk_limit.clone(),
         );
         r.register(
             "bucket_replays",
