@@ -56,7 +56,8 @@ pub struct KvPaging {
 impl KvPaging {
     /// Blocks in each pool of caches of `rows` rows, `entries` table entries each.
     pub fn pool_blocks(&self, rows: usize, entries: usize) -> usize {
-        self.blocks.unwrap_or(rows * entries + 1)
+        self.blocks
+            .unwrap_or_else(|| kiln_kernels::paging::whole_rows_pool(rows, entries))
     }
 }
 

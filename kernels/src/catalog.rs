@@ -354,9 +354,9 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
     out
 }
 
-/// Paging of `block`-key blocks over `rows` sequences of `capacity` keys, each with blocks of its
-/// own (the compiler's default pool).
+/// Paging of `block`-key blocks over `rows` sequences of `capacity` keys in the default pool.
 fn pool(block: u32, capacity: u32, rows: u32) -> Paging {
-    let entries = capacity.div_ceil(block);
-    Paging::new(block, capacity, rows * entries + 1).expect("a power of two")
+    let entries = capacity.div_ceil(block) as usize;
+    let blocks = crate::paging::whole_rows_pool(rows as usize, entries) as u32;
+    Paging::new(block, capacity, blocks).expect("a power of two")
 }

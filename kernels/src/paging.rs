@@ -19,6 +19,12 @@ pub struct Paging {
     pub blocks: u32,
 }
 
+/// Blocks in the default pool of `rows` sequences of `entries` table entries: each a whole
+/// context of blocks of its own, plus block 0.
+pub fn whole_rows_pool(rows: usize, entries: usize) -> usize {
+    rows * entries + 1
+}
+
 impl Paging {
     /// Paging of `block` keys per block over a cache of `capacity` keys, in pools of `blocks`
     /// blocks; `None` unless `block` is a power of two.

@@ -203,8 +203,7 @@ impl<'a> Batcher<'a> {
     /// sequences decoding beside a prompt wait at most that much longer for their token. The
     /// times are measured as the batcher runs; the tokens do not depend on them.
     pub fn with_chunk_budget(mut self, fraction: f64) -> Batcher<'a> {
-        let sizes = self.chunks.iter().map(|c| c.seq).collect();
-        self.pacing = Pacing::new(sizes, Some(fraction));
+        self.pacing.limit_to(fraction);
         self
     }
 
@@ -633,10 +632,8 @@ impl<'a> Batcher<'a> {
             .iter()
             .flatten()
             .filter(|s| s.filling());
-        let (left, first) = filling.fold(None, |most: Option<(usize, usize)>, s| {
-            let (left, first) = most.unwrap_or_default();
-            Some((left.max(s.head() - s.filled), first.max(s.filled)))
-        })?;
+        let left = filling.clone().map(|s| s.head() - s.filled).max()?;
+        let first = filling.map(|s| s.filled).max()?;
         Some(self.pacing.pick(left, first))
     }
 

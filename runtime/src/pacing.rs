@@ -87,6 +87,11 @@ impl Pacing {
         }
     }
 
+    /// Limits chunks to `fraction` of a decode step (see [`Pacing::limit`]).
+    pub fn limit_to(&mut self, fraction: f64) {
+        self.fraction = Some(fraction);
+    }
+
     /// Records a decode-only step of `seconds`.
     pub fn decoded(&mut self, seconds: f64) {
         self.decode = Some(match self.decode {
@@ -132,7 +137,8 @@ impl Pacing {
     /// smallest when none does, all before anything was measured), the smallest that holds
     /// `left`, else the largest.
     pub fn pick(&self, left: usize, start: usize) -> usize {
-        let fits = |i: &usize| match (self.limit(), self.predict(*i, start)) {
+        let limit = self.limit();
+        let fits = |i: &usize| match (limit, self.predict(*i, start)) {
             (Some(limit), Some(t)) => t <= limit,
             _ => true,
         };
@@ -172,13 +178,20 @@ mod tests {
         assert_eq!(p.pick(200, 3000), 1);
     }
 
-    #[test]
-    fn late_chunks_shrink_to_fit_a_decode_step() {
+    /// Buckets of 128, 256 and 512 tokens at a budget of a whole decode step, decode steps of
+    /// `decode` s, and the 512-token chunk measured at 2.0 s at position 0 and 3.0 at 2000 (a
+    /// line of slope 1/2000).
+    fn measured(decode: f64) -> Pacing {
         let mut p = Pacing::new(vec![128, 256, 512], Some(1.0));
-        p.decoded(2.5);
-        // The 512-token chunk: 2.0 s at position 0, 3.0 at 2000 (a line of slope 1/2000).
+        p.decoded(decode);
         p.chunked(2, 0, 2.0);
         p.chunked(2, 2000, 3.0);
+        p
+    }
+
+    #[test]
+    fn late_chunks_shrink_to_fit_a_decode_step() {
+        let mut p = measured(2.5);
         assert_eq!(p.pick(4000, 0), 2);
         assert_eq!(p.pick(4000, 1000), 2, "2.5 fits exactly");
         // Past 1000 the 512 chunk is over; the 256 one is predicted at half of it.
@@ -199,18 +212,14 @@ mod tests {
 
     #[test]
     fn short_decode_steps_leave_the_largest_chunk_its_start() {
-        let mut p = Pacing::new(vec![128, 256, 512], Some(1.0));
-        // A batch of a few rows: 0.5 s decode steps; the 512-token chunk 2.0 s at position 0,
-        // 3.0 at 2000.
-        p.decoded(0.5);
-        p.chunked(2, 0, 2.0);
-        p.chunked(2, 2000, 3.0);
+        // A batch of a few rows: 0.5 s decode steps.
+        let p = measured(0.5);
         assert_eq!(p.limit(), Some(2.0));
         assert_eq!(p.pick(4000, 0), 2, "a prompt's first chunk is the largest");
         assert_eq!(p.pick(4000, 1000), 1, "later ones shrink as the keys grow");
         // At half the budget neither a fresh prompt's largest chunk fits.
         let mut half = p.clone();
-        half.fraction = Some(0.5);
+        half.limit_to(0.5);
         assert_eq!(half.pick(4000, 0), 1);
     }
 

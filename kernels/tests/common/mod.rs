@@ -202,8 +202,7 @@ pub fn mask_mismatches(got: &[f32], want: &[bool]) -> usize {
 pub struct PagedCache {
     /// The block table, `[rows, entries]`.
     pub table: Vec<u32>,
-    /// Blocks in the pool.
-    pub blocks: usize,
+    /// The layout, the pool's block count included.
     pub paging: kiln_kernels::paging::Paging,
     shape: [usize; 4],
 }
@@ -214,15 +213,16 @@ impl PagedCache {
         [rows, kv_heads, capacity, head_dim]: [usize; 4],
         block: u32,
     ) -> PagedCache {
+        use kiln_kernels::paging::{whole_rows_pool, Paging};
         use rand::seq::SliceRandom;
-        let n = rows * capacity.div_ceil(block as usize);
-        let paging =
-            kiln_kernels::paging::Paging::new(block, capacity as u32, n as u32 + 1).unwrap();
-        let mut order: Vec<u32> = (1..=n as u32).collect();
+        let entries = capacity.div_ceil(block as usize);
+        let blocks = whole_rows_pool(rows, entries);
+        let paging = Paging::new(block, capacity as u32, blocks as u32).unwrap();
+        // Every block but block 0, shuffled.
+        let mut order: Vec<u32> = (1..blocks as u32).collect();
         order.shuffle(rng);
         PagedCache {
             table: order,
-            blocks: n + 1,
             paging,
             shape: [rows, kv_heads, capacity, head_dim],
         }
@@ -239,7 +239,8 @@ impl PagedCache {
     /// The pool holding `dense` (`fill` where no key is).
     pub fn scatter<T: Copy>(&self, dense: &[T], fill: T) -> Vec<T> {
         let [rows, kvh, t, d] = self.shape;
-        let mut pool = vec![fill; self.blocks * kvh * self.paging.block as usize * d];
+        let blocks = self.paging.blocks as usize;
+        let mut pool = vec![fill; blocks * kvh * self.paging.block as usize * d];
         for (i, x) in dense.iter().enumerate() {
             let (b, h, j, c) = (i / (kvh * t * d), i / (t * d) % kvh, i / d % t, i % d);
             debug_assert!(b < rows);
