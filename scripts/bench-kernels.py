@@ -9,14 +9,16 @@ tensors it reads and writes. This script allocates those tensors with torch, loa
 through the CUDA driver (ctypes, in torch's context), encodes its tensor maps as kiln's runtime
 does, and times it with CUDA events on torch's stream exactly as it times the peer on the same
 tensors: torch.matmul (cuBLAS) for products, scaled_dot_product_attention with the flash and cuDNN
-backends for attention. It prints a table of times and ratios (peer time / kiln time: above 1 is
-kiln faster) and checks that kiln's output matches the peer's where both are deterministic.
+backends for attention. Both sides are timed as CUDA graphs of ten launches back to back
+(`cuda_timing.bench_kernel`), so that host launch overheads count on neither (`--eager-timing`:
+one launch between CUDA events, host overheads included). It prints a table of times and ratios
+(peer time / kiln time: above 1 is kiln faster) and checks that kiln's output matches the peer's where both are deterministic.
 """
-import argparse, ctypes, json, math, os, sys
+import argparse, ctypes, json, math, os, re, sys
 import torch
 import torch.nn.functional as F
 
-from cuda_timing import bench
+from cuda_timing import bench as bench_eager, bench_kernel
 
 CUDA = ctypes.CDLL("libcuda.so.1")
 SHARED_LIMIT = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -149,9 +151,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("cases")
     ap.add_argument("--json")
+    ap.add_argument("--eager-timing", action="store_true")
+    ap.add_argument("--only", help="a regular expression: run only the cases whose name it matches")
     a = ap.parse_args()
+    bench = bench_eager if a.eager_timing else bench_kernel
     torch.zeros(1, device="cuda")  # torch's primary context is current from here on
     cases = json.load(open(os.path.join(a.cases, "cases.json")))
+    if a.only:
+        cases = [c for c in cases if re.search(a.only, c["case"])]
     records = []
     print(f"{'case':<40} {'kiln kernel':<44} {'kiln ms':>8}  {'peer':<30} {'peer ms':>8}  ratio (peer/kiln)", flush=True)
     for case in cases:

@@ -2,16 +2,47 @@
 import torch
 
 
+def _median_ms(run, rep, per_run=1):
+    """Median milliseconds of `run` over `rep` runs, CUDA events around each, divided by `per_run`."""
+    times = []
+    for _ in range(rep):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record(); run(); b.record(); torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / per_run)
+    times.sort()
+    return times[len(times) // 2]
+
+
 def bench(fn, warm=3, rep=20):
     """Median milliseconds of `fn` over `rep` runs, CUDA events around each (warm-ups first)."""
     for _ in range(warm):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(rep):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+    return _median_ms(fn, rep)
+
+
+def bench_kernel(fn, warm=3, rep=20, inner=10):
+    """Median milliseconds of one launch of `fn` (a single kernel, or a library call of a few)
+    over `rep` replays of a CUDA graph of `inner` launches back to back, CUDA events around each
+    replay: the GPU never waits for the host between launches, so neither side's launch overhead
+    (a Python call into the driver, or PyTorch's dispatcher) counts, as neither does in a
+    captured model. Falls back to `inner` eager launches between the events where capture fails."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                fn()
+        run = graph.replay
+    except Exception:  # a library call that cannot be captured
+        torch.cuda.synchronize()
+
+        def run():
+            for _ in range(inner):
+                fn()
+    run()
+    torch.cuda.synchronize()
+    return _median_ms(run, rep, inner)

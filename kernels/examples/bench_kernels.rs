@@ -6,7 +6,8 @@
 //!
 //! With `--emit DIR` it times nothing and writes the benchmark cases (`cases.json`: each kernel,
 //! its launch and the tensors it takes, and the peer that does the same work; one PTX module per
-//! kernel) for `scripts/bench-kernels.py`, which runs them and their PyTorch peers in one process.
+//! kernel) for `scripts/bench-kernels.py`, which runs them and their PyTorch peers in one process;
+//! `--emit DIR --gemm MxNxK,..` writes only those plain products, in every tiling.
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
@@ -15,7 +16,7 @@ use kiln_kernels::attention::{attention, AttentionConfig, KeyRule};
 use kiln_kernels::attention_wgmma::{attention_wgmma_scheduled, persistent};
 use kiln_kernels::gemm::{gemm, gemm_base, GemmConfig};
 use kiln_kernels::gemm_wgmma::{
-    gemm_wgmma_tiled, split_scratch, splits_fit, tiling, Tiling, TILINGS,
+    fits, gemm_wgmma_tiled, split_scratch, splits_fit, tiling, Tiling, TILINGS,
 };
 use kiln_kernels::norm::{norm, norm_with, NormConfig, RowThreads};
 use kiln_kernels::{Elem, GeneratedKernel, ParamType};
@@ -91,9 +92,15 @@ fn launch(
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    if let [_, flag, dir] = &args[..] {
-        assert_eq!(flag, "--emit", "usage: bench_kernels [--emit DIR]");
-        emit_cases(std::path::Path::new(dir));
+    if let [_, flag, dir, rest @ ..] = &args[..] {
+        let usage = "usage: bench_kernels [--emit DIR [--gemm MxNxK[,MxNxK..]]]";
+        assert_eq!(flag, "--emit", "{usage}");
+        let only = match rest {
+            [] => Vec::new(),
+            [gemm, shapes] if gemm == "--gemm" => shapes.split(',').map(product_shape).collect(),
+            _ => panic!("{usage}"),
+        };
+        emit_cases(std::path::Path::new(dir), &only);
         return;
     }
     // SAFETY: only probes whether libcuda can be opened.
@@ -442,7 +449,7 @@ type Buffer = (Vec<usize>, &'static str, f64);
 /// Writes the cases `scripts/bench-kernels.py` runs against PyTorch: the GEMMs of [`gemms`] and
 /// attention bf16 at head dims 128 and 64 over 4096 tokens (batch 4, 16 heads), causal or not, and
 /// with dropout 0.1.
-fn emit_cases(dir: &std::path::Path) {
+fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
     std::fs::create_dir_all(dir).unwrap();
     let mut cases = Vec::new();
     // A case: its kernel, the tensors it takes, its u32 parameters, its peer and its FLOPs.
@@ -467,7 +474,8 @@ fn emit_cases(dir: &std::path::Path) {
             "scalars": scalars, "peer": peer, "flops": flops,
         }));
     };
-    for (s, bias_gelu) in [(4096usize, false), (8192, false), (4096, true)] {
+    let squares = [(4096usize, false), (8192, false), (4096, true)];
+    for (s, bias_gelu) in squares.into_iter().filter(|_| only.is_empty()) {
         let cfg = GemmConfig {
             bias: bias_gelu,
             activation: bias_gelu.then_some(Activation::GeluTanh),
@@ -501,44 +509,49 @@ fn emit_cases(dir: &std::path::Path) {
     // 128), of Llama-3.2-1B's decode step at 64 sequences, and the square ones in every tiling of
     // the Hopper kernel (and the split one it picks, and the GEMV where lowering takes it),
     // BERT's with their epilogues too: the one picked should be the fastest.
-    for (m, n, k, epilogue) in [
-        (64usize, 2048usize, 8192usize, ""),
-        (64, 2048, 2048, ""),
-        (64, 3072, 2048, ""),
-        (64, 16384, 2048, "swiglu"),
-        (32, 2048, 8192, ""),
-        (32, 2048, 2048, ""),
-        (16, 2048, 8192, ""),
-        (1024, 2048, 8192, ""),
-        (1024, 3072, 2048, ""),
-        (1024, 2048, 2048, ""),
-        (1024, 768, 3072, ""),
-        (1024, 768, 768, ""),
-        (1024, 2304, 768, ""),
-        (1024, 16384, 2048, "swiglu"),
-        (1024, 128256, 2048, ""),
-        (1024, 6144, 4096, ""),
-        (16, 3072, 768, ""),
-        (512, 2048, 8192, ""),
-        (512, 3072, 2048, ""),
-        (512, 2048, 2048, ""),
-        (512, 16384, 2048, "swiglu"),
-        (4096, 3072, 2048, ""),
-        (4096, 2048, 2048, ""),
-        (4096, 16384, 2048, "swiglu"),
-        (4096, 128256, 2048, ""),
-        (4096, 4096, 4096, ""),
-        (8192, 8192, 8192, ""),
-        // BERT-base at 128 x 128 tokens: QKV, O, FFN up, FFN down.
-        (16384, 2304, 768, ""),
-        (16384, 768, 768, ""),
-        (16384, 3072, 768, ""),
-        (16384, 768, 3072, ""),
-        (16384, 2304, 768, "bias"),
-        (16384, 768, 768, "bias_residual"),
-        (16384, 3072, 768, "bias_gelu_erf"),
-        (16384, 768, 3072, "bias_residual"),
-    ] {
+    let shapes: Vec<(usize, usize, usize, &str)> = if only.is_empty() {
+        vec![
+            (64usize, 2048usize, 8192usize, ""),
+            (64, 2048, 2048, ""),
+            (64, 3072, 2048, ""),
+            (64, 16384, 2048, "swiglu"),
+            (32, 2048, 8192, ""),
+            (32, 2048, 2048, ""),
+            (16, 2048, 8192, ""),
+            (1024, 2048, 8192, ""),
+            (1024, 3072, 2048, ""),
+            (1024, 2048, 2048, ""),
+            (1024, 768, 3072, ""),
+            (1024, 768, 768, ""),
+            (1024, 2304, 768, ""),
+            (1024, 16384, 2048, "swiglu"),
+            (1024, 128256, 2048, ""),
+            (1024, 6144, 4096, ""),
+            (16, 3072, 768, ""),
+            (512, 2048, 8192, ""),
+            (512, 3072, 2048, ""),
+            (512, 2048, 2048, ""),
+            (512, 16384, 2048, "swiglu"),
+            (4096, 3072, 2048, ""),
+            (4096, 2048, 2048, ""),
+            (4096, 16384, 2048, "swiglu"),
+            (4096, 128256, 2048, ""),
+            (4096, 4096, 4096, ""),
+            (8192, 8192, 8192, ""),
+            // BERT-base at 128 x 128 tokens: QKV, O, FFN up, FFN down.
+            (16384, 2304, 768, ""),
+            (16384, 768, 768, ""),
+            (16384, 3072, 768, ""),
+            (16384, 768, 3072, ""),
+            (16384, 2304, 768, "bias"),
+            (16384, 768, 768, "bias_residual"),
+            (16384, 3072, 768, "bias_gelu_erf"),
+            (16384, 768, 3072, "bias_residual"),
+        ]
+    } else {
+        only.iter().map(|&(m, n, k)| (m, n, k, "")).collect()
+    };
+    for (m, n, k, epilogue) in shapes {
         let swiglu = epilogue == "swiglu";
         let cfg = GemmConfig {
             bias: !epilogue.is_empty() && !swiglu,
@@ -548,7 +561,11 @@ fn emit_cases(dir: &std::path::Path) {
             ..GemmConfig::plain(m as u32, n as u32, k as u32, Elem::BF16)
         };
         let chosen = tiling(&cfg);
-        let mut tilings: Vec<Tiling> = TILINGS.iter().map(|&(t, _)| t).collect();
+        let mut tilings: Vec<Tiling> = TILINGS
+            .iter()
+            .map(|&(t, _)| t)
+            .filter(|&t| fits(&cfg, t))
+            .collect();
         // Products of few row tiles (a decode step's, a server prompt chunk's of 512 rows): K
         // split in parts, in several tilings.
         let splits = [
@@ -620,6 +637,9 @@ fn emit_cases(dir: &std::path::Path) {
             };
             add(name, kernel, buffers, &[], peer, 2.0 * (m * n * k) as f64);
         }
+    }
+    if !only.is_empty() {
+        return finish(dir, &cases);
     }
     // The models' norms (BERT-base's LayerNorm at 128 x 128 tokens, GPT-2's at 1024,
     // Llama-3.2-1B's RMSNorm at 4096 tokens, an 8B-class RMSNorm), a warp or a block to a row.
@@ -753,7 +773,24 @@ fn emit_cases(dir: &std::path::Path) {
             add(name, kernel, buffers, &[], peer, flops);
         }
     }
-    let text = serde_json::to_string_pretty(&cases).unwrap();
+    finish(dir, &cases);
+}
+
+/// `MxNxK` as numbers.
+fn product_shape(text: &str) -> (usize, usize, usize) {
+    let dims: Vec<usize> = text
+        .split('x')
+        .map(|d| d.parse().unwrap_or_else(|_| panic!("{text}: not MxNxK")))
+        .collect();
+    match dims[..] {
+        [m, n, k] => (m, n, k),
+        _ => panic!("{text}: not MxNxK"),
+    }
+}
+
+/// Writes `cases.json`.
+fn finish(dir: &std::path::Path, cases: &[serde_json::Value]) {
+    let text = serde_json::to_string_pretty(cases).unwrap();
     std::fs::write(dir.join("cases.json"), text).unwrap();
     println!("{} cases in {}", cases.len(), dir.display());
 }

@@ -317,10 +317,23 @@ pub(crate) struct EpiloguePtrs {
 impl EpiloguePtrs {
     /// Declares the parameters `cfg` needs.
     pub(crate) fn declare(k: &mut Kernel, cfg: &GemmConfig) -> EpiloguePtrs {
+        EpiloguePtrs::declare_with(k, cfg, None)
+    }
+
+    /// [`EpiloguePtrs::declare`], `out` as a tensor map of `spec` where given (for TMA stores);
+    /// [`EpiloguePtrs::out`] is then the map's address.
+    pub(crate) fn declare_with(
+        k: &mut Kernel,
+        cfg: &GemmConfig,
+        out_map: Option<crate::TensorMapSpec>,
+    ) -> EpiloguePtrs {
         EpiloguePtrs {
             bias: cfg.bias.then(|| k.param_ptr("bias")),
             residual: cfg.residual.then(|| k.param_ptr("residual")),
-            out: k.param_ptr("out"),
+            out: match out_map {
+                Some(spec) => k.param_tensor_map("out", spec),
+                None => k.param_ptr("out"),
+            },
         }
     }
 

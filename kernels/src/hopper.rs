@@ -84,6 +84,48 @@ pub fn tma_load(
     ));
 }
 
+/// Copies the box at `coords` of the tensor `map` describes from shared memory at `src` (laid
+/// out as [`tma_load`] writes it) to global memory, in the thread's current bulk group; elements
+/// outside the tensor are not written. The shared-memory writes it reads must be ordered before
+/// it ([`fence_proxy_async`] by each writer, then a barrier).
+pub fn tma_store(k: &mut Kernel, map: &Reg, coords: &[&dyn Operand], src: &dyn Operand) {
+    let mut c: Vec<String> = coords.iter().map(|c| c.text()).collect();
+    c.resize(4, "0".into());
+    k.emit(format!(
+        "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [{map}, {{{}}}], [{}]",
+        c.join(", "),
+        src.text()
+    ));
+}
+
+/// Closes the bulk copies this thread issued since the last commit into one group.
+pub fn bulk_commit(k: &mut Kernel) {
+    k.emit("cp.async.bulk.commit_group");
+}
+
+/// Waits until at most `pending` of this thread's bulk groups are still reading shared memory
+/// (`read`), or still running at all.
+pub fn bulk_wait(k: &mut Kernel, pending: u32, read: bool) {
+    let read = if read { ".read" } else { "" };
+    k.emit(format!("cp.async.bulk.wait_group{read} {pending}"));
+}
+
+/// Orders this thread's earlier shared-memory writes before later asynchronous-proxy accesses
+/// (TMA stores reading them).
+pub fn fence_proxy_async(k: &mut Kernel) {
+    k.emit("fence.proxy.async.shared::cta");
+}
+
+/// `stmatrix` of four 8 x 8 matrices of halves: register `i` of each thread holds its two
+/// halves of row `lane / 4` of matrix `i`, and lane `8 i + r` gives the shared address of row `r`
+/// of matrix `i`.
+pub fn stmatrix_x4(k: &mut Kernel, addr: &Reg, words: [Reg; 4]) {
+    k.emit(format!(
+        "stmatrix.sync.aligned.m8n8.x4.shared.b16 [{addr}], {{{}, {}, {}, {}}}",
+        words[0], words[1], words[2], words[3]
+    ));
+}
+
 /// The wgmma descriptor of a tile at shared address `addr` laid out as TMA writes boxes with
 /// 128-byte swizzle (1024-byte aligned groups of 8 rows of [`SWIZZLE_BYTES`]): layout "128-byte
 /// swizzle", `leading` and `stride` byte offsets. For a K-major operand (K contiguous) the
