@@ -286,11 +286,13 @@ pub fn fits(cfg: &GemmConfig, tiling: Tiling) -> bool {
     (tiling.splits == 1 || splits_fit(cfg, tiling)) && (!tiling.staged || staged_fits(cfg, tiling))
 }
 
-/// Whether `tiling` can store `cfg`'s tiles through shared memory: unsplit, output
-/// rows of 16-byte multiples (TMA), tiles of whole 64-column boxes.
+/// Whether `tiling` can store `cfg`'s tiles through shared memory: consumers together (taking
+/// turns, a consumer's 128 accumulators leave too few registers for the staging and spill),
+/// unsplit, output rows of 16-byte multiples (TMA), tiles of whole 64-column boxes.
 pub fn staged_fits(cfg: &GemmConfig, tiling: Tiling) -> bool {
     let tile = Tile::new(cfg, tiling);
-    tiling.splits == 1
+    !tiling.ping_pong
+        && tiling.splits == 1
         && cfg.n_out().is_multiple_of(8)
         && tile.columns().is_multiple_of(STORE_COLUMNS)
 }
@@ -376,20 +378,11 @@ impl Tile {
         }
     }
 
-    /// Output rows a consumer finishes per tile: its 64, or all 128 taking turns.
-    fn consumer_rows(self) -> u32 {
-        if self.ping_pong() {
-            BM
-        } else {
-            BM / 2
-        }
-    }
-
-    /// Bytes of a consumer's finished tile in shared memory, staged ([`STORE_COLUMNS`]-wide
-    /// boxes of its rows, 128-byte swizzled); none otherwise.
+    /// Bytes of a consumer's finished 64 rows in shared memory, staged ([`STORE_COLUMNS`]-wide
+    /// boxes, 128-byte swizzled); none otherwise.
     fn staging_bytes(self) -> u32 {
         if self.tiling.staged {
-            self.consumer_rows() * self.columns() * 2
+            STORE_ROWS * self.columns() * 2
         } else {
             0
         }
@@ -485,10 +478,8 @@ pub fn gemm_wgmma_tiled(cfg: &GemmConfig, tiling: Tiling, name: String) -> Gener
     let x = k.param_tensor_map("x", x_spec);
     let w = k.param_tensor_map("w", w_spec);
     let out_map = tiling.staged.then(|| {
-        let dtype = tensor_dtype(cfg.elem);
-        let rows = u64::from(cfg.m);
-        let box_rows = STORE_ROWS;
-        TensorMapSpec::matrix(dtype, [rows, cfg.n_out().into()], [box_rows, STORE_COLUMNS])
+        let dims = [cfg.m.into(), cfg.n_out().into()];
+        TensorMapSpec::matrix(tensor_dtype(cfg.elem), dims, [STORE_ROWS, STORE_COLUMNS])
             .swizzled(crate::hopper::SWIZZLE_BYTES)
     });
     let epilogue = EpiloguePtrs::declare_with(&mut k, cfg, out_map);
@@ -769,25 +760,23 @@ fn consumer(
             let last = split.add_parts(k, &acc, item, [*tid, consumer]);
             k.bra(Some((last, false)), &skip);
         }
-        let regs = staging.as_ref().map(|s| s.begin(k, tid, &consumer));
-        let mut first_rows = None;
+        if let Some(staging) = &staging {
+            // Consumers together: one half of 64 rows.
+            let regs = staging.begin(k, tid, &consumer);
+            let rows = k.mad_u32(&consumer, &64u32, &m0);
+            let frag = Fragment::of(k, &acc, tid, rows, n0);
+            staging.write(&regs, k, cfg, epilogue, &frag);
+            staging.flush(&regs, k, epilogue.out(), [rows, n0]);
+            k.place(&skip);
+            return;
+        }
         for (half, acc) in (0u32..).zip(acc.chunks(acc.len() / halves.len())) {
             let rows = if tile.ping_pong() {
                 k.add_u32(&m0, &(64 * half))
             } else {
                 k.mad_u32(&consumer, &64u32, &m0)
             };
-            first_rows.get_or_insert(rows);
-            match (&staging, &regs) {
-                (Some(staging), Some(regs)) => {
-                    let frag = Fragment::of(k, acc, tid, rows, n0);
-                    staging.write(regs, k, cfg, epilogue, &frag, half)
-                }
-                _ => store(k, cfg, epilogue, acc, tid, rows, n0),
-            }
-        }
-        if let (Some(staging), Some(regs), Some(rows)) = (&staging, &regs, first_rows) {
-            staging.flush(regs, k, epilogue.out(), [rows, n0]);
+            store(k, cfg, epilogue, acc, tid, rows, n0);
         }
         k.place(&skip);
     });
@@ -796,17 +785,17 @@ fn consumer(
     }
 }
 
-/// A consumer's staged epilogue ([`Tiling::staged`]): its finished tile goes into its region of
-/// shared memory after the stages ([`STORE_COLUMNS`]-wide boxes of its rows, each row 128 bytes
-/// with the 128-byte swizzle TMA expects), and its first thread copies the boxes out with TMA
-/// stores, which run on while the consumer multiplies its next tile. The registers are derived
-/// for each tile's epilogue ([`Staging::begin`]), so that none stay live through the products.
+/// A consumer's staged epilogue ([`Tiling::staged`], consumers together): its finished 64 rows
+/// go into its region of shared memory after the stages ([`STORE_COLUMNS`]-wide boxes, each row
+/// 128 bytes with the 128-byte swizzle TMA expects), and its first thread copies the boxes out
+/// with TMA stores, which run on while the consumer multiplies its next tile. The registers are
+/// derived for each tile's epilogue ([`Staging::begin`]), so that none stay live through the
+/// products.
 struct Staging {
     /// The consumer's region: the stages' base and the bytes from it.
     base: Reg,
     offset: u32,
-    /// The consumer's rows (64, or 128 taking turns) and output columns.
-    rows: u32,
+    /// The tile's output columns.
     columns: u32,
 }
 
@@ -835,14 +824,13 @@ impl Staging {
         Staging {
             base: pipe.stages,
             offset: pipe.count * tile.stage_bytes(),
-            rows: tile.consumer_rows(),
             columns: tile.columns(),
         }
     }
 
     /// The registers of consumer `consumer`'s thread `tid`.
     fn regs(&self, k: &mut Kernel, tid: &Reg, consumer: &Reg) -> StagingRegs {
-        let bytes = self.rows * self.columns * 2;
+        let bytes = STORE_ROWS * self.columns * 2;
         let region = k.mad_u32(consumer, &bytes, &self.base);
         let buf = k.add_u32(&region, &self.offset);
         let thread = k.op2("and.b32", RegClass::B32, tid, &127u32);
@@ -881,8 +869,7 @@ impl Staging {
         regs
     }
 
-    /// Finishes `frag`'s 64 rows (row half `half` of the region) and writes them into the
-    /// region, two chunks a `stmatrix`.
+    /// Finishes `frag`'s 64 rows and writes them into the region, two chunks a `stmatrix`.
     fn write(
         &self,
         regs: &StagingRegs,
@@ -890,9 +877,7 @@ impl Staging {
         cfg: &GemmConfig,
         epilogue: &EpiloguePtrs,
         frag: &Fragment,
-        half: u32,
     ) {
-        let half_base = k.add_u32(&regs.row_base, &(half * 64 * 128));
         let no_operands = PairOperands::words(cfg) == 0;
         let rows: Vec<(Reg, Reg)> = if no_operands {
             Vec::new()
@@ -919,10 +904,10 @@ impl Staging {
                 })
                 .to_vec();
             // Chunk j + odd_chunk's 16-byte unit of its 128-byte row, swizzled.
-            let block = (j / 8) * self.rows * 128;
+            let block = (j / 8) * STORE_ROWS * 128;
             let unit = k.add_u32(&regs.odd_chunk, &(j % 8));
             let unit = k.op2("xor.b32", RegClass::B32, &unit, &regs.swizzle);
-            let at = k.add_u32(&half_base, &block);
+            let at = k.add_u32(&regs.row_base, &block);
             let addr = k.mad_u32(&unit, &16u32, &at);
             stmatrix_x4(
                 k,
@@ -933,7 +918,7 @@ impl Staging {
     }
 
     /// Copies the region out to rows from `rows0`, columns from `n0` (after every thread's
-    /// writes: fence, barrier), one box per [`STORE_COLUMNS`] columns and 64 rows.
+    /// writes: fence, barrier), one box per [`STORE_COLUMNS`] columns.
     fn flush(&self, regs: &StagingRegs, k: &mut Kernel, out_map: Reg, [rows0, n0]: [Reg; 2]) {
         fence_proxy_async(k);
         k.emit(format!("bar.sync {}, 128", regs.barrier));
@@ -941,12 +926,9 @@ impl Staging {
         k.bra(Some((regs.issuer, false)), &done);
         let blocks = self.columns / STORE_COLUMNS;
         for b in 0..blocks {
-            for h in 0..self.rows / STORE_ROWS {
-                let col = k.add_u32(&n0, &(b * STORE_COLUMNS));
-                let row = k.add_u32(&rows0, &(h * STORE_ROWS));
-                let src = k.add_u32(&regs.buf, &(b * self.rows * 128 + h * STORE_ROWS * 128));
-                tma_store(k, &out_map, &[&col, &row], &src);
-            }
+            let col = k.add_u32(&n0, &(b * STORE_COLUMNS));
+            let src = k.add_u32(&regs.buf, &(b * STORE_ROWS * 128));
+            tma_store(k, &out_map, &[&col, &rows0], &src);
         }
         bulk_commit(k);
         k.place(&done);
