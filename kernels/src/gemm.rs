@@ -306,12 +306,13 @@ pub fn gemm_simt(cfg: &GemmConfig) -> GeneratedKernel {
     .on(KernelPath::Simt)
 }
 
-/// The pointer parameters of a product's epilogue, declared after `x` and `w`:
-/// `[bias], [residual], out`.
+/// The parameters of a product's epilogue, declared after `x` and `w`: `[bias], [residual],
+/// out`, pointers but for `out` as a tensor map (a staged Hopper epilogue's TMA stores).
 pub(crate) struct EpiloguePtrs {
     bias: Option<Reg>,
     residual: Option<Reg>,
     out: Reg,
+    out_is_map: bool,
 }
 
 impl EpiloguePtrs {
@@ -330,6 +331,7 @@ impl EpiloguePtrs {
         EpiloguePtrs {
             bias: cfg.bias.then(|| k.param_ptr("bias")),
             residual: cfg.residual.then(|| k.param_ptr("residual")),
+            out_is_map: out_map.is_some(),
             out: match out_map {
                 Some(spec) => k.param_tensor_map("out", spec),
                 None => k.param_ptr("out"),
@@ -413,6 +415,16 @@ impl EpiloguePtrs {
 
     /// The output pointer.
     pub(crate) fn out(&self) -> Reg {
+        assert!(
+            !self.out_is_map,
+            "`out` is a tensor map here: see `out_map`"
+        );
+        self.out
+    }
+
+    /// The output's tensor map (its generic address), declared by `declare_with`.
+    pub(crate) fn out_map(&self) -> Reg {
+        assert!(self.out_is_map, "`out` is a pointer here: see `out`");
         self.out
     }
 }

@@ -8,7 +8,7 @@
 //! ([`tiling`]):
 //! - warpgroup 0, the producer, gives up registers (`setmaxnreg`) and one of its threads copies
 //!   the x and w tiles of each 64-wide K step into a stage of shared memory with TMA (128-byte
-//!   swizzle, zeros past the matrix edges), `STAGES` deep: it waits on the stage's `empty`
+//!   swizzle, zeros past the matrix edges), up to `STAGES` deep: it waits on the stage's `empty`
 //!   barrier, then arms its `full` barrier with the stage's bytes;
 //! - warpgroups 1 and 2, the consumers, take the registers and each multiplies 64 rows of the
 //!   tile: per stage, four `m64nWk16` wgmmas (W the tile's width) straight from shared memory,
@@ -21,7 +21,7 @@
 //!   stores, which run on under the next tile's products; otherwise every thread stores its
 //!   element pairs, without branches (predicated stores, clamped loads) so that its loads are
 //!   all in flight at once. Meanwhile the producer already fills the stages with the block's
-//!   next tile (a staged 256-wide tile leaves room for three stages).
+//!   next tile (a staged 256-wide tile without SwiGLU leaves room for three stages).
 //!
 //! With SwiGLU the B stage holds W/2 gate rows and the matching W/2 up rows (`[gate; up]` weight
 //! rows), so a thread's accumulators for gate column `c` and up column `c` are W/4 registers apart.
@@ -73,8 +73,8 @@ pub struct Tiling {
 /// The tilings the kernel comes in, each with its speed per K step relative to the widest in
 /// percent (a narrower tile loads x's rows for fewer columns): the staged ones first, taken
 /// wherever they fit (their epilogue costs the least), then the same widths storing from
-/// registers and the ping-pong one for the products they do not fit (an odd N, SwiGLU tiles of
-/// 96 or 32 columns). The together tilings' speeds are set below the H200's (BENCHMARKS.md,
+/// registers and the ping-pong one for the products they do not fit (output rows that are not
+/// 16-byte multiples, such as GPT-2's vocabulary, SwiGLU tiles of 96 or 32 columns). The together tilings' speeds are set below the H200's (BENCHMARKS.md,
 /// 2026-12-02: 93-101% at 128, 55-89% at 64), so that a narrower tile is taken only where it
 /// also fills more SMs; the ping-pong one's is the 93% measured on products of many tiles. 192
 /// wide fills the SMs where 256 leaves a quarter idle and 128 takes two rounds (1024 rows of
@@ -166,8 +166,10 @@ impl Tiling {
 const BK: u32 = 64;
 /// Pipeline depth (the most: a staged epilogue's tiles may leave room for fewer).
 pub const STAGES: u32 = 4;
-/// Dynamic shared memory a block may take on an H100 / H200 (227 KB).
+/// Shared memory a block may take on an H100 / H200 (227 KB).
 const MAX_SHARED: u32 = 227 * 1024;
+/// Static shared memory: the stages' barriers (room for the most stages) and a split's flags.
+const STATIC_SHARED: u32 = 2 * STAGES * MBARRIER_BYTES + 4 * CONSUMERS as u32;
 /// Output columns of a staged epilogue's TMA store box: 128 bytes, the swizzle span.
 const STORE_COLUMNS: u32 = 64;
 /// Output rows of a staged epilogue's TMA store box: a consumer's 64.
@@ -202,8 +204,9 @@ pub fn supports(cfg: &GemmConfig) -> bool {
 /// epilogues the consumers wait out and a split item's partial sums ([`split_steps`]; the first
 /// of [`TILINGS`] on a tie). A product of few tiles (few rows, or few columns such as GPT-2's
 /// 768) takes a narrower tile and more SMs, and where even the narrowest leave most SMs idle
-/// ([`SPLIT_BELOW`]: a decode step's products of 64 rows) its K in parts; one of many tiles and
-/// short K, whose epilogues weigh, takes turns between the consumers.
+/// ([`SPLIT_BELOW`]: a decode step's products of 64 rows) its K in parts; one of many tiles
+/// takes a staged epilogue where it fits, else with short K (whose epilogues weigh) the
+/// consumers take turns.
 pub fn tiling(cfg: &GemmConfig) -> Tiling {
     let k_steps = cfg.k.div_ceil(BK);
     let cost = |tiling: Tiling, speed: u64| {
@@ -388,10 +391,16 @@ impl Tile {
         }
     }
 
-    /// Pipeline stages: [`STAGES`], or as many as fit beside the staged tiles.
+    /// Pipeline stages: [`STAGES`], or as many as fit beside the staged tiles, the static
+    /// shared memory and the alignment slack (at least two: the widest staged tile keeps three).
     fn stages(self) -> u32 {
-        let free = MAX_SHARED - 1024 - CONSUMERS as u32 * self.staging_bytes();
-        (free / self.stage_bytes()).min(STAGES)
+        let taken = 1024 + STATIC_SHARED + CONSUMERS as u32 * self.staging_bytes();
+        let stages = (MAX_SHARED.saturating_sub(taken) / self.stage_bytes()).min(STAGES);
+        assert!(
+            stages >= 2,
+            "a Hopper GEMM tile leaves room for {stages} stages"
+        );
+        stages
     }
 
     /// Dynamic shared memory: the stages, the staged tiles, 1 KB to align them.
@@ -444,7 +453,7 @@ fn tensor_maps(cfg: &GemmConfig, tile: Tile) -> (TensorMapSpec, TensorMapSpec) {
 }
 
 /// Generates the kernel in [`tiling`]'s tiling. Parameters: `x` and `w` (tensor maps),
-/// `[bias], [residual], out`.
+/// `[bias], [residual], out` (a tensor map too when staged).
 pub fn gemm_wgmma(cfg: &GemmConfig, name: String) -> GeneratedKernel {
     gemm_wgmma_tiled(cfg, tiling(cfg), name)
 }
@@ -468,7 +477,8 @@ pub fn gemm_wgmma_tiled(cfg: &GemmConfig, tiling: Tiling, name: String) -> Gener
     );
     assert!(
         TILINGS.iter().any(|&(t, _)| t == tiling.split(1)) && fits(cfg, tiling),
-        "the Hopper GEMM's tilings are those of TILINGS, K split where it fits"
+        "the Hopper GEMM's tilings are those of TILINGS, K split and the epilogue staged where \
+         they fit"
     );
     let tile = Tile::new(cfg, tiling);
     let mut k = Kernel::new(&name);
@@ -490,6 +500,7 @@ pub fn gemm_wgmma_tiled(cfg: &GemmConfig, tiling: Tiling, name: String) -> Gener
         splits: tiling.splits,
     });
     let smem = k.dynamic_shared_aligned("gemm_stages", 1024);
+    // Room for the most stages' barriers, whatever this tile's count.
     k.shared("gemm_barriers", 2 * STAGES * MBARRIER_BYTES);
 
     let tid = k.special("tid.x");
@@ -766,7 +777,7 @@ fn consumer(
             let rows = k.mad_u32(&consumer, &64u32, &m0);
             let frag = Fragment::of(k, &acc, tid, rows, n0);
             staging.write(&regs, k, cfg, epilogue, &frag);
-            staging.flush(&regs, k, epilogue.out(), [rows, n0]);
+            staging.flush(&regs, k, epilogue.out_map(), [rows, n0]);
             k.place(&skip);
             return;
         }
@@ -828,13 +839,20 @@ impl Staging {
         }
     }
 
+    /// Thread `tid`'s index in its consumer, and whether it is the consumer's first (which
+    /// issues and waits for the stores).
+    fn issuer(k: &mut Kernel, tid: &Reg) -> (Reg, Reg) {
+        let thread = k.op2("and.b32", RegClass::B32, tid, &127u32);
+        let issuer = k.setp("eq.u32", &thread, &0u32);
+        (thread, issuer)
+    }
+
     /// The registers of consumer `consumer`'s thread `tid`.
     fn regs(&self, k: &mut Kernel, tid: &Reg, consumer: &Reg) -> StagingRegs {
         let bytes = STORE_ROWS * self.columns * 2;
         let region = k.mad_u32(consumer, &bytes, &self.base);
         let buf = k.add_u32(&region, &self.offset);
-        let thread = k.op2("and.b32", RegClass::B32, tid, &127u32);
-        let issuer = k.setp("eq.u32", &thread, &0u32);
+        let (thread, issuer) = Staging::issuer(k, tid);
         let barrier = k.add_u32(consumer, &STAGING_BARRIER);
         // Lane 8 q + r addresses row r of matrix q: rows 8 (q & 1) on of its warp's 16, chunk
         // q / 2 of the pair.
@@ -936,8 +954,7 @@ impl Staging {
 
     /// Waits for the consumer's last stores before it leaves.
     fn finish(&self, k: &mut Kernel, tid: &Reg) {
-        let thread = k.op2("and.b32", RegClass::B32, tid, &127u32);
-        let issuer = k.setp("eq.u32", &thread, &0u32);
+        let (_, issuer) = Staging::issuer(k, tid);
         let done = k.label("staging_done");
         k.bra(Some((issuer, false)), &done);
         bulk_wait(k, 0, false);
