@@ -1609,6 +1609,29 @@ mod tests {
     }
 
     #[test]
+    fn every_tiling_fits_the_shared_memory() {
+        // The widest staged tile without SwiGLU gives up a stage for its staging regions; every
+        // other tiling keeps all four; none passes the 227 KB a block may take.
+        for swiglu in [false, true] {
+            let cfg = product(4096, 4096, 4096, swiglu);
+            for (t, _) in TILINGS.iter().filter(|(t, _)| fits(&cfg, *t)) {
+                let tile = Tile::new(&cfg, *t);
+                let want = if t.staged && t.width == 256 && !swiglu {
+                    3
+                } else {
+                    STAGES
+                };
+                assert_eq!(tile.stages(), want, "{} swiglu {swiglu}", t.label());
+                assert!(
+                    tile.shared_bytes() + STATIC_SHARED <= MAX_SHARED,
+                    "{}",
+                    t.label()
+                );
+            }
+        }
+    }
+
+    #[test]
     fn a_narrower_tile_that_needs_more_waves_loses() {
         // GPT-2's QKV at 1024 tokens: 96 tiles at 192 wide in one wave; 128 or 64 wide take two
         // or three, and taking turns over two tiles a block does not pay.
