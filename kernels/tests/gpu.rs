@@ -770,8 +770,10 @@ fn check_gemm(gpu: &Gpu, rng: &mut Rng, cfg: &GemmConfig, kernels: &[GeneratedKe
 
 /// The Hopper kernel's tilings over products of several tiles per block of the persistent grid
 /// (132 blocks): consumers taking turns hand tiles to each other many times, stages go round
-/// many times per tile, blocks take several parts of split tiles (some of the same tile); and a
-/// decode step's down product of 64 rows (K split in 8 parts of 16 steps).
+/// many times per tile, blocks take several parts of split tiles (some of the same tile), staged
+/// epilogues wait for their region's previous stores many times (output rows of 16-byte
+/// multiples: 3904 columns, 1104 with SwiGLU); and a decode step's down product of 64 rows (K
+/// split in 8 parts of 16 steps).
 #[test]
 fn hopper_tiles_go_round_the_persistent_grid() {
     let Some(gpu) = gpu() else { return };
@@ -779,6 +781,8 @@ fn hopper_tiles_go_round_the_persistent_grid() {
     for (m, n, k, swiglu) in [
         (1100u32, 3900u32, 264u32, false),
         (1100, 2200, 1000, true),
+        (1100, 3904, 264, false),
+        (1100, 2208, 1000, true),
         (64, 2048, 8192, false),
     ] {
         let cfg = GemmConfig {
