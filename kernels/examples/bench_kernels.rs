@@ -511,7 +511,7 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
     // BERT's with their epilogues too: the one picked should be the fastest.
     let shapes: Vec<(usize, usize, usize, &str)> = if only.is_empty() {
         vec![
-            (64usize, 2048usize, 8192usize, ""),
+            (64, 2048, 8192, ""),
             (64, 2048, 2048, ""),
             (64, 3072, 2048, ""),
             (64, 16384, 2048, "swiglu"),

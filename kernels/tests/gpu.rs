@@ -29,8 +29,8 @@ use kiln_runtime::cuda::{encode_tensor_map, TensorMap};
 use rand::{Rng as _, SeedableRng};
 
 use common::{
-    cache_write_reference, check, dropout_mask_reference, dropout_probe, mask_mismatches,
-    reference, reference_with_seed, rope_tables, scaled_rope_tables, PagedCache,
+    bits_differ, cache_write_reference, check, dropout_mask_reference, dropout_probe,
+    mask_mismatches, reference, reference_with_seed, rope_tables, scaled_rope_tables, PagedCache,
 };
 
 struct Gpu {
@@ -2092,21 +2092,13 @@ fn prompt_chunk_entries_are_the_three_kernels_apart() {
                 .iter()
                 .zip(outs[0].iter().zip(&outs[1]))
             {
-                let differ = apart
-                    .iter()
-                    .zip(fused)
-                    .filter(|(x, y)| x.to_bits() != y.to_bits())
-                    .count();
+                let differ = bits_differ(apart, fused);
                 assert_eq!(
                     differ, 0,
                     "{elem:?} b{b} h{heads}/{kvh} d{d}: {what} differs"
                 );
             }
-            let moved = outs[1][1]
-                .iter()
-                .zip(&caches[0])
-                .filter(|(x, y)| x.to_bits() != y.to_bits())
-                .count();
+            let moved = bits_differ(&outs[1][1], &caches[0]);
             assert!(moved > 0, "the keys were written");
         }
     }
@@ -2212,11 +2204,7 @@ fn attention_over_a_paged_cache_reads_what_a_dense_one_holds() {
             for pair in [&outs, &hopper].into_iter().filter(|p| !p.is_empty()) {
                 let (dense, paged) = (&pair[0].1, &pair[1].1);
                 assert!(dense.iter().all(|x| x.is_finite()), "{}", pair[0].0);
-                let differ = dense
-                    .iter()
-                    .zip(paged)
-                    .filter(|(x, y)| x.to_bits() != y.to_bits())
-                    .count();
+                let differ = bits_differ(dense, paged);
                 assert_eq!(
                     differ, 0,
                     "{} differs from {} at {differ} elements",
@@ -2350,11 +2338,7 @@ fn decode_attention_writes_and_merges_as_the_kernels_apart() {
                 .iter()
                 .zip(paged_apart.iter().zip(&apart))
             {
-                let differ = a
-                    .iter()
-                    .zip(w)
-                    .filter(|(x, y)| x.to_bits() != y.to_bits())
-                    .count();
+                let differ = bits_differ(a, w);
                 assert_eq!(
                     differ, 0,
                     "{name}: {what} differs from the dense cache's at {differ} elements"
@@ -2388,11 +2372,7 @@ fn decode_attention_writes_and_merges_as_the_kernels_apart() {
                         check(&format!("{name} out"), elem, a, w);
                         continue;
                     }
-                    let differ = a
-                        .iter()
-                        .zip(w)
-                        .filter(|(x, y)| x.to_bits() != y.to_bits())
-                        .count();
+                    let differ = bits_differ(a, w);
                     assert_eq!(
                         differ, 0,
                         "{name}: {what} differs from the kernels apart at {differ} elements"

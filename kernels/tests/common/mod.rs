@@ -63,6 +63,15 @@ fn evaluate_one(
 
 /// Asserts the fixtures' tolerance for `elem` (relative to the largest reference value) and that
 /// every element was written (no NaN left from a poisoned output).
+/// Elements of `a` and `b` whose bits differ (over the shorter of the two).
+#[allow(dead_code)] // each suite uses what it covers
+pub fn bits_differ(a: &[f32], b: &[f32]) -> usize {
+    a.iter()
+        .zip(b)
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .count()
+}
+
 pub fn check(what: &str, elem: Elem, got: &[f32], want: &[f32]) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     let tol = if elem == Elem::F32 { 1e-4 } else { 2e-2 };
