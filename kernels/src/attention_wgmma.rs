@@ -162,6 +162,21 @@ fn items(cfg: &AttentionConfig) -> u32 {
     cfg.q_len.div_ceil(BM) * cfg.heads * cfg.batch
 }
 
+/// Bytes of K/V that the items of one group of planes may share through the L2 (the H200's holds
+/// 50 MB, in two halves, besides the Q and output tiles passing through).
+const L2_SHARE: u64 = 16 << 20;
+
+/// Planes (heads x batch) per group of items: as many heads as keep their K/V heads within
+/// [`L2_SHARE`], whole query groups of a K/V head, at least one. Items run group by group, so the
+/// blocks resident at once read the K/V of a few heads from the L2 rather than each its own from
+/// memory.
+fn group_planes(cfg: &AttentionConfig) -> u32 {
+    let kv_head_bytes = 2 * 2 * u64::from(cfg.kv_len) * u64::from(cfg.head_dim);
+    let kv_heads = (L2_SHARE / kv_head_bytes).max(1);
+    let planes = u64::from(cfg.heads * cfg.batch);
+    (kv_heads * u64::from(cfg.heads / cfg.kv_heads)).min(planes) as u32
+}
+
 /// Whether [`attention_wgmma`] runs `cfg` on a persistent grid: items of few key tiles, more of
 /// them than the grid has blocks.
 pub fn persistent(cfg: &AttentionConfig) -> bool {
@@ -422,13 +437,12 @@ struct Block {
 }
 
 impl Block {
-    /// Item `item`: query blocks slowest (longest first when causal or by position: the last
-    /// has the most keys), then batch, then heads fastest.
+    /// Item `item`: groups of planes slowest ([`group_planes`]), then query blocks (longest first
+    /// when causal or by position: the last has the most keys), then the group's planes (batch,
+    /// then heads) fastest.
     fn at(k: &mut Kernel, cfg: &AttentionConfig, item: &Reg, keys: Option<&PositionKeys>) -> Block {
         let blocks = cfg.q_len.div_ceil(BM);
-        let planes = cfg.heads * cfg.batch;
-        let rank = k.op2("div.u32", RegClass::B32, item, &planes);
-        let plane = k.op2("rem.u32", RegClass::B32, item, &planes);
+        let (rank, plane) = Self::rank_and_plane(k, cfg, item);
         let h = k.op2("rem.u32", RegClass::B32, &plane, &cfg.heads);
         let b = k.op2("div.u32", RegClass::B32, &plane, &cfg.heads);
         let causal = matches!(cfg.keys, KeyRule::Causal { .. });
@@ -475,6 +489,25 @@ impl Block {
             tiles,
             edge_from,
         }
+    }
+
+    /// Item `item`'s query-block rank and plane (the last group of planes may be narrower).
+    fn rank_and_plane(k: &mut Kernel, cfg: &AttentionConfig, item: &Reg) -> (Reg, Reg) {
+        let planes = cfg.heads * cfg.batch;
+        let group = group_planes(cfg);
+        if group == planes {
+            let rank = k.op2("div.u32", RegClass::B32, item, &planes);
+            return (rank, k.op2("rem.u32", RegClass::B32, item, &planes));
+        }
+        let group_items = group * cfg.q_len.div_ceil(BM);
+        let g = k.op2("div.u32", RegClass::B32, item, &group_items);
+        let within = k.op2("rem.u32", RegClass::B32, item, &group_items);
+        let first = k.mul_u32(&g, &group);
+        let left = k.sub_u32(&planes, &first);
+        let width = k.op2("min.u32", RegClass::B32, &left, &group);
+        let rank = k.op2("div.u32", RegClass::B32, &within, &width);
+        let offset = k.op2("rem.u32", RegClass::B32, &within, &width);
+        (rank, k.add_u32(&first, &offset))
     }
 }
 
@@ -1118,6 +1151,25 @@ mod tests {
         assert!(!persistent(&config(1, 32, 8, 4096, true)));
         // Short keys but no more items than blocks: nothing to load under.
         assert!(!persistent(&config(1, 12, 12, 128, false)));
+    }
+
+    #[test]
+    fn items_run_in_groups_of_heads_whose_keys_and_values_share_the_l2() {
+        // 2 MB of K/V a head at 4096 keys and d 128: 8 of 16 heads x 4 sequences a group.
+        let mut cfg = config(4, 16, 16, 4096, true);
+        cfg.head_dim = 128;
+        assert_eq!(group_planes(&cfg), 8);
+        // d 64, GQA 4:1: 1 MB a K/V head, 16 of them, 64 query heads: every plane of Llama-3.2-1B.
+        assert_eq!(group_planes(&config(1, 32, 8, 4096, true)), 32);
+        assert_eq!(group_planes(&config(4, 32, 8, 4096, true)), 64);
+        // Whole query groups even when one K/V head alone passes the share.
+        let mut cfg = config(2, 28, 4, 65536, true);
+        cfg.head_dim = 128;
+        assert_eq!(group_planes(&cfg), 7);
+        // Short keys: 32 KB a head, 512 of BERT-base's 1536 planes at 128 x 128 tokens; GPT-2
+        // small at 1024 tokens, every plane.
+        assert_eq!(group_planes(&config(128, 12, 12, 128, false)), 512);
+        assert_eq!(group_planes(&config(1, 12, 12, 1024, true)), 12);
     }
 
     #[test]

@@ -1373,6 +1373,13 @@ fn attention_on_tensor_cores_at_benchmark_shapes() {
         assert_eq!(path(&cfg), expected, "{}", cfg_name(&cfg));
         attention_case(&gpu, &mut rng, case, Elem::BF16, 1, &llama3);
     }
+    // Items in groups of planes sharing the L2: 3 sequences x 4 heads of d 128 at 4096 keys run
+    // as a group of 8 planes and one of 4 (the second crossing a sequence).
+    let case = AttentionCase {
+        keys: KeyRule::Causal { window: None },
+        ..AttentionCase::new(4, 4, 4096, 4096, 128)
+    };
+    attention_case(&gpu, &mut rng, &case, Elem::BF16, 3, &llama3);
 }
 
 /// The GPU attention kernels' dropout masks (tensor cores in f16/bf16, SIMT in f32) are the
