@@ -160,6 +160,16 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
                 1,
                 2048,
             ),
+            // Head dim 64 on the Hopper kernel in blocks of 192 rows (three consumers).
+            (
+                64,
+                KeyRule::Causal { window: None },
+                true,
+                false,
+                None,
+                384,
+                384,
+            ),
             // A prompt chunk over a dense cache on the Hopper kernel (q rotated ahead), ragged.
             (
                 64,

@@ -253,6 +253,19 @@ fn attention_gqa_causal_padded_bf16_wgmma() {
     insta::assert_snapshot!(k.module());
 }
 
+/// The Hopper attention with three consumer warpgroups taking turns (d 64, 192-row blocks), causal.
+#[test]
+fn attention_three_consumers_causal_bf16_wgmma() {
+    use kiln_kernels::attention::{attention, AttentionConfig, KeyRule};
+    let mut cfg = AttentionConfig::plain([1, 4, 2, 384, 384, 64], Elem::BF16);
+    cfg.keys = KeyRule::Causal { window: None };
+    cfg.scale = 0.125;
+    let k = attention(&cfg);
+    assert!(k.name.ends_with("_wgmma"), "{}", k.name);
+    assert_eq!(k.launch.block, [512, 1, 1]);
+    insta::assert_snapshot!(k.module());
+}
+
 /// The Hopper attention over a dense cache with position keys (a prompt chunk, q rotated ahead):
 /// each warpgroup's search for an item's smallest and largest position, per-row last keys.
 #[test]
