@@ -835,6 +835,9 @@ impl Tiles<'_> {
         }
         let i = k.mad_u32(&quad.g, &cfg.head_dim, &quad.col);
         let at = k.mad_u32(&i, &4u32, &self.shared.q);
+        // The rows go where q's words were: every lane has read its last words (the scores)
+        // before any overwrites them (racecheck: a write-after-read hazard within the warp).
+        k.emit("bar.warp.sync -1");
         for (nd, o) in run.o.iter().enumerate() {
             k.emit(format!(
                 "@{} st.shared.v2.f32 [{at}+{}], {{{}, {}}}",
