@@ -401,9 +401,18 @@ impl PositionKeys {
         let mut lo = k.mov(RegClass::B32, &u32::MAX);
         let mut hi = k.mov(RegClass::B32, &0u32);
         for i in 0..bm(cfg).div_ceil(128) {
-            let row = k.add_u32(q0, &self.wt);
-            let row = k.add_u32(&row, &(128 * i));
-            let inside = k.setp("lt.u32", &row, &cfg.q_len);
+            let mut row = k.add_u32(q0, &self.wt);
+            if i > 0 {
+                row = k.add_u32(&row, &(128 * i));
+            }
+            let mut inside = k.setp("lt.u32", &row, &cfg.q_len);
+            if 128 * (i + 1) > bm(cfg) {
+                // A pass over the block's last rows: not into the next block's.
+                let ours = k.setp("lt.u32", &self.wt, &(bm(cfg) - 128 * i));
+                let both = k.reg(RegClass::Pred);
+                k.emit(format!("and.pred {both}, {inside}, {ours}"));
+                inside = both;
+            }
             let pos = self.position(k, cfg, b, &row);
             let low = k.selp(RegClass::B32, "u32", &pos, &u32::MAX, inside);
             let high = k.selp(RegClass::B32, "u32", &pos, &0u32, inside);
@@ -436,7 +445,15 @@ impl PositionKeys {
         }
         // The slots are the next item's only once every thread has read them.
         k.emit(format!("barrier.sync {}, 128", self.barrier));
-        (lo, hi)
+        // Every lane holds the same extremes, but ptxas cannot tell from loads: through a warp
+        // reduction (its result warp-uniform) the key tiles derived from them are, and the
+        // consumers' tile loop is no divergent path (where ptxas would serialize the wgmma).
+        let uniform = |k: &mut Kernel, op: &str, v: &Reg| {
+            let r = k.reg(RegClass::B32);
+            k.emit(format!("redux.sync.{op}.u32 {r}, {v}, -1"));
+            r
+        };
+        (uniform(k, "min", &lo), uniform(k, "max", &hi))
     }
 }
 
