@@ -2,8 +2,10 @@
 //! feeds K/V tiles through an mbarrier pipeline to consumer warpgroups on `wgmma`.
 //!
 //! A block of a producer and two or three consumer warpgroups ([`consumers`]) takes work items
-//! of 64 query rows a consumer of one head, one item per block or, when items have few key tiles, the items `ctaid.x`, then every `nctaid.x`-th of a persistent
-//! grid ([`persistent`]), so that the next item's tiles load under this one's work:
+//! of 64 query rows a consumer of one head, one item per block or, when items have few key
+//! tiles, the items `ctaid.x`, then every `nctaid.x`-th of a persistent grid ([`persistent`]),
+//! so that the next item's tiles load under this one's work; items run in groups of planes whose
+//! K/V share the L2 ([`group_planes`]):
 //! - warpgroup 0, the producer, gives up registers; its first thread copies each item's Q tile
 //!   into one of two Q buffers (refilled once every consumer released it), then the K and V tiles
 //!   of 128 keys, two stages deep (TMA, 128-byte swizzle, zeros past the tensor's edges), each
@@ -29,8 +31,9 @@
 //! masked per element on the tiles that cross a row's last key or the end of the keys only;
 //! causal and position blocks are visited longest first. With position keys each warpgroup finds
 //! the smallest and largest position of an item's rows itself ([`PositionKeys`]), so that the
-//! producer and the consumers agree on the item's tiles without waiting for one another. A padding mask `[B, T]` is staged per key tile in shared memory as an additive
-//! 0 / -inf row by each consumer warpgroup. A row that sees no key stores zeros. GQA reads the
+//! producer and the consumers agree on the item's tiles without waiting for one another. A
+//! padding mask `[B, T]` is staged per key tile in shared memory as an additive 0 / -inf row by
+//! each consumer warpgroup. A row that sees no key stores zeros. GQA reads the
 //! K/V head `h / (heads / kv_heads)`. RoPE takes the `mma.sync` kernel (or is rotated ahead).
 //!
 //! Dropout (DESIGN.md section 2) zeroes probabilities after the row sums have taken them; the
@@ -193,7 +196,7 @@ fn map(cfg: &AttentionConfig, i: usize, heads: u32, rows: u32, box_rows: u32) ->
     }
 }
 
-/// Work items: query blocks of 128 rows times heads times batch.
+/// Work items: query blocks of [`bm`] rows times heads times batch.
 fn items(cfg: &AttentionConfig) -> u32 {
     cfg.q_len.div_ceil(bm(cfg)) * cfg.heads * cfg.batch
 }
@@ -344,8 +347,8 @@ fn for_each_item(
 
 /// Position keys: the `positions` operand (`[B, S]`, i64), and this thread's share in its
 /// warpgroup's search for an item's smallest and largest position (thread `t` of the 128 reads
-/// row `q0 + t`; each warp's extremes meet in shared memory behind named barrier [`ranges_barrier`] + the
-/// warpgroup).
+/// rows `q0 + t` and, in 192-row blocks, `q0 + 128 + t` for `t < 64`; each warp's extremes meet
+/// in shared memory behind named barrier [`ranges_barrier`] + the warpgroup).
 struct PositionKeys {
     positions: Reg,
     wt: Reg,
@@ -539,7 +542,8 @@ impl Block {
             let clean = k.op2("shr.u32", RegClass::B32, &lo_end, &BKV.trailing_zeros());
             (tiles, k.op2("min.u32", RegClass::B32, &clean, &whole))
         } else if causal {
-            // The block's last row sees keys up to q0 + bm - 1 + T - S; its first row up to q0 + T - S.
+            // The block's last row sees keys up to q0 + bm - 1 + T - S; its first row up to
+            // q0 + T - S.
             let shift = cfg.kv_len - cfg.q_len;
             let end = k.add_u32(&q0, &(bm(cfg) + shift));
             let needed = k.add_u32(&end, &(BKV - 1));
@@ -725,8 +729,8 @@ fn stage_of(k: &mut Kernel, j: &Reg) -> (Reg, Reg) {
     (s, k.op2("and.b32", RegClass::B32, &round, &1u32))
 }
 
-/// A consumer thread's place: its consumer warpgroup `c` (from 0), thread in the warpgroup, warp, quad row
-/// `g` and column pair `t`.
+/// A consumer thread's place: its consumer warpgroup `c` (from 0), thread in the warpgroup, warp,
+/// quad row `g` and column pair `t`.
 struct Consumer {
     c: Reg,
     wt: Reg,
