@@ -46,8 +46,8 @@ use crate::attention::{philox_key, reciprocal_or_zero, AttentionConfig, KeyRule,
 use crate::attention_tc::RowState;
 use crate::hopper::{
     for_each_block_item, mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init,
-    mbarrier_init_fence, mbarrier_wait, prefetch_tensor_map, setmaxnreg, tma_load, wgmma,
-    wgmma_commit, wgmma_descriptor, wgmma_fence, wgmma_wait, WgmmaA, WgmmaB, MBARRIER_BYTES,
+    mbarrier_init_fence, mbarrier_wait, prefetch_tensor_map, setmaxnreg, tma_load, warp_uniform,
+    wgmma, wgmma_commit, wgmma_descriptor, wgmma_fence, wgmma_wait, WgmmaA, WgmmaB, MBARRIER_BYTES,
     SWIZZLE_BYTES,
 };
 use crate::paging::{KeyRows, Paging};
@@ -283,7 +283,9 @@ pub fn attention_wgmma_scheduled(
     k.place(&init_done);
     k.barrier();
 
+    // Warp-uniform to ptxas, so that the branches on roles and turns are no divergent paths.
     let warpgroup = k.op2("shr.u32", RegClass::B32, &tid, &7u32);
+    let warpgroup = warp_uniform(&mut k, "max", &warpgroup);
     // Every warpgroup's share in finding an item's positions, before the roles part.
     let keys = positions.map(|p| PositionKeys::new(&mut k, cfg, p, &tid, &warpgroup));
     let consumers = k.label("consumers");
@@ -448,15 +450,9 @@ impl PositionKeys {
         }
         // The slots are the next item's only once every thread has read them.
         k.emit(format!("barrier.sync {}, 128", self.barrier));
-        // Every lane holds the same extremes, but ptxas cannot tell from loads: through a warp
-        // reduction (its result warp-uniform) the key tiles derived from them are, and the
-        // consumers' tile loop is no divergent path (where ptxas would serialize the wgmma).
-        let uniform = |k: &mut Kernel, op: &str, v: &Reg| {
-            let r = k.reg(RegClass::B32);
-            k.emit(format!("redux.sync.{op}.u32 {r}, {v}, -1"));
-            r
-        };
-        (uniform(k, "min", &lo), uniform(k, "max", &hi))
+        // Every lane holds the same extremes, but ptxas cannot tell from loads; made
+        // warp-uniform, the key tiles derived from them keep the tile loop no divergent path.
+        (warp_uniform(k, "min", &lo), warp_uniform(k, "max", &hi))
     }
 }
 

@@ -200,6 +200,16 @@ pub fn wgmma(k: &mut Kernel, elem: Elem, acc: &[Reg], a: WgmmaA, b: WgmmaB, accu
     ));
 }
 
+/// `v`, which every lane of the warp holds alike, through a warp reduction (`op`: `min` or
+/// `max`) so that ptxas knows it warp-uniform: branches on values it cannot prove uniform are
+/// divergent paths to it, and a wgmma whose registers live across one is serialized (C7520).
+/// Every lane of the warp must run it.
+pub fn warp_uniform(k: &mut Kernel, op: &str, v: &Reg) -> Reg {
+    let r = k.reg(RegClass::B32);
+    k.emit(format!("redux.sync.{op}.u32 {r}, {v}, -1"));
+    r
+}
+
 /// Raises (`grow`) or lowers this warpgroup's register budget to `count` per thread.
 pub fn setmaxnreg(k: &mut Kernel, grow: bool, count: u32) {
     let dir = if grow { "inc" } else { "dec" };

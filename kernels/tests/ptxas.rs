@@ -1,7 +1,7 @@
 //! Every kernel of the catalog assembles for its image's target (sm_90, or sm_90a for the Hopper
 //! kernels) with ptxas (`-v`), without spills or warnings (an ignored `setmaxnreg` is a
-//! warning), without a serialized wgmma (reported as information) outside a known list, and the
-//! GEMM and attention kernels without a stack frame. ptxas comes from `$KILN_PTXAS`, PATH, or
+//! warning), without a serialized wgmma (reported as information, C7520), and the GEMM and
+//! attention kernels without a stack frame. ptxas comes from `$KILN_PTXAS`, PATH, or
 //! `scripts/fetch-ptxas` (the PyPI wheel of CUDA 13.0); CI installs it. Without one the test says
 //! so and passes, as a GPU test without a GPU does.
 
@@ -28,15 +28,6 @@ fn figure(report: &str, suffix: &str) -> Option<u64> {
         line[..at].split_whitespace().last()?.parse().ok()
     })
 }
-
-/// Kernels whose wgmma ptxas serializes (a warpgroup arrival it inserts on a path it cannot
-/// prove uniform), known and not yet mended: the Hopper attention when every item has a single
-/// key tile (17 keys here; BERT's 128 too). A kernel leaving the list fails the test as one
-/// joining it does, so the list only shrinks knowingly.
-const SERIALIZED: [&str; 2] = [
-    "attention_f16_h16kv4_d128_s17_t17_padded_wgmma",
-    "attention_bf16_h16kv4_d128_s17_t17_padded_wgmma",
-];
 
 #[test]
 fn every_kernel_assembles_without_spills() {
@@ -66,11 +57,9 @@ fn every_kernel_assembles_without_spills() {
         let warnings: Vec<&str> = report.lines().filter(|l| l.contains("warning")).collect();
         assert!(warnings.is_empty(), "{}: {warnings:?}", kernel.name);
         // ptxas reports a serialized wgmma as information (C7520), not as a warning.
-        let serialized = report.contains("serialized");
-        let listed = SERIALIZED.contains(&kernel.name.as_str());
-        assert_eq!(
-            serialized, listed,
-            "{}: wgmma serialized {serialized}, in SERIALIZED {listed}\n{report}",
+        assert!(
+            !report.contains("serialized"),
+            "{}: wgmma serialized\n{report}",
             kernel.name
         );
         let spills = figure(&report, "bytes spill stores").unwrap_or(0)
