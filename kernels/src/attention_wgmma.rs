@@ -8,9 +8,11 @@
 //! K/V share the L2 ([`group_planes`]):
 //! - warpgroup 0, the producer, gives up registers; its first thread copies each item's Q tile
 //!   into one of two Q buffers (refilled once every consumer released it), then the K and V tiles
-//!   of 128 keys, two stages deep (TMA, 128-byte swizzle, zeros past the tensor's edges), each
-//!   stage armed on its `full` barrier and refilled once every consumer released it on its
-//!   `empty` barrier (stages are counted across the block's items);
+//!   of 128 keys, each two stages deep (TMA, 128-byte swizzle, zeros past the tensor's edges),
+//!   each stage armed on its `full` barrier and refilled once every consumer released it on its
+//!   `empty` barrier (stages are counted across the block's items). K and V have barriers of
+//!   their own: a K tile is free once the scores have read it, a turn before its V tile, so
+//!   that the next K tile loads under two turns of products rather than under one `P V`;
 //! - the consumers each own 64 query rows: per key tile, `S = Q K^T` (wgmma, both operands
 //!   from shared memory), the online softmax in registers (base 2, the scale folded into the
 //!   exponent's FMA, quad shuffles for the row max), then `O += P V` with P taken straight from
@@ -60,14 +62,15 @@ const BKV: u32 = 128;
 const STAGES: u32 = 2;
 /// Elements of one 128-byte swizzle row: the head dimension is copied in blocks of this many.
 const COLS: u32 = SWIZZLE_BYTES / 2;
-const PRODUCER_REGS: u32 = 24;
+/// The fewest registers the producer works in.
+const MIN_PRODUCER_REGS: u32 = 24;
 /// Blocks of a persistent grid: the SMs of an H100 / H200 SXM.
 const GRID: u32 = 132;
 /// Key tiles per item up to which the grid is persistent: below this, a block's fixed costs
 /// (barriers, the first loads, the epilogue) outweigh its products.
 const PERSISTENT_MAX_TILES: u32 = 2;
-/// Barriers: Q full (2), K/V full (`STAGES`), K/V empty (`STAGES`), Q empty (2).
-const BARRIERS: u32 = 4 + 2 * STAGES;
+/// Barriers: Q full (2), K full, V full, K empty, V empty (`STAGES` each), Q empty (2).
+const BARRIERS: u32 = 4 + 4 * STAGES;
 
 /// Whether `cfg` can use the Hopper kernel.
 pub fn supports(cfg: &AttentionConfig) -> bool {
@@ -120,11 +123,25 @@ fn threads(cfg: &AttentionConfig) -> u32 {
     128 * (consumers(cfg) + 1)
 }
 
-/// A consumer's registers once the producer gave up its own: the 64K of the SM shared out, in
-/// the multiples of 8 `setmaxnreg` takes, at most 240.
+/// A thread's registers at launch: `.maxntid` has ptxas share the SM's 64K out over the block
+/// in multiples of 8. `setmaxnreg` only moves these between warpgroups: a request for more than
+/// the others gave up waits forever.
+fn launch_regs(cfg: &AttentionConfig) -> u32 {
+    65536 / threads(cfg) / 8 * 8
+}
+
+/// A consumer's registers once the producer gave up its own: the block's at launch less the
+/// producer's fewest, shared out in the multiples of 8 `setmaxnreg` takes, at most 240.
 fn consumer_regs(cfg: &AttentionConfig) -> u32 {
-    let left = 65536 - 128 * PRODUCER_REGS;
+    let left = launch_regs(cfg) * threads(cfg) - 128 * MIN_PRODUCER_REGS;
     (left / (128 * consumers(cfg)) / 8 * 8).min(240)
+}
+
+/// The producer's registers: what the consumers leave of the block's (24 beside two consumers,
+/// 32 beside three, where the paged producer needs them).
+fn producer_regs(cfg: &AttentionConfig) -> u32 {
+    let consumers = 128 * consumers(cfg) * consumer_regs(cfg);
+    (launch_regs(cfg) * threads(cfg) - consumers) / 128 / 8 * 8
 }
 
 /// Named barriers: 0 the block's; `1 + c` consumer `c`'s 128 threads (mask rows); `1 + n + c`
@@ -271,7 +288,7 @@ pub fn attention_wgmma_scheduled(
     k.bra(Some((first, false)), &init_done);
     for i in 0..BARRIERS {
         // Full barriers take the producer's one arrival; empty ones every consumer warp's.
-        let arrivals = if i < 2 + STAGES {
+        let arrivals = if i < 2 + 2 * STAGES {
             1
         } else {
             4 * consumers(cfg)
@@ -478,7 +495,7 @@ impl Progress {
         let parity = k.op2("and.b32", RegClass::B32, &round, &1u32);
         let offset = k.mad_u32(&buf, &layout.q_bytes, &layout.q);
         let full = k.mad_u32(&buf, &MBARRIER_BYTES, bars);
-        let empty = k.add_u32(&full, &((2 + 2 * STAGES) * MBARRIER_BYTES));
+        let empty = k.add_u32(&full, &((2 + 4 * STAGES) * MBARRIER_BYTES));
         (offset, full, empty, parity)
     }
 
@@ -592,7 +609,7 @@ fn producer(
     tid: &Reg,
     [q, kk, v]: [Reg; 3],
 ) {
-    setmaxnreg(k, false, PRODUCER_REGS);
+    setmaxnreg(k, false, producer_regs(cfg));
     let exit = k.label("producer_done");
     let first = k.setp("eq.u32", tid, &0u32);
     // With position keys every thread goes round the items, the first alone loading.
@@ -618,35 +635,37 @@ fn producer(
         let past = k.setp("ge.u32", &j, &block.tiles);
         k.bra(Some((past, true)), &done);
         let tile = progress.tile(k, &j);
-        let (s, parity) = stage_of(k, &tile);
-        let full = k.mad_u32(&s, &MBARRIER_BYTES, &bars_offset(2));
-        let full = k.add_u32(&full, bars);
-        let empty = k.add_u32(&full, &(STAGES * MBARRIER_BYTES));
-        let refill = k.setp("ge.u32", &tile, &STAGES);
-        let fresh = k.label("fresh_stage");
-        k.bra(Some((refill, false)), &fresh);
-        let released = k.op2("xor.b32", RegClass::B32, &parity, &1u32);
-        mbarrier_wait(k, &empty, &released);
-        k.place(&fresh);
-        mbarrier_arrive_expect_tx(k, &full, 2 * layout.kv_tile);
+        let (s, _) = stage_of(k, &tile);
         let key0 = k.mul_u32(&j, &BKV);
         let stage = k.mad_u32(&s, &layout.stage, &layout.kv);
         let stage = k.add_u32(&stage, base);
-        match table {
-            None => {
-                let at = [&key0 as &dyn Operand, &block.kvh, &block.b];
-                load_tile(k, cfg, layout, [&kk, &v], (&stage, &full), at, 0);
-            }
-            Some((table, p)) => {
-                // One box per block, each looked up just before its copies (the producer has
-                // few registers to keep blocks in).
-                let rows = KeyRows::new(k, cfg.strides[1], [block.b, block.kvh], Some((table, p)));
-                for i in 0..BKV / p.block {
-                    let key = k.add_u32(&key0, &(i * p.block));
-                    let pool_block = rows.block(k, &key).expect("a paged cache");
-                    let at = [&0u32 as &dyn Operand, &block.kvh, &pool_block];
-                    let within = i * p.block * SWIZZLE_BYTES;
-                    load_tile(k, cfg, layout, [&kk, &v], (&stage, &full), at, within);
+        for (kv, map) in [(Kv::K, &kk), (Kv::V, &v)] {
+            let (full, empty, parity) = kv_barriers(k, bars, &tile, kv);
+            let refill = k.setp("ge.u32", &tile, &STAGES);
+            let fresh = k.label("fresh_stage");
+            k.bra(Some((refill, false)), &fresh);
+            let released = k.op2("xor.b32", RegClass::B32, &parity, &1u32);
+            mbarrier_wait(k, &empty, &released);
+            k.place(&fresh);
+            mbarrier_arrive_expect_tx(k, &full, layout.kv_tile);
+            let dst = k.add_u32(&stage, &(kv as u32 * layout.kv_tile));
+            match table {
+                None => {
+                    let at = [&key0 as &dyn Operand, &block.kvh, &block.b];
+                    load_tile(k, cfg, map, (&dst, &full), at, 0);
+                }
+                Some((table, p)) => {
+                    // One box per block, each looked up just before its copies (the producer
+                    // has few registers to keep blocks in).
+                    let key_rows = Some((table, p));
+                    let rows = KeyRows::new(k, cfg.strides[1], [block.b, block.kvh], key_rows);
+                    for i in 0..BKV / p.block {
+                        let key = k.add_u32(&key0, &(i * p.block));
+                        let pool_block = rows.block(k, &key).expect("a paged cache");
+                        let at = [&0u32 as &dyn Operand, &block.kvh, &pool_block];
+                        let within = i * p.block * SWIZZLE_BYTES;
+                        load_tile(k, cfg, map, (&dst, &full), at, within);
+                    }
                 }
             }
         }
@@ -662,25 +681,21 @@ fn producer(
     k.emit("ret");
 }
 
-/// Copies the K and V boxes at coordinates `[row, head, outer]` (a dense operand's key, K/V
-/// head and batch row; a paged pool's row in a block, K/V head and block) into `stage`, `within`
-/// bytes into each tile, every 64-column block of the head dimension, arriving on `full`.
+/// Copies the K or V box of `map` at coordinates `[row, head, outer]` (a dense operand's key,
+/// K/V head and batch row; a paged pool's row in a block, K/V head and block) into `tile`,
+/// `within` bytes in, every 64-column block of the head dimension, arriving on `full`.
 fn load_tile(
     k: &mut Kernel,
     cfg: &AttentionConfig,
-    layout: &Layout,
-    maps: [&Reg; 2],
-    (stage, full): (&Reg, &Reg),
+    map: &Reg,
+    (tile, full): (&Reg, &Reg),
     [row, kvh, outer]: [&dyn Operand; 3],
     within: u32,
 ) {
-    for (t, map) in maps.into_iter().enumerate() {
-        for i in 0..cfg.head_dim / COLS {
-            let off = t as u32 * layout.kv_tile + i * BKV * SWIZZLE_BYTES + within;
-            let dst = k.add_u32(stage, &off);
-            let at = [&(i * COLS) as &dyn Operand, row, kvh, outer];
-            tma_load(k, &dst, map, &at, full);
-        }
+    for i in 0..cfg.head_dim / COLS {
+        let dst = k.add_u32(tile, &(i * BKV * SWIZZLE_BYTES + within));
+        let at = [&(i * COLS) as &dyn Operand, row, kvh, outer];
+        tma_load(k, &dst, map, &at, full);
     }
 }
 
@@ -713,9 +728,27 @@ fn load_q(
     }
 }
 
-/// Byte offset of barrier `i` (0, 1: Q full; 2..: K/V full, then K/V empty, then Q empty).
+/// Byte offset of barrier `i` (0, 1: Q full; 2..: K full, V full, K empty, V empty, then Q
+/// empty).
 fn bars_offset(i: u32) -> u32 {
     i * MBARRIER_BYTES
+}
+
+/// The two operands streamed through stages, each with barriers of its own.
+#[derive(Clone, Copy)]
+enum Kv {
+    K = 0,
+    V = 1,
+}
+
+/// The full and empty barriers of the block's key tile `tile`'s K or V stage, and the parity of
+/// its round.
+fn kv_barriers(k: &mut Kernel, bars: &Reg, tile: &Reg, kv: Kv) -> (Reg, Reg, Reg) {
+    let (s, parity) = stage_of(k, tile);
+    let full = k.mad_u32(&s, &MBARRIER_BYTES, &bars_offset(2 + kv as u32 * STAGES));
+    let full = k.add_u32(&full, bars);
+    let empty = k.add_u32(&full, &(2 * STAGES * MBARRIER_BYTES));
+    (full, empty, parity)
 }
 
 /// The stage and round parity of key tile `j`.
@@ -754,23 +787,20 @@ struct Tiles<'a> {
 }
 
 impl Tiles<'_> {
-    /// The stage of the item's tile `j`: its K and V tiles, full and empty barriers, and the
+    /// The item's tile `j`'s K or V stage: its shared address, full and empty barriers, and the
     /// parity of its round.
-    fn stage(&self, k: &mut Kernel, j: &Reg) -> (Reg, Reg, Reg, Reg, Reg) {
+    fn stage(&self, k: &mut Kernel, j: &Reg, kv: Kv) -> (Reg, Reg, Reg, Reg) {
         let tile = k.add_u32(&self.first, j);
-        let (st, parity) = stage_of(k, &tile);
-        let full = k.mad_u32(&st, &MBARRIER_BYTES, &bars_offset(2));
-        let full = k.add_u32(&full, &self.bars);
-        let empty = k.add_u32(&full, &(STAGES * MBARRIER_BYTES));
-        let stage = k.mad_u32(&st, &self.layout.stage, &self.layout.kv);
-        let k_tile = k.add_u32(&stage, &self.base);
-        let v_tile = k.add_u32(&k_tile, &self.layout.kv_tile);
-        (k_tile, v_tile, full, empty, parity)
+        let (st, _) = stage_of(k, &tile);
+        let (full, empty, parity) = kv_barriers(k, &self.bars, &tile, kv);
+        let at = k.mad_u32(&st, &self.layout.stage, &self.base);
+        let at = k.add_u32(&at, &(self.layout.kv + kv as u32 * self.layout.kv_tile));
+        (at, full, empty, parity)
     }
 
-    /// Waits for tile `j`'s K/V stage and issues `S = Q K^T` into `s`.
+    /// Waits for tile `j`'s K stage and issues `S = Q K^T` into `s`.
     fn issue_scores(&self, k: &mut Kernel, j: &Reg) {
-        let (k_tile, _, full, _, parity) = self.stage(k, j);
+        let (k_tile, full, _, parity) = self.stage(k, j, Kv::K);
         mbarrier_wait(k, &full, &parity);
         for kk in 0..self.cfg.head_dim / 16 {
             let (blk, within) = (kk / 4, (kk % 4) * 32);
@@ -786,9 +816,10 @@ impl Tiles<'_> {
         }
     }
 
-    /// Issues `O += P V` of tile `j` (P in `p`, V read N-major from its stage).
+    /// Waits for tile `j`'s V stage and issues `O += P V` (P in `p`, V read N-major).
     fn issue_pv(&self, k: &mut Kernel, j: &Reg, o: &[Reg]) {
-        let (_, v_tile, _, _, _) = self.stage(k, j);
+        let (v_tile, full, _, parity) = self.stage(k, j, Kv::V);
+        mbarrier_wait(k, &full, &parity);
         for kk in 0..BKV / 16 {
             let va = k.add_u32(&v_tile, &(kk * 16 * SWIZZLE_BYTES));
             let vd = wgmma_descriptor(k, &va, BKV * SWIZZLE_BYTES, 1024);
@@ -801,9 +832,9 @@ impl Tiles<'_> {
         }
     }
 
-    /// Releases tile `j`'s stage (lane 0 of each warp arrives).
-    fn release(&self, k: &mut Kernel, j: &Reg, lane0: Reg) {
-        let (_, _, _, empty, _) = self.stage(k, j);
+    /// Releases tile `j`'s K or V stage (lane 0 of each warp arrives).
+    fn release(&self, k: &mut Kernel, j: &Reg, kv: Kv, lane0: Reg) {
+        let (_, _, empty, _) = self.stage(k, j, kv);
         mbarrier_arrive(k, &empty, Some(lane0));
     }
 }
@@ -918,6 +949,7 @@ impl Consumer {
         wgmma_commit(k);
         k.emit(format!("bar.arrive {other}, 256"));
         wgmma_wait(k, 0);
+        tiles.release(k, &j, Kv::K, self.lane0);
         probabilities(k, &j);
 
         let top = k.label("tiles");
@@ -937,7 +969,8 @@ impl Consumer {
         wgmma_commit(k);
         k.emit(format!("bar.arrive {other}, 256"));
         wgmma_wait(k, 0);
-        tiles.release(k, &j, self.lane0);
+        tiles.release(k, &j, Kv::V, self.lane0);
+        tiles.release(k, &next, Kv::K, self.lane0);
         probabilities(k, &next);
         k.emit(format!("mov.u32 {j}, {next}"));
         k.bra(None, &top);
@@ -954,7 +987,7 @@ impl Consumer {
         k.emit(format!("bar.arrive {other}, 256"));
         k.place(&no_turn);
         wgmma_wait(k, 0);
-        tiles.release(k, &j, self.lane0);
+        tiles.release(k, &j, Kv::V, self.lane0);
         k.comment("the item's Q buffer is free for the item after next");
         mbarrier_arrive(k, &q_empty, Some(self.lane0));
         state
@@ -1275,12 +1308,16 @@ mod tests {
         let d64 = config(1, 32, 8, 4096, true);
         let mut d128 = d64.clone();
         d128.head_dim = 128;
-        // 24 producer registers; 240 (the most) for two consumers, 160 for three.
-        assert_eq!((consumer_regs(&d128), threads(&d128)), (240, 384));
-        assert_eq!((consumer_regs(&d64), threads(&d64)), (160, 512));
+        // 168 registers a thread at launch with two consumers: 24 for the producer, 240 (the
+        // most) for each consumer; 128 with three: 32 and 160.
+        let regs = |c: &AttentionConfig| (launch_regs(c), producer_regs(c), consumer_regs(c));
+        assert_eq!((regs(&d128), threads(&d128)), ((168, 24, 240), 384));
+        assert_eq!((regs(&d64), threads(&d64)), ((128, 32, 160), 512));
         for cfg in [d64, d128] {
-            let n = consumers(&cfg);
-            assert!(128 * (PRODUCER_REGS + n * consumer_regs(&cfg)) <= 65536);
+            // `setmaxnreg` moves registers the block holds; it cannot add any.
+            let after = 128 * (producer_regs(&cfg) + consumers(&cfg) * consumer_regs(&cfg));
+            assert!(after <= launch_regs(&cfg) * threads(&cfg));
+            assert!(producer_regs(&cfg) >= MIN_PRODUCER_REGS);
         }
     }
 
