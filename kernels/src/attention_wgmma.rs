@@ -734,6 +734,22 @@ fn bars_offset(i: u32) -> u32 {
     i * MBARRIER_BYTES
 }
 
+/// The largest of `values` (at least one), taken in pairs: a chain of log2 n maxima, not n.
+fn max_tree(k: &mut Kernel, mut values: Vec<Reg>) -> Reg {
+    while values.len() > 1 {
+        let mut next = Vec::with_capacity(values.len().div_ceil(2));
+        for pair in values.chunks(2) {
+            next.push(match pair {
+                [a, b] => k.max_f32(a, b),
+                [a] => *a,
+                _ => unreachable!("chunks of two"),
+            });
+        }
+        values = next;
+    }
+    values[0]
+}
+
 /// The two operands streamed through stages, each with barriers of its own.
 #[derive(Clone, Copy)]
 enum Kv {
@@ -1088,12 +1104,9 @@ impl Consumer {
         let neg_inf = F32(f32::NEG_INFINITY);
         let mut m_use = Vec::new();
         for h in 0..2usize {
-            let mut mx = k.mov(RegClass::F32, &neg_inf);
-            for chunk in 0..(BKV / 8) as usize {
-                for c in 0..2 {
-                    mx = k.max_f32(&mx, &s[chunk * 4 + h * 2 + c]);
-                }
-            }
+            let row = (0..(BKV / 8) as usize)
+                .flat_map(|chunk| (0..2).map(move |c| chunk * 4 + h * 2 + c));
+            let mut mx = max_tree(k, row.map(|i| s[i]).collect());
             for lanes in [1u32, 2] {
                 let other = k.reg(RegClass::F32);
                 k.emit(format!("shfl.sync.bfly.b32 {other}, {mx}, {lanes}, 31, -1"));
@@ -1301,6 +1314,33 @@ mod tests {
         cfg.dropout = None;
         cfg.head_dim = 128;
         assert_eq!(consumers(&cfg), 2);
+    }
+
+    #[test]
+    fn a_row_maximum_is_a_tree_of_pairs() {
+        for n in [1usize, 2, 5, 16, 32] {
+            let mut k = Kernel::new("t");
+            let values: Vec<Reg> = (0..n).map(|_| k.reg(RegClass::F32)).collect();
+            let top = max_tree(&mut k, values.clone());
+            // Each register's depth in maxima: the values 0, a maximum one more than its deeper
+            // operand.
+            let mut depth: std::collections::HashMap<String, u32> =
+                values.iter().map(|v| (v.to_string(), 0)).collect();
+            let text = k.finish();
+            for line in text
+                .lines()
+                .filter(|l| l.trim_start().starts_with("max.f32"))
+            {
+                let regs: Vec<&str> = line.trim()[8..].trim_end_matches(';').split(", ").collect();
+                let d = 1 + depth[regs[1]].max(depth[regs[2]]);
+                depth.insert(regs[0].to_string(), d);
+            }
+            assert_eq!(depth.len(), 2 * n - 1, "{n} values take {} maxima", n - 1);
+            assert_eq!(
+                depth[&top.to_string()],
+                n.next_power_of_two().trailing_zeros()
+            );
+        }
     }
 
     #[test]
