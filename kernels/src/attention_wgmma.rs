@@ -49,8 +49,8 @@ use crate::attention_tc::RowState;
 use crate::hopper::{
     for_each_block_item, mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init,
     mbarrier_init_fence, mbarrier_wait, prefetch_tensor_map, setmaxnreg, tma_load, warp_uniform,
-    wgmma, wgmma_commit, wgmma_descriptor, wgmma_fence, wgmma_wait, WgmmaA, WgmmaB, MBARRIER_BYTES,
-    SWIZZLE_BYTES,
+    wgmma, wgmma_commit, wgmma_descriptor, wgmma_fence, wgmma_wait, WarpgroupThread, WgmmaA,
+    WgmmaB, MBARRIER_BYTES, SWIZZLE_BYTES,
 };
 use crate::paging::{KeyRows, Paging};
 use crate::ptx::{Elem, Kernel, Operand, Reg, RegClass, F32};
@@ -144,14 +144,17 @@ fn producer_regs(cfg: &AttentionConfig) -> u32 {
     (launch_regs(cfg) * threads(cfg) - consumers) / 128 / 8 * 8
 }
 
-/// Named barriers: 0 the block's; `1 + c` consumer `c`'s 128 threads (mask rows); `1 + n + c`
-/// consumer `c`'s turn to issue; `1 + 2 n + w` warpgroup `w`'s position search (`n` consumers).
+/// Named barriers: 0 the block's; [`MASK_BARRIER`] `+ c` consumer `c`'s 128 threads (mask
+/// rows); [`turn_barrier`] `+ c` consumer `c`'s turn to issue; [`ranges_barrier`] `+ w`
+/// warpgroup `w`'s position search.
+const MASK_BARRIER: u32 = 1;
+
 fn turn_barrier(cfg: &AttentionConfig) -> u32 {
-    1 + consumers(cfg)
+    MASK_BARRIER + consumers(cfg)
 }
 
 fn ranges_barrier(cfg: &AttentionConfig) -> u32 {
-    1 + 2 * consumers(cfg)
+    MASK_BARRIER + 2 * consumers(cfg)
 }
 
 /// Bytes of `rows` rows of the head dimension in shared memory: `D / 64` blocks of 128-byte rows.
@@ -302,7 +305,7 @@ pub fn attention_wgmma_scheduled(
 
     // Warp-uniform to ptxas, so that the branches on roles and turns are no divergent paths.
     let warpgroup = k.op2("shr.u32", RegClass::B32, &tid, &7u32);
-    let warpgroup = warp_uniform(&mut k, "max", &warpgroup);
+    let warpgroup = warp_uniform(&mut k, &warpgroup);
     // Every warpgroup's share in finding an item's positions, before the roles part.
     let keys = positions.map(|p| PositionKeys::new(&mut k, cfg, p, &tid, &warpgroup));
     let consumers = k.label("consumers");
@@ -387,18 +390,16 @@ impl PositionKeys {
         tid: &Reg,
         warpgroup: &Reg,
     ) -> PositionKeys {
-        let wt = k.op2("and.b32", RegClass::B32, tid, &127u32);
-        let lane = k.op2("and.b32", RegClass::B32, tid, &31u32);
+        let WarpgroupThread { thread, lane, warp } = WarpgroupThread::of(k, tid);
         let lane0 = k.setp("eq.u32", &lane, &0u32);
-        let warp = k.op2("shr.u32", RegClass::B32, tid, &5u32);
         let base = k.reg(RegClass::B32);
         k.emit(format!("mov.u32 {base}, attention_ranges"));
-        let slot = k.mad_u32(&warp, &8u32, &base);
         let slots = k.mad_u32(warpgroup, &32u32, &base);
+        let slot = k.mad_u32(&warp, &8u32, &slots);
         let barrier = k.add_u32(warpgroup, &ranges_barrier(cfg));
         PositionKeys {
             positions,
-            wt,
+            wt: thread,
             lane0,
             slot,
             slots,
@@ -469,7 +470,7 @@ impl PositionKeys {
         k.emit(format!("barrier.sync {}, 128", self.barrier));
         // Every lane holds the same extremes, but ptxas cannot tell from loads; made
         // warp-uniform, the key tiles derived from them keep the tile loop no divergent path.
-        (warp_uniform(k, "min", &lo), warp_uniform(k, "max", &hi))
+        (warp_uniform(k, &lo), warp_uniform(k, &hi))
     }
 }
 
@@ -859,10 +860,8 @@ impl Consumer {
     fn new(k: &mut Kernel, cfg: &AttentionConfig, tid: &Reg, warpgroup: &Reg) -> Consumer {
         setmaxnreg(k, true, consumer_regs(cfg));
         let c = k.sub_u32(warpgroup, &1u32);
-        let wt = k.op2("and.b32", RegClass::B32, tid, &127u32);
-        let lane = k.op2("and.b32", RegClass::B32, tid, &31u32);
+        let WarpgroupThread { thread, lane, warp } = WarpgroupThread::of(k, tid);
         let lane0 = k.setp("eq.u32", &lane, &0u32);
-        let warp = k.op2("shr.u32", RegClass::B32, &wt, &5u32);
         let g = k.op2("shr.u32", RegClass::B32, &lane, &2u32);
         let t = k.op2("and.b32", RegClass::B32, &lane, &3u32);
         let r0 = k.mul_u32(&c, &64u32);
@@ -871,7 +870,7 @@ impl Consumer {
         let t2 = k.mul_u32(&t, &2u32);
         Consumer {
             c,
-            wt,
+            wt: thread,
             lane,
             lane0,
             row,
@@ -1037,8 +1036,7 @@ impl Consumer {
         let addr = self.mask_row(k, &tile);
         let at = k.mad_u32(&self.wt, &4u32, &addr);
         k.emit(format!("st.shared.f32 [{at}], {value}"));
-        // Named barrier 1 + c: this warpgroup's 128 threads.
-        let id = k.add_u32(&self.c, &1u32);
+        let id = k.add_u32(&self.c, &MASK_BARRIER);
         k.emit(format!("bar.sync {id}, 128"));
     }
 

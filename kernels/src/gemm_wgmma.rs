@@ -42,7 +42,7 @@ use crate::hopper::{
     bulk_commit, bulk_wait, fence_proxy_async, for_each_block_item, mbarrier_arrive,
     mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_init_fence, mbarrier_wait,
     prefetch_tensor_map, setmaxnreg, stmatrix_x4, tma_load, tma_store, wgmma, wgmma_commit,
-    wgmma_descriptor, wgmma_fence, wgmma_wait, WgmmaA, WgmmaB, MBARRIER_BYTES,
+    wgmma_descriptor, wgmma_fence, wgmma_wait, WarpgroupThread, WgmmaA, WgmmaB, MBARRIER_BYTES,
 };
 use crate::ptx::{Elem, Kernel, Label, Reg, RegClass, F32};
 use crate::{GeneratedKernel, Image, KernelPath, Launch, TensorMapSpec};
@@ -839,12 +839,10 @@ impl Staging {
         }
     }
 
-    /// Thread `tid`'s index in its consumer, and whether it is the consumer's first (which
-    /// issues and waits for the stores).
-    fn issuer(k: &mut Kernel, tid: &Reg) -> (Reg, Reg) {
+    /// Whether thread `tid` is its consumer's first (which issues and waits for the stores).
+    fn issuer(k: &mut Kernel, tid: &Reg) -> Reg {
         let thread = k.op2("and.b32", RegClass::B32, tid, &127u32);
-        let issuer = k.setp("eq.u32", &thread, &0u32);
-        (thread, issuer)
+        k.setp("eq.u32", &thread, &0u32)
     }
 
     /// The registers of consumer `consumer`'s thread `tid`.
@@ -852,12 +850,11 @@ impl Staging {
         let bytes = STORE_ROWS * self.columns * 2;
         let region = k.mad_u32(consumer, &bytes, &self.base);
         let buf = k.add_u32(&region, &self.offset);
-        let (thread, issuer) = Staging::issuer(k, tid);
+        let issuer = Staging::issuer(k, tid);
         let barrier = k.add_u32(consumer, &STAGING_BARRIER);
         // Lane 8 q + r addresses row r of matrix q: rows 8 (q & 1) on of its warp's 16, chunk
         // q / 2 of the pair.
-        let lane = k.op2("and.b32", RegClass::B32, &thread, &31u32);
-        let warp = k.op2("shr.u32", RegClass::B32, &thread, &5u32);
+        let WarpgroupThread { lane, warp, .. } = WarpgroupThread::of(k, tid);
         let swizzle = k.op2("and.b32", RegClass::B32, &lane, &7u32);
         let q = k.op2("shr.u32", RegClass::B32, &lane, &3u32);
         let lower = k.op2("and.b32", RegClass::B32, &q, &1u32);
@@ -954,7 +951,7 @@ impl Staging {
 
     /// Waits for the consumer's last stores before it leaves.
     fn finish(&self, k: &mut Kernel, tid: &Reg) {
-        let (_, issuer) = Staging::issuer(k, tid);
+        let issuer = Staging::issuer(k, tid);
         let done = k.label("staging_done");
         k.bra(Some((issuer, false)), &done);
         bulk_wait(k, 0, false);
@@ -1237,9 +1234,7 @@ struct Fragment<'a> {
 impl<'a> Fragment<'a> {
     /// The fragment of thread `tid` of a consumer warpgroup over the 64 rows from `rows0`.
     fn of(k: &mut Kernel, acc: &'a [Reg], tid: &Reg, rows0: Reg, n0: Reg) -> Self {
-        let lane = k.op2("and.b32", RegClass::B32, tid, &31u32);
-        let warp = k.op2("shr.u32", RegClass::B32, tid, &5u32);
-        let warp = k.op2("and.b32", RegClass::B32, &warp, &3u32);
+        let WarpgroupThread { lane, warp, .. } = WarpgroupThread::of(k, tid);
         let quad = k.op2("shr.u32", RegClass::B32, &lane, &2u32);
         let pair = k.op2("and.b32", RegClass::B32, &lane, &3u32);
         let rows1 = k.mad_u32(&warp, &16u32, &rows0);

@@ -200,14 +200,31 @@ pub fn wgmma(k: &mut Kernel, elem: Elem, acc: &[Reg], a: WgmmaA, b: WgmmaB, accu
     ));
 }
 
-/// `v`, which every lane of the warp holds alike, through a warp reduction (`op`: `min` or
-/// `max`) so that ptxas knows it warp-uniform: branches on values it cannot prove uniform are
+/// `v`, which every lane of the warp holds alike, through a warp reduction (the maximum of equal
+/// values) so that ptxas knows it warp-uniform: branches on values it cannot prove uniform are
 /// divergent paths to it, and a wgmma whose registers live across one is serialized (C7520).
 /// Every lane of the warp must run it.
-pub fn warp_uniform(k: &mut Kernel, op: &str, v: &Reg) -> Reg {
+pub fn warp_uniform(k: &mut Kernel, v: &Reg) -> Reg {
     let r = k.reg(RegClass::B32);
-    k.emit(format!("redux.sync.{op}.u32 {r}, {v}, -1"));
+    k.emit(format!("redux.sync.max.u32 {r}, {v}, -1"));
     r
+}
+
+/// A thread's place in its warpgroup: its index there (0..128), lane and warp (0..4).
+pub struct WarpgroupThread {
+    pub thread: Reg,
+    pub lane: Reg,
+    pub warp: Reg,
+}
+
+impl WarpgroupThread {
+    /// The place of the thread `tid` of the block.
+    pub fn of(k: &mut Kernel, tid: &Reg) -> WarpgroupThread {
+        let thread = k.op2("and.b32", RegClass::B32, tid, &127u32);
+        let lane = k.op2("and.b32", RegClass::B32, tid, &31u32);
+        let warp = k.op2("shr.u32", RegClass::B32, &thread, &5u32);
+        WarpgroupThread { thread, lane, warp }
+    }
 }
 
 /// Raises (`grow`) or lowers this warpgroup's register budget to `count` per thread.
