@@ -299,10 +299,7 @@ pub fn rotations(cfg: &AttentionConfig) -> [Option<RotateConfig>; 2] {
 /// the k/v caches are paged).
 pub fn attention(cfg: &AttentionConfig) -> GeneratedKernel {
     if crate::attention_wgmma::supports(cfg) {
-        // A tensor map over a paged pool declares its blocks.
-        let pool = cfg
-            .paging
-            .map_or(String::new(), |p| format!("_pool{}", p.blocks));
+        let pool = Paging::pool_suffix(cfg.paging);
         crate::attention_wgmma::attention_wgmma(cfg, format!("{}{pool}_wgmma", cfg.name()))
     } else {
         attention_base(cfg)

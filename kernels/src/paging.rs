@@ -54,6 +54,11 @@ impl Paging {
     pub fn suffix(paging: Option<Paging>) -> String {
         paging.map_or(String::new(), |p| format!("_pg{}x{}", p.block, p.entries))
     }
+
+    /// The further suffix of kernels whose tensor maps declare the pool's blocks.
+    pub fn pool_suffix(paging: Option<Paging>) -> String {
+        paging.map_or(String::new(), |p| format!("_pool{}", p.blocks))
+    }
 }
 
 /// The element offsets of one (sequence, K/V head)'s rows in a cache operand of strides
