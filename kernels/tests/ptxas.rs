@@ -1,7 +1,8 @@
 //! Every kernel of the catalog assembles for its image's target (sm_90, or sm_90a for the Hopper
 //! kernels) with ptxas (`-v`), without spills or warnings (an ignored `setmaxnreg` is a
-//! warning), without a serialized wgmma (reported as information, C7520), and the GEMM and
-//! attention kernels without a stack frame. ptxas comes from `$KILN_PTXAS`, PATH, or
+//! warning), without a serialized wgmma (reported as information, C7520), the GEMM and
+//! attention kernels without a stack frame, and `setmaxnreg` never asking for more registers
+//! than the block holds at launch (such a request waits forever). ptxas comes from `$KILN_PTXAS`, PATH, or
 //! `scripts/fetch-ptxas` (the PyPI wheel of CUDA 13.0); CI installs it. Without one the test says
 //! so and passes, as a GPU test without a GPU does.
 
@@ -9,6 +10,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use kiln_kernels::catalog::catalog;
+use kiln_kernels::GeneratedKernel;
 
 fn ptxas() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("KILN_PTXAS") {
@@ -27,6 +29,33 @@ fn figure(report: &str, suffix: &str) -> Option<u64> {
         let at = line.find(suffix)?;
         line[..at].split_whitespace().last()?.parse().ok()
     })
+}
+
+/// The registers a warp-specialised kernel's warpgroups hold once they have set their counts (one
+/// warpgroup lowering its count, the producer, and the others raising theirs), if it sets any.
+fn registers_after_setmaxnreg(kernel: &GeneratedKernel) -> Option<u64> {
+    let count = |dir: &str| -> Vec<u64> {
+        let op = format!("setmaxnreg.{dir}.sync.aligned.u32");
+        let mut counts: Vec<u64> = (kernel.ptx.lines())
+            .filter_map(|l| l.trim().strip_prefix(op.as_str()))
+            .map(|n| n.trim().trim_end_matches(';').parse().expect("a count"))
+            .collect();
+        counts.dedup();
+        counts
+    };
+    let (lower, raise) = (count("dec"), count("inc"));
+    if lower.is_empty() && raise.is_empty() {
+        return None;
+    }
+    assert!(
+        lower.len() <= 1 && raise.len() <= 1,
+        "{}: one count each way",
+        kernel.name
+    );
+    let warpgroups = u64::from(kernel.launch.block[0]) / 128;
+    let producer = lower.first().copied().unwrap_or(0);
+    let consumers = raise.first().copied().unwrap_or(0);
+    Some(128 * (producer + (warpgroups - 1) * consumers))
 }
 
 #[test]
@@ -67,6 +96,14 @@ fn every_kernel_assembles_without_spills() {
         let stack = figure(&report, "bytes stack frame").unwrap_or(0);
         let registers = figure(&report, "registers").unwrap_or(0);
         assert_eq!(spills, 0, "{}: spills\n{report}", kernel.name);
+        if let Some(after) = registers_after_setmaxnreg(&kernel) {
+            let launch = registers * u64::from(kernel.launch.block[0]);
+            assert!(
+                after <= launch,
+                "{}: setmaxnreg asks for {after} registers, the block holds {launch}",
+                kernel.name
+            );
+        }
         if kind == "gemm" || kind == "attention" {
             assert_eq!(stack, 0, "{}: stack frame\n{report}", kernel.name);
         }
