@@ -726,11 +726,15 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
     }
     // Attention of the models' prefills on one item per block and on a persistent grid:
     // BERT-base at 128 x 128 tokens (all keys), GPT-2 at 1024 tokens and Llama-3.2-1B at 4096
-    // (causal, GQA 4:1).
+    // (causal, GQA 4:1); and the benchmark shapes above (4 x 16 heads, 4096 tokens), whose
+    // blocks of 32 key tiles start and finish 2048 items on 132 SMs.
     for (b, h, kv, s, d, causal) in [
         (128u32, 12u32, 12u32, 128u32, 64u32, false),
         (1, 12, 12, 1024, 64, true),
         (1, 32, 8, 4096, 64, true),
+        (4, 16, 16, 4096, 128, false),
+        (4, 16, 16, 4096, 128, true),
+        (4, 16, 16, 4096, 64, false),
     ] {
         let mut cfg = AttentionConfig::plain([b, h, kv, s, s, d], Elem::BF16);
         cfg.scale = 1.0 / (d as f32).sqrt();
@@ -766,7 +770,8 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
                 if causal { " causal" } else { "" }
             );
             let kernel_name = format!(
-                "attention_b{b}_h{h}_{kv}_s{s}_d{d}_{}",
+                "attention_b{b}_h{h}_{kv}_s{s}_d{d}{}_{}",
+                if causal { "_causal" } else { "" },
                 if on_grid { "persistent" } else { "items" }
             );
             let kernel = attention_wgmma_scheduled(&cfg, on_grid, kernel_name);
