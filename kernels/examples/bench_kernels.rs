@@ -642,11 +642,13 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
         return finish(dir, &cases);
     }
     // The models' norms (BERT-base's LayerNorm at 128 x 128 tokens, GPT-2's at 1024,
-    // Llama-3.2-1B's RMSNorm at 4096 tokens, an 8B-class RMSNorm), a warp or a block to a row.
+    // Llama-3.2-1B's RMSNorm at 4096 tokens and in its prefill's chunks of 1024, an 8B-class
+    // RMSNorm), a warp or a block to a row.
     for (kind, rows, cols) in [
         (NormKind::LayerNorm, 16384usize, 768usize),
         (NormKind::LayerNorm, 1024, 768),
         (NormKind::RmsNorm, 4096, 2048),
+        (NormKind::RmsNorm, 1024, 2048),
         (NormKind::LayerNorm, 4096, 2048),
         (NormKind::RmsNorm, 4096, 4096),
     ] {
