@@ -640,9 +640,9 @@ fn producer(
         let key0 = k.mul_u32(&j, &BKV);
         let stage = k.mad_u32(&s, &layout.stage, &layout.kv);
         let stage = k.add_u32(&stage, base);
+        let refill = k.setp("ge.u32", &tile, &STAGES);
         for (kv, map) in [(Kv::K, &kk), (Kv::V, &v)] {
             let (full, empty, parity) = kv_barriers(k, bars, &tile, kv);
-            let refill = k.setp("ge.u32", &tile, &STAGES);
             let fresh = k.label("fresh_stage");
             k.bra(Some((refill, false)), &fresh);
             let released = k.op2("xor.b32", RegClass::B32, &parity, &1u32);
