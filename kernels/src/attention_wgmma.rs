@@ -12,7 +12,9 @@
 //!   each stage armed on its `full` barrier and refilled once every consumer released it on its
 //!   `empty` barrier (stages are counted across the block's items). K and V have barriers of
 //!   their own: a K tile is free once the scores have read it, a turn before its V tile, so
-//!   that the next K tile loads under two turns of products rather than under one `P V`;
+//!   that the next K tile loads under two turns of products rather than under one `P V` (a
+//!   paged tile's K and V are still copied together, box by box, once both stages are free:
+//!   apart, the producer's 24 registers beside two consumers spilled);
 //! - the consumers each own 64 query rows: per key tile, `S = Q K^T` (wgmma, both operands
 //!   from shared memory), the online softmax in registers (base 2, the scale folded into the
 //!   exponent's FMA, quad shuffles for the row max), then `O += P V` with P taken straight from
@@ -610,6 +612,7 @@ fn producer(
     tid: &Reg,
     [q, kk, v]: [Reg; 3],
 ) {
+    let maps = [kk, v];
     setmaxnreg(k, false, producer_regs(cfg));
     let exit = k.label("producer_done");
     let first = k.setp("eq.u32", tid, &0u32);
@@ -641,23 +644,34 @@ fn producer(
         let stage = k.mad_u32(&s, &layout.stage, &layout.kv);
         let stage = k.add_u32(&stage, base);
         let refill = k.setp("ge.u32", &tile, &STAGES);
-        for (kv, map) in [(Kv::K, &kk), (Kv::V, &v)] {
-            let (full, empty, parity) = kv_barriers(k, bars, &tile, kv);
-            let fresh = k.label("fresh_stage");
-            k.bra(Some((refill, false)), &fresh);
-            let released = k.op2("xor.b32", RegClass::B32, &parity, &1u32);
-            mbarrier_wait(k, &empty, &released);
-            k.place(&fresh);
-            mbarrier_arrive_expect_tx(k, &full, layout.kv_tile);
-            let dst = k.add_u32(&stage, &(kv as u32 * layout.kv_tile));
+        // A dense tile's K, then its V, each as soon as its stage is free; a paged tile's K and
+        // V together, box by box, each box's block looked up just before its copies (the
+        // producer has few registers to keep blocks in).
+        let passes: &[&[Kv]] = match table {
+            None => &[&[Kv::K], &[Kv::V]],
+            Some(_) => &[&[Kv::K, Kv::V]],
+        };
+        for pass in passes {
+            let mut armed = Vec::new();
+            for &kv in *pass {
+                let (full, empty, parity) = kv_barriers(k, bars, &tile, kv);
+                let fresh = k.label("fresh_stage");
+                k.bra(Some((refill, false)), &fresh);
+                let released = k.op2("xor.b32", RegClass::B32, &parity, &1u32);
+                mbarrier_wait(k, &empty, &released);
+                k.place(&fresh);
+                mbarrier_arrive_expect_tx(k, &full, layout.kv_tile);
+                let dst = k.add_u32(&stage, &(kv as u32 * layout.kv_tile));
+                armed.push((maps[kv as usize], dst, full));
+            }
             match table {
                 None => {
-                    let at = [&key0 as &dyn Operand, &block.kvh, &block.b];
-                    load_tile(k, cfg, map, (&dst, &full), at, 0);
+                    for (map, dst, full) in &armed {
+                        let at = [&key0 as &dyn Operand, &block.kvh, &block.b];
+                        load_tile(k, cfg, map, (dst, full), at, 0);
+                    }
                 }
                 Some((table, p)) => {
-                    // One box per block, each looked up just before its copies (the producer
-                    // has few registers to keep blocks in).
                     let key_rows = Some((table, p));
                     let rows = KeyRows::new(k, cfg.strides[1], [block.b, block.kvh], key_rows);
                     for i in 0..BKV / p.block {
@@ -665,7 +679,9 @@ fn producer(
                         let pool_block = rows.block(k, &key).expect("a paged cache");
                         let at = [&0u32 as &dyn Operand, &block.kvh, &pool_block];
                         let within = i * p.block * SWIZZLE_BYTES;
-                        load_tile(k, cfg, map, (&dst, &full), at, within);
+                        for (map, dst, full) in &armed {
+                            load_tile(k, cfg, map, (dst, full), at, within);
+                        }
                     }
                 }
             }

@@ -180,6 +180,17 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
                 300,
                 4097,
             ),
+            // The same at head dim 128 (two consumers, whose 240 registers leave the producer,
+            // paged below, 24).
+            (
+                128,
+                KeyRule::Position { window: None },
+                false,
+                false,
+                None,
+                512,
+                4608,
+            ),
             // A prompt chunk over a cache (tensor cores), head dim 96, with a window.
             (
                 96,
