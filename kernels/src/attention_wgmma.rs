@@ -218,9 +218,14 @@ fn map(cfg: &AttentionConfig, i: usize, heads: u32, rows: u32, box_rows: u32) ->
     }
 }
 
-/// Work items: query blocks of [`bm`] rows times heads times batch.
+/// Query blocks of [`bm`] rows per plane.
+fn query_blocks(cfg: &AttentionConfig) -> u32 {
+    cfg.q_len.div_ceil(bm(cfg))
+}
+
+/// Work items: query blocks times heads times batch.
 fn items(cfg: &AttentionConfig) -> u32 {
-    cfg.q_len.div_ceil(bm(cfg)) * cfg.heads * cfg.batch
+    query_blocks(cfg) * cfg.heads * cfg.batch
 }
 
 /// Bytes of K/V that the items of one group of planes may share through the L2 (the H200's holds
@@ -530,7 +535,7 @@ impl Block {
     /// when causal or by position: the last has the most keys), then the group's planes (batch,
     /// then heads) fastest.
     fn at(k: &mut Kernel, cfg: &AttentionConfig, item: &Reg, keys: Option<&PositionKeys>) -> Block {
-        let blocks = cfg.q_len.div_ceil(bm(cfg));
+        let blocks = query_blocks(cfg);
         let (rank, plane) = Self::rank_and_plane(k, cfg, item);
         let h = k.op2("rem.u32", RegClass::B32, &plane, &cfg.heads);
         let b = k.op2("div.u32", RegClass::B32, &plane, &cfg.heads);
@@ -589,7 +594,7 @@ impl Block {
             let rank = k.op2("div.u32", RegClass::B32, item, &planes);
             return (rank, k.op2("rem.u32", RegClass::B32, item, &planes));
         }
-        let group_items = group * cfg.q_len.div_ceil(bm(cfg));
+        let group_items = group * query_blocks(cfg);
         let g = k.op2("div.u32", RegClass::B32, item, &group_items);
         let within = k.op2("rem.u32", RegClass::B32, item, &group_items);
         let first = k.mul_u32(&g, &group);
@@ -639,7 +644,7 @@ fn producer(
         let past = k.setp("ge.u32", &j, &block.tiles);
         k.bra(Some((past, true)), &done);
         let tile = progress.tile(k, &j);
-        let (s, _) = stage_of(k, &tile);
+        let (s, parity) = stage_of(k, &tile);
         let key0 = k.mul_u32(&j, &BKV);
         let stage = k.mad_u32(&s, &layout.stage, &layout.kv);
         let stage = k.add_u32(&stage, base);
@@ -654,7 +659,7 @@ fn producer(
         for pass in passes {
             let mut armed = Vec::new();
             for &kv in *pass {
-                let (full, empty, parity) = kv_barriers(k, bars, &tile, kv);
+                let (full, empty) = kv_barriers(k, bars, &s, kv);
                 let fresh = k.label("fresh_stage");
                 k.bra(Some((refill, false)), &fresh);
                 let released = k.op2("xor.b32", RegClass::B32, &parity, &1u32);
@@ -774,14 +779,11 @@ enum Kv {
     V = 1,
 }
 
-/// The full and empty barriers of the block's key tile `tile`'s K or V stage, and the parity of
-/// its round.
-fn kv_barriers(k: &mut Kernel, bars: &Reg, tile: &Reg, kv: Kv) -> (Reg, Reg, Reg) {
-    let (s, parity) = stage_of(k, tile);
-    let full = k.mad_u32(&s, &MBARRIER_BYTES, &bars_offset(2 + kv as u32 * STAGES));
+/// The full and empty barriers of stage `s` of K or V.
+fn kv_barriers(k: &mut Kernel, bars: &Reg, s: &Reg, kv: Kv) -> (Reg, Reg) {
+    let full = k.mad_u32(s, &MBARRIER_BYTES, &bars_offset(2 + kv as u32 * STAGES));
     let full = k.add_u32(&full, bars);
-    let empty = k.add_u32(&full, &(2 * STAGES * MBARRIER_BYTES));
-    (full, empty, parity)
+    (full, k.add_u32(&full, &(2 * STAGES * MBARRIER_BYTES)))
 }
 
 /// The stage and round parity of key tile `j`.
@@ -824,8 +826,8 @@ impl Tiles<'_> {
     /// parity of its round.
     fn stage(&self, k: &mut Kernel, j: &Reg, kv: Kv) -> (Reg, Reg, Reg, Reg) {
         let tile = k.add_u32(&self.first, j);
-        let (st, _) = stage_of(k, &tile);
-        let (full, empty, parity) = kv_barriers(k, &self.bars, &tile, kv);
+        let (st, parity) = stage_of(k, &tile);
+        let (full, empty) = kv_barriers(k, &self.bars, &st, kv);
         let at = k.mad_u32(&st, &self.layout.stage, &self.base);
         let at = k.add_u32(&at, &(self.layout.kv + kv as u32 * self.layout.kv_tile));
         (at, full, empty, parity)

@@ -839,10 +839,10 @@ impl Staging {
         }
     }
 
-    /// Whether thread `tid` is its consumer's first (which issues and waits for the stores).
-    fn issuer(k: &mut Kernel, tid: &Reg) -> Reg {
-        let thread = k.op2("and.b32", RegClass::B32, tid, &127u32);
-        k.setp("eq.u32", &thread, &0u32)
+    /// Whether the thread at `place` is its consumer's first (which issues and waits for the
+    /// stores).
+    fn issuer(k: &mut Kernel, place: &WarpgroupThread) -> Reg {
+        k.setp("eq.u32", &place.thread, &0u32)
     }
 
     /// The registers of consumer `consumer`'s thread `tid`.
@@ -850,11 +850,12 @@ impl Staging {
         let bytes = STORE_ROWS * self.columns * 2;
         let region = k.mad_u32(consumer, &bytes, &self.base);
         let buf = k.add_u32(&region, &self.offset);
-        let issuer = Staging::issuer(k, tid);
+        let place = WarpgroupThread::of(k, tid);
+        let issuer = Staging::issuer(k, &place);
         let barrier = k.add_u32(consumer, &STAGING_BARRIER);
         // Lane 8 q + r addresses row r of matrix q: rows 8 (q & 1) on of its warp's 16, chunk
         // q / 2 of the pair.
-        let WarpgroupThread { lane, warp, .. } = WarpgroupThread::of(k, tid);
+        let WarpgroupThread { lane, warp, .. } = place;
         let swizzle = k.op2("and.b32", RegClass::B32, &lane, &7u32);
         let q = k.op2("shr.u32", RegClass::B32, &lane, &3u32);
         let lower = k.op2("and.b32", RegClass::B32, &q, &1u32);
@@ -951,7 +952,8 @@ impl Staging {
 
     /// Waits for the consumer's last stores before it leaves.
     fn finish(&self, k: &mut Kernel, tid: &Reg) {
-        let issuer = Staging::issuer(k, tid);
+        let place = WarpgroupThread::of(k, tid);
+        let issuer = Staging::issuer(k, &place);
         let done = k.label("staging_done");
         k.bra(Some((issuer, false)), &done);
         bulk_wait(k, 0, false);
