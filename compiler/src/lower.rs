@@ -1065,9 +1065,16 @@ fn chunk_entries_launch(
     if keys.paging.is_some() {
         bind.push(("table", Operand::BlockTable));
     }
+    // The new keys and values start 16 bytes in when their views' element offsets do (q's
+    // offset [`prerotated_chunk`] checks).
+    let width = 16 / elem.bytes();
+    let aligned = [k_new, v_new]
+        .iter()
+        .all(|&id| head_strides(g, id).is_some_and(|(_, offset)| offset % width == 0));
     Some(ChunkEntries {
         keys,
         value_strides: values.new_strides,
+        aligned,
         bind,
     })
 }
@@ -1077,6 +1084,7 @@ fn chunk_entries_launch(
 struct ChunkEntries {
     keys: KvWriteConfig,
     value_strides: [u32; 3],
+    aligned: bool,
     bind: Vec<(&'static str, Operand)>,
 }
 
@@ -1212,6 +1220,7 @@ fn lower_prerotated(
                     keys: e.keys,
                     value_strides: e.value_strides,
                     query: rotation,
+                    aligned: e.aligned,
                 };
                 let mut entries_bind = e.bind;
                 entries_bind.extend([("q", operand(name)?), ("q_out", scratch.clone())]);

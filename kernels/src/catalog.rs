@@ -109,8 +109,15 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
             keys,
             value_strides: rotation.strides,
             query: rotation,
+            aligned: false,
         };
         out.push(("kv_cache", crate::kv_cache::chunk_entries(&entries)));
+        // The same with rows 16-byte aligned: a few lanes a token.
+        let aligned = crate::kv_cache::ChunkEntriesConfig {
+            aligned: true,
+            ..entries
+        };
+        out.push(("kv_cache", crate::kv_cache::chunk_entries(&aligned)));
         for (head_dim, keys, padding, rope, dropout, q_len, kv_len) in [
             (
                 64,

@@ -2,12 +2,15 @@
 //! new[b, h, s, :]` for every token whose mask is 1, with RoPE applied on the way when the IR
 //! rotates the keys just before the write. One warp per (token, head), lanes over the head dim,
 //! up to [`WARPS`] tokens of a head per block (a block of one warp each would leave most of a
-//! long chunk's time to block scheduling). A paged cache's row is found through its block table
+//! long chunk's time to block scheduling); a prompt chunk's entries whose rows start 16-byte
+//! aligned take a few lanes per token instead, 16 bytes of each half of the row a lane
+//! ([`RowLanes`]), so that a launch over a long chunk runs in one wave of short warps rather
+//! than several of long ones. A paged cache's row is found through its block table
 //! (`crate::paging`).
 
 use crate::paging::{KeyRows, Paging};
 use crate::ptx::{Elem, Kernel, Label, Reg, RegClass};
-use crate::rope::{rotated, RotateConfig};
+use crate::rope::{load, rotated, store, RotateConfig};
 use crate::{GeneratedKernel, Launch};
 
 /// Tokens (warps) per block.
@@ -74,20 +77,67 @@ pub fn kv_write(cfg: &KvWriteConfig) -> GeneratedKernel {
         b,
         s,
         exit,
-    } = WarpToken::new(&mut k, cfg.new_len);
+    } = WarpToken::new(&mut k, cfg.new_len, RowLanes::WARP);
     let entry = Entry {
         at: [b, y, s, lane],
         positions,
         mask,
+        lanes: RowLanes::WARP,
     };
     entry.write(&mut k, cfg, [cache, new], tables, paged, &exit);
     k.place(&exit);
-    GeneratedKernel::new(k, WarpToken::launch(cfg.new_len, cfg.kv_heads, cfg.batch))
+    let launch = WarpToken::launch(cfg.new_len, cfg.kv_heads, cfg.batch, RowLanes::WARP);
+    GeneratedKernel::new(k, launch)
 }
 
-/// A warp's token of the chunk: its lane, the block's `y` (a head) and row `b`, the token `s`
-/// (warps of a block take consecutive tokens), and the label the kernel ends at, to which a
-/// warp past the chunk's tokens has jumped already.
+/// How a token's row spreads over a warp: `lanes` lanes (a power of two up to 32) each taking
+/// `width` adjacent column pairs `(i, i + D/2)`, 16 bytes of each half of the row where every
+/// access stays 16-byte aligned; otherwise (width 1) a warp per token, a pair a lane, round the
+/// row.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct RowLanes {
+    lanes: u32,
+    width: u32,
+}
+
+impl RowLanes {
+    const WARP: RowLanes = RowLanes {
+        lanes: 32,
+        width: 1,
+    };
+
+    /// A prompt chunk's: 16-byte pairs where its configuration keeps them aligned.
+    fn of(cfg: &ChunkEntriesConfig) -> RowLanes {
+        let keys = &cfg.keys;
+        let width = 16 / keys.elem.bytes();
+        let half = keys.head_dim / 2;
+        let lanes = half / width;
+        let strides = [
+            keys.new_strides,
+            cfg.value_strides,
+            keys.cache_strides(),
+            cfg.query.strides,
+            cfg.query.out_strides(),
+        ];
+        let aligned = cfg.aligned
+            && half.is_multiple_of(width)
+            && strides.iter().flatten().all(|s| s.is_multiple_of(width));
+        if aligned && lanes.is_power_of_two() && lanes <= 32 {
+            RowLanes { lanes, width }
+        } else {
+            RowLanes::WARP
+        }
+    }
+
+    fn tokens_per_warp(self) -> u32 {
+        32 / self.lanes
+    }
+}
+
+/// A thread's token of the chunk: its lane among the token's, the block's `y` (a head) and row
+/// `b`, the token `s` (warps of a block, and a warp's groups of lanes, take consecutive tokens),
+/// and the label the kernel ends at, to which a thread past the chunk's tokens has jumped
+/// already.
 struct WarpToken {
     lane: Reg,
     y: Reg,
@@ -97,15 +147,26 @@ struct WarpToken {
 }
 
 impl WarpToken {
-    fn new(k: &mut Kernel, new_len: u32) -> WarpToken {
-        let warps = new_len.min(WARPS);
-        let lane = k.special("tid.x");
+    fn new(k: &mut Kernel, new_len: u32, lanes: RowLanes) -> WarpToken {
+        let per_warp = lanes.tokens_per_warp();
+        let warps = Self::warps(new_len, lanes);
+        let mut lane = k.special("tid.x");
         let warp = k.special("tid.y");
         let first = k.special("ctaid.x");
         let y = k.special("ctaid.y");
         let b = k.special("ctaid.z");
         let exit = k.label("exit");
-        let s = k.mad_u32(&first, &warps, &warp);
+        let mut s = k.mad_u32(&first, &warps, &warp);
+        if per_warp > 1 {
+            let group = k.op2(
+                "shr.u32",
+                RegClass::B32,
+                &lane,
+                &lanes.lanes.trailing_zeros(),
+            );
+            s = k.mad_u32(&s, &per_warp, &group);
+            lane = k.op2("and.b32", RegClass::B32, &lane, &(lanes.lanes - 1));
+        }
         let past = k.setp("ge.u32", &s, &new_len);
         k.bra(Some((past, true)), &exit);
         WarpToken {
@@ -117,11 +178,17 @@ impl WarpToken {
         }
     }
 
-    /// The launch of `heads` blocks over `y` for each of `batch` rows, a warp per token.
-    fn launch(new_len: u32, heads: u32, batch: u32) -> Launch {
-        let warps = new_len.min(WARPS);
+    /// Warps per block: up to [`WARPS`], as many as the tokens need.
+    fn warps(new_len: u32, lanes: RowLanes) -> u32 {
+        new_len.div_ceil(lanes.tokens_per_warp()).min(WARPS)
+    }
+
+    /// The launch of `heads` blocks over `y` for each of `batch` rows.
+    fn launch(new_len: u32, heads: u32, batch: u32, lanes: RowLanes) -> Launch {
+        let warps = Self::warps(new_len, lanes);
+        let per_block = warps * lanes.tokens_per_warp();
         Launch {
-            grid: [new_len.div_ceil(warps), heads, batch],
+            grid: [new_len.div_ceil(per_block), heads, batch],
             block: [32, warps, 1],
             shared_bytes: 0,
         }
@@ -140,6 +207,10 @@ pub struct ChunkEntriesConfig {
     /// q's rotation into a contiguous `[B, H, S, D]` buffer (its batch, length, head dim and
     /// element type those of `keys`).
     pub query: RotateConfig,
+    /// Whether q, the new keys and the new values start 16 bytes into their buffers' alignment
+    /// (views at element offsets of whole 16 bytes): then, with strides of whole 16 bytes, every
+    /// row does, and lanes take 16 bytes at a time ([`RowLanes`]).
+    pub aligned: bool,
 }
 
 impl ChunkEntriesConfig {
@@ -155,8 +226,8 @@ impl ChunkEntriesConfig {
 
 /// Generates the kernel. Parameters: `k_cache, v_cache, k_new, v_new, positions, mask, cos, sin,
 /// q, q_out, [table]`. Blocks over `y` take q's heads, then the keys', then the values'; each
-/// warp one token of one head, as [`kv_write`] does (the rotation the same multiply and fused
-/// multiply-add, so every output is the three kernels' bit for bit).
+/// warp one token of one head, as [`kv_write`] does, or several ([`RowLanes`]; the rotation the
+/// same multiply and fused multiply-add, so every output is the three kernels' bit for bit).
 pub fn chunk_entries(cfg: &ChunkEntriesConfig) -> GeneratedKernel {
     let keys = &cfg.keys;
     let q = &cfg.query;
@@ -168,8 +239,9 @@ pub fn chunk_entries(cfg: &ChunkEntriesConfig) -> GeneratedKernel {
         "q's rotation and the cache writes cover the same tokens"
     );
     let [qb, qh, qs] = q.strides;
+    let lanes = RowLanes::of(cfg);
     let name = format!(
-        "chunk_entries_{}_h{}_kv{}_d{}_s{}_t{}_st{qb}x{qh}x{qs}{}{}",
+        "chunk_entries_{}_h{}_kv{}_d{}_s{}_t{}_st{qb}x{qh}x{qs}{}{}{}",
         keys.elem.name(),
         q.heads,
         keys.kv_heads,
@@ -177,7 +249,12 @@ pub fn chunk_entries(cfg: &ChunkEntriesConfig) -> GeneratedKernel {
         keys.new_len,
         keys.capacity,
         if keys.rope { "_rope" } else { "" },
-        Paging::suffix(keys.paging)
+        Paging::suffix(keys.paging),
+        if lanes == RowLanes::WARP {
+            String::new()
+        } else {
+            format!("_l{}", lanes.lanes)
+        }
     );
     let mut k = Kernel::new(&name);
     let caches = [k.param_ptr("k_cache"), k.param_ptr("v_cache")];
@@ -193,7 +270,7 @@ pub fn chunk_entries(cfg: &ChunkEntriesConfig) -> GeneratedKernel {
         b,
         s,
         exit,
-    } = WarpToken::new(&mut k, keys.new_len);
+    } = WarpToken::new(&mut k, keys.new_len, lanes);
     let cache_rows = k.label("cache_rows");
     let is_q = k.setp("lt.u32", &y, &q.heads);
     k.bra(Some((is_q, false)), &cache_rows);
@@ -202,16 +279,15 @@ pub fn chunk_entries(cfg: &ChunkEntriesConfig) -> GeneratedKernel {
         at: [b, y, s, lane],
         positions,
         mask,
+        lanes,
     };
     let pos = entry.position(&mut k, keys.new_len);
     let src_row = strided_row(&mut k, q.strides, [b, y, s]);
     let dst_row = strided_row(&mut k, q.out_strides(), [b, y, s]);
     let rope = Some((tables, pos));
-    write_row(
+    write_row_by(
         &mut k,
-        q.elem,
-        q.head_dim,
-        lane,
+        (q.elem, q.head_dim, lanes, lane),
         [q_in, src_row],
         [q_out, dst_row],
         rope,
@@ -253,7 +329,7 @@ pub fn chunk_entries(cfg: &ChunkEntriesConfig) -> GeneratedKernel {
     );
     k.place(&exit);
     let heads = q.heads + 2 * keys.kv_heads;
-    GeneratedKernel::new(k, WarpToken::launch(keys.new_len, heads, keys.batch))
+    GeneratedKernel::new(k, WarpToken::launch(keys.new_len, heads, keys.batch, lanes))
 }
 
 /// One token of one head: row `b`, head `h`, token `s` of the chunk, the warp's `lane`; where
@@ -262,6 +338,7 @@ struct Entry {
     at: [Reg; 4],
     positions: Reg,
     mask: Reg,
+    lanes: RowLanes,
 }
 
 impl Entry {
@@ -300,11 +377,9 @@ impl Entry {
         let rows = KeyRows::new(k, cfg.cache_strides(), [b, h], paged);
         let dst_row = rows.row(k, &pos);
         let rope = tables.filter(|_| cfg.rope).map(|t| (t, pos));
-        write_row(
+        write_row_by(
             k,
-            cfg.elem,
-            cfg.head_dim,
-            lane,
+            (cfg.elem, cfg.head_dim, self.lanes, lane),
             [new, src_row],
             [cache, dst_row],
             rope,
@@ -317,6 +392,21 @@ fn strided_row(k: &mut Kernel, [sb, sh, ss]: [u32; 3], [b, h, s]: [Reg; 3]) -> R
     let n0 = k.mul_u32(&b, &sb);
     let n1 = k.mad_u32(&h, &sh, &n0);
     k.mad_u32(&s, &ss, &n1)
+}
+
+/// [`write_row`] by the row's `lanes` (`lane` among them): a warp's, or [`write_pairs`].
+fn write_row_by(
+    k: &mut Kernel,
+    (e, d, lanes, lane): (Elem, u32, RowLanes, Reg),
+    src: [Reg; 2],
+    dst: [Reg; 2],
+    rope: Option<((Reg, Reg), Reg)>,
+) {
+    if lanes == RowLanes::WARP {
+        write_row(k, e, d, lane, src, dst, rope);
+    } else {
+        write_pairs(k, (e, d, lanes.width, lane), src, dst, rope);
+    }
 }
 
 /// Copies the `d` elements at element `src_row` of `new` to element `dst_row` of `cache`, the
@@ -375,4 +465,36 @@ pub(crate) fn write_row(
             }
         }
     }
+}
+
+/// [`write_row`] where each of the row's `d / 2 / w` lanes takes `w` adjacent column pairs: 16
+/// bytes of each half, their `cos`/`sin` in 16-byte loads, rotated as one pair is.
+fn write_pairs(
+    k: &mut Kernel,
+    (e, d, w, lane): (Elem, u32, u32, Reg),
+    [new, src_row]: [Reg; 2],
+    [cache, dst_row]: [Reg; 2],
+    rope: Option<((Reg, Reg), Reg)>,
+) {
+    let half = d / 2;
+    let pair = u64::from(half * e.bytes());
+    let col = k.mul_u32(&lane, &w);
+    let si = k.add_u32(&src_row, &col);
+    let lo_a = k.address(new, &si, e.bytes());
+    let hi_a = k.op2("add.u64", RegClass::B64, &lo_a, &pair);
+    let (mut lo, mut hi) = (load(k, e, lo_a, w), load(k, e, hi_a, w));
+    if let Some(((cos, sin), pos)) = rope {
+        let t = k.mad_u32(&pos, &half, &col);
+        let ca = k.address(cos, &t, 4);
+        let sa = k.address(sin, &t, 4);
+        let (c, sn) = (load(k, Elem::F32, ca, w), load(k, Elem::F32, sa, w));
+        for i in 0..w as usize {
+            (lo[i], hi[i]) = rotated(k, lo[i], hi[i], c[i], sn[i]);
+        }
+    }
+    let di = k.add_u32(&dst_row, &col);
+    let da = k.address(cache, &di, e.bytes());
+    let dh = k.op2("add.u64", RegClass::B64, &da, &pair);
+    store(k, e, da, &lo);
+    store(k, e, dh, &hi);
 }

@@ -141,7 +141,7 @@ fn vector_width(cfg: &RotateConfig) -> u32 {
 }
 
 /// `w` values of `elem` at `addr` as f32: one scalar load, or 16-byte loads.
-fn load(k: &mut Kernel, elem: Elem, addr: Reg, w: u32) -> Vec<Reg> {
+pub(crate) fn load(k: &mut Kernel, elem: Elem, addr: Reg, w: u32) -> Vec<Reg> {
     if w == 1 {
         return vec![k.ld_global(elem, addr)];
     }
@@ -155,7 +155,7 @@ fn load(k: &mut Kernel, elem: Elem, addr: Reg, w: u32) -> Vec<Reg> {
 }
 
 /// Stores f32 `values` at `addr` as `elem`: one scalar store, or one 16-byte store.
-fn store(k: &mut Kernel, elem: Elem, addr: Reg, values: &[Reg]) {
+pub(crate) fn store(k: &mut Kernel, elem: Elem, addr: Reg, values: &[Reg]) {
     if values.len() == 1 {
         k.st_global(elem, addr, values[0]);
     } else {

@@ -2005,9 +2005,10 @@ fn kv_cache_writes_match_the_interpreter() {
 }
 
 /// A prompt chunk's entries in one launch (`chunk_entries`: q rotated, keys rotated and values
-/// written into their caches) leave q's buffer and both caches exactly as the rotation and the
-/// two cache writes launched apart do: q, k and v read in place from one fused product's rows,
-/// a token whose mask is 0 and one past the cache written to neither cache (q still rotated).
+/// written into their caches), a warp a token and a few lanes a token, leave q's buffer and both
+/// caches exactly as the rotation and the two cache writes launched apart do: q, k and v read in
+/// place from one fused product's rows, a token whose mask is 0 and one past the cache written to
+/// neither cache (q still rotated).
 #[test]
 fn prompt_chunk_entries_are_the_three_kernels_apart() {
     use kiln_kernels::kv_cache::{chunk_entries, kv_write, ChunkEntriesConfig, KvWriteConfig};
@@ -2048,16 +2049,19 @@ fn prompt_chunk_entries_are_the_three_kernels_apart() {
                 strides,
                 elem,
             };
-            let cfg = ChunkEntriesConfig {
+            let fused_cfg = |aligned| ChunkEntriesConfig {
                 keys: keys.clone(),
                 value_strides: strides,
                 query: query.clone(),
+                aligned,
             };
             let [bq, bk, bv] = [&q, &k, &v].map(|x| gpu.upload(elem, x));
             let (bp, bm) = (gpu.upload_i64(&positions), gpu.upload_i64(&mask));
             let (tc, ts) = (gpu.upload(Elem::F32, &cos), gpu.upload(Elem::F32, &sin));
             let mut outs = Vec::new();
-            for fused in [false, true] {
+            // Apart, then fused a warp a token, then fused a few lanes a token (rows 16-byte
+            // aligned).
+            for fused in [None, Some(false), Some(true)] {
                 let [kc, vc] = [&caches[0], &caches[1]].map(|c| gpu.upload(elem, c));
                 let q_out = gpu.poisoned(elem, b * heads * s * d);
                 let common = || {
@@ -2068,7 +2072,7 @@ fn prompt_chunk_entries_are_the_three_kernels_apart() {
                         ("sin", Arg::Buf(&ts)),
                     ]
                 };
-                if fused {
+                if let Some(aligned) = fused {
                     let mut args = BTreeMap::from([
                         ("k_cache", Arg::Buf(&kc)),
                         ("v_cache", Arg::Buf(&vc)),
@@ -2078,15 +2082,16 @@ fn prompt_chunk_entries_are_the_three_kernels_apart() {
                         ("q_out", Arg::Buf(&q_out)),
                     ]);
                     args.extend(common());
-                    gpu.launch(&chunk_entries(&cfg), &args);
+                    gpu.launch(&chunk_entries(&fused_cfg(aligned)), &args);
                 } else {
                     let mut args =
                         BTreeMap::from([("x", Arg::Buf(&bq)), ("out", Arg::Buf(&q_out))]);
                     args.extend(common());
                     gpu.launch(&rotate(&query), &args);
-                    for (c, (cache, new)) in
-                        [(keys.clone(), (&kc, &bk)), (cfg.values(), (&vc, &bv))]
-                    {
+                    for (c, (cache, new)) in [
+                        (keys.clone(), (&kc, &bk)),
+                        (fused_cfg(false).values(), (&vc, &bv)),
+                    ] {
                         let mut args =
                             BTreeMap::from([("cache", Arg::Buf(cache)), ("new", Arg::Buf(new))]);
                         args.extend(common());
@@ -2095,15 +2100,17 @@ fn prompt_chunk_entries_are_the_three_kernels_apart() {
                 }
                 outs.push([&q_out, &kc, &vc].map(|x| gpu.download(elem, x)));
             }
-            for (what, (apart, fused)) in ["q", "k cache", "v cache"]
-                .iter()
-                .zip(outs[0].iter().zip(&outs[1]))
-            {
-                let differ = bits_differ(apart, fused);
-                assert_eq!(
-                    differ, 0,
-                    "{elem:?} b{b} h{heads}/{kvh} d{d}: {what} differs"
-                );
+            for (form, fused) in ["a warp a token", "lanes a token"].iter().zip(&outs[1..]) {
+                for (what, (apart, fused)) in ["q", "k cache", "v cache"]
+                    .iter()
+                    .zip(outs[0].iter().zip(fused))
+                {
+                    let differ = bits_differ(apart, fused);
+                    assert_eq!(
+                        differ, 0,
+                        "{elem:?} b{b} h{heads}/{kvh} d{d} ({form}): {what} differs"
+                    );
+                }
             }
             let moved = bits_differ(&outs[1][1], &caches[0]);
             assert!(moved > 0, "the keys were written");
