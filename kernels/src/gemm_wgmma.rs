@@ -181,10 +181,18 @@ const GROUP_M: u32 = 8;
 /// tiles per block).
 const GRID: u32 = 132;
 const A_BYTES: u32 = BM * BK * 2;
-/// Registers per thread after reallocation: the producer's and the consumers' (up to 128
-/// accumulators each); 128 x 40 + 256 x 232 fits the 64K register file.
-const PRODUCER_REGS: u32 = 40;
-const CONSUMER_REGS: u32 = 232;
+/// Registers per thread the block holds at launch (`.maxntid`: 65536 / `THREADS`, in eights).
+const LAUNCH_REGS: u32 = 65536 / THREADS / 8 * 8;
+
+/// Registers per thread after reallocation, the producer's and the consumers' (up to 128
+/// accumulators each), which together fill the block's `LAUNCH_REGS` x `THREADS`: a staged
+/// tile's producer keeps 56 (ptxas spilled GPT-2's staged 256-wide bias + GELU(tanh) product at
+/// 40 and 48, and its staged epilogue leaves the consumers room at 224), the others 40 (a
+/// ping-pong tile's consumers spill at 224).
+fn registers(tile: Tiling) -> (u32, u32) {
+    let producer = if tile.staged { 56 } else { 40 };
+    (producer, (LAUNCH_REGS * THREADS - 128 * producer) / 256)
+}
 
 /// Whether `cfg` can use the Hopper kernel: f16/bf16, `[N, K]` weights, rows of 16-byte
 /// multiples for TMA (K % 8 == 0), an even N with SwiGLU.
@@ -669,7 +677,7 @@ struct StageRefs {
 /// Warpgroup 0: gives up registers; thread 0 streams the K steps of the block's tiles into the
 /// stages (`step` counts them across tiles), then the warpgroup leaves.
 fn producer(k: &mut Kernel, cfg: &GemmConfig, pipe: &Pipeline, tid: &Reg, [x, w]: [Reg; 2]) {
-    setmaxnreg(k, false, PRODUCER_REGS);
+    setmaxnreg(k, false, registers(pipe.tile.tiling).0);
     let exit = k.label("producer_done");
     let first = k.setp("eq.u32", tid, &0u32);
     k.bra(Some((first, false)), &exit);
@@ -721,7 +729,7 @@ fn consumer(
     tid: &Reg,
     warpgroup: &Reg,
 ) {
-    setmaxnreg(k, true, CONSUMER_REGS);
+    setmaxnreg(k, true, registers(pipe.tile.tiling).1);
     let tile = pipe.tile;
     let acc: Vec<Reg> = (0..tile.accumulators())
         .map(|_| k.reg(RegClass::F32))
@@ -1471,6 +1479,17 @@ fn store_elements(k: &mut Kernel, cfg: &GemmConfig, epilogue: &EpiloguePtrs, fra
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_tilings_producer_and_consumers_share_the_registers_held_at_launch() {
+        for (tiling, _) in TILINGS {
+            let (producer, consumers) = registers(tiling);
+            // `setmaxnreg.inc` waits forever for registers the block does not hold.
+            assert_eq!(128 * producer + 256 * consumers, LAUNCH_REGS * THREADS);
+            assert!(producer >= 24 && producer % 8 == 0 && consumers % 8 == 0);
+        }
+        assert_eq!(LAUNCH_REGS, 168);
+    }
 
     fn product(m: u32, n: u32, k: u32, swiglu: bool) -> GemmConfig {
         GemmConfig {

@@ -148,12 +148,7 @@ fn spills_by_function(report: &str) -> (Vec<(String, u64)>, Vec<String>) {
 
 /// Kernels of the real shapes' artifacts known to spill, with why they are let through; the test
 /// fails if one of them stops spilling, so that the list stays true.
-const KNOWN_SPILLS: &[&str] = &[
-    // GPT-2's MLP up product, staged 256-wide with bias and GELU(tanh), bf16, `[N, K]` weights:
-    // 12 bytes since before 2026-12-04 (the same product with `[K, N]` weights, or in f16,
-    // does not spill).
-    "gemm_bf16_8192x3072x768_bt_bias_gelutanh_wgmma",
-];
+const KNOWN_SPILLS: &[&str] = &[];
 
 #[test]
 fn every_kernel_of_the_real_shapes_assembles_without_spills() {
