@@ -51,10 +51,11 @@ pub fn supports(cfg: &AttentionConfig) -> bool {
         && cfg.strides.iter().all(|s| s.iter().all(|v| v % 8 == 0))
 }
 
-/// m16 tiles of query rows per warp: two for head dimensions up to 64, where the accumulators
-/// leave room for them, so that each K/V fragment read from shared memory feeds two MMAs.
-fn m_tiles(head_dim: u32) -> u32 {
-    if head_dim <= 64 {
+/// m16 tiles of query rows per warp: two for head dimensions up to 64 without dropout, where
+/// the accumulators leave room for them, so that each K/V fragment read from shared memory
+/// feeds two MMAs (with dropout's Philox state beside them, ptxas spilled at 255 registers).
+fn m_tiles(cfg: &AttentionConfig) -> u32 {
+    if cfg.head_dim <= 64 && cfg.dropout.is_none() {
         2
     } else {
         1
@@ -222,7 +223,7 @@ struct Attn<'a> {
 impl<'a> Attn<'a> {
     fn new(cfg: &'a AttentionConfig, name: &str) -> Attn<'a> {
         let mut k = Kernel::new(name);
-        let m_tiles = m_tiles(cfg.head_dim);
+        let m_tiles = m_tiles(cfg);
         let bq = 16 * WARPS * m_tiles;
         let q = k.param_ptr("q");
         let kp = k.param_ptr("k");

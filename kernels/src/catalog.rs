@@ -138,6 +138,16 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
                 128,
             ),
             (128, KeyRule::All, true, false, None, 17, 17),
+            // Dropout at head dim 64 (two m16 tiles a warp on `mma.sync`).
+            (
+                64,
+                KeyRule::All,
+                false,
+                false,
+                Some(Dropout::new(0.1, 2)),
+                256,
+                256,
+            ),
             // Dropout on the Hopper kernel: causal, padding, ragged rows.
             (
                 128,
