@@ -855,12 +855,19 @@ impl Tiles<'_> {
     /// The item's tile `j`'s K or V stage: its shared address, full and empty barriers, and the
     /// parity of its round.
     fn stage(&self, k: &mut Kernel, j: &Reg, kv: Kv) -> (Reg, Reg, Reg, Reg) {
-        let tile = k.add_u32(&self.first, j);
-        let (st, parity) = stage_of(k, &tile);
-        let (full, empty) = kv_barriers(k, &self.bars, &st, kv);
+        let (st, parity, full, empty) = self.barriers(k, j, kv);
         let at = k.mad_u32(&st, &self.layout.stage, &self.base);
         let at = k.add_u32(&at, &(self.layout.kv + kv as u32 * self.layout.kv_tile));
         (at, full, empty, parity)
+    }
+
+    /// The item's tile `j`'s K or V stage index, the parity of its round, and its full and
+    /// empty barriers.
+    fn barriers(&self, k: &mut Kernel, j: &Reg, kv: Kv) -> (Reg, Reg, Reg, Reg) {
+        let tile = k.add_u32(&self.first, j);
+        let (st, parity) = stage_of(k, &tile);
+        let (full, empty) = kv_barriers(k, &self.bars, &st, kv);
+        (st, parity, full, empty)
     }
 
     /// Waits for tile `j`'s K stage and issues `S = Q K^T` into `s`.
@@ -899,7 +906,7 @@ impl Tiles<'_> {
 
     /// Releases tile `j`'s K or V stage (lane 0 of each warp arrives).
     fn release(&self, k: &mut Kernel, j: &Reg, kv: Kv, lane0: Reg) {
-        let (_, _, empty, _) = self.stage(k, j, kv);
+        let (_, _, _, empty) = self.barriers(k, j, kv);
         mbarrier_arrive(k, &empty, Some(lane0));
     }
 }
