@@ -19,3 +19,4 @@ pub mod tensor_io;
 pub mod tokenize;
 pub mod weights;
 pub mod widen;
+pub mod writer;

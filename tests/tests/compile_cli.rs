@@ -41,7 +41,7 @@ fn compile_writes_plan_buckets_and_report() {
     // (assembled to kernels.sm_90.cubin when a ptxas is found).
     let ptx = std::fs::read_to_string(out.join("kernels.ptx")).unwrap();
     assert!(ptx.starts_with(".version") && ptx.matches(".visible .entry").count() > 10);
-    if kiln_compiler::cli::find_ptxas().is_some() {
+    if kiln_compiler::writer::find_ptxas().is_some() {
         assert!(out.join("kernels.sm_90.cubin").is_file());
     }
     let plan = std::fs::read_to_string(out.join("manifest.ron")).unwrap();

@@ -437,7 +437,7 @@ fn pooling_runs_as_a_host_tail_after_the_gpu_plan() {
 #[test]
 fn a_cubin_for_another_sm_is_refused() {
     use kiln_runtime::cuda::choose_image;
-    let Some(ptxas) = kiln_compiler::cli::find_ptxas() else {
+    let Some(ptxas) = kiln_compiler::writer::find_ptxas() else {
         println!("SKIPPED: no ptxas (set KILN_PTXAS or put ptxas on PATH) to assemble cubins");
         return;
     };
