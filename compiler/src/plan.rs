@@ -500,6 +500,9 @@ fn value_name(id: NodeId) -> String {
     format!("kiln.value.{}", id.0)
 }
 
+/// A bucket's execution plan: every value's home and the arena placed ([`Storage`]), the GPU
+/// launches (the token choice and sampler last), the CPU calls, and the input and output slots;
+/// with the nodes no CPU kernel covers (then the plan has no CPU part).
 fn plan_bucket(
     g: &Graph,
     launches: &crate::lower::GraphLaunches,
@@ -508,208 +511,325 @@ fn plan_bucket(
     tail: Option<HostTail>,
     cpu_kernels: &mut BTreeMap<String, CpuKernel>,
 ) -> Result<(ExecPlan, Vec<String>), PlanError> {
-    let weight_at: BTreeMap<&str, u64> = memory
-        .weights
-        .iter()
-        .map(|s| (s.name.as_str(), s.offset))
-        .collect();
-    let cache_at: BTreeMap<&str, u64> = memory
-        .cache
-        .iter()
-        .map(|s| (s.name.as_str(), s.offset))
-        .collect();
-    let end = g.len();
-    // Storage of every value: its root value and element offset (views and in-place writes
-    // resolved), and the arena buffers with their lifetimes.
-    let mut root: Vec<(NodeId, u64)> = Vec::with_capacity(end);
-    let mut homes: BTreeMap<NodeId, Home> = BTreeMap::new();
-    let mut buffers: Vec<crate::memory::Lifetime> = Vec::new();
-    let mut buffer_node: Vec<Option<NodeId>> = Vec::new();
-    for (id, node) in g.nodes() {
-        let r = match &node.op {
-            Op::Slice { axis, start, .. } => {
-                let (base, offset) = root[node.args[0].index()];
-                let src = static_shape(g.ty(node.args[0]), "a slice operand")?;
-                let inner: usize = src[axis + 1..].iter().product();
-                let start = start.as_const().unwrap_or(0) as u64;
-                (base, offset + start * inner as u64)
-            }
-            op if is_view(op) => root[node.args[0].index()],
-            Op::CacheWrite => root[node.args[0].index()],
-            _ => (id, 0),
-        };
-        root.push(r);
-        if r.0 != id {
-            continue;
-        }
-        let bytes = static_shape(&node.ty, "a value")?.iter().product::<usize>() as u64
-            * node.ty.dtype.size_bytes() as u64;
-        let home = match &node.op {
-            Op::Weight(name) => Home::Weight(*weight_at.get(name.as_str()).ok_or_else(|| {
-                PlanError::Layout(format!(
-                    "weight `{name}` has no place in the weights region"
-                ))
-            })?),
-            Op::Input(name) if is_cache(name) => Home::Cache(cache_at[name.as_str()]),
-            op => {
-                // Inputs are written before the first step; values when their node runs.
-                let first = if matches!(op, Op::Input(_)) {
-                    0
-                } else {
-                    id.index()
-                };
-                buffers.push(crate::memory::Lifetime {
-                    bytes,
-                    first,
-                    last: first,
-                });
-                buffer_node.push(Some(id));
-                Home::Buffer(buffers.len() - 1)
-            }
-        };
-        homes.insert(id, home);
-    }
-    // A value is alive until the last node that reads it or any view of it; outputs to the end.
-    let extend = |buffers: &mut Vec<crate::memory::Lifetime>, id: NodeId, at: usize| {
-        if let Some(Home::Buffer(b)) = homes.get(&root[id.index()].0) {
-            buffers[*b].last = buffers[*b].last.max(at);
-        }
-    };
-    for (id, node) in g.nodes() {
-        for a in &node.args {
-            extend(&mut buffers, *a, id.index());
-        }
-    }
-    // A launch may read values its node's operands do not name (a decode attention reads the
-    // new keys and values of the cache writes it does): those live until it runs too.
-    for (id, node) in &launches.nodes {
-        let launched = node.launches.iter().flat_map(|l| {
-            let fallback = l.fallback.iter().flat_map(|f| &f.args);
-            l.args.iter().chain(fallback)
-        });
-        for (_, operand) in launched {
-            if let Operand::Value(v) = operand {
-                extend(&mut buffers, *v, id.index());
-            }
-        }
-    }
-    for o in g.outputs() {
-        extend(&mut buffers, o.node, end);
-    }
-    for b in tail.iter().flat_map(|t| &t.boundary) {
-        extend(&mut buffers, *b, end);
-    }
-    for (id, node) in g.nodes() {
-        if matches!(node.op, Op::Input(_)) {
-            extend(&mut buffers, id, end);
-        }
-    }
-    // Scratch buffers live while their node runs.
-    let mut scratch_of: BTreeMap<NodeId, Vec<usize>> = BTreeMap::new();
-    for (id, node) in &launches.nodes {
-        for bytes in &node.scratch {
-            buffers.push(crate::memory::Lifetime {
-                bytes: *bytes,
-                first: id.index(),
-                last: id.index(),
-            });
-            buffer_node.push(None);
-            scratch_of.entry(*id).or_default().push(buffers.len() - 1);
-        }
-    }
-    // Outputs that are strided views (a CLS slice) get a contiguous buffer of their own, which
-    // the CPU plan copies them into at the end (the GPU gathers them in its host tail).
-    let mut copied_outputs: Vec<(usize, usize)> = Vec::new();
-    for (i, o) in g.outputs().iter().enumerate() {
-        if output_is_view(g, o.node) {
-            let ty = g.ty(o.node);
-            let bytes = static_shape(ty, &o.name)?.iter().product::<usize>() as u64
-                * ty.dtype.size_bytes() as u64;
-            buffers.push(crate::memory::Lifetime {
-                bytes,
-                first: end,
-                last: end,
-            });
-            buffer_node.push(None);
-            copied_outputs.push((i, buffers.len() - 1));
-        }
-    }
-    // A decode step's chosen tokens (i64, one per row) are written after every other step, from
-    // logits the GPU computed (not ones its host tail computes).
     let gpu_logits = !tail
         .as_ref()
         .is_some_and(|t| t.outputs.iter().any(|o| o == crate::compile::LOGITS));
+    // A decode step's chosen tokens come from logits the GPU computed (not its host tail's).
     let choice = launches.tokens.as_ref().filter(|_| gpu_logits);
-    let tokens_buffer = choice.map(|t| {
-        buffers.push(crate::memory::Lifetime {
-            bytes: u64::from(t.rows) * 8,
-            first: end,
-            last: end,
+    let storage = Storage::new(g, memory, launches, tail.as_ref(), choice)?;
+    let at = Addresses::new(g, memory, kernels, &storage);
+    let mut steps = Vec::new();
+    for (id, node) in &launches.nodes {
+        let name = format!("{}_{}", g.node(*id).op.name(), id.0);
+        for launch in &node.launches {
+            let mut s = at.step(*id, launch, name.clone())?;
+            if let Some(fallback) = &launch.fallback {
+                s.fallback = Some(Box::new(at.step(*id, fallback, name.clone())?));
+            }
+            steps.push(s);
+        }
+    }
+    let (mut tokens, mut sampler) = (None, None);
+    if let (Some(choice), Some(b), Some(pb)) = (choice, storage.tokens, storage.params) {
+        // Its operands are graph values and the token slot: no node's scratch.
+        let after = NodeId(g.len() as u32 - 1);
+        steps.push(at.step(after, &choice.launch, "greedy_tokens".into())?);
+        tokens = Some(TensorSlot {
+            name: "tokens".into(),
+            offset: at.offsets[b],
+            dtype: DType::I64,
+            shape: vec![choice.rows as usize],
         });
-        buffer_node.push(None);
-        buffers.len() - 1
-    });
-    // The sampler's parameters are written before the replay and read after it: alive
-    // throughout, like the inputs.
-    let params_buffer = choice.map(|t| {
-        buffers.push(crate::memory::Lifetime {
-            bytes: u64::from(t.rows) * 16,
-            first: 0,
-            last: end,
+        sampler = Some(kiln_ir::artifact::Sampler {
+            step: at.step(after, &choice.sampler, "sampled_tokens".into())?,
+            params: TensorSlot {
+                name: "sampling".into(),
+                offset: at.offsets[pb],
+                dtype: DType::I32,
+                shape: vec![choice.rows as usize, 4],
+            },
         });
-        buffer_node.push(None);
-        buffers.len() - 1
-    });
-    let (offsets, arena_bytes) = crate::memory::place(&buffers);
+    }
+    let (steps_cpu, no_cpu) = at.cpu_steps(launches, cpu_kernels)?;
+    let mut inputs = Vec::new();
+    let mut cache_inputs = Vec::new();
+    for (id, name, _) in g.inputs() {
+        if is_cache(name) {
+            cache_inputs.push(name.to_string());
+        } else {
+            inputs.push(at.slot(name, id)?);
+        }
+    }
+    let (outputs, cache_outputs) = at.gpu_outputs(tail.as_ref())?;
+    let cpu = match no_cpu.is_empty().then_some(steps_cpu) {
+        Some(steps) => Some(CpuPlan {
+            inputs: inputs.clone(),
+            steps,
+            outputs: at.cpu_outputs()?,
+        }),
+        None => None,
+    };
+    let plan = ExecPlan {
+        arena_bytes: at.arena_bytes,
+        inputs,
+        cache_inputs,
+        outputs,
+        cache_outputs,
+        steps,
+        tokens,
+        advances: choice.is_some_and(|c| c.advances) && storage.tokens.is_some(),
+        sampler,
+        host_tail: tail.map(|t| t.graph),
+        cpu,
+    };
+    Ok((plan, no_cpu))
+}
 
-    let address = |id: NodeId| -> Result<Arg, PlanError> {
-        let (base, elems) = root[id.index()];
-        let offset = elems * g.ty(base).dtype.size_bytes() as u64;
-        Ok(match homes[&base] {
+/// Where a bucket's values live: each value's storage root and element offset (views and
+/// in-place writes resolved), each root's home, and the arena buffers with their lifetimes (in
+/// graph order, then scratch, view outputs' copies, the chosen tokens and the sampler's
+/// parameters).
+struct Storage {
+    root: Vec<(NodeId, u64)>,
+    homes: BTreeMap<NodeId, Home>,
+    buffers: Vec<crate::memory::Lifetime>,
+    /// Each launched node's scratch buffers.
+    scratch: BTreeMap<NodeId, Vec<usize>>,
+    /// Outputs that are strided views (a CLS slice) and the contiguous buffer the CPU plan
+    /// copies each into at the end (the GPU gathers them in its host tail).
+    copied_outputs: Vec<(usize, usize)>,
+    /// A decode step's chosen tokens (i64, one per row), written after every other step.
+    tokens: Option<usize>,
+    /// The sampler's parameters, written before the replay and read after it.
+    params: Option<usize>,
+}
+
+impl Storage {
+    fn new(
+        g: &Graph,
+        memory: &MemoryPlan,
+        launches: &crate::lower::GraphLaunches,
+        tail: Option<&HostTail>,
+        choice: Option<&crate::lower::TokenChoice>,
+    ) -> Result<Storage, PlanError> {
+        let mut storage = Storage::homes(g, memory)?;
+        storage.extend_lifetimes(g, launches, tail);
+        let end = g.len();
+        for (id, node) in &launches.nodes {
+            for bytes in &node.scratch {
+                let b = storage.push(*bytes, id.index(), id.index());
+                storage.scratch.entry(*id).or_default().push(b);
+            }
+        }
+        for (i, o) in g.outputs().iter().enumerate() {
+            if output_is_view(g, o.node) {
+                let b = storage.push(value_bytes(g, o.node, &o.name)?, end, end);
+                storage.copied_outputs.push((i, b));
+            }
+        }
+        storage.tokens = choice.map(|t| storage.push(u64::from(t.rows) * 8, end, end));
+        // Alive throughout, like the inputs.
+        storage.params = choice.map(|t| storage.push(u64::from(t.rows) * 16, 0, end));
+        Ok(storage)
+    }
+
+    /// Every value's root and home: weights and cache slots where the memory plan put them,
+    /// other roots an arena buffer from their node (inputs from the first step) on.
+    fn homes(g: &Graph, memory: &MemoryPlan) -> Result<Storage, PlanError> {
+        let offsets = |slots: &[kiln_ir::artifact::TensorSlot]| -> BTreeMap<String, u64> {
+            slots.iter().map(|s| (s.name.clone(), s.offset)).collect()
+        };
+        let (weight_at, cache_at) = (offsets(&memory.weights), offsets(&memory.cache));
+        let mut storage = Storage {
+            root: Vec::with_capacity(g.len()),
+            homes: BTreeMap::new(),
+            buffers: Vec::new(),
+            scratch: BTreeMap::new(),
+            copied_outputs: Vec::new(),
+            tokens: None,
+            params: None,
+        };
+        for (id, node) in g.nodes() {
+            let r = match &node.op {
+                Op::Slice { axis, start, .. } => {
+                    let (base, offset) = storage.root[node.args[0].index()];
+                    let src = static_shape(g.ty(node.args[0]), "a slice operand")?;
+                    let inner: usize = src[axis + 1..].iter().product();
+                    let start = start.as_const().unwrap_or(0) as u64;
+                    (base, offset + start * inner as u64)
+                }
+                op if is_view(op) => storage.root[node.args[0].index()],
+                Op::CacheWrite => storage.root[node.args[0].index()],
+                _ => (id, 0),
+            };
+            storage.root.push(r);
+            if r.0 != id {
+                continue;
+            }
+            let home = match &node.op {
+                Op::Weight(name) => Home::Weight(*weight_at.get(name).ok_or_else(|| {
+                    PlanError::Layout(format!(
+                        "weight `{name}` has no place in the weights region"
+                    ))
+                })?),
+                Op::Input(name) if is_cache(name) => Home::Cache(cache_at[name]),
+                op => {
+                    // Inputs are written before the first step; values when their node runs.
+                    let first = if matches!(op, Op::Input(_)) {
+                        0
+                    } else {
+                        id.index()
+                    };
+                    let bytes = value_bytes(g, id, "a value")?;
+                    Home::Buffer(storage.push(bytes, first, first))
+                }
+            };
+            storage.homes.insert(id, home);
+        }
+        Ok(storage)
+    }
+
+    /// A value is alive until the last node that reads it or any view of it, or a launch reads
+    /// it without its node naming it (a decode attention reads the new keys and values of the
+    /// cache writes it does); outputs, the host tail's values and inputs to the end.
+    fn extend_lifetimes(
+        &mut self,
+        g: &Graph,
+        launches: &crate::lower::GraphLaunches,
+        tail: Option<&HostTail>,
+    ) {
+        let end = g.len();
+        for (id, node) in g.nodes() {
+            for a in &node.args {
+                self.extend(*a, id.index());
+            }
+        }
+        for (id, node) in &launches.nodes {
+            let launched = node.launches.iter().flat_map(|l| {
+                let fallback = l.fallback.iter().flat_map(|f| &f.args);
+                l.args.iter().chain(fallback)
+            });
+            for (_, operand) in launched {
+                if let Operand::Value(v) = operand {
+                    self.extend(*v, id.index());
+                }
+            }
+        }
+        for o in g.outputs() {
+            self.extend(o.node, end);
+        }
+        for b in tail.iter().flat_map(|t| &t.boundary) {
+            self.extend(*b, end);
+        }
+        for (id, node) in g.nodes() {
+            if matches!(node.op, Op::Input(_)) {
+                self.extend(id, end);
+            }
+        }
+    }
+
+    /// Keeps `id`'s buffer (if its root has one) alive until step `at`.
+    fn extend(&mut self, id: NodeId, at: usize) {
+        if let Some(Home::Buffer(b)) = self.homes.get(&self.root[id.index()].0) {
+            self.buffers[*b].last = self.buffers[*b].last.max(at);
+        }
+    }
+
+    /// A new arena buffer of `bytes` alive from step `first` to `last`: its index.
+    fn push(&mut self, bytes: u64, first: usize, last: usize) -> usize {
+        self.buffers
+            .push(crate::memory::Lifetime { bytes, first, last });
+        self.buffers.len() - 1
+    }
+}
+
+/// The bytes of value `id` (`what` names it in an error).
+fn value_bytes(g: &Graph, id: NodeId, what: &str) -> Result<u64, PlanError> {
+    let ty = g.ty(id);
+    Ok(static_shape(ty, what)?.iter().product::<usize>() as u64 * ty.dtype.size_bytes() as u64)
+}
+
+/// A bucket's [`Storage`] with the arena placed: the arguments of its launches and CPU calls
+/// and its slots.
+struct Addresses<'a> {
+    g: &'a Graph,
+    memory: &'a MemoryPlan,
+    kernels: &'a Lowered,
+    storage: &'a Storage,
+    offsets: Vec<u64>,
+    arena_bytes: u64,
+}
+
+impl<'a> Addresses<'a> {
+    fn new(
+        g: &'a Graph,
+        memory: &'a MemoryPlan,
+        kernels: &'a Lowered,
+        storage: &'a Storage,
+    ) -> Addresses<'a> {
+        let (offsets, arena_bytes) = crate::memory::place(&storage.buffers);
+        Addresses {
+            g,
+            memory,
+            kernels,
+            storage,
+            offsets,
+            arena_bytes,
+        }
+    }
+
+    /// Where value `id` is.
+    fn address(&self, id: NodeId) -> Arg {
+        let (base, elems) = self.storage.root[id.index()];
+        let offset = elems * self.g.ty(base).dtype.size_bytes() as u64;
+        match self.storage.homes[&base] {
             Home::Weight(at) => Arg::Ptr(Region::Weights, at + offset),
             Home::Cache(at) => Arg::Ptr(Region::Cache, at + offset),
-            Home::Buffer(b) => Arg::Ptr(Region::Arena, offsets[b] + offset),
-        })
-    };
-    let operand = |id: NodeId, op: &Operand| -> Result<Arg, PlanError> {
+            Home::Buffer(b) => Arg::Ptr(Region::Arena, self.offsets[b] + offset),
+        }
+    }
+
+    /// Operand `op` of node `id`'s launch or call.
+    fn operand(&self, id: NodeId, op: &Operand) -> Result<Arg, PlanError> {
+        let arena = |b: usize| Arg::Ptr(Region::Arena, self.offsets[b]);
         Ok(match op {
-            Operand::Value(v) => address(*v)?,
-            Operand::Scratch(i) => Arg::Ptr(Region::Arena, offsets[scratch_of[&id][*i]]),
+            Operand::Value(v) => self.address(*v),
+            Operand::Scratch(i) => arena(self.storage.scratch[&id][*i]),
             Operand::Rope { table, sin } => {
                 let name = table_name(table, *sin);
-                Arg::Ptr(Region::Weights, weight_at[name.as_str()])
+                let slot = self.memory.weights.iter().find(|s| s.name == name);
+                let slot = slot.ok_or_else(|| {
+                    PlanError::Layout(format!("RoPE table `{name}` has no place in the weights"))
+                })?;
+                Arg::Ptr(Region::Weights, slot.offset)
             }
             Operand::U32(v) => Arg::U32(*v),
             Operand::Arena(offset) => Arg::Ptr(Region::Arena, *offset),
             Operand::Counters(_) => Arg::Ptr(Region::Counters, 0),
             Operand::BlockTable => {
-                let paging = memory.paging.as_ref().ok_or_else(|| {
+                let paging = self.memory.paging.as_ref().ok_or_else(|| {
                     PlanError::Layout("a launch reads the block table of a dense cache".into())
                 })?;
                 Arg::Ptr(Region::Cache, paging.table)
             }
-            Operand::Tokens => {
-                let b = tokens_buffer.ok_or_else(|| {
-                    PlanError::Layout("a launch writes tokens the bucket does not choose".into())
-                })?;
-                Arg::Ptr(Region::Arena, offsets[b])
-            }
-            Operand::SamplingParams => {
-                let b = params_buffer.ok_or_else(|| {
-                    PlanError::Layout("a launch samples in a bucket that chooses no tokens".into())
-                })?;
-                Arg::Ptr(Region::Arena, offsets[b])
-            }
+            Operand::Tokens => arena(self.storage.tokens.ok_or_else(|| {
+                PlanError::Layout("a launch writes tokens the bucket does not choose".into())
+            })?),
+            Operand::SamplingParams => arena(self.storage.params.ok_or_else(|| {
+                PlanError::Layout("a launch samples in a bucket that chooses no tokens".into())
+            })?),
         })
-    };
-    let step = |id: NodeId, launch: &KernelLaunch, node: String| -> Result<Step, PlanError> {
-        let signature = &kernels.kernels[&launch.kernel].signature;
+    }
+
+    /// Node `id`'s `launch` as a plan step (tensor-map parameters where the kernel takes them).
+    fn step(&self, id: NodeId, launch: &KernelLaunch, node: String) -> Result<Step, PlanError> {
+        let signature = &self.kernels.kernels[&launch.kernel].signature;
         let args = launch
             .args
             .iter()
             .zip(signature)
             .map(|((_, op), (_, ty))| {
-                Ok(match (operand(id, op)?, ty) {
+                Ok(match (self.operand(id, op)?, ty) {
                     (Arg::Ptr(region, at), ParamType::TensorMap(_)) => Arg::TensorMap(region, at),
                     (arg, _) => arg,
                 })
@@ -723,172 +843,138 @@ fn plan_bucket(
             node,
             fallback: None,
         })
-    };
-    let mut steps = Vec::new();
-    for (id, node) in &launches.nodes {
-        let name = format!("{}_{}", g.node(*id).op.name(), id.0);
-        for launch in &node.launches {
-            let mut s = step(*id, launch, name.clone())?;
-            if let Some(fallback) = &launch.fallback {
-                s.fallback = Some(Box::new(step(*id, fallback, name.clone())?));
+    }
+
+    /// The CPU plan's calls: every kernel node's calls and every primitive's strided calls, in
+    /// graph order, then the copies of view outputs; and the nodes without CPU calls.
+    fn cpu_steps(
+        &self,
+        launches: &crate::lower::GraphLaunches,
+        cpu_kernels: &mut BTreeMap<String, CpuKernel>,
+    ) -> Result<(Vec<CpuStep>, Vec<String>), PlanError> {
+        let g = self.g;
+        let mut cpu_calls: Vec<(NodeId, Option<&Vec<CpuLaunch>>)> = launches
+            .nodes
+            .iter()
+            .map(|(id, n)| (*id, n.cpu.as_ref()))
+            .chain(
+                launches
+                    .unsupported_nodes
+                    .iter()
+                    .zip(&launches.unsupported_cpu)
+                    .map(|(id, c)| (*id, c.as_ref())),
+            )
+            .collect();
+        cpu_calls.sort_by_key(|(id, _)| *id);
+        let copies: Vec<_> = self
+            .storage
+            .copied_outputs
+            .iter()
+            .map(|&(i, buffer)| {
+                let node = g.outputs()[i].node;
+                let out = Operand::Arena(self.offsets[buffer]);
+                (node, crate::lower::materialize(g, node, out))
+            })
+            .collect();
+        let calls = cpu_calls
+            .iter()
+            .map(|(id, c)| (*id, c.map(|c| c.iter().collect::<Vec<_>>())))
+            .chain(
+                copies
+                    .iter()
+                    .map(|(id, c)| (*id, c.as_ref().map(|c| vec![c]))),
+            );
+        let mut steps = Vec::new();
+        let mut no_cpu = Vec::new();
+        for (id, calls) in calls {
+            let node = format!("{}_{}", g.node(id).op.name(), id.0);
+            let Some(calls) = calls else {
+                no_cpu.push(node);
+                continue;
+            };
+            for call in calls {
+                let args = call
+                    .args
+                    .iter()
+                    .map(|op| self.operand(id, op))
+                    .collect::<Result<Vec<_>, _>>()?;
+                steps.push(CpuStep {
+                    call: cpu_call(call, cpu_kernels),
+                    args,
+                    node: node.clone(),
+                });
             }
-            steps.push(s);
         }
+        Ok((steps, no_cpu))
     }
-    let (mut tokens, mut sampler) = (None, None);
-    if let (Some(choice), Some(b), Some(pb)) = (choice, tokens_buffer, params_buffer) {
-        // Its operands are graph values and the token slot: no node's scratch.
-        let after = NodeId(g.len() as u32 - 1);
-        steps.push(step(after, &choice.launch, "greedy_tokens".into())?);
-        tokens = Some(TensorSlot {
-            name: "tokens".into(),
-            offset: offsets[b],
-            dtype: DType::I64,
-            shape: vec![choice.rows as usize],
-        });
-        sampler = Some(kiln_ir::artifact::Sampler {
-            step: step(after, &choice.sampler, "sampled_tokens".into())?,
-            params: TensorSlot {
-                name: "sampling".into(),
-                offset: offsets[pb],
-                dtype: DType::I32,
-                shape: vec![choice.rows as usize, 4],
-            },
-        });
-    }
-    // The CPU plan: every kernel node's calls and every primitive's strided calls, in graph
-    // order, then the copies of view outputs.
-    let mut cpu_calls: Vec<(NodeId, Option<&Vec<CpuLaunch>>)> = launches
-        .nodes
-        .iter()
-        .map(|(id, n)| (*id, n.cpu.as_ref()))
-        .chain(
-            launches
-                .unsupported_nodes
-                .iter()
-                .zip(&launches.unsupported_cpu)
-                .map(|(id, c)| (*id, c.as_ref())),
-        )
-        .collect();
-    cpu_calls.sort_by_key(|(id, _)| *id);
-    let mut copies = Vec::new();
-    for &(i, buffer) in &copied_outputs {
-        let out = Operand::Arena(offsets[buffer]);
-        copies.push((
-            g.outputs()[i].node,
-            crate::lower::materialize(g, g.outputs()[i].node, out),
-        ));
-    }
-    let mut steps_cpu = Vec::new();
-    let mut no_cpu = Vec::new();
-    let calls = cpu_calls
-        .iter()
-        .map(|(id, c)| (*id, c.map(|c| c.iter().collect::<Vec<_>>())))
-        .chain(
-            copies
-                .iter()
-                .map(|(id, c)| (*id, c.as_ref().map(|c| vec![c]))),
-        );
-    for (id, calls) in calls {
-        let node = format!("{}_{}", g.node(id).op.name(), id.0);
-        let Some(calls) = calls else {
-            no_cpu.push(node);
-            continue;
-        };
-        for call in calls {
-            let args = call
-                .args
-                .iter()
-                .map(|op| operand(id, op))
-                .collect::<Result<Vec<_>, _>>()?;
-            steps_cpu.push(CpuStep {
-                call: cpu_call(call, cpu_kernels),
-                args,
-                node: node.clone(),
-            });
-        }
-    }
-    let slot = |name: &str, id: NodeId| -> Result<TensorSlot, PlanError> {
-        let Arg::Ptr(Region::Arena, offset) = address(id)? else {
+
+    /// The slot of value `id` in the arena, named `name`.
+    fn slot(&self, name: &str, id: NodeId) -> Result<TensorSlot, PlanError> {
+        let Arg::Ptr(Region::Arena, offset) = self.address(id) else {
             return Err(PlanError::Layout(format!("`{name}` is not in the arena")));
         };
-        let ty = g.ty(id);
+        let ty = self.g.ty(id);
         Ok(TensorSlot {
             name: name.to_string(),
             offset,
             dtype: ty.dtype,
             shape: static_shape(ty, name)?,
         })
-    };
-    let mut inputs = Vec::new();
-    let mut cache_inputs = Vec::new();
-    for (id, name, _) in g.inputs() {
-        if is_cache(name) {
-            cache_inputs.push(name.to_string());
-        } else {
-            inputs.push(slot(name, id)?);
-        }
     }
-    let mut outputs = Vec::new();
-    let mut cache_outputs = Vec::new();
-    for b in tail.iter().flat_map(|t| &t.boundary) {
-        outputs.push(slot(&value_name(*b), *b)?);
-    }
-    for o in g.outputs() {
-        if tail.as_ref().is_some_and(|t| t.outputs.contains(&o.name)) {
-            continue;
+
+    /// The GPU plan's output slots (the values its host tail reads first, then the graph's
+    /// outputs but the tail's) and the cache slots it writes.
+    fn gpu_outputs(
+        &self,
+        tail: Option<&HostTail>,
+    ) -> Result<(Vec<TensorSlot>, Vec<String>), PlanError> {
+        let g = self.g;
+        let mut outputs = Vec::new();
+        let mut cache_outputs = Vec::new();
+        for b in tail.iter().flat_map(|t| &t.boundary) {
+            outputs.push(self.slot(&value_name(*b), *b)?);
         }
-        // An output read through a view must still be one contiguous block (reshapes only).
-        match g.node(stripped(g, o.node)).op {
-            Op::CacheWrite => cache_outputs.push(o.name.clone()),
-            ref op if is_view(op) => {
-                return Err(PlanError::Layout(format!(
-                    "output `{}` is a strided view ({})",
-                    o.name,
-                    op.name()
-                )))
+        for o in g.outputs() {
+            if tail.is_some_and(|t| t.outputs.contains(&o.name)) {
+                continue;
             }
-            _ => outputs.push(slot(&o.name, o.node)?),
-        }
-    }
-    let cpu = match no_cpu.is_empty().then_some(steps_cpu) {
-        Some(steps) => {
-            let mut outputs = Vec::new();
-            for (i, o) in g.outputs().iter().enumerate() {
-                if let Some(&(_, buffer)) = copied_outputs.iter().find(|(j, _)| *j == i) {
-                    let ty = g.ty(o.node);
-                    outputs.push(TensorSlot {
-                        name: o.name.clone(),
-                        offset: offsets[buffer],
-                        dtype: ty.dtype,
-                        shape: static_shape(ty, &o.name)?,
-                    });
-                } else if !matches!(g.node(stripped(g, o.node)).op, Op::CacheWrite) {
-                    outputs.push(slot(&o.name, o.node)?);
+            // An output read through a view must still be one contiguous block (reshapes only).
+            match g.node(stripped(g, o.node)).op {
+                Op::CacheWrite => cache_outputs.push(o.name.clone()),
+                ref op if is_view(op) => {
+                    return Err(PlanError::Layout(format!(
+                        "output `{}` is a strided view ({})",
+                        o.name,
+                        op.name()
+                    )))
                 }
+                _ => outputs.push(self.slot(&o.name, o.node)?),
             }
-            Some(CpuPlan {
-                inputs: inputs.clone(),
-                steps,
-                outputs,
-            })
         }
-        None => None,
-    };
-    let plan = ExecPlan {
-        arena_bytes,
-        inputs,
-        cache_inputs,
-        outputs,
-        cache_outputs,
-        steps,
-        tokens,
-        advances: choice.is_some_and(|c| c.advances) && tokens_buffer.is_some(),
-        sampler,
-        host_tail: tail.map(|t| t.graph),
-        cpu,
-    };
-    Ok((plan, no_cpu))
+        Ok((outputs, cache_outputs))
+    }
+
+    /// The CPU plan's output slots: every graph output but the cache writes, view outputs in
+    /// the buffers the CPU plan copies them into.
+    fn cpu_outputs(&self) -> Result<Vec<TensorSlot>, PlanError> {
+        let g = self.g;
+        let mut outputs = Vec::new();
+        for (i, o) in g.outputs().iter().enumerate() {
+            let copied = self.storage.copied_outputs.iter().find(|(j, _)| *j == i);
+            if let Some(&(_, buffer)) = copied {
+                let ty = g.ty(o.node);
+                outputs.push(TensorSlot {
+                    name: o.name.clone(),
+                    offset: self.offsets[buffer],
+                    dtype: ty.dtype,
+                    shape: static_shape(ty, &o.name)?,
+                });
+            } else if !matches!(g.node(stripped(g, o.node)).op, Op::CacheWrite) {
+                outputs.push(self.slot(&o.name, o.node)?);
+            }
+        }
+        Ok(outputs)
+    }
 }
 
 /// The CPU call of `launch`, registering the generated functions it needs in `kernels`.
