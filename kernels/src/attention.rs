@@ -16,7 +16,7 @@
 //! only) stores zeros, as the IR's attention defines it (`kiln_ir::kernel::visible`).
 
 use crate::paging::{KeyRows, Paging};
-use crate::ptx::{Elem, Kernel, Operand, Reg, RegClass, F32};
+use crate::ptx::{Elem, Kernel, Label, Operand, Reg, RegClass, F32};
 use crate::rope::RotateConfig;
 use crate::{GeneratedKernel, KernelPath, Launch};
 
@@ -318,229 +318,397 @@ pub fn attention_base(cfg: &AttentionConfig) -> GeneratedKernel {
     }
 }
 
-/// The SIMT kernel, for every configuration.
+/// The SIMT kernel, for every configuration: a warp per query row ([`WARPS`] rows a block),
+/// its lanes over the head dimension, keys [`KEY_UNROLL`] at a time (every load first, then
+/// each key's online-softmax update in order); with key ranges split, each writes unnormalised
+/// partial results for `attention_combine`.
 pub fn attention_simt(cfg: &AttentionConfig) -> GeneratedKernel {
     assert!(cfg.splits >= 1, "at least one key range");
     assert!(
         cfg.heads.is_multiple_of(cfg.kv_heads),
         "K/V heads must divide the heads"
     );
-    let name = cfg.name();
-    let mut k = Kernel::new(&name);
-    let q = k.param_ptr("q");
-    let kp = k.param_ptr("k");
-    let v = k.param_ptr("v");
-    let split = cfg.splits > 1;
-    let (out, partial_ml) = if split {
-        (k.param_ptr("partial_acc"), Some(k.param_ptr("partial_ml")))
-    } else {
-        (k.param_ptr("out"), None)
-    };
-    let mask = cfg.padding.then(|| k.param_ptr("mask"));
-    let needs_positions = cfg.rope || matches!(cfg.keys, KeyRule::Position { .. });
-    let positions = needs_positions.then(|| k.param_ptr("positions"));
-    let tables = cfg.rope.then(|| (k.param_ptr("cos"), k.param_ptr("sin")));
-    let seed = cfg.dropout.map(|_| k.param_ptr("seed"));
-    let paged = cfg.paging.map(|p| (k.param_ptr("table"), p));
-    let e = cfg.elem;
-    let d = cfg.head_dim;
-    let half = d / 2;
-    let per_lane = d.div_ceil(32);
+    let mut k = Kernel::new(&cfg.name());
+    let p = SimtParams::declare(&mut k, cfg);
+    let row = QueryRow::start(&mut k, cfg);
     let [qs, ks, vs, os] = cfg.strides;
-
-    let tid = k.special("tid.x");
-    let lane = k.op2("and.b32", RegClass::B32, &tid, &31u32);
-    let warp = k.op2("shr.u32", RegClass::B32, &tid, &5u32);
-    let bx = k.special("ctaid.x");
-    // With splits, block x enumerates (query block, key range) pairs; a decode step's one query
-    // row gives each warp a key range of its own instead.
-    let warp_ranges = split && cfg.q_len == 1;
-    let (i, split_index) = if warp_ranges {
-        let r = k.mad_u32(&bx, &WARPS, &warp);
-        (k.mov(RegClass::B32, &0u32), Some(r))
-    } else if split {
-        let q = k.op2("div.u32", RegClass::B32, &bx, &cfg.splits);
-        let r = k.op2("rem.u32", RegClass::B32, &bx, &cfg.splits);
-        (k.mad_u32(&q, &WARPS, &warp), Some(r))
-    } else {
-        (k.mad_u32(&bx, &WARPS, &warp), None)
-    };
-    let h = k.special("ctaid.y");
-    let b = k.special("ctaid.z");
-    let exit = k.label("exit");
-    let past = k.setp("ge.u32", &i, &cfg.q_len);
-    k.bra(Some((past, true)), &exit);
-    if let Some(r) = split_index.filter(|_| warp_ranges) {
-        let past = k.setp("ge.u32", &r, &cfg.splits);
-        k.bra(Some((past, true)), &exit);
-    }
-    let kvh = k.op2("div.u32", RegClass::B32, &h, &(cfg.heads / cfg.kv_heads));
-
-    // Row bases (elements) of this query's q/out row and of this head's K/V.
-    let row_base = |k: &mut Kernel, strides: [u32; 3], head: Reg, row: Reg| -> Reg {
-        let t0 = k.mul_u32(&b, &strides[0]);
-        let t1 = k.mad_u32(&head, &strides[1], &t0);
-        k.mad_u32(&row, &strides[2], &t1)
-    };
-    let q_row = row_base(&mut k, qs, h, i);
-    let o_row = row_base(&mut k, os, h, i);
-    let k_rows = KeyRows::new(&mut k, ks, [b, kvh], paged);
-    let v_rows = KeyRows::new(&mut k, vs, [b, kvh], paged);
-
-    // This lane's columns of the head dimension.
-    let cols: Vec<Reg> = (0..per_lane).map(|c| k.add_u32(&lane, &(c * 32))).collect();
-    let valid: Vec<Reg> = cols.iter().map(|c| k.setp("lt.u32", c, &d)).collect();
-
-    // Element `col` of a row, RoPE-rotated at `pos` when asked.
-    let load_rotated =
-        |k: &mut Kernel, base: Reg, row: Reg, col: Reg, ok: Reg, pos: Option<Reg>| -> Reg {
-            let value = k.mov(RegClass::F32, &F32(0.0));
-            let skip = k.label("skip_elem");
-            k.bra(Some((ok, false)), &skip);
-            let idx = k.add_u32(&row, &col);
-            let a = k.address(base, &idx, e.bytes());
-            let x = k.ld_global(e, a);
-            match (pos, tables) {
-                (Some(p), Some(tables)) => {
-                    let r = rotated_element(k, e, [base, row, col, p], x, half, tables);
-                    k.emit(format!("mov.f32 {value}, {r}"));
-                }
-                _ => k.emit(format!("mov.f32 {value}, {x}")),
-            }
-            k.place(&skip);
-            value
-        };
-
-    let pos_i = positions.map(|p| {
-        let idx = k.mad_u32(&b, &cfg.q_len, &i);
-        let a = k.address(p, &idx, 8);
+    let q_row = row.base(&mut k, qs, row.h, row.i);
+    let o_row = row.base(&mut k, os, row.h, row.i);
+    let k_rows = KeyRows::new(&mut k, ks, [row.b, row.kvh], p.paged);
+    let v_rows = KeyRows::new(&mut k, vs, [row.b, row.kvh], p.paged);
+    let lanes = LaneCols::new(&mut k, cfg.head_dim, row.lane);
+    let pos_i = p.positions.map(|positions| {
+        let idx = k.mad_u32(&row.b, &cfg.q_len, &row.i);
+        let a = k.address(positions, &idx, 8);
         let wide = k.ld_global_i64(a);
         k.op1("cvt.u32.u64", RegClass::B32, &wide)
     });
     k.comment("q, rotated and pre-scaled by scale * log2(e)");
     let q_scale = F32(cfg.scale * std::f32::consts::LOG2_E);
+    let q_pos = if cfg.rope { pos_i } else { None };
     let mut qv = Vec::new();
-    for (c, ok) in cols.iter().zip(&valid) {
-        let x = load_rotated(
-            &mut k,
-            q,
-            q_row,
-            *c,
-            *ok,
-            if cfg.rope { pos_i } else { None },
-        );
+    for (c, ok) in lanes.cols.iter().zip(&lanes.valid) {
+        let x = p.element(&mut k, cfg, [p.q, q_row, *c], *ok, q_pos);
         qv.push(k.mul_f32(&x, &q_scale));
     }
-
-    k.comment("the keys this query sees: [start, end)");
-    let (start, end) = match cfg.keys {
-        KeyRule::All => (
-            k.mov(RegClass::B32, &0u32),
-            k.mov(RegClass::B32, &cfg.kv_len),
-        ),
-        KeyRule::Causal { window } => {
-            let last = k.add_u32(&i, &(cfg.kv_len - cfg.q_len));
-            window_range(&mut k, last, window, cfg.kv_len)
-        }
-        KeyRule::Position { window } => {
-            let last = pos_i.expect("positions are loaded for the position rule");
-            window_range(&mut k, last, window, cfg.kv_len)
-        }
+    let keys = row.keys(&mut k, cfg, pos_i);
+    let state = Online::new(&mut k, cfg, &p, &row, lanes.cols.len());
+    let loop_ = KeyLoop {
+        cfg,
+        p: &p,
+        row: &row,
+        lanes: &lanes,
+        rows: [&k_rows, &v_rows],
     };
-
-    let (start, end) = if split {
-        // The query's own keys split evenly across the blocks (a range fixed by the capacity
-        // would leave all but the first few blocks idle at short contexts).
-        k.comment("this block's share of the query's keys");
-        share_of_keys(
-            &mut k,
-            (start, end),
-            Splits::Fixed(cfg.splits),
-            split_index.expect("split"),
-        )
+    loop_.emit(&mut k, &qv, keys, &state);
+    let grid_x = if let Some(ml) = p.partial_ml {
+        k.comment("partial results: unnormalised accumulators, running max (base 2) and sum");
+        let split = row.split.expect("split");
+        let row_id = k.mad_u32(&row.b, &cfg.heads, &row.h);
+        let q_row_id = k.mad_u32(&row_id, &cfg.q_len, &row.i);
+        let at = k.mad_u32(&q_row_id, &cfg.splits, &split);
+        let base = k.mul_u32(&at, &cfg.head_dim);
+        let values = lanes.cols.iter().zip(&lanes.valid).zip(&state.acc);
+        for ((c, ok), a) in values {
+            let skip = k.label("skip_partial");
+            k.bra(Some((*ok, false)), &skip);
+            let idx = k.add_u32(&base, c);
+            let pa = k.address(p.out, &idx, 4);
+            k.st_global(Elem::F32, pa, *a);
+            k.place(&skip);
+        }
+        store_max_and_sum(&mut k, ml, at, (state.m, state.l), row.lane);
+        if row.warp_ranges {
+            cfg.splits.div_ceil(WARPS)
+        } else {
+            cfg.q_len.div_ceil(WARPS) * cfg.splits
+        }
     } else {
-        (start, end)
+        k.comment("normalise once and store (a row that sees no key stores zeros)");
+        let inv = reciprocal_or_zero(&mut k, state.l);
+        let values = [&lanes.cols[..], &lanes.valid, &state.acc];
+        store_scaled_row(&mut k, (cfg.elem, p.out, &o_row), values, &inv);
+        cfg.q_len.div_ceil(WARPS)
     };
-    let m = k.mov(RegClass::F32, &F32(f32::NEG_INFINITY));
-    let l = k.mov(RegClass::F32, &F32(0.0));
-    let acc: Vec<Reg> = (0..per_lane)
-        .map(|_| k.mov(RegClass::F32, &F32(0.0)))
-        .collect();
-    let dropout_state = cfg.dropout.map(|dropout| {
-        let key = philox_key(&mut k, seed.expect("a seed operand"));
-        let plane = k.mad_u32(&b, &cfg.heads, &h);
-        (key, plane, dropout)
-    });
+    k.place(&row.exit);
+    let launch = Launch {
+        grid: [grid_x, cfg.heads, cfg.batch],
+        block: [32 * WARPS, 1, 1],
+        shared_bytes: 0,
+    };
+    GeneratedKernel::new(k, launch).on(KernelPath::Simt)
+}
 
-    k.comment("keys KEY_UNROLL at a time: every load first, then each key's update in order");
-    let j = k.mov(RegClass::B32, &start);
-    let top = k.label("keys");
-    let done = k.label("keys_done");
-    k.place(&top);
-    let finished = k.setp("ge.u32", &j, &end);
-    k.bra(Some((finished, true)), &done);
-    struct KeyLoads {
-        index: Reg,
-        used: Reg,
-        k_vals: Vec<Reg>,
-        v_vals: Vec<Reg>,
+/// The SIMT kernel's parameters: `q, k, v`, then `out` (or, with key ranges split,
+/// `partial_acc, partial_ml`), and as the configuration asks `mask, positions, cos, sin, seed,
+/// table`.
+struct SimtParams {
+    q: Reg,
+    k: Reg,
+    v: Reg,
+    out: Reg,
+    partial_ml: Option<Reg>,
+    mask: Option<Reg>,
+    positions: Option<Reg>,
+    tables: Option<(Reg, Reg)>,
+    seed: Option<Reg>,
+    paged: Option<(Reg, Paging)>,
+}
+
+impl SimtParams {
+    fn declare(k: &mut Kernel, cfg: &AttentionConfig) -> SimtParams {
+        let (q, kp, v) = (k.param_ptr("q"), k.param_ptr("k"), k.param_ptr("v"));
+        let (out, partial_ml) = if cfg.splits > 1 {
+            (k.param_ptr("partial_acc"), Some(k.param_ptr("partial_ml")))
+        } else {
+            (k.param_ptr("out"), None)
+        };
+        let mask = cfg.padding.then(|| k.param_ptr("mask"));
+        let needs_positions = cfg.rope || matches!(cfg.keys, KeyRule::Position { .. });
+        let positions = needs_positions.then(|| k.param_ptr("positions"));
+        let tables = cfg.rope.then(|| (k.param_ptr("cos"), k.param_ptr("sin")));
+        let seed = cfg.dropout.map(|_| k.param_ptr("seed"));
+        let paged = cfg.paging.map(|p| (k.param_ptr("table"), p));
+        SimtParams {
+            q,
+            k: kp,
+            v,
+            out,
+            partial_ml,
+            mask,
+            positions,
+            tables,
+            seed,
+            paged,
+        }
     }
-    let loads: Vec<KeyLoads> = (0..KEY_UNROLL)
-        .map(|u| {
-            let ju = k.add_u32(&j, &u);
-            let used = k.setp("lt.u32", &ju, &end);
-            if let Some(mk) = mask {
-                let skip = k.label("skip_mask");
+
+    /// Element `col` of the row at element `row` of `base` (zero where `ok` fails), RoPE-rotated
+    /// at `pos` when given.
+    fn element(
+        &self,
+        k: &mut Kernel,
+        cfg: &AttentionConfig,
+        [base, row, col]: [Reg; 3],
+        ok: Reg,
+        pos: Option<Reg>,
+    ) -> Reg {
+        let e = cfg.elem;
+        let value = k.mov(RegClass::F32, &F32(0.0));
+        let skip = k.label("skip_elem");
+        k.bra(Some((ok, false)), &skip);
+        let idx = k.add_u32(&row, &col);
+        let a = k.address(base, &idx, e.bytes());
+        let x = k.ld_global(e, a);
+        match (pos, self.tables) {
+            (Some(p), Some(tables)) => {
+                let half = cfg.head_dim / 2;
+                let r = rotated_element(k, e, [base, row, col, p], x, half, tables);
+                k.emit(format!("mov.f32 {value}, {r}"));
+            }
+            _ => k.emit(format!("mov.f32 {value}, {x}")),
+        }
+        k.place(&skip);
+        value
+    }
+}
+
+/// A warp's query row: its lane, the row `i` of head `h` of sequence `b` (K/V head `kvh`), with
+/// key ranges split the warp's range `split` (a decode step's one row gives each warp a range of
+/// its own, `warp_ranges`; otherwise block x enumerates (query block, key range) pairs), and the
+/// label the kernel ends at, to which a warp past the rows or ranges has jumped already.
+struct QueryRow {
+    lane: Reg,
+    i: Reg,
+    split: Option<Reg>,
+    warp_ranges: bool,
+    h: Reg,
+    b: Reg,
+    kvh: Reg,
+    exit: Label,
+}
+
+impl QueryRow {
+    fn start(k: &mut Kernel, cfg: &AttentionConfig) -> QueryRow {
+        let tid = k.special("tid.x");
+        let lane = k.op2("and.b32", RegClass::B32, &tid, &31u32);
+        let warp = k.op2("shr.u32", RegClass::B32, &tid, &5u32);
+        let bx = k.special("ctaid.x");
+        let split = cfg.splits > 1;
+        let warp_ranges = split && cfg.q_len == 1;
+        let (i, split) = if warp_ranges {
+            let r = k.mad_u32(&bx, &WARPS, &warp);
+            (k.mov(RegClass::B32, &0u32), Some(r))
+        } else if split {
+            let q = k.op2("div.u32", RegClass::B32, &bx, &cfg.splits);
+            let r = k.op2("rem.u32", RegClass::B32, &bx, &cfg.splits);
+            (k.mad_u32(&q, &WARPS, &warp), Some(r))
+        } else {
+            (k.mad_u32(&bx, &WARPS, &warp), None)
+        };
+        let h = k.special("ctaid.y");
+        let b = k.special("ctaid.z");
+        let exit = k.label("exit");
+        let past = k.setp("ge.u32", &i, &cfg.q_len);
+        k.bra(Some((past, true)), &exit);
+        if let Some(r) = split.filter(|_| warp_ranges) {
+            let past = k.setp("ge.u32", &r, &cfg.splits);
+            k.bra(Some((past, true)), &exit);
+        }
+        let kvh = k.op2("div.u32", RegClass::B32, &h, &(cfg.heads / cfg.kv_heads));
+        QueryRow {
+            lane,
+            i,
+            split,
+            warp_ranges,
+            h,
+            b,
+            kvh,
+            exit,
+        }
+    }
+
+    /// The first element of `row` of `head` of this sequence in a tensor of `strides`.
+    fn base(&self, k: &mut Kernel, strides: [u32; 3], head: Reg, row: Reg) -> Reg {
+        let t0 = k.mul_u32(&self.b, &strides[0]);
+        let t1 = k.mad_u32(&head, &strides[1], &t0);
+        k.mad_u32(&row, &strides[2], &t1)
+    }
+
+    /// The keys this query sees, `[start, end)`: by the key rule (the position rule at `pos`),
+    /// and with key ranges split, this range's even share of them (a range fixed by the
+    /// capacity would leave all but the first few blocks idle at short contexts).
+    fn keys(&self, k: &mut Kernel, cfg: &AttentionConfig, pos: Option<Reg>) -> (Reg, Reg) {
+        k.comment("the keys this query sees: [start, end)");
+        let range = match cfg.keys {
+            KeyRule::All => (
+                k.mov(RegClass::B32, &0u32),
+                k.mov(RegClass::B32, &cfg.kv_len),
+            ),
+            KeyRule::Causal { window } => {
+                let last = k.add_u32(&self.i, &(cfg.kv_len - cfg.q_len));
+                window_range(k, last, window, cfg.kv_len)
+            }
+            KeyRule::Position { window } => {
+                let last = pos.expect("positions are loaded for the position rule");
+                window_range(k, last, window, cfg.kv_len)
+            }
+        };
+        match self.split {
+            Some(split) => {
+                k.comment("this block's share of the query's keys");
+                share_of_keys(k, range, Splits::Fixed(cfg.splits), split)
+            }
+            None => range,
+        }
+    }
+}
+
+/// A lane's columns of the head dimension (lane, lane + 32, ..) and whether each is one.
+struct LaneCols {
+    cols: Vec<Reg>,
+    valid: Vec<Reg>,
+}
+
+impl LaneCols {
+    fn new(k: &mut Kernel, d: u32, lane: Reg) -> LaneCols {
+        let cols: Vec<Reg> = (0..d.div_ceil(32))
+            .map(|c| k.add_u32(&lane, &(c * 32)))
+            .collect();
+        let valid = cols.iter().map(|c| k.setp("lt.u32", c, &d)).collect();
+        LaneCols { cols, valid }
+    }
+}
+
+/// A row's online softmax: running maximum (base 2) and sum, the lane's accumulators, and
+/// dropout's Philox key and plane.
+struct Online {
+    m: Reg,
+    l: Reg,
+    acc: Vec<Reg>,
+    dropout: Option<([Reg; 2], Reg, Dropout)>,
+}
+
+impl Online {
+    fn new(
+        k: &mut Kernel,
+        cfg: &AttentionConfig,
+        p: &SimtParams,
+        row: &QueryRow,
+        per_lane: usize,
+    ) -> Online {
+        let m = k.mov(RegClass::F32, &F32(f32::NEG_INFINITY));
+        let l = k.mov(RegClass::F32, &F32(0.0));
+        let acc = (0..per_lane)
+            .map(|_| k.mov(RegClass::F32, &F32(0.0)))
+            .collect();
+        let dropout = cfg.dropout.map(|dropout| {
+            let key = philox_key(k, p.seed.expect("a seed operand"));
+            let plane = k.mad_u32(&row.b, &cfg.heads, &row.h);
+            (key, plane, dropout)
+        });
+        Online { m, l, acc, dropout }
+    }
+}
+
+/// One key's loads: its index, whether the row uses it (in range, not padding), and the lane's
+/// elements of its K (rotated) and V rows.
+struct KeyLoads {
+    index: Reg,
+    used: Reg,
+    k_vals: Vec<Reg>,
+    v_vals: Vec<Reg>,
+}
+
+/// The loop over a query row's keys.
+struct KeyLoop<'a> {
+    cfg: &'a AttentionConfig,
+    p: &'a SimtParams,
+    row: &'a QueryRow,
+    lanes: &'a LaneCols,
+    rows: [&'a KeyRows; 2],
+}
+
+impl KeyLoop<'_> {
+    fn emit(&self, k: &mut Kernel, qv: &[Reg], (start, end): (Reg, Reg), state: &Online) {
+        k.comment("keys KEY_UNROLL at a time: every load first, then each key's update in order");
+        let j = k.mov(RegClass::B32, &start);
+        let top = k.label("keys");
+        let done = k.label("keys_done");
+        k.place(&top);
+        let finished = k.setp("ge.u32", &j, &end);
+        k.bra(Some((finished, true)), &done);
+        let loads: Vec<KeyLoads> = (0..KEY_UNROLL).map(|u| self.load(k, &j, u, &end)).collect();
+        for key in &loads {
+            self.update(k, qv, key, state);
+        }
+        k.emit(format!("add.u32 {j}, {j}, {KEY_UNROLL}"));
+        k.bra(None, &top);
+        k.place(&done);
+    }
+
+    /// Key `j + u`'s loads.
+    fn load(&self, k: &mut Kernel, j: &Reg, u: u32, end: &Reg) -> KeyLoads {
+        let (cfg, p, b) = (self.cfg, self.p, self.row.b);
+        let ju = k.add_u32(j, &u);
+        let used = k.setp("lt.u32", &ju, end);
+        if let Some(mk) = p.mask {
+            let skip = k.label("skip_mask");
+            k.bra(Some((used, false)), &skip);
+            let idx = k.mad_u32(&b, &cfg.kv_len, &ju);
+            let a = k.address(mk, &idx, 8);
+            let present = k.ld_global_i64(a);
+            let kept = k.setp("ne.s64", &present, &0u64);
+            k.emit(format!("and.pred {used}, {used}, {kept}"));
+            k.place(&skip);
+        }
+        let k_row = self.rows[0].row(k, &ju);
+        let v_row = self.rows[1].row(k, &ju);
+        let pos_j = match (cfg.rope && cfg.rope_k, p.positions) {
+            (true, Some(positions)) => {
+                let wide = k.mov(RegClass::B64, &0u64);
+                let skip = k.label("skip_position");
                 k.bra(Some((used, false)), &skip);
                 let idx = k.mad_u32(&b, &cfg.kv_len, &ju);
-                let a = k.address(mk, &idx, 8);
-                let present = k.ld_global_i64(a);
-                let kept = k.setp("ne.s64", &present, &0u64);
-                k.emit(format!("and.pred {used}, {used}, {kept}"));
+                let a = k.address(positions, &idx, 8);
+                k.emit(format!("ld.global.u64 {wide}, [{a}]"));
                 k.place(&skip);
+                Some(k.op1("cvt.u32.u64", RegClass::B32, &wide))
             }
-            let k_row = k_rows.row(&mut k, &ju);
-            let v_row = v_rows.row(&mut k, &ju);
-            let pos_j = match (cfg.rope && cfg.rope_k, positions) {
-                (true, Some(p)) => {
-                    let wide = k.mov(RegClass::B64, &0u64);
-                    let skip = k.label("skip_position");
-                    k.bra(Some((used, false)), &skip);
-                    let idx = k.mad_u32(&b, &cfg.kv_len, &ju);
-                    let a = k.address(p, &idx, 8);
-                    k.emit(format!("ld.global.u64 {wide}, [{a}]"));
-                    k.place(&skip);
-                    Some(k.op1("cvt.u32.u64", RegClass::B32, &wide))
-                }
-                _ => None,
-            };
-            let oks: Vec<Reg> = valid
-                .iter()
-                .map(|ok| {
-                    let both = k.reg(RegClass::Pred);
-                    k.emit(format!("and.pred {both}, {ok}, {used}"));
-                    both
-                })
-                .collect();
-            let v_vals = cols
-                .iter()
-                .zip(&oks)
-                .map(|(c, ok)| load_rotated(&mut k, v, v_row, *c, *ok, None))
-                .collect();
-            let k_vals = cols
-                .iter()
-                .zip(&oks)
-                .map(|(c, ok)| load_rotated(&mut k, kp, k_row, *c, *ok, pos_j))
-                .collect();
-            KeyLoads {
-                index: ju,
-                used,
-                k_vals,
-                v_vals,
-            }
-        })
-        .collect();
-    for key in &loads {
+            _ => None,
+        };
+        let oks: Vec<Reg> = self
+            .lanes
+            .valid
+            .iter()
+            .map(|ok| {
+                let both = k.reg(RegClass::Pred);
+                k.emit(format!("and.pred {both}, {ok}, {used}"));
+                both
+            })
+            .collect();
+        let cols = &self.lanes.cols;
+        let v_vals = cols
+            .iter()
+            .zip(&oks)
+            .map(|(c, ok)| p.element(k, cfg, [p.v, v_row, *c], *ok, None))
+            .collect();
+        let k_vals = cols
+            .iter()
+            .zip(&oks)
+            .map(|(c, ok)| p.element(k, cfg, [p.k, k_row, *c], *ok, pos_j))
+            .collect();
+        KeyLoads {
+            index: ju,
+            used,
+            k_vals,
+            v_vals,
+        }
+    }
+
+    /// The row's online-softmax update by `key` (skipped where unused): its score, the
+    /// rescale, its weight (dropped or scaled under dropout) into the accumulators.
+    fn update(&self, k: &mut Kernel, qv: &[Reg], key: &KeyLoads, state: &Online) {
         let next = k.label("next_key");
         k.bra(Some((key.used, false)), &next);
         let partial = k.mov(RegClass::F32, &F32(0.0));
@@ -548,72 +716,22 @@ pub fn attention_simt(cfg: &AttentionConfig) -> GeneratedKernel {
             k.fma_into(partial, qe, kv);
         }
         let s = k.warp_sum(partial);
-        let (corr, p) = online_softmax_step(&mut k, (m, l), s, s);
-        let weight = match dropout_state {
+        let (corr, p) = online_softmax_step(k, (state.m, state.l), s, s);
+        let weight = match state.dropout {
             None => p,
             Some((pk, plane, d)) => {
-                let keep = philox_keep(&mut k, pk, d.stream, plane, i, key.index, d.threshold);
+                let (i, col) = (self.row.i, key.index);
+                let keep = philox_keep(k, pk, d.stream, plane, i, col, d.threshold);
                 let scaled = k.mul_f32(&p, &F32(d.keep_scale));
                 k.selp(RegClass::F32, "f32", &scaled, &F32(0.0), keep)
             }
         };
-        for (a, vv) in acc.iter().zip(&key.v_vals) {
+        for (a, vv) in state.acc.iter().zip(&key.v_vals) {
             k.emit(format!("mul.rn.f32 {a}, {a}, {corr}"));
             k.fma_into(*a, &weight, vv);
         }
         k.place(&next);
     }
-    k.emit(format!("add.u32 {j}, {j}, {KEY_UNROLL}"));
-    k.bra(None, &top);
-    k.place(&done);
-
-    if let Some(ml) = partial_ml {
-        k.comment("partial results: unnormalised accumulators, running max (base 2) and sum");
-        let row_id = k.mad_u32(&b, &cfg.heads, &h);
-        let q_row_id = k.mad_u32(&row_id, &cfg.q_len, &i);
-        let p = k.mad_u32(&q_row_id, &cfg.splits, &split_index.expect("split"));
-        let p_base = k.mul_u32(&p, &d);
-        for ((c, ok), a) in cols.iter().zip(&valid).zip(&acc) {
-            let skip = k.label("skip_partial");
-            k.bra(Some((*ok, false)), &skip);
-            let idx = k.add_u32(&p_base, c);
-            let pa = k.address(out, &idx, 4);
-            k.st_global(Elem::F32, pa, *a);
-            k.place(&skip);
-        }
-        store_max_and_sum(&mut k, ml, p, (m, l), lane);
-        k.place(&exit);
-        return GeneratedKernel::new(
-            k,
-            Launch {
-                grid: [
-                    if warp_ranges {
-                        cfg.splits.div_ceil(WARPS)
-                    } else {
-                        cfg.q_len.div_ceil(WARPS) * cfg.splits
-                    },
-                    cfg.heads,
-                    cfg.batch,
-                ],
-                block: [32 * WARPS, 1, 1],
-                shared_bytes: 0,
-            },
-        )
-        .on(KernelPath::Simt);
-    }
-    k.comment("normalise once and store (a row that sees no key stores zeros)");
-    let inv = reciprocal_or_zero(&mut k, l);
-    store_scaled_row(&mut k, (e, out, &o_row), [&cols, &valid, &acc], &inv);
-    k.place(&exit);
-    GeneratedKernel::new(
-        k,
-        Launch {
-            grid: [cfg.q_len.div_ceil(WARPS), cfg.heads, cfg.batch],
-            block: [32 * WARPS, 1, 1],
-            shared_bytes: 0,
-        },
-    )
-    .on(KernelPath::Simt)
 }
 
 /// Key ranges per query row for a decode step of `batch` sequences of `heads` query heads over a
