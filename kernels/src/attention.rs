@@ -334,10 +334,10 @@ pub fn attention_simt(cfg: &AttentionConfig) -> GeneratedKernel {
     let [qs, ks, vs, os] = cfg.strides;
     let q_row = row.base(&mut k, qs, row.h, row.i);
     let o_row = row.base(&mut k, os, row.h, row.i);
-    let k_rows = KeyRows::new(&mut k, ks, [row.b, row.kvh], p.paged);
-    let v_rows = KeyRows::new(&mut k, vs, [row.b, row.kvh], p.paged);
+    let k_rows = KeyRows::new(&mut k, ks, [row.b, row.kvh], p.opt.paged);
+    let v_rows = KeyRows::new(&mut k, vs, [row.b, row.kvh], p.opt.paged);
     let lanes = LaneCols::new(&mut k, cfg.head_dim, row.lane);
-    let pos_i = p.positions.map(|positions| {
+    let pos_i = p.opt.positions.map(|positions| {
         let idx = k.mad_u32(&row.b, &cfg.q_len, &row.i);
         let a = k.address(positions, &idx, 8);
         let wide = k.ld_global_i64(a);
@@ -408,11 +408,36 @@ struct SimtParams {
     v: Reg,
     out: Reg,
     partial_ml: Option<Reg>,
-    mask: Option<Reg>,
-    positions: Option<Reg>,
-    tables: Option<(Reg, Reg)>,
-    seed: Option<Reg>,
-    paged: Option<(Reg, Paging)>,
+    opt: OptionalParams,
+}
+
+/// The parameters an attention kernel takes after its operands and outputs as its
+/// configuration asks: `mask` (padding), `positions` (RoPE or the position rule), `cos, sin`,
+/// `seed` (dropout), `table` (a paged cache).
+pub(crate) struct OptionalParams {
+    pub(crate) mask: Option<Reg>,
+    pub(crate) positions: Option<Reg>,
+    pub(crate) tables: Option<(Reg, Reg)>,
+    pub(crate) seed: Option<Reg>,
+    pub(crate) paged: Option<(Reg, Paging)>,
+}
+
+impl OptionalParams {
+    pub(crate) fn declare(k: &mut Kernel, cfg: &AttentionConfig) -> OptionalParams {
+        let mask = cfg.padding.then(|| k.param_ptr("mask"));
+        let needs_positions = cfg.rope || matches!(cfg.keys, KeyRule::Position { .. });
+        let positions = needs_positions.then(|| k.param_ptr("positions"));
+        let tables = cfg.rope.then(|| (k.param_ptr("cos"), k.param_ptr("sin")));
+        let seed = cfg.dropout.map(|_| k.param_ptr("seed"));
+        let paged = cfg.paging.map(|p| (k.param_ptr("table"), p));
+        OptionalParams {
+            mask,
+            positions,
+            tables,
+            seed,
+            paged,
+        }
+    }
 }
 
 impl SimtParams {
@@ -423,23 +448,13 @@ impl SimtParams {
         } else {
             (k.param_ptr("out"), None)
         };
-        let mask = cfg.padding.then(|| k.param_ptr("mask"));
-        let needs_positions = cfg.rope || matches!(cfg.keys, KeyRule::Position { .. });
-        let positions = needs_positions.then(|| k.param_ptr("positions"));
-        let tables = cfg.rope.then(|| (k.param_ptr("cos"), k.param_ptr("sin")));
-        let seed = cfg.dropout.map(|_| k.param_ptr("seed"));
-        let paged = cfg.paging.map(|p| (k.param_ptr("table"), p));
         SimtParams {
             q,
             k: kp,
             v,
             out,
             partial_ml,
-            mask,
-            positions,
-            tables,
-            seed,
-            paged,
+            opt: OptionalParams::declare(k, cfg),
         }
     }
 
@@ -460,7 +475,7 @@ impl SimtParams {
         let idx = k.add_u32(&row, &col);
         let a = k.address(base, &idx, e.bytes());
         let x = k.ld_global(e, a);
-        match (pos, self.tables) {
+        match (pos, self.opt.tables) {
             (Some(p), Some(tables)) => {
                 let half = cfg.head_dim / 2;
                 let r = rotated_element(k, e, [base, row, col, p], x, half, tables);
@@ -603,7 +618,7 @@ impl Online {
             .map(|_| k.mov(RegClass::F32, &F32(0.0)))
             .collect();
         let dropout = cfg.dropout.map(|dropout| {
-            let key = philox_key(k, p.seed.expect("a seed operand"));
+            let key = philox_key(k, p.opt.seed.expect("a seed operand"));
             let plane = k.mad_u32(&row.b, &cfg.heads, &row.h);
             (key, plane, dropout)
         });
@@ -652,7 +667,7 @@ impl KeyLoop<'_> {
         let (cfg, p, b) = (self.cfg, self.p, self.row.b);
         let ju = k.add_u32(j, &u);
         let used = k.setp("lt.u32", &ju, end);
-        if let Some(mk) = p.mask {
+        if let Some(mk) = p.opt.mask {
             let skip = k.label("skip_mask");
             k.bra(Some((used, false)), &skip);
             let idx = k.mad_u32(&b, &cfg.kv_len, &ju);
@@ -664,7 +679,7 @@ impl KeyLoop<'_> {
         }
         let k_row = self.rows[0].row(k, &ju);
         let v_row = self.rows[1].row(k, &ju);
-        let pos_j = match (cfg.rope && cfg.rope_k, p.positions) {
+        let pos_j = match (cfg.rope && cfg.rope_k, p.opt.positions) {
             (true, Some(positions)) => {
                 let wide = k.mov(RegClass::B64, &0u64);
                 let skip = k.label("skip_position");

@@ -25,7 +25,9 @@
 //!
 //! Decode steps (one query row per sequence over a cache) take the SIMT flash-decoding kernel.
 
-use crate::attention::{philox_key, philox_words, reciprocal_or_zero, AttentionConfig, KeyRule};
+use crate::attention::{
+    philox_key, philox_words, reciprocal_or_zero, AttentionConfig, KeyRule, OptionalParams,
+};
 use crate::paging::KeyRows;
 use crate::ptx::{Elem, Kernel, Label, Operand, Reg, RegClass, F32};
 use crate::{GeneratedKernel, KernelPath, Launch};
@@ -229,12 +231,13 @@ impl<'a> Attn<'a> {
         let kp = k.param_ptr("k");
         let v = k.param_ptr("v");
         let out = k.param_ptr("out");
-        let mask = cfg.padding.then(|| k.param_ptr("mask"));
-        let needs_positions = cfg.rope || matches!(cfg.keys, KeyRule::Position { .. });
-        let positions = needs_positions.then(|| k.param_ptr("positions"));
-        let tables = cfg.rope.then(|| (k.param_ptr("cos"), k.param_ptr("sin")));
-        let seed = cfg.dropout.map(|_| k.param_ptr("seed"));
-        let paged = cfg.paging.map(|p| (k.param_ptr("table"), p));
+        let OptionalParams {
+            mask,
+            positions,
+            tables,
+            seed,
+            paged,
+        } = OptionalParams::declare(&mut k, cfg);
         let shared = k.dynamic_shared("attention_tiles");
         let smem = k.reg(RegClass::B32);
         k.emit(format!("mov.u32 {smem}, {shared}"));
