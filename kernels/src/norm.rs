@@ -143,126 +143,33 @@ pub fn norm_with(cfg: &NormConfig, threads: RowThreads) -> GeneratedKernel {
         }
     );
     let mut k = Kernel::new(&name);
-    let x = k.param_ptr("x");
-    let residual = cfg.residual.then(|| k.param_ptr("residual"));
-    let weight = k.param_ptr("weight");
-    let bias = layer.then(|| k.param_ptr("bias"));
-    let out = k.param_ptr("out");
-    // Warps past the last row stop: the rows come as a parameter, so that one kernel serves
-    // every bucket's rows (its grid changes with them, its text does not).
-    let rows = (threads == RowThreads::Warp).then(|| k.param_u32("rows"));
-    // A warp's sums need no shared memory.
-    let red = match threads {
-        RowThreads::Block => scratch(&mut k),
-        RowThreads::Warp => String::new(),
-    };
-    let (group, row) = RowGroup::start(&mut k, threads, rows);
-    let row_base = k.mul_u32(&row, &cfg.cols);
-    let elem = cfg.elem;
-    let cols = cfg.cols;
-
-    // The value of column `col` of this row: x (+ residual), as f32.
-    let load = |k: &mut Kernel, col: Reg| -> Reg {
-        let idx = k.add_u32(&row_base, &col);
-        let addr = k.address(x, &idx, elem.bytes());
-        let v = k.ld_global(elem, addr);
-        match residual {
-            Some(r) => {
-                let ra = k.address(r, &idx, elem.bytes());
-                let rv = k.ld_global(elem, ra);
-                k.add_f32(&v, &rv)
-            }
-            None => v,
-        }
-    };
-    // for col in index..cols step ROW_THREADS { body(col) }: rows this long take a block.
-    debug_assert!(
-        threads == RowThreads::Block || cols <= CACHED_COLS,
-        "a warp takes rows held in registers only"
-    );
-    let strided = |k: &mut Kernel, what: &str, body: &mut dyn FnMut(&mut Kernel, Reg)| {
-        let col = k.mov(RegClass::B32, &group.index);
-        let top = k.label(what);
-        let done = k.label(&format!("{what}_done"));
-        k.place(&top);
-        let past = k.setp("ge.u32", &col, &cols);
-        k.bra(Some((past, true)), &done);
-        body(k, col);
-        k.emit(format!("add.u32 {col}, {col}, {ROW_THREADS}"));
-        k.bra(None, &top);
-        k.place(&done);
-    };
-
-    let lanes = 16 / elem.bytes();
+    let row = NormRow::start(&mut k, cfg, threads);
+    let (cols, lanes) = (cfg.cols, 16 / cfg.elem.bytes());
+    let outputs = (row.weight, row.bias, row.out);
     if cols <= CACHED_COLS && cols.is_multiple_of(lanes) {
+        let inputs = (row.x, row.residual);
         vector_row(
             &mut k,
             cfg,
-            &red,
-            &group,
-            (x, residual),
-            row_base,
-            (weight, bias, out),
+            &row.red,
+            &row.group,
+            inputs,
+            row.row_base,
+            outputs,
         );
     } else if cols <= CACHED_COLS {
+        let load = |k: &mut Kernel, col: Reg| row.load(k, col);
         cached_row(
             &mut k,
             cfg,
-            &red,
-            &group,
+            &row.red,
+            &row.group,
             &load,
-            row_base,
-            (weight, bias, out),
+            row.row_base,
+            outputs,
         );
     } else {
-        let mean = if layer {
-            k.comment("pass 1: mean");
-            let sum = k.mov(RegClass::F32, &F32(0.0));
-            strided(&mut k, "mean", &mut |k, col| {
-                let v = load(k, col);
-                k.emit(format!("add.f32 {sum}, {sum}, {v}"));
-            });
-            let total = group.sum(&mut k, sum, &red);
-            Some(k.mul_f32(&total, &F32(1.0 / cols as f32)))
-        } else {
-            None
-        };
-        k.comment(if layer {
-            "pass 2: variance"
-        } else {
-            "pass 1: mean square"
-        });
-        let sq = k.mov(RegClass::F32, &F32(0.0));
-        strided(&mut k, "var", &mut |k, col| {
-            let v = load(k, col);
-            let c = match mean {
-                Some(m) => k.sub_f32(&v, &m),
-                None => v,
-            };
-            k.fma_into(sq, &c, &c);
-        });
-        let total = group.sum(&mut k, sq, &red);
-        let rstd = reciprocal_rms(&mut k, &total, cfg);
-        k.comment("last pass: normalise, scale, shift, store");
-        strided(&mut k, "write", &mut |k, col| {
-            let v = load(k, col);
-            let c = match mean {
-                Some(m) => k.sub_f32(&v, &m),
-                None => v,
-            };
-            let n = k.mul_f32(&c, &rstd);
-            let wa = k.address(weight, &col, elem.bytes());
-            let w = k.ld_global(elem, wa);
-            let mut y = k.mul_f32(&n, &w);
-            if let Some(b) = bias {
-                let ba = k.address(b, &col, elem.bytes());
-                let bv = k.ld_global(elem, ba);
-                y = k.add_f32(&y, &bv);
-            }
-            let idx = k.add_u32(&row_base, &col);
-            let oa = k.address(out, &idx, elem.bytes());
-            k.st_global(elem, oa, y);
-        });
+        row.passes(&mut k);
     }
     GeneratedKernel::new(
         k,
@@ -272,6 +179,140 @@ pub fn norm_with(cfg: &NormConfig, threads: RowThreads) -> GeneratedKernel {
             shared_bytes: 0,
         },
     )
+}
+
+/// A norm kernel's row: its parameters (`x, [residual], weight, [bias], out`, then `rows` when
+/// a warp takes each row), the block's scratch for sums, the row's threads and first element.
+struct NormRow<'a> {
+    cfg: &'a NormConfig,
+    x: Reg,
+    residual: Option<Reg>,
+    weight: Reg,
+    bias: Option<Reg>,
+    out: Reg,
+    red: String,
+    group: RowGroup,
+    row_base: Reg,
+}
+
+impl<'a> NormRow<'a> {
+    fn start(k: &mut Kernel, cfg: &'a NormConfig, threads: RowThreads) -> NormRow<'a> {
+        let x = k.param_ptr("x");
+        let residual = cfg.residual.then(|| k.param_ptr("residual"));
+        let weight = k.param_ptr("weight");
+        let bias = (cfg.kind == NormKind::LayerNorm).then(|| k.param_ptr("bias"));
+        let out = k.param_ptr("out");
+        // Warps past the last row stop: the rows come as a parameter, so that one kernel serves
+        // every bucket's rows (its grid changes with them, its text does not).
+        let rows = (threads == RowThreads::Warp).then(|| k.param_u32("rows"));
+        // A warp's sums need no shared memory.
+        let red = match threads {
+            RowThreads::Block => scratch(k),
+            RowThreads::Warp => String::new(),
+        };
+        let (group, row) = RowGroup::start(k, threads, rows);
+        let row_base = k.mul_u32(&row, &cfg.cols);
+        debug_assert!(
+            threads == RowThreads::Block || cfg.cols <= CACHED_COLS,
+            "a warp takes rows held in registers only"
+        );
+        NormRow {
+            cfg,
+            x,
+            residual,
+            weight,
+            bias,
+            out,
+            red,
+            group,
+            row_base,
+        }
+    }
+
+    /// The value of column `col` of this row: x (+ residual), as f32.
+    fn load(&self, k: &mut Kernel, col: Reg) -> Reg {
+        let elem = self.cfg.elem;
+        let idx = k.add_u32(&self.row_base, &col);
+        let addr = k.address(self.x, &idx, elem.bytes());
+        let v = k.ld_global(elem, addr);
+        match self.residual {
+            Some(r) => {
+                let ra = k.address(r, &idx, elem.bytes());
+                let rv = k.ld_global(elem, ra);
+                k.add_f32(&v, &rv)
+            }
+            None => v,
+        }
+    }
+
+    /// `for col in index..cols step ROW_THREADS { body(col) }`: rows this long take a block.
+    fn strided(&self, k: &mut Kernel, what: &str, body: &mut dyn FnMut(&mut Kernel, Reg)) {
+        let col = k.mov(RegClass::B32, &self.group.index);
+        let top = k.label(what);
+        let done = k.label(&format!("{what}_done"));
+        k.place(&top);
+        let past = k.setp("ge.u32", &col, &self.cfg.cols);
+        k.bra(Some((past, true)), &done);
+        body(k, col);
+        k.emit(format!("add.u32 {col}, {col}, {ROW_THREADS}"));
+        k.bra(None, &top);
+        k.place(&done);
+    }
+
+    /// A row too long for registers, read again for each statistic: the mean (LayerNorm), the
+    /// variance of the centred values (or the mean square), then normalised, scaled, shifted
+    /// and stored.
+    fn passes(&self, k: &mut Kernel) {
+        let (cfg, elem) = (self.cfg, self.cfg.elem);
+        let layer = cfg.kind == NormKind::LayerNorm;
+        let mean = if layer {
+            k.comment("pass 1: mean");
+            let sum = k.mov(RegClass::F32, &F32(0.0));
+            self.strided(k, "mean", &mut |k, col| {
+                let v = self.load(k, col);
+                k.emit(format!("add.f32 {sum}, {sum}, {v}"));
+            });
+            let total = self.group.sum(k, sum, &self.red);
+            Some(k.mul_f32(&total, &F32(1.0 / cfg.cols as f32)))
+        } else {
+            None
+        };
+        k.comment(if layer {
+            "pass 2: variance"
+        } else {
+            "pass 1: mean square"
+        });
+        let centred = |k: &mut Kernel, col: Reg| {
+            let v = self.load(k, col);
+            match mean {
+                Some(m) => k.sub_f32(&v, &m),
+                None => v,
+            }
+        };
+        let sq = k.mov(RegClass::F32, &F32(0.0));
+        self.strided(k, "var", &mut |k, col| {
+            let c = centred(k, col);
+            k.fma_into(sq, &c, &c);
+        });
+        let total = self.group.sum(k, sq, &self.red);
+        let rstd = reciprocal_rms(k, &total, cfg);
+        k.comment("last pass: normalise, scale, shift, store");
+        self.strided(k, "write", &mut |k, col| {
+            let c = centred(k, col);
+            let n = k.mul_f32(&c, &rstd);
+            let wa = k.address(self.weight, &col, elem.bytes());
+            let w = k.ld_global(elem, wa);
+            let mut y = k.mul_f32(&n, &w);
+            if let Some(b) = self.bias {
+                let ba = k.address(b, &col, elem.bytes());
+                let bv = k.ld_global(elem, ba);
+                y = k.add_f32(&y, &bv);
+            }
+            let idx = k.add_u32(&self.row_base, &col);
+            let oa = k.address(self.out, &idx, elem.bytes());
+            k.st_global(elem, oa, y);
+        });
+    }
 }
 
 /// The statistics of a row held in registers: the mean (LayerNorm; `sum` holds each thread's
