@@ -150,40 +150,18 @@ pub fn gemm_base(cfg: &GemmConfig) -> GeneratedKernel {
     }
 }
 
-/// The SIMT kernel, for every configuration.
+/// The SIMT kernel, for every configuration: 16 x 16 threads a block, each a 4 x 4 block of
+/// outputs (and of SwiGLU's up columns), K in steps of `BK` staged through shared memory as f32.
 pub fn gemm_simt(cfg: &GemmConfig) -> GeneratedKernel {
     assert!(
         !cfg.swiglu || cfg.n.is_multiple_of(2),
         "SwiGLU needs an even N"
     );
-    let name = cfg.name();
-    let mut k = Kernel::new(&name);
+    let mut k = Kernel::new(&cfg.name());
     let x = k.param_ptr("x");
     let w = k.param_ptr("w");
     let epilogue = EpiloguePtrs::declare(&mut k, cfg);
-    let a_tile = k.shared("a_tile", BK * BM * 4);
-    let b_tile = k.shared("b_tile", BK * BN * 4);
-    let b_up_tile = cfg.swiglu.then(|| k.shared("b_up_tile", BK * BN * 4));
-    let n_out = cfg.n_out();
-    let e = cfg.elem;
-
-    let tid = k.special("tid.x");
-    let tx = k.op2("and.b32", RegClass::B32, &tid, &15u32);
-    let ty = k.op2("shr.u32", RegClass::B32, &tid, &4u32);
-    let bx = k.special("ctaid.x");
-    let by = k.special("ctaid.y");
-    let m0 = k.mul_u32(&by, &BM);
-    let n0 = k.mul_u32(&bx, &BN);
-    let a_base = k.reg(RegClass::B32);
-    k.emit(format!("mov.u32 {a_base}, {a_tile}"));
-    let b_base = k.reg(RegClass::B32);
-    k.emit(format!("mov.u32 {b_base}, {b_tile}"));
-    let b_up_base = b_up_tile.map(|t| {
-        let r = k.reg(RegClass::B32);
-        k.emit(format!("mov.u32 {r}, {t}"));
-        r
-    });
-
+    let block = SimtBlock::start(&mut k, cfg, [x, w]);
     let zero = F32(0.0);
     let acc: Vec<Reg> = (0..16).map(|_| k.mov(RegClass::F32, &zero)).collect();
     let acc_up: Vec<Reg> = if cfg.swiglu {
@@ -191,30 +169,112 @@ pub fn gemm_simt(cfg: &GemmConfig) -> GeneratedKernel {
     } else {
         Vec::new()
     };
-
     let k0 = k.mov(RegClass::B32, &0u32);
     let top = k.label("k_loop");
     let done = k.label("k_done");
     k.place(&top);
     let past = k.setp("ge.u32", &k0, &cfg.k);
     k.bra(Some((past, true)), &done);
-
-    k.comment("stage A[m0.., k0..] transposed into a_tile[kk][row]");
-    for r in 0..(BM * BK / THREADS) {
-        let e_idx = k.add_u32(&tid, &(r * THREADS));
-        let row = k.op2("shr.u32", RegClass::B32, &e_idx, &4u32);
-        let kk = k.op2("and.b32", RegClass::B32, &e_idx, &(BK - 1));
-        let gr = k.add_u32(&m0, &row);
-        let gk = k.add_u32(&k0, &kk);
-        let v = load_bounded(&mut k, x, e, &gr, cfg.m, &gk, cfg.k, cfg.k);
-        let slot = k.mad_u32(&kk, &BM, &row);
-        let addr = k.mad_u32(&slot, &4u32, &a_base);
-        k.emit(format!("st.shared.f32 [{addr}], {v}"));
+    block.stage_a(&mut k, &k0);
+    k.comment("stage B[k0.., n0..] into b_tile[kk][col]");
+    block.stage_b(&mut k, &k0, block.b_base, 0);
+    if let Some(up) = block.b_up_base {
+        k.comment("SwiGLU: the matching up columns into b_up_tile");
+        block.stage_b(&mut k, &k0, up, cfg.n_out());
     }
-    let stage_b = |k: &mut Kernel, base: Reg, col_offset: u32| {
+    k.barrier();
+    block.rank_one_updates(&mut k, &acc, &acc_up);
+    k.barrier();
+    k.emit(format!("add.u32 {k0}, {k0}, {BK}"));
+    k.bra(None, &top);
+    k.place(&done);
+    block.epilogue(&mut k, &epilogue, &acc, &acc_up);
+    GeneratedKernel::new(
+        k,
+        Launch {
+            grid: [cfg.n_out().div_ceil(BN), cfg.m.div_ceil(BM), 1],
+            block: [THREADS, 1, 1],
+            shared_bytes: 0,
+        },
+    )
+    .on(KernelPath::Simt)
+}
+
+/// The SIMT product's block: its thread (`tx`, `ty` of 16 x 16), first output row and column,
+/// the shared tiles of A (transposed), B and SwiGLU's up columns, and the operands `x`, `w`.
+struct SimtBlock<'a> {
+    cfg: &'a GemmConfig,
+    tid: Reg,
+    tx: Reg,
+    ty: Reg,
+    m0: Reg,
+    n0: Reg,
+    a_base: Reg,
+    b_base: Reg,
+    b_up_base: Option<Reg>,
+    operands: [Reg; 2],
+}
+
+impl<'a> SimtBlock<'a> {
+    fn start(k: &mut Kernel, cfg: &'a GemmConfig, operands: [Reg; 2]) -> SimtBlock<'a> {
+        let a_tile = k.shared("a_tile", BK * BM * 4);
+        let b_tile = k.shared("b_tile", BK * BN * 4);
+        let b_up_tile = cfg.swiglu.then(|| k.shared("b_up_tile", BK * BN * 4));
+        let tid = k.special("tid.x");
+        let tx = k.op2("and.b32", RegClass::B32, &tid, &15u32);
+        let ty = k.op2("shr.u32", RegClass::B32, &tid, &4u32);
+        let bx = k.special("ctaid.x");
+        let by = k.special("ctaid.y");
+        let m0 = k.mul_u32(&by, &BM);
+        let n0 = k.mul_u32(&bx, &BN);
+        let a_base = k.reg(RegClass::B32);
+        k.emit(format!("mov.u32 {a_base}, {a_tile}"));
+        let b_base = k.reg(RegClass::B32);
+        k.emit(format!("mov.u32 {b_base}, {b_tile}"));
+        let b_up_base = b_up_tile.map(|t| {
+            let r = k.reg(RegClass::B32);
+            k.emit(format!("mov.u32 {r}, {t}"));
+            r
+        });
+        SimtBlock {
+            cfg,
+            tid,
+            tx,
+            ty,
+            m0,
+            n0,
+            a_base,
+            b_base,
+            b_up_base,
+            operands,
+        }
+    }
+
+    fn stage_a(&self, k: &mut Kernel, k0: &Reg) {
+        let cfg = self.cfg;
+        k.comment("stage A[m0.., k0..] transposed into a_tile[kk][row]");
+        for r in 0..(BM * BK / THREADS) {
+            let e_idx = k.add_u32(&self.tid, &(r * THREADS));
+            let row = k.op2("shr.u32", RegClass::B32, &e_idx, &4u32);
+            let kk = k.op2("and.b32", RegClass::B32, &e_idx, &(BK - 1));
+            let gr = k.add_u32(&self.m0, &row);
+            let gk = k.add_u32(k0, &kk);
+            let x = self.operands[0];
+            let v = load_bounded(k, x, cfg.elem, &gr, cfg.m, &gk, cfg.k, cfg.k);
+            let slot = k.mad_u32(&kk, &BM, &row);
+            let addr = k.mad_u32(&slot, &4u32, &self.a_base);
+            k.emit(format!("st.shared.f32 [{addr}], {v}"));
+        }
+    }
+
+    /// B's `[k0.., n0 + col_offset..]` into the tile at `base` (columns past `col_offset +
+    /// n_out`, this half of a SwiGLU product, read zeros), coalesced along the weight's
+    /// contiguous axis.
+    fn stage_b(&self, k: &mut Kernel, k0: &Reg, base: Reg, col_offset: u32) {
+        let cfg = self.cfg;
+        let (w, e) = (self.operands[1], cfg.elem);
         for r in 0..(BN * BK / THREADS) {
-            let e_idx = k.add_u32(&tid, &(r * THREADS));
-            // Coalesce along the weight's contiguous axis.
+            let e_idx = k.add_u32(&self.tid, &(r * THREADS));
             let (kk, col) = if cfg.transpose_b {
                 let col = k.op2("shr.u32", RegClass::B32, &e_idx, &4u32);
                 let kk = k.op2("and.b32", RegClass::B32, &e_idx, &(BK - 1));
@@ -224,11 +284,10 @@ pub fn gemm_simt(cfg: &GemmConfig) -> GeneratedKernel {
                 let col = k.op2("and.b32", RegClass::B32, &e_idx, &(BN - 1));
                 (kk, col)
             };
-            let gk = k.add_u32(&k0, &kk);
-            let gc0 = k.add_u32(&n0, &col);
+            let gk = k.add_u32(k0, &kk);
+            let gc0 = k.add_u32(&self.n0, &col);
             let gc = k.add_u32(&gc0, &col_offset);
-            // Columns past this half of the product read zeros.
-            let limit = col_offset + n_out;
+            let limit = col_offset + cfg.n_out();
             let v = if cfg.transpose_b {
                 load_bounded(k, w, e, &gc, limit, &gk, cfg.k, cfg.k)
             } else {
@@ -238,72 +297,59 @@ pub fn gemm_simt(cfg: &GemmConfig) -> GeneratedKernel {
             let addr = k.mad_u32(&slot, &4u32, &base);
             k.emit(format!("st.shared.f32 [{addr}], {v}"));
         }
-    };
-    k.comment("stage B[k0.., n0..] into b_tile[kk][col]");
-    stage_b(&mut k, b_base, 0);
-    if let Some(up) = b_up_base {
-        k.comment("SwiGLU: the matching up columns into b_up_tile");
-        stage_b(&mut k, up, n_out);
     }
-    k.barrier();
 
-    k.comment("16 rank-1 updates of the 4 x 4 accumulator block");
-    let a_off = k.mul_u32(&ty, &16u32);
-    let a_ptr = k.add_u32(&a_base, &a_off);
-    let b_off = k.mul_u32(&tx, &16u32);
-    let b_ptr = k.add_u32(&b_base, &b_off);
-    let b_up_ptr = b_up_base.map(|u| k.add_u32(&u, &b_off));
-    for kk in 0..BK {
-        let a = load_v4(&mut k, a_ptr, kk * BM * 4);
-        let b = load_v4(&mut k, b_ptr, kk * BN * 4);
-        for i in 0..4 {
-            for j in 0..4 {
-                k.fma_into(acc[i * 4 + j], &a[i], &b[j]);
-            }
-        }
-        if let Some(p) = b_up_ptr {
-            let bu = load_v4(&mut k, p, kk * BN * 4);
+    /// The staged step's `BK` rank-1 updates of the thread's 4 x 4 accumulators (and of the up
+    /// columns').
+    fn rank_one_updates(&self, k: &mut Kernel, acc: &[Reg], acc_up: &[Reg]) {
+        k.comment("16 rank-1 updates of the 4 x 4 accumulator block");
+        let a_off = k.mul_u32(&self.ty, &16u32);
+        let a_ptr = k.add_u32(&self.a_base, &a_off);
+        let b_off = k.mul_u32(&self.tx, &16u32);
+        let b_ptr = k.add_u32(&self.b_base, &b_off);
+        let b_up_ptr = self.b_up_base.map(|u| k.add_u32(&u, &b_off));
+        for kk in 0..BK {
+            let a = load_v4(k, a_ptr, kk * BM * 4);
+            let b = load_v4(k, b_ptr, kk * BN * 4);
             for i in 0..4 {
                 for j in 0..4 {
-                    k.fma_into(acc_up[i * 4 + j], &a[i], &bu[j]);
+                    k.fma_into(acc[i * 4 + j], &a[i], &b[j]);
+                }
+            }
+            if let Some(p) = b_up_ptr {
+                let bu = load_v4(k, p, kk * BN * 4);
+                for i in 0..4 {
+                    for j in 0..4 {
+                        k.fma_into(acc_up[i * 4 + j], &a[i], &bu[j]);
+                    }
                 }
             }
         }
     }
-    k.barrier();
-    k.emit(format!("add.u32 {k0}, {k0}, {BK}"));
-    k.bra(None, &top);
-    k.place(&done);
 
-    k.comment("epilogue");
-    for i in 0..4u32 {
-        for j in 0..4u32 {
-            let skip = k.label("skip");
-            let r0 = k.mad_u32(&ty, &4u32, &m0);
-            let row = k.add_u32(&r0, &i);
-            let c0 = k.mad_u32(&tx, &4u32, &n0);
-            let col = k.add_u32(&c0, &j);
-            let out_row = k.setp("ge.u32", &row, &cfg.m);
-            k.bra(Some((out_row, true)), &skip);
-            let out_col = k.setp("ge.u32", &col, &n_out);
-            k.bra(Some((out_col, true)), &skip);
-            let idx = (i * 4 + j) as usize;
-            let up = acc_up.get(idx).copied();
-            epilogue.finish(&mut k, cfg, acc[idx], up, &col, |k| {
-                k.mad_u32(&row, &n_out, &col)
-            });
-            k.place(&skip);
+    fn epilogue(&self, k: &mut Kernel, epilogue: &EpiloguePtrs, acc: &[Reg], acc_up: &[Reg]) {
+        let (cfg, n_out) = (self.cfg, self.cfg.n_out());
+        k.comment("epilogue");
+        for i in 0..4u32 {
+            for j in 0..4u32 {
+                let skip = k.label("skip");
+                let r0 = k.mad_u32(&self.ty, &4u32, &self.m0);
+                let row = k.add_u32(&r0, &i);
+                let c0 = k.mad_u32(&self.tx, &4u32, &self.n0);
+                let col = k.add_u32(&c0, &j);
+                let out_row = k.setp("ge.u32", &row, &cfg.m);
+                k.bra(Some((out_row, true)), &skip);
+                let out_col = k.setp("ge.u32", &col, &n_out);
+                k.bra(Some((out_col, true)), &skip);
+                let idx = (i * 4 + j) as usize;
+                let up = acc_up.get(idx).copied();
+                epilogue.finish(k, cfg, acc[idx], up, &col, |k| {
+                    k.mad_u32(&row, &n_out, &col)
+                });
+                k.place(&skip);
+            }
         }
     }
-    GeneratedKernel::new(
-        k,
-        Launch {
-            grid: [n_out.div_ceil(BN), cfg.m.div_ceil(BM), 1],
-            block: [THREADS, 1, 1],
-            shared_bytes: 0,
-        },
-    )
-    .on(KernelPath::Simt)
 }
 
 /// The parameters of a product's epilogue, declared after `x` and `w`: `[bias], [residual],
