@@ -481,13 +481,8 @@ impl Shared {
         let ml_bytes = group * 8;
         let q_name = k.shared("q_group", WARPS * q_bytes);
         let ml_name = k.shared("head_ml", WARPS * ml_bytes);
-        let base = |k: &mut Kernel, name: &str| {
-            let base = k.reg(RegClass::B32);
-            k.emit(format!("mov.u32 {base}, {name}"));
-            base
-        };
-        let q_block = base(k, &q_name);
-        let ml_block = base(k, &ml_name);
+        let q_block = k.shared_base(&q_name);
+        let ml_block = k.shared_base(&ml_name);
         Shared {
             q: k.mad_u32(&warp, &q_bytes, &q_block),
             ml: k.mad_u32(&warp, &ml_bytes, &ml_block),
@@ -961,8 +956,7 @@ fn leave_ranges(
 ) -> Reg {
     let group = cfg.heads / cfg.kv_heads;
     let ml_name = k.shared("range_ml", WARPS * group * 8);
-    let ml = k.reg(RegClass::B32);
-    k.emit(format!("mov.u32 {ml}, {ml_name}"));
+    let ml = k.shared_base(&ml_name);
     let mine = k.mad_u32(&warp, &(group * 8), &ml);
     let lane0 = k.setp("eq.u32", &lane, &0u32);
     k.emit("bar.warp.sync -1");

@@ -239,8 +239,7 @@ impl<'a> Attn<'a> {
             paged,
         } = OptionalParams::declare(&mut k, cfg);
         let shared = k.dynamic_shared("attention_tiles");
-        let smem = k.reg(RegClass::B32);
-        k.emit(format!("mov.u32 {smem}, {shared}"));
+        let smem = k.shared_base(&shared);
 
         let tid = k.special("tid.x");
         let lane = k.op2("and.b32", RegClass::B32, &tid, &31u32);

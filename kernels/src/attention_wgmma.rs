@@ -317,8 +317,7 @@ pub fn attention_wgmma_scheduled(
     let layout = Layout::new(cfg);
 
     let tid = k.special("tid.x");
-    let raw = k.reg(RegClass::B32);
-    k.emit(format!("mov.u32 {raw}, {smem}"));
+    let raw = k.shared_base(&smem);
     let padded = k.add_u32(&raw, &1023u32);
     let base = k.op2("and.b32", RegClass::B32, &padded, &!1023u32);
     let bars = k.reg(RegClass::B32);

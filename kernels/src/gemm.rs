@@ -227,15 +227,9 @@ impl<'a> SimtBlock<'a> {
         let by = k.special("ctaid.y");
         let m0 = k.mul_u32(&by, &BM);
         let n0 = k.mul_u32(&bx, &BN);
-        let a_base = k.reg(RegClass::B32);
-        k.emit(format!("mov.u32 {a_base}, {a_tile}"));
-        let b_base = k.reg(RegClass::B32);
-        k.emit(format!("mov.u32 {b_base}, {b_tile}"));
-        let b_up_base = b_up_tile.map(|t| {
-            let r = k.reg(RegClass::B32);
-            k.emit(format!("mov.u32 {r}, {t}"));
-            r
-        });
+        let a_base = k.shared_base(&a_tile);
+        let b_base = k.shared_base(&b_tile);
+        let b_up_base = b_up_tile.map(|t| k.shared_base(&t));
         SimtBlock {
             cfg,
             tid,

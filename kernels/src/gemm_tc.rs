@@ -96,8 +96,7 @@ impl<'a> TcBlock<'a> {
         // Output columns per block: BN, or BN / 2 with SwiGLU (gate and up rows interleaved).
         let bn_out = if cfg.swiglu { BN / 2 } else { BN };
         let n0 = k.mul_u32(&bx, &bn_out);
-        let base = k.reg(RegClass::B32);
-        k.emit(format!("mov.u32 {base}, {smem}"));
+        let base = k.shared_base(smem);
         TcBlock {
             cfg,
             tid,

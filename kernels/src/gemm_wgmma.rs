@@ -513,8 +513,7 @@ pub fn gemm_wgmma_tiled(cfg: &GemmConfig, tiling: Tiling, name: String) -> Gener
 
     let tid = k.special("tid.x");
     // The stages, 1024-byte aligned (the launch asks for 1 KB more than they need).
-    let raw = k.reg(RegClass::B32);
-    k.emit(format!("mov.u32 {raw}, {smem}"));
+    let raw = k.shared_base(&smem);
     let padded = k.add_u32(&raw, &1023u32);
     let stages = k.op2("and.b32", RegClass::B32, &padded, &!1023u32);
     let full = k.reg(RegClass::B32);
@@ -1165,8 +1164,7 @@ impl Split {
         let counter = k.mad_u32(&item.tile, &(CONSUMERS as u32), &consumer);
         let counter = k.address(self.counters, &counter, 4);
         let leader = k.setp("eq.u32", &thread, &0u32);
-        let flag = k.reg(RegClass::B32);
-        k.emit(format!("mov.u32 {flag}, {}", self.flags));
+        let flag = k.shared_base(&self.flags);
         let flag = k.mad_u32(&consumer, &4u32, &flag);
         let barrier = k.add_u32(&consumer, &SPLIT_BARRIER);
         let last = crate::reduce::last_arrival(

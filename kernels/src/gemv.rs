@@ -368,8 +368,7 @@ fn fold_choices(k: &mut Kernel, best: Reg, keys: &[Reg], [tid, warp, lane]: [Reg
     k.comment("the block's best choice key per row into the row's");
     let rows = keys.len() as u32;
     let slots = k.shared("choice_keys", WARPS * rows * 8);
-    let base = k.reg(RegClass::B32);
-    k.emit(format!("mov.u32 {base}, {slots}"));
+    let base = k.shared_base(&slots);
     let mine = k.mad_u32(&warp, &(rows * 8), &base);
     let lane0 = k.setp("eq.u32", &lane, &0u32);
     for (r, key) in keys.iter().enumerate() {
@@ -654,8 +653,7 @@ fn meet_splits(
 ) -> Vec<Reg> {
     let n = sums.len() as u32;
     let partials = k.shared("split_sums", WARPS * n * 4);
-    let base = k.reg(RegClass::B32);
-    k.emit(format!("mov.u32 {base}, {partials}"));
+    let base = k.shared_base(&partials);
     let mine = k.mul_u32(&warp, &(n * 4));
     let mine = k.add_u32(&base, &mine);
     let skip = k.label("store_done");
@@ -995,8 +993,7 @@ fn prologue(
     };
     let no_row = k.setp("ge.u32", &source_row, &n.rows);
     k.bra(Some((no_row, true)), &done);
-    let base = k.reg(RegClass::B32);
-    k.emit(format!("mov.u32 {base}, {rows}"));
+    let base = k.shared_base(rows);
     let row_base = k.mul_u32(&warp, &n.cols);
     let source_base = match row0 {
         Some(_) => k.mul_u32(&source_row, &n.cols),
@@ -1117,8 +1114,7 @@ fn load_shared_words(k: &mut Kernel, rows: &str, i: &Reg, elem: Elem, when: &[Re
     let words: Vec<Reg> = (0..4).map(|_| k.mov(RegClass::B32, &0u32)).collect();
     let p = k.reg(RegClass::Pred);
     k.emit(format!("and.pred {p}, {}, {}", when[0], when[1]));
-    let base = k.reg(RegClass::B32);
-    k.emit(format!("mov.u32 {base}, {rows}"));
+    let base = k.shared_base(rows);
     let addr = k.mad_u32(i, &elem.bytes(), &base);
     k.emit(format!(
         "@{p} ld.shared.v4.b32 {{{}, {}, {}, {}}}, [{addr}]",
@@ -1154,8 +1150,7 @@ fn finish_tc(
     row0: Option<Reg>,
 ) {
     k.comment("partials[part][warp][column][row], f32");
-    let base = k.reg(RegClass::B32);
-    k.emit(format!("mov.u32 {base}, {partials}"));
+    let base = k.shared_base(partials);
     let per_warp = TC_COLS * 8 * 4;
     let warp_at = k.mad_u32(&warp, &per_warp, &base);
     let col_at = k.mad_u32(&g, &32u32, &warp_at);

@@ -137,8 +137,7 @@ fn warp_slot(k: &mut Kernel, scratch: &str, tid: Reg, bytes: u32) -> (Reg, Reg, 
     let lane = k.op2("and.b32", RegClass::B32, &tid, &31u32);
     let warp = k.op2("shr.u32", RegClass::B32, &tid, &5u32);
     let is_first = k.setp("eq.u32", &lane, &0u32);
-    let base = k.reg(RegClass::B32);
-    k.emit(format!("mov.u32 {base}, {scratch}"));
+    let base = k.shared_base(scratch);
     let slot = k.mad_u32(&warp, &bytes, &base);
     (base, slot, is_first)
 }

@@ -100,10 +100,8 @@ pub fn argmax(elem: Elem, rows: u32, vocab: u32, advance: bool) -> GeneratedKern
     let lane = k.op2("and.b32", RegClass::B32, &tid, &31u32);
     let warp = k.op2("shr.u32", RegClass::B32, &tid, &5u32);
     let first = k.setp("eq.u32", &lane, &0u32);
-    let vbase = k.reg(RegClass::B32);
-    k.emit(format!("mov.u32 {vbase}, {vals}"));
-    let ibase = k.reg(RegClass::B32);
-    k.emit(format!("mov.u32 {ibase}, {idxs}"));
+    let vbase = k.shared_base(&vals);
+    let ibase = k.shared_base(&idxs);
     let vslot = k.mad_u32(&warp, &4u32, &vbase);
     let islot = k.mad_u32(&warp, &4u32, &ibase);
     k.emit(format!("@{first} st.shared.f32 [{vslot}], {best}"));
