@@ -320,8 +320,7 @@ pub fn attention_wgmma_scheduled(
     let raw = k.shared_base(&smem);
     let padded = k.add_u32(&raw, &1023u32);
     let base = k.op2("and.b32", RegClass::B32, &padded, &!1023u32);
-    let bars = k.reg(RegClass::B32);
-    k.emit(format!("mov.u32 {bars}, attention_barriers"));
+    let bars = k.shared_base("attention_barriers");
     let first = k.setp("eq.u32", &tid, &0u32);
     let init_done = k.label("init_done");
     k.bra(Some((first, false)), &init_done);
@@ -428,8 +427,7 @@ impl PositionKeys {
     ) -> PositionKeys {
         let WarpgroupThread { thread, lane, warp } = WarpgroupThread::of(k, tid);
         let lane0 = k.setp("eq.u32", &lane, &0u32);
-        let base = k.reg(RegClass::B32);
-        k.emit(format!("mov.u32 {base}, attention_ranges"));
+        let base = k.shared_base("attention_ranges");
         let slots = k.mad_u32(warpgroup, &32u32, &base);
         let slot = k.mad_u32(&warp, &8u32, &slots);
         let barrier = k.add_u32(warpgroup, &ranges_barrier(cfg));
@@ -1098,8 +1096,7 @@ impl Consumer {
     fn mask_row(&self, k: &mut Kernel, tile: &Reg) -> Reg {
         let slot = k.op2("and.b32", RegClass::B32, tile, &1u32);
         let which = k.mad_u32(&self.c, &2u32, &slot);
-        let start = k.reg(RegClass::B32);
-        k.emit(format!("mov.u32 {start}, attention_mask"));
+        let start = k.shared_base("attention_mask");
         k.mad_u32(&which, &(BKV * 4), &start)
     }
 

@@ -516,8 +516,7 @@ pub fn gemm_wgmma_tiled(cfg: &GemmConfig, tiling: Tiling, name: String) -> Gener
     let raw = k.shared_base(&smem);
     let padded = k.add_u32(&raw, &1023u32);
     let stages = k.op2("and.b32", RegClass::B32, &padded, &!1023u32);
-    let full = k.reg(RegClass::B32);
-    k.emit(format!("mov.u32 {full}, gemm_barriers"));
+    let full = k.shared_base("gemm_barriers");
     let empty = k.add_u32(&full, &(STAGES * MBARRIER_BYTES));
 
     k.comment(
