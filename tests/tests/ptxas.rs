@@ -3,8 +3,8 @@
 //! warning), without a serialized wgmma (reported as information, C7520), the GEMM and
 //! attention kernels without a stack frame, and `setmaxnreg` never asking for more registers
 //! than the block holds at launch (such a request waits forever); and so does every kernel of
-//! artifacts compiled for the real shapes of `tests/data/configs` (dense and paged caches,
-//! prompt chunks), whose kernels the catalog does not all foresee. ptxas comes from
+//! artifacts compiled for the real shapes of `tests/data/configs` (bf16, two in f16; dense and
+//! paged caches, prompt chunks), whose kernels the catalog does not all foresee. ptxas comes from
 //! `$KILN_PTXAS`, PATH, or `scripts/fetch-ptxas` (the PyPI wheel of CUDA 13.0); CI installs it.
 //! Without one the tests say so and pass, as a GPU test without a GPU does.
 
@@ -156,17 +156,20 @@ fn every_kernel_of_the_real_shapes_assembles_without_spills() {
     let tmp = tempfile::tempdir().unwrap();
     let configs = kiln_tests::workspace_root().join("tests/data/configs");
     let mut spilled = Vec::new();
-    for (name, paged) in [
-        ("bert-base", false),
-        ("gpt2-small", false),
-        ("llama-3.1-8b", false),
-        ("llama-3.1-8b", true),
-        ("mistral-7b", true),
-        ("qwen2-7b", false),
-        ("qwen2-7b", true),
-        ("llama-3.2-1b", true),
+    for (name, paged, dtype) in [
+        ("bert-base", false, "bf16"),
+        ("gpt2-small", false, "bf16"),
+        ("llama-3.1-8b", false, "bf16"),
+        ("llama-3.1-8b", true, "bf16"),
+        ("mistral-7b", true, "bf16"),
+        ("qwen2-7b", false, "bf16"),
+        ("qwen2-7b", true, "bf16"),
+        ("llama-3.2-1b", true, "bf16"),
+        // f16 builds take the same tilings with other conversions.
+        ("gpt2-small", false, "f16"),
+        ("llama-3.1-8b", true, "f16"),
     ] {
-        let out = tmp.path().join(format!("{name}-{paged}"));
+        let out = tmp.path().join(format!("{name}-{paged}-{dtype}"));
         let model = configs.join(name);
         let mut args = vec![
             "compile",
@@ -175,7 +178,7 @@ fn every_kernel_of_the_real_shapes_assembles_without_spills() {
             out.to_str().unwrap(),
             "--no-weights",
             "--dtype",
-            "bf16",
+            dtype,
             "--buckets",
             "128,1024",
             "--batch-buckets",
@@ -196,11 +199,14 @@ fn every_kernel_of_the_real_shapes_assembles_without_spills() {
             }
             let cubin = tmp.path().join("module.cubin");
             let (assembled, report) = assemble(&ptxas, arch, &src, &cubin);
-            assert!(assembled, "{name} {module}: ptxas failed");
+            assert!(assembled, "{name} {dtype} {module}: ptxas failed");
             let warnings: Vec<&str> = report.lines().filter(|l| l.contains("warning")).collect();
-            assert!(warnings.is_empty(), "{name} {module}: {warnings:?}");
+            assert!(warnings.is_empty(), "{name} {dtype} {module}: {warnings:?}");
             let (spills, serialized) = spills_by_function(&report);
-            assert!(serialized.is_empty(), "{name} {module}: {serialized:?}");
+            assert!(
+                serialized.is_empty(),
+                "{name} {dtype} {module}: {serialized:?}"
+            );
             spilled.extend(spills.into_iter().map(|(f, bytes)| (name, f, bytes)));
         }
     }
