@@ -13,7 +13,9 @@
 use std::collections::BTreeMap;
 
 use kiln_ir::artifact::ParamType;
-use kiln_ir::kernel::DecodeAttentionSpec;
+use kiln_ir::kernel::{
+    Activation, AttentionSpec, DecodeAttentionSpec, EmbeddingSpec, GemmSpec, NormSpec,
+};
 use kiln_ir::{Graph, NodeId, Op, RopeScaling, TensorType};
 use kiln_kernels::attention::{
     attention, attention_base, attention_combine, attention_simt, AttentionConfig,
@@ -97,7 +99,7 @@ pub enum CpuKernel {
     /// `kiln_kernels::cpu::norm`.
     Norm(NormConfig),
     /// `kiln_kernels::cpu::elementwise`.
-    Activation(kiln_ir::kernel::Activation),
+    Activation(Activation),
     /// `kiln_kernels::cpu::embedding`.
     Embedding(EmbeddingConfig),
     /// `kiln_kernels::cpu::kv_cache`.
@@ -317,6 +319,23 @@ impl Lowered {
         let launch = self.bound(kernel, bind)?;
         node.launches.push(launch);
         Some(())
+    }
+
+    /// [`Lowered::launch`] of `kernel`, and where it is an sm_90a kernel, with its base-image twin
+    /// `base(cfg)` as the fallback ([`Lowered::launch_with_fallback`]).
+    fn launch_best<C: std::fmt::Debug>(
+        &mut self,
+        node: &mut NodeLaunches,
+        kernel: GeneratedKernel,
+        (cfg, base): (&C, impl FnOnce(&C) -> GeneratedKernel),
+        bind: &[(&str, Operand)],
+    ) -> Option<()> {
+        if kernel.image == Image::Sm90a {
+            let fallback = self.generate(cfg, base);
+            self.launch_with_fallback(node, kernel, fallback, bind)
+        } else {
+            self.launch(node, kernel, bind)
+        }
     }
 
     /// Like [`Lowered::launch`], with `fallback` (a base-image kernel under the same parameter
@@ -665,311 +684,409 @@ fn lower_node(
     out: &mut Lowered,
     n: &mut NodeLaunches,
 ) -> Option<()> {
-    use Operand::Value;
     let node = g.node(id);
     let elem = Elem::of(node.ty.dtype)?;
     if elem != Elem::F32 {
         // The CPU kernels are f32.
         n.cpu = None;
     }
-    let arg = |i: usize| g.ty(node.args[i]);
-    let a = |i: usize| Value(node.args[i]);
-    let this = Value(id);
+    let cx = NodeCx {
+        g,
+        id,
+        node,
+        elem,
+        fused,
+    };
     match &node.op {
-        Op::Embedding(spec) => {
-            let hidden = *dims(&node.ty)?.last()?;
-            let table_rows = (0..spec.tables)
-                .map(|i| dims(arg(2 * i)).map(|d| d[0]))
-                .collect::<Option<Vec<u32>>>()?;
-            let tokens = numel(arg(1))?;
-            let cfg = EmbeddingConfig {
-                table_rows,
-                hidden,
-                tokens,
-                elem,
-            };
-            let kernel = out.generate(&cfg, embedding);
-            let names: Vec<(String, String)> = (0..spec.tables)
-                .map(|i| (format!("table_{i}"), format!("ids_{i}")))
-                .collect();
-            let mut bind: Vec<(&str, Operand)> = vec![("out", this)];
-            for (i, (t, ids)) in names.iter().enumerate() {
-                bind.push((t, a(2 * i)));
-                bind.push((ids, a(2 * i + 1)));
-            }
-            n.cpu_like(CpuKernel::Embedding(cfg), &kernel, &bind, u64::from(tokens));
-            out.launch(n, kernel, &bind)?;
-        }
-        Op::Norm(spec) => {
-            let cols = *dims(&node.ty)?.last()?;
-            let rows = numel(&node.ty)? / cols;
-            let eps = spec.eps as f32;
-            let cfg = NormConfig {
-                kind: spec.kind,
-                residual: spec.residual,
-                elem,
-                rows,
-                cols,
-                eps,
-            };
-            // Operands: x, [residual], weight, [bias].
-            let mut rest = 1;
-            let mut bind = vec![("x", a(0)), ("out", this)];
-            if spec.residual {
-                bind.push(("residual", a(rest)));
-                rest += 1;
-            }
-            bind.push(("weight", a(rest)));
-            if rest + 1 < node.args.len() {
-                bind.push(("bias", a(rest + 1)));
-            }
-            launch_norm(out, n, cfg, bind)?;
-        }
-        Op::Gemm(spec) => {
-            let (cfg, norm_cfg) = gemm_parts(g, id)?;
-            // Operands: x, w, [bias], [residual], [prologue weight, [prologue bias]].
-            let mut rest = 2..node.args.len();
-            let bias = spec.bias.then(|| rest.next()).flatten().map(a);
-            let residual = spec.residual.then(|| rest.next()).flatten().map(a);
-            let mut bind = vec![("x", a(0)), ("w", a(1)), ("out", this)];
-            if let Some(b) = bias {
-                bind.push(("bias", b));
-            }
-            if let Some(r) = residual {
-                bind.push(("residual", r));
-            }
-            let choosing = fused.choosing == Some(id);
-            if let Some(norm_cfg) = norm_cfg {
-                let norm_weight = a(rest.next()?);
-                let norm_bias = rest.next().map(a);
-                let ones = node
-                    .args
-                    .last()
-                    .is_some_and(|&w| crate::fold::is_ones(g, w));
-                if ones && gemv::folds_norm(&cfg, &norm_cfg, out.rows) {
-                    // The one-row product scales its sums by the norm's 1/rms itself (f16/bf16
-                    // only; the norm's weight is in the product's, `fold::scales_by_norm`).
-                    if choosing {
-                        bind.push(("best", Operand::Counters(u64::from(cfg.m) * 8)));
-                    }
-                    let kernel = out.generate(&(cfg, norm_cfg, choosing), gemv::gemv_folded);
-                    return out.launch(n, kernel, &bind);
-                }
-                if gemv::takes_prologue(&cfg, &norm_cfg, out.rows) {
-                    // One kernel normalises x and takes the product (f16/bf16 only, whose CPU
-                    // plans come from their f32 twins).
-                    bind.push(("norm_weight", norm_weight));
-                    bind.extend(norm_bias.map(|b| ("norm_bias", b)));
-                    let kernel = out.generate(&(cfg, norm_cfg, !ones), gemv::gemv_normed);
-                    return out.launch(n, kernel, &bind);
-                }
-                // Otherwise the norm runs into a scratch buffer the product reads.
-                n.scratch
-                    .push(u64::from(cfg.m) * u64::from(cfg.k) * u64::from(elem.bytes()));
-                let mut norm_bind = vec![
-                    ("x", a(0)),
-                    ("weight", norm_weight),
-                    ("out", Operand::Scratch(0)),
-                ];
-                norm_bind.extend(norm_bias.map(|b| ("bias", b)));
-                launch_norm(out, n, norm_cfg, norm_bind)?;
-                bind[0].1 = Operand::Scratch(0);
-            }
-            let m = u64::from(cfg.m);
+        Op::Embedding(spec) => lower_embedding(&cx, spec, out, n),
+        Op::Norm(spec) => lower_norm_op(&cx, spec, out, n),
+        Op::Gemm(spec) => lower_gemm(&cx, spec, out, n),
+        Op::Attention(spec) => lower_attention(&cx, spec, out, n),
+        Op::DecodeAttention(spec) => lower_decode_attention(&cx, spec, out, n),
+        Op::Activation(act) => lower_activation(&cx, *act, out, n),
+        Op::CacheWrite => lower_cache_write(&cx, out, n),
+        _ => None,
+    }
+}
+
+/// The node being lowered: its graph and id, the node, its element type, the fused regions.
+struct NodeCx<'a> {
+    g: &'a Graph,
+    id: NodeId,
+    node: &'a kiln_ir::Node,
+    elem: Elem,
+    fused: &'a Fused,
+}
+
+impl NodeCx<'_> {
+    /// Operand `i` of the node, as a launch operand.
+    fn a(&self, i: usize) -> Operand {
+        Operand::Value(self.node.args[i])
+    }
+
+    /// Operand `i`'s type.
+    fn arg(&self, i: usize) -> &TensorType {
+        self.g.ty(self.node.args[i])
+    }
+
+    /// The node's own value.
+    fn this(&self) -> Operand {
+        Operand::Value(self.id)
+    }
+}
+
+/// An embedding: the lookups of its tables' ids, summed.
+fn lower_embedding(
+    cx: &NodeCx,
+    spec: &EmbeddingSpec,
+    out: &mut Lowered,
+    n: &mut NodeLaunches,
+) -> Option<()> {
+    let hidden = *dims(&cx.node.ty)?.last()?;
+    let table_rows = (0..spec.tables)
+        .map(|i| dims(cx.arg(2 * i)).map(|d| d[0]))
+        .collect::<Option<Vec<u32>>>()?;
+    let tokens = numel(cx.arg(1))?;
+    let cfg = EmbeddingConfig {
+        table_rows,
+        hidden,
+        tokens,
+        elem: cx.elem,
+    };
+    let kernel = out.generate(&cfg, embedding);
+    let names: Vec<(String, String)> = (0..spec.tables)
+        .map(|i| (format!("table_{i}"), format!("ids_{i}")))
+        .collect();
+    let mut bind: Vec<(&str, Operand)> = vec![("out", cx.this())];
+    for (i, (t, ids)) in names.iter().enumerate() {
+        bind.push((t, cx.a(2 * i)));
+        bind.push((ids, cx.a(2 * i + 1)));
+    }
+    n.cpu_like(CpuKernel::Embedding(cfg), &kernel, &bind, u64::from(tokens));
+    out.launch(n, kernel, &bind)
+}
+
+/// A LayerNorm / RMSNorm (of `x + residual` where it has one).
+fn lower_norm_op(
+    cx: &NodeCx,
+    spec: &NormSpec,
+    out: &mut Lowered,
+    n: &mut NodeLaunches,
+) -> Option<()> {
+    let cols = *dims(&cx.node.ty)?.last()?;
+    let rows = numel(&cx.node.ty)? / cols;
+    let eps = spec.eps as f32;
+    let cfg = NormConfig {
+        kind: spec.kind,
+        residual: spec.residual,
+        elem: cx.elem,
+        rows,
+        cols,
+        eps,
+    };
+    // Operands: x, [residual], weight, [bias].
+    let mut rest = 1;
+    let mut bind = vec![("x", cx.a(0)), ("out", cx.this())];
+    if spec.residual {
+        bind.push(("residual", cx.a(rest)));
+        rest += 1;
+    }
+    bind.push(("weight", cx.a(rest)));
+    if rest + 1 < cx.node.args.len() {
+        bind.push(("bias", cx.a(rest + 1)));
+    }
+    launch_norm(out, n, cfg, bind)?;
+    Some(())
+}
+
+/// A product with its epilogue: with a norm prologue, folded into a one-row product, taken by
+/// it, or run first into scratch; a decode step's LM head folding its greedy choice; a Hopper
+/// kernel (splitting K into scratch where it does) with its base-image fallback.
+fn lower_gemm(cx: &NodeCx, spec: &GemmSpec, out: &mut Lowered, n: &mut NodeLaunches) -> Option<()> {
+    let (cfg, norm_cfg) = gemm_parts(cx.g, cx.id)?;
+    // Operands: x, w, [bias], [residual], [prologue weight, [prologue bias]].
+    let mut rest = 2..cx.node.args.len();
+    let bias = spec.bias.then(|| rest.next()).flatten().map(|i| cx.a(i));
+    let residual = spec
+        .residual
+        .then(|| rest.next())
+        .flatten()
+        .map(|i| cx.a(i));
+    let mut bind = vec![("x", cx.a(0)), ("w", cx.a(1)), ("out", cx.this())];
+    if let Some(b) = bias {
+        bind.push(("bias", b));
+    }
+    if let Some(r) = residual {
+        bind.push(("residual", r));
+    }
+    let choosing = cx.fused.choosing == Some(cx.id);
+    if let Some(norm_cfg) = norm_cfg {
+        let norm_weight = cx.a(rest.next()?);
+        let norm_bias = rest.next().map(|i| cx.a(i));
+        let ones = cx
+            .node
+            .args
+            .last()
+            .is_some_and(|&w| crate::fold::is_ones(cx.g, w));
+        if ones && gemv::folds_norm(&cfg, &norm_cfg, out.rows) {
+            // The one-row product scales its sums by the norm's 1/rms itself (f16/bf16
+            // only; the norm's weight is in the product's, `fold::scales_by_norm`).
             if choosing {
-                // The decode step's LM head, folding each row's greedy choice into its key
-                // (`greedy_tokens` reads it); the CPU takes the plain product.
-                let kernel = out.generate(&cfg, gemv::gemv_choosing);
-                let params: Vec<&str> = kernel
-                    .signature
-                    .iter()
-                    .map(|(p, _)| p.as_str())
-                    .filter(|p| *p != "best")
-                    .collect();
-                n.cpu(CpuKernel::Gemm(cfg.clone()), &bind, &params, m);
-                bind.push(("best", Operand::Counters(m * 8)));
-                return out.launch(n, kernel, &bind);
+                bind.push(("best", Operand::Counters(u64::from(cfg.m) * 8)));
             }
-            let kernel = out.generate(&(cfg.clone(), out.rows), |(c, r)| gemm_for(c, *r));
-            n.cpu_like(CpuKernel::Gemm(cfg.clone()), &kernel, &bind, m);
-            // A Hopper kernel splitting K leaves each part's sums in a scratch buffer.
-            let (partials, counters) = kiln_kernels::gemm::split_scratch(&cfg, out.rows);
-            if partials > 0 {
-                bind.push(("partials", Operand::Scratch(n.scratch.len())));
-                n.scratch.push(partials);
-                bind.push(("counters", Operand::Counters(counters)));
-            }
-            if kernel.image == Image::Sm90a {
-                let fallback = out.generate(&cfg, gemm_base);
-                out.launch_with_fallback(n, kernel, fallback, &bind)?;
-            } else {
-                out.launch(n, kernel, &bind)?;
-            }
+            let kernel = out.generate(&(cfg, norm_cfg, choosing), gemv::gemv_folded);
+            return out.launch(n, kernel, &bind);
         }
-        Op::Attention(spec) => {
-            let (mut cfg, offsets) = base_config(g, id, elem)?;
-            cfg.take_attention(spec);
-            // Operands: q, k, v, [attention_mask], [positions], [seed].
-            let mut rest = 3;
-            let mut bind = vec![("q", a(0)), ("k", a(1)), ("v", a(2)), ("out", this)];
-            if spec.padding {
-                bind.push(("mask", a(rest)));
-                rest += 1;
-            }
-            if let Some((theta, scaling)) = &spec.rope {
-                bind.push(("positions", a(rest)));
-                rest += 1;
-                let table = rope_table(*theta, scaling, arg(0))?;
-                bind.extend(rope_tables(table));
-            }
-            if spec.dropout.is_some() {
-                bind.push(("seed", a(rest)));
-            }
-            let rows = u64::from(cfg.batch * cfg.heads * cfg.q_len);
-            // The rotations' and the Hopper kernel's 16-byte accesses need 8-element offsets.
-            let prerotated = kiln_kernels::attention::prerotated(&cfg)
-                .filter(|_| offsets.iter().all(|o| o % 8 == 0));
-            if let Some(plain) = prerotated {
-                // The CPU runs the fused kernel, RoPE included; the GPU rotates first.
-                let params: Vec<&str> = bind.iter().map(|(p, _)| *p).collect();
-                n.cpu(CpuKernel::Attention(cfg.clone()), &bind, &params, rows);
-                lower_prerotated(out, n, &cfg, plain, &bind, None)?;
-            } else {
-                let kernel = attention_kernel(out, &cfg, offsets);
-                n.cpu_like(CpuKernel::Attention(cfg.clone()), &kernel, &bind, rows);
-                if kernel.image == Image::Sm90a {
-                    let fallback = out.generate(&cfg, attention_base);
-                    out.launch_with_fallback(n, kernel, fallback, &bind)?;
-                } else {
-                    out.launch(n, kernel, &bind)?;
-                }
-            }
+        if gemv::takes_prologue(&cfg, &norm_cfg, out.rows) {
+            // One kernel normalises x and takes the product (f16/bf16 only, whose CPU
+            // plans come from their f32 twins).
+            bind.push(("norm_weight", norm_weight));
+            bind.extend(norm_bias.map(|b| ("norm_bias", b)));
+            let kernel = out.generate(&(cfg, norm_cfg, !ones), gemv::gemv_normed);
+            return out.launch(n, kernel, &bind);
         }
-        Op::DecodeAttention(spec) => {
-            let (cfg, split, offsets) = lower_decode(g, id, spec, elem, out)?;
-            // Operands: q, k cache, v cache, positions.
-            let mut bind = vec![("q", a(0)), ("k", a(1)), ("v", a(2)), ("positions", a(3))];
-            if let Some((theta, scaling)) = &spec.rope {
-                bind.extend(rope_tables(rope_table(*theta, scaling, arg(0))?));
-            }
-            if cfg.paging.is_some() {
-                bind.push(("table", Operand::BlockTable));
-            }
-            // On the CPU one call covers every key (no partials to combine).
-            let mut one = cfg.clone();
-            one.splits = 1;
-            let mut cpu_bind = bind.clone();
-            cpu_bind.push(("out", this.clone()));
-            let mut params = vec!["q", "k", "v", "out", "positions"];
-            if cfg.rope {
-                params.extend(["cos", "sin"]);
-            }
-            if cfg.paging.is_some() {
-                params.push("table");
-            }
-            let rows = u64::from(cfg.batch * cfg.heads * cfg.q_len);
-            n.cpu(CpuKernel::Attention(one), &cpu_bind, &params, rows);
-            // The decode kernel takes in the cache writes and merges its own key ranges.
-            let writes = fused
-                .attention_writes
-                .get(&id)
-                .and_then(|w| new_entries(g, *w));
-            let decode = kiln_kernels::attention_decode::supports(&cfg);
-            let extras = Extras {
-                new: writes.as_ref().map(|(_, new)| new.clone()),
-                combine: decode && kiln_kernels::attention_decode::combines(&cfg),
+        // Otherwise the norm runs into a scratch buffer the product reads.
+        n.scratch
+            .push(u64::from(cfg.m) * u64::from(cfg.k) * u64::from(cx.elem.bytes()));
+        let mut norm_bind = vec![
+            ("x", cx.a(0)),
+            ("weight", norm_weight),
+            ("out", Operand::Scratch(0)),
+        ];
+        norm_bind.extend(norm_bias.map(|b| ("bias", b)));
+        launch_norm(out, n, norm_cfg, norm_bind)?;
+        bind[0].1 = Operand::Scratch(0);
+    }
+    let m = u64::from(cfg.m);
+    if choosing {
+        // The decode step's LM head, folding each row's greedy choice into its key
+        // (`greedy_tokens` reads it); the CPU takes the plain product.
+        let kernel = out.generate(&cfg, gemv::gemv_choosing);
+        let params: Vec<&str> = kernel
+            .signature
+            .iter()
+            .map(|(p, _)| p.as_str())
+            .filter(|p| *p != "best")
+            .collect();
+        n.cpu(CpuKernel::Gemm(cfg.clone()), &bind, &params, m);
+        bind.push(("best", Operand::Counters(m * 8)));
+        return out.launch(n, kernel, &bind);
+    }
+    let kernel = out.generate(&(cfg.clone(), out.rows), |(c, r)| gemm_for(c, *r));
+    n.cpu_like(CpuKernel::Gemm(cfg.clone()), &kernel, &bind, m);
+    // A Hopper kernel splitting K leaves each part's sums in a scratch buffer.
+    let (partials, counters) = kiln_kernels::gemm::split_scratch(&cfg, out.rows);
+    if partials > 0 {
+        bind.push(("partials", Operand::Scratch(n.scratch.len())));
+        n.scratch.push(partials);
+        bind.push(("counters", Operand::Counters(counters)));
+    }
+    out.launch_best(n, kernel, (&cfg, gemm_base), &bind)
+}
+
+/// A prefill attention: rotated ahead where the kernels take RoPE that way, else one kernel
+/// (a Hopper one with its base-image fallback).
+fn lower_attention(
+    cx: &NodeCx,
+    spec: &AttentionSpec,
+    out: &mut Lowered,
+    n: &mut NodeLaunches,
+) -> Option<()> {
+    let (mut cfg, offsets) = base_config(cx.g, cx.id, cx.elem)?;
+    cfg.take_attention(spec);
+    // Operands: q, k, v, [attention_mask], [positions], [seed].
+    let mut rest = 3;
+    let mut bind = vec![
+        ("q", cx.a(0)),
+        ("k", cx.a(1)),
+        ("v", cx.a(2)),
+        ("out", cx.this()),
+    ];
+    if spec.padding {
+        bind.push(("mask", cx.a(rest)));
+        rest += 1;
+    }
+    if let Some((theta, scaling)) = &spec.rope {
+        bind.push(("positions", cx.a(rest)));
+        rest += 1;
+        let table = rope_table(*theta, scaling, cx.arg(0))?;
+        bind.extend(rope_tables(table));
+    }
+    if spec.dropout.is_some() {
+        bind.push(("seed", cx.a(rest)));
+    }
+    let rows = u64::from(cfg.batch * cfg.heads * cfg.q_len);
+    // The rotations' and the Hopper kernel's 16-byte accesses need 8-element offsets.
+    let prerotated =
+        kiln_kernels::attention::prerotated(&cfg).filter(|_| offsets.iter().all(|o| o % 8 == 0));
+    if let Some(plain) = prerotated {
+        // The CPU runs the fused kernel, RoPE included; the GPU rotates first.
+        let params: Vec<&str> = bind.iter().map(|(p, _)| *p).collect();
+        n.cpu(CpuKernel::Attention(cfg.clone()), &bind, &params, rows);
+        lower_prerotated(out, n, &cfg, plain, &bind, None)?;
+    } else {
+        let kernel = attention_kernel(out, &cfg, offsets);
+        n.cpu_like(CpuKernel::Attention(cfg.clone()), &kernel, &bind, rows);
+        out.launch_best(n, kernel, (&cfg, attention_base), &bind)?;
+    }
+    Some(())
+}
+
+/// Attention over a KV cache (decode steps and prompt chunks): one call on the CPU; on the GPU
+/// a prompt chunk rotated ahead (with its cache writes in one launch), the decode kernel taking
+/// in the cache writes and merging its key ranges, or a kernel over split key ranges and their
+/// combine.
+fn lower_decode_attention(
+    cx: &NodeCx,
+    spec: &DecodeAttentionSpec,
+    out: &mut Lowered,
+    n: &mut NodeLaunches,
+) -> Option<()> {
+    let (cfg, split, offsets) = lower_decode(cx.g, cx.id, spec, cx.elem, out)?;
+    // Operands: q, k cache, v cache, positions.
+    let mut bind = vec![
+        ("q", cx.a(0)),
+        ("k", cx.a(1)),
+        ("v", cx.a(2)),
+        ("positions", cx.a(3)),
+    ];
+    if let Some((theta, scaling)) = &spec.rope {
+        bind.extend(rope_tables(rope_table(*theta, scaling, cx.arg(0))?));
+    }
+    if cfg.paging.is_some() {
+        bind.push(("table", Operand::BlockTable));
+    }
+    // On the CPU one call covers every key (no partials to combine).
+    let mut one = cfg.clone();
+    one.splits = 1;
+    let mut cpu_bind = bind.clone();
+    cpu_bind.push(("out", cx.this()));
+    let mut params = vec!["q", "k", "v", "out", "positions"];
+    if cfg.rope {
+        params.extend(["cos", "sin"]);
+    }
+    if cfg.paging.is_some() {
+        params.push("table");
+    }
+    let rows = u64::from(cfg.batch * cfg.heads * cfg.q_len);
+    n.cpu(CpuKernel::Attention(one), &cpu_bind, &params, rows);
+    // The decode kernel takes in the cache writes and merges its own key ranges.
+    let writes = cx
+        .fused
+        .attention_writes
+        .get(&cx.id)
+        .and_then(|w| new_entries(cx.g, *w));
+    let decode = kiln_kernels::attention_decode::supports(&cfg);
+    let extras = Extras {
+        new: writes.as_ref().map(|(_, new)| new.clone()),
+        combine: decode && kiln_kernels::attention_decode::combines(&cfg),
+    };
+    // A prompt chunk over a KV cache: q rotated ahead of the Hopper kernel, in one
+    // launch with the cache writes where they are cx.this() attention's alone.
+    let aligned = offsets.iter().all(|o| o % 8 == 0);
+    let prerotated =
+        decode_prerotated(&cfg, split, offsets).filter(|_| extras == Extras::default());
+    if let Some(plain) = prerotated {
+        bind.push(("out", cx.this()));
+        let entries = cx.fused.chunk_writes.get(&cx.id).map(|(_, e)| e.clone());
+        return lower_prerotated(out, n, &cfg, plain, &bind, entries);
+    }
+    if let Some(([keys, values, mask], _)) = writes {
+        bind.extend([
+            ("k_new", Operand::Value(keys)),
+            ("v_new", Operand::Value(values)),
+        ]);
+        bind.push(("mask", Operand::Value(mask)));
+    }
+    if split {
+        let rows = u64::from(cfg.batch * cfg.heads * cfg.q_len * cfg.splits);
+        n.scratch.push(rows * u64::from(cfg.head_dim) * 4);
+        n.scratch.push(rows * 2 * 4);
+        bind.push(("partial_acc", Operand::Scratch(0)));
+        bind.push(("partial_ml", Operand::Scratch(1)));
+    }
+    // Kernels bind the parameters they declare: `out` unless they leave partials.
+    bind.push(("out", cx.this()));
+    let kernel = if extras == Extras::default() {
+        // The Hopper kernel (a chunk without RoPE over a KV cache) only where aligned.
+        let kernel = out.generate(&cfg, attention);
+        if kernel.image == Image::Sm90a {
+            let fallback = out.generate(&cfg, attention_base);
+            return if aligned {
+                out.launch_with_fallback(n, kernel, fallback, &bind)
+            } else {
+                out.launch(n, fallback, &bind)
             };
-            // A prompt chunk over a KV cache: q rotated ahead of the Hopper kernel, in one
-            // launch with the cache writes where they are this attention's alone.
-            let aligned = offsets.iter().all(|o| o % 8 == 0);
-            let prerotated =
-                decode_prerotated(&cfg, split, offsets).filter(|_| extras == Extras::default());
-            if let Some(plain) = prerotated {
-                bind.push(("out", this));
-                let entries = fused.chunk_writes.get(&id).map(|(_, e)| e.clone());
-                return lower_prerotated(out, n, &cfg, plain, &bind, entries);
-            }
-            if let Some(([keys, values, mask], _)) = writes {
-                bind.extend([("k_new", Value(keys)), ("v_new", Value(values))]);
-                bind.push(("mask", Value(mask)));
-            }
-            if split {
-                let rows = u64::from(cfg.batch * cfg.heads * cfg.q_len * cfg.splits);
-                n.scratch.push(rows * u64::from(cfg.head_dim) * 4);
-                n.scratch.push(rows * 2 * 4);
-                bind.push(("partial_acc", Operand::Scratch(0)));
-                bind.push(("partial_ml", Operand::Scratch(1)));
-            }
-            // Kernels bind the parameters they declare: `out` unless they leave partials.
-            bind.push(("out", this.clone()));
-            let kernel = if extras == Extras::default() {
-                // The Hopper kernel (a chunk without RoPE over a KV cache) only where aligned.
-                let kernel = out.generate(&cfg, attention);
-                if kernel.image == Image::Sm90a {
-                    let fallback = out.generate(&cfg, attention_base);
-                    return if aligned {
-                        out.launch_with_fallback(n, kernel, fallback, &bind)
-                    } else {
-                        out.launch(n, fallback, &bind)
-                    };
-                }
-                kernel
-            } else {
-                let counters = kiln_kernels::attention_decode::counter_bytes(&cfg);
-                bind.push(("counters", Operand::Counters(counters)));
-                out.generate(&(cfg.clone(), extras.clone()), |(c, e)| {
-                    kiln_kernels::attention_decode::attention_decode_with(c, e)
-                })
-            };
-            out.launch(n, kernel, &bind)?;
-            if split && !extras.combine {
-                let bind = [
-                    ("partial_acc", Operand::Scratch(0)),
-                    ("partial_ml", Operand::Scratch(1)),
-                    ("out", this),
-                ];
-                let kernel = out.generate(&cfg, attention_combine);
-                out.launch(n, kernel, &bind)?;
-            }
         }
-        Op::Activation(act) => {
-            let count = numel(&node.ty)?;
-            let kernel = out.generate(&(*act, elem, count), |&(act, elem, count)| {
-                activation_kernel(act, elem, count)
-            });
-            let bind = [("x", a(0)), ("out", this), ("n", Operand::U32(count))];
-            n.cpu(
-                CpuKernel::Activation(*act),
-                &bind,
-                &["x", "out", "n"],
-                u64::from(count),
-            );
-            out.launch(n, kernel, &bind)?;
-        }
-        Op::CacheWrite => {
-            // Operands: cache, new (possibly its RoPE), positions, mask. The cache is updated in
-            // place: this node's value is its first operand's storage.
-            let (cfg, values, rope) = cache_write(g, id, elem, out)?;
-            let kernel = out.generate(&cfg, kv_write);
-            let mut bind = vec![
-                ("cache", a(0)),
-                ("new", Value(values)),
-                ("positions", a(2)),
-                ("mask", a(3)),
-            ];
-            if let Some(table) = rope {
-                bind.extend(rope_tables(table));
-            }
-            if cfg.paging.is_some() {
-                bind.push(("table", Operand::BlockTable));
-            }
-            let tokens = u64::from(cfg.batch * cfg.new_len);
-            n.cpu_like(CpuKernel::KvWrite(cfg), &kernel, &bind, tokens);
-            if !fused.write_done(id) {
-                out.launch(n, kernel, &bind)?;
-            }
-        }
-        _ => return None,
+        kernel
+    } else {
+        let counters = kiln_kernels::attention_decode::counter_bytes(&cfg);
+        bind.push(("counters", Operand::Counters(counters)));
+        out.generate(&(cfg.clone(), extras.clone()), |(c, e)| {
+            kiln_kernels::attention_decode::attention_decode_with(c, e)
+        })
+    };
+    out.launch(n, kernel, &bind)?;
+    if split && !extras.combine {
+        let bind = [
+            ("partial_acc", Operand::Scratch(0)),
+            ("partial_ml", Operand::Scratch(1)),
+            ("out", cx.this()),
+        ];
+        let kernel = out.generate(&cfg, attention_combine);
+        out.launch(n, kernel, &bind)?;
+    }
+    Some(())
+}
+
+/// An elementwise activation.
+fn lower_activation(
+    cx: &NodeCx,
+    act: Activation,
+    out: &mut Lowered,
+    n: &mut NodeLaunches,
+) -> Option<()> {
+    let count = numel(&cx.node.ty)?;
+    let kernel = out.generate(&(act, cx.elem, count), |&(act, elem, count)| {
+        activation_kernel(act, elem, count)
+    });
+    let bind = [
+        ("x", cx.a(0)),
+        ("out", cx.this()),
+        ("n", Operand::U32(count)),
+    ];
+    n.cpu(
+        CpuKernel::Activation(act),
+        &bind,
+        &["x", "out", "n"],
+        u64::from(count),
+    );
+    out.launch(n, kernel, &bind)
+}
+
+/// A KV-cache write (in place: the node's value is its cache operand's storage), unless its
+/// attention or its chunk's entries write it.
+fn lower_cache_write(cx: &NodeCx, out: &mut Lowered, n: &mut NodeLaunches) -> Option<()> {
+    // Operands: cache, new (possibly its RoPE), positions, mask. The cache is updated in
+    // place: cx.this() node's value is its first operand's storage.
+    let (cfg, values, rope) = cache_write(cx.g, cx.id, cx.elem, out)?;
+    let kernel = out.generate(&cfg, kv_write);
+    let mut bind = vec![
+        ("cache", cx.a(0)),
+        ("new", Operand::Value(values)),
+        ("positions", cx.a(2)),
+        ("mask", cx.a(3)),
+    ];
+    if let Some(table) = rope {
+        bind.extend(rope_tables(table));
+    }
+    if cfg.paging.is_some() {
+        bind.push(("table", Operand::BlockTable));
+    }
+    let tokens = u64::from(cfg.batch * cfg.new_len);
+    n.cpu_like(CpuKernel::KvWrite(cfg), &kernel, &bind, tokens);
+    if !cx.fused.write_done(cx.id) {
+        out.launch(n, kernel, &bind)?;
     }
     Some(())
 }
