@@ -15,8 +15,6 @@ use kiln_models::{ImportOptions, ModelKind};
 
 use crate::bucket::{Bucket, BucketPlan};
 use crate::compile::{compile, compile_with_progress, CompileOptions, CompileReport, Compiled};
-use crate::fusion::cost::CostModel;
-use crate::fusion::Limits;
 use crate::plan::KvPaging;
 use crate::progress::Progress;
 use crate::tensor_io::{parent_folder, read_tensors, write_tensors};
@@ -212,17 +210,7 @@ fn ir(args: &IrArgs, out: &mut dyn Write) -> Result<()> {
         let seq = positive(bucket.expect("clap requires --bucket"), "--bucket")? as usize;
         let batch = positive(batch.unwrap_or(1), "--batch")? as usize;
         let plan = BucketPlan::new(vec![seq], vec![batch]).map_err(anyhow::Error::msg)?;
-        let opts = CompileOptions {
-            plan,
-            limits: Limits::default(),
-            cost: CostModel::default(),
-            histogram: None,
-            max_context: None,
-            prefill_chunks: Vec::new(),
-            logits_chunks: Vec::new(),
-            kv_paging: None,
-        };
-        let (_, compiled) = compile(&model.graph, None, &opts)?;
+        let (_, compiled) = compile(&model.graph, None, &CompileOptions::prefill(plan))?;
         writeln!(out, "{}", compiled.prefill[0].graph.to_ron())?;
         return Ok(());
     }
@@ -423,9 +411,6 @@ impl CompileArgs {
         context: Option<usize>,
     ) -> CompileOptions {
         CompileOptions {
-            plan: plan.clone(),
-            limits: Limits::default(),
-            cost: CostModel::default(),
             histogram,
             max_context: context,
             prefill_chunks: context.map_or_else(Vec::new, |c| {
@@ -445,6 +430,7 @@ impl CompileArgs {
                     blocks: self.kv_blocks,
                 }),
             },
+            ..CompileOptions::prefill(plan.clone())
         }
     }
 }

@@ -43,6 +43,21 @@ pub struct CompileOptions {
 }
 
 impl CompileOptions {
+    /// The prefill buckets of `plan` alone: the default rule limits and cost model, no length
+    /// histogram, no KV cache, prompt or logits chunks.
+    pub fn prefill(plan: BucketPlan) -> CompileOptions {
+        CompileOptions {
+            plan,
+            limits: Limits::default(),
+            cost: CostModel::default(),
+            histogram: None,
+            max_context: None,
+            prefill_chunks: Vec::new(),
+            logits_chunks: Vec::new(),
+            kv_paging: None,
+        }
+    }
+
     /// The prompt chunks that are graphs of their own (more than one token).
     fn prompt_chunks(&self) -> impl Iterator<Item = Bucket> + '_ {
         self.prefill_chunks.iter().copied().filter(|c| c.seq > 1)

@@ -295,16 +295,7 @@ pub fn compile_fixture(
     use kiln_compiler::bucket::BucketPlan;
     use kiln_compiler::compile::{compile, CompileOptions};
     let model = kiln_models::import(dir).expect("fixture imports");
-    let opts = CompileOptions {
-        plan: BucketPlan::new(seq.to_vec(), batch.to_vec()).unwrap(),
-        limits: Default::default(),
-        cost: Default::default(),
-        histogram: None,
-        max_context: None,
-        prefill_chunks: Vec::new(),
-        logits_chunks: Vec::new(),
-        kv_paging: None,
-    };
+    let opts = CompileOptions::prefill(BucketPlan::new(seq.to_vec(), batch.to_vec()).unwrap());
     let (report, compiled) = compile(&model.graph, None, &opts).expect("fixture compiles");
     (model, report, compiled.prefill)
 }

@@ -29,14 +29,8 @@ fn decoder(name: &str, batch: &[usize]) -> Decoder {
     };
     let cached = kiln_models::import_with(&fixture(name), &options).unwrap();
     let opts = CompileOptions {
-        plan: BucketPlan::new(vec![16], batch.to_vec()).unwrap(),
-        limits: Default::default(),
-        cost: Default::default(),
-        histogram: None,
         max_context: Some(CONTEXT),
-        prefill_chunks: Vec::new(),
-        logits_chunks: Vec::new(),
-        kv_paging: None,
+        ..CompileOptions::prefill(BucketPlan::new(vec![16], batch.to_vec()).unwrap())
     };
     let (report, compiled) = compile(&plain.graph, Some(&cached.graph), &opts).unwrap();
     Decoder {

@@ -252,16 +252,7 @@ fn compile_with(
     use kiln_compiler::bucket::BucketPlan;
     use kiln_compiler::compile::{compile, CompileOptions};
     let model = kiln_models::import_with(dir, options).unwrap();
-    let opts = CompileOptions {
-        plan: BucketPlan::new(vec![seq], vec![1]).unwrap(),
-        limits: Default::default(),
-        cost: Default::default(),
-        histogram: None,
-        max_context: None,
-        prefill_chunks: Vec::new(),
-        logits_chunks: Vec::new(),
-        kv_paging: None,
-    };
+    let opts = CompileOptions::prefill(BucketPlan::new(vec![seq], vec![1]).unwrap());
     let (_, mut compiled) = compile(&model.graph, None, &opts).unwrap();
     (model, compiled.prefill.remove(0))
 }

@@ -8,24 +8,13 @@ use std::collections::BTreeMap;
 
 use kiln_compiler::bucket::BucketPlan;
 use kiln_compiler::compile::{compile, CompileOptions};
-use kiln_compiler::fusion::cost::CostModel;
-use kiln_compiler::fusion::Limits;
 use kiln_compiler::plan::{plan_artifact, ArtifactPlan};
 use kiln_ir::artifact::ALIGN;
 use kiln_ir::{DType, TensorType, WeightSource};
 use kiln_tests::fixture;
 
 fn planned(model: &kiln_models::Model) -> ArtifactPlan {
-    let opts = CompileOptions {
-        plan: BucketPlan::new(vec![8], vec![1]).unwrap(),
-        limits: Limits::default(),
-        cost: CostModel::default(),
-        histogram: None,
-        max_context: None,
-        prefill_chunks: Vec::new(),
-        logits_chunks: Vec::new(),
-        kv_paging: None,
-    };
+    let opts = CompileOptions::prefill(BucketPlan::new(vec![8], vec![1]).unwrap());
     let (_, compiled) = compile(&model.graph, None, &opts).unwrap();
     let graphs: Vec<&kiln_ir::Graph> = compiled.prefill.iter().map(|b| &b.graph).collect();
     plan_artifact(&graphs, false, None).unwrap()
