@@ -155,11 +155,9 @@ fn threads(cfg: &AttentionConfig) -> u32 {
     128 * (consumers(cfg) + 1)
 }
 
-/// A thread's registers at launch: `.maxntid` has ptxas share the SM's 64K out over the block
-/// in multiples of 8. `setmaxnreg` only moves these between warpgroups: a request for more than
-/// the others gave up waits forever.
+/// A thread's registers at launch ([`crate::hopper::launch_regs`]).
 fn launch_regs(cfg: &AttentionConfig) -> u32 {
-    65536 / threads(cfg) / 8 * 8
+    crate::hopper::launch_regs(threads(cfg))
 }
 
 /// A consumer's registers once the producer gave up its own: the block's at launch less the

@@ -181,8 +181,8 @@ const GROUP_M: u32 = 8;
 /// tiles per block).
 const GRID: u32 = 132;
 const A_BYTES: u32 = BM * BK * 2;
-/// Registers per thread the block holds at launch (`.maxntid`: 65536 / `THREADS`, in eights).
-const LAUNCH_REGS: u32 = 65536 / THREADS / 8 * 8;
+/// Registers per thread the block holds at launch ([`crate::hopper::launch_regs`]).
+const LAUNCH_REGS: u32 = crate::hopper::launch_regs(THREADS);
 
 /// Registers per thread after reallocation, the producer's and the consumers' (up to 128
 /// accumulators each), which together fill the block's `LAUNCH_REGS` x `THREADS`: a staged

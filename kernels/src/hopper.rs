@@ -227,6 +227,13 @@ impl WarpgroupThread {
     }
 }
 
+/// A thread's registers at launch in a block of `threads` (its `.maxntid`): ptxas shares the
+/// SM's 64K out over the block in multiples of 8. `setmaxnreg` only moves these between
+/// warpgroups: a request for more than the others gave up waits forever.
+pub const fn launch_regs(threads: u32) -> u32 {
+    65536 / threads / 8 * 8
+}
+
 /// Raises (`grow`) or lowers this warpgroup's register budget to `count` per thread.
 pub fn setmaxnreg(k: &mut Kernel, grow: bool, count: u32) {
     let dir = if grow { "inc" } else { "dec" };
