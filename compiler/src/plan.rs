@@ -590,6 +590,8 @@ fn plan_bucket(
 /// graph order, then scratch, view outputs' copies, the chosen tokens and the sampler's
 /// parameters).
 struct Storage {
+    /// Each weight's (and RoPE table's) byte offset in the weights region.
+    weight_at: BTreeMap<String, u64>,
     root: Vec<(NodeId, u64)>,
     homes: BTreeMap<NodeId, Home>,
     buffers: Vec<crate::memory::Lifetime>,
@@ -639,8 +641,9 @@ impl Storage {
         let offsets = |slots: &[kiln_ir::artifact::TensorSlot]| -> BTreeMap<String, u64> {
             slots.iter().map(|s| (s.name.clone(), s.offset)).collect()
         };
-        let (weight_at, cache_at) = (offsets(&memory.weights), offsets(&memory.cache));
+        let cache_at = offsets(&memory.cache);
         let mut storage = Storage {
+            weight_at: offsets(&memory.weights),
             root: Vec::with_capacity(g.len()),
             homes: BTreeMap::new(),
             buffers: Vec::new(),
@@ -667,11 +670,13 @@ impl Storage {
                 continue;
             }
             let home = match &node.op {
-                Op::Weight(name) => Home::Weight(*weight_at.get(name).ok_or_else(|| {
-                    PlanError::Layout(format!(
-                        "weight `{name}` has no place in the weights region"
-                    ))
-                })?),
+                Op::Weight(name) => {
+                    Home::Weight(*storage.weight_at.get(name).ok_or_else(|| {
+                        PlanError::Layout(format!(
+                            "weight `{name}` has no place in the weights region"
+                        ))
+                    })?)
+                }
                 Op::Input(name) if is_cache(name) => Home::Cache(cache_at[name]),
                 op => {
                     // Inputs are written before the first step; values when their node runs.
@@ -797,11 +802,10 @@ impl<'a> Addresses<'a> {
             Operand::Scratch(i) => arena(self.storage.scratch[&id][*i]),
             Operand::Rope { table, sin } => {
                 let name = table_name(table, *sin);
-                let slot = self.memory.weights.iter().find(|s| s.name == name);
-                let slot = slot.ok_or_else(|| {
+                let at = self.storage.weight_at.get(&name).ok_or_else(|| {
                     PlanError::Layout(format!("RoPE table `{name}` has no place in the weights"))
                 })?;
-                Arg::Ptr(Region::Weights, slot.offset)
+                Arg::Ptr(Region::Weights, *at)
             }
             Operand::U32(v) => Arg::U32(*v),
             Operand::Arena(offset) => Arg::Ptr(Region::Arena, *offset),
