@@ -1244,6 +1244,8 @@ fn attention_matches_the_interpreter() {
             ..AttentionCase::new(4, 2, 300, 300, 128)
         },
         AttentionCase::new(2, 2, 260, 260, 64),
+        // Every key at head dim 128: ragged rows and keys, GQA.
+        AttentionCase::new(4, 2, 300, 1000, 128),
         // Training-mode dropout.
         AttentionCase {
             heads: 4,
@@ -1359,12 +1361,15 @@ fn attention_on_tensor_cores_at_benchmark_shapes() {
             dropout: Some((0.1, 7)),
             ..AttentionCase::new(8, 2, 4096, 4096, 64)
         },
+        // Every key at d 128 (the benchmark's case without a mask).
+        AttentionCase::new(8, 8, 4096, 4096, 128),
     ];
     // Llama's RoPE leaves the kernel (`prerotated`), for a prefill and for a chunk over a dense
     // cache; windows stay on mma.
     let paths = [
         KernelPath::Wgmma,
         KernelPath::Mma,
+        KernelPath::Wgmma,
         KernelPath::Wgmma,
         KernelPath::Wgmma,
     ];
