@@ -939,11 +939,12 @@ impl Consumer {
         }
     }
 
-    /// The key tiles: the scores of tile `j + 1` are issued, then `O += P V` of tile `j`, as two
-    /// wgmma groups, and the softmax of tile `j + 1` runs once its scores are in, under the
-    /// warpgroup's own `P V` (O's correction and P wait for it); the consumers take turns
-    /// issuing (named barriers from [`turn_barrier`], each waiting for the one before), so that
-    /// one's softmax also runs while the others' products do.
+    /// The key tiles: the consumers take turns issuing (named barriers from [`turn_barrier`],
+    /// each waiting for the one before), so that one's softmax runs while the others' products
+    /// do. Where [`under_own_products`], the scores of tile `j + 1` and then `O += P V` of tile
+    /// `j` are two wgmma groups and the softmax of tile `j + 1` runs once its scores are in,
+    /// under the warpgroup's own `P V` (O's correction and P wait for it); otherwise `P V` and
+    /// the scores are one group, awaited whole.
     #[allow(clippy::too_many_arguments)]
     fn main_loop(
         &self,
@@ -997,9 +998,10 @@ impl Consumer {
         mbarrier_wait(k, &q_full, &q_parity);
 
         let j = k.mov(RegClass::B32, &0u32);
-        // Tile j's probabilities (dropped ones zeroed) in place of its scores, and, while a
-        // `P V` still writes O (`in_flight`), the correction O waits for.
-        let probabilities = |k: &mut Kernel, j: &Reg, first: bool, in_flight: bool| {
+        // Tile j's probabilities (dropped ones zeroed) in place of its scores, and, where a
+        // later tile's softmax runs under the warpgroup's own `P V`, the correction O waits for.
+        let probabilities = |k: &mut Kernel, j: &Reg, first: bool| {
+            let in_flight = !first && under_own_products(cfg);
             if mask.is_some() {
                 let tile = progress.tile(k, j);
                 self.add_mask(k, &tiles.s, &tile);
@@ -1033,7 +1035,7 @@ impl Consumer {
         k.emit(format!("bar.arrive {other}, 256"));
         wgmma_wait(k, 0);
         tiles.release(k, &j, Kv::K, self.lane0);
-        let correction = probabilities(k, &j, true, false);
+        let correction = probabilities(k, &j, true);
         finish(k, correction);
 
         let top = k.label("tiles");
@@ -1057,7 +1059,7 @@ impl Consumer {
             k.comment("the softmax of tile j + 1 under O += P V of tile j");
             wgmma_wait(k, 1);
             tiles.release(k, &next, Kv::K, self.lane0);
-            let correction = probabilities(k, &next, false, true);
+            let correction = probabilities(k, &next, false);
             wgmma_wait(k, 0);
             tiles.release(k, &j, Kv::V, self.lane0);
             correction
@@ -1070,7 +1072,7 @@ impl Consumer {
             wgmma_wait(k, 0);
             tiles.release(k, &j, Kv::V, self.lane0);
             tiles.release(k, &next, Kv::K, self.lane0);
-            probabilities(k, &next, false, false)
+            probabilities(k, &next, false)
         };
         finish(k, correction);
         k.emit(format!("mov.u32 {j}, {next}"));
@@ -1238,11 +1240,7 @@ impl Consumer {
         });
         let mut correction = Correction { factors, any };
         if !in_flight {
-            correction.apply(k, &state.o);
-            correction = Correction {
-                factors: Vec::new(),
-                any: None,
-            };
+            std::mem::take(&mut correction).apply(k, &state.o);
         }
         for (i, v) in s.iter().enumerate() {
             let h = (i % 4) / 2;
@@ -1323,7 +1321,8 @@ impl Consumer {
 
 /// A tile's correction of O: each of the thread's two rows' factor (none on an item's first
 /// tile) and, under [`Rescale::WhenMoved`], whether any row of the warp moved (every factor 1
-/// otherwise).
+/// otherwise); the default corrects nothing.
+#[derive(Default)]
 struct Correction {
     factors: Vec<Reg>,
     any: Option<Reg>,
