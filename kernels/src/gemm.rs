@@ -353,24 +353,31 @@ pub(crate) struct EpiloguePtrs {
     residual: Option<Reg>,
     out: Reg,
     out_is_map: bool,
+    residual_is_map: bool,
 }
 
 impl EpiloguePtrs {
     /// Declares the parameters `cfg` needs.
     pub(crate) fn declare(k: &mut Kernel, cfg: &GemmConfig) -> EpiloguePtrs {
-        EpiloguePtrs::declare_with(k, cfg, None)
+        EpiloguePtrs::declare_with(k, cfg, None, false)
     }
 
-    /// [`EpiloguePtrs::declare`], `out` as a tensor map of `spec` where given (for TMA stores);
-    /// [`EpiloguePtrs::out`] is then the map's address.
+    /// [`EpiloguePtrs::declare`], `out` as a tensor map of `spec` where given (for TMA stores),
+    /// and `residual` too where `residual_map` (for TMA loads); [`EpiloguePtrs::out_map`] and
+    /// [`EpiloguePtrs::residual_map`] are then the maps' addresses.
     pub(crate) fn declare_with(
         k: &mut Kernel,
         cfg: &GemmConfig,
         out_map: Option<crate::TensorMapSpec>,
+        residual_map: bool,
     ) -> EpiloguePtrs {
         EpiloguePtrs {
             bias: cfg.bias.then(|| k.param_ptr("bias")),
-            residual: cfg.residual.then(|| k.param_ptr("residual")),
+            residual: cfg.residual.then(|| match (&out_map, residual_map) {
+                (Some(spec), true) => k.param_tensor_map("residual", *spec),
+                _ => k.param_ptr("residual"),
+            }),
+            residual_is_map: out_map.is_some() && residual_map,
             out_is_map: out_map.is_some(),
             out: match out_map {
                 Some(spec) => k.param_tensor_map("out", spec),
@@ -450,6 +457,20 @@ impl EpiloguePtrs {
 
     /// The residual pointer, when `cfg` has one.
     pub(crate) fn residual(&self) -> Option<Reg> {
+        assert!(
+            !self.residual_is_map,
+            "`residual` is a tensor map here: see `residual_map`"
+        );
+        self.residual
+    }
+
+    /// The residual's tensor map (its generic address), when `cfg` has one, declared by
+    /// `declare_with` as a map.
+    pub(crate) fn residual_map(&self) -> Option<Reg> {
+        assert!(
+            self.residual_is_map,
+            "`residual` is a pointer here: see `residual`"
+        );
         self.residual
     }
 

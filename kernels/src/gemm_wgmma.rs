@@ -39,10 +39,11 @@
 
 use crate::gemm::{apply, Addends, EpiloguePtrs, GemmConfig};
 use crate::hopper::{
-    bulk_commit, bulk_wait, fence_proxy_async, for_each_block_item, mbarrier_arrive,
-    mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_init_fence, mbarrier_wait,
-    prefetch_tensor_map, setmaxnreg, stmatrix_x4, tma_load, tma_store, wgmma, wgmma_commit,
-    wgmma_descriptor, wgmma_fence, wgmma_wait, WarpgroupThread, WgmmaA, WgmmaB, MBARRIER_BYTES,
+    bulk_commit, bulk_wait, bulk_wait_when, fence_proxy_async, for_each_block_item,
+    mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_arrive_expect_tx_when, mbarrier_init,
+    mbarrier_init_fence, mbarrier_wait, prefetch_tensor_map, setmaxnreg, stmatrix_x4, tma_load,
+    tma_load_when, tma_store, wgmma, wgmma_commit, wgmma_descriptor, wgmma_fence, wgmma_wait,
+    WarpgroupThread, WgmmaA, WgmmaB, MBARRIER_BYTES,
 };
 use crate::ptx::{Elem, Kernel, Label, Reg, RegClass, F32};
 use crate::{GeneratedKernel, Image, KernelPath, Launch, TensorMapSpec};
@@ -168,8 +169,10 @@ const BK: u32 = 64;
 pub const STAGES: u32 = 4;
 /// Shared memory a block may take on an H100 / H200 (227 KB).
 const MAX_SHARED: u32 = 227 * 1024;
-/// Static shared memory: the stages' barriers (room for the most stages) and a split's flags.
-const STATIC_SHARED: u32 = 2 * STAGES * MBARRIER_BYTES + 4 * CONSUMERS as u32;
+/// Static shared memory: the stages' barriers (room for the most stages), a split's flags and
+/// the staged residual tiles' barriers.
+const STATIC_SHARED: u32 =
+    2 * STAGES * MBARRIER_BYTES + 4 * CONSUMERS as u32 + CONSUMERS as u32 * MBARRIER_BYTES;
 /// Output columns of a staged epilogue's TMA store box: 128 bytes, the swizzle span.
 const STORE_COLUMNS: u32 = 64;
 /// Output rows of a staged epilogue's TMA store box: a consumer's 64.
@@ -500,7 +503,8 @@ pub fn gemm_wgmma_tiled(cfg: &GemmConfig, tiling: Tiling, name: String) -> Gener
         TensorMapSpec::matrix(tensor_dtype(cfg.elem), dims, [STORE_ROWS, STORE_COLUMNS])
             .swizzled(crate::hopper::SWIZZLE_BYTES)
     });
-    let epilogue = EpiloguePtrs::declare_with(&mut k, cfg, out_map);
+    let copied = copies_residual(cfg, tiling);
+    let epilogue = EpiloguePtrs::declare_with(&mut k, cfg, out_map, copied);
     let split = (tiling.splits > 1).then(|| Split {
         partials: k.param_ptr("partials"),
         counters: k.param_ptr("counters"),
@@ -510,6 +514,13 @@ pub fn gemm_wgmma_tiled(cfg: &GemmConfig, tiling: Tiling, name: String) -> Gener
     let smem = k.dynamic_shared_aligned("gemm_stages", 1024);
     // Room for the most stages' barriers, whatever this tile's count.
     k.shared("gemm_barriers", 2 * STAGES * MBARRIER_BYTES);
+    let residual = copied.then(|| {
+        k.shared("gemm_residual_barriers", CONSUMERS as u32 * MBARRIER_BYTES);
+        ResidualLoads {
+            bars: k.shared_base("gemm_residual_barriers"),
+            tiles: k.mov(RegClass::B32, &0u32),
+        }
+    });
 
     let tid = k.special("tid.x");
     // The stages, 1024-byte aligned (the launch asks for 1 KB more than they need).
@@ -530,6 +541,9 @@ pub fn gemm_wgmma_tiled(cfg: &GemmConfig, tiling: Tiling, name: String) -> Gener
         mbarrier_init(&mut k, &f, 1);
         let e = k.add_u32(&empty, &(s * MBARRIER_BYTES));
         mbarrier_init(&mut k, &e, tile.releasing_warps());
+    }
+    if let Some(residual) = &residual {
+        residual.init(&mut k);
     }
     mbarrier_init_fence(&mut k);
     k.place(&init_done);
@@ -553,7 +567,7 @@ pub fn gemm_wgmma_tiled(cfg: &GemmConfig, tiling: Tiling, name: String) -> Gener
         &mut k,
         cfg,
         &pipe,
-        (&epilogue, split.as_ref()),
+        (&epilogue, split.as_ref(), residual.as_ref()),
         &tid,
         &warpgroup,
     );
@@ -723,7 +737,7 @@ fn consumer(
     k: &mut Kernel,
     cfg: &GemmConfig,
     pipe: &Pipeline,
-    (epilogue, split): (&EpiloguePtrs, Option<&Split>),
+    (epilogue, split, residual): (&EpiloguePtrs, Option<&Split>, Option<&ResidualLoads>),
     tid: &Reg,
     warpgroup: &Reg,
 ) {
@@ -757,13 +771,23 @@ fn consumer(
         step,
         lane0,
     };
-    let staging = tile.tiling.staged.then(|| Staging::new(pipe));
+    let staging = tile
+        .tiling
+        .staged
+        .then(|| Staging::new(pipe, residual.is_some()));
     for_each_item(k, cfg, pipe, |k, item| {
         let (m0, n0) = (item.m0, item.n0);
         let skip = k.label("other_tile");
         // Taking turns: whether the other consumer has a tile after this one.
         let hand_over = turns.as_ref().map(|t| t.take(k, &consumer, &mac, &skip));
-        mac.multiply(k, &item.steps);
+        let loads = |k: &mut Kernel, mid: &Reg| {
+            if let (Some(residual), Some(staging)) = (residual, &staging) {
+                let rows = k.mad_u32(&consumer, &64u32, &m0);
+                residual.issue(k, (staging, epilogue), mid, &consumer, [rows, n0]);
+            }
+        };
+        let mid_step: Option<&StepHook<'_>> = residual.map(|_| &loads as _);
+        mac.multiply(k, &item.steps, mid_step);
         if let (Some(t), Some(next)) = (&turns, hand_over) {
             t.hand_over(k, next);
         }
@@ -779,7 +803,10 @@ fn consumer(
         }
         if let Some(staging) = &staging {
             // Consumers together: one half of 64 rows.
-            let regs = staging.begin(k, tid, &consumer);
+            let regs = match residual {
+                Some(residual) => residual.wait(k, staging, tid, &consumer),
+                None => staging.begin(k, tid, &consumer),
+            };
             let rows = k.mad_u32(&consumer, &64u32, &m0);
             let frag = Fragment::of(k, &acc, tid, rows, n0);
             staging.write(&regs, k, cfg, epilogue, &frag);
@@ -814,6 +841,8 @@ struct Staging {
     offset: u32,
     /// The tile's output columns.
     columns: u32,
+    /// The region holds the tile's residual when the epilogue starts ([`ResidualLoads`]).
+    residual: bool,
 }
 
 /// [`Staging`]'s registers for one tile's epilogue.
@@ -836,12 +865,13 @@ struct StagingRegs {
 const STAGING_BARRIER: u32 = 5;
 
 impl Staging {
-    fn new(pipe: &Pipeline) -> Staging {
+    fn new(pipe: &Pipeline, residual: bool) -> Staging {
         let tile = pipe.tile;
         Staging {
             base: pipe.stages,
             offset: pipe.count * tile.stage_bytes(),
             columns: tile.columns(),
+            residual,
         }
     }
 
@@ -851,11 +881,16 @@ impl Staging {
         k.setp("eq.u32", &place.thread, &0u32)
     }
 
-    /// The registers of consumer `consumer`'s thread `tid`.
-    fn regs(&self, k: &mut Kernel, tid: &Reg, consumer: &Reg) -> StagingRegs {
+    /// Consumer `consumer`'s region.
+    fn region(&self, k: &mut Kernel, consumer: &Reg) -> Reg {
         let bytes = STORE_ROWS * self.columns * 2;
         let region = k.mad_u32(consumer, &bytes, &self.base);
-        let buf = k.add_u32(&region, &self.offset);
+        k.add_u32(&region, &self.offset)
+    }
+
+    /// The registers of consumer `consumer`'s thread `tid`.
+    fn regs(&self, k: &mut Kernel, tid: &Reg, consumer: &Reg) -> StagingRegs {
+        let buf = self.region(k, consumer);
         let place = WarpgroupThread::of(k, tid);
         let issuer = Staging::issuer(k, &place);
         let barrier = k.add_u32(consumer, &STAGING_BARRIER);
@@ -914,23 +949,39 @@ impl Staging {
         };
         let chunks = frag.chunks(cfg);
         for j in (0..chunks).step_by(2) {
+            // Chunk j + odd_chunk's 16-byte unit of its 128-byte row, swizzled.
+            let address = |k: &mut Kernel| {
+                let block = (j / 8) * STORE_ROWS * 128;
+                let unit = k.add_u32(&regs.odd_chunk, &(j % 8));
+                let unit = k.op2("xor.b32", RegClass::B32, &unit, &regs.swizzle);
+                let at = k.add_u32(&regs.row_base, &block);
+                k.mad_u32(&unit, &16u32, &at)
+            };
+            // The residual's pairs where the finished ones go: the region holds the residual
+            // tile ([`ResidualLoads`]), and `ldmatrix` reads what `stmatrix` writes.
+            let resident = self.residual.then(|| {
+                let addr = address(k);
+                (addr, k.ldmatrix_x4("", addr, 0))
+            });
             let words: Vec<[Reg; 2]> = [j, j + 1]
                 .map(|j| {
                     let operands = if no_operands {
                         PairOperands::none()
                     } else {
                         let place = PairPlace::of(k, cfg, frag, &rows, j);
-                        PairOperands::load(k, cfg, epilogue, &place)
+                        let pair = resident.as_ref().map(|(_, r)| {
+                            let i = 2 * (j % 2) as usize;
+                            vec![r[i], r[i + 1]]
+                        });
+                        PairOperands::load(k, cfg, epilogue, &place, pair)
                     };
                     finish_chunk(k, cfg, frag, j, &operands)
                 })
                 .to_vec();
-            // Chunk j + odd_chunk's 16-byte unit of its 128-byte row, swizzled.
-            let block = (j / 8) * STORE_ROWS * 128;
-            let unit = k.add_u32(&regs.odd_chunk, &(j % 8));
-            let unit = k.op2("xor.b32", RegClass::B32, &unit, &regs.swizzle);
-            let at = k.add_u32(&regs.row_base, &block);
-            let addr = k.mad_u32(&unit, &16u32, &at);
+            let addr = match resident {
+                Some((addr, _)) => addr,
+                None => address(k),
+            };
             stmatrix_x4(
                 k,
                 &addr,
@@ -964,6 +1015,89 @@ impl Staging {
         k.bra(Some((issuer, false)), &done);
         bulk_wait(k, 0, false);
         k.place(&done);
+    }
+}
+
+/// K steps up to which a staged epilogue's residual tile is copied in ([`ResidualLoads`]): on the
+/// H200 (2026-12-04) BERT-base's O product + bias + residual (12 steps) took 0.0384-0.0398 ms
+/// against 0.0433-0.0441 loading it in the epilogue, its down product (48 steps) 0.1231-0.1266
+/// against 0.1139-0.1166 at 256 wide: over long K the epilogue's loads weigh little, and the
+/// guarded copy in every step's issue does not pay.
+const RESIDUAL_COPY_MAX_STEPS: u32 = 16;
+
+/// Whether `tiling`'s epilogue takes its residual tile copied in ([`ResidualLoads`]): staged,
+/// with a residual, over at most [`RESIDUAL_COPY_MAX_STEPS`] K steps.
+pub fn copies_residual(cfg: &GemmConfig, tiling: Tiling) -> bool {
+    tiling.staged && cfg.residual && cfg.k.div_ceil(BK) <= RESIDUAL_COPY_MAX_STEPS
+}
+
+/// A staged epilogue's residual tile, copied with TMA into the consumer's region while the
+/// consumer multiplies, so that the epilogue reads it from shared memory (`ldmatrix` where its
+/// finished pairs go) instead of waiting on global loads: once the tile's middle K step is
+/// issued (the previous tile's stores have long read the region by then: at the first step,
+/// waiting for them held the warpgroup), the consumer's first thread waits for them and copies
+/// the residual's boxes in, completing on the consumer's barrier, which the epilogue waits for
+/// (its phase is the consumer's tile count). The residual is then a tensor map like `out` (rows
+/// of 16-byte multiples, as [`staged_fits`] asks of `out`).
+struct ResidualLoads {
+    /// One barrier per consumer, `MBARRIER_BYTES` apart.
+    bars: Reg,
+    /// The consumer's staged tiles so far.
+    tiles: Reg,
+}
+
+impl ResidualLoads {
+    /// One arrival (with the boxes' bytes) completes each phase.
+    fn init(&self, k: &mut Kernel) {
+        for c in 0..CONSUMERS as u32 {
+            let bar = k.add_u32(&self.bars, &(c * MBARRIER_BYTES));
+            mbarrier_init(k, &bar, 1);
+        }
+    }
+
+    fn bar(&self, k: &mut Kernel, consumer: &Reg) -> Reg {
+        k.mad_u32(consumer, &MBARRIER_BYTES, &self.bars)
+    }
+
+    /// Where `when` holds on the consumer's first thread: the region freed by the previous
+    /// stores, then the residual's boxes at rows from `rows0`, columns from `n0` copied in.
+    fn issue(
+        &self,
+        k: &mut Kernel,
+        (staging, epilogue): (&Staging, &EpiloguePtrs),
+        at_step: &Reg,
+        consumer: &Reg,
+        [rows0, n0]: [Reg; 2],
+    ) {
+        let map = epilogue
+            .residual_map()
+            .expect("a staged residual tile has a residual");
+        let tid = k.special("tid.x");
+        let thread = k.op2("and.b32", RegClass::B32, &tid, &127u32);
+        let issuer = k.setp("eq.u32", &thread, &0u32);
+        let when = k.reg(RegClass::Pred);
+        k.emit(format!("and.pred {when}, {at_step}, {issuer}"));
+        k.comment("the residual tile into the region once the previous stores have read it");
+        bulk_wait_when(k, Some(&when), 0, true);
+        let bar = self.bar(k, consumer);
+        let region = staging.region(k, consumer);
+        mbarrier_arrive_expect_tx_when(k, Some(&when), &bar, STORE_ROWS * staging.columns * 2);
+        for b in 0..staging.columns / STORE_COLUMNS {
+            let col = k.add_u32(&n0, &(b * STORE_COLUMNS));
+            let dst = k.add_u32(&region, &(b * STORE_ROWS * 128));
+            tma_load_when(k, Some(&when), &dst, &map, &[&col, &rows0], &bar);
+        }
+    }
+
+    /// The consumer's staging registers once its residual tile has landed in the region.
+    fn wait(&self, k: &mut Kernel, staging: &Staging, tid: &Reg, consumer: &Reg) -> StagingRegs {
+        k.comment("staged epilogue: the residual tile in the region");
+        let bar = self.bar(k, consumer);
+        let parity = k.op2("and.b32", RegClass::B32, &self.tiles, &1u32);
+        mbarrier_wait(k, &bar, &parity);
+        let tiles = self.tiles;
+        k.emit(format!("add.u32 {tiles}, {tiles}, 1"));
+        staging.regs(k, tid, consumer)
     }
 }
 
@@ -1028,6 +1162,9 @@ impl Turns {
     }
 }
 
+/// Code a consumer emits into its K-step loop, given the predicate of the step it is for.
+type StepHook<'a> = dyn Fn(&mut Kernel, &Reg) + 'a;
+
 /// A consumer's products of one tile: its accumulators (one half per A row block in `halves`)
 /// over the K steps, stage by stage (`step` counts stages across the block's tiles).
 struct Products<'a> {
@@ -1041,8 +1178,11 @@ struct Products<'a> {
 
 impl Products<'_> {
     /// Zeroes the accumulators and issues the item's `steps` K steps, releasing each stage once
-    /// the group that read it has retired (all but the last).
-    fn multiply(&self, k: &mut Kernel, steps: &Reg) {
+    /// the group that read it has retired (all but the last); `mid_step` runs after each step's
+    /// products are issued, its instructions guarded by the predicate it is given (the middle
+    /// step, `steps / 2`), without branches: a divergent path while products are in flight
+    /// would serialize them.
+    fn multiply(&self, k: &mut Kernel, steps: &Reg, mid_step: Option<&StepHook<'_>>) {
         let (pipe, step) = (self.pipe, self.step);
         let per_half = self.acc.len() / self.halves.len();
         for a in self.acc {
@@ -1084,6 +1224,11 @@ impl Products<'_> {
             }
         }
         wgmma_commit(k);
+        if let Some(mid_step) = mid_step {
+            let half = k.op2("shr.u32", RegClass::B32, steps, &1u32);
+            let mid = k.setp("eq.u32", &kt, &half);
+            mid_step(k, &mid);
+        }
         k.comment("the previous step's group has retired: release its stage");
         wgmma_wait(k, 1);
         let had_previous = k.setp("ne.u32", &kt, &0u32);
@@ -1296,7 +1441,7 @@ fn store_pairs(k: &mut Kernel, cfg: &GemmConfig, epilogue: &EpiloguePtrs, frag: 
             .iter()
             .map(|&j| {
                 let place = PairPlace::of(k, cfg, frag, &rows, j);
-                PairOperands::load(k, cfg, epilogue, &place)
+                PairOperands::load(k, cfg, epilogue, &place, None)
             })
             .collect();
         for (&j, operands) in group.iter().zip(&loaded) {
@@ -1355,7 +1500,15 @@ impl PairOperands {
         u32::from(cfg.bias) * (1 + u32::from(cfg.swiglu)) + 2 * u32::from(cfg.residual)
     }
 
-    fn load(k: &mut Kernel, cfg: &GemmConfig, epilogue: &EpiloguePtrs, place: &PairPlace) -> Self {
+    /// The chunk's operands at `place`: the residual's words as `resident` holds them (both row
+    /// halves, read from shared memory) or loaded.
+    fn load(
+        k: &mut Kernel,
+        cfg: &GemmConfig,
+        epilogue: &EpiloguePtrs,
+        place: &PairPlace,
+        resident: Option<Vec<Reg>>,
+    ) -> Self {
         let bias = epilogue.bias().map(|b| load_word(k, b, &place.safe_col));
         let bias_up = match (epilogue.bias(), cfg.swiglu) {
             (Some(b), true) => {
@@ -1364,13 +1517,16 @@ impl PairOperands {
             }
             _ => None,
         };
-        let residual = match epilogue.residual() {
-            Some(r) => place
-                .rows
-                .iter()
-                .map(|(_, oi)| load_word(k, r, oi))
-                .collect(),
-            None => Vec::new(),
+        let residual = match resident {
+            Some(words) => words,
+            None => match epilogue.residual() {
+                Some(r) => place
+                    .rows
+                    .iter()
+                    .map(|(_, oi)| load_word(k, r, oi))
+                    .collect(),
+                None => Vec::new(),
+            },
         };
         PairOperands {
             bias,
@@ -1642,6 +1798,56 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn a_staged_residual_tile_is_copied_in_while_the_consumers_multiply() {
+        // BERT-base's O product (+ bias + residual): staged, the residual is a tensor map whose
+        // tile one thread per consumer copies in at the middle K step (guarded, no branch while
+        // products are in flight), read back with `ldmatrix` where the finished pairs go.
+        let cfg = GemmConfig {
+            bias: true,
+            residual: true,
+            ..product(16384, 768, 768, false)
+        };
+        let param = |kernel: &GeneratedKernel| {
+            kernel
+                .signature
+                .iter()
+                .find(|(name, _)| name == "residual")
+                .map(|(_, ty)| *ty)
+        };
+        let staged = gemm_wgmma_tiled(&cfg, Tiling::together(256).staged(), "s".into());
+        assert!(matches!(
+            param(&staged),
+            Some(kiln_ir::artifact::ParamType::TensorMap(_))
+        ));
+        assert!(staged.ptx.contains("ldmatrix"));
+        let loads = staged
+            .ptx
+            .lines()
+            .filter(|l| l.contains("cp.async.bulk.tensor") && l.contains("shared::cluster.global"));
+        // x, w and the residual's four 64-column boxes, each its own line.
+        assert_eq!(loads.count(), 2 + 4);
+        assert!(staged.ptx.contains("cp.async.bulk.wait_group.read 0;"));
+        // Near misses: stored from registers, over long K (the down product's 3072), or without
+        // a residual, nothing is copied in.
+        let unstaged = gemm_wgmma_tiled(&cfg, Tiling::together(256), "u".into());
+        assert_eq!(param(&unstaged), Some(kiln_ir::artifact::ParamType::Ptr));
+        assert!(!unstaged.ptx.contains("ldmatrix"));
+        let down = GemmConfig {
+            k: 3072,
+            ..cfg.clone()
+        };
+        let long = gemm_wgmma_tiled(&down, Tiling::together(256).staged(), "l".into());
+        assert_eq!(param(&long), Some(kiln_ir::artifact::ParamType::Ptr));
+        assert!(!copies_residual(&down, Tiling::together(256).staged()));
+        let plain = GemmConfig {
+            residual: false,
+            ..cfg
+        };
+        let plain = gemm_wgmma_tiled(&plain, Tiling::together(256).staged(), "p".into());
+        assert!(!plain.ptx.contains("ldmatrix") && param(&plain).is_none());
     }
 
     #[test]

@@ -31,19 +31,35 @@ pub fn mbarrier_init_fence(k: &mut Kernel) {
 
 /// One arrival on `bar`, by the threads where `when` holds (all with `None`).
 pub fn mbarrier_arrive(k: &mut Kernel, bar: &dyn Operand, when: Option<Reg>) {
-    let guard = when.map(|p| format!("@{p} ")).unwrap_or_default();
     k.emit(format!(
-        "{guard}mbarrier.arrive.shared::cta.b64 _, [{}]",
+        "{}mbarrier.arrive.shared::cta.b64 _, [{}]",
+        guard(when.as_ref()),
         bar.text()
     ));
 }
 
 /// One arrival on `bar` that also expects `bytes` of asynchronous copies to complete on it.
 pub fn mbarrier_arrive_expect_tx(k: &mut Kernel, bar: &dyn Operand, bytes: u32) {
+    mbarrier_arrive_expect_tx_when(k, None, bar, bytes);
+}
+
+/// [`mbarrier_arrive_expect_tx`] by the threads where `when` holds (all with `None`).
+pub fn mbarrier_arrive_expect_tx_when(
+    k: &mut Kernel,
+    when: Option<&Reg>,
+    bar: &dyn Operand,
+    bytes: u32,
+) {
     k.emit(format!(
-        "mbarrier.arrive.expect_tx.shared::cta.b64 _, [{}], {bytes}",
+        "{}mbarrier.arrive.expect_tx.shared::cta.b64 _, [{}], {bytes}",
+        guard(when),
         bar.text()
     ));
+}
+
+/// The guard prefix of an instruction run where `when` holds.
+fn guard(when: Option<&Reg>) -> String {
+    when.map(|p| format!("@{p} ")).unwrap_or_default()
 }
 
 /// Waits until the phase of `bar` with parity `parity` (0 or 1) has completed.
@@ -74,10 +90,23 @@ pub fn tma_load(
     coords: &[&dyn Operand],
     bar: &dyn Operand,
 ) {
+    tma_load_when(k, None, dst, map, coords, bar);
+}
+
+/// [`tma_load`] by the threads where `when` holds (all with `None`).
+pub fn tma_load_when(
+    k: &mut Kernel,
+    when: Option<&Reg>,
+    dst: &dyn Operand,
+    map: &Reg,
+    coords: &[&dyn Operand],
+    bar: &dyn Operand,
+) {
     let mut c: Vec<String> = coords.iter().map(|c| c.text()).collect();
     c.resize(4, "0".into());
     k.emit(format!(
-        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [{}], [{map}, {{{}}}], [{}]",
+        "{}cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [{}], [{map}, {{{}}}], [{}]",
+        guard(when),
         dst.text(),
         c.join(", "),
         bar.text()
@@ -106,8 +135,16 @@ pub fn bulk_commit(k: &mut Kernel) {
 /// Waits until at most `pending` of this thread's bulk groups are still reading shared memory
 /// (`read`), or still running at all.
 pub fn bulk_wait(k: &mut Kernel, pending: u32, read: bool) {
+    bulk_wait_when(k, None, pending, read);
+}
+
+/// [`bulk_wait`] by the threads where `when` holds (all with `None`).
+pub fn bulk_wait_when(k: &mut Kernel, when: Option<&Reg>, pending: u32, read: bool) {
     let read = if read { ".read" } else { "" };
-    k.emit(format!("cp.async.bulk.wait_group{read} {pending}"));
+    k.emit(format!(
+        "{}cp.async.bulk.wait_group{read} {pending}",
+        guard(when)
+    ));
 }
 
 /// Orders this thread's earlier shared-memory writes before later asynchronous-proxy accesses

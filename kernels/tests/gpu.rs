@@ -778,15 +778,18 @@ fn check_gemm(gpu: &Gpu, rng: &mut Rng, cfg: &GemmConfig, kernels: &[GeneratedKe
 fn hopper_tiles_go_round_the_persistent_grid() {
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng::seed_from_u64(0x5eed_7113);
-    for (m, n, k, swiglu) in [
-        (1100u32, 3900u32, 264u32, false),
-        (1100, 2200, 1000, true),
-        (1100, 3904, 264, false),
-        (1100, 2208, 1000, true),
-        (64, 2048, 8192, false),
+    // With an activation too: staged tiles of bias, GELU(erf) and residual, several a block.
+    for (m, n, k, swiglu, activation) in [
+        (1100u32, 3900u32, 264u32, false, None),
+        (1100, 2200, 1000, true, None),
+        (1100, 3904, 264, false, None),
+        (1100, 2208, 1000, true, None),
+        (64, 2048, 8192, false, None),
+        (1100, 3904, 264, false, Some(Activation::GeluErf)),
     ] {
         let cfg = GemmConfig {
             bias: true,
+            activation,
             swiglu,
             residual: true,
             ..GemmConfig::plain(m, n, k, Elem::BF16)
