@@ -783,7 +783,7 @@ fn consumer(
         let loads = |k: &mut Kernel, mid: &Reg| {
             if let (Some(residual), Some(staging)) = (residual, &staging) {
                 let rows = k.mad_u32(&consumer, &64u32, &m0);
-                residual.issue(k, (staging, epilogue), mid, &consumer, [rows, n0]);
+                residual.issue(k, (staging, epilogue), mid, [tid, &consumer], [rows, n0]);
             }
         };
         let mid_step: Option<&StepHook<'_>> = residual.map(|_| &loads as _);
@@ -886,6 +886,22 @@ impl Staging {
         let bytes = STORE_ROWS * self.columns * 2;
         let region = k.mad_u32(consumer, &bytes, &self.base);
         k.add_u32(&region, &self.offset)
+    }
+
+    /// Runs `copy` for each [`STORE_COLUMNS`]-wide box of the region at `buf` (64 rows of 128
+    /// bytes each), with the box's first output column (from `n0`) and its shared address.
+    fn for_each_box(
+        &self,
+        k: &mut Kernel,
+        buf: &Reg,
+        n0: &Reg,
+        mut copy: impl FnMut(&mut Kernel, &Reg, &Reg),
+    ) {
+        for b in 0..self.columns / STORE_COLUMNS {
+            let col = k.add_u32(n0, &(b * STORE_COLUMNS));
+            let at = k.add_u32(buf, &(b * STORE_ROWS * 128));
+            copy(k, &col, &at);
+        }
     }
 
     /// The registers of consumer `consumer`'s thread `tid`.
@@ -997,12 +1013,9 @@ impl Staging {
         k.emit(format!("bar.sync {}, 128", regs.barrier));
         let done = k.label("staging_stored");
         k.bra(Some((regs.issuer, false)), &done);
-        let blocks = self.columns / STORE_COLUMNS;
-        for b in 0..blocks {
-            let col = k.add_u32(&n0, &(b * STORE_COLUMNS));
-            let src = k.add_u32(&regs.buf, &(b * STORE_ROWS * 128));
-            tma_store(k, &out_map, &[&col, &rows0], &src);
-        }
+        self.for_each_box(k, &regs.buf, &n0, |k, col, src| {
+            tma_store(k, &out_map, &[col, &rows0], src);
+        });
         bulk_commit(k);
         k.place(&done);
     }
@@ -1027,7 +1040,7 @@ const RESIDUAL_COPY_MAX_STEPS: u32 = 16;
 
 /// Whether `tiling`'s epilogue takes its residual tile copied in ([`ResidualLoads`]): staged,
 /// with a residual, over at most [`RESIDUAL_COPY_MAX_STEPS`] K steps.
-pub fn copies_residual(cfg: &GemmConfig, tiling: Tiling) -> bool {
+fn copies_residual(cfg: &GemmConfig, tiling: Tiling) -> bool {
     tiling.staged && cfg.residual && cfg.k.div_ceil(BK) <= RESIDUAL_COPY_MAX_STEPS
 }
 
@@ -1066,15 +1079,14 @@ impl ResidualLoads {
         k: &mut Kernel,
         (staging, epilogue): (&Staging, &EpiloguePtrs),
         at_step: &Reg,
-        consumer: &Reg,
+        [tid, consumer]: [&Reg; 2],
         [rows0, n0]: [Reg; 2],
     ) {
         let map = epilogue
             .residual_map()
             .expect("a staged residual tile has a residual");
-        let tid = k.special("tid.x");
-        let thread = k.op2("and.b32", RegClass::B32, &tid, &127u32);
-        let issuer = k.setp("eq.u32", &thread, &0u32);
+        let place = WarpgroupThread::of(k, tid);
+        let issuer = Staging::issuer(k, &place);
         let when = k.reg(RegClass::Pred);
         k.emit(format!("and.pred {when}, {at_step}, {issuer}"));
         k.comment("the residual tile into the region once the previous stores have read it");
@@ -1082,11 +1094,9 @@ impl ResidualLoads {
         let bar = self.bar(k, consumer);
         let region = staging.region(k, consumer);
         mbarrier_arrive_expect_tx_when(k, Some(&when), &bar, STORE_ROWS * staging.columns * 2);
-        for b in 0..staging.columns / STORE_COLUMNS {
-            let col = k.add_u32(&n0, &(b * STORE_COLUMNS));
-            let dst = k.add_u32(&region, &(b * STORE_ROWS * 128));
-            tma_load_when(k, Some(&when), &dst, &map, &[&col, &rows0], &bar);
-        }
+        staging.for_each_box(k, &region, &n0, |k, col, dst| {
+            tma_load_when(k, Some(&when), dst, &map, &[col, &rows0], &bar);
+        });
     }
 
     /// The consumer's staging registers once its residual tile has landed in the region.
