@@ -18,8 +18,8 @@
 use std::collections::BTreeMap;
 
 use kiln_ir::artifact::{
-    align, Arg, CachePaging, CpuCall, CpuPlan, CpuStep, ExecPlan, KernelEntry, MemoryPlan,
-    ParamType, Region, Step, TensorSlot, ALIGN,
+    align, Arg, CachePaging, CpuCall, CpuPlan, CpuStep, ExecPlan, KernelEntry, LogitsPiece,
+    MemoryPlan, ParamType, Region, Step, TensorSlot, ALIGN,
 };
 use kiln_ir::io::aligned_layout;
 use kiln_ir::{DType, Graph, NodeId, Op, Tensor};
@@ -518,9 +518,13 @@ fn plan_bucket(
     let choice = launches.tokens.as_ref().filter(|_| gpu_logits);
     let storage = Storage::new(g, memory, launches, tail.as_ref(), choice)?;
     let at = Addresses::new(g, memory, kernels, &storage);
-    let mut steps = Vec::new();
+    let (mut steps, mut logits_pieces) = (Vec::new(), Vec::new());
     for (id, node) in &launches.nodes {
         let name = format!("{}_{}", g.node(*id).op.name(), id.0);
+        logits_pieces.extend(node.pieces.iter().map(|&(i, rows)| LogitsPiece {
+            steps: steps.len() + i + 1,
+            rows: rows as usize,
+        }));
         for launch in &node.launches {
             let mut s = at.step(*id, launch, name.clone())?;
             if let Some(fallback) = &launch.fallback {
@@ -579,9 +583,11 @@ fn plan_bucket(
         tokens,
         advances: choice.is_some_and(|c| c.advances) && storage.tokens.is_some(),
         sampler,
+        logits_pieces,
         host_tail: tail.map(|t| t.graph),
         cpu,
     };
+    plan.check_logits_pieces().map_err(PlanError::Layout)?;
     Ok((plan, no_cpu))
 }
 
@@ -715,8 +721,8 @@ impl Storage {
                 l.args.iter().chain(fallback)
             });
             for (_, operand) in launched {
-                if let Operand::Value(v) = operand {
-                    self.extend(*v, id.index());
+                if let Some(v) = operand.value() {
+                    self.extend(v, id.index());
                 }
             }
         }
@@ -822,6 +828,14 @@ impl<'a> Addresses<'a> {
             Operand::SamplingParams => arena(self.storage.params.ok_or_else(|| {
                 PlanError::Layout("a launch samples in a bucket that chooses no tokens".into())
             })?),
+            Operand::Offset(op, bytes) => match self.operand(id, op)? {
+                Arg::Ptr(region, at) => Arg::Ptr(region, at + bytes),
+                arg => {
+                    return Err(PlanError::Layout(format!(
+                        "an offset of {bytes} bytes into {arg:?}, which is no address"
+                    )))
+                }
+            },
         })
     }
 

@@ -25,8 +25,10 @@ use crate::DType;
 /// arena ([`Region::Counters`]); since version 11 a decode step's plan may advance its own
 /// inputs ([`ExecPlan::advances`]); since version 12 it may carry a sampler
 /// ([`ExecPlan::sampler`]); since version 13 the cache may be paged ([`MemoryPlan::paging`]);
-/// since version 14 a decoder may list logits chunks ([`Manifest::logits_chunks`]).
-pub const FORMAT_VERSION: u32 = 14;
+/// since version 14 a decoder may list logits chunks ([`Manifest::logits_chunks`]); since
+/// version 15 a logits chunk's plan may say where its logits land in row pieces
+/// ([`ExecPlan::logits_pieces`]).
+pub const FORMAT_VERSION: u32 = 15;
 /// The inputs a decode step that advances them ([`ExecPlan::advances`]) leaves for the next
 /// step: token ids (each unmasked row's chosen token), positions (one further) and the mask
 /// (unchanged), each i64 `[batch, 1]`.
@@ -569,6 +571,11 @@ pub struct ExecPlan {
     /// parameters in an arena slot alive through the replay.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sampler: Option<Sampler>,
+    /// A logits chunk's LM head in row pieces, in order: after the first `steps` steps, rows
+    /// `0..rows` of `logits` are final, so that their copy to the host can start while the later
+    /// pieces compute. The last piece covers every row. Empty: the logits are final at the end.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub logits_pieces: Vec<LogitsPiece>,
     /// Ops without a GPU kernel at the end of the graph (sentence-transformers pooling), run on
     /// the host after the replay: a graph whose inputs are request inputs and GPU values
     /// (`kiln.value.N`, among `outputs`), and whose outputs are the remaining graph outputs.
@@ -577,6 +584,65 @@ pub struct ExecPlan {
     /// f16/bf16 builds, over `Manifest::cpu_memory`): `None` when some op has no CPU version
     /// (`BucketEntry::no_cpu`).
     pub cpu: Option<CpuPlan>,
+}
+
+/// One row piece of a logits chunk's logits ([`ExecPlan::logits_pieces`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LogitsPiece {
+    /// Steps after which the piece is written.
+    pub steps: usize,
+    /// Rows of `logits` (its second axis) final from then on, counted from the first.
+    pub rows: usize,
+}
+
+impl ExecPlan {
+    /// Checks [`ExecPlan::logits_pieces`] against the plan: steps and rows rising, within the
+    /// plan's steps and its `logits` rows, the last piece covering them all.
+    pub fn check_logits_pieces(&self) -> Result<(), String> {
+        if self.logits_pieces.is_empty() {
+            return Ok(());
+        }
+        let rows = self
+            .outputs
+            .iter()
+            .find(|s| s.name == LOGITS)
+            .and_then(|s| s.shape.get(1).copied())
+            .ok_or("logits pieces without a `[B, S, V]` logits output")?;
+        let mut before = LogitsPiece { steps: 0, rows: 0 };
+        for p in &self.logits_pieces {
+            if p.steps <= before.steps || p.rows <= before.rows || p.steps > self.steps.len() {
+                return Err(format!(
+                    "logits piece {p:?} does not follow {before:?} within {} steps",
+                    self.steps.len()
+                ));
+            }
+            before = *p;
+        }
+        if before.rows != rows {
+            return Err(format!(
+                "the last logits piece ends at row {} of {rows}",
+                before.rows
+            ));
+        }
+        Ok(())
+    }
+
+    /// The plan's steps in the segments its logits pieces end (the last segment to the end of
+    /// the plan), each with the rows of `logits` final after it, out of `rows`; one segment of
+    /// every step and every row without pieces.
+    pub fn logits_segments(&self, rows: usize) -> Vec<(std::ops::Range<usize>, usize)> {
+        let Some(last) = self.logits_pieces.len().checked_sub(1) else {
+            return vec![(0..self.steps.len(), rows)];
+        };
+        let mut start = 0;
+        let mut segments = Vec::with_capacity(self.logits_pieces.len());
+        for (i, p) in self.logits_pieces.iter().enumerate() {
+            let end = if i == last { self.steps.len() } else { p.steps };
+            segments.push((start..end, p.rows));
+            start = end;
+        }
+        segments
+    }
 }
 
 /// A decode step's sampler: its launch and its parameters' slot (`[batch, 4]` 32-bit words per
@@ -703,4 +769,75 @@ pub struct BucketEntry {
     pub no_gpu: Vec<String>,
     /// `{op}_{node}` of the ops (or view outputs) that keep the bucket from having a CPU plan.
     pub no_cpu: Vec<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A plan of `steps` launches of a chunk whose `logits` are `[1, 520, 8]`, in `pieces`.
+    fn plan(steps: usize, pieces: &[(usize, usize)]) -> ExecPlan {
+        let step = Step {
+            kernel: "k".into(),
+            args: Vec::new(),
+            launch: Launch {
+                grid: [1; 3],
+                block: [1; 3],
+                shared_bytes: 0,
+            },
+            node: "gemm_1".into(),
+            fallback: None,
+        };
+        ExecPlan {
+            arena_bytes: 0,
+            inputs: Vec::new(),
+            cache_inputs: Vec::new(),
+            outputs: vec![TensorSlot {
+                name: LOGITS.into(),
+                offset: 0,
+                dtype: DType::BF16,
+                shape: vec![1, 520, 8],
+            }],
+            cache_outputs: Vec::new(),
+            steps: vec![step; steps],
+            tokens: None,
+            advances: false,
+            sampler: None,
+            logits_pieces: pieces
+                .iter()
+                .map(|&(steps, rows)| LogitsPiece { steps, rows })
+                .collect(),
+            host_tail: None,
+            cpu: None,
+        }
+    }
+
+    #[test]
+    fn logits_pieces_split_the_steps_where_rows_become_final() {
+        let p = plan(10, &[(7, 256), (8, 512), (9, 520)]);
+        assert_eq!(p.check_logits_pieces(), Ok(()));
+        // The last segment runs to the end of the plan.
+        assert_eq!(
+            p.logits_segments(520),
+            [(0..7, 256), (7..8, 512), (8..10, 520)]
+        );
+        assert_eq!(plan(10, &[]).logits_segments(520), [(0..10, 520)]);
+    }
+
+    #[test]
+    fn logits_pieces_out_of_order_or_short_are_refused() {
+        for (pieces, why) in [
+            (&[(7, 256), (7, 520)][..], "does not follow"),
+            (&[(7, 256), (8, 256), (9, 520)], "does not follow"),
+            (&[(0, 520)], "does not follow"),
+            (&[(7, 256), (11, 520)], "within 10 steps"),
+            (&[(7, 256), (8, 512)], "ends at row 512 of 520"),
+        ] {
+            let err = plan(10, pieces).check_logits_pieces().unwrap_err();
+            assert!(err.contains(why), "{pieces:?}: {err}");
+        }
+        let mut no_logits = plan(10, &[(10, 520)]);
+        no_logits.outputs.clear();
+        assert!(no_logits.check_logits_pieces().is_err());
+    }
 }

@@ -101,12 +101,23 @@ struct LogitsRing {
     buffers: CudaSlice<u8>,
     /// Bytes of each buffer.
     half: usize,
-    /// Each logits chunk's graph writing its logits into buffer 0 and into buffer 1.
-    graphs: BTreeMap<String, [CudaGraph; 2]>,
+    /// Each logits chunk's graph writing its logits into buffer 0 and into buffer 1, captured
+    /// a segment at a time ([`ExecPlan::logits_segments`]), so that each segment's rows go to
+    /// the host while the next computes.
+    graphs: BTreeMap<String, [Vec<CudaGraph>; 2]>,
     /// `ready[k]`: buffer `k` holds a chunk's logits.
     ready: [CudaEvent; 2],
     /// `copied[k]`: buffer `k`'s logits are on the host.
     copied: [CudaEvent; 2],
+}
+
+/// One segment of a logits chunk ([`ExecPlan::logits_segments`]): the chunk's logits slot, the
+/// ring buffer `k` it writes them into, the segment's index `j` and its steps.
+struct Segment<'a> {
+    slot: &'a TensorSlot,
+    k: usize,
+    j: usize,
+    steps: std::ops::Range<usize>,
 }
 
 impl LogitsRing {
@@ -348,6 +359,7 @@ pub fn check_plan(
             }
         }
     }
+    plan.check_logits_pieces().map_err(&bad)?;
     for slot in plan.inputs.iter().chain(&plan.outputs).chain(&plan.tokens) {
         if slot.offset + slot.bytes() > m.memory.arena_bytes {
             return Err(bad(format!("`{}` lies outside the arena", slot.name)));
@@ -622,7 +634,7 @@ impl CudaExecutor {
             let graph = capture(
                 &stream,
                 &functions,
-                plan,
+                &plan.steps,
                 &addresses,
                 &entry.graph,
                 &mut counts,
@@ -630,9 +642,24 @@ impl CudaExecutor {
             let logits = plan.outputs.iter().find(|s| s.name == LOGITS);
             if let (Some(ring), Some(slot)) = (ring.as_mut(), logits) {
                 if m.logits_chunks.contains(entry) {
+                    let segments = plan.logits_segments(slot.shape.get(1).copied().unwrap_or(0));
                     let mut into = |k| {
                         let moved = ring.moved_to(&stream, &addresses, slot, k);
-                        capture(&stream, &functions, plan, &moved, &entry.graph, &mut counts)
+                        let mut capture = |(steps, _): &(std::ops::Range<usize>, usize)| {
+                            let steps = &plan.steps[steps.clone()];
+                            capture(
+                                &stream,
+                                &functions,
+                                steps,
+                                &moved,
+                                &entry.graph,
+                                &mut counts,
+                            )
+                        };
+                        segments
+                            .iter()
+                            .map(&mut capture)
+                            .collect::<Result<Vec<_>, _>>()
                     };
                     let pair = [into(0)?, into(1)?];
                     ring.graphs.insert(entry.graph.clone(), pair);
@@ -942,20 +969,16 @@ impl CudaExecutor {
         self.enqueue_to(graph, None)
     }
 
-    /// [`Self::enqueue`], a logits chunk writing its logits (`slot`) into ring buffer `k` where
-    /// `into` says so (its graph captured for that buffer, or its steps launched with the slot
-    /// moved there).
-    fn enqueue_to(
-        &mut self,
-        graph: &str,
-        into: Option<(&TensorSlot, usize)>,
-    ) -> Result<(), RuntimeError> {
+    /// [`Self::enqueue`], or where `into` says so, one segment of a logits chunk writing its
+    /// logits into a ring buffer (its graph captured for that buffer, or its steps launched
+    /// with the slot moved there). A chunk's replay is counted at its first segment.
+    fn enqueue_to(&mut self, graph: &str, into: Option<&Segment>) -> Result<(), RuntimeError> {
         let captured = match into {
             None => self.graphs.get(graph),
-            Some((_, k)) => self
+            Some(seg) => self
                 .ring
                 .as_ref()
-                .and_then(|r| Some(&r.graphs.get(graph)?[k])),
+                .and_then(|r| r.graphs.get(graph)?[seg.k].get(seg.j)),
         };
         let (Some(plan), Some(captured)) = (self.plans.get(graph), captured) else {
             return Err(RuntimeError::Device(format!(
@@ -964,16 +987,17 @@ impl CudaExecutor {
         };
         let _range = nvtx::range!("kiln {}", bucket_name(graph));
         if self.eager {
-            let moved = match (into, &self.ring) {
-                (Some((slot, k)), Some(ring)) => {
-                    Some(ring.moved_to(&self.stream, &self.addresses, slot, k))
-                }
-                _ => None,
+            let (moved, steps) = match (into, &self.ring) {
+                (Some(seg), Some(ring)) => (
+                    Some(ring.moved_to(&self.stream, &self.addresses, seg.slot, seg.k)),
+                    &plan.steps[seg.steps.clone()],
+                ),
+                _ => (None, &plan.steps[..]),
             };
             launch_steps(
                 &self.stream,
                 &self.functions,
-                &plan.steps,
+                steps,
                 moved.as_ref().unwrap_or(&self.addresses),
                 graph,
                 Some(&mut self.profile),
@@ -981,7 +1005,9 @@ impl CudaExecutor {
         } else {
             captured.launch().map_err(dev)?;
         }
-        *self.replays.entry(graph.to_string()).or_default() += 1;
+        if into.is_none_or(|seg| seg.j == 0) {
+            *self.replays.entry(graph.to_string()).or_default() += 1;
+        }
         Ok(())
     }
 
@@ -1092,7 +1118,8 @@ impl CudaExecutor {
     }
 
     /// Launches `chunks` with the copies of `logits` (from [`Self::chunk_logits`]) behind them,
-    /// without waiting; returns the bytes the copies will have written.
+    /// each segment's rows ([`ExecPlan::logits_segments`]) copied once it is written, without
+    /// waiting; returns the bytes the copies will have written.
     fn stream_chunks(
         &mut self,
         chunks: &[(&str, BTreeMap<String, Tensor>, usize)],
@@ -1108,27 +1135,52 @@ impl CudaExecutor {
                 self.stream.wait(&ring.copied[k]).map_err(dev)?;
             }
             self.upload_inputs(graph, inputs)?;
-            self.enqueue_to(graph, Some((slot, k)))?;
-            let ring = self.ring.as_ref().expect("chunk_logits found the ring");
-            let staging = self.staging.as_mut_slice().map_err(dev)?;
-            let buffer = ring.buffer(&self.stream, k);
-            ring.ready[k].record(&self.stream).map_err(dev)?;
-            ring.copies.wait(&ring.ready[k]).map_err(dev)?;
-            // SAFETY: `staging[at..at + bytes]` lies inside the page-locked buffer (the chunks'
-            // bytes together fit, `chunk_logits`) and is read only after the copy stream is
-            // synchronised; the copy waits for buffer `k` to be filled.
-            unsafe {
-                cudarc::driver::result::memcpy_dtoh_async(
-                    &mut staging[at..at + bytes],
-                    buffer,
-                    ring.copies.cu_stream(),
-                )
+            let seq = slot.shape[1];
+            let row = slot.bytes() as usize / seq;
+            let segments = self.plans[*graph].logits_segments(seq);
+            let mut copied = 0;
+            for (j, (steps, rows)) in segments.into_iter().enumerate() {
+                let seg = Segment { slot, k, j, steps };
+                self.enqueue_to(graph, Some(&seg))?;
+                // The bytes of the sequence's rows this segment finished.
+                let written = (rows * row).min(*bytes);
+                if written > copied {
+                    self.copy_out(k, at + copied, copied..written)?;
+                    copied = written;
+                }
             }
-            .map_err(dev)?;
+            let ring = self.ring.as_ref().expect("chunk_logits found the ring");
             ring.copied[k].record(&ring.copies).map_err(dev)?;
             at += bytes;
         }
         Ok(at)
+    }
+
+    /// Copies `bytes` of ring buffer `k` to `staging[at..]` on the copy stream, once the replay
+    /// stream has written them.
+    fn copy_out(
+        &mut self,
+        k: usize,
+        at: usize,
+        bytes: std::ops::Range<usize>,
+    ) -> Result<(), RuntimeError> {
+        let ring = self.ring.as_ref().expect("chunk_logits found the ring");
+        let staging = self.staging.as_mut_slice().map_err(dev)?;
+        let buffer = ring.buffer(&self.stream, k);
+        ring.ready[k].record(&self.stream).map_err(dev)?;
+        ring.copies.wait(&ring.ready[k]).map_err(dev)?;
+        // SAFETY: `staging[at..at + bytes.len()]` lies inside the page-locked buffer (the chunks'
+        // bytes together fit, `chunk_logits`) and is read only after the copy stream is
+        // synchronised; `bytes` lies inside buffer `k` (at most a chunk's logits, which
+        // `chunk_logits` checked against the buffer), and the copy waits for the replay stream.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(
+                &mut staging[at..at + bytes.len()],
+                buffer + bytes.start as u64,
+                ring.copies.cu_stream(),
+            )
+        }
+        .map_err(dev)
     }
 
     /// Writes the paged cache's block table (`[rows, entries]`, in stream order: every step
@@ -1222,11 +1274,12 @@ fn load_image(
     .map_err(|e| RuntimeError::Device(format!("the kernel module does not load: {e}")))
 }
 
-/// Captures `plan`'s launches on `stream` as a CUDA graph, instantiated and uploaded, counted.
+/// Captures the launches of `steps` (of `graph`'s plan) on `stream` as a CUDA graph,
+/// instantiated and uploaded, counted.
 fn capture(
     stream: &Arc<CudaStream>,
     functions: &Kernels,
-    plan: &ExecPlan,
+    steps: &[Step],
     addresses: &Addresses,
     graph: &str,
     counts: &mut DriverCounts,
@@ -1235,7 +1288,7 @@ fn capture(
     stream
         .begin_capture(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         .map_err(dev)?;
-    launch_steps(stream, functions, &plan.steps, addresses, graph, None)?;
+    launch_steps(stream, functions, steps, addresses, graph, None)?;
     let captured = stream
         .end_capture(CUgraphInstantiate_flags(0))
         .map_err(dev)?

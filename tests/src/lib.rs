@@ -282,6 +282,29 @@ pub fn rewrite_checkpoint(
     }
 }
 
+/// llama-tiny's checkpoint (f32) at `dst` with room for 1024 positions, so that logits chunks
+/// may take more rows than an LM-head piece (256).
+pub fn long_llama_tiny(dst: &Path) {
+    rewrite_checkpoint(
+        &fixture("llama-tiny"),
+        dst,
+        safetensors::Dtype::F32,
+        1,
+        |config, _| config["max_position_embeddings"] = 1024.into(),
+    );
+}
+
+/// `kiln compile` flags for [`long_llama_tiny`]: a prefill bucket of 16 tokens, a context of
+/// 600 and logits chunks of 520 (LM-head pieces of 256, 256 and 8 rows) and 256 (one piece).
+pub const LONG_CHUNKS: [&str; 6] = [
+    "--buckets",
+    "16",
+    "--max-context",
+    "600",
+    "--logits-chunk",
+    "520,256",
+];
+
 /// Compiles `dir` for the given sequence and batch buckets (default limits and cost model).
 pub fn compile_fixture(
     dir: &Path,

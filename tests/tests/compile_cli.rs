@@ -431,3 +431,71 @@ fn report_and_inspect_name_each_kernels_path() {
         }
     }
 }
+
+/// A logits chunk of more rows than an LM-head piece (256) computes its LM head a piece at a
+/// time, each its own launch over its own rows of the normed hidden states and of the logits,
+/// and its plan says after which step each piece's rows are final; a chunk of one piece, the
+/// prefill bucket and the decode steps keep one product.
+#[test]
+fn a_long_logits_chunk_takes_its_lm_head_in_row_pieces() {
+    use kiln_ir::artifact::{Arg, LogitsPiece};
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("llama-long");
+    kiln_tests::long_llama_tiny(&model);
+    for dtype in ["f32", "bf16"] {
+        let out = tmp.path().join(format!("long-{dtype}.kiln"));
+        let flags = [&kiln_tests::LONG_CHUNKS[..], &["--dtype", dtype]].concat();
+        let art = kiln_tests::compile_artifact(&model, &out, &flags);
+        let m = &art.manifest;
+        let chunk = |seq| m.logits_chunks.iter().find(|e| e.seq == seq).unwrap();
+        let plan = chunk(520).plan.as_ref().unwrap();
+        let pieces = &plan.logits_pieces;
+        let rows: Vec<usize> = pieces.iter().map(|p| p.rows).collect();
+        assert_eq!(rows, [256, 512, 520], "{dtype}");
+        let last = pieces[0].steps - 1;
+        assert_eq!(pieces[1].steps, last + 2, "{dtype}: {pieces:?}");
+        assert_eq!(pieces[2].steps, last + 3, "{dtype}: {pieces:?}");
+        assert_eq!(
+            pieces[2].steps,
+            plan.steps.len(),
+            "{dtype}: the LM head ends the plan"
+        );
+        // The three launches are one node's, each 256 rows further into its operands.
+        let steps = &plan.steps[last..last + 3];
+        assert!(steps.iter().all(|s| s.node == steps[0].node), "{dtype}");
+        let at = |s: &kiln_ir::artifact::Step| -> Vec<u64> {
+            s.args
+                .iter()
+                .filter_map(|a| match a {
+                    Arg::Ptr(_, at) | Arg::TensorMap(_, at) => Some(*at),
+                    _ => None,
+                })
+                .collect()
+        };
+        let (first, second) = (at(&steps[0]), at(&steps[1]));
+        let elem = if dtype == "f32" { 4 } else { 2 };
+        let vocab = m.model.vocab_size as u64;
+        let moved: Vec<u64> = first.iter().zip(&second).map(|(a, b)| b - a).collect();
+        assert!(
+            moved.contains(&(256 * 64 * elem)),
+            "{dtype}: x moves 256 rows: {moved:?}"
+        );
+        assert!(
+            moved.contains(&(256 * vocab * elem)),
+            "{dtype}: out moves 256 rows: {moved:?}"
+        );
+        assert!(moved.contains(&0), "{dtype}: the weight stays: {moved:?}");
+        // One piece: nothing to say.
+        assert_eq!(
+            chunk(256).plan.as_ref().unwrap().logits_pieces,
+            Vec::<LogitsPiece>::new()
+        );
+        for e in m.prefill.iter().chain(&m.decode) {
+            assert!(
+                e.plan.as_ref().unwrap().logits_pieces.is_empty(),
+                "{}",
+                e.graph
+            );
+        }
+    }
+}

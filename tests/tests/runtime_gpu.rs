@@ -10,7 +10,7 @@ use kiln_tests::{
     assert_chained_steps_match, assert_close_for, assert_decoder_references,
     assert_embeddings_close, assert_greedy_tokens, assert_paced_chunks_keep_tokens,
     compile_artifact, fixture, floats, kiln_run_forward, kiln_run_greedy, masked_rel_err,
-    minilm_dir, reference, rel_err, strip_cubin, BATCHER_ARTIFACT,
+    minilm_dir, reference, rel_err, strip_cubin, BATCHER_ARTIFACT, LONG_CHUNKS,
 };
 
 fn gpu() -> bool {
@@ -143,6 +143,58 @@ fn long_prompts_stream_through_logits_chunks_on_the_gpu() {
             assert_eq!(chunked, 6, "{name} {dtype} {block}: {:?}", counters.replays);
             println!("ok: {name} {dtype} block {block}: logits chunks");
         }
+    }
+}
+
+/// A logits chunk of more rows than an LM-head piece copies each piece's rows to the host once
+/// they are written: prompts of 400 tokens (one chunk of 520 whose pieces end at rows 256, 512
+/// and 520, the last two partly or wholly past the prompt) and 530 (520, then 10 of a chunk of
+/// 256) give the logits the CPU executor computes from the same artifact, paged and dense.
+#[test]
+fn logits_chunks_stream_their_lm_head_pieces_on_the_gpu() {
+    if !gpu() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("llama-long");
+    kiln_tests::long_llama_tiny(&model);
+    for (dtype, block) in [("f32", "16"), ("bf16", "0")] {
+        let dir = tmp.path().join(format!("long-{dtype}-{block}.kiln"));
+        let paging = ["--kv-block-size", block, "--dtype", dtype];
+        let art = compile_artifact(&model, &dir, &[&LONG_CHUNKS[..], &paging].concat());
+        let chunk = art.manifest.logits_chunks.iter().find(|e| e.seq == 520);
+        let pieces = &chunk.unwrap().plan.as_ref().unwrap().logits_pieces;
+        assert_eq!(pieces.len(), 3, "{dtype}");
+        let vocab = art.manifest.model.vocab_size;
+        let (mut gpu_exec, mut cpu_exec) = (cuda(&art), Executor::open(&art, Device::Cpu).unwrap());
+        for len in [400usize, 530] {
+            let ids = (0..len).map(|i| (i * 7919 % vocab) as i64).collect();
+            let batch = TokenBatch {
+                ids: vec![ids],
+                mask: None,
+                types: None,
+            };
+            let got = forward(&art, &mut gpu_exec, &batch).unwrap();
+            let want = forward(&art, &mut cpu_exec, &batch).unwrap();
+            assert_eq!(got["logits"].shape, vec![1, len, vocab]);
+            let what = format!("{dtype} block {block}, {len} tokens");
+            assert_close_for(
+                dtype,
+                floats(&got["logits"]),
+                floats(&want["logits"]),
+                vocab,
+                &what,
+            );
+            println!("ok: {what}: logits in pieces");
+        }
+        let Executor::Cuda(c) = &gpu_exec else {
+            unreachable!()
+        };
+        assert!(
+            c.counters().after_load.is_zero(),
+            "{}",
+            c.counters().after_load
+        );
     }
 }
 
