@@ -282,19 +282,33 @@ pub fn rewrite_checkpoint(
     }
 }
 
-/// llama-tiny's checkpoint (f32) at `dst` with room for 1024 positions, so that logits chunks
-/// may take more rows than an LM-head piece (256).
-pub fn long_llama_tiny(dst: &Path) {
+/// Decoder fixture `name`'s checkpoint (f32) at `dst` with room for 1024 positions, so that
+/// logits chunks may take more rows than an LM-head piece (256): llama-tiny's config says so;
+/// gpt2-tiny's position table is repeated to 1024 rows as well.
+pub fn long_decoder(name: &str, dst: &Path) {
     rewrite_checkpoint(
-        &fixture("llama-tiny"),
+        &fixture(name),
         dst,
         safetensors::Dtype::F32,
         1,
-        |config, _| config["max_position_embeddings"] = 1024.into(),
+        |config, tensors| {
+            let key = if config.get("n_positions").is_some() {
+                "n_positions"
+            } else {
+                "max_position_embeddings"
+            };
+            config[key] = 1024.into();
+            for (name, (shape, values)) in tensors.iter_mut() {
+                if name.ends_with("wpe.weight") {
+                    *values = values.repeat(1024 / shape[0]);
+                    shape[0] = 1024;
+                }
+            }
+        },
     );
 }
 
-/// `kiln compile` flags for [`long_llama_tiny`]: a prefill bucket of 16 tokens, a context of
+/// `kiln compile` flags for [`long_decoder`]: a prefill bucket of 16 tokens, a context of
 /// 600 and logits chunks of 520 (LM-head pieces of 256, 256 and 8 rows) and 256 (one piece).
 pub const LONG_CHUNKS: [&str; 6] = [
     "--buckets",

@@ -149,53 +149,55 @@ fn long_prompts_stream_through_logits_chunks_on_the_gpu() {
 /// A logits chunk of more rows than an LM-head piece copies each piece's rows to the host once
 /// they are written: prompts of 400 tokens (one chunk of 520 whose pieces end at rows 256, 512
 /// and 520, the last two partly or wholly past the prompt) and 530 (520, then 10 of a chunk of
-/// 256) give the logits the CPU executor computes from the same artifact, paged and dense.
+/// 256) give the logits the CPU executor computes from the same artifact; GPT-2 and Llama, f32
+/// paged and bf16 dense.
 #[test]
 fn logits_chunks_stream_their_lm_head_pieces_on_the_gpu() {
     if !gpu() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("llama-long");
-    kiln_tests::long_llama_tiny(&model);
-    for (dtype, block) in [("f32", "16"), ("bf16", "0")] {
-        let dir = tmp.path().join(format!("long-{dtype}-{block}.kiln"));
-        let paging = ["--kv-block-size", block, "--dtype", dtype];
-        let art = compile_artifact(&model, &dir, &[&LONG_CHUNKS[..], &paging].concat());
-        let chunk = art.manifest.logits_chunks.iter().find(|e| e.seq == 520);
-        let pieces = &chunk.unwrap().plan.as_ref().unwrap().logits_pieces;
-        assert_eq!(pieces.len(), 3, "{dtype}");
-        let vocab = art.manifest.model.vocab_size;
-        let (mut gpu_exec, mut cpu_exec) = (cuda(&art), Executor::open(&art, Device::Cpu).unwrap());
-        for len in [400usize, 530] {
-            let ids = (0..len).map(|i| (i * 7919 % vocab) as i64).collect();
-            let batch = TokenBatch {
-                ids: vec![ids],
-                mask: None,
-                types: None,
-            };
-            let got = forward(&art, &mut gpu_exec, &batch).unwrap();
-            let want = forward(&art, &mut cpu_exec, &batch).unwrap();
-            assert_eq!(got["logits"].shape, vec![1, len, vocab]);
-            let what = format!("{dtype} block {block}, {len} tokens");
-            assert_close_for(
-                dtype,
-                floats(&got["logits"]),
-                floats(&want["logits"]),
-                vocab,
-                &what,
-            );
-            println!("ok: {what}: logits in pieces");
+    for name in ["gpt2-tiny", "llama-tiny"] {
+        let model = tmp.path().join(format!("{name}-long"));
+        kiln_tests::long_decoder(name, &model);
+        for (dtype, block) in [("f32", "16"), ("bf16", "0")] {
+            let dir = tmp.path().join(format!("{name}-long-{dtype}-{block}.kiln"));
+            let paging = ["--kv-block-size", block, "--dtype", dtype];
+            let art = compile_artifact(&model, &dir, &[&LONG_CHUNKS[..], &paging].concat());
+            let what = format!("{name} {dtype} block {block}");
+            assert_pieces_stream(&art, &what);
         }
-        let Executor::Cuda(c) = &gpu_exec else {
-            unreachable!()
-        };
-        assert!(
-            c.counters().after_load.is_zero(),
-            "{}",
-            c.counters().after_load
-        );
     }
+}
+
+/// [`logits_chunks_stream_their_lm_head_pieces_on_the_gpu`] on one artifact.
+fn assert_pieces_stream(art: &Artifact, what: &str) {
+    let chunk = art.manifest.logits_chunks.iter().find(|e| e.seq == 520);
+    let pieces = &chunk.unwrap().plan.as_ref().unwrap().logits_pieces;
+    assert_eq!(pieces.len(), 3, "{what}");
+    let vocab = art.manifest.model.vocab_size;
+    let (mut gpu_exec, mut cpu_exec) = (cuda(art), Executor::open(art, Device::Cpu).unwrap());
+    for len in [400usize, 530] {
+        let ids = (0..len).map(|i| (i * 7919 % vocab) as i64).collect();
+        let batch = TokenBatch {
+            ids: vec![ids],
+            mask: None,
+            types: None,
+        };
+        let got = forward(art, &mut gpu_exec, &batch).unwrap();
+        let want = forward(art, &mut cpu_exec, &batch).unwrap();
+        assert_eq!(got["logits"].shape, vec![1, len, vocab]);
+        let what = format!("{what}, {len} tokens");
+        let dtype = art.manifest.dtype.to_string();
+        let (got, want) = (floats(&got["logits"]), floats(&want["logits"]));
+        assert_close_for(&dtype, got, want, vocab, &what);
+        println!("ok: {what}: logits in pieces");
+    }
+    let Executor::Cuda(c) = &gpu_exec else {
+        unreachable!()
+    };
+    let after_load = c.counters().after_load;
+    assert!(after_load.is_zero(), "{what}: {after_load}");
 }
 
 /// Greedy decode steps chained on the device (each step's token choice leaves the next step's
