@@ -916,13 +916,18 @@ fn lower_gemm(cx: &NodeCx, spec: &GemmSpec, out: &mut Lowered, n: &mut NodeLaunc
         bind.push(("best", Operand::Counters(m * 8)));
         return out.launch(n, kernel, &bind);
     }
-    let kernel = out.generate(&(cfg.clone(), out.rows), |(c, r)| gemm_for(c, *r));
-    n.cpu_like(CpuKernel::Gemm(cfg.clone()), &kernel, &bind, m);
-    let pieces = row_pieces(&cfg);
     let unsplit = |(_, p): &(u32, GemmConfig)| split_scratch(p, out.rows) == (0, 0);
-    if cx.fused.logits_pieces == Some(cx.id) && pieces.iter().all(unsplit) {
+    let pieces = (cx.fused.logits_pieces == Some(cx.id))
+        .then(|| row_pieces(&cfg))
+        .filter(|pieces| pieces.iter().all(unsplit));
+    if let Some(pieces) = pieces {
+        // The CPU takes the whole product, under the pieces' parameter names.
+        let first = out.generate(&(pieces[0].1.clone(), out.rows), |(c, r)| gemm_for(c, *r));
+        n.cpu_like(CpuKernel::Gemm(cfg.clone()), &first, &bind, m);
         return lower_pieces(&cfg, &pieces, out, n, &bind);
     }
+    let kernel = out.generate(&(cfg.clone(), out.rows), |(c, r)| gemm_for(c, *r));
+    n.cpu_like(CpuKernel::Gemm(cfg.clone()), &kernel, &bind, m);
     // A Hopper kernel splitting K leaves each part's sums in a scratch buffer.
     let (partials, counters) = split_scratch(&cfg, out.rows);
     if partials > 0 {

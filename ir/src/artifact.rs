@@ -603,10 +603,7 @@ impl ExecPlan {
             return Ok(());
         }
         let rows = self
-            .outputs
-            .iter()
-            .find(|s| s.name == LOGITS)
-            .and_then(|s| s.shape.get(1).copied())
+            .logits_rows()
             .ok_or("logits pieces without a `[B, S, V]` logits output")?;
         let mut before = LogitsPiece { steps: 0, rows: 0 };
         for p in &self.logits_pieces {
@@ -627,12 +624,18 @@ impl ExecPlan {
         Ok(())
     }
 
+    /// Rows of the `logits` output (its second axis), if the plan has one.
+    fn logits_rows(&self) -> Option<usize> {
+        let logits = self.outputs.iter().find(|s| s.name == LOGITS)?;
+        logits.shape.get(1).copied()
+    }
+
     /// The plan's steps in the segments its logits pieces end (the last segment to the end of
-    /// the plan), each with the rows of `logits` final after it, out of `rows`; one segment of
-    /// every step and every row without pieces.
-    pub fn logits_segments(&self, rows: usize) -> Vec<(std::ops::Range<usize>, usize)> {
+    /// the plan), each with the rows of `logits` final after it; one segment of every step and
+    /// every row (none without logits) without pieces.
+    pub fn logits_segments(&self) -> Vec<(std::ops::Range<usize>, usize)> {
         let Some(last) = self.logits_pieces.len().checked_sub(1) else {
-            return vec![(0..self.steps.len(), rows)];
+            return vec![(0..self.steps.len(), self.logits_rows().unwrap_or(0))];
         };
         let mut start = 0;
         let mut segments = Vec::with_capacity(self.logits_pieces.len());
@@ -818,10 +821,10 @@ mod tests {
         assert_eq!(p.check_logits_pieces(), Ok(()));
         // The last segment runs to the end of the plan.
         assert_eq!(
-            p.logits_segments(520),
+            p.logits_segments(),
             [(0..7, 256), (7..8, 512), (8..10, 520)]
         );
-        assert_eq!(plan(10, &[]).logits_segments(520), [(0..10, 520)]);
+        assert_eq!(plan(10, &[]).logits_segments(), [(0..10, 520)]);
     }
 
     #[test]

@@ -642,7 +642,7 @@ impl CudaExecutor {
             let logits = plan.outputs.iter().find(|s| s.name == LOGITS);
             if let (Some(ring), Some(slot)) = (ring.as_mut(), logits) {
                 if m.logits_chunks.contains(entry) {
-                    let segments = plan.logits_segments(slot.shape.get(1).copied().unwrap_or(0));
+                    let segments = plan.logits_segments();
                     let mut into = |k| {
                         let moved = ring.moved_to(&stream, &addresses, slot, k);
                         let mut capture = |(steps, _): &(std::ops::Range<usize>, usize)| {
@@ -1137,7 +1137,7 @@ impl CudaExecutor {
             self.upload_inputs(graph, inputs)?;
             let seq = slot.shape[1];
             let row = slot.bytes() as usize / seq;
-            let segments = self.plans[*graph].logits_segments(seq);
+            let segments = self.plans[*graph].logits_segments();
             let mut copied = 0;
             for (j, (steps, rows)) in segments.into_iter().enumerate() {
                 let seg = Segment { slot, k, j, steps };
