@@ -121,6 +121,15 @@ impl TokenBatch {
         Ok((batch, unbatched))
     }
 
+    /// Rows of equal length whose every token is real: no mask, no token types.
+    pub fn unmasked(ids: Vec<Vec<i64>>) -> TokenBatch {
+        TokenBatch {
+            ids,
+            mask: None,
+            types: None,
+        }
+    }
+
     /// Right-pads rows of different lengths with `pad` and builds the mask (no token types).
     pub fn padded(rows: &[Vec<i64>], pad: i64) -> TokenBatch {
         let len = rows.iter().map(Vec::len).max().unwrap_or(0);

@@ -144,11 +144,7 @@ pub fn bench(
                     .collect()
             })
             .collect();
-        let batch = TokenBatch {
-            ids: rows,
-            mask: None,
-            types: None,
-        };
+        let batch = TokenBatch::unmasked(rows);
         let chunks = logits_chunks(art, &batch)?;
         let label = match &chunks {
             Some(chunks) => {

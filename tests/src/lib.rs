@@ -458,11 +458,7 @@ pub fn assert_decoder_references(
             .as_i64()
             .unwrap()
             .to_vec();
-        let batch = TokenBatch {
-            ids: vec![ids],
-            mask: None,
-            types: None,
-        };
+        let batch = TokenBatch::unmasked(vec![ids]);
         let out = forward(art, exec, &batch).unwrap();
         assert_eq!(out["logits"].shape, vec![1, l, vocab]);
         let what = format!("{name} {dtype} L={l}");

@@ -172,11 +172,7 @@ fn batched_decode_serves_rows_of_different_lengths() {
             let mut alone = prompt.clone();
             alone.push(next[row]);
             let out = plain
-                .evaluate(&TokenBatch {
-                    ids: vec![alone.clone()],
-                    mask: None,
-                    types: None,
-                })
+                .evaluate(&TokenBatch::unmasked(vec![alone.clone()]))
                 .unwrap();
             let want = &floats(&out["logits"])[(alone.len() - 1) * VOCAB..];
             let err = rel_err(&decoded[row], want);

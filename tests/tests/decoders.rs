@@ -56,11 +56,7 @@ fn greedy_decoding_reproduces_reference_tokens() {
         let vocab = *reference["logits_1"].shape.last().unwrap();
         let mut got = Vec::new();
         for _ in 0..want.len() {
-            let batch = TokenBatch {
-                ids: vec![tokens.clone()],
-                mask: None,
-                types: None,
-            };
+            let batch = TokenBatch::unmasked(vec![tokens.clone()]);
             let out = model.evaluate(&batch).unwrap();
             let logits = floats(&out["logits"]);
             let last = &logits[logits.len() - vocab..];

@@ -37,15 +37,7 @@ fn fused_decoder_buckets_reproduce_reference_logits() {
                 .unwrap()
                 .to_vec();
             let bucket = bucket_for(&buckets, 1, l);
-            let out = run(
-                bucket,
-                &model,
-                &TokenBatch {
-                    ids: vec![ids],
-                    mask: None,
-                    types: None,
-                },
-            );
+            let out = run(bucket, &model, &TokenBatch::unmasked(vec![ids]));
             let vocab = 512;
             let got = &floats(&out["logits"])[..l * vocab];
             let err = rel_err(got, floats(&reference[&format!("logits_{l}")]));
@@ -279,11 +271,7 @@ fn dropout_plans_draw_the_unfused_masks() {
     let ids: Vec<i64> = (0..16).map(|i| (i * 37 + 5) % 512).collect();
     let run_with = |graph: &kiln_ir::Graph, seed: i64| {
         let mut inputs = model
-            .inputs(&TokenBatch {
-                ids: vec![ids.clone()],
-                mask: None,
-                types: None,
-            })
+            .inputs(&TokenBatch::unmasked(vec![ids.clone()]))
             .unwrap();
         inputs.insert("seed".into(), Tensor::i64(vec![], vec![seed]));
         let fixed = graph.specialize(&bucket.bucket.bindings()).unwrap();
@@ -312,15 +300,7 @@ fn bf16_plans_match_the_reference_within_half_precision_tolerance() {
         let (model, bucket) = compile_with(&fixture(name), &options, 64);
         let reference = reference(name);
         let ids = reference["input_ids_33"].as_i64().unwrap().to_vec();
-        let out = run(
-            &bucket,
-            &model,
-            &TokenBatch {
-                ids: vec![ids],
-                mask: None,
-                types: None,
-            },
-        );
+        let out = run(&bucket, &model, &TokenBatch::unmasked(vec![ids]));
         let vocab = 512;
         let got = &floats(&out["logits"])[..33 * vocab];
         let want = floats(&reference["logits_33"]);

@@ -12,11 +12,7 @@ use safetensors::Dtype;
 
 fn logits_for(dir: &std::path::Path, ids: &Tensor) -> Vec<f32> {
     let model = kiln_models::import(dir).unwrap();
-    let batch = TokenBatch {
-        ids: vec![ids.as_i64().unwrap().to_vec()],
-        mask: None,
-        types: None,
-    };
+    let batch = TokenBatch::unmasked(vec![ids.as_i64().unwrap().to_vec()]);
     floats(&model.evaluate(&batch).unwrap()["logits"]).to_vec()
 }
 

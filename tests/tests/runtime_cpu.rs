@@ -41,11 +41,7 @@ fn decoder_artifact_reproduces_reference_logits() {
         let out = forward(
             &art,
             &mut Executor::Interpreter,
-            &TokenBatch {
-                ids: vec![ids],
-                mask: None,
-                types: None,
-            },
+            &TokenBatch::unmasked(vec![ids]),
         )
         .unwrap();
         assert_eq!(out["logits"].shape, vec![1, l, 512]);
@@ -79,11 +75,7 @@ fn decoder_artifact_reproduces_reference_logits() {
     let err = forward(
         &art,
         &mut Executor::Interpreter,
-        &TokenBatch {
-            ids: vec![vec![1; 129]],
-            mask: None,
-            types: None,
-        },
+        &TokenBatch::unmasked(vec![vec![1; 129]]),
     )
     .err()
     .unwrap()

@@ -13,12 +13,14 @@ use kiln_tests::{
     minilm_dir, reference, rel_err, strip_cubin, BATCHER_ARTIFACT, LONG_CHUNKS,
 };
 
-fn gpu() -> bool {
+/// A scratch folder for a GPU test's artifacts, or `None` after saying why the test passes
+/// without a GPU.
+fn gpu_scratch() -> Option<tempfile::TempDir> {
     match kiln_runtime::cuda::probe() {
-        Ok(()) => true,
+        Ok(()) => Some(tempfile::tempdir().unwrap()),
         Err(e) => {
             println!("SKIPPED: {e}");
-            false
+            None
         }
     }
 }
@@ -31,10 +33,7 @@ fn cuda(art: &Artifact) -> Executor {
 
 #[test]
 fn decoders_match_references_on_the_gpu() {
-    if !gpu() {
-        return;
-    }
-    let tmp = tempfile::tempdir().unwrap();
+    let Some(tmp) = gpu_scratch() else { return };
     for name in ["gpt2-tiny", "llama-tiny"] {
         for dtype in ["f32", "bf16"] {
             let dir = tmp.path().join(format!("{name}-{dtype}.kiln"));
@@ -101,10 +100,7 @@ fn decoders_match_references_on_the_gpu() {
 /// bucket); paged and dense caches, f32 and bf16; nothing captured or allocated after load.
 #[test]
 fn long_prompts_stream_through_logits_chunks_on_the_gpu() {
-    if !gpu() {
-        return;
-    }
-    let tmp = tempfile::tempdir().unwrap();
+    let Some(tmp) = gpu_scratch() else { return };
     for name in ["gpt2-tiny", "llama-tiny"] {
         for (dtype, block) in [("f32", "16"), ("bf16", "16"), ("bf16", "0")] {
             let dir = tmp.path().join(format!("{name}-{dtype}-{block}.kiln"));
@@ -153,10 +149,7 @@ fn long_prompts_stream_through_logits_chunks_on_the_gpu() {
 /// paged and bf16 dense.
 #[test]
 fn logits_chunks_stream_their_lm_head_pieces_on_the_gpu() {
-    if !gpu() {
-        return;
-    }
-    let tmp = tempfile::tempdir().unwrap();
+    let Some(tmp) = gpu_scratch() else { return };
     for name in ["gpt2-tiny", "llama-tiny"] {
         let model = tmp.path().join(format!("{name}-long"));
         kiln_tests::long_decoder(name, &model);
@@ -179,11 +172,7 @@ fn assert_pieces_stream(art: &Artifact, what: &str) {
     let (mut gpu_exec, mut cpu_exec) = (cuda(art), Executor::open(art, Device::Cpu).unwrap());
     for len in [400usize, 530] {
         let ids = (0..len).map(|i| (i * 7919 % vocab) as i64).collect();
-        let batch = TokenBatch {
-            ids: vec![ids],
-            mask: None,
-            types: None,
-        };
+        let batch = TokenBatch::unmasked(vec![ids]);
         let got = forward(art, &mut gpu_exec, &batch).unwrap();
         let want = forward(art, &mut cpu_exec, &batch).unwrap();
         assert_eq!(got["logits"].shape, vec![1, len, vocab]);
@@ -206,10 +195,7 @@ fn assert_pieces_stream(art: &Artifact, what: &str) {
 /// against the decode steps those of unpaced ones ([`assert_paced_chunks_keep_tokens`]).
 #[test]
 fn chained_steps_and_paced_chunks_keep_the_tokens_on_the_gpu() {
-    if !gpu() {
-        return;
-    }
-    let tmp = tempfile::tempdir().unwrap();
+    let Some(tmp) = gpu_scratch() else { return };
     for name in ["gpt2-tiny", "llama-tiny"] {
         let dir = tmp.path().join(format!("{name}.kiln"));
         let args = [&BATCHER_ARTIFACT[..], &["--dtype", "bf16"]].concat();
@@ -226,10 +212,7 @@ fn chained_steps_and_paced_chunks_keep_the_tokens_on_the_gpu() {
 fn device_sampling_picks_the_reference_token() {
     use kiln_ir::Tensor;
     use kiln_runtime::generate::{choose, sampler_words, Sampling};
-    if !gpu() {
-        return;
-    }
-    let tmp = tempfile::tempdir().unwrap();
+    let Some(tmp) = gpu_scratch() else { return };
     for name in ["gpt2-tiny", "llama-tiny"] {
         let dir = tmp.path().join(format!("{name}.kiln"));
         let args = [&BATCHER_ARTIFACT[..], &["--dtype", "bf16"]].concat();
@@ -311,10 +294,7 @@ fn device_sampling_picks_the_reference_token() {
 fn driver_work_is_counted_at_load_and_none_after() {
     use kiln_runtime::bench::{bench, BenchOptions};
     use kiln_runtime::cuda::DriverCounts;
-    if !gpu() {
-        return;
-    }
-    let tmp = tempfile::tempdir().unwrap();
+    let Some(tmp) = gpu_scratch() else { return };
     let dir = tmp.path().join("llama.kiln");
     let art = compile_artifact(
         &fixture("llama-tiny"),
@@ -365,10 +345,7 @@ fn driver_work_is_counted_at_load_and_none_after() {
 
 #[test]
 fn encoders_match_references_on_the_gpu() {
-    if !gpu() {
-        return;
-    }
-    let tmp = tempfile::tempdir().unwrap();
+    let Some(tmp) = gpu_scratch() else { return };
     // The real MiniLM is fetched only when its turn comes, so that bert-tiny runs even where the
     // fetch cannot (a GPU machine without the network).
     for name in ["bert-tiny", "minilm-reference"] {
@@ -416,10 +393,7 @@ fn encoders_match_references_on_the_gpu() {
 /// interpreter gives on the same artifact.
 #[test]
 fn sentence_embeddings_on_the_gpu_match_the_interpreter() {
-    if !gpu() {
-        return;
-    }
-    let tmp = tempfile::tempdir().unwrap();
+    let Some(tmp) = gpu_scratch() else { return };
     let st = tmp.path().join("st");
     kiln_tests::sentence_transformers_copy(
         &fixture("bert-tiny"),
@@ -461,10 +435,7 @@ fn sentence_embeddings_on_the_gpu_match_the_interpreter() {
 #[test]
 fn kiln_run_forward_and_generate_on_the_gpu() {
     use std::collections::BTreeMap;
-    if !gpu() {
-        return;
-    }
-    let tmp = tempfile::tempdir().unwrap();
+    let Some(tmp) = gpu_scratch() else { return };
     for dtype in ["f32", "bf16"] {
         for name in ["gpt2-tiny", "llama-tiny"] {
             let art = tmp.path().join(format!("{name}-{dtype}.kiln"));
@@ -537,10 +508,7 @@ fn kiln_run_forward_and_generate_on_the_gpu() {
 /// ([`kiln_tests::assert_sequences_wait_for_blocks`]).
 #[test]
 fn sequences_wait_for_kv_blocks_on_the_gpu() {
-    if !gpu() {
-        return;
-    }
-    let tmp = tempfile::tempdir().unwrap();
+    let Some(tmp) = gpu_scratch() else { return };
     for dtype in ["f32", "bf16"] {
         let dir = tmp.path().join(format!("llama-{dtype}.kiln"));
         let flags = [&kiln_tests::SMALL_POOL_ARTIFACT[..], &["--dtype", dtype]].concat();

@@ -312,11 +312,7 @@ fn dropout_masks_match_the_interpreter() {
     );
     let reference = reference("gpt2-tiny");
     let ids = reference["input_ids_16"].as_i64().unwrap().to_vec();
-    let batch = TokenBatch {
-        ids: vec![ids],
-        mask: None,
-        types: None,
-    };
+    let batch = TokenBatch::unmasked(vec![ids]);
     let (bucket, mut inputs) = kiln_runtime::forward::prepare(&art, &batch).unwrap();
     assert!(
         art.graphs[&bucket.graph]
