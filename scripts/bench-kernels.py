@@ -139,6 +139,22 @@ def peers(case, t):
     from torch.nn.attention import sdpa_kernel, SDPBackend
     q, k, v = t["q"], t["k"], t["v"]
     causal, dropout = p["causal"], p["dropout"]
+    if p.get("window"):
+        # A sliding window as a boolean mask (row i sees keys i - w < j <= i), on the backends
+        # that take one; K/V expanded to the query heads outside the timed call.
+        rows = torch.arange(q.shape[2], device="cuda")[:, None]
+        keys = torch.arange(k.shape[2], device="cuda")[None, :]
+        mask = (keys <= rows) & (keys > rows - p["window"])
+        group = q.shape[1] // k.shape[1]
+        ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+
+        def masked(backend):
+            def run():
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q, ke, ve, attn_mask=mask, scale=p["scale"])
+            return run
+        return {"sdpa efficient, window mask": masked(SDPBackend.EFFICIENT_ATTENTION),
+                "sdpa cudnn, window mask": masked(SDPBackend.CUDNN_ATTENTION)}
 
     def sdpa(backend):
         def run():

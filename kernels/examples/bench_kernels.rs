@@ -745,16 +745,7 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
         }
         let chosen = persistent(&cfg);
         for on_grid in [false, true] {
-            let (q, kv_shape) = (
-                vec![b as usize, h as usize, s as usize, d as usize],
-                vec![b as usize, kv as usize, s as usize, d as usize],
-            );
-            let buffers: Vec<(&str, Buffer)> = vec![
-                ("q", (q.clone(), "bf16", 1.0)),
-                ("k", (kv_shape.clone(), "bf16", 1.0)),
-                ("v", (kv_shape, "bf16", 1.0)),
-                ("out", (q, "bf16", 0.0)),
-            ];
+            let buffers = attention_buffers([b, h, kv, s, d]);
             let peer = serde_json::json!({
                 "kind": "sdpa", "causal": causal, "dropout": 0.0, "scale": cfg.scale,
                 "gqa": h != kv,
@@ -780,7 +771,40 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
             add(name, kernel, buffers, &[], peer, flops);
         }
     }
+    // Mistral-7B's sliding window (4096 keys) over 8192 tokens (32 / 8 heads, d 128): the
+    // Hopper kernel, and the mma kernel it replaces there; the peers take the window as a mask.
+    let (h, kv, s, d, w) = (32u32, 8u32, 8192u32, 128u32, 4096u32);
+    let mut cfg = AttentionConfig::plain([1, h, kv, s, s, d], Elem::BF16);
+    cfg.scale = 1.0 / (d as f32).sqrt();
+    cfg.keys = KeyRule::Causal { window: Some(w) };
+    // Row i sees min(i + 1, w) keys.
+    let seen: f64 = (0..s).map(|i| f64::from((i + 1).min(w))).sum();
+    let flops = 4.0 * f64::from(h) * f64::from(d) * seen;
+    for (form, kernel) in [
+        ("wgmma (picked)", attention(&cfg)),
+        ("mma", kiln_kernels::attention::attention_base(&cfg)),
+    ] {
+        let buffers = attention_buffers([1, h, kv, s, d]);
+        let peer = serde_json::json!({
+            "kind": "sdpa", "causal": true, "dropout": 0.0, "scale": cfg.scale,
+            "gqa": true, "window": w,
+        });
+        let name = format!("attention bf16 h{h}/{kv} s{s} d{d} causal window {w} {form}");
+        add(name, kernel, buffers, &[], peer, flops);
+    }
     finish(dir, &cases);
+}
+
+/// The bf16 tensors of an attention over `b` sequences of `s` tokens, `h` query and `kv` K/V
+/// heads of `d`: q, k, v and the output.
+fn attention_buffers([b, h, kv, s, d]: [u32; 5]) -> Vec<(&'static str, Buffer)> {
+    let shape = |heads: u32| [b, heads, s, d].map(|x| x as usize).to_vec();
+    vec![
+        ("q", (shape(h), "bf16", 1.0)),
+        ("k", (shape(kv), "bf16", 1.0)),
+        ("v", (shape(kv), "bf16", 1.0)),
+        ("out", (shape(h), "bf16", 0.0)),
+    ]
 }
 
 /// `MxNxK` as numbers.

@@ -43,6 +43,16 @@ pub enum KeyRule {
     },
 }
 
+impl KeyRule {
+    /// The sliding window, if any.
+    pub fn window(self) -> Option<u32> {
+        match self {
+            KeyRule::All => None,
+            KeyRule::Causal { window } | KeyRule::Position { window } => window,
+        }
+    }
+}
+
 /// Dropout on attention probabilities as every kernel applies it: the keep threshold and scale
 /// the IR's own mask uses, derived once from the op's f64 `p` (never from a rounded copy, whose
 /// threshold can differ: 0.1 as f32 gives 429496736, as f64 429496730), and the Philox stream.

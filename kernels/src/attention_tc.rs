@@ -1107,7 +1107,7 @@ impl<'a> Attn<'a> {
 }
 
 /// `max(last + 1 - w, 0)`: the first key a row whose last key is `last` sees in a window of `w`.
-fn window_start(k: &mut Kernel, last: Reg, w: u32) -> Reg {
+pub(crate) fn window_start(k: &mut Kernel, last: Reg, w: u32) -> Reg {
     let after = k.add_u32(&last, &1u32);
     let before = k.setp("lt.u32", &after, &w);
     let from = k.sub_u32(&after, &w);

@@ -34,7 +34,9 @@
 //! by 0, so a cache must hold finite values there, as the runtime's do: zeroed at load and
 //! written only with the model's keys and values),
 //! masked per element on the tiles that cross a row's last key or the end of the keys only;
-//! causal and position blocks are visited longest first. With position keys each warpgroup finds
+//! causal and position blocks are visited longest first. Under a sliding window of `w` keys (a
+//! row sees its last `w`), an item visits the tiles from the one where its earliest row's window
+//! starts, and masks per element those that cross a row's first key. With position keys each warpgroup finds
 //! the smallest and largest position of an item's rows itself ([`PositionKeys`]), so that the
 //! producer and the consumers agree on the item's tiles without waiting for one another. A
 //! padding mask `[B, T]` is staged per key tile in shared memory as an additive 0 / -inf row by
@@ -48,7 +50,7 @@
 //! halves by shuffle, so every word drawn is used.
 
 use crate::attention::{philox_key, reciprocal_or_zero, AttentionConfig, KeyRule, PhiloxRow};
-use crate::attention_tc::RowState;
+use crate::attention_tc::{window_start, RowState};
 use crate::hopper::{
     for_each_block_item, mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init,
     mbarrier_init_fence, mbarrier_wait, prefetch_tensor_map, setmaxnreg, tma_load, warp_uniform,
@@ -119,10 +121,9 @@ const BARRIERS: u32 = 4 + 4 * STAGES;
 pub fn supports(cfg: &AttentionConfig) -> bool {
     let keys = match cfg.keys {
         KeyRule::All => true,
-        KeyRule::Causal { window: None } => cfg.kv_len >= cfg.q_len,
+        KeyRule::Causal { window } => cfg.kv_len >= cfg.q_len && window != Some(0),
         // Prompt chunks over a KV cache: each row sees the keys up to its position.
-        KeyRule::Position { window: None } => cfg.q_len > 1,
-        _ => false,
+        KeyRule::Position { window } => cfg.q_len > 1 && window != Some(0),
     };
     // A paged cache's blocks are whole 1024-byte swizzle groups (8 rows) of a tile.
     let paged = cfg.paging.is_none_or(|p| {
@@ -560,10 +561,17 @@ struct Block {
     h: Reg,
     kvh: Reg,
     q0: Reg,
-    /// Key tiles to visit: `0..tiles`.
+    /// Key tiles to visit, `j` from 0: `tiles` of them, from key tile 0 or, under a sliding
+    /// window, from the one where the item's earliest window starts.
     tiles: Reg,
-    /// Tiles from this one on need per-element masks (they cross a row's last key or the end).
+    /// Under a window, the first key of tile `j = 0` (a multiple of [`BKV`]).
+    start_key: Option<Reg>,
+    /// Tiles `j` from this one on need per-element masks (they cross a row's last key or the
+    /// end).
     edge_from: Reg,
+    /// Under a window, tiles `j` before this one need per-element masks too (they cross a row's
+    /// first key).
+    clean_from: Option<Reg>,
 }
 
 impl Block {
@@ -585,6 +593,8 @@ impl Block {
         let kvh = k.op2("div.u32", RegClass::B32, &h, &(cfg.heads / cfg.kv_heads));
         let all = cfg.kv_len.div_ceil(BKV);
         let whole = cfg.kv_len / BKV;
+        // The item's rows' smallest and largest last keys, where they differ from row to row.
+        let mut lasts = None;
         let (tiles, edge_from) = if let Some(keys) = keys {
             // Tiles up to the largest position's key; per-element masks from the tile that
             // crosses the smallest one's.
@@ -597,6 +607,7 @@ impl Block {
             let tiles = k.op2("min.u32", RegClass::B32, &needed, &all);
             let lo_end = k.add_u32(&lo, &1u32);
             let clean = k.op2("shr.u32", RegClass::B32, &lo_end, &BKV.trailing_zeros());
+            lasts = Some((lo, hi));
             (tiles, k.op2("min.u32", RegClass::B32, &clean, &whole))
         } else if causal {
             // The block's last row sees keys up to q0 + bm - 1 + T - S; its first row up to
@@ -608,17 +619,61 @@ impl Block {
             let tiles = k.op2("min.u32", RegClass::B32, &needed, &all);
             let first_last = k.add_u32(&q0, &(shift + 1));
             let clean = k.op2("shr.u32", RegClass::B32, &first_last, &BKV.trailing_zeros());
+            if cfg.keys.window().is_some() {
+                let lo = k.add_u32(&q0, &shift);
+                let hi = k.add_u32(&q0, &(bm(cfg) - 1 + shift));
+                lasts = Some((lo, k.op2("min.u32", RegClass::B32, &hi, &(cfg.kv_len - 1))));
+            }
             (tiles, k.op2("min.u32", RegClass::B32, &clean, &whole))
         } else {
             (k.mov(RegClass::B32, &all), k.mov(RegClass::B32, &whole))
         };
-        Block {
+        let mut block = Block {
             b,
             h,
             kvh,
             q0,
             tiles,
+            start_key: None,
             edge_from,
+            clean_from: None,
+        };
+        if let (Some(w), Some((lo, hi))) = (cfg.keys.window(), lasts) {
+            block.slide(k, w, lo, hi);
+        }
+        block
+    }
+
+    /// Under a window of `w` keys, over rows whose last keys run from `lo` to `hi`: the tiles
+    /// from the one holding the first key of `lo`'s window (wholly before it, every row's
+    /// weight is zero), counted from there, and the tiles before the one from which every key
+    /// is inside `hi`'s window (from there on, inside every row's) masked per element. The
+    /// first tile holds a key of `lo`'s row, so an item has at least one.
+    fn slide(&mut self, k: &mut Kernel, w: u32, lo: Reg, hi: Reg) {
+        // `hi` is at most the last key; a smallest position past it (no valid one) is taken
+        // as it, so that the item keeps a tile.
+        let lo = k.op2("min.u32", RegClass::B32, &lo, &hi);
+        let start = window_start(k, lo, w);
+        let start = k.op2("and.b32", RegClass::B32, &start, &!(BKV - 1));
+        let skipped = k.op2("shr.u32", RegClass::B32, &start, &BKV.trailing_zeros());
+        let inside = window_start(k, hi, w);
+        let inside = k.add_u32(&inside, &(BKV - 1));
+        let clean = k.op2("shr.u32", RegClass::B32, &inside, &BKV.trailing_zeros());
+        self.tiles = k.sub_u32(&self.tiles, &skipped);
+        // (A negative position wraps the edge's tile to 0: every tile masked, as without a
+        // window.)
+        let edge_from = k.op2("max.u32", RegClass::B32, &self.edge_from, &skipped);
+        self.edge_from = k.sub_u32(&edge_from, &skipped);
+        self.clean_from = Some(k.sub_u32(&clean, &skipped));
+        self.start_key = Some(start);
+    }
+
+    /// The first key of the item's key tile `j`.
+    fn key0(&self, k: &mut Kernel, j: &Reg) -> Reg {
+        let key0 = k.mul_u32(j, &BKV);
+        match &self.start_key {
+            Some(start) => k.add_u32(&key0, start),
+            None => key0,
         }
     }
 
@@ -681,7 +736,7 @@ fn producer(
         k.bra(Some((past, true)), &done);
         let tile = progress.tile(k, &j);
         let (s, parity) = stage_of(k, &tile);
-        let key0 = k.mul_u32(&j, &BKV);
+        let key0 = block.key0(k, &j);
         let stage = k.mad_u32(&s, &layout.stage, &layout.kv);
         let stage = k.add_u32(&stage, base);
         let refill = k.setp("ge.u32", &tile, &STAGES);
@@ -972,6 +1027,11 @@ impl Consumer {
                 k.op2("min.u32", RegClass::B32, &l, &(cfg.kv_len - 1))
             })
             .collect();
+        // Under a window, the first key each of them sees.
+        let firsts: Option<Vec<Reg>> = cfg
+            .keys
+            .window()
+            .map(|w| last.iter().map(|l| window_start(k, *l, w)).collect());
         // This warpgroup's 64 rows of the item's Q buffer.
         let (q_offset, q_full, q_empty, q_parity) = progress.q_buffer(k, layout, bars);
         let q_rows = k.mad_u32(&self.c, &(64 * SWIZZLE_BYTES), &q_offset);
@@ -1006,8 +1066,8 @@ impl Consumer {
                 let tile = progress.tile(k, j);
                 self.add_mask(k, &tiles.s, &tile);
             }
-            let key0 = k.mul_u32(j, &BKV);
-            self.mask_edges(k, &tiles.s, block, j, &key0, &last);
+            let key0 = block.key0(k, j);
+            self.mask_edges(k, &tiles.s, block, j, &key0, (&last, firsts.as_deref()));
             let correction = self.softmax(k, cfg, &tiles.s, &state, (first, in_flight));
             if let Some(d) = dropping {
                 d.drop(k, &tiles.s, &key0);
@@ -1108,7 +1168,7 @@ impl Consumer {
         progress: &Progress,
         mask: Reg,
     ) {
-        let key0 = k.mul_u32(j, &BKV);
+        let key0 = block.key0(k, j);
         let key = k.add_u32(&key0, &self.wt);
         let value = k.mov(RegClass::F32, &F32(f32::NEG_INFINITY));
         let past = k.setp("ge.u32", &key, &cfg.kv_len);
@@ -1153,7 +1213,9 @@ impl Consumer {
         }
     }
 
-    /// On tiles from `block.edge_from` on, scores of keys past each row's last are -inf.
+    /// On tiles from `block.edge_from` on, scores of keys past each row's `last` are -inf;
+    /// under a window, on tiles before `block.clean_from`, those of keys before each row's
+    /// `first` too.
     fn mask_edges(
         &self,
         k: &mut Kernel,
@@ -1161,25 +1223,38 @@ impl Consumer {
         block: &Block,
         j: &Reg,
         key0: &Reg,
-        last: &[Reg],
+        (last, first): (&[Reg], Option<&[Reg]>),
     ) {
         let interior = k.label("interior_tile");
         let inside = k.setp("lt.u32", j, &block.edge_from);
         k.bra(Some((inside, true)), &interior);
         k.comment("edge tile: keys past each row's last");
+        self.mask_columns(k, s, key0, last, "gt.u32");
+        k.place(&interior);
+        if let (Some(clean_from), Some(first)) = (&block.clean_from, first) {
+            let clean = k.label("inside_windows");
+            let past = k.setp("ge.u32", j, clean_from);
+            k.bra(Some((past, true)), &clean);
+            k.comment("window tile: keys before each row's first");
+            self.mask_columns(k, s, key0, first, "lt.u32");
+            k.place(&clean);
+        }
+    }
+
+    /// Scores of the tile from `key0` whose key compares to its row's `bound` by `cmp` are -inf.
+    fn mask_columns(&self, k: &mut Kernel, s: &[Reg], key0: &Reg, bound: &[Reg], cmp: &str) {
         let col0 = k.add_u32(key0, &self.t2);
         let neg_inf = F32(f32::NEG_INFINITY).text();
         for chunk in 0..BKV / 8 {
             for c in 0..2u32 {
                 let col = k.add_u32(&col0, &(chunk * 8 + c));
-                for (h, last) in last.iter().enumerate() {
-                    let after = k.setp("gt.u32", &col, last);
+                for (h, bound) in bound.iter().enumerate() {
+                    let out = k.setp(cmp, &col, bound);
                     let reg = s[(chunk * 4 + h as u32 * 2 + c) as usize];
-                    k.emit(format!("@{after} mov.f32 {reg}, {neg_inf}"));
+                    k.emit(format!("@{out} mov.f32 {reg}, {neg_inf}"));
                 }
             }
         }
-        k.place(&interior);
     }
 
     /// The online softmax of one tile's scores (`first`: the item's first tile): new row
@@ -1435,6 +1510,32 @@ mod tests {
         // small at 1024 tokens, every plane.
         assert_eq!(group_planes(&config(128, 12, 12, 128, false)), 512);
         assert_eq!(group_planes(&config(1, 12, 12, 1024, true)), 12);
+    }
+
+    #[test]
+    fn sliding_windows_take_the_hopper_kernel() {
+        // Mistral-7B's 4096-key window over 8192 tokens, and a prompt chunk over its cache.
+        let mut cfg = config(1, 32, 8, 8192, true);
+        cfg.head_dim = 128;
+        cfg.keys = KeyRule::Causal { window: Some(4096) };
+        assert!(supports(&cfg));
+        let ptx = attention_wgmma(&cfg, "w".into()).module();
+        assert!(ptx.contains("window tile: keys before each row's first"));
+        cfg.q_len = 512;
+        cfg.keys = KeyRule::Position { window: Some(4096) };
+        assert!(supports(&cfg));
+        // Near misses: a window of no key; one decode row (the decode kernel's).
+        cfg.keys = KeyRule::Position { window: Some(0) };
+        assert!(!supports(&cfg));
+        cfg.keys = KeyRule::Causal { window: Some(0) };
+        assert!(!supports(&cfg));
+        cfg.q_len = 1;
+        cfg.keys = KeyRule::Position { window: Some(16) };
+        assert!(!supports(&cfg));
+        // Without a window the kernel masks no tile's first keys.
+        let plain = config(1, 32, 8, 8192, true);
+        let ptx = attention_wgmma(&plain, "w".into()).module();
+        assert!(!ptx.contains("window tile"));
     }
 
     #[test]

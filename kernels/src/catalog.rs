@@ -208,6 +208,26 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
                 512,
                 4608,
             ),
+            // Sliding windows on the Hopper kernel: causal at head dim 128 (items whose windows
+            // start mid-tile), a prompt chunk over a cache at 64 (paged below too).
+            (
+                128,
+                KeyRule::Causal { window: Some(300) },
+                true,
+                false,
+                None,
+                1000,
+                1000,
+            ),
+            (
+                64,
+                KeyRule::Position { window: Some(700) },
+                false,
+                false,
+                None,
+                300,
+                4097,
+            ),
             // A prompt chunk over a cache (tensor cores), head dim 96, with a window.
             (
                 96,

@@ -1297,6 +1297,37 @@ fn attention_matches_the_interpreter() {
             rope: true,
             ..AttentionCase::new(4, 1, 130, 520, 128)
         },
+        // Sliding windows on the Hopper kernel, narrower than the keys: items whose windows
+        // start mid-tile, rows of one block in different tiles' windows; with padding, three
+        // consumers (d 64 in blocks of 192 rows), dropout, a prompt chunk over a cache (q
+        // rotated ahead at d 128), a window shorter than a tile.
+        AttentionCase {
+            keys: KeyRule::Causal { window: Some(300) },
+            padding: true,
+            ..AttentionCase::new(4, 2, 1000, 1000, 128)
+        },
+        AttentionCase {
+            keys: KeyRule::Causal { window: Some(130) },
+            ..AttentionCase::new(2, 2, 700, 700, 64)
+        },
+        AttentionCase {
+            keys: KeyRule::Causal { window: Some(100) },
+            dropout: Some((0.1, 3)),
+            ..AttentionCase::new(2, 2, 300, 300, 128)
+        },
+        AttentionCase {
+            keys: KeyRule::Causal { window: Some(20) },
+            ..AttentionCase::new(2, 1, 260, 600, 64)
+        },
+        AttentionCase {
+            keys: KeyRule::Position { window: Some(400) },
+            ..AttentionCase::new(4, 2, 300, 1000, 64)
+        },
+        AttentionCase {
+            keys: KeyRule::Position { window: Some(200) },
+            rope: true,
+            ..AttentionCase::new(4, 1, 130, 520, 128)
+        },
         // Chunked prefill over a cache with a window.
         AttentionCase {
             heads: 4,
@@ -1367,18 +1398,11 @@ fn attention_on_tensor_cores_at_benchmark_shapes() {
         // Every key at d 128 (the benchmark's case without a mask).
         AttentionCase::new(8, 8, 4096, 4096, 128),
     ];
-    // Llama's RoPE leaves the kernel (`prerotated`), for a prefill and for a chunk over a dense
-    // cache; windows stay on mma.
-    let paths = [
-        KernelPath::Wgmma,
-        KernelPath::Mma,
-        KernelPath::Wgmma,
-        KernelPath::Wgmma,
-        KernelPath::Wgmma,
-    ];
-    for (case, expected) in cases.iter().zip(paths) {
+    // Every case on the Hopper kernel: Llama's RoPE leaves it (`prerotated`), for a prefill,
+    // with Mistral's window, and for a chunk over a dense cache.
+    for case in &cases {
         let cfg = attention_config(case, Elem::BF16, 1);
-        assert_eq!(path(&cfg), expected, "{}", cfg_name(&cfg));
+        assert_eq!(path(&cfg), KernelPath::Wgmma, "{}", cfg_name(&cfg));
         attention_case(&gpu, &mut rng, case, Elem::BF16, 1, &llama3);
     }
     // Items in groups of planes sharing the L2: 3 sequences x 4 heads of d 128 at 4096 keys run
@@ -2157,6 +2181,7 @@ fn attention_over_a_paged_cache_reads_what_a_dense_one_holds() {
             (128u32, None, 128u32, 1000u32, false),
             (200, None, 64, 900, false),
             (37, Some(300), 64, 700, false),
+            (200, Some(150), 128, 1000, false),
             (1, None, 64, 1100, true),
         ] {
             let (b, heads, kv_heads) = (2u32, 8u32, 2u32);
@@ -2225,8 +2250,8 @@ fn attention_over_a_paged_cache_reads_what_a_dense_one_holds() {
                     hopper.push((kernel.name, gpu.download(elem, &hopper_out)));
                 }
             }
-            // The bf16 chunks without a window take the Hopper kernel both ways.
-            let chunk = elem == Elem::BF16 && q_len > 1 && window.is_none();
+            // The bf16 chunks take the Hopper kernel both ways, with a window or without.
+            let chunk = elem == Elem::BF16 && q_len > 1;
             let names: Vec<&String> = hopper.iter().map(|(n, _)| n).collect();
             assert_eq!(hopper.len(), if chunk { 2 } else { 0 }, "{names:?}");
             for pair in [&outs, &hopper].into_iter().filter(|p| !p.is_empty()) {

@@ -279,6 +279,20 @@ fn attention_chunk_over_a_dense_cache_bf16_wgmma() {
     insta::assert_snapshot!(k.module());
 }
 
+/// The Hopper attention under Mistral's sliding window (4096 keys of 8192, GQA 4:1, head dim
+/// 128): tiles from the item's earliest window on, masked per element where they cross a row's
+/// first key.
+#[test]
+fn attention_sliding_window_bf16_wgmma() {
+    use kiln_kernels::attention::{attention, AttentionConfig, KeyRule};
+    let mut cfg = AttentionConfig::plain([1, 32, 8, 8192, 8192, 128], Elem::BF16);
+    cfg.keys = KeyRule::Causal { window: Some(4096) };
+    cfg.scale = 128f32.powf(-0.5);
+    let k = attention(&cfg);
+    assert!(k.name.ends_with("_w4096_wgmma"), "{}", k.name);
+    insta::assert_snapshot!(k.module());
+}
+
 #[test]
 fn attention_gqa_causal_rope_dropout_bf16() {
     use kiln_kernels::attention::{attention, AttentionConfig, KeyRule};

@@ -180,6 +180,46 @@ fn rope_prefill_attention_runs_on_wgmma() {
     }
 }
 
+/// A sliding window narrower than the keys (Mistral-7B's shape with a 32-key window) keeps the
+/// Hopper kernel: the prefill attention of 64-token buckets and the prompt chunks' attention over
+/// a dense or paged cache of 256 positions are `wgmma` launches whose names carry the window.
+#[test]
+fn sliding_windows_run_on_wgmma() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("mistral-w32");
+    std::fs::create_dir(&model).unwrap();
+    let mut config: Value = serde_json::from_str(
+        &std::fs::read_to_string(configs_dir().join("mistral-7b/config.json")).unwrap(),
+    )
+    .unwrap();
+    config["sliding_window"] = 32.into();
+    std::fs::write(model.join("config.json"), config.to_string()).unwrap();
+    for block in ["0", "16"] {
+        let r = report(
+            &model,
+            &["--no-weights", "--dtype", "bf16", "--kv-block-size", block],
+        );
+        let mut windowed = 0;
+        for (_, seq, kernels) in buckets(&r) {
+            for k in kernels {
+                let attention = k["kind"] == "attention" || k["kind"] == "decode_attention";
+                if !attention || seq == 1 {
+                    continue;
+                }
+                let names = k["launches"].as_array().unwrap();
+                if names.iter().any(|l| l.as_str().unwrap().contains("_w32")) {
+                    assert_eq!(k["path"], "wgmma", "blocks of {block}: {k}");
+                    windowed += 1;
+                }
+            }
+        }
+        assert!(
+            windowed >= 2,
+            "blocks of {block}: {windowed} windowed attentions"
+        );
+    }
+}
+
 /// A prompt chunk's attention over a KV cache runs on wgmma, q rotated ahead of it and each
 /// row's keys bounded by its position, in one launch with the chunk's cache writes (no `rope`
 /// launch, and `kv_write` launches only where no attention reads the writes): over a dense cache
