@@ -1052,13 +1052,17 @@ pub(crate) fn window_range(
     let end = k.op2("min.u32", RegClass::B32, &after, &kv_len);
     let start = match window {
         None => k.mov(RegClass::B32, &0u32),
-        Some(w) => {
-            let before = k.setp("lt.u32", &after, &w);
-            let from = k.sub_u32(&after, &w);
-            k.selp(RegClass::B32, "u32", &0u32, &from, before)
-        }
+        Some(w) => window_start(k, last, w),
     };
     (start, end)
+}
+
+/// `max(last + 1 - w, 0)`: the first key a row whose last key is `last` sees in a window of `w`.
+pub(crate) fn window_start(k: &mut Kernel, last: Reg, w: u32) -> Reg {
+    let after = k.add_u32(&last, &1u32);
+    let before = k.setp("lt.u32", &after, &w);
+    let from = k.sub_u32(&after, &w);
+    k.selp(RegClass::B32, "u32", &0u32, &from, before)
 }
 
 /// Whether Philox-4x32-10 keeps element `(plane, row, col)` of stream `stream` (DESIGN.md section
@@ -1246,23 +1250,22 @@ mod tests {
     }
 
     #[test]
-    fn near_misses_keep_rope_in_the_mma_kernel_and_dropout_does_not() {
-        let cases = [
-            ("f32", llama(Elem::F32, None, None)),
-            (
-                "a window inside the keys",
-                llama(Elem::BF16, Some(256), None),
-            ),
-        ];
-        for (what, cfg) in cases {
-            assert_eq!(prerotated(&cfg), None, "{what}");
-            assert_ne!(path(&cfg), KernelPath::Wgmma, "{what}");
-        }
+    fn near_misses_keep_rope_in_the_mma_kernel_and_windows_and_dropout_do_not() {
+        let f32 = llama(Elem::F32, None, None);
+        assert_eq!(prerotated(&f32), None, "f32");
+        assert_ne!(path(&f32), KernelPath::Wgmma, "f32");
         let dropout = llama(Elem::BF16, None, Some((0.1, 0)));
         assert!(prerotated(&dropout).is_some_and(|plain| plain.dropout == dropout.dropout));
         assert_eq!(path(&dropout), KernelPath::Wgmma, "dropout");
-        // A prompt chunk over a KV cache, dense or paged, rotates q alone ahead of the Hopper
-        // kernel; with a window it keeps RoPE in the mma kernel.
+        let windowed = llama(Elem::BF16, Some(256), None);
+        assert!(prerotated(&windowed).is_some_and(|plain| plain.keys == windowed.keys));
+        assert_eq!(
+            path(&windowed),
+            KernelPath::Wgmma,
+            "a window inside the keys"
+        );
+        // A prompt chunk over a KV cache, dense or paged, with a window or without, rotates q
+        // alone ahead of the Hopper kernel.
         let mut over_cache = llama(Elem::BF16, None, None);
         over_cache.rope_k = false;
         over_cache.keys = KeyRule::Position { window: None };
@@ -1285,7 +1288,10 @@ mod tests {
         );
         let mut windowed = over_cache.clone();
         windowed.keys = KeyRule::Position { window: Some(256) };
-        assert_eq!(prerotated(&windowed), None, "position keys with a window");
+        assert!(
+            prerotated(&windowed).is_some(),
+            "position keys with a window"
+        );
         assert_eq!(
             prerotated(&AttentionConfig::plain([1, 2, 2, 8, 8, 64], Elem::BF16)),
             None

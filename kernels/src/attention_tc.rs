@@ -26,7 +26,8 @@
 //! Decode steps (one query row per sequence over a cache) take the SIMT flash-decoding kernel.
 
 use crate::attention::{
-    philox_key, philox_words, reciprocal_or_zero, AttentionConfig, KeyRule, OptionalParams,
+    philox_key, philox_words, reciprocal_or_zero, window_start, AttentionConfig, KeyRule,
+    OptionalParams,
 };
 use crate::paging::KeyRows;
 use crate::ptx::{Elem, Kernel, Label, Operand, Reg, RegClass, F32};
@@ -1104,14 +1105,6 @@ impl<'a> Attn<'a> {
             }
         }
     }
-}
-
-/// `max(last + 1 - w, 0)`: the first key a row whose last key is `last` sees in a window of `w`.
-pub(crate) fn window_start(k: &mut Kernel, last: Reg, w: u32) -> Reg {
-    let after = k.add_u32(&last, &1u32);
-    let before = k.setp("lt.u32", &after, &w);
-    let from = k.sub_u32(&after, &w);
-    k.selp(RegClass::B32, "u32", &0u32, &from, before)
 }
 
 fn ld_shared_v4_f32(k: &mut Kernel, addr: Reg, offset: u32) -> Vec<Reg> {

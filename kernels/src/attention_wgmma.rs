@@ -49,8 +49,10 @@
 //! neighbour (`t ^ 1`) holds: each of the two draws the block of one of the rows and they swap
 //! halves by shuffle, so every word drawn is used.
 
-use crate::attention::{philox_key, reciprocal_or_zero, AttentionConfig, KeyRule, PhiloxRow};
-use crate::attention_tc::{window_start, RowState};
+use crate::attention::{
+    philox_key, reciprocal_or_zero, window_start, AttentionConfig, KeyRule, PhiloxRow,
+};
+use crate::attention_tc::RowState;
 use crate::hopper::{
     for_each_block_item, mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init,
     mbarrier_init_fence, mbarrier_wait, prefetch_tensor_map, setmaxnreg, tma_load, warp_uniform,
