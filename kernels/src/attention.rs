@@ -169,7 +169,7 @@ impl AttentionConfig {
 
     /// A sliding window of `window` keys, or none when it covers every key (a query at most
     /// `kv_len - 1` positions past a key sees it): Mistral's 4096-key window in buckets of up to
-    /// 4096 keys is no window, and the kernels without window support can take it.
+    /// 4096 keys is no window, and its kernels mask no tile's first keys.
     fn window(&self, window: Option<i64>) -> Option<u32> {
         window
             .filter(|&w| w < i64::from(self.kv_len))

@@ -595,21 +595,22 @@ impl Block {
         let kvh = k.op2("div.u32", RegClass::B32, &h, &(cfg.heads / cfg.kv_heads));
         let all = cfg.kv_len.div_ceil(BKV);
         let whole = cfg.kv_len / BKV;
-        // The item's rows' smallest and largest last keys, where they differ from row to row.
+        // The item's rows' smallest and largest last keys as the rule gives them, and the largest
+        // inside the keys, where they differ from row to row.
         let mut lasts = None;
         let (tiles, edge_from) = if let Some(keys) = keys {
             // Tiles up to the largest position's key; per-element masks from the tile that
             // crosses the smallest one's.
-            let (lo, hi) = keys.range(k, cfg, &b, &q0);
+            let (lo, given) = keys.range(k, cfg, &b, &q0);
             // At least one tile (the consumers multiply the first unconditionally), and no
             // overflow from a position of 2^32 - 1 (a negative one's low half).
-            let hi = k.op2("min.u32", RegClass::B32, &hi, &(cfg.kv_len - 1));
+            let hi = k.op2("min.u32", RegClass::B32, &given, &(cfg.kv_len - 1));
             let needed = k.add_u32(&hi, &BKV);
             let needed = k.op2("shr.u32", RegClass::B32, &needed, &BKV.trailing_zeros());
             let tiles = k.op2("min.u32", RegClass::B32, &needed, &all);
             let lo_end = k.add_u32(&lo, &1u32);
             let clean = k.op2("shr.u32", RegClass::B32, &lo_end, &BKV.trailing_zeros());
-            lasts = Some((lo, hi));
+            lasts = Some((lo, given, hi));
             (tiles, k.op2("min.u32", RegClass::B32, &clean, &whole))
         } else if causal {
             // The block's last row sees keys up to q0 + bm - 1 + T - S; its first row up to
@@ -623,8 +624,9 @@ impl Block {
             let clean = k.op2("shr.u32", RegClass::B32, &first_last, &BKV.trailing_zeros());
             if cfg.keys.window().is_some() {
                 let lo = k.add_u32(&q0, &shift);
-                let hi = k.add_u32(&q0, &(bm(cfg) - 1 + shift));
-                lasts = Some((lo, k.op2("min.u32", RegClass::B32, &hi, &(cfg.kv_len - 1))));
+                let given = k.add_u32(&q0, &(bm(cfg) - 1 + shift));
+                let hi = k.op2("min.u32", RegClass::B32, &given, &(cfg.kv_len - 1));
+                lasts = Some((lo, given, hi));
             }
             (tiles, k.op2("min.u32", RegClass::B32, &clean, &whole))
         } else {
@@ -640,25 +642,26 @@ impl Block {
             edge_from,
             clean_from: None,
         };
-        if let (Some(w), Some((lo, hi))) = (cfg.keys.window(), lasts) {
-            block.slide(k, w, lo, hi);
+        if let (Some(w), Some(lasts)) = (cfg.keys.window(), lasts) {
+            block.slide(k, cfg.kv_len, w, lasts);
         }
         block
     }
 
-    /// Under a window of `w` keys, over rows whose last keys run from `lo` to `hi`: the tiles
-    /// from the one holding the first key of `lo`'s window (wholly before it, every row's
-    /// weight is zero), counted from there, and the tiles before the one from which every key
-    /// is inside `hi`'s window (from there on, inside every row's) masked per element. The
-    /// first tile holds a key of `lo`'s row, so an item has at least one.
-    fn slide(&mut self, k: &mut Kernel, w: u32, lo: Reg, hi: Reg) {
-        // `hi` is at most the last key; a smallest position past it (no valid one) is taken
-        // as it, so that the item keeps a tile.
-        let lo = k.op2("min.u32", RegClass::B32, &lo, &hi);
+    /// Under a window of `w` keys, over rows whose last keys (as the rule gives them) run from
+    /// `lo` to `hi`, `last` the largest inside the keys: the tiles from the one holding the
+    /// first key of `lo`'s window (wholly before it, every row's weight is zero), counted from
+    /// there, and the tiles before the one from which every key is inside `hi`'s window (from
+    /// there on, inside every row's) masked per element. The first tile is at most `last`'s, so
+    /// an item has at least one; when every row's window starts past `last` (positions past
+    /// the keys), that one is masked whole.
+    fn slide(&mut self, k: &mut Kernel, kv_len: u32, w: u32, (lo, hi, last): (Reg, Reg, Reg)) {
         let start = window_start(k, lo, w);
+        let start = k.op2("min.u32", RegClass::B32, &start, &last);
         let start = k.op2("and.b32", RegClass::B32, &start, &!(BKV - 1));
         let skipped = k.op2("shr.u32", RegClass::B32, &start, &BKV.trailing_zeros());
         let inside = window_start(k, hi, w);
+        let inside = k.op2("min.u32", RegClass::B32, &inside, &kv_len);
         let inside = k.add_u32(&inside, &(BKV - 1));
         let clean = k.op2("shr.u32", RegClass::B32, &inside, &BKV.trailing_zeros());
         self.tiles = k.sub_u32(&self.tiles, &skipped);
@@ -1017,23 +1020,28 @@ impl Consumer {
     ) -> RowState {
         let state = RowState::new(k, cfg.head_dim);
         // The last key each of the thread's rows sees (T - 1 without a causal or position rule).
-        let last: Vec<Reg> = (0..2u32)
+        // (and, as the rule gives it, before it is clamped to the keys).
+        let (last, given): (Vec<Reg>, Vec<Reg>) = (0..2u32)
             .map(|h| {
                 let row = k.add_u32(&self.row, &(8 * h));
                 let row = k.add_u32(&row, &block.q0);
                 let l = match (cfg.keys, keys) {
                     (KeyRule::Causal { .. }, _) => k.add_u32(&row, &(cfg.kv_len - cfg.q_len)),
                     (_, Some(keys)) => keys.position(k, cfg, &block.b, &row),
-                    _ => return k.mov(RegClass::B32, &(cfg.kv_len - 1)),
+                    _ => {
+                        let all = k.mov(RegClass::B32, &(cfg.kv_len - 1));
+                        return (all, all);
+                    }
                 };
-                k.op2("min.u32", RegClass::B32, &l, &(cfg.kv_len - 1))
+                (k.op2("min.u32", RegClass::B32, &l, &(cfg.kv_len - 1)), l)
             })
-            .collect();
-        // Under a window, the first key each of them sees.
+            .unzip();
+        // Under a window, the first key each of them sees, from the given last key: a position
+        // past the keys sees fewer than the window, a negative one none.
         let firsts: Option<Vec<Reg>> = cfg
             .keys
             .window()
-            .map(|w| last.iter().map(|l| window_start(k, *l, w)).collect());
+            .map(|w| given.iter().map(|l| window_start(k, *l, w)).collect());
         // This warpgroup's 64 rows of the item's Q buffer.
         let (q_offset, q_full, q_empty, q_parity) = progress.q_buffer(k, layout, bars);
         let q_rows = k.mad_u32(&self.c, &(64 * SWIZZLE_BYTES), &q_offset);

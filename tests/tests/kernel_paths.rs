@@ -199,23 +199,25 @@ fn sliding_windows_run_on_wgmma() {
             &model,
             &["--no-weights", "--dtype", "bf16", "--kv-block-size", block],
         );
-        let mut windowed = 0;
-        for (_, seq, kernels) in buckets(&r) {
-            for k in kernels {
-                let attention = k["kind"] == "attention" || k["kind"] == "decode_attention";
-                if !attention || seq == 1 {
+        // Windowed attentions of the prefill buckets, then of the prompt chunks.
+        let mut windowed = [0, 0];
+        for (list, count) in ["buckets", "decode_buckets"].iter().zip(&mut windowed) {
+            for b in r[*list].as_array().unwrap() {
+                if b["seq"].as_u64() == Some(1) {
                     continue;
                 }
-                let names = k["launches"].as_array().unwrap();
-                if names.iter().any(|l| l.as_str().unwrap().contains("_w32")) {
-                    assert_eq!(k["path"], "wgmma", "blocks of {block}: {k}");
-                    windowed += 1;
+                for k in b["kernels"].as_array().unwrap() {
+                    let names = k["launches"].as_array().unwrap();
+                    if names.iter().any(|l| l.as_str().unwrap().contains("_w32_")) {
+                        assert_eq!(k["path"], "wgmma", "blocks of {block}: {k}");
+                        *count += 1;
+                    }
                 }
             }
         }
         assert!(
-            windowed >= 2,
-            "blocks of {block}: {windowed} windowed attentions"
+            windowed.iter().all(|&n| n > 0),
+            "blocks of {block}: {windowed:?} windowed attentions (prefill, prompt chunks)"
         );
     }
 }
