@@ -36,9 +36,10 @@
 //! masked per element on the tiles that cross a row's last key or the end of the keys only;
 //! causal and position blocks are visited longest first. Under a sliding window of `w` keys (a
 //! row sees its last `w`), an item visits the tiles from the one where its earliest row's window
-//! starts, and masks per element those that cross a row's first key. With position keys each warpgroup finds
-//! the smallest and largest position of an item's rows itself ([`PositionKeys`]), so that the
-//! producer and the consumers agree on the item's tiles without waiting for one another. A
+//! starts, and masks per element those that cross a row's first key. With position keys each
+//! warpgroup finds the smallest and largest position of an item's rows itself ([`PositionKeys`]),
+//! so that the producer and the consumers agree on the item's tiles without waiting for one
+//! another. A
 //! padding mask `[B, T]` is staged per key tile in shared memory as an additive 0 / -inf row by
 //! each consumer warpgroup. A row that sees no key stores zeros. GQA reads the
 //! K/V head `h / (heads / kv_heads)`. RoPE takes the `mma.sync` kernel (or is rotated ahead).
@@ -1019,8 +1020,8 @@ impl Consumer {
         progress: &Progress,
     ) -> RowState {
         let state = RowState::new(k, cfg.head_dim);
-        // The last key each of the thread's rows sees (T - 1 without a causal or position rule).
-        // (and, as the rule gives it, before it is clamped to the keys).
+        // The last key each of the thread's rows sees (T - 1 without a causal or position rule),
+        // clamped to the keys, and as the rule gives it.
         let (last, given): (Vec<Reg>, Vec<Reg>) = (0..2u32)
             .map(|h| {
                 let row = k.add_u32(&self.row, &(8 * h));
