@@ -567,14 +567,19 @@ struct Block {
     /// Key tiles to visit, `j` from 0: `tiles` of them, from key tile 0 or, under a sliding
     /// window, from the one where the item's earliest window starts.
     tiles: Reg,
-    /// Under a window, the first key of tile `j = 0` (a multiple of [`BKV`]).
-    start_key: Option<Reg>,
     /// Tiles `j` from this one on need per-element masks (they cross a row's last key or the
     /// end).
     edge_from: Reg,
-    /// Under a window, tiles `j` before this one need per-element masks too (they cross a row's
-    /// first key).
-    clean_from: Option<Reg>,
+    /// Under a sliding window, where the item's tiles start and which cross a row's first key.
+    window: Option<Slide>,
+}
+
+/// An item's key tiles under a sliding window ([`Block::slide`]).
+struct Slide {
+    /// The first key of tile `j = 0` (a multiple of [`BKV`]).
+    start_key: Reg,
+    /// Tiles `j` before this one need per-element masks too (they cross a row's first key).
+    clean_from: Reg,
 }
 
 impl Block {
@@ -639,9 +644,8 @@ impl Block {
             kvh,
             q0,
             tiles,
-            start_key: None,
             edge_from,
-            clean_from: None,
+            window: None,
         };
         if let (Some(w), Some(lasts)) = (cfg.keys.window(), lasts) {
             block.slide(k, cfg.kv_len, w, lasts);
@@ -670,15 +674,17 @@ impl Block {
         // window.)
         let edge_from = k.op2("max.u32", RegClass::B32, &self.edge_from, &skipped);
         self.edge_from = k.sub_u32(&edge_from, &skipped);
-        self.clean_from = Some(k.sub_u32(&clean, &skipped));
-        self.start_key = Some(start);
+        self.window = Some(Slide {
+            start_key: start,
+            clean_from: k.sub_u32(&clean, &skipped),
+        });
     }
 
     /// The first key of the item's key tile `j`.
     fn key0(&self, k: &mut Kernel, j: &Reg) -> Reg {
         let key0 = k.mul_u32(j, &BKV);
-        match &self.start_key {
-            Some(start) => k.add_u32(&key0, start),
+        match &self.window {
+            Some(slide) => k.add_u32(&key0, &slide.start_key),
             None => key0,
         }
     }
@@ -1225,7 +1231,7 @@ impl Consumer {
     }
 
     /// On tiles from `block.edge_from` on, scores of keys past each row's `last` are -inf;
-    /// under a window, on tiles before `block.clean_from`, those of keys before each row's
+    /// under a window, on tiles before its `clean_from`, those of keys before each row's
     /// `first` too.
     fn mask_edges(
         &self,
@@ -1242,9 +1248,9 @@ impl Consumer {
         k.comment("edge tile: keys past each row's last");
         self.mask_columns(k, s, key0, last, "gt.u32");
         k.place(&interior);
-        if let (Some(clean_from), Some(first)) = (&block.clean_from, first) {
+        if let (Some(slide), Some(first)) = (&block.window, first) {
             let clean = k.label("inside_windows");
-            let past = k.setp("ge.u32", j, clean_from);
+            let past = k.setp("ge.u32", j, &slide.clean_from);
             k.bra(Some((past, true)), &clean);
             k.comment("window tile: keys before each row's first");
             self.mask_columns(k, s, key0, first, "lt.u32");
