@@ -1231,8 +1231,8 @@ impl Consumer {
     }
 
     /// On tiles from `block.edge_from` on, scores of keys past each row's `last` are -inf;
-    /// under a window, on tiles before its `clean_from`, those of keys before each row's
-    /// `first` too.
+    /// under a window, on tiles before `block.window`'s `clean_from`, those of keys before each
+    /// row's `first` too.
     fn mask_edges(
         &self,
         k: &mut Kernel,
