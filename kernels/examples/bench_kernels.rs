@@ -13,7 +13,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, LaunchConfig
 use cudarc::nvrtc::Ptx;
 use kiln_ir::kernel::{Activation, NormKind};
 use kiln_kernels::attention::{attention, AttentionConfig, KeyRule};
-use kiln_kernels::attention_wgmma::{attention_wgmma_scheduled, persistent};
+use kiln_kernels::attention_wgmma::{attention_wgmma_shaped, Shape};
 use kiln_kernels::gemm::{gemm, gemm_base, GemmConfig};
 use kiln_kernels::gemm_wgmma::{
     fits, gemm_wgmma_tiled, split_scratch, splits_fit, tiling, Tiling, TILINGS,
@@ -726,7 +726,8 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
         );
         add(name, attention(&cfg), buffers, &[], peer, flops);
     }
-    // Attention of the models' prefills on one item per block and on a persistent grid:
+    // Attention of the models' prefills in every shape that fits (consumers, Q buffers, K and V
+    // stages), and the picked one on the other grid (one item per block or persistent):
     // BERT-base at 128 x 128 tokens (all keys), GPT-2 at 1024 tokens and Llama-3.2-1B at 4096
     // (causal, GQA 4:1); and the benchmark shapes above (4 x 16 heads, 4096 tokens), whose
     // blocks of 32 key tiles start and finish 2048 items on 132 SMs.
@@ -743,8 +744,13 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
         if causal {
             cfg.keys = KeyRule::Causal { window: None };
         }
-        let chosen = persistent(&cfg);
-        for on_grid in [false, true] {
+        let picked = Shape::of(&cfg);
+        let mut shapes = Shape::space(&cfg);
+        shapes.push(Shape {
+            persistent: !picked.persistent,
+            ..picked
+        });
+        for shape in shapes {
             let buffers = attention_buffers([b, h, kv, s, d]);
             let peer = serde_json::json!({
                 "kind": "sdpa", "causal": causal, "dropout": 0.0, "scale": cfg.scale,
@@ -752,12 +758,16 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
             });
             let flops = 4.0 * f64::from(b * h) * f64::from(s).powi(2) * f64::from(d)
                 / if causal { 2.0 } else { 1.0 };
-            let form = if on_grid {
-                "persistent"
-            } else {
-                "item a block"
-            };
-            let mark = if on_grid == chosen { " (picked)" } else { "" };
+            let Shape {
+                consumers: c,
+                q_buffers: q,
+                k_stages: ks,
+                v_stages: vs,
+                persistent: on_grid,
+            } = shape;
+            let grid = if on_grid { "persistent" } else { "items" };
+            let form = format!("c{c} q{q} k{ks} v{vs} {grid}");
+            let mark = if shape == picked { " (picked)" } else { "" };
             let name = format!(
                 "attention bf16 b{b} h{h}/{kv} s{s} d{d}{} {form}{mark}",
                 if causal { " causal" } else { "" }
@@ -765,9 +775,9 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
             let kernel_name = format!(
                 "attention_b{b}_h{h}_{kv}_s{s}_d{d}{}_{}",
                 if causal { "_causal" } else { "" },
-                if on_grid { "persistent" } else { "items" }
+                form.replace(' ', "_")
             );
-            let kernel = attention_wgmma_scheduled(&cfg, on_grid, kernel_name);
+            let kernel = attention_wgmma_shaped(&cfg, shape, kernel_name);
             add(name, kernel, buffers, &[], peer, flops);
         }
     }

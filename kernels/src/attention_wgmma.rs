@@ -1,16 +1,17 @@
 //! FlashAttention-3 style prefill attention on sm_90a (f16 / bf16, head dims 64 and 128): TMA
 //! feeds K/V tiles through an mbarrier pipeline to consumer warpgroups on `wgmma`.
 //!
-//! A block of a producer and two or three consumer warpgroups ([`consumers`]) takes work items
-//! of 64 query rows a consumer of one head, one item per block or, when items have few key
-//! tiles, the items `ctaid.x`, then every `nctaid.x`-th of a persistent grid ([`persistent`]),
-//! so that the next item's tiles load under this one's work; items run in groups of planes whose
-//! K/V share the L2 ([`group_planes`]):
+//! A block of a producer and two or three consumer warpgroups takes work items of 64 query rows
+//! a consumer of one head, one item per block or, when items have few key tiles, the items
+//! `ctaid.x`, then every `nctaid.x`-th of a persistent grid, so that the next item's tiles load
+//! under this one's work; items run in groups of planes whose K/V share the L2
+//! ([`group_planes`]). How many consumers, Q buffers and K and V stages, and which grid, is the
+//! block's [`Shape`]:
 //! - warpgroup 0, the producer, gives up registers; its first thread copies each item's Q tile
-//!   into one of two Q buffers (refilled once every consumer released it), then the K and V tiles
-//!   of 128 keys, each two stages deep (TMA, 128-byte swizzle, zeros past the tensor's edges),
-//!   each stage armed on its `full` barrier and refilled once every consumer released it on its
-//!   `empty` barrier (stages are counted across the block's items). K and V have barriers of
+//!   into one of its Q buffers (refilled once every consumer released it), then the K and V
+//!   tiles of 128 keys through their stages (TMA, 128-byte swizzle, zeros past the tensor's
+//!   edges), each stage armed on its `full` barrier and refilled once every consumer released it
+//!   on its `empty` barrier (stages are counted across the block's items). K and V have barriers of
 //!   their own: a K tile is free once the scores have read it, a turn before its V tile, so
 //!   that the next K tile loads under two turns of products rather than under one `P V` (a
 //!   paged tile's K and V are still copied together, box by box, once both stages are free:
@@ -58,7 +59,7 @@ use crate::hopper::{
     for_each_block_item, mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init,
     mbarrier_init_fence, mbarrier_wait, prefetch_tensor_map, setmaxnreg, tma_load, warp_uniform,
     wgmma, wgmma_commit, wgmma_descriptor, wgmma_fence, wgmma_wait, WarpgroupThread, WgmmaA,
-    WgmmaB, MBARRIER_BYTES, SWIZZLE_BYTES,
+    WgmmaB, MAX_SHARED, MBARRIER_BYTES, SWIZZLE_BYTES,
 };
 use crate::paging::{KeyRows, Paging};
 use crate::ptx::{Elem, Kernel, Operand, Reg, RegClass, F32};
@@ -66,8 +67,6 @@ use crate::{GeneratedKernel, Image, KernelPath, Launch, TensorMapSpec};
 
 /// Keys per tile.
 const BKV: u32 = 128;
-/// K/V stages.
-const STAGES: u32 = 2;
 /// Elements of one 128-byte swizzle row: the head dimension is copied in blocks of this many.
 const COLS: u32 = SWIZZLE_BYTES / 2;
 /// The fewest registers the producer works in.
@@ -117,9 +116,6 @@ fn under_own_products(cfg: &AttentionConfig) -> bool {
     cfg.head_dim == 64 && cfg.dropout.is_none()
 }
 
-/// Barriers: Q full (2), K full, V full, K empty, V empty (`STAGES` each), Q empty (2).
-const BARRIERS: u32 = 4 + 4 * STAGES;
-
 /// Whether `cfg` can use the Hopper kernel.
 pub fn supports(cfg: &AttentionConfig) -> bool {
     let keys = match cfg.keys {
@@ -147,46 +143,188 @@ pub fn supports(cfg: &AttentionConfig) -> bool {
         && paged
 }
 
-/// Consumer warpgroups of a block, 64 query rows each. At head dim 64 one warpgroup's softmax
-/// takes about as long as its products, so three take turns (two others' products hide each
-/// one's softmax) wherever blocks of 192 rows pad the query rows at most 5% more than blocks of
-/// 128 do; otherwise two. Dropout keeps two: its Philox rounds hold the ALUs, not the tensor
-/// cores, and its registers spill within three consumers' 160.
-fn consumers(cfg: &AttentionConfig) -> u32 {
-    let padded = |rows: u32| u64::from(cfg.q_len.div_ceil(rows) * rows);
-    if cfg.head_dim == 64 && cfg.dropout.is_none() && 20 * padded(192) <= 21 * padded(128) {
-        3
-    } else {
-        2
+/// How a block is built: its consumer warpgroups, Q buffers and K and V stages, and whether
+/// the grid is persistent. [`Shape::of`] picks one for a configuration; the others that
+/// [`Shape::fits`] are the space it was picked from, built by [`attention_wgmma_shaped`] to
+/// measure and test.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shape {
+    /// Consumer warpgroups of 64 query rows each (2 or 3).
+    pub consumers: u32,
+    /// Q buffers (1 or 2): with two, the next item's Q loads under this one's key tiles.
+    pub q_buffers: u32,
+    /// K stages: how many key tiles ahead of the consumers the producer may copy K.
+    pub k_stages: u32,
+    /// V stages.
+    pub v_stages: u32,
+    /// Items on a grid of [`GRID`] blocks, each taking every `GRID`-th, rather than one a block.
+    pub persistent: bool,
+}
+
+impl Shape {
+    /// The shape `cfg` runs in. At head dim 64 one warpgroup's softmax takes about as long as
+    /// its products, so three consumers take turns (two others' products hide each one's
+    /// softmax) wherever blocks of 192 rows pad the query rows at most 5% more than blocks of
+    /// 128 do; otherwise two. Dropout keeps two: its Philox rounds hold the ALUs, not the tensor
+    /// cores, and its registers spill within three consumers' 160. Two Q buffers and two stages
+    /// of K and of V; a persistent grid for items of few key tiles, more of them than the grid
+    /// has blocks.
+    pub fn of(cfg: &AttentionConfig) -> Shape {
+        let padded = |rows: u32| u64::from(cfg.q_len.div_ceil(rows) * rows);
+        let three = cfg.head_dim == 64 && cfg.dropout.is_none();
+        let consumers = if three && 20 * padded(192) <= 21 * padded(128) {
+            3
+        } else {
+            2
+        };
+        let mut shape = Shape {
+            consumers,
+            q_buffers: 2,
+            k_stages: 2,
+            v_stages: 2,
+            persistent: false,
+        };
+        let plan = Plan { cfg, shape };
+        shape.persistent = cfg.kv_len.div_ceil(BKV) <= PERSISTENT_MAX_TILES && items(&plan) > GRID;
+        shape
+    }
+
+    /// Whether the kernel can be built in this shape for `cfg`: two or three consumers (three
+    /// not with dropout, whose registers spill within their 160), one or two Q buffers, two to
+    /// four stages of K and of V, all in the shared memory a block may take.
+    pub fn fits(&self, cfg: &AttentionConfig) -> bool {
+        let plan = Plan { cfg, shape: *self };
+        (2..=3).contains(&self.consumers)
+            && (1..=2).contains(&self.q_buffers)
+            && (2..=4).contains(&self.k_stages)
+            && (2..=4).contains(&self.v_stages)
+            && !(self.consumers == 3 && cfg.dropout.is_some())
+            && shared_bytes(&plan) <= MAX_SHARED
+    }
+
+    /// The shapes that fit `cfg` (with its pick's grid): two or three consumers, each with two
+    /// Q buffers and two stages of K and of V, or deeper stages of K (and V) for fewer Q
+    /// buffers.
+    pub fn space(cfg: &AttentionConfig) -> Vec<Shape> {
+        let persistent = Shape::of(cfg).persistent;
+        let mut shapes = Vec::new();
+        for consumers in [2, 3] {
+            for (q_buffers, k_stages, v_stages) in [(2, 2, 2), (2, 3, 2), (1, 3, 2), (1, 3, 3)] {
+                let shape = Shape {
+                    consumers,
+                    q_buffers,
+                    k_stages,
+                    v_stages,
+                    persistent,
+                };
+                if shape.fits(cfg) {
+                    shapes.push(shape);
+                }
+            }
+        }
+        shapes
     }
 }
 
+/// A configuration and the shape its kernel is built in; it reads as the configuration.
+struct Plan<'a> {
+    cfg: &'a AttentionConfig,
+    shape: Shape,
+}
+
+impl std::ops::Deref for Plan<'_> {
+    type Target = AttentionConfig;
+
+    fn deref(&self) -> &AttentionConfig {
+        self.cfg
+    }
+}
+
+impl Plan<'_> {
+    /// Stages of K or V.
+    fn stages(&self, kv: Kv) -> u32 {
+        match kv {
+            Kv::K => self.shape.k_stages,
+            Kv::V => self.shape.v_stages,
+        }
+    }
+
+    /// The index of the first barrier of a kind, in order: Q full (from 0), K full, V full (one
+    /// arrival each, the producer's), K empty, V empty, Q empty (every consumer warp's), one a
+    /// buffer or stage.
+    fn barrier(&self, kind: Barrier) -> u32 {
+        let Shape {
+            q_buffers: q,
+            k_stages: ks,
+            v_stages: vs,
+            ..
+        } = self.shape;
+        match kind {
+            Barrier::Full(Kv::K) => q,
+            Barrier::Full(Kv::V) => q + ks,
+            Barrier::Empty(Kv::K) => q + ks + vs,
+            Barrier::Empty(Kv::V) => q + 2 * ks + vs,
+            Barrier::QEmpty => q + 2 * ks + 2 * vs,
+            Barrier::End => 2 * (q + ks + vs),
+        }
+    }
+}
+
+/// The kinds of the block's mbarriers after Q's full ones ([`Plan::barrier`]); `End` is their
+/// count.
+#[derive(Clone, Copy)]
+enum Barrier {
+    Full(Kv),
+    Empty(Kv),
+    QEmpty,
+    End,
+}
+
+fn consumers(cfg: &Plan) -> u32 {
+    cfg.shape.consumers
+}
+
 /// Query rows per block.
-fn bm(cfg: &AttentionConfig) -> u32 {
+fn bm(cfg: &Plan) -> u32 {
     64 * consumers(cfg)
 }
 
-fn threads(cfg: &AttentionConfig) -> u32 {
+fn threads(cfg: &Plan) -> u32 {
     128 * (consumers(cfg) + 1)
 }
 
 /// A thread's registers at launch ([`crate::hopper::launch_regs`]).
-fn launch_regs(cfg: &AttentionConfig) -> u32 {
+fn launch_regs(cfg: &Plan) -> u32 {
     crate::hopper::launch_regs(threads(cfg))
 }
 
 /// A consumer's registers once the producer gave up its own: the block's at launch less the
 /// producer's fewest, shared out in the multiples of 8 `setmaxnreg` takes, at most 240.
-fn consumer_regs(cfg: &AttentionConfig) -> u32 {
+fn consumer_regs(cfg: &Plan) -> u32 {
     let left = launch_regs(cfg) * threads(cfg) - 128 * MIN_PRODUCER_REGS;
     (left / (128 * consumers(cfg)) / 8 * 8).min(240)
 }
 
 /// The producer's registers: what the consumers leave of the block's (24 beside two consumers,
 /// 32 beside three, where the paged producer needs them).
-fn producer_regs(cfg: &AttentionConfig) -> u32 {
+fn producer_regs(cfg: &Plan) -> u32 {
     let consumers = 128 * consumers(cfg) * consumer_regs(cfg);
     (launch_regs(cfg) * threads(cfg) - consumers) / 128 / 8 * 8
+}
+
+/// The block's shared memory: the tiles (aligned to 1024 bytes inside a region 1024 larger),
+/// the barriers, the padding mask rows and the position ranges.
+fn shared_bytes(cfg: &Plan) -> u32 {
+    let mask = if cfg.padding {
+        consumers(cfg) * 2 * BKV * 4
+    } else {
+        0
+    };
+    let ranges = match cfg.keys {
+        KeyRule::Position { .. } => (consumers(cfg) + 1) * 4 * 2 * 4,
+        _ => 0,
+    };
+    Layout::new(cfg).total + 1024 + cfg.barrier(Barrier::End) * MBARRIER_BYTES + mask + ranges
 }
 
 /// Named barriers: 0 the block's; [`MASK_BARRIER`] `+ c` consumer `c`'s 128 threads (mask
@@ -194,11 +332,11 @@ fn producer_regs(cfg: &AttentionConfig) -> u32 {
 /// warpgroup `w`'s position search.
 const MASK_BARRIER: u32 = 1;
 
-fn turn_barrier(cfg: &AttentionConfig) -> u32 {
+fn turn_barrier(cfg: &Plan) -> u32 {
     MASK_BARRIER + consumers(cfg)
 }
 
-fn ranges_barrier(cfg: &AttentionConfig) -> u32 {
+fn ranges_barrier(cfg: &Plan) -> u32 {
     MASK_BARRIER + 2 * consumers(cfg)
 }
 
@@ -212,24 +350,34 @@ struct Layout {
     /// Q buffer `i` at `q + i * q_bytes`.
     q: u32,
     q_bytes: u32,
-    /// Stage `s`'s K tile at `kv + s * stage`, its V tile `kv_tile` further.
-    kv: u32,
+    /// K's stage `s` at `k + s * kv_tile`, V's at `v + s * kv_tile`.
+    k: u32,
+    v: u32,
     kv_tile: u32,
-    stage: u32,
     total: u32,
 }
 
 impl Layout {
-    fn new(cfg: &AttentionConfig) -> Layout {
+    fn new(cfg: &Plan) -> Layout {
         let q_bytes = tile_bytes(cfg, bm(cfg));
         let kv_tile = tile_bytes(cfg, BKV);
+        let k = cfg.shape.q_buffers * q_bytes;
+        let v = k + cfg.shape.k_stages * kv_tile;
         Layout {
             q: 0,
             q_bytes,
-            kv: 2 * q_bytes,
+            k,
+            v,
             kv_tile,
-            stage: 2 * kv_tile,
-            total: 2 * q_bytes + STAGES * 2 * kv_tile,
+            total: v + cfg.shape.v_stages * kv_tile,
+        }
+    }
+
+    /// Where K's or V's stages start.
+    fn stages(&self, kv: Kv) -> u32 {
+        match kv {
+            Kv::K => self.k,
+            Kv::V => self.v,
         }
     }
 }
@@ -262,12 +410,12 @@ fn map(cfg: &AttentionConfig, i: usize, heads: u32, rows: u32, box_rows: u32) ->
 }
 
 /// Query blocks of [`bm`] rows per plane.
-fn query_blocks(cfg: &AttentionConfig) -> u32 {
+fn query_blocks(cfg: &Plan) -> u32 {
     cfg.q_len.div_ceil(bm(cfg))
 }
 
 /// Work items: query blocks times heads times batch.
-fn items(cfg: &AttentionConfig) -> u32 {
+fn items(cfg: &Plan) -> u32 {
     query_blocks(cfg) * cfg.heads * cfg.batch
 }
 
@@ -286,28 +434,24 @@ fn group_planes(cfg: &AttentionConfig) -> u32 {
     (kv_heads * u64::from(cfg.heads / cfg.kv_heads)).min(planes) as u32
 }
 
-/// Whether [`attention_wgmma`] runs `cfg` on a persistent grid: items of few key tiles, more of
-/// them than the grid has blocks.
-pub fn persistent(cfg: &AttentionConfig) -> bool {
-    cfg.kv_len.div_ceil(BKV) <= PERSISTENT_MAX_TILES && items(cfg) > GRID
-}
-
-/// Generates the kernel. Parameters: `q, k, v` (tensor maps), `out, [mask], [positions], [seed],
-/// [table]`.
+/// Generates the kernel in the shape [`Shape::of`] picks. Parameters: `q, k, v` (tensor maps),
+/// `out, [mask], [positions], [seed], [table]`.
 pub fn attention_wgmma(cfg: &AttentionConfig, name: String) -> GeneratedKernel {
-    attention_wgmma_scheduled(cfg, persistent(cfg), name)
+    attention_wgmma_shaped(cfg, Shape::of(cfg), name)
 }
 
-/// [`attention_wgmma`] with one item per block, or on a persistent grid.
-pub fn attention_wgmma_scheduled(
+/// [`attention_wgmma`] in `shape`, which must fit `cfg` ([`Shape::fits`]).
+pub fn attention_wgmma_shaped(
     cfg: &AttentionConfig,
-    persistent: bool,
+    shape: Shape,
     name: String,
 ) -> GeneratedKernel {
     assert!(
         supports(cfg),
         "configuration needs another attention kernel"
     );
+    assert!(shape.fits(cfg), "{shape:?} does not fit the configuration");
+    let cfg = &Plan { cfg, shape };
     let mut k = Kernel::new(&name);
     k.directive(format!(".maxntid {}, 1, 1", threads(cfg)));
     k.directive(".minnctapersm 1");
@@ -325,8 +469,13 @@ pub fn attention_wgmma_scheduled(
     let seed = cfg.dropout.map(|_| k.param_ptr("seed"));
     let table = cfg.paging.map(|p| (k.param_ptr("table"), p));
     let smem = k.dynamic_shared_aligned("attention_tiles", 1024);
-    k.shared("attention_barriers", BARRIERS * MBARRIER_BYTES);
-    k.shared("attention_mask", consumers(cfg) * 2 * BKV * 4);
+    k.shared(
+        "attention_barriers",
+        cfg.barrier(Barrier::End) * MBARRIER_BYTES,
+    );
+    if cfg.padding {
+        k.shared("attention_mask", consumers(cfg) * 2 * BKV * 4);
+    }
     let layout = Layout::new(cfg);
 
     let tid = k.special("tid.x");
@@ -337,9 +486,9 @@ pub fn attention_wgmma_scheduled(
     let first = k.setp("eq.u32", &tid, &0u32);
     let init_done = k.label("init_done");
     k.bra(Some((first, false)), &init_done);
-    for i in 0..BARRIERS {
+    for i in 0..cfg.barrier(Barrier::End) {
         // Full barriers take the producer's one arrival; empty ones every consumer warp's.
-        let arrivals = if i < 2 + 2 * STAGES {
+        let arrivals = if i < cfg.barrier(Barrier::Empty(Kv::K)) {
             1
         } else {
             4 * consumers(cfg)
@@ -392,7 +541,15 @@ pub fn attention_wgmma_scheduled(
     GeneratedKernel::new(
         k,
         Launch {
-            grid: [if persistent { items.min(GRID) } else { items }, 1, 1],
+            grid: [
+                if shape.persistent {
+                    items.min(GRID)
+                } else {
+                    items
+                },
+                1,
+                1,
+            ],
             block: [threads(cfg), 1, 1],
             shared_bytes: layout.total + 1024,
         },
@@ -405,7 +562,7 @@ pub fn attention_wgmma_scheduled(
 /// position keys every thread of the warpgroup must run it (`keys` finds the item's range).
 fn for_each_item(
     k: &mut Kernel,
-    cfg: &AttentionConfig,
+    cfg: &Plan,
     keys: Option<&PositionKeys>,
     mut body: impl FnMut(&mut Kernel, Block),
 ) {
@@ -431,13 +588,7 @@ struct PositionKeys {
 }
 
 impl PositionKeys {
-    fn new(
-        k: &mut Kernel,
-        cfg: &AttentionConfig,
-        positions: Reg,
-        tid: &Reg,
-        warpgroup: &Reg,
-    ) -> PositionKeys {
+    fn new(k: &mut Kernel, cfg: &Plan, positions: Reg, tid: &Reg, warpgroup: &Reg) -> PositionKeys {
         let WarpgroupThread { thread, lane, warp } = WarpgroupThread::of(k, tid);
         let lane0 = k.setp("eq.u32", &lane, &0u32);
         let base = k.shared_base("attention_ranges");
@@ -455,7 +606,7 @@ impl PositionKeys {
     }
 
     /// Row `row` of sequence `b`'s position (`cfg.q_len` rows), 0 past the rows.
-    fn position(&self, k: &mut Kernel, cfg: &AttentionConfig, b: &Reg, row: &Reg) -> Reg {
+    fn position(&self, k: &mut Kernel, cfg: &Plan, b: &Reg, row: &Reg) -> Reg {
         let inside = k.setp("lt.u32", row, &cfg.q_len);
         let safe = k.selp(RegClass::B32, "u32", row, &0u32, inside);
         let i = k.mad_u32(b, &cfg.q_len, &safe);
@@ -466,7 +617,7 @@ impl PositionKeys {
 
     /// The smallest and largest position of sequence `b`'s rows `q0 .. q0 + bm` (those inside
     /// the sequence), in every thread of the warpgroup.
-    fn range(&self, k: &mut Kernel, cfg: &AttentionConfig, b: &Reg, q0: &Reg) -> (Reg, Reg) {
+    fn range(&self, k: &mut Kernel, cfg: &Plan, b: &Reg, q0: &Reg) -> (Reg, Reg) {
         k.comment("position keys: the item's smallest and largest position");
         let mut lo = k.mov(RegClass::B32, &u32::MAX);
         let mut hi = k.mov(RegClass::B32, &0u32);
@@ -537,13 +688,17 @@ impl Progress {
     }
 
     /// This item's Q buffer offset, its full and empty barriers and the parity of its round.
-    fn q_buffer(&self, k: &mut Kernel, layout: &Layout, bars: &Reg) -> (Reg, Reg, Reg, Reg) {
-        let buf = k.op2("and.b32", RegClass::B32, &self.item, &1u32);
-        let round = k.op2("shr.u32", RegClass::B32, &self.item, &1u32);
-        let parity = k.op2("and.b32", RegClass::B32, &round, &1u32);
+    fn q_buffer(
+        &self,
+        k: &mut Kernel,
+        cfg: &Plan,
+        layout: &Layout,
+        bars: &Reg,
+    ) -> (Reg, Reg, Reg, Reg) {
+        let (buf, parity) = stage_of(k, &self.item, cfg.shape.q_buffers);
         let offset = k.mad_u32(&buf, &layout.q_bytes, &layout.q);
         let full = k.mad_u32(&buf, &MBARRIER_BYTES, bars);
-        let empty = k.add_u32(&full, &((2 + 4 * STAGES) * MBARRIER_BYTES));
+        let empty = k.add_u32(&full, &(cfg.barrier(Barrier::QEmpty) * MBARRIER_BYTES));
         (offset, full, empty, parity)
     }
 
@@ -586,7 +741,7 @@ impl Block {
     /// Item `item`: groups of planes slowest ([`group_planes`]), then query blocks (longest first
     /// when causal or by position: the last has the most keys), then the group's planes (batch,
     /// then heads) fastest.
-    fn at(k: &mut Kernel, cfg: &AttentionConfig, item: &Reg, keys: Option<&PositionKeys>) -> Block {
+    fn at(k: &mut Kernel, cfg: &Plan, item: &Reg, keys: Option<&PositionKeys>) -> Block {
         let blocks = query_blocks(cfg);
         let (rank, plane) = Self::rank_and_plane(k, cfg, item);
         let h = k.op2("rem.u32", RegClass::B32, &plane, &cfg.heads);
@@ -690,7 +845,7 @@ impl Block {
     }
 
     /// Item `item`'s query-block rank and plane (the last group of planes may be narrower).
-    fn rank_and_plane(k: &mut Kernel, cfg: &AttentionConfig, item: &Reg) -> (Reg, Reg) {
+    fn rank_and_plane(k: &mut Kernel, cfg: &Plan, item: &Reg) -> (Reg, Reg) {
         let planes = cfg.heads * cfg.batch;
         let group = group_planes(cfg);
         if group == planes {
@@ -713,7 +868,7 @@ impl Block {
 /// leaves (with position keys, once every thread has helped find each item's range).
 fn producer(
     k: &mut Kernel,
-    cfg: &AttentionConfig,
+    cfg: &Plan,
     (layout, keys, table): (&Layout, Option<&PositionKeys>, Option<(Reg, Paging)>),
     base: &Reg,
     bars: &Reg,
@@ -747,11 +902,7 @@ fn producer(
         let past = k.setp("ge.u32", &j, &block.tiles);
         k.bra(Some((past, true)), &done);
         let tile = progress.tile(k, &j);
-        let (s, parity) = stage_of(k, &tile);
         let key0 = block.key0(k, &j);
-        let stage = k.mad_u32(&s, &layout.stage, &layout.kv);
-        let stage = k.add_u32(&stage, base);
-        let refill = k.setp("ge.u32", &tile, &STAGES);
         // A dense tile's K, then its V, each as soon as its stage is free; a paged tile's K and
         // V together, box by box, each box's block looked up just before its copies (the
         // producer has few registers to keep blocks in).
@@ -762,15 +913,17 @@ fn producer(
         for pass in passes {
             let mut armed = Vec::new();
             for &kv in *pass {
-                let (full, empty) = kv_barriers(k, bars, &s, kv);
+                let (s, parity) = stage_of(k, &tile, cfg.stages(kv));
+                let (full, empty) = kv_barriers(k, cfg, bars, &s, kv);
                 let fresh = k.label("fresh_stage");
+                let refill = k.setp("ge.u32", &tile, &cfg.stages(kv));
                 k.bra(Some((refill, false)), &fresh);
                 let released = k.op2("xor.b32", RegClass::B32, &parity, &1u32);
                 mbarrier_wait(k, &empty, &released);
                 k.place(&fresh);
                 mbarrier_arrive_expect_tx(k, &full, layout.kv_tile);
-                let dst = k.add_u32(&stage, &(kv as u32 * layout.kv_tile));
-                armed.push((maps[kv as usize], dst, full));
+                let dst = k.mad_u32(&s, &layout.kv_tile, &layout.stages(kv));
+                armed.push((maps[kv as usize], k.add_u32(&dst, base), full));
             }
             match table {
                 None => {
@@ -811,7 +964,7 @@ fn producer(
 /// `within` bytes in, every 64-column block of the head dimension, arriving on `full`.
 fn load_tile(
     k: &mut Kernel,
-    cfg: &AttentionConfig,
+    cfg: &Plan,
     map: &Reg,
     (tile, full): (&Reg, &Reg),
     [row, kvh, outer]: [&dyn Operand; 3],
@@ -829,7 +982,7 @@ fn load_tile(
 #[allow(clippy::too_many_arguments)]
 fn load_q(
     k: &mut Kernel,
-    cfg: &AttentionConfig,
+    cfg: &Plan,
     layout: &Layout,
     base: &Reg,
     bars: &Reg,
@@ -837,8 +990,8 @@ fn load_q(
     block: &Block,
     q: &Reg,
 ) {
-    let (offset, full, empty, parity) = progress.q_buffer(k, layout, bars);
-    let reuse = k.setp("ge.u32", &progress.item, &2u32);
+    let (offset, full, empty, parity) = progress.q_buffer(k, cfg, layout, bars);
+    let reuse = k.setp("ge.u32", &progress.item, &cfg.shape.q_buffers);
     let fresh = k.label("fresh_q");
     k.bra(Some((reuse, false)), &fresh);
     let released = k.op2("xor.b32", RegClass::B32, &parity, &1u32);
@@ -851,12 +1004,6 @@ fn load_q(
         let at = [&(i * COLS) as &dyn Operand, &block.q0, &block.h, &block.b];
         tma_load(k, &dst, q, &at, &full);
     }
-}
-
-/// Byte offset of barrier `i` (0, 1: Q full; 2..: K full, V full, K empty, V empty, then Q
-/// empty).
-fn bars_offset(i: u32) -> u32 {
-    i * MBARRIER_BYTES
 }
 
 /// The largest of `values` (at least one), taken in pairs: a chain of log2 n maxima, not n.
@@ -883,16 +1030,26 @@ enum Kv {
 }
 
 /// The full and empty barriers of stage `s` of K or V.
-fn kv_barriers(k: &mut Kernel, bars: &Reg, s: &Reg, kv: Kv) -> (Reg, Reg) {
-    let full = k.mad_u32(s, &MBARRIER_BYTES, &bars_offset(2 + kv as u32 * STAGES));
-    let full = k.add_u32(&full, bars);
-    (full, k.add_u32(&full, &(2 * STAGES * MBARRIER_BYTES)))
+fn kv_barriers(k: &mut Kernel, cfg: &Plan, bars: &Reg, s: &Reg, kv: Kv) -> (Reg, Reg) {
+    let full = k.mad_u32(s, &MBARRIER_BYTES, bars);
+    let empty = cfg.barrier(Barrier::Empty(kv)) * MBARRIER_BYTES;
+    let full_at = k.add_u32(&full, &(cfg.barrier(Barrier::Full(kv)) * MBARRIER_BYTES));
+    (full_at, k.add_u32(&full, &empty))
 }
 
-/// The stage and round parity of key tile `j`.
-fn stage_of(k: &mut Kernel, j: &Reg) -> (Reg, Reg) {
-    let s = k.op2("and.b32", RegClass::B32, j, &(STAGES - 1));
-    let round = k.op2("shr.u32", RegClass::B32, j, &STAGES.trailing_zeros());
+/// Which of `n` buffers the `j`-th use (counted from 0) takes, and the parity of its round.
+fn stage_of(k: &mut Kernel, j: &Reg, n: u32) -> (Reg, Reg) {
+    let (s, round) = if n.is_power_of_two() {
+        (
+            k.op2("and.b32", RegClass::B32, j, &(n - 1)),
+            k.op2("shr.u32", RegClass::B32, j, &n.trailing_zeros()),
+        )
+    } else {
+        (
+            k.op2("rem.u32", RegClass::B32, j, &n),
+            k.op2("div.u32", RegClass::B32, j, &n),
+        )
+    };
     (s, k.op2("and.b32", RegClass::B32, &round, &1u32))
 }
 
@@ -912,7 +1069,7 @@ struct Consumer {
 /// A consumer's view of the stages: Q, the K/V stage of each tile, and the score and
 /// probability registers the tiles reuse.
 struct Tiles<'a> {
-    cfg: &'a AttentionConfig,
+    cfg: &'a Plan<'a>,
     layout: &'a Layout,
     base: Reg,
     bars: Reg,
@@ -929,8 +1086,8 @@ impl Tiles<'_> {
     /// parity of its round.
     fn stage(&self, k: &mut Kernel, j: &Reg, kv: Kv) -> (Reg, Reg, Reg, Reg) {
         let (st, parity, full, empty) = self.barriers(k, j, kv);
-        let at = k.mad_u32(&st, &self.layout.stage, &self.base);
-        let at = k.add_u32(&at, &(self.layout.kv + kv as u32 * self.layout.kv_tile));
+        let at = k.mad_u32(&st, &self.layout.kv_tile, &self.base);
+        let at = k.add_u32(&at, &self.layout.stages(kv));
         (at, full, empty, parity)
     }
 
@@ -938,8 +1095,8 @@ impl Tiles<'_> {
     /// empty barriers.
     fn barriers(&self, k: &mut Kernel, j: &Reg, kv: Kv) -> (Reg, Reg, Reg, Reg) {
         let tile = k.add_u32(&self.first, j);
-        let (st, parity) = stage_of(k, &tile);
-        let (full, empty) = kv_barriers(k, &self.bars, &st, kv);
+        let (st, parity) = stage_of(k, &tile, self.cfg.stages(kv));
+        let (full, empty) = kv_barriers(k, self.cfg, &self.bars, &st, kv);
         (st, parity, full, empty)
     }
 
@@ -985,7 +1142,7 @@ impl Tiles<'_> {
 }
 
 impl Consumer {
-    fn new(k: &mut Kernel, cfg: &AttentionConfig, tid: &Reg, warpgroup: &Reg) -> Consumer {
+    fn new(k: &mut Kernel, cfg: &Plan, tid: &Reg, warpgroup: &Reg) -> Consumer {
         setmaxnreg(k, true, consumer_regs(cfg));
         let c = k.sub_u32(warpgroup, &1u32);
         let WarpgroupThread { thread, lane, warp } = WarpgroupThread::of(k, tid);
@@ -1016,7 +1173,7 @@ impl Consumer {
     fn main_loop(
         &self,
         k: &mut Kernel,
-        cfg: &AttentionConfig,
+        cfg: &Plan,
         (layout, keys): (&Layout, Option<&PositionKeys>),
         block: &Block,
         base: &Reg,
@@ -1050,7 +1207,7 @@ impl Consumer {
             .window()
             .map(|w| given.iter().map(|l| window_start(k, *l, w)).collect());
         // This warpgroup's 64 rows of the item's Q buffer.
-        let (q_offset, q_full, q_empty, q_parity) = progress.q_buffer(k, layout, bars);
+        let (q_offset, q_full, q_empty, q_parity) = progress.q_buffer(k, cfg, layout, bars);
         let q_rows = k.mad_u32(&self.c, &(64 * SWIZZLE_BYTES), &q_offset);
         let tiles = Tiles {
             cfg,
@@ -1168,7 +1325,7 @@ impl Consumer {
         k.place(&no_turn);
         wgmma_wait(k, 0);
         tiles.release(k, &j, Kv::V, self.lane0);
-        k.comment("the item's Q buffer is free for the item after next");
+        k.comment("the item's Q buffer is free for a later item");
         mbarrier_arrive(k, &q_empty, Some(self.lane0));
         state
     }
@@ -1179,7 +1336,7 @@ impl Consumer {
     fn stage_mask(
         &self,
         k: &mut Kernel,
-        cfg: &AttentionConfig,
+        cfg: &Plan,
         block: &Block,
         j: &Reg,
         progress: &Progress,
@@ -1281,7 +1438,7 @@ impl Consumer {
     fn softmax(
         &self,
         k: &mut Kernel,
-        cfg: &AttentionConfig,
+        cfg: &Plan,
         s: &[Reg],
         state: &RowState,
         (first, in_flight): (bool, bool),
@@ -1345,13 +1502,7 @@ impl Consumer {
 
     /// This thread's dropout: it draws the Philox blocks of its first row on even `t` and of its
     /// second on odd `t` (`plane = b heads + h`).
-    fn dropping(
-        &self,
-        k: &mut Kernel,
-        cfg: &AttentionConfig,
-        block: &Block,
-        seed: Reg,
-    ) -> Dropping {
+    fn dropping(&self, k: &mut Kernel, cfg: &Plan, block: &Block, seed: Reg) -> Dropping {
         let dropout = cfg.dropout.expect("dropout");
         let t = k.op2("and.b32", RegClass::B32, &self.lane, &3u32);
         let odd_bit = k.op2("and.b32", RegClass::B32, &t, &1u32);
@@ -1370,14 +1521,7 @@ impl Consumer {
     }
 
     /// Rows normalised (zeros for a row that saw no key) and stored as pairs.
-    fn store(
-        &self,
-        k: &mut Kernel,
-        cfg: &AttentionConfig,
-        block: &Block,
-        state: &RowState,
-        out: Reg,
-    ) {
+    fn store(&self, k: &mut Kernel, cfg: &Plan, block: &Block, state: &RowState, out: Reg) {
         k.comment("epilogue: normalise and store");
         let [ob, oh, orow] = cfg.strides[3];
         let b_off = k.mul_u32(&block.b, &ob);
@@ -1493,6 +1637,14 @@ mod tests {
         cfg
     }
 
+    fn persistent(cfg: &AttentionConfig) -> bool {
+        Shape::of(cfg).persistent
+    }
+
+    fn consumers(cfg: &AttentionConfig) -> u32 {
+        Shape::of(cfg).consumers
+    }
+
     #[test]
     fn many_items_of_few_key_tiles_take_a_persistent_grid() {
         // BERT-base at 128 x 128 tokens: 1536 items of one key tile.
@@ -1580,6 +1732,66 @@ mod tests {
     }
 
     #[test]
+    fn shapes_fit_where_shared_memory_holds_their_buffers_and_stages() {
+        let mut d128 = config(4, 16, 16, 4096, false);
+        d128.head_dim = 128;
+        let shape = |consumers, q_buffers, k_stages, v_stages| Shape {
+            consumers,
+            q_buffers,
+            k_stages,
+            v_stages,
+            persistent: false,
+        };
+        // Head dim 128, 32 KB a K or V tile: two consumers with two Q buffers, three K stages
+        // and two V stages take 224 KB of tiles, which fit only without a padding mask's rows;
+        // three consumers (48 KB a Q buffer) fit one Q buffer beside three K stages, or two
+        // beside two stages, again only without a mask; one Q buffer beside three stages of
+        // each, without.
+        assert!(shape(2, 2, 3, 2).fits(&d128));
+        assert!(shape(3, 1, 3, 2).fits(&d128));
+        assert!(shape(3, 2, 2, 2).fits(&d128));
+        assert!(!shape(3, 2, 3, 2).fits(&d128));
+        assert!(!shape(2, 2, 3, 3).fits(&d128));
+        let masked = AttentionConfig {
+            padding: true,
+            ..d128.clone()
+        };
+        assert!(!shape(2, 2, 3, 2).fits(&masked) && !shape(3, 2, 2, 2).fits(&masked));
+        assert!(shape(3, 1, 3, 2).fits(&masked) && !shape(2, 1, 3, 3).fits(&masked));
+        assert!(shape(2, 1, 3, 3).fits(&d128));
+        // Near misses: one consumer, four, no Q buffer, one stage; three consumers with dropout.
+        for bad in [
+            shape(1, 2, 2, 2),
+            shape(4, 1, 2, 2),
+            shape(2, 0, 2, 2),
+            shape(2, 2, 1, 2),
+        ] {
+            assert!(!bad.fits(&d128), "{bad:?}");
+        }
+        let dropout = AttentionConfig {
+            dropout: Some(crate::attention::Dropout::new(0.1, 0)),
+            ..d128.clone()
+        };
+        assert!(!shape(3, 1, 3, 2).fits(&dropout) && shape(2, 1, 3, 3).fits(&dropout));
+        // The picked shape is in the space, for every configuration.
+        for cfg in [d128, masked, dropout, config(128, 12, 12, 128, false)] {
+            let picked = Shape::of(&cfg);
+            assert!(picked.fits(&cfg));
+            assert!(Shape::space(&cfg).contains(&picked), "{picked:?}");
+        }
+        // The kernel's shared memory is what `fits` counts: tiles, alignment, barriers.
+        let cfg = config(4, 16, 16, 4096, true);
+        let plan = Plan {
+            cfg: &cfg,
+            shape: shape(3, 1, 3, 2),
+        };
+        let kernel = attention_wgmma_shaped(&cfg, plan.shape, "s".into());
+        let barriers = 2 * (1 + 3 + 2) * MBARRIER_BYTES;
+        assert_eq!(kernel.launch.shared_bytes + barriers, shared_bytes(&plan));
+        assert_eq!(kernel.launch.shared_bytes, 192 * 128 + 5 * 128 * 128 + 1024);
+    }
+
+    #[test]
     fn an_items_first_tile_rescales_nothing_and_head_dim_128_waits_for_a_moved_maximum() {
         let d64 = config(4, 16, 16, 4096, false);
         let mut d128 = d64.clone();
@@ -1631,7 +1843,12 @@ mod tests {
         d128.head_dim = 128;
         // 168 registers a thread at launch with two consumers: 24 for the producer, 240 (the
         // most) for each consumer; 128 with three: 32 and 160.
-        let regs = |c: &AttentionConfig| (launch_regs(c), producer_regs(c), consumer_regs(c));
+        let plan = |cfg| Plan {
+            cfg,
+            shape: Shape::of(cfg),
+        };
+        let (d64, d128) = (plan(&d64), plan(&d128));
+        let regs = |c: &Plan| (launch_regs(c), producer_regs(c), consumer_regs(c));
         assert_eq!((regs(&d128), threads(&d128)), ((168, 24, 240), 384));
         assert_eq!((regs(&d64), threads(&d64)), ((128, 32, 160), 512));
         for cfg in [d64, d128] {
@@ -1669,7 +1886,11 @@ mod tests {
         let cfg = config(128, 12, 12, 128, false);
         let kernel = attention_wgmma(&cfg, "a".into());
         assert_eq!(kernel.launch.grid, [GRID, 1, 1]);
-        let single = attention_wgmma_scheduled(&cfg, false, "b".into());
+        let items = Shape {
+            persistent: false,
+            ..Shape::of(&cfg)
+        };
+        let single = attention_wgmma_shaped(&cfg, items, "b".into());
         assert_eq!(single.launch.grid, [128 * 12, 1, 1]);
     }
 }

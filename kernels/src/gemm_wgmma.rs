@@ -43,7 +43,7 @@ use crate::hopper::{
     mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_arrive_expect_tx_when, mbarrier_init,
     mbarrier_init_fence, mbarrier_wait, prefetch_tensor_map, setmaxnreg, stmatrix_x4, tma_load,
     tma_load_when, tma_store, wgmma, wgmma_commit, wgmma_descriptor, wgmma_fence, wgmma_wait,
-    WarpgroupThread, WgmmaA, WgmmaB, MBARRIER_BYTES,
+    WarpgroupThread, WgmmaA, WgmmaB, MAX_SHARED, MBARRIER_BYTES,
 };
 use crate::ptx::{Elem, Kernel, Label, Reg, RegClass, F32};
 use crate::{GeneratedKernel, Image, KernelPath, Launch, TensorMapSpec};
@@ -167,8 +167,6 @@ impl Tiling {
 const BK: u32 = 64;
 /// Pipeline depth (the most: a staged epilogue's tiles may leave room for fewer).
 pub const STAGES: u32 = 4;
-/// Shared memory a block may take on an H100 / H200 (227 KB).
-const MAX_SHARED: u32 = 227 * 1024;
 /// Static shared memory: the stages' barriers (room for the most stages), a split's flags and
 /// the staged residual tiles' barriers.
 const STATIC_SHARED: u32 =

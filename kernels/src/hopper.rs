@@ -14,6 +14,9 @@ pub const MBARRIER_BYTES: u32 = 8;
 /// on (8 rows of it, 1024 bytes, repeat the swizzle pattern).
 pub const SWIZZLE_BYTES: u32 = 128;
 
+/// Shared memory a block may take on an H100 / H200 (227 KB), static and dynamic together.
+pub const MAX_SHARED: u32 = 227 * 1024;
+
 /// `mbarrier.init` of the barrier at `bar` for `count` arrivals.
 pub fn mbarrier_init(k: &mut Kernel, bar: &dyn Operand, count: u32) {
     k.emit(format!(

@@ -14,6 +14,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, LaunchConfig
 use cudarc::nvrtc::Ptx;
 use kiln_ir::kernel::{Activation, EmbeddingSpec, GemmSpec, NormKind, NormSpec};
 use kiln_ir::Op;
+use kiln_kernels::attention_wgmma::{attention_wgmma_shaped, Shape};
 use kiln_kernels::elementwise::activation_kernel;
 use kiln_kernels::embedding::{embedding, EmbeddingConfig};
 use kiln_kernels::gemm::{gemm, gemm_base, gemm_for, GemmConfig};
@@ -1124,6 +1125,8 @@ struct AttentionCase {
     rope: bool,
     /// The IR's drop probability (f64, as the op stores it) and stream.
     dropout: Option<(f64, u32)>,
+    /// The Hopper kernel in every shape that fits ([`Shape::space`]), not only the picked one.
+    every_shape: bool,
 }
 
 impl AttentionCase {
@@ -1138,7 +1141,64 @@ impl AttentionCase {
             padding: false,
             rope: false,
             dropout: None,
+            every_shape: false,
         }
+    }
+}
+
+/// The Hopper attention in every shape that fits (two or three consumers, one or two Q buffers,
+/// two or three stages of K and of V) matches the interpreter where tiles are ragged: key counts
+/// past a tile, query rows past a block, every key rule, padding, GQA and dropout, on one item
+/// a block, on a persistent grid and on three blocks taking turns.
+#[test]
+fn attention_in_every_shape_matches_the_interpreter() {
+    use kiln_kernels::attention::KeyRule;
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng::seed_from_u64(0x5a4e_0000_c3c3_b2b2);
+    let every = |case: AttentionCase| AttentionCase {
+        every_shape: true,
+        ..case
+    };
+    let cases = [
+        // Every key over 4097 keys, GQA 2:1, padding.
+        AttentionCase {
+            padding: true,
+            ..AttentionCase::new(4, 2, 300, 4097, 128)
+        },
+        AttentionCase::new(2, 2, 1000, 1000, 64),
+        // Causal over ragged rows, more keys than queries.
+        AttentionCase {
+            keys: KeyRule::Causal { window: None },
+            ..AttentionCase::new(2, 2, 777, 1301, 128)
+        },
+        // A window.
+        AttentionCase {
+            keys: KeyRule::Causal { window: Some(300) },
+            ..AttentionCase::new(2, 1, 1100, 1100, 64)
+        },
+        // A prompt chunk over a cache.
+        AttentionCase {
+            keys: KeyRule::Position { window: None },
+            ..AttentionCase::new(4, 1, 333, 2000, 128)
+        },
+        // Dropout: two consumers only.
+        AttentionCase {
+            dropout: Some((0.1, 3)),
+            ..AttentionCase::new(2, 2, 260, 300, 128)
+        },
+        // Items of one key tile, more than the grid has blocks: a persistent grid.
+        AttentionCase::new(12, 12, 100, 100, 64),
+    ];
+    for case in cases.map(every) {
+        let batch = if case.heads == 12 { 16 } else { 2 };
+        attention_case(
+            &gpu,
+            &mut rng,
+            &case,
+            Elem::BF16,
+            batch,
+            &kiln_ir::RopeScaling::Default,
+        );
     }
 }
 
@@ -1159,6 +1219,7 @@ fn attention_matches_the_interpreter() {
             padding: true,
             rope: false,
             dropout: None,
+            every_shape: false,
         },
         // Llama-like: GQA, causal + padding, RoPE on q and k.
         AttentionCase {
@@ -1171,6 +1232,7 @@ fn attention_matches_the_interpreter() {
             padding: true,
             rope: true,
             dropout: None,
+            every_shape: false,
         },
         // RoPE ahead of the Hopper kernel: MQA, head dim 128, ragged length, causal.
         AttentionCase {
@@ -1189,6 +1251,7 @@ fn attention_matches_the_interpreter() {
             padding: false,
             rope: true,
             dropout: None,
+            every_shape: false,
         },
         // BERT-like: padding only, one query row.
         AttentionCase {
@@ -1201,6 +1264,7 @@ fn attention_matches_the_interpreter() {
             padding: true,
             rope: false,
             dropout: None,
+            every_shape: false,
         },
         // Tensor-core path: GQA, head dim 128, causal + padding, more than one tile of rows/keys.
         AttentionCase {
@@ -1213,6 +1277,7 @@ fn attention_matches_the_interpreter() {
             padding: true,
             rope: false,
             dropout: None,
+            every_shape: false,
         },
         // Tensor-core path: all keys, head dim 64, no mask.
         AttentionCase {
@@ -1225,6 +1290,7 @@ fn attention_matches_the_interpreter() {
             padding: false,
             rope: false,
             dropout: None,
+            every_shape: false,
         },
         // RoPE on keys with fewer rotation chunks than threads (head dims 16 and 48), padding,
         // a window, more than one key tile.
@@ -1260,6 +1326,7 @@ fn attention_matches_the_interpreter() {
             padding: true,
             rope: false,
             dropout: Some((0.2, 5)),
+            every_shape: false,
         },
         // Decode over a KV cache of 4097 entries (positions from device memory), GQA, RoPE on q.
         AttentionCase {
@@ -1272,6 +1339,7 @@ fn attention_matches_the_interpreter() {
             padding: false,
             rope: true,
             dropout: None,
+            every_shape: false,
         },
         // Decode with head dim 128, a query group of 7 (Qwen2-7B's 28 heads over 4) and a
         // window, over 1500 entries.
@@ -1285,6 +1353,7 @@ fn attention_matches_the_interpreter() {
             padding: false,
             rope: true,
             dropout: None,
+            every_shape: false,
         },
         // Prompt chunks over a dense cache on the Hopper kernel: ragged rows and keys, d 64
         // without RoPE; d 128 with RoPE on q (rotated ahead of it).
@@ -1339,6 +1408,7 @@ fn attention_matches_the_interpreter() {
             padding: false,
             rope: false,
             dropout: None,
+            every_shape: false,
         },
     ];
     for elem in ELEMS {
@@ -1560,6 +1630,27 @@ fn attention_of_a_query_that_sees_no_key_is_zero() {
     }
 }
 
+/// The Hopper attention of `cfg` in every shape that fits but the picked one.
+fn other_shapes(cfg: &kiln_kernels::attention::AttentionConfig) -> Vec<GeneratedKernel> {
+    let picked = Shape::of(cfg);
+    let others = Shape::space(cfg).into_iter().filter(|s| *s != picked);
+    let kernels: Vec<GeneratedKernel> = others
+        .map(|shape| {
+            let Shape {
+                consumers: c,
+                q_buffers: q,
+                k_stages: ks,
+                v_stages: vs,
+                ..
+            } = shape;
+            let name = format!("{}_c{c}_q{q}_k{ks}_v{vs}", cfg_name(cfg));
+            attention_wgmma_shaped(cfg, shape, name)
+        })
+        .collect();
+    assert!(!kernels.is_empty(), "{}: one shape fits", cfg_name(cfg));
+    kernels
+}
+
 fn cfg_name(cfg: &kiln_kernels::attention::AttentionConfig) -> String {
     kiln_kernels::attention::attention(cfg).name
 }
@@ -1730,6 +1821,9 @@ fn attention_case(
     let mut kernels = vec![kernel];
     if kernels[0].image == Image::Sm90a {
         kernels.push(kiln_kernels::attention::attention_base(&cfg));
+    }
+    if case.every_shape && kernels[0].path == KernelPath::Wgmma {
+        kernels.extend(other_shapes(&cfg));
     }
     let kernels = with_few_blocks(kernels);
     for kernel in &kernels {
