@@ -729,21 +729,24 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
     // Attention of the models' prefills in every shape that fits (consumers, Q buffers, K and V
     // stages), and the picked one on the other grid (one item per block or persistent):
     // BERT-base at 128 x 128 tokens (all keys), GPT-2 at 1024 tokens and Llama-3.2-1B at 4096
-    // (causal, GQA 4:1); and the benchmark shapes above (4 x 16 heads, 4096 tokens), whose
-    // blocks of 32 key tiles start and finish 2048 items on 132 SMs.
-    for (b, h, kv, s, d, causal) in [
-        (128u32, 12u32, 12u32, 128u32, 64u32, false),
-        (1, 12, 12, 1024, 64, true),
-        (1, 32, 8, 4096, 64, true),
-        (4, 16, 16, 4096, 128, false),
-        (4, 16, 16, 4096, 128, true),
-        (4, 16, 16, 4096, 64, false),
+    // (causal, GQA 4:1); and the benchmark shapes above (4 x 16 heads, 4096 tokens, dropout
+    // 0.1 at head dim 128), whose blocks of 32 key tiles start and finish 2048 items on 132 SMs.
+    for (b, h, kv, s, d, causal, dropout) in [
+        (128u32, 12u32, 12u32, 128u32, 64u32, false, false),
+        (1, 12, 12, 1024, 64, true, false),
+        (1, 32, 8, 4096, 64, true, false),
+        (4, 16, 16, 4096, 128, false, false),
+        (4, 16, 16, 4096, 128, true, false),
+        (4, 16, 16, 4096, 64, false, false),
+        (4, 16, 16, 4096, 128, false, true),
     ] {
         let mut cfg = AttentionConfig::plain([b, h, kv, s, s, d], Elem::BF16);
         cfg.scale = 1.0 / (d as f32).sqrt();
         if causal {
             cfg.keys = KeyRule::Causal { window: None };
         }
+        let p = if dropout { 0.1 } else { 0.0 };
+        cfg.dropout = dropout.then(|| kiln_kernels::attention::Dropout::new(p, 0));
         let picked = Shape::of(&cfg);
         let mut shapes = Shape::space(&cfg);
         shapes.push(Shape {
@@ -751,9 +754,12 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
             ..picked
         });
         for shape in shapes {
-            let buffers = attention_buffers([b, h, kv, s, d]);
+            let mut buffers = attention_buffers([b, h, kv, s, d]);
+            if dropout {
+                buffers.push(("seed", (vec![1], "i64", 0.0)));
+            }
             let peer = serde_json::json!({
-                "kind": "sdpa", "causal": causal, "dropout": 0.0, "scale": cfg.scale,
+                "kind": "sdpa", "causal": causal, "dropout": p, "scale": cfg.scale,
                 "gqa": h != kv,
             });
             let flops = 4.0 * f64::from(b * h) * f64::from(s).powi(2) * f64::from(d)
@@ -768,13 +774,15 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
             let grid = if on_grid { "persistent" } else { "items" };
             let form = format!("c{c} q{q} k{ks} v{vs} {grid}");
             let mark = if shape == picked { " (picked)" } else { "" };
-            let name = format!(
-                "attention bf16 b{b} h{h}/{kv} s{s} d{d}{} {form}{mark}",
-                if causal { " causal" } else { "" }
-            );
+            let rule = match (causal, dropout) {
+                (true, _) => " causal",
+                (false, true) => " dropout 0.1",
+                (false, false) => "",
+            };
+            let name = format!("attention bf16 b{b} h{h}/{kv} s{s} d{d}{rule} {form}{mark}");
             let kernel_name = format!(
                 "attention_b{b}_h{h}_{kv}_s{s}_d{d}{}_{}",
-                if causal { "_causal" } else { "" },
+                rule.replace([' ', '.'], "_"),
                 form.replace(' ', "_")
             );
             let kernel = attention_wgmma_shaped(&cfg, shape, kernel_name);

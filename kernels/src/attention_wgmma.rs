@@ -171,35 +171,46 @@ impl Shape {
     /// has blocks.
     pub fn of(cfg: &AttentionConfig) -> Shape {
         let padded = |rows: u32| u64::from(cfg.q_len.div_ceil(rows) * rows);
-        let three = cfg.head_dim == 64 && cfg.dropout.is_none();
-        let consumers = if three && 20 * padded(192) <= 21 * padded(128) {
+        let three = Shape {
+            consumers: 3,
+            ..Shape::two_deep(2)
+        };
+        let consumers = if three.fits(cfg) && 20 * padded(192) <= 21 * padded(128) {
             3
         } else {
             2
         };
-        let mut shape = Shape {
-            consumers,
-            q_buffers: 2,
-            k_stages: 2,
-            v_stages: 2,
-            persistent: false,
-        };
+        let mut shape = Shape::two_deep(consumers);
         let plan = Plan { cfg, shape };
         shape.persistent = cfg.kv_len.div_ceil(BKV) <= PERSISTENT_MAX_TILES && items(&plan) > GRID;
         shape
     }
 
-    /// Whether the kernel can be built in this shape for `cfg`: two or three consumers (three
-    /// not with dropout, whose registers spill within their 160), one or two Q buffers, two to
-    /// four stages of K and of V, all in the shared memory a block may take.
+    /// Whether the kernel can be built in this shape for `cfg`: two or three consumers, one or
+    /// two Q buffers, two to four stages of K and of V, all in the shared memory a block may
+    /// take. Three consumers have 160 registers each: not at head dim 128, where S, O and P
+    /// alone take 160 (ptxas serializes their wgmma, C7511), nor with dropout, whose registers
+    /// spill there.
     pub fn fits(&self, cfg: &AttentionConfig) -> bool {
         let plan = Plan { cfg, shape: *self };
+        let three = cfg.head_dim == 64 && cfg.dropout.is_none();
         (2..=3).contains(&self.consumers)
             && (1..=2).contains(&self.q_buffers)
             && (2..=4).contains(&self.k_stages)
             && (2..=4).contains(&self.v_stages)
-            && !(self.consumers == 3 && cfg.dropout.is_some())
+            && (self.consumers == 2 || three)
             && shared_bytes(&plan) <= MAX_SHARED
+    }
+
+    /// `consumers` with two Q buffers and two stages of K and of V, one item a block.
+    fn two_deep(consumers: u32) -> Shape {
+        Shape {
+            consumers,
+            q_buffers: 2,
+            k_stages: 2,
+            v_stages: 2,
+            persistent: false,
+        }
     }
 
     /// The shapes that fit `cfg` (with its pick's grid): two or three consumers, each with two
@@ -1742,39 +1753,39 @@ mod tests {
             v_stages,
             persistent: false,
         };
-        // Head dim 128, 32 KB a K or V tile: two consumers with two Q buffers, three K stages
-        // and two V stages take 224 KB of tiles, which fit only without a padding mask's rows;
-        // three consumers (48 KB a Q buffer) fit one Q buffer beside three K stages, or two
-        // beside two stages, again only without a mask; one Q buffer beside three stages of
-        // each, without.
-        assert!(shape(2, 2, 3, 2).fits(&d128));
-        assert!(shape(3, 1, 3, 2).fits(&d128));
-        assert!(shape(3, 2, 2, 2).fits(&d128));
-        assert!(!shape(3, 2, 3, 2).fits(&d128));
-        assert!(!shape(2, 2, 3, 3).fits(&d128));
+        // Head dim 128, 32 KB a K or V tile: two Q buffers, three K stages and two V stages
+        // take 224 KB of tiles, which fit only without a padding mask's rows, as do one Q buffer
+        // and three stages of each; two Q buffers and three of each (256 KB) never.
+        assert!(shape(2, 2, 3, 2).fits(&d128) && shape(2, 1, 3, 3).fits(&d128));
+        assert!(!shape(2, 2, 3, 3).fits(&d128) && !shape(2, 2, 4, 2).fits(&d128));
         let masked = AttentionConfig {
             padding: true,
             ..d128.clone()
         };
-        assert!(!shape(2, 2, 3, 2).fits(&masked) && !shape(3, 2, 2, 2).fits(&masked));
-        assert!(shape(3, 1, 3, 2).fits(&masked) && !shape(2, 1, 3, 3).fits(&masked));
-        assert!(shape(2, 1, 3, 3).fits(&d128));
-        // Near misses: one consumer, four, no Q buffer, one stage; three consumers with dropout.
+        assert!(!shape(2, 2, 3, 2).fits(&masked) && !shape(2, 1, 3, 3).fits(&masked));
+        assert!(shape(2, 2, 2, 2).fits(&masked) && shape(2, 1, 3, 2).fits(&masked));
+        // Three consumers at head dim 64 (16 KB tiles) up to four stages of each; not at 128,
+        // nor with dropout.
+        let d64 = config(4, 16, 16, 4096, false);
+        assert!(shape(3, 2, 4, 4).fits(&d64));
+        assert!(!shape(3, 1, 2, 2).fits(&d128));
+        let dropout = AttentionConfig {
+            dropout: Some(crate::attention::Dropout::new(0.1, 0)),
+            ..d64.clone()
+        };
+        assert!(!shape(3, 2, 2, 2).fits(&dropout) && shape(2, 2, 2, 2).fits(&dropout));
+        // Near misses: one consumer, four, no Q buffer, one stage, five.
         for bad in [
             shape(1, 2, 2, 2),
             shape(4, 1, 2, 2),
             shape(2, 0, 2, 2),
             shape(2, 2, 1, 2),
+            shape(2, 2, 2, 5),
         ] {
-            assert!(!bad.fits(&d128), "{bad:?}");
+            assert!(!bad.fits(&d64), "{bad:?}");
         }
-        let dropout = AttentionConfig {
-            dropout: Some(crate::attention::Dropout::new(0.1, 0)),
-            ..d128.clone()
-        };
-        assert!(!shape(3, 1, 3, 2).fits(&dropout) && shape(2, 1, 3, 3).fits(&dropout));
         // The picked shape is in the space, for every configuration.
-        for cfg in [d128, masked, dropout, config(128, 12, 12, 128, false)] {
+        for cfg in [d128, masked, d64, dropout, config(128, 12, 12, 128, false)] {
             let picked = Shape::of(&cfg);
             assert!(picked.fits(&cfg));
             assert!(Shape::space(&cfg).contains(&picked), "{picked:?}");
@@ -1788,7 +1799,7 @@ mod tests {
         let kernel = attention_wgmma_shaped(&cfg, plan.shape, "s".into());
         let barriers = 2 * (1 + 3 + 2) * MBARRIER_BYTES;
         assert_eq!(kernel.launch.shared_bytes + barriers, shared_bytes(&plan));
-        assert_eq!(kernel.launch.shared_bytes, 192 * 128 + 5 * 128 * 128 + 1024);
+        assert_eq!(kernel.launch.shared_bytes, (192 + 5 * 128) * 128 + 1024);
     }
 
     #[test]
