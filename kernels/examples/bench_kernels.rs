@@ -727,7 +727,7 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
         add(name, attention(&cfg), buffers, &[], peer, flops);
     }
     // Attention of the models' prefills in every shape that fits (consumers, Q buffers, K and V
-    // stages), and the picked one on the other grid (one item per block or persistent):
+    // stages, one item a block or a persistent grid):
     // BERT-base at 128 x 128 tokens (all keys), GPT-2 at 1024 tokens and Llama-3.2-1B at 4096
     // (causal, GQA 4:1); and the benchmark shapes above (4 x 16 heads, 4096 tokens, dropout
     // 0.1 at head dim 128), whose blocks of 32 key tiles start and finish 2048 items on 132 SMs.
@@ -748,12 +748,7 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
         let p = if dropout { 0.1 } else { 0.0 };
         cfg.dropout = dropout.then(|| kiln_kernels::attention::Dropout::new(p, 0));
         let picked = Shape::of(&cfg);
-        let mut shapes = Shape::space(&cfg);
-        shapes.push(Shape {
-            persistent: !picked.persistent,
-            ..picked
-        });
-        for shape in shapes {
+        for shape in Shape::space(&cfg) {
             let mut buffers = attention_buffers([b, h, kv, s, d]);
             if dropout {
                 buffers.push(("seed", (vec![1], "i64", 0.0)));

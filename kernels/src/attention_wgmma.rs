@@ -213,23 +213,24 @@ impl Shape {
         }
     }
 
-    /// The shapes that fit `cfg` (with its pick's grid): two or three consumers, each with two
-    /// Q buffers and two stages of K and of V, or deeper stages of K (and V) for fewer Q
-    /// buffers.
+    /// The shapes that fit `cfg`: two or three consumers, each with two Q buffers and two
+    /// stages of K and of V, or deeper stages of K (and V) for fewer Q buffers, on either grid.
     pub fn space(cfg: &AttentionConfig) -> Vec<Shape> {
-        let persistent = Shape::of(cfg).persistent;
         let mut shapes = Vec::new();
-        for consumers in [2, 3] {
-            for (q_buffers, k_stages, v_stages) in [(2, 2, 2), (2, 3, 2), (1, 3, 2), (1, 3, 3)] {
-                let shape = Shape {
-                    consumers,
-                    q_buffers,
-                    k_stages,
-                    v_stages,
-                    persistent,
-                };
-                if shape.fits(cfg) {
-                    shapes.push(shape);
+        for persistent in [false, true] {
+            for consumers in [2, 3] {
+                for (q_buffers, k_stages, v_stages) in [(2, 2, 2), (2, 3, 2), (1, 3, 2), (1, 3, 3)]
+                {
+                    let shape = Shape {
+                        consumers,
+                        q_buffers,
+                        k_stages,
+                        v_stages,
+                        persistent,
+                    };
+                    if shape.fits(cfg) {
+                        shapes.push(shape);
+                    }
                 }
             }
         }

@@ -1641,9 +1641,10 @@ fn other_shapes(cfg: &kiln_kernels::attention::AttentionConfig) -> Vec<Generated
                 q_buffers: q,
                 k_stages: ks,
                 v_stages: vs,
-                ..
+                persistent,
             } = shape;
-            let name = format!("{}_c{c}_q{q}_k{ks}_v{vs}", cfg_name(cfg));
+            let grid = if persistent { "persistent" } else { "items" };
+            let name = format!("{}_c{c}_q{q}_k{ks}_v{vs}_{grid}", cfg_name(cfg));
             attention_wgmma_shaped(cfg, shape, name)
         })
         .collect();
