@@ -166,9 +166,9 @@ impl Shape {
     /// its products, so three consumers take turns (two others' products hide each one's
     /// softmax) wherever blocks of 192 rows pad the query rows at most 5% more than blocks of
     /// 128 do; otherwise two. Dropout keeps two: its Philox rounds hold the ALUs, not the tensor
-    /// cores, and its registers spill within three consumers' 160. A persistent grid for items
-    /// of few key tiles, more of them than the grid has blocks. Two Q buffers and two stages of
-    /// K and of V, but for [`Shape::deeper_keys`].
+    /// cores, and its registers spill within three consumers' 160. Two Q buffers and two stages
+    /// of K and of V; a persistent grid for items of few key tiles, more of them than the grid
+    /// has blocks.
     pub fn of(cfg: &AttentionConfig) -> Shape {
         let padded = |rows: u32| u64::from(cfg.q_len.div_ceil(rows) * rows);
         let three = Shape {
@@ -183,26 +183,7 @@ impl Shape {
         let mut shape = Shape::two_deep(consumers);
         let plan = Plan { cfg, shape };
         shape.persistent = cfg.kv_len.div_ceil(BKV) <= PERSISTENT_MAX_TILES && items(&plan) > GRID;
-        shape.deeper_keys(cfg).unwrap_or(shape)
-    }
-
-    /// At head dim 128 over every key or causally (no window: the rules measured), without
-    /// dropout, one item a block: a third K stage, beside two Q buffers where they fit (no
-    /// padding mask's rows), else one. Measured on the H100 (2026-12-05, one pass): causal 4 x
-    /// 16 heads x 4096 keys 0.459 / 0.461 ms against 0.504 with two stages, every key 0.942 /
-    /// 0.940 against 0.945; with dropout no faster (1.738 against 1.732), at head dim 64 slower
-    /// as often as faster.
-    fn deeper_keys(self, cfg: &AttentionConfig) -> Option<Shape> {
-        let rule = matches!(cfg.keys, KeyRule::All | KeyRule::Causal { window: None });
-        if cfg.head_dim != 128 || !rule || cfg.dropout.is_some() || self.persistent {
-            return None;
-        }
-        let deeper = |q_buffers| Shape {
-            q_buffers,
-            k_stages: 3,
-            ..self
-        };
-        [deeper(2), deeper(1)].into_iter().find(|s| s.fits(cfg))
+        shape
     }
 
     /// Whether the kernel can be built in this shape for `cfg`: two or three consumers, one or
@@ -1804,31 +1785,6 @@ mod tests {
         ] {
             assert!(!bad.fits(&d64), "{bad:?}");
         }
-        // Picks: a third K stage at head dim 128 (two Q buffers where they fit), not with
-        // dropout, a window or position keys, nor at 64.
-        let causal = AttentionConfig {
-            keys: KeyRule::Causal { window: None },
-            ..d128.clone()
-        };
-        assert_eq!(Shape::of(&causal), shape(2, 2, 3, 2));
-        assert_eq!(Shape::of(&d128), shape(2, 2, 3, 2));
-        assert_eq!(Shape::of(&masked), shape(2, 1, 3, 2));
-        let dropout128 = AttentionConfig {
-            dropout: Some(crate::attention::Dropout::new(0.1, 0)),
-            ..d128.clone()
-        };
-        let window = AttentionConfig {
-            keys: KeyRule::Causal { window: Some(512) },
-            ..d128.clone()
-        };
-        let chunk = AttentionConfig {
-            keys: KeyRule::Position { window: None },
-            ..d128.clone()
-        };
-        for cfg in [&dropout128, &window, &chunk] {
-            assert_eq!(Shape::of(cfg), shape(2, 2, 2, 2));
-        }
-        assert_eq!(Shape::of(&d64), shape(3, 2, 2, 2));
         // The picked shape is in the space, for every configuration.
         for cfg in [d128, masked, d64, dropout, config(128, 12, 12, 128, false)] {
             let picked = Shape::of(&cfg);
