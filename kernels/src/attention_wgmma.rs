@@ -157,7 +157,8 @@ pub struct Shape {
     pub k_stages: u32,
     /// V stages.
     pub v_stages: u32,
-    /// Items on a grid of [`GRID`] blocks, each taking every `GRID`-th, rather than one a block.
+    /// Items on a grid of one block an SM, each taking every `nctaid.x`-th, rather than one a
+    /// block.
     pub persistent: bool,
 }
 
