@@ -759,15 +759,7 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
             });
             let flops = 4.0 * f64::from(b * h) * f64::from(s).powi(2) * f64::from(d)
                 / if causal { 2.0 } else { 1.0 };
-            let Shape {
-                consumers: c,
-                q_buffers: q,
-                k_stages: ks,
-                v_stages: vs,
-                persistent: on_grid,
-            } = shape;
-            let grid = if on_grid { "persistent" } else { "items" };
-            let form = format!("c{c} q{q} k{ks} v{vs} {grid}");
+            let form = shape.to_string();
             let mark = if shape == picked { " (picked)" } else { "" };
             let rule = match (causal, dropout) {
                 (true, _) => " causal",

@@ -5,8 +5,9 @@
 //! a consumer of one head, one item per block or, when items have few key tiles, the items
 //! `ctaid.x`, then every `nctaid.x`-th of a persistent grid, so that the next item's tiles load
 //! under this one's work; items run in groups of planes whose K/V share the L2
-//! ([`group_planes`]). How many consumers, Q buffers and K and V stages, and which grid, is the
-//! block's [`Shape`]:
+//! ([`group_planes`]); or, over every key of a dense K/V at head dim 128, in clusters of two
+//! blocks that share each K/V tile, each copying half of it into both ([`Grid::Pairs`]). How
+//! many consumers, Q buffers and K and V stages, and which grid, is the block's [`Shape`]:
 //! - warpgroup 0, the producer, gives up registers; its first thread copies each item's Q tile
 //!   into one of its Q buffers (refilled once every consumer released it), then the K and V
 //!   tiles of 128 keys through their stages (TMA, 128-byte swizzle, zeros past the tensor's
@@ -56,10 +57,11 @@ use crate::attention::{
 };
 use crate::attention_tc::RowState;
 use crate::hopper::{
-    for_each_block_item, mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init,
-    mbarrier_init_fence, mbarrier_wait, prefetch_tensor_map, setmaxnreg, tma_load, warp_uniform,
-    wgmma, wgmma_commit, wgmma_descriptor, wgmma_fence, wgmma_wait, WarpgroupThread, WgmmaA,
-    WgmmaB, MAX_SHARED, MBARRIER_BYTES, SWIZZLE_BYTES,
+    cluster_sync, for_each_block_item, mbarrier_arrive, mbarrier_arrive_expect_tx,
+    mbarrier_arrive_in, mbarrier_init, mbarrier_init_fence, mbarrier_wait, prefetch_tensor_map,
+    setmaxnreg, tma_load, tma_load_to, warp_uniform, wgmma, wgmma_commit, wgmma_descriptor,
+    wgmma_fence, wgmma_wait, WarpgroupThread, WgmmaA, WgmmaB, MAX_SHARED, MBARRIER_BYTES,
+    SWIZZLE_BYTES,
 };
 use crate::paging::{KeyRows, Paging};
 use crate::ptx::{Elem, Kernel, Operand, Reg, RegClass, F32};
@@ -143,8 +145,8 @@ pub fn supports(cfg: &AttentionConfig) -> bool {
         && paged
 }
 
-/// How a block is built: its consumer warpgroups, Q buffers and K and V stages, and whether
-/// the grid is persistent. [`Shape::of`] picks one for a configuration; the others that
+/// How a block is built: its consumer warpgroups, Q buffers and K and V stages, and how the
+/// grid takes the items. [`Shape::of`] picks one for a configuration; the others that
 /// [`Shape::fits`] are the space it was picked from, built by [`attention_wgmma_shaped`] to
 /// measure and test.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -157,9 +159,42 @@ pub struct Shape {
     pub k_stages: u32,
     /// V stages.
     pub v_stages: u32,
-    /// Items on a grid of one block an SM, each taking every `nctaid.x`-th, rather than one a
-    /// block.
-    pub persistent: bool,
+    /// How the blocks take the items.
+    pub grid: Grid,
+}
+
+/// How a grid's blocks take the work items.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Grid {
+    /// One item a block.
+    Items,
+    /// One block an SM, each taking item `ctaid.x`, then every `nctaid.x`-th.
+    Persistent,
+    /// One item a block, in clusters of two whose items are neighbouring query blocks of one
+    /// plane: every key of it, so both visit the same K/V tiles, and each copies half of every
+    /// tile's 64-column blocks into the stages of both (TMA multicast), reading half the K/V
+    /// from the L2 that a block of [`Grid::Items`] does. A stage is refilled once the consumers
+    /// of both blocks released it.
+    Pairs,
+}
+
+impl std::fmt::Display for Shape {
+    /// `c2 q2 k2 v2 items`: consumers, Q buffers, K and V stages, grid.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let grid = match self.grid {
+            Grid::Items => "items",
+            Grid::Persistent => "persistent",
+            Grid::Pairs => "pairs",
+        };
+        let Shape {
+            consumers: c,
+            q_buffers: q,
+            k_stages: ks,
+            v_stages: vs,
+            ..
+        } = self;
+        write!(f, "c{c} q{q} k{ks} v{vs} {grid}")
+    }
 }
 
 impl Shape {
@@ -183,7 +218,9 @@ impl Shape {
         };
         let mut shape = Shape::two_deep(consumers);
         let plan = Plan { cfg, shape };
-        shape.persistent = cfg.kv_len.div_ceil(BKV) <= PERSISTENT_MAX_TILES && items(&plan) > GRID;
+        if cfg.kv_len.div_ceil(BKV) <= PERSISTENT_MAX_TILES && items(&plan) > GRID {
+            shape.grid = Grid::Persistent;
+        }
         shape
     }
 
@@ -191,15 +228,18 @@ impl Shape {
     /// two Q buffers, two to four stages of K and of V, all in the shared memory a block may
     /// take. Three consumers have 160 registers each: not at head dim 128, where S, O and P
     /// alone take 160 (ptxas serializes their wgmma, C7511), nor with dropout, whose registers
-    /// spill there.
+    /// spill there. Pairs need every item of a plane to visit every key of a dense K/V (every
+    /// key, no window) and an even count of 64-column blocks to share out (head dim 128).
     pub fn fits(&self, cfg: &AttentionConfig) -> bool {
         let plan = Plan { cfg, shape: *self };
         let three = cfg.head_dim == 64 && cfg.dropout.is_none();
+        let pairs = cfg.keys == KeyRule::All && cfg.paging.is_none() && cfg.head_dim == 128;
         (2..=3).contains(&self.consumers)
             && (1..=2).contains(&self.q_buffers)
             && (2..=4).contains(&self.k_stages)
             && (2..=4).contains(&self.v_stages)
             && (self.consumers == 2 || three)
+            && (self.grid != Grid::Pairs || pairs)
             && shared_bytes(&plan) <= MAX_SHARED
     }
 
@@ -210,15 +250,15 @@ impl Shape {
             q_buffers: 2,
             k_stages: 2,
             v_stages: 2,
-            persistent: false,
+            grid: Grid::Items,
         }
     }
 
     /// The shapes that fit `cfg`: two or three consumers, each with two Q buffers and two
-    /// stages of K and of V, or deeper stages of K (and V) for fewer Q buffers, on either grid.
+    /// stages of K and of V, or deeper stages of K (and V) for fewer Q buffers, on every grid.
     pub fn space(cfg: &AttentionConfig) -> Vec<Shape> {
         let mut shapes = Vec::new();
-        for persistent in [false, true] {
+        for grid in [Grid::Items, Grid::Persistent, Grid::Pairs] {
             for consumers in [2, 3] {
                 for (q_buffers, k_stages, v_stages) in [(2, 2, 2), (2, 3, 2), (1, 3, 2), (1, 3, 3)]
                 {
@@ -227,7 +267,7 @@ impl Shape {
                         q_buffers,
                         k_stages,
                         v_stages,
-                        persistent,
+                        grid,
                     };
                     if shape.fits(cfg) {
                         shapes.push(shape);
@@ -422,9 +462,18 @@ fn map(cfg: &AttentionConfig, i: usize, heads: u32, rows: u32, box_rows: u32) ->
     }
 }
 
-/// Query blocks of [`bm`] rows per plane.
+/// Blocks of a cluster: two for [`Grid::Pairs`], else one.
+fn cluster(cfg: &Plan) -> u32 {
+    match cfg.shape.grid {
+        Grid::Pairs => 2,
+        Grid::Items | Grid::Persistent => 1,
+    }
+}
+
+/// Query blocks of [`bm`] rows per plane, whole clusters of them (a pair's second block may
+/// start past the rows: it loads zeros and stores nothing).
 fn query_blocks(cfg: &Plan) -> u32 {
-    cfg.q_len.div_ceil(bm(cfg))
+    cfg.q_len.div_ceil(bm(cfg) * cluster(cfg)) * cluster(cfg)
 }
 
 /// Work items: query blocks times heads times batch.
@@ -453,6 +502,20 @@ pub fn attention_wgmma(cfg: &AttentionConfig, name: String) -> GeneratedKernel {
     attention_wgmma_shaped(cfg, Shape::of(cfg), name)
 }
 
+/// The kernel in every shape of [`Shape::space`] but the one [`Shape::of`] picks, each named
+/// `name` (the picked kernel's) with its shape: for the tests, the catalog and benchmarks.
+pub fn other_shapes(cfg: &AttentionConfig, name: &str) -> Vec<GeneratedKernel> {
+    let picked = Shape::of(cfg);
+    Shape::space(cfg)
+        .into_iter()
+        .filter(|&shape| shape != picked)
+        .map(|shape| {
+            let label = shape.to_string().replace(' ', "_");
+            attention_wgmma_shaped(cfg, shape, format!("{name}_{label}"))
+        })
+        .collect()
+}
+
 /// [`attention_wgmma`] in `shape`, which must fit `cfg` ([`Shape::fits`]).
 pub fn attention_wgmma_shaped(
     cfg: &AttentionConfig,
@@ -468,6 +531,9 @@ pub fn attention_wgmma_shaped(
     let mut k = Kernel::new(&name);
     k.directive(format!(".maxntid {}, 1, 1", threads(cfg)));
     k.directive(".minnctapersm 1");
+    if cluster(cfg) > 1 {
+        k.directive(format!(".reqnctapercluster {}, 1, 1", cluster(cfg)));
+    }
     let maps = [
         k.param_tensor_map("q", map(cfg, 0, cfg.heads, cfg.q_len, bm(cfg))),
         k.param_tensor_map("k", map(cfg, 1, cfg.kv_heads, cfg.kv_len, BKV)),
@@ -500,9 +566,12 @@ pub fn attention_wgmma_shaped(
     let init_done = k.label("init_done");
     k.bra(Some((first, false)), &init_done);
     for i in 0..cfg.barrier(Barrier::End) {
-        // Full barriers take the producer's one arrival; empty ones every consumer warp's.
+        // Full barriers take the producer's one arrival; empty ones every consumer warp's, K's
+        // and V's those of the cluster's every block.
         let arrivals = if i < cfg.barrier(Barrier::Empty(Kv::K)) {
             1
+        } else if i < cfg.barrier(Barrier::QEmpty) {
+            4 * consumers(cfg) * cluster(cfg)
         } else {
             4 * consumers(cfg)
         };
@@ -512,6 +581,10 @@ pub fn attention_wgmma_shaped(
     mbarrier_init_fence(&mut k);
     k.place(&init_done);
     k.barrier();
+    if cluster(cfg) > 1 {
+        // The other block's barriers are ready before this one's copies and arrivals reach them.
+        cluster_sync(&mut k);
+    }
 
     // Warp-uniform to ptxas, so that the branches on roles and turns are no divergent paths.
     let warpgroup = k.op2("shr.u32", RegClass::B32, &tid, &7u32);
@@ -555,10 +628,9 @@ pub fn attention_wgmma_shaped(
         k,
         Launch {
             grid: [
-                if shape.persistent {
-                    items.min(GRID)
-                } else {
-                    items
+                match shape.grid {
+                    Grid::Persistent => items.min(GRID),
+                    Grid::Items | Grid::Pairs => items,
                 },
                 1,
                 1,
@@ -756,7 +828,15 @@ impl Block {
     /// then heads) fastest.
     fn at(k: &mut Kernel, cfg: &Plan, item: &Reg, keys: Option<&PositionKeys>) -> Block {
         let blocks = query_blocks(cfg);
-        let (rank, plane) = Self::rank_and_plane(k, cfg, item);
+        let (rank, plane) = if cluster(cfg) > 1 {
+            // The cluster's query blocks in a row, one a block.
+            let pair = k.op2("div.u32", RegClass::B32, item, &cluster(cfg));
+            let (first, plane) = Self::rank_and_plane(k, cfg, &pair);
+            let within = k.special("cluster_ctarank");
+            (k.mad_u32(&first, &cluster(cfg), &within), plane)
+        } else {
+            Self::rank_and_plane(k, cfg, item)
+        };
         let h = k.op2("rem.u32", RegClass::B32, &plane, &cfg.heads);
         let b = k.op2("div.u32", RegClass::B32, &plane, &cfg.heads);
         let causal = matches!(cfg.keys, KeyRule::Causal { .. });
@@ -857,7 +937,8 @@ impl Block {
         }
     }
 
-    /// Item `item`'s query-block rank and plane (the last group of planes may be narrower).
+    /// Item (or cluster) `item`'s query-block (or cluster) rank and plane (the last group of
+    /// planes may be narrower).
     fn rank_and_plane(k: &mut Kernel, cfg: &Plan, item: &Reg) -> (Reg, Reg) {
         let planes = cfg.heads * cfg.batch;
         let group = group_planes(cfg);
@@ -865,7 +946,7 @@ impl Block {
             let rank = k.op2("div.u32", RegClass::B32, item, &planes);
             return (rank, k.op2("rem.u32", RegClass::B32, item, &planes));
         }
-        let group_items = group * query_blocks(cfg);
+        let group_items = group * query_blocks(cfg) / cluster(cfg);
         let g = k.op2("div.u32", RegClass::B32, item, &group_items);
         let within = k.op2("rem.u32", RegClass::B32, item, &group_items);
         let first = k.mul_u32(&g, &group);
@@ -902,6 +983,7 @@ fn producer(
         k.place(label);
     }
     let progress = Progress::new(k);
+    let share = Share::of(k, cfg);
     for_each_item(k, cfg, keys, |k, block| {
         let loaded = keys.map(|_| k.label("item_loaded"));
         if let Some(label) = &loaded {
@@ -942,7 +1024,7 @@ fn producer(
                 None => {
                     for (map, dst, full) in &armed {
                         let at = [&key0 as &dyn Operand, &block.kvh, &block.b];
-                        load_tile(k, cfg, map, (dst, full), at, 0);
+                        load_tile(k, cfg, map, (dst, full), at, (0, share.as_ref()));
                     }
                 }
                 Some((table, p)) => {
@@ -954,7 +1036,7 @@ fn producer(
                         let at = [&0u32 as &dyn Operand, &block.kvh, &pool_block];
                         let within = i * p.block * SWIZZLE_BYTES;
                         for (map, dst, full) in &armed {
-                            load_tile(k, cfg, map, (dst, full), at, within);
+                            load_tile(k, cfg, map, (dst, full), at, (within, None));
                         }
                     }
                 }
@@ -972,21 +1054,50 @@ fn producer(
     k.emit("ret");
 }
 
+/// A pair's share of each K/V tile's copies ([`Grid::Pairs`]): block `r` of the cluster copies
+/// the 64-column blocks `i` with `i % 2 == r` into both blocks' stages.
+struct Share {
+    /// Whether this block is the cluster's block 0, 1.
+    mine: [Reg; 2],
+    /// The cluster's blocks, as a multicast mask.
+    ctas: u16,
+}
+
+impl Share {
+    /// This block's share, in a cluster of more than one block.
+    fn of(k: &mut Kernel, cfg: &Plan) -> Option<Share> {
+        (cluster(cfg) > 1).then(|| {
+            let rank = k.special("cluster_ctarank");
+            Share {
+                mine: [0u32, 1].map(|r| k.setp("eq.u32", &rank, &r)),
+                ctas: (1 << cluster(cfg)) - 1,
+            }
+        })
+    }
+}
+
 /// Copies the K or V box of `map` at coordinates `[row, head, outer]` (a dense operand's key,
 /// K/V head and batch row; a paged pool's row in a block, K/V head and block) into `tile`,
-/// `within` bytes in, every 64-column block of the head dimension, arriving on `full`.
+/// `within` bytes in, every 64-column block of the head dimension, arriving on `full`; with a
+/// [`Share`], this block's blocks of it into the stages of the cluster's every block.
 fn load_tile(
     k: &mut Kernel,
     cfg: &Plan,
     map: &Reg,
     (tile, full): (&Reg, &Reg),
     [row, kvh, outer]: [&dyn Operand; 3],
-    within: u32,
+    (within, share): (u32, Option<&Share>),
 ) {
     for i in 0..cfg.head_dim / COLS {
         let dst = k.add_u32(tile, &(i * BKV * SWIZZLE_BYTES + within));
         let at = [&(i * COLS) as &dyn Operand, row, kvh, outer];
-        tma_load(k, &dst, map, &at, full);
+        match share {
+            None => tma_load(k, &dst, map, &at, full),
+            Some(share) => {
+                let mine = Some(&share.mine[(i % 2) as usize]);
+                tma_load_to(k, mine, (&dst, full), map, &at, Some(share.ctas));
+            }
+        }
     }
 }
 
@@ -1088,6 +1199,8 @@ struct Tiles<'a> {
     bars: Reg,
     /// The block's key tiles before this item's (the stages are counted across items).
     first: Reg,
+    /// The item's key tiles, where the cluster's blocks share the stages ([`Grid::Pairs`]).
+    shared_tiles: Option<Reg>,
     /// This warpgroup's rows of Q.
     q: Reg,
     s: Vec<Reg>,
@@ -1147,10 +1260,21 @@ impl Tiles<'_> {
         }
     }
 
-    /// Releases tile `j`'s K or V stage (lane 0 of each warp arrives).
+    /// Releases tile `j`'s K or V stage (lane 0 of each warp arrives); where the cluster's
+    /// blocks share the stages, in each of them, and only a stage that a later tile refills:
+    /// once the last tiles are in, the other block may have finished.
     fn release(&self, k: &mut Kernel, j: &Reg, kv: Kv, lane0: Reg) {
         let (_, _, _, empty) = self.barriers(k, j, kv);
-        mbarrier_arrive(k, &empty, Some(lane0));
+        let Some(tiles) = &self.shared_tiles else {
+            mbarrier_arrive(k, &empty, Some(lane0));
+            return;
+        };
+        let refill = k.add_u32(j, &self.cfg.stages(kv));
+        let when = k.setp("lt.u32", &refill, tiles);
+        k.emit(format!("and.pred {when}, {when}, {lane0}"));
+        for rank in 0..cluster(self.cfg) {
+            mbarrier_arrive_in(k, &empty, rank, &when);
+        }
     }
 }
 
@@ -1228,6 +1352,7 @@ impl Consumer {
             base: *base,
             bars: *bars,
             first: progress.tile,
+            shared_tiles: (cluster(cfg) > 1).then_some(block.tiles),
             q: k.add_u32(base, &q_rows),
             s: (0..BKV / 2).map(|_| k.reg(RegClass::F32)).collect(),
             p: (0..BKV / 4).map(|_| k.reg(RegClass::B32)).collect(),
@@ -1651,7 +1776,7 @@ mod tests {
     }
 
     fn persistent(cfg: &AttentionConfig) -> bool {
-        Shape::of(cfg).persistent
+        Shape::of(cfg).grid == Grid::Persistent
     }
 
     fn consumers(cfg: &AttentionConfig) -> u32 {
@@ -1753,7 +1878,7 @@ mod tests {
             q_buffers,
             k_stages,
             v_stages,
-            persistent: false,
+            grid: Grid::Items,
         };
         // Head dim 128, 32 KB a K or V tile: two Q buffers, three K stages and two V stages
         // take 224 KB of tiles, which fit only without a padding mask's rows, as do one Q buffer
@@ -1895,12 +2020,70 @@ mod tests {
     }
 
     #[test]
+    fn pairs_share_the_tiles_of_every_key_at_head_dim_128() {
+        let mut cfg = config(4, 16, 16, 4096, false);
+        cfg.head_dim = 128;
+        let pairs = Shape {
+            grid: Grid::Pairs,
+            ..Shape::two_deep(2)
+        };
+        let padded = AttentionConfig {
+            padding: true,
+            dropout: Some(crate::attention::Dropout::new(0.1, 0)),
+            ..cfg.clone()
+        };
+        assert!(pairs.fits(&cfg) && pairs.fits(&padded));
+        assert!(Shape::space(&cfg).contains(&pairs));
+        // Near misses: keys that differ from block to block, a paged cache, head dim 64 (one
+        // column block, nothing to share out).
+        let causal = AttentionConfig {
+            keys: KeyRule::Causal { window: None },
+            ..cfg.clone()
+        };
+        let windowed = AttentionConfig {
+            keys: KeyRule::Causal { window: Some(512) },
+            ..cfg.clone()
+        };
+        let chunk = AttentionConfig {
+            keys: KeyRule::Position { window: None },
+            ..cfg.clone()
+        };
+        let mut paged = chunk.clone();
+        paged.take_paging(crate::paging::Paging {
+            block: 16,
+            entries: 256,
+            blocks: 1025,
+        });
+        let d64 = config(4, 16, 16, 4096, false);
+        for near in [causal, windowed, chunk, paged, d64] {
+            assert!(!pairs.fits(&near), "{:?}", near.keys);
+        }
+        // Clusters of two over whole pairs of query blocks: 300 rows take two pairs of 128.
+        cfg.q_len = 300;
+        let kernel = attention_wgmma_shaped(&cfg, pairs, "p".into());
+        assert_eq!(kernel.launch.grid, [4 * 4 * 16, 1, 1]);
+        let ptx = kernel.module();
+        for needed in [
+            ".reqnctapercluster 2, 1, 1",
+            "barrier.cluster.wait.acquire",
+            ".multicast::cluster",
+            "mbarrier.arrive.shared::cluster.b64",
+        ] {
+            assert!(ptx.contains(needed), "{needed}");
+        }
+        // Each block copies one of a tile's two column blocks of K and one of V.
+        assert_eq!(ptx.matches(".multicast::cluster").count(), 4);
+        let alone = attention_wgmma_shaped(&cfg, Shape::two_deep(2), "a".into()).module();
+        assert!(!alone.contains("cluster_ctarank") && !alone.contains("multicast"));
+    }
+
+    #[test]
     fn a_persistent_grid_has_at_most_one_block_per_sm() {
         let cfg = config(128, 12, 12, 128, false);
         let kernel = attention_wgmma(&cfg, "a".into());
         assert_eq!(kernel.launch.grid, [GRID, 1, 1]);
         let items = Shape {
-            persistent: false,
+            grid: Grid::Items,
             ..Shape::of(&cfg)
         };
         let single = attention_wgmma_shaped(&cfg, items, "b".into());

@@ -271,6 +271,10 @@ pub fn catalog() -> Vec<(&'static str, GeneratedKernel)> {
             let kernel = attention(&cfg);
             if kernel.image == Image::Sm90a {
                 out.push(("attention", crate::attention::attention_base(&cfg)));
+                // The Hopper kernel's other shapes.
+                for other in crate::attention_wgmma::other_shapes(&cfg, &kernel.name) {
+                    out.push(("attention", other));
+                }
             }
             out.push(("attention", kernel));
             if matches!(keys, KeyRule::Position { .. }) && q_len == 1 {

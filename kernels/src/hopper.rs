@@ -65,6 +65,24 @@ fn guard(when: Option<&Reg>) -> String {
     when.map(|p| format!("@{p} ")).unwrap_or_default()
 }
 
+/// One arrival, by the threads where `when` holds, on the barrier at `bar`'s offset in the
+/// shared memory of the cluster's block `rank` (this block's own included).
+pub fn mbarrier_arrive_in(k: &mut Kernel, bar: &Reg, rank: u32, when: &Reg) {
+    let remote = k.reg(RegClass::B32);
+    k.emit(format!("mapa.shared::cluster.u32 {remote}, {bar}, {rank}"));
+    k.emit(format!(
+        "@{when} mbarrier.arrive.shared::cluster.b64 _, [{remote}]"
+    ));
+}
+
+/// Waits until every thread of every block of the cluster that has not exited arrived here:
+/// after barrier initialisation ([`mbarrier_init_fence`]), before any block's copies or
+/// arrivals reach another's.
+pub fn cluster_sync(k: &mut Kernel) {
+    k.emit("barrier.cluster.arrive.release");
+    k.emit("barrier.cluster.wait.acquire");
+}
+
 /// Waits until the phase of `bar` with parity `parity` (0 or 1) has completed.
 pub fn mbarrier_wait(k: &mut Kernel, bar: &dyn Operand, parity: &dyn Operand) {
     let again = k.label("mbarrier_wait");
@@ -105,10 +123,28 @@ pub fn tma_load_when(
     coords: &[&dyn Operand],
     bar: &dyn Operand,
 ) {
+    tma_load_to(k, when, (dst, bar), map, coords, None);
+}
+
+/// [`tma_load_when`]; with `multicast`, into the same shared-memory offset `dst` of every
+/// block of the cluster whose rank is set in it, completing bytes on the barrier at `bar`'s
+/// offset in each.
+pub fn tma_load_to(
+    k: &mut Kernel,
+    when: Option<&Reg>,
+    (dst, bar): (&dyn Operand, &dyn Operand),
+    map: &Reg,
+    coords: &[&dyn Operand],
+    multicast: Option<u16>,
+) {
     let mut c: Vec<String> = coords.iter().map(|c| c.text()).collect();
     c.resize(4, "0".into());
+    let (qualifier, ctas) = match multicast {
+        Some(ctas) => (".multicast::cluster", format!(", {ctas}")),
+        None => ("", String::new()),
+    };
     k.emit(format!(
-        "{}cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [{}], [{map}, {{{}}}], [{}]",
+        "{}cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes{qualifier} [{}], [{map}, {{{}}}], [{}]{ctas}",
         guard(when),
         dst.text(),
         c.join(", "),

@@ -14,7 +14,6 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, LaunchConfig
 use cudarc::nvrtc::Ptx;
 use kiln_ir::kernel::{Activation, EmbeddingSpec, GemmSpec, NormKind, NormSpec};
 use kiln_ir::Op;
-use kiln_kernels::attention_wgmma::{attention_wgmma_shaped, Shape};
 use kiln_kernels::elementwise::activation_kernel;
 use kiln_kernels::embedding::{embedding, EmbeddingConfig};
 use kiln_kernels::gemm::{gemm, gemm_base, gemm_for, GemmConfig};
@@ -1632,22 +1631,7 @@ fn attention_of_a_query_that_sees_no_key_is_zero() {
 
 /// The Hopper attention of `cfg` in every shape that fits but the picked one.
 fn other_shapes(cfg: &kiln_kernels::attention::AttentionConfig) -> Vec<GeneratedKernel> {
-    let picked = Shape::of(cfg);
-    let others = Shape::space(cfg).into_iter().filter(|s| *s != picked);
-    let kernels: Vec<GeneratedKernel> = others
-        .map(|shape| {
-            let Shape {
-                consumers: c,
-                q_buffers: q,
-                k_stages: ks,
-                v_stages: vs,
-                persistent,
-            } = shape;
-            let grid = if persistent { "persistent" } else { "items" };
-            let name = format!("{}_c{c}_q{q}_k{ks}_v{vs}_{grid}", cfg_name(cfg));
-            attention_wgmma_shaped(cfg, shape, name)
-        })
-        .collect();
+    let kernels = kiln_kernels::attention_wgmma::other_shapes(cfg, &cfg_name(cfg));
     assert!(!kernels.is_empty(), "{}: one shape fits", cfg_name(cfg));
     kernels
 }
@@ -1692,7 +1676,7 @@ fn attention_config(
 fn with_few_blocks(mut kernels: Vec<GeneratedKernel>) -> Vec<GeneratedKernel> {
     let hopper: Vec<GeneratedKernel> = kernels
         .iter()
-        .filter(|k| k.path == KernelPath::Wgmma)
+        .filter(|k| k.path == KernelPath::Wgmma && !k.name.ends_with("_pairs"))
         .map(|k| {
             let mut few = k.clone();
             few.launch.grid[0] = few.launch.grid[0].min(3);
