@@ -1672,11 +1672,12 @@ fn attention_config(
 }
 
 /// `kernels`, and the Hopper attention among them again on a grid of three blocks, each taking
-/// every third item (Q buffers and K/V stages reused across items, as on a persistent grid).
+/// every third item (Q buffers and K/V stages reused across items, as on a persistent grid);
+/// not a kernel of clusters, whose blocks take one item each.
 fn with_few_blocks(mut kernels: Vec<GeneratedKernel>) -> Vec<GeneratedKernel> {
     let hopper: Vec<GeneratedKernel> = kernels
         .iter()
-        .filter(|k| k.path == KernelPath::Wgmma && !k.name.ends_with("_pairs"))
+        .filter(|k| k.path == KernelPath::Wgmma && !k.ptx.contains(".reqnctapercluster"))
         .map(|k| {
             let mut few = k.clone();
             few.launch.grid[0] = few.launch.grid[0].min(3);
