@@ -3,6 +3,11 @@
 usage (on the GPU machine; the cases come from the kernels crate's example, built anywhere):
   bench_kernels --emit CASES_DIR            # cargo run --release -p kiln-kernels --example bench_kernels -- --emit DIR
   python3 scripts/bench-kernels.py CASES_DIR [--json OUT.json]
+  python3 scripts/bench-kernels.py old=DIR_A new=DIR_B [--only RE]   # A/B: two builds' cases
+
+With several labelled case directories (the emitted cases of different builds), each case of the
+first runs once per build, in turn, the order reversed from one case to the next (so that no
+build always runs first), named `case [label]`: builds compared in one pass on the same card.
 
 Each case is a generated kernel (PTX, parameter list with tensor-map layouts, launch) and the
 tensors it reads and writes. This script allocates those tensors with torch, loads the kernel
@@ -165,9 +170,36 @@ def peers(case, t):
     return {"sdpa flash": sdpa(SDPBackend.FLASH_ATTENTION), "sdpa cudnn": sdpa(SDPBackend.CUDNN_ATTENTION)}
 
 
+def case_list(dirs, only):
+    """The cases to run and the directory each comes from: one directory's as they are; for
+    `label=dir` arguments, each case of the first in every build, alternating the order."""
+    builds = [d.split("=", 1) if "=" in d else (None, d) for d in dirs]
+    if len(builds) > 1 and any(label is None for label, _ in builds):
+        sys.exit("bench-kernels: several case directories need a label each (label=DIR)")
+    lists = []
+    for label, directory in builds:
+        cases = json.load(open(os.path.join(directory, "cases.json")))
+        lists.append([c for c in cases if not only or re.search(only, c["case"])])
+    if len(builds) == 1:
+        return [(case, builds[0][1]) for case in lists[0]]
+    by_name = [{c["case"]: c for c in cases} for cases in lists]
+    entries = []
+    for i, first in enumerate(lists[0]):
+        name = first["case"]
+        order = list(zip(builds, by_name))
+        if i % 2:
+            order.reverse()
+        for (label, directory), cases in order:
+            if name not in cases:
+                print(f"{name}: not among {directory}'s cases", file=sys.stderr)
+                continue
+            entries.append((dict(cases[name], case=f"{name} [{label}]"), directory))
+    return entries
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("cases")
+    ap.add_argument("cases", nargs="+", help="a case directory, or label=DIR for each of several builds")
     ap.add_argument("--json")
     ap.add_argument("--eager-timing", action="store_true")
     ap.add_argument("--only", help="a regular expression: run only the cases whose name it matches")
@@ -178,14 +210,12 @@ def main():
     else:
         bench = bench_kernel
     torch.zeros(1, device="cuda")  # torch's primary context is current from here on
-    cases = json.load(open(os.path.join(a.cases, "cases.json")))
-    if a.only:
-        cases = [c for c in cases if re.search(a.only, c["case"])]
+    entries = case_list(a.cases, a.only)
     records = []
     print(f"{'case':<40} {'kiln kernel':<44} {'kiln ms':>8}  {'peer':<30} {'peer ms':>8}  ratio (peer/kiln)", flush=True)
-    for case in cases:
+    for case, directory in entries:
         t = tensors_of(case)
-        kernel = Kernel(case, a.cases)
+        kernel = Kernel(case, directory)
         kernel.bind(t)
         kiln_ms, kiln_mode = bench(kernel)
         record = {"case": case["case"], "kernel": kernel.name, "path": case["kernel"]["path"],
