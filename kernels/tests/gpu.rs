@@ -1148,7 +1148,8 @@ impl AttentionCase {
 /// The Hopper attention in every shape that fits (two or three consumers, one or two Q buffers,
 /// two or three stages of K and of V) matches the interpreter where tiles are ragged: key counts
 /// past a tile, query rows past a block, every key rule, padding, GQA and dropout, on one item
-/// a block, on a persistent grid and on three blocks taking turns.
+/// a block, on a persistent grid, on three blocks taking turns and, over every key at head dim
+/// 128, in clusters of two blocks sharing K/V (a pair's second block past the rows included).
 #[test]
 fn attention_in_every_shape_matches_the_interpreter() {
     use kiln_kernels::attention::KeyRule;
