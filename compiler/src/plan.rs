@@ -112,6 +112,7 @@ impl ArtifactPlan {
                 max_shared_bytes: shared.get(k.name.as_str()).copied().unwrap_or(0),
                 path: k.path,
                 image: k.image,
+                cluster: k.cluster,
             })
             .collect()
     }

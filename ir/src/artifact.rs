@@ -482,6 +482,14 @@ pub struct KernelEntry {
     /// The module image that holds it.
     #[serde(default)]
     pub image: Image,
+    /// Blocks per cluster along x: every launch's grid is whole clusters (1, no cluster, in
+    /// artifacts written before it was recorded).
+    #[serde(default = "one_block")]
+    pub cluster: u32,
+}
+
+fn one_block() -> u32 {
+    1
 }
 
 /// The kernel image a kernel is built into: the base module (sm_90 cubin and PTX: Ampere's

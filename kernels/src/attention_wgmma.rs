@@ -532,7 +532,7 @@ pub fn attention_wgmma_shaped(
     k.directive(format!(".maxntid {}, 1, 1", threads(cfg)));
     k.directive(".minnctapersm 1");
     if cluster(cfg) > 1 {
-        k.directive(format!(".reqnctapercluster {}, 1, 1", cluster(cfg)));
+        k.cluster(cluster(cfg));
     }
     let maps = [
         k.param_tensor_map("q", map(cfg, 0, cfg.heads, cfg.q_len, bm(cfg))),
@@ -2062,6 +2062,7 @@ mod tests {
         cfg.q_len = 300;
         let kernel = attention_wgmma_shaped(&cfg, pairs, "p".into());
         assert_eq!(kernel.launch.grid, [4 * 4 * 16, 1, 1]);
+        assert_eq!(kernel.cluster, 2);
         let ptx = kernel.module();
         for needed in [
             ".reqnctapercluster 2, 1, 1",
@@ -2073,7 +2074,9 @@ mod tests {
         }
         // Each block copies one of a tile's two column blocks of K and one of V.
         assert_eq!(ptx.matches(".multicast::cluster").count(), 4);
-        let alone = attention_wgmma_shaped(&cfg, Shape::two_deep(2), "a".into()).module();
+        let alone = attention_wgmma_shaped(&cfg, Shape::two_deep(2), "a".into());
+        assert_eq!(alone.cluster, 1);
+        let alone = alone.module();
         assert!(!alone.contains("cluster_ctarank") && !alone.contains("multicast"));
     }
 

@@ -74,6 +74,8 @@ pub struct GeneratedKernel {
     pub path: KernelPath,
     /// The module image it needs.
     pub image: Image,
+    /// Blocks per cluster along x ([`ptx::Kernel::cluster`]; 1: none).
+    pub cluster: u32,
 }
 
 impl GeneratedKernel {
@@ -82,6 +84,7 @@ impl GeneratedKernel {
         GeneratedKernel {
             name: kernel.name().to_string(),
             signature: kernel.params().to_vec(),
+            cluster: kernel.cluster_blocks(),
             ptx: kernel.finish(),
             launch,
             path: KernelPath::Other,

@@ -195,6 +195,7 @@ pub struct Kernel {
     body: String,
     labels: u32,
     waited: bool,
+    cluster: u32,
 }
 
 impl Kernel {
@@ -210,6 +211,7 @@ impl Kernel {
             body: String::new(),
             labels: 0,
             waited: false,
+            cluster: 1,
         }
     }
 
@@ -278,6 +280,18 @@ impl Kernel {
     /// Adds a performance directive after the parameter list (`.maxntid 384, 1, 1`).
     pub fn directive(&mut self, text: impl Into<String>) {
         self.directives.push(text.into());
+    }
+
+    /// Launches the kernel in clusters of `blocks` blocks along x (`.reqnctapercluster`): its
+    /// grid must be whole clusters.
+    pub fn cluster(&mut self, blocks: u32) {
+        self.directive(format!(".reqnctapercluster {blocks}, 1, 1"));
+        self.cluster = blocks;
+    }
+
+    /// Blocks per cluster along x (1 without [`Kernel::cluster`]).
+    pub fn cluster_blocks(&self) -> u32 {
+        self.cluster
     }
 
     /// Declares the dynamic shared memory aligned to `align` bytes (sized at launch); returns the

@@ -1678,7 +1678,7 @@ fn attention_config(
 fn with_few_blocks(mut kernels: Vec<GeneratedKernel>) -> Vec<GeneratedKernel> {
     let hopper: Vec<GeneratedKernel> = kernels
         .iter()
-        .filter(|k| k.path == KernelPath::Wgmma && !k.ptx.contains(".reqnctapercluster"))
+        .filter(|k| k.path == KernelPath::Wgmma && k.cluster == 1)
         .map(|k| {
             let mut few = k.clone();
             few.launch.grid[0] = few.launch.grid[0].min(3);

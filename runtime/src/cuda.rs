@@ -416,7 +416,8 @@ pub fn check_plan(
 pub const MAX_STEPS: usize = 64;
 
 /// Checks one launch: a known kernel, one argument of the right kind per parameter, every
-/// pointer (and every tensor map's matrix) inside its region, shared memory within the table's.
+/// pointer (and every tensor map's matrix) inside its region, shared memory within the table's,
+/// a grid of whole clusters.
 fn check_step(
     step: &Step,
     table: &BTreeMap<&str, &KernelEntry>,
@@ -435,6 +436,13 @@ fn check_step(
             step.args.len(),
             step.kernel,
             kernel.params.len()
+        ));
+    }
+    let cluster = kernel.cluster;
+    if cluster == 0 || !step.launch.grid[0].is_multiple_of(cluster) {
+        return Err(format!(
+            "step {} launches `{}` on {} blocks along x, not whole clusters of {cluster}",
+            step.node, step.kernel, step.launch.grid[0]
         ));
     }
     if step.launch.shared_bytes > kernel.max_shared_bytes {
@@ -1559,6 +1567,46 @@ mod tests {
             assert_eq!(cubin_sm(&elf), Some(sm));
         }
         assert_eq!(cubin_sm(b"not an elf"), None);
+    }
+
+    /// A kernel of clusters launches on whole clusters only; one without takes any grid.
+    #[test]
+    fn a_cluster_kernels_grid_is_whole_clusters() {
+        let entry = |cluster| KernelEntry {
+            name: "pairs".into(),
+            params: Vec::new(),
+            max_shared_bytes: 0,
+            path: Default::default(),
+            image: Default::default(),
+            cluster,
+        };
+        let step = |blocks| Step {
+            kernel: "pairs".into(),
+            args: Vec::new(),
+            launch: kiln_ir::artifact::Launch {
+                grid: [blocks, 1, 1],
+                block: [384, 1, 1],
+                shared_bytes: 0,
+            },
+            node: "attention_7".into(),
+            fallback: None,
+        };
+        let size = |_: Region| 0u64;
+        let check = |cluster, blocks| {
+            let kernel = entry(cluster);
+            let table = BTreeMap::from([("pairs", &kernel)]);
+            check_step(&step(blocks), &table, &size)
+        };
+        assert_eq!(check(2, 64), Ok(()));
+        assert_eq!(check(1, 63), Ok(()));
+        assert_eq!(
+            check(2, 63),
+            Err(
+                "step attention_7 launches `pairs` on 63 blocks along x, not whole clusters of 2"
+                    .to_string()
+            )
+        );
+        assert!(check(0, 64).is_err());
     }
 
     /// A logits slot moved to a ring buffer: every address inside it lands at the same offset
