@@ -25,7 +25,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 use kiln_ir::artifact::{
-    Arg, BucketEntry, CachePaging, ExecPlan, Image, KernelEntry, ParamType, Region, Step,
+    Arg, BucketEntry, CachePaging, ExecPlan, Image, KernelEntry, Manifest, ParamType, Region, Step,
     TensorSlot, LOGITS,
 };
 use kiln_ir::{DType, Data, Tensor};
@@ -175,6 +175,226 @@ struct Kernels {
     /// Each step launches as a programmatic dependent of the step before it (`launch.rs`), unless
     /// `KILN_PDL=0` asks for plain launches (for measuring what it saves).
     dependent_launch: bool,
+}
+
+/// The buckets a CUDA executor for `work` runs, each plan checked against the kernel table:
+/// generation takes only the KV-cached steps; a forward request the prefill buckets and the
+/// logits chunks too. `Err` when a plan fails its check, or when none of them runs on a GPU.
+fn gpu_buckets<'a>(
+    art: &'a Artifact,
+    work: Work,
+    table: &BTreeMap<&str, &KernelEntry>,
+) -> Result<Vec<(&'a BucketEntry, &'a ExecPlan)>, RuntimeError> {
+    let m = &art.manifest;
+    let (prefill, logits_chunks): (&[BucketEntry], &[BucketEntry]) = match work {
+        Work::All => (&m.prefill, &m.logits_chunks),
+        Work::Generation => (&[], &[]),
+    };
+    let buckets: Vec<(&BucketEntry, &ExecPlan)> = prefill
+        .iter()
+        .chain(&m.decode)
+        .chain(logits_chunks)
+        .filter_map(|e| e.plan.as_ref().map(|p| (e, p)))
+        .collect();
+    if buckets.is_empty() {
+        let missing = m.buckets().flat_map(|e| &e.no_gpu);
+        return Err(RuntimeError::Device(format!(
+            "no bucket of this artifact runs on a GPU (ops without a GPU kernel: {})",
+            missing.cloned().collect::<Vec<_>>().join(", ")
+        )));
+    }
+    for (entry, plan) in &buckets {
+        check_plan(art, entry, plan, table)?;
+    }
+    Ok(buckets)
+}
+
+/// `Err` naming both sizes when `device` has less than `total` bytes free.
+fn check_free_memory(ctx: &CudaContext, total: u64, device: &str) -> Result<(), RuntimeError> {
+    let (free, _) = ctx.mem_get_info().map_err(dev)?;
+    if (free as u64) < total {
+        return Err(RuntimeError::Device(format!(
+            "the artifact needs {:.2} GiB of GPU memory; {device} has {:.2} GiB free",
+            total as f64 / (1u64 << 30) as f64,
+            free as f64 / (1u64 << 30) as f64
+        )));
+    }
+    Ok(())
+}
+
+/// The kernels of `table` from their modules (`hopper`'s, where this GPU runs the sm_90a
+/// image; its kernels are left out otherwise), each granted its dynamic shared memory.
+fn load_kernels(
+    table: &[KernelEntry],
+    module: &Arc<CudaModule>,
+    hopper: Option<&Arc<CudaModule>>,
+) -> Result<BTreeMap<String, LoadedKernel>, RuntimeError> {
+    let mut by_name = BTreeMap::new();
+    for k in table {
+        let module = match (k.image, hopper) {
+            (Image::Sm90, _) => module,
+            (Image::Sm90a, Some(h)) => h,
+            (Image::Sm90a, None) => continue,
+        };
+        let f = module.load_function(&k.name).map_err(|e| {
+            RuntimeError::Device(format!("kernel `{}` is not in the module: {e}", k.name))
+        })?;
+        // The default allows 48 KB of static and dynamic shared memory together; a kernel with
+        // both (a GEMV's partials and its normalised rows) may pass it with less than 48 KB of
+        // dynamic memory, so every dynamic request is granted explicitly.
+        if k.max_shared_bytes > 0 {
+            f.set_attribute(
+                CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                k.max_shared_bytes as i32,
+            )
+            .map_err(dev)?;
+        }
+        let params = k.params.iter().map(|(_, t)| *t).collect();
+        by_name.insert(
+            k.name.clone(),
+            LoadedKernel {
+                function: f,
+                params,
+            },
+        );
+    }
+    Ok(by_name)
+}
+
+/// The bytes of page-locked staging the outputs need (a prompt of the whole context comes back
+/// through the logits chunks), and the logits ring when a logits chunk among the buckets has
+/// logits.
+fn staging_and_ring(
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+    m: &Manifest,
+    buckets: &[(&BucketEntry, ExecPlan)],
+    counts: &mut DriverCounts,
+) -> Result<(usize, Option<LogitsRing>), RuntimeError> {
+    let staging_bytes = plans_outputs_bytes(buckets);
+    let chunk_logits = buckets
+        .iter()
+        .filter(|(e, _)| m.logits_chunks.contains(e))
+        .filter_map(|(e, p)| Some((e.seq, p.outputs.iter().find(|s| s.name == LOGITS)?)));
+    let widest = chunk_logits.map(|(seq, s)| (s.bytes() as usize, s.bytes() as usize / seq));
+    let Some((half, row)) = widest.reduce(|a, b| (a.0.max(b.0), a.1.max(b.1))) else {
+        return Ok((staging_bytes, None));
+    };
+    let staging_bytes = staging_bytes.max(row * m.max_context.unwrap_or(0));
+    let ring = LogitsRing::new(ctx, stream, half, counts)?;
+    Ok((staging_bytes, Some(ring)))
+}
+
+/// What capturing the buckets at load works with: the stream, the loaded kernels and the
+/// allocation's addresses.
+struct Loaded<'a> {
+    stream: &'a Arc<CudaStream>,
+    functions: &'a Kernels,
+    addresses: &'a Addresses,
+    /// When loading started (for the log).
+    start: Instant,
+}
+
+impl Loaded<'_> {
+    /// Every bucket's graph, by graph file, each run once eagerly first; and each logits
+    /// chunk's segment graphs into both of `ring`'s buffers.
+    fn capture_all(
+        &self,
+        memory: &mut CudaSlice<u8>,
+        m: &Manifest,
+        buckets: &[(&BucketEntry, ExecPlan)],
+        mut ring: Option<&mut LogitsRing>,
+        counts: &mut DriverCounts,
+    ) -> Result<BTreeMap<String, CudaGraph>, RuntimeError> {
+        let mut graphs = BTreeMap::new();
+        for (entry, plan) in buckets {
+            let _range = nvtx::range!("kiln capture {}", bucket_name(&entry.graph));
+            let graph = self.warm_and_capture(memory, m, (entry, plan), counts)?;
+            let logits = plan.outputs.iter().find(|s| s.name == LOGITS);
+            if let (Some(ring), Some(slot)) = (ring.as_deref_mut(), logits) {
+                if m.logits_chunks.contains(entry) {
+                    let mut into = |k| self.capture_segments(ring, (entry, plan), slot, k, counts);
+                    let pair = [into(0)?, into(1)?];
+                    ring.graphs.insert(entry.graph.clone(), pair);
+                }
+            }
+            tracing::info!(
+                seconds = self.start.elapsed().as_secs_f64(),
+                bucket = %entry.graph,
+                "graph captured"
+            );
+            graphs.insert(entry.graph.clone(), graph);
+        }
+        Ok(graphs)
+    }
+
+    /// Runs a bucket's steps once eagerly, then captures them as a graph. The eager run checks
+    /// every launch before capture, so that a failing kernel is reported as itself rather than
+    /// as a failed capture. Its inputs are zeros (token 0, masked, position 0): the arena holds
+    /// another bucket's values, and ids or positions read from those would address outside
+    /// their tables.
+    fn warm_and_capture(
+        &self,
+        memory: &mut CudaSlice<u8>,
+        m: &Manifest,
+        (entry, plan): (&BucketEntry, &ExecPlan),
+        counts: &mut DriverCounts,
+    ) -> Result<CudaGraph, RuntimeError> {
+        let arena = m.memory.base(Region::Arena);
+        for slot in &plan.inputs {
+            let at = (arena + slot.offset) as usize;
+            self.stream
+                .memset_zeros(&mut memory.slice_mut(at..at + slot.bytes() as usize))
+                .map_err(dev)?;
+        }
+        let (stream, functions, addresses) = (self.stream, self.functions, self.addresses);
+        launch_steps(
+            stream,
+            functions,
+            &plan.steps,
+            addresses,
+            &entry.graph,
+            None,
+        )?;
+        stream
+            .synchronize()
+            .map_err(|e| RuntimeError::Device(format!("{}: a kernel failed: {e}", entry.graph)))?;
+        capture(
+            stream,
+            functions,
+            &plan.steps,
+            addresses,
+            &entry.graph,
+            counts,
+        )
+    }
+
+    /// A logits chunk's graphs writing its logits `slot` into the ring's buffer `k`, one a
+    /// segment ([`ExecPlan::logits_segments`]).
+    fn capture_segments(
+        &self,
+        ring: &LogitsRing,
+        (entry, plan): (&BucketEntry, &ExecPlan),
+        slot: &TensorSlot,
+        k: usize,
+        counts: &mut DriverCounts,
+    ) -> Result<Vec<CudaGraph>, RuntimeError> {
+        let moved = ring.moved_to(self.stream, self.addresses, slot, k);
+        plan.logits_segments()
+            .iter()
+            .map(|(steps, _)| {
+                let steps = &plan.steps[steps.clone()];
+                capture(
+                    self.stream,
+                    self.functions,
+                    steps,
+                    &moved,
+                    &entry.graph,
+                    counts,
+                )
+            })
+            .collect()
+    }
 }
 
 /// `Err` with a one-line message when this machine has no usable CUDA GPU.
@@ -490,28 +710,7 @@ impl CudaExecutor {
             .iter()
             .map(|k| (k.name.as_str(), k))
             .collect();
-        // Generation takes only the KV-cached steps; a forward request the prefill buckets and
-        // the logits chunks.
-        let (prefill, logits_chunks): (&[BucketEntry], &[BucketEntry]) = match work {
-            Work::All => (&m.prefill, &m.logits_chunks),
-            Work::Generation => (&[], &[]),
-        };
-        let buckets: Vec<(&BucketEntry, &ExecPlan)> = prefill
-            .iter()
-            .chain(&m.decode)
-            .chain(logits_chunks)
-            .filter_map(|e| e.plan.as_ref().map(|p| (e, p)))
-            .collect();
-        if buckets.is_empty() {
-            let missing = m.buckets().flat_map(|e| &e.no_gpu);
-            return Err(RuntimeError::Device(format!(
-                "no bucket of this artifact runs on a GPU (ops without a GPU kernel: {})",
-                missing.cloned().collect::<Vec<_>>().join(", ")
-            )));
-        }
-        for (entry, plan) in &buckets {
-            check_plan(art, entry, plan, &table)?;
-        }
+        let buckets = gpu_buckets(art, work, &table)?;
 
         probe()?;
         let ctx = CudaContext::new(0).map_err(dev)?;
@@ -526,14 +725,7 @@ impl CudaExecutor {
             .map(|(e, p)| Ok((e, resolve_plan(p, &table, sm90a)?)))
             .collect::<Result<_, RuntimeError>>()?;
         let total = m.memory.total_bytes();
-        let (free, _) = ctx.mem_get_info().map_err(dev)?;
-        if (free as u64) < total {
-            return Err(RuntimeError::Device(format!(
-                "the artifact needs {:.2} GiB of GPU memory; {device} has {:.2} GiB free",
-                total as f64 / (1u64 << 30) as f64,
-                free as f64 / (1u64 << 30) as f64
-            )));
-        }
+        check_free_memory(&ctx, total, &device)?;
         // SAFETY: called before any buffer exists; graph capture needs the context's event
         // tracking off (cudarc's per-buffer events would join the capture).
         unsafe { ctx.disable_event_tracking() };
@@ -558,38 +750,8 @@ impl CudaExecutor {
         let hopper = hopper
             .map(|h| load_image(&ctx, h, &mut counts))
             .transpose()?;
-        let mut by_name: BTreeMap<String, LoadedKernel> = BTreeMap::new();
-        for k in &m.kernel_table {
-            let module = match (k.image, &hopper) {
-                (Image::Sm90, _) => &module,
-                (Image::Sm90a, Some(h)) => h,
-                (Image::Sm90a, None) => continue,
-            };
-            let f = module.load_function(&k.name).map_err(|e| {
-                RuntimeError::Device(format!("kernel `{}` is not in the module: {e}", k.name))
-            })?;
-            // The default allows 48 KB of static and dynamic shared memory together; a kernel
-            // with both (a GEMV's partials and its normalised rows) may pass it with less than
-            // 48 KB of dynamic memory, so every dynamic request is granted explicitly.
-            if k.max_shared_bytes > 0 {
-                f.set_attribute(
-                    CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    k.max_shared_bytes as i32,
-                )
-                .map_err(dev)?;
-            }
-            let params = k.params.iter().map(|(_, t)| *t).collect();
-            by_name.insert(
-                k.name.clone(),
-                LoadedKernel {
-                    function: f,
-                    params,
-                },
-            );
-        }
-
         let functions = Kernels {
-            by_name,
+            by_name: load_kernels(&m.kernel_table, &module, hopper.as_ref())?,
             dependent_launch: std::env::var("KILN_PDL").map_or(true, |v| v != "0"),
         };
         tracing::info!(
@@ -602,84 +764,14 @@ impl CudaExecutor {
             plan: m.memory.clone(),
             moved: None,
         };
-        let mut staging_bytes = plans_outputs_bytes(&buckets);
-        let mut ring = None;
-        let chunk_logits = buckets
-            .iter()
-            .filter(|(e, _)| m.logits_chunks.contains(e))
-            .filter_map(|(e, p)| Some((e.seq, p.outputs.iter().find(|s| s.name == LOGITS)?)));
-        let widest = chunk_logits.map(|(seq, s)| (s.bytes() as usize, s.bytes() as usize / seq));
-        if let Some((half, row)) = widest.reduce(|a, b| (a.0.max(b.0), a.1.max(b.1))) {
-            // A prompt of the whole context comes back through the chunks.
-            staging_bytes = staging_bytes.max(row * m.max_context.unwrap_or(0));
-            ring = Some(LogitsRing::new(&ctx, &stream, half, &mut counts)?);
-        }
-        let mut graphs = BTreeMap::new();
-        let arena = m.memory.base(Region::Arena);
-        for (entry, plan) in &buckets {
-            let _range = nvtx::range!("kiln capture {}", bucket_name(&entry.graph));
-            // A first eager run checks every launch before capture, so that a failing kernel is
-            // reported as itself rather than as a failed capture. Its inputs are zeros (token 0,
-            // masked, position 0): the arena holds another bucket's values, and ids or positions
-            // read from those would address outside their tables.
-            for slot in &plan.inputs {
-                let at = (arena + slot.offset) as usize;
-                stream
-                    .memset_zeros(&mut memory.slice_mut(at..at + slot.bytes() as usize))
-                    .map_err(dev)?;
-            }
-            launch_steps(
-                &stream,
-                &functions,
-                &plan.steps,
-                &addresses,
-                &entry.graph,
-                None,
-            )?;
-            stream.synchronize().map_err(|e| {
-                RuntimeError::Device(format!("{}: a kernel failed: {e}", entry.graph))
-            })?;
-            let graph = capture(
-                &stream,
-                &functions,
-                &plan.steps,
-                &addresses,
-                &entry.graph,
-                &mut counts,
-            )?;
-            let logits = plan.outputs.iter().find(|s| s.name == LOGITS);
-            if let (Some(ring), Some(slot)) = (ring.as_mut(), logits) {
-                if m.logits_chunks.contains(entry) {
-                    let segments = plan.logits_segments();
-                    let mut into = |k| {
-                        let moved = ring.moved_to(&stream, &addresses, slot, k);
-                        let mut capture = |(steps, _): &(std::ops::Range<usize>, usize)| {
-                            let steps = &plan.steps[steps.clone()];
-                            capture(
-                                &stream,
-                                &functions,
-                                steps,
-                                &moved,
-                                &entry.graph,
-                                &mut counts,
-                            )
-                        };
-                        segments
-                            .iter()
-                            .map(&mut capture)
-                            .collect::<Result<Vec<_>, _>>()
-                    };
-                    let pair = [into(0)?, into(1)?];
-                    ring.graphs.insert(entry.graph.clone(), pair);
-                }
-            }
-            tracing::info!(
-                seconds = start.elapsed().as_secs_f64(),
-                bucket = %entry.graph,
-                "graph captured"
-            );
-            graphs.insert(entry.graph.clone(), graph);
-        }
+        let (staging_bytes, mut ring) = staging_and_ring(&ctx, &stream, m, &buckets, &mut counts)?;
+        let loaded = Loaded {
+            stream: &stream,
+            functions: &functions,
+            addresses: &addresses,
+            start,
+        };
+        let graphs = loaded.capture_all(&mut memory, m, &buckets, ring.as_mut(), &mut counts)?;
         // The warm-up runs wrote the cache; a generation starts from an empty one.
         let cache = m.memory.base(Region::Cache);
         let cache_bytes = m.memory.cache_bytes;
