@@ -978,10 +978,6 @@ fn prologue(
     [warp, lane]: [Reg; 2],
     row0: Option<Reg>,
 ) {
-    let e = n.elem;
-    let chunks = n.cols / 8;
-    let layer = n.kind == NormKind::LayerNorm;
-    let inv_cols = F32(1.0 / n.cols as f32);
     let done = k.label("prologue_done");
     let source_row = match row0 {
         Some(r0) => {
@@ -999,9 +995,40 @@ fn prologue(
         Some(_) => k.mul_u32(&source_row, &n.cols),
         None => row_base,
     };
-    // for chunk in lane..chunks step 32 * unroll { body(element index of each chunk, inside) }
-    let chunked = |k: &mut Kernel, what: &str, unroll: u32, body: &mut ChunkBody| {
-        let chunk = k.mov(RegClass::B32, &lane);
+    let row = NormRow {
+        n,
+        lane,
+        base,
+        row_base,
+    };
+    let total = row.copy(k, x, source_base);
+    let (mean, sq_total) = if n.kind == NormKind::LayerNorm {
+        let mean = k.mul_f32(&total, &F32(1.0 / n.cols as f32));
+        (Some(mean), row.centred_squares(k, &mean))
+    } else {
+        (None, total)
+    };
+    let rstd = crate::norm::reciprocal_rms(k, &sq_total, n);
+    row.normalise(k, (mean, rstd), (weight, bias));
+    k.place(&done);
+    k.barrier();
+}
+
+/// A prologue warp's row in shared memory: its lane, the shared rows' base and the row's first
+/// element there.
+struct NormRow<'a> {
+    n: &'a NormConfig,
+    lane: Reg,
+    base: Reg,
+    row_base: Reg,
+}
+
+impl NormRow<'_> {
+    /// Runs `body` over the lane's chunks of 8 elements (`lane`, then every 32nd), `unroll`
+    /// at a time: each chunk's first element and whether it is inside the row.
+    fn chunked(&self, k: &mut Kernel, what: &str, unroll: u32, body: &mut ChunkBody) {
+        let chunks = self.n.cols / 8;
+        let chunk = k.mov(RegClass::B32, &self.lane);
         let top = k.label(what);
         let end = k.label(&format!("{what}_done"));
         k.place(&top);
@@ -1018,94 +1045,109 @@ fn prologue(
         k.emit(format!("add.u32 {chunk}, {chunk}, {}", 32 * unroll));
         k.bra(None, &top);
         k.place(&end);
-    };
-    let shared_at = |k: &mut Kernel, col: &Reg| {
-        let i = k.add_u32(&row_base, col);
-        k.mad_u32(&i, &e.bytes(), &base)
-    };
-    k.comment("prologue: copy the row to shared memory (sum for the mean, or squares)");
-    let sum = k.mov(RegClass::F32, &F32(0.0));
-    chunked(k, "norm_copy", PROLOGUE_UNROLL, &mut |k, at| {
-        let loaded: Vec<Vec<Reg>> = at
-            .iter()
-            .map(|(col, inside)| {
-                let i = k.add_u32(&source_base, col);
-                load_words(k, x, &i, e, &[*inside, *inside])
-            })
-            .collect();
-        for ((col, inside), words) in at.iter().zip(&loaded) {
-            let sa = shared_at(k, col);
-            k.emit(format!(
-                "@{inside} st.shared.v4.b32 [{sa}], {{{}, {}, {}, {}}}",
-                words[0], words[1], words[2], words[3]
-            ));
-            for v in k.unpack_halves(e, words) {
-                if layer {
-                    k.emit(format!("add.f32 {sum}, {sum}, {v}"));
-                } else {
-                    k.fma_into(sum, &v, &v);
+    }
+
+    /// The shared address of the row's element `col`.
+    fn shared_at(&self, k: &mut Kernel, col: &Reg) -> Reg {
+        let i = k.add_u32(&self.row_base, col);
+        k.mad_u32(&i, &self.n.elem.bytes(), &self.base)
+    }
+
+    /// Copies x's row from `source_base` into shared memory; returns the warp's sum of its
+    /// elements (LayerNorm, for the mean) or of their squares (RMSNorm).
+    fn copy(&self, k: &mut Kernel, x: Reg, source_base: Reg) -> Reg {
+        let (e, layer) = (self.n.elem, self.n.kind == NormKind::LayerNorm);
+        k.comment("prologue: copy the row to shared memory (sum for the mean, or squares)");
+        let sum = k.mov(RegClass::F32, &F32(0.0));
+        self.chunked(k, "norm_copy", PROLOGUE_UNROLL, &mut |k, at| {
+            let loaded: Vec<Vec<Reg>> = at
+                .iter()
+                .map(|(col, inside)| {
+                    let i = k.add_u32(&source_base, col);
+                    load_words(k, x, &i, e, &[*inside, *inside])
+                })
+                .collect();
+            for ((col, inside), words) in at.iter().zip(&loaded) {
+                let sa = self.shared_at(k, col);
+                k.emit(format!(
+                    "@{inside} st.shared.v4.b32 [{sa}], {{{}, {}, {}, {}}}",
+                    words[0], words[1], words[2], words[3]
+                ));
+                for v in k.unpack_halves(e, words) {
+                    if layer {
+                        k.emit(format!("add.f32 {sum}, {sum}, {v}"));
+                    } else {
+                        k.fma_into(sum, &v, &v);
+                    }
                 }
             }
-        }
-    });
-    let total = k.warp_sum(sum);
-    let (mean, sq_total) = if layer {
-        let mean = k.mul_f32(&total, &inv_cols);
+        });
+        k.warp_sum(sum)
+    }
+
+    /// The warp's sum of the squares of the row's elements less `mean`.
+    fn centred_squares(&self, k: &mut Kernel, mean: &Reg) -> Reg {
+        let e = self.n.elem;
         let sq = k.mov(RegClass::F32, &F32(0.0));
-        chunked(k, "norm_var", 1, &mut |k, at| {
+        self.chunked(k, "norm_var", 1, &mut |k, at| {
             let (col, _) = at[0];
-            let sa = shared_at(k, &col);
+            let sa = self.shared_at(k, &col);
             let words = k.ld_shared_words(sa);
             for v in k.unpack_halves(e, &words) {
-                let c = k.sub_f32(&v, &mean);
+                let c = k.sub_f32(&v, mean);
                 k.fma_into(sq, &c, &c);
             }
         });
-        (Some(mean), k.warp_sum(sq))
-    } else {
-        (None, total)
-    };
-    let rstd = crate::norm::reciprocal_rms(k, &sq_total, n);
-    k.comment("prologue: normalise, scale, shift in place");
-    chunked(k, "norm_write", 1, &mut |k, at| {
-        let (col, _) = at[0];
-        let sa = shared_at(k, &col);
-        let words = k.ld_shared_words(sa);
-        let values = k.unpack_halves(e, &words);
-        let wv = weight.map(|w| {
-            let wa = k.address(w, &col, e.bytes());
-            k.ld_global_vec16(e, wa)
+        k.warp_sum(sq)
+    }
+
+    /// The row normalised in place: `(x - mean) * rstd * weight + bias`, each part where given.
+    fn normalise(
+        &self,
+        k: &mut Kernel,
+        (mean, rstd): (Option<Reg>, Reg),
+        (weight, bias): (Option<Reg>, Option<Reg>),
+    ) {
+        let e = self.n.elem;
+        k.comment("prologue: normalise, scale, shift in place");
+        self.chunked(k, "norm_write", 1, &mut |k, at| {
+            let (col, _) = at[0];
+            let sa = self.shared_at(k, &col);
+            let words = k.ld_shared_words(sa);
+            let values = k.unpack_halves(e, &words);
+            let wv = weight.map(|w| {
+                let wa = k.address(w, &col, e.bytes());
+                k.ld_global_vec16(e, wa)
+            });
+            let bv = bias.map(|b| {
+                let ba = k.address(b, &col, e.bytes());
+                k.ld_global_vec16(e, ba)
+            });
+            let y: Vec<Reg> = values
+                .iter()
+                .enumerate()
+                .map(|(j, v)| {
+                    let c = match mean {
+                        Some(m) => k.sub_f32(v, &m),
+                        None => *v,
+                    };
+                    let mut y = k.mul_f32(&c, &rstd);
+                    if let Some(w) = &wv {
+                        y = k.mul_f32(&y, &w[j]);
+                    }
+                    if let Some(b) = &bv {
+                        y = k.add_f32(&y, &b[j]);
+                    }
+                    y
+                })
+                .collect();
+            let words = k.pack_halves(e, &y);
+            k.emit(format!(
+                "st.shared.v4.b32 [{sa}], {{{}, {}, {}, {}}}",
+                words[0], words[1], words[2], words[3]
+            ));
         });
-        let bv = bias.map(|b| {
-            let ba = k.address(b, &col, e.bytes());
-            k.ld_global_vec16(e, ba)
-        });
-        let y: Vec<Reg> = values
-            .iter()
-            .enumerate()
-            .map(|(j, v)| {
-                let c = match mean {
-                    Some(m) => k.sub_f32(v, &m),
-                    None => *v,
-                };
-                let mut y = k.mul_f32(&c, &rstd);
-                if let Some(w) = &wv {
-                    y = k.mul_f32(&y, &w[j]);
-                }
-                if let Some(b) = &bv {
-                    y = k.add_f32(&y, &b[j]);
-                }
-                y
-            })
-            .collect();
-        let words = k.pack_halves(e, &y);
-        k.emit(format!(
-            "st.shared.v4.b32 [{sa}], {{{}, {}, {}, {}}}",
-            words[0], words[1], words[2], words[3]
-        ));
-    });
-    k.place(&done);
-    k.barrier();
+    }
 }
 
 /// The 16 bytes at element `i` of the `[M, K]` rows in shared memory `rows` as four b32 words,
