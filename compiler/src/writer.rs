@@ -112,20 +112,54 @@ fn fill_artifact(
     timed("cpu", start);
     let start = std::time::Instant::now();
     let weights_digest = if src.with_weights {
-        let stage = progress.bytes(
-            "weights",
-            art.memory.weights.iter().map(|s| s.bytes()).sum(),
-        );
-        let digest =
-            crate::weights::write_weights(&dir.join(WEIGHTS), &src.model.checkpoint, &art, &|n| {
-                stage.inc(n)
-            })?;
-        Some(digest)
+        Some(write_weights(dir, src, &art, progress)?)
     } else {
         None
     };
     timed("weights", start);
-    // The checkpoint's tokenizer and generation settings, when it has them.
+    let files = Files {
+        kernels: kernel_files,
+        cpu: (cpu_library, cpu_sampler),
+        weights_digest: weights_digest.clone(),
+        checkpoint: copy_checkpoint_files(dir, src)?,
+    };
+    let manifest = manifest(src, &art, files, [prefill, decode, logits_chunks])?;
+    let text = ron::ser::to_string_pretty(&manifest, ron::ser::PrettyConfig::new())?;
+    std::fs::write(dir.join(artifact::MANIFEST), text)?;
+    write_checksums(dir, &manifest, weights_digest)?;
+    Ok(seconds)
+}
+
+/// The files an artifact's manifest names besides its buckets: the kernel modules, the CPU
+/// library and sampler, the weights' digest (when written) and the checkpoint's tokenizer,
+/// tokenizer settings and generation settings (when it has them).
+struct Files {
+    kernels: KernelFiles,
+    cpu: (Option<String>, Option<String>),
+    weights_digest: Option<String>,
+    checkpoint: [Option<String>; 3],
+}
+
+/// Writes the weights file; returns its digest.
+fn write_weights(
+    dir: &Path,
+    src: &ArtifactSource,
+    art: &crate::plan::ArtifactPlan,
+    progress: &Progress,
+) -> Result<String> {
+    let stage = progress.bytes(
+        "weights",
+        art.memory.weights.iter().map(|s| s.bytes()).sum(),
+    );
+    let checkpoint = &src.model.checkpoint;
+    let digest =
+        crate::weights::write_weights(&dir.join(WEIGHTS), checkpoint, art, &|n| stage.inc(n))?;
+    Ok(digest)
+}
+
+/// Copies the checkpoint's tokenizer, tokenizer settings and generation settings, those it has;
+/// returns their names.
+fn copy_checkpoint_files(dir: &Path, src: &ArtifactSource) -> Result<[Option<String>; 3]> {
     let copy = |file: &str| -> Result<Option<String>> {
         let from = src.model.checkpoint.dir().join(file);
         if !from.is_file() {
@@ -134,10 +168,29 @@ fn fill_artifact(
         std::fs::copy(&from, dir.join(file))?;
         Ok(Some(file.to_string()))
     };
-    let tokenizer = copy(TOKENIZER)?;
-    let tokenizer_config = copy("tokenizer_config.json")?;
-    let generation_config = copy("generation_config.json")?;
-    let manifest = artifact::Manifest {
+    Ok([
+        copy(TOKENIZER)?,
+        copy("tokenizer_config.json")?,
+        copy("generation_config.json")?,
+    ])
+}
+
+/// The manifest of the artifact planned as `art`, with its `files` and the entries of its
+/// prefill, decode and logits-chunk buckets.
+fn manifest(
+    src: &ArtifactSource,
+    art: &crate::plan::ArtifactPlan,
+    files: Files,
+    [prefill, decode, logits_chunks]: [Vec<artifact::BucketEntry>; 3],
+) -> Result<artifact::Manifest> {
+    let Files {
+        kernels: kernel_files,
+        cpu: (cpu_library, cpu_sampler),
+        weights_digest,
+        checkpoint: [tokenizer, tokenizer_config, generation_config],
+    } = files;
+    let compiled = src.compiled;
+    Ok(artifact::Manifest {
         format_version: artifact::FORMAT_VERSION,
         compiler_version: env!("CARGO_PKG_VERSION").to_string(),
         compiler_git: env!("KILN_GIT_HASH").to_string(),
@@ -178,11 +231,7 @@ fn fill_artifact(
         memory: art.memory.clone(),
         cpu_memory: art.cpu_memory.clone(),
         kernel_table: art.kernel_table(),
-    };
-    let text = ron::ser::to_string_pretty(&manifest, ron::ser::PrettyConfig::new())?;
-    std::fs::write(dir.join(artifact::MANIFEST), text)?;
-    write_checksums(dir, &manifest, weights_digest)?;
-    Ok(seconds)
+    })
 }
 
 /// Writes bucket `b`'s static graph under `buckets/` and returns its manifest entry, with the plan
