@@ -27,6 +27,150 @@ pub struct Artifact {
     pub weights: Option<WeightStore>,
 }
 
+/// An artifact folder and its checksums file: what [`Artifact::open`] reads through, each
+/// error naming the file it is about.
+struct Folder<'a> {
+    dir: &'a Path,
+    /// `(digest, file)` as listed.
+    sums: Vec<(String, String)>,
+}
+
+impl<'a> Folder<'a> {
+    /// `dir` with its checksums file read.
+    fn read(dir: &'a Path) -> Result<Folder<'a>, RuntimeError> {
+        let folder = Folder {
+            dir,
+            sums: Vec::new(),
+        };
+        let sums_bytes = std::fs::read(dir.join(artifact::CHECKSUMS))
+            .map_err(|e| folder.bad(artifact::CHECKSUMS, format!("cannot be read: {e}")))?;
+        let sums_text = String::from_utf8(sums_bytes).map_err(|_| {
+            folder.bad(
+                artifact::CHECKSUMS,
+                "is not text: the checksums file itself is corrupt".into(),
+            )
+        })?;
+        let sums = checksum::parse_checksums(&sums_text)
+            .map_err(|e| folder.bad(artifact::CHECKSUMS, e.to_string()))?;
+        Ok(Folder { dir, sums })
+    }
+
+    /// The error about `file` of the folder.
+    fn bad(&self, file: &str, message: String) -> RuntimeError {
+        RuntimeError::Artifact {
+            file: self.dir.join(file).display().to_string(),
+            message,
+        }
+    }
+
+    /// Whether the checksums list `file`.
+    fn listed(&self, file: &str) -> bool {
+        self.sums.iter().any(|(_, p)| p == file)
+    }
+
+    /// `file`'s text, once it is listed.
+    fn read_listed(&self, file: &str) -> Result<String, RuntimeError> {
+        let text = std::fs::read_to_string(self.dir.join(file))
+            .map_err(|e| self.bad(file, format!("cannot be read: {e}")))?;
+        if !self.listed(file) {
+            return Err(self.bad(file, "has no checksum".into()));
+        }
+        Ok(text)
+    }
+
+    /// Checks every listed file against its digest: every file at once, each streamed through
+    /// the hash (constant memory); the first failure in list order is the one reported.
+    fn verify(&self) -> Result<(), RuntimeError> {
+        let start = std::time::Instant::now();
+        let found: Vec<Result<String, std::io::Error>> = self
+            .sums
+            .par_iter()
+            .map(|(_, file)| checksum::digest_file(&self.dir.join(file)))
+            .collect();
+        for ((want, file), got) in self.sums.iter().zip(found) {
+            match got {
+                Ok(got) if got == *want => {}
+                Ok(_) => {
+                    return Err(self.bad(
+                        file,
+                        "does not match its checksum (corrupt or modified)".into(),
+                    ))
+                }
+                Err(e) => return Err(self.bad(file, format!("cannot be read: {e}"))),
+            }
+        }
+        tracing::info!(
+            seconds = start.elapsed().as_secs_f64(),
+            files = self.sums.len(),
+            "checksums verified"
+        );
+        Ok(())
+    }
+
+    /// The manifest, its format version read first, so that another format is named as such
+    /// rather than as malformed.
+    fn manifest(&self) -> Result<Manifest, RuntimeError> {
+        let text = self.read_listed(artifact::MANIFEST)?;
+        let bad = |message| self.bad(artifact::MANIFEST, message);
+        #[derive(serde::Deserialize)]
+        struct Version {
+            format_version: u32,
+        }
+        match ron::from_str::<Version>(&text) {
+            Ok(v) if v.format_version == FORMAT_VERSION => {}
+            Ok(v) => {
+                return Err(bad(format!(
+                    "has format version {}; this runtime reads version {FORMAT_VERSION}",
+                    v.format_version
+                )))
+            }
+            Err(e) => return Err(bad(format!("is malformed: {e}"))),
+        }
+        ron::from_str(&text).map_err(|e| bad(format!("is malformed: {e}")))
+    }
+
+    /// Every bucket's graph, by file.
+    fn graphs(&self, manifest: &Manifest) -> Result<BTreeMap<String, Graph>, RuntimeError> {
+        let mut graphs = BTreeMap::new();
+        for entry in manifest.buckets() {
+            if !self.listed(&entry.graph) {
+                return Err(self.bad(&entry.graph, "has no checksum".into()));
+            }
+            let text = std::fs::read_to_string(self.dir.join(&entry.graph))
+                .map_err(|e| self.bad(&entry.graph, format!("cannot be read: {e}")))?;
+            let graph =
+                Graph::from_ron(&text).map_err(|e| self.bad(&entry.graph, e.to_string()))?;
+            graphs.insert(entry.graph.clone(), graph);
+        }
+        Ok(graphs)
+    }
+
+    /// The weights file mapped, when the manifest names one: listed, with the digest the
+    /// manifest's plans were made for.
+    fn weights(&self, manifest: &Manifest) -> Result<Option<WeightStore>, RuntimeError> {
+        if let (Some(file), Some(want)) = (&manifest.weights, &manifest.weights_digest) {
+            if self.sums.iter().any(|(hash, p)| p == file && hash != want) {
+                return Err(self.bad(
+                    file,
+                    "is not the weights the manifest's plans were made for (its digest differs from the manifest's)".into(),
+                ));
+            }
+        }
+        match &manifest.weights {
+            Some(file) if self.listed(file) => {
+                let map = map_file(&self.dir.join(file))
+                    .map_err(|e| self.bad(file, e))?
+                    .ok_or_else(|| self.bad(file, "is empty".into()))?;
+                Ok(Some(
+                    WeightStore::from_map(map).map_err(|e| self.bad(file, e))?,
+                ))
+            }
+            Some(file) => Err(self.bad(file, "has no checksum".into())),
+            None => Ok(None),
+        }
+    }
+}
+
 impl Artifact {
     /// An error in bucket `entry`'s plan, naming the manifest.
     pub fn plan_error(&self, entry: &BucketEntry, message: String) -> RuntimeError {
@@ -42,114 +186,28 @@ impl Artifact {
 
     /// Opens and verifies `dir`.
     pub fn open(dir: &Path) -> Result<Artifact, RuntimeError> {
-        let bad = |file: &str, message: String| RuntimeError::Artifact {
-            file: dir.join(file).display().to_string(),
-            message,
-        };
         if !dir.is_dir() {
             return Err(RuntimeError::Artifact {
                 file: dir.display().to_string(),
                 message: "is not an artifact folder".into(),
             });
         }
-        let sums_bytes = std::fs::read(dir.join(artifact::CHECKSUMS))
-            .map_err(|e| bad(artifact::CHECKSUMS, format!("cannot be read: {e}")))?;
-        let sums_text = String::from_utf8(sums_bytes).map_err(|_| {
-            bad(
-                artifact::CHECKSUMS,
-                "is not text: the checksums file itself is corrupt".into(),
-            )
-        })?;
-        let sums = checksum::parse_checksums(&sums_text)
-            .map_err(|e| bad(artifact::CHECKSUMS, e.to_string()))?;
-        let start = std::time::Instant::now();
-        // Every file at once, each streamed through the hash (constant memory); the first
-        // failure in list order is the one reported.
-        let found: Vec<Result<String, std::io::Error>> = sums
-            .par_iter()
-            .map(|(_, file)| checksum::digest_file(&dir.join(file)))
-            .collect();
-        for ((want, file), got) in sums.iter().zip(found) {
-            match got {
-                Ok(got) if got == *want => {}
-                Ok(_) => {
-                    return Err(bad(
-                        file,
-                        "does not match its checksum (corrupt or modified)".into(),
-                    ))
-                }
-                Err(e) => return Err(bad(file, format!("cannot be read: {e}"))),
-            }
-        }
-        tracing::info!(
-            seconds = start.elapsed().as_secs_f64(),
-            files = sums.len(),
-            "checksums verified"
-        );
-        let listed = |f: &str| sums.iter().any(|(_, p)| p == f);
-        let text = std::fs::read_to_string(dir.join(artifact::MANIFEST))
-            .map_err(|e| bad(artifact::MANIFEST, format!("cannot be read: {e}")))?;
-        if !listed(artifact::MANIFEST) {
-            return Err(bad(artifact::MANIFEST, "has no checksum".into()));
-        }
-        // The version first, so that another format is named as such rather than as malformed.
-        #[derive(serde::Deserialize)]
-        struct Version {
-            format_version: u32,
-        }
-        match ron::from_str::<Version>(&text) {
-            Ok(v) if v.format_version == FORMAT_VERSION => {}
-            Ok(v) => {
-                return Err(bad(
-                    artifact::MANIFEST,
-                    format!(
-                        "has format version {}; this runtime reads version {FORMAT_VERSION}",
-                        v.format_version
-                    ),
-                ))
-            }
-            Err(e) => return Err(bad(artifact::MANIFEST, format!("is malformed: {e}"))),
-        }
-        let manifest: Manifest = ron::from_str(&text)
-            .map_err(|e| bad(artifact::MANIFEST, format!("is malformed: {e}")))?;
-        check_paging(&manifest).map_err(|e| bad(artifact::MANIFEST, e))?;
-        let mut graphs = BTreeMap::new();
-        for entry in manifest.buckets() {
-            if !listed(&entry.graph) {
-                return Err(bad(&entry.graph, "has no checksum".into()));
-            }
-            let text = std::fs::read_to_string(dir.join(&entry.graph))
-                .map_err(|e| bad(&entry.graph, format!("cannot be read: {e}")))?;
-            let graph = Graph::from_ron(&text).map_err(|e| bad(&entry.graph, e.to_string()))?;
-            graphs.insert(entry.graph.clone(), graph);
-        }
-        check_logits_chunks(&manifest, &graphs).map_err(|e| bad(artifact::MANIFEST, e))?;
+        let folder = Folder::read(dir)?;
+        folder.verify()?;
+        let manifest = folder.manifest()?;
+        let bad_manifest = |e| folder.bad(artifact::MANIFEST, e);
+        check_paging(&manifest).map_err(bad_manifest)?;
+        let graphs = folder.graphs(&manifest)?;
+        check_logits_chunks(&manifest, &graphs).map_err(bad_manifest)?;
         let extras = [
             &manifest.tokenizer,
             &manifest.tokenizer_config,
             &manifest.generation_config,
         ];
-        if let Some(file) = extras.into_iter().flatten().find(|f| !listed(f)) {
-            return Err(bad(file, "has no checksum".into()));
+        if let Some(file) = extras.into_iter().flatten().find(|f| !folder.listed(f)) {
+            return Err(folder.bad(file, "has no checksum".into()));
         }
-        if let (Some(file), Some(want)) = (&manifest.weights, &manifest.weights_digest) {
-            if sums.iter().any(|(hash, p)| p == file && hash != want) {
-                return Err(bad(
-                    file,
-                    "is not the weights the manifest's plans were made for (its digest differs from the manifest's)".into(),
-                ));
-            }
-        }
-        let weights = match &manifest.weights {
-            Some(file) if listed(file) => {
-                let map = map_file(&dir.join(file))
-                    .map_err(|e| bad(file, e))?
-                    .ok_or_else(|| bad(file, "is empty".into()))?;
-                Some(WeightStore::from_map(map).map_err(|e| bad(file, e))?)
-            }
-            Some(file) => return Err(bad(file, "has no checksum".into())),
-            None => None,
-        };
+        let weights = folder.weights(&manifest)?;
         Ok(Artifact {
             dir: dir.to_path_buf(),
             manifest,
