@@ -20,12 +20,21 @@ use crate::{Artifact, RuntimeError};
 /// The kernel ABI every generated function has.
 type KernelFn = unsafe extern "C" fn(*const u64, u64, u64);
 
+/// The library's functions the plans call, by symbol.
+type Functions = BTreeMap<String, KernelFn>;
+
+/// The CPU plans, by graph file.
+type Plans = BTreeMap<String, Arc<CpuPlan>>;
+
+/// The generated token sampler and its scratch row.
+type Sampler = (KernelFn, Vec<u64>);
+
 /// A loaded artifact on the CPU.
 pub struct CpuExecutor {
     /// Keeps the generated code mapped while the function pointers are used.
     _library: libloading::Library,
-    functions: BTreeMap<String, KernelFn>,
-    plans: BTreeMap<String, Arc<CpuPlan>>,
+    functions: Functions,
+    plans: Plans,
     memory: MemoryPlan,
     /// Address of the weights region: the memory-mapped file's data, or `_widened`.
     weights: u64,
@@ -41,7 +50,7 @@ pub struct CpuExecutor {
     /// `KILN_EAGER` set: seconds and calls per kernel (or `gemm MxNxK`), for profiling.
     profile: Option<BTreeMap<String, (u64, f64)>>,
     /// The generated token sampler (decoders) and its scratch row.
-    sampler: Option<(KernelFn, Vec<u64>)>,
+    sampler: Option<Sampler>,
     /// Seconds from the opened artifact to ready: library loaded, plans checked, weights
     /// widened (f16/bf16 builds), buffers allocated.
     pub load_seconds: f64,
@@ -58,107 +67,15 @@ impl CpuExecutor {
                 "the artifact has no CPU library (compiled with --target cuda, or no bucket has a CPU plan)".into(),
             )
         })?;
-        let here = cpu_library_name();
-        if *file != here {
-            return Err(RuntimeError::Artifact {
-                file: art.dir.join(file).display().to_string(),
-                message: format!("is built for another machine (this one loads {here})"),
-            });
-        }
-        #[cfg(target_arch = "x86_64")]
-        if !(std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma")
-            && std::arch::is_x86_feature_detected!("bmi2")
-            && std::arch::is_x86_feature_detected!("lzcnt"))
-        {
-            return Err(RuntimeError::Device(format!(
-                "{file} needs an x86-64-v3 CPU (AVX2, FMA, BMI2, LZCNT); this one lacks them"
-            )));
-        }
+        check_machine(art, file)?;
         // Half-precision builds run their CPU plans in f32 over a memory plan of their own,
         // with the weights widened once, here; otherwise weights are read in place.
         let memory = m.cpu_memory.clone().unwrap_or_else(|| m.memory.clone());
-        let (weights, widened) = match &m.cpu_memory {
-            Some(plan) => {
-                let store = art.weights.as_ref().ok_or_else(|| {
-                    RuntimeError::Device("the artifact was compiled with --no-weights".into())
-                })?;
-                let file = m.weights.as_deref().unwrap_or("weights.safetensors");
-                let words = store
-                    .widened(plan)
-                    .map_err(|message| RuntimeError::Artifact {
-                        file: art.dir.join(file).display().to_string(),
-                        message,
-                    })?;
-                (words.as_ptr() as u64, Some(words))
-            }
-            None => (art.weights_region()?.as_ptr() as u64, None),
-        };
-        // SAFETY: the library was written by `kiln compile` into this checksum-verified
-        // artifact; it has no initialisers and exports functions of the kernel ABI only.
-        let library = unsafe { libloading::Library::new(art.dir.join(file)) }.map_err(|e| {
-            RuntimeError::Artifact {
-                file: art.dir.join(file).display().to_string(),
-                message: format!("cannot be loaded: {e}"),
-            }
-        })?;
-        let mut plans = BTreeMap::new();
-        let mut functions = BTreeMap::new();
-        let mut product = 0usize;
-        for entry in m.buckets() {
-            let Some(plan) = entry.plan.as_ref().and_then(|p| p.cpu.as_ref()) else {
-                continue;
-            };
-            check_plan(art, entry, plan)?;
-            for step in &plan.steps {
-                let symbol = match &step.call {
-                    CpuCall::Kernel { symbol, .. } => Some(symbol),
-                    CpuCall::Gemm { m, n, epilogue, .. } => {
-                        if epilogue.is_some() {
-                            product = product.max((*m * *n) as usize);
-                        }
-                        epilogue.as_ref()
-                    }
-                };
-                if let Some(symbol) = symbol.filter(|s| !functions.contains_key(*s)) {
-                    // SAFETY: every exported symbol of the library has the kernel ABI.
-                    let f = unsafe { library.get::<KernelFn>(symbol.as_bytes()) }.map_err(|e| {
-                        RuntimeError::Artifact {
-                            file: art.dir.join(file).display().to_string(),
-                            message: format!("lacks the kernel `{symbol}`: {e}"),
-                        }
-                    })?;
-                    functions.insert(symbol.clone(), *f);
-                }
-            }
-            plans.insert(entry.graph.clone(), Arc::new(plan.clone()));
-        }
-        let sampler = match &m.cpu_sampler {
-            Some(symbol) if *symbol != kiln_ir::artifact::cpu_sampler_name(m.model.vocab_size) => {
-                return Err(RuntimeError::Artifact {
-                    file: art
-                        .dir
-                        .join(kiln_ir::artifact::MANIFEST)
-                        .display()
-                        .to_string(),
-                    message: format!(
-                        "names the sampler `{symbol}`, which is not the one for a vocabulary of {}",
-                        m.model.vocab_size
-                    ),
-                });
-            }
-            Some(symbol) => {
-                // SAFETY: every exported symbol of the library has the kernel ABI.
-                let f = unsafe { library.get::<KernelFn>(symbol.as_bytes()) }.map_err(|e| {
-                    RuntimeError::Artifact {
-                        file: art.dir.join(file).display().to_string(),
-                        message: format!("lacks the sampler `{symbol}`: {e}"),
-                    }
-                })?;
-                Some((*f, vec![0u64; m.model.vocab_size]))
-            }
-            None => None,
-        };
+        let (weights, widened) = cpu_weights(art)?;
+        let library = Library::open(art, file)?;
+        let (plans, functions, product) = library.plans()?;
+        let sampler = library.sampler()?;
+        let library = library.library;
         Ok(CpuExecutor {
             load_seconds: start.elapsed().as_secs_f64(),
             sampler,
@@ -433,6 +350,133 @@ fn parallel(f: KernelFn, args: &[u64], extent: u64) {
         // items `begin..end` of its parallel axis for its outputs, so chunks never overlap.
         unsafe { f(args_addr as *const u64, begin, end) };
     });
+}
+
+/// `Err` unless the artifact's CPU library `file` is this machine's kind (and, on x86-64, the
+/// CPU has what its code uses).
+fn check_machine(art: &Artifact, file: &str) -> Result<(), RuntimeError> {
+    let here = cpu_library_name();
+    if *file != here {
+        return Err(RuntimeError::Artifact {
+            file: art.dir.join(file).display().to_string(),
+            message: format!("is built for another machine (this one loads {here})"),
+        });
+    }
+    #[cfg(target_arch = "x86_64")]
+    if !(std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+        && std::arch::is_x86_feature_detected!("bmi2")
+        && std::arch::is_x86_feature_detected!("lzcnt"))
+    {
+        return Err(RuntimeError::Device(format!(
+            "{file} needs an x86-64-v3 CPU (AVX2, FMA, BMI2, LZCNT); this one lacks them"
+        )));
+    }
+    Ok(())
+}
+
+/// The address the CPU plans read weights at, and the widened words that hold them for a
+/// half-precision build (its own f32 memory plan); otherwise the weights region in place.
+fn cpu_weights(art: &Artifact) -> Result<(u64, Option<Vec<u64>>), RuntimeError> {
+    let m = &art.manifest;
+    let Some(plan) = &m.cpu_memory else {
+        return Ok((art.weights_region()?.as_ptr() as u64, None));
+    };
+    let store = art.weights.as_ref().ok_or_else(|| {
+        RuntimeError::Device("the artifact was compiled with --no-weights".into())
+    })?;
+    let file = m.weights.as_deref().unwrap_or("weights.safetensors");
+    let words = store
+        .widened(plan)
+        .map_err(|message| RuntimeError::Artifact {
+            file: art.dir.join(file).display().to_string(),
+            message,
+        })?;
+    Ok((words.as_ptr() as u64, Some(words)))
+}
+
+/// The artifact's CPU library, loaded: where its plans' kernels and sampler are looked up.
+struct Library<'a> {
+    art: &'a Artifact,
+    file: &'a str,
+    library: libloading::Library,
+}
+
+impl<'a> Library<'a> {
+    fn open(art: &'a Artifact, file: &'a str) -> Result<Library<'a>, RuntimeError> {
+        // SAFETY: the library was written by `kiln compile` into this checksum-verified
+        // artifact; it has no initialisers and exports functions of the kernel ABI only.
+        let library = unsafe { libloading::Library::new(art.dir.join(file)) }
+            .map_err(|e| Self::bad(art, file, format!("cannot be loaded: {e}")))?;
+        Ok(Library { art, file, library })
+    }
+
+    fn bad(art: &Artifact, file: &str, message: String) -> RuntimeError {
+        RuntimeError::Artifact {
+            file: art.dir.join(file).display().to_string(),
+            message,
+        }
+    }
+
+    /// The function `symbol` (`what` for the error: a kernel or the sampler).
+    fn function(&self, symbol: &str, what: &str) -> Result<KernelFn, RuntimeError> {
+        // SAFETY: every exported symbol of the library has the kernel ABI.
+        let f = unsafe { self.library.get::<KernelFn>(symbol.as_bytes()) }
+            .map_err(|e| Self::bad(self.art, self.file, format!("lacks the {what}: {e}")))?;
+        Ok(*f)
+    }
+
+    /// Every bucket's CPU plan, checked, by graph file; the kernels they call, by symbol; and
+    /// the most elements a product's result takes ahead of its epilogue.
+    fn plans(&self) -> Result<(Plans, Functions, usize), RuntimeError> {
+        let mut plans = BTreeMap::new();
+        let mut functions = BTreeMap::new();
+        let mut product = 0usize;
+        for entry in self.art.manifest.buckets() {
+            let Some(plan) = entry.plan.as_ref().and_then(|p| p.cpu.as_ref()) else {
+                continue;
+            };
+            check_plan(self.art, entry, plan)?;
+            for step in &plan.steps {
+                let symbol = match &step.call {
+                    CpuCall::Kernel { symbol, .. } => Some(symbol),
+                    CpuCall::Gemm { m, n, epilogue, .. } => {
+                        if epilogue.is_some() {
+                            product = product.max((*m * *n) as usize);
+                        }
+                        epilogue.as_ref()
+                    }
+                };
+                if let Some(symbol) = symbol.filter(|s| !functions.contains_key(*s)) {
+                    let f = self.function(symbol, &format!("kernel `{symbol}`"))?;
+                    functions.insert(symbol.clone(), f);
+                }
+            }
+            plans.insert(entry.graph.clone(), Arc::new(plan.clone()));
+        }
+        Ok((plans, functions, product))
+    }
+
+    /// The sampler the manifest names, with its scratch words: `Err` unless it is the one for
+    /// the model's vocabulary.
+    fn sampler(&self) -> Result<Option<Sampler>, RuntimeError> {
+        let m = &self.art.manifest;
+        let Some(symbol) = &m.cpu_sampler else {
+            return Ok(None);
+        };
+        if *symbol != kiln_ir::artifact::cpu_sampler_name(m.model.vocab_size) {
+            return Err(Self::bad(
+                self.art,
+                kiln_ir::artifact::MANIFEST,
+                format!(
+                    "names the sampler `{symbol}`, which is not the one for a vocabulary of {}",
+                    m.model.vocab_size
+                ),
+            ));
+        }
+        let f = self.function(symbol, &format!("sampler `{symbol}`"))?;
+        Ok(Some((f, vec![0u64; m.model.vocab_size])))
+    }
 }
 
 /// Checks a CPU plan against the memory plan before anything runs: every pointer argument lies
