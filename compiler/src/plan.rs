@@ -28,7 +28,7 @@ use kiln_kernels::paging::Paging;
 use crate::fold::{fold_weights, Folded};
 use crate::fusion::cost::is_view;
 use crate::lower::{
-    is_cache, lower, CpuKernel, CpuLaunch, KernelLaunch, Lowered, Operand, RopeTable,
+    is_cache, lower, CpuKernel, CpuLaunch, GraphLaunches, KernelLaunch, Lowered, Operand, RopeTable,
 };
 
 /// Why an artifact cannot be planned.
@@ -160,97 +160,10 @@ fn plan_graphs(graphs: &[&Graph], paging: Option<KvPaging>) -> Result<ArtifactPl
         lowered.push((graph, launches));
     }
 
-    // RoPE tables long enough for every position a bucket can see: a prefill bucket's
-    // positions are below its length (the last axis of its `[B, S]` inputs), a decode bucket's
-    // below its cache capacity.
-    let dim = |ty: &kiln_ir::TensorType, axis: usize| {
-        ty.shape
-            .get(axis)
-            .and_then(|d| d.as_const())
-            .map_or(0, |v| v.max(0) as usize)
-    };
-    let positions = graphs
-        .iter()
-        .flat_map(|g| g.nodes().map(|(_, n)| n))
-        .map(|n| match n.op {
-            Op::Input(_) if n.ty.rank() == 2 => dim(&n.ty, 1),
-            Op::CacheWrite => dim(&n.ty, 2),
-            _ => 0,
-        })
-        .max()
-        .unwrap_or(0)
-        .max(1);
-    let mut tables = BTreeMap::new();
-    for (_, launches) in &lowered {
-        for (_, node) in &launches.nodes {
-            for launch in &node.launches {
-                for (_, op) in &launch.args {
-                    if let Operand::Rope { table, sin } = op {
-                        tables
-                            .entry(table_name(table, *sin))
-                            .or_insert_with(|| rope_table(table, positions, *sin));
-                    }
-                }
-            }
-        }
-    }
-
-    // Weights region: every weight of every bucket, then the tables, in name order.
-    let mut entries: BTreeMap<String, (DType, Vec<usize>)> = BTreeMap::new();
-    for (graph, _) in &lowered {
-        for (_, name, ty) in graph.weights() {
-            entries.insert(name.to_string(), (ty.dtype, static_shape(ty, name)?));
-        }
-    }
-    for (name, t) in &tables {
-        entries.insert(name.clone(), (DType::F32, t.shape.clone()));
-    }
-    let list: Vec<(String, DType, Vec<usize>)> =
-        entries.into_iter().map(|(n, (d, s))| (n, d, s)).collect();
-    let weights = aligned_layout(&list, ALIGN);
-    let weights_bytes = weights.last().map_or(0, |s| s.offset + s.bytes());
-
-    // Cache region: one slot per `past_*` input, the largest shape any bucket declares.
-    let mut cache_shapes: BTreeMap<String, (DType, Vec<usize>)> = BTreeMap::new();
-    for (graph, _) in &lowered {
-        for (_, name, ty) in graph.inputs().filter(|(_, n, _)| is_cache(n)) {
-            let shape = static_shape(ty, name)?;
-            let slot = cache_shapes
-                .entry(name.to_string())
-                .or_insert((ty.dtype, shape.clone()));
-            if shape.iter().product::<usize>() > slot.1.iter().product::<usize>() {
-                slot.1 = shape;
-            }
-        }
-    }
-    let mut list: Vec<(String, DType, Vec<usize>)> = cache_shapes
-        .into_iter()
-        .map(|(n, (d, s))| (n, d, s))
-        .collect();
-    let cache_paging = match paging {
-        Some(p) if !list.is_empty() => Some(page_caches(&mut list, p)?),
-        _ => None,
-    };
-    let cache = aligned_layout(&list, ALIGN);
-    let mut cache_bytes = cache.last().map_or(0, |s| s.offset + s.bytes());
-    let cache_paging = cache_paging.map(|mut p| {
-        p.table = align(cache_bytes);
-        cache_bytes = p.table + p.table_bytes();
-        p
-    });
-
-    // Counters: every launch counts from offset 0 of one region, as large as the most any uses.
-    let counter_bytes = lowered
-        .iter()
-        .flat_map(|(_, launches)| &launches.nodes)
-        .flat_map(|(_, node)| &node.launches)
-        .flat_map(|launch| &launch.args)
-        .filter_map(|(_, op)| match op {
-            Operand::Counters(bytes) => Some(*bytes),
-            _ => None,
-        })
-        .max()
-        .unwrap_or(0);
+    let tables = rope_tables(graphs, &lowered);
+    let (weights, weights_bytes) = weights_region(&lowered, &tables)?;
+    let (cache, cache_bytes, cache_paging) = cache_region(&lowered, paging)?;
+    let counter_bytes = counter_bytes(&lowered);
     let mut memory = MemoryPlan {
         weights_bytes,
         weights,
@@ -291,6 +204,118 @@ fn plan_graphs(graphs: &[&Graph], paging: Option<KvPaging>) -> Result<ArtifactPl
         cpu_kernels,
         cpu_memory: None,
     })
+}
+
+/// The RoPE tables the lowered graphs' launches read, by name, each long enough for every
+/// position a bucket can see: a prefill bucket's positions are below its length (the last axis
+/// of its `[B, S]` inputs), a decode bucket's below its cache capacity.
+fn rope_tables(graphs: &[&Graph], lowered: &[(Graph, GraphLaunches)]) -> BTreeMap<String, Tensor> {
+    let dim = |ty: &kiln_ir::TensorType, axis: usize| {
+        ty.shape
+            .get(axis)
+            .and_then(|d| d.as_const())
+            .map_or(0, |v| v.max(0) as usize)
+    };
+    let positions = graphs
+        .iter()
+        .flat_map(|g| g.nodes().map(|(_, n)| n))
+        .map(|n| match n.op {
+            Op::Input(_) if n.ty.rank() == 2 => dim(&n.ty, 1),
+            Op::CacheWrite => dim(&n.ty, 2),
+            _ => 0,
+        })
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let mut tables = BTreeMap::new();
+    for (_, launches) in lowered {
+        for (_, node) in &launches.nodes {
+            for launch in &node.launches {
+                for (_, op) in &launch.args {
+                    if let Operand::Rope { table, sin } = op {
+                        tables
+                            .entry(table_name(table, *sin))
+                            .or_insert_with(|| rope_table(table, positions, *sin));
+                    }
+                }
+            }
+        }
+    }
+    tables
+}
+
+/// The weights region: every weight of every bucket, then the tables, in name order; and its
+/// bytes.
+fn weights_region(
+    lowered: &[(Graph, GraphLaunches)],
+    tables: &BTreeMap<String, Tensor>,
+) -> Result<(Vec<TensorSlot>, u64), PlanError> {
+    let mut entries: BTreeMap<String, (DType, Vec<usize>)> = BTreeMap::new();
+    for (graph, _) in lowered {
+        for (_, name, ty) in graph.weights() {
+            entries.insert(name.to_string(), (ty.dtype, static_shape(ty, name)?));
+        }
+    }
+    for (name, t) in tables {
+        entries.insert(name.clone(), (DType::F32, t.shape.clone()));
+    }
+    let list: Vec<(String, DType, Vec<usize>)> =
+        entries.into_iter().map(|(n, (d, s))| (n, d, s)).collect();
+    let weights = aligned_layout(&list, ALIGN);
+    let weights_bytes = weights.last().map_or(0, |s| s.offset + s.bytes());
+    Ok((weights, weights_bytes))
+}
+
+/// The cache region: one slot per `past_*` input, the largest shape any bucket declares, as
+/// pools of blocks with their table under `paging`; and its bytes.
+fn cache_region(
+    lowered: &[(Graph, GraphLaunches)],
+    paging: Option<KvPaging>,
+) -> Result<(Vec<TensorSlot>, u64, Option<CachePaging>), PlanError> {
+    let mut cache_shapes: BTreeMap<String, (DType, Vec<usize>)> = BTreeMap::new();
+    for (graph, _) in lowered {
+        for (_, name, ty) in graph.inputs().filter(|(_, n, _)| is_cache(n)) {
+            let shape = static_shape(ty, name)?;
+            let slot = cache_shapes
+                .entry(name.to_string())
+                .or_insert((ty.dtype, shape.clone()));
+            if shape.iter().product::<usize>() > slot.1.iter().product::<usize>() {
+                slot.1 = shape;
+            }
+        }
+    }
+    let mut list: Vec<(String, DType, Vec<usize>)> = cache_shapes
+        .into_iter()
+        .map(|(n, (d, s))| (n, d, s))
+        .collect();
+    let cache_paging = match paging {
+        Some(p) if !list.is_empty() => Some(page_caches(&mut list, p)?),
+        _ => None,
+    };
+    let cache = aligned_layout(&list, ALIGN);
+    let mut cache_bytes = cache.last().map_or(0, |s| s.offset + s.bytes());
+    let cache_paging = cache_paging.map(|mut p| {
+        p.table = align(cache_bytes);
+        cache_bytes = p.table + p.table_bytes();
+        p
+    });
+    Ok((cache, cache_bytes, cache_paging))
+}
+
+/// The counters region: every launch counts from offset 0 of one region, as large as the most
+/// any uses.
+fn counter_bytes(lowered: &[(Graph, GraphLaunches)]) -> u64 {
+    lowered
+        .iter()
+        .flat_map(|(_, launches)| &launches.nodes)
+        .flat_map(|(_, node)| &node.launches)
+        .flat_map(|launch| &launch.args)
+        .filter_map(|(_, op)| match op {
+            Operand::Counters(bytes) => Some(*bytes),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 /// Turns the cache slots `list` (`[rows, KVH, T, D]` each) into pools of `paging`'s blocks, and
