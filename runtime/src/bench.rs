@@ -11,7 +11,9 @@ use kiln_ir::inputs::TokenBatch;
 use kiln_ir::philox::{philox4x32_10, seed_key};
 use serde::Serialize;
 
-use crate::forward::{forward, logits_chunks, prefill_bucket, prepare, stream_chunks, streams};
+use crate::forward::{
+    forward, logits_chunks, prefill_bucket, prepare, stream_chunks, streams, Chunk,
+};
 use crate::generate::{generate_batch, Sampling};
 use crate::{Artifact, Executor, RuntimeError};
 
@@ -104,27 +106,7 @@ pub fn bench(
     exec: &mut Executor,
     opts: &BenchOptions,
 ) -> Result<BenchReport, RuntimeError> {
-    // A decoder's single sequences may be as long as the cache when logits chunks take them.
-    let chunked = opts.batch == 1 && !art.manifest.logits_chunks.is_empty();
-    let largest = match (chunked, art.manifest.max_context) {
-        (true, Some(context)) => context,
-        _ => art.longest_prefill(),
-    };
-    if opts.requests == 0 || opts.batch == 0 || opts.min_len == 0 || opts.min_len > opts.max_len {
-        return Err(RuntimeError::Request(
-            "bench needs --requests >= 1, --batch >= 1 and --lengths MIN..MAX with 1 <= MIN <= MAX"
-                .into(),
-        ));
-    }
-    if opts.max_len > largest {
-        return Err(RuntimeError::Request(format!(
-            "--lengths up to {} exceed the longest request the artifact takes ({largest} tokens)",
-            opts.max_len
-        )));
-    }
-    let vocab = art.manifest.model.vocab_size as u32;
-    let key = seed_key(opts.seed);
-    let span = (opts.max_len - opts.min_len + 1) as u32;
+    check_options(art, opts)?;
     let rss_before_kib = resident_kib();
     let gpu_before = gpu_used(exec)?;
     let mut latencies: BTreeMap<String, Vec<f64>> = BTreeMap::new();
@@ -132,19 +114,8 @@ pub fn bench(
     let (mut tokens, mut slots) = (0usize, 0usize);
     let start = Instant::now();
     for r in 0..opts.requests {
-        let draw = philox4x32_10([r as u32, 0, 0, 0], key);
-        let len = opts.min_len + (draw[0] % span) as usize;
-        let rows: Vec<Vec<i64>> = (0..opts.batch)
-            .map(|row| {
-                (0..len)
-                    .map(|t| {
-                        let w = philox4x32_10([r as u32, t as u32 + 1, row as u32, 0], key);
-                        i64::from(w[0] % vocab)
-                    })
-                    .collect()
-            })
-            .collect();
-        let batch = TokenBatch::unmasked(rows);
+        let batch = request(art, opts, r);
+        let len = batch.ids[0].len();
         let chunks = logits_chunks(art, &batch)?;
         let label = match &chunks {
             Some(chunks) => {
@@ -158,28 +129,7 @@ pub fn bench(
             }
         };
         tokens += opts.batch * len;
-        let t0 = Instant::now();
-        let streamed = chunks.as_deref().filter(|c| streams(exec, c));
-        match (&mut *exec, streamed) {
-            // A server hands the output bytes on: no conversion to host floats is timed.
-            (Executor::Cuda(c), Some(chunks)) => {
-                stream_chunks(art, c, &batch.ids[0], chunks)?;
-            }
-            (Executor::Cuda(c), None) if chunks.is_none() => {
-                let (bucket, inputs) = prepare(art, &batch)?;
-                if bucket.plan.as_ref().is_some_and(|p| p.host_tail.is_some()) {
-                    // Part of the bucket runs on the host: the whole request is timed.
-                    exec.run(art, bucket, &inputs)?;
-                } else {
-                    c.replay(&bucket.graph, &inputs)?;
-                }
-            }
-            // Elsewhere, and logits chunks that run part of their graph on the host.
-            (exec, _) => {
-                forward(art, exec, &batch)?;
-            }
-        }
-        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        let ms = timed_request(art, exec, &batch, chunks.as_deref())?;
         latencies.entry(label.clone()).or_default().push(ms);
         *replays.entry(label).or_default() += 1;
     }
@@ -187,19 +137,7 @@ pub fn bench(
     let rss_after_kib = resident_kib();
     let gpu_after = gpu_used(exec)?;
     let decode_ms_per_token = if opts.decode_tokens > 0 && art.manifest.model.decoder {
-        // `--batch` one-token prompts decoded together, then `decode_tokens` new tokens each:
-        // the first comes from the prompts' run, each other from one batched decode step, and
-        // only those steps are timed.
-        let vocab = art.manifest.model.vocab_size as i64;
-        let prompts: Vec<Vec<i64>> = (0..opts.batch as i64).map(|i| vec![i % vocab]).collect();
-        let t0 = Instant::now();
-        let greedy = Sampling::greedy();
-        let (_, steps) = generate_batch(art, exec, &prompts, opts.decode_tokens, &greedy)?;
-        Some(if opts.decode_tokens > 1 {
-            steps * 1e3 / (opts.decode_tokens - 1) as f64
-        } else {
-            t0.elapsed().as_secs_f64() * 1e3
-        })
+        Some(decode_ms_per_token(art, exec, opts)?)
     } else {
         None
     };
@@ -227,6 +165,101 @@ pub fn bench(
         rss_after_kib,
         decode_ms_per_token,
         decode_batch: opts.batch,
+    })
+}
+
+/// `Err` naming what is wrong with `opts` for `art`: no requests, rows or tokens, or lengths
+/// past the longest request it takes (a decoder's single sequences may be as long as the cache
+/// when logits chunks take them).
+fn check_options(art: &Artifact, opts: &BenchOptions) -> Result<(), RuntimeError> {
+    let chunked = opts.batch == 1 && !art.manifest.logits_chunks.is_empty();
+    let largest = match (chunked, art.manifest.max_context) {
+        (true, Some(context)) => context,
+        _ => art.longest_prefill(),
+    };
+    if opts.requests == 0 || opts.batch == 0 || opts.min_len == 0 || opts.min_len > opts.max_len {
+        return Err(RuntimeError::Request(
+            "bench needs --requests >= 1, --batch >= 1 and --lengths MIN..MAX with 1 <= MIN <= MAX"
+                .into(),
+        ));
+    }
+    if opts.max_len > largest {
+        return Err(RuntimeError::Request(format!(
+            "--lengths up to {} exceed the longest request the artifact takes ({largest} tokens)",
+            opts.max_len
+        )));
+    }
+    Ok(())
+}
+
+/// Request `r`'s rows: its length and token ids drawn from Philox under the seed's key.
+fn request(art: &Artifact, opts: &BenchOptions, r: usize) -> TokenBatch {
+    let vocab = art.manifest.model.vocab_size as u32;
+    let key = seed_key(opts.seed);
+    let span = (opts.max_len - opts.min_len + 1) as u32;
+    let draw = philox4x32_10([r as u32, 0, 0, 0], key);
+    let len = opts.min_len + (draw[0] % span) as usize;
+    let rows: Vec<Vec<i64>> = (0..opts.batch)
+        .map(|row| {
+            (0..len)
+                .map(|t| {
+                    let w = philox4x32_10([r as u32, t as u32 + 1, row as u32, 0], key);
+                    i64::from(w[0] % vocab)
+                })
+                .collect()
+        })
+        .collect();
+    TokenBatch::unmasked(rows)
+}
+
+/// Milliseconds `batch` takes on `exec`, through `chunks` when logits chunks take it.
+fn timed_request(
+    art: &Artifact,
+    exec: &mut Executor,
+    batch: &TokenBatch,
+    chunks: Option<&[Chunk]>,
+) -> Result<f64, RuntimeError> {
+    let t0 = Instant::now();
+    let streamed = chunks.filter(|c| streams(exec, c));
+    match (&mut *exec, streamed) {
+        // A server hands the output bytes on: no conversion to host floats is timed.
+        (Executor::Cuda(c), Some(chunks)) => {
+            stream_chunks(art, c, &batch.ids[0], chunks)?;
+        }
+        (Executor::Cuda(c), None) if chunks.is_none() => {
+            let (bucket, inputs) = prepare(art, batch)?;
+            if bucket.plan.as_ref().is_some_and(|p| p.host_tail.is_some()) {
+                // Part of the bucket runs on the host: the whole request is timed.
+                exec.run(art, bucket, &inputs)?;
+            } else {
+                c.replay(&bucket.graph, &inputs)?;
+            }
+        }
+        // Elsewhere, and logits chunks that run part of their graph on the host.
+        (exec, _) => {
+            forward(art, exec, batch)?;
+        }
+    }
+    Ok(t0.elapsed().as_secs_f64() * 1e3)
+}
+
+/// `--batch` one-token prompts decoded together, then `decode_tokens` new tokens each: the
+/// first comes from the prompts' run, each other from one batched decode step, and only those
+/// steps are timed (with one token, the whole run).
+fn decode_ms_per_token(
+    art: &Artifact,
+    exec: &mut Executor,
+    opts: &BenchOptions,
+) -> Result<f64, RuntimeError> {
+    let vocab = art.manifest.model.vocab_size as i64;
+    let prompts: Vec<Vec<i64>> = (0..opts.batch as i64).map(|i| vec![i % vocab]).collect();
+    let t0 = Instant::now();
+    let greedy = Sampling::greedy();
+    let (_, steps) = generate_batch(art, exec, &prompts, opts.decode_tokens, &greedy)?;
+    Ok(if opts.decode_tokens > 1 {
+        steps * 1e3 / (opts.decode_tokens - 1) as f64
+    } else {
+        t0.elapsed().as_secs_f64() * 1e3
     })
 }
 
