@@ -38,29 +38,18 @@ struct Folder<'a> {
 impl<'a> Folder<'a> {
     /// `dir` with its checksums file read.
     fn read(dir: &'a Path) -> Result<Folder<'a>, RuntimeError> {
-        let folder = Folder {
-            dir,
-            sums: Vec::new(),
-        };
+        let bad = |message| file_error(dir, artifact::CHECKSUMS, message);
         let sums_bytes = std::fs::read(dir.join(artifact::CHECKSUMS))
-            .map_err(|e| folder.bad(artifact::CHECKSUMS, format!("cannot be read: {e}")))?;
-        let sums_text = String::from_utf8(sums_bytes).map_err(|_| {
-            folder.bad(
-                artifact::CHECKSUMS,
-                "is not text: the checksums file itself is corrupt".into(),
-            )
-        })?;
-        let sums = checksum::parse_checksums(&sums_text)
-            .map_err(|e| folder.bad(artifact::CHECKSUMS, e.to_string()))?;
+            .map_err(|e| bad(format!("cannot be read: {e}")))?;
+        let sums_text = String::from_utf8(sums_bytes)
+            .map_err(|_| bad("is not text: the checksums file itself is corrupt".into()))?;
+        let sums = checksum::parse_checksums(&sums_text).map_err(|e| bad(e.to_string()))?;
         Ok(Folder { dir, sums })
     }
 
     /// The error about `file` of the folder.
     fn bad(&self, file: &str, message: String) -> RuntimeError {
-        RuntimeError::Artifact {
-            file: self.dir.join(file).display().to_string(),
-            message,
-        }
+        file_error(self.dir, file, message)
     }
 
     /// Whether the checksums list `file`.
@@ -171,17 +160,24 @@ impl<'a> Folder<'a> {
     }
 }
 
+/// The error about `file` of the artifact folder `dir`.
+fn file_error(dir: &Path, file: &str, message: String) -> RuntimeError {
+    RuntimeError::Artifact {
+        file: dir.join(file).display().to_string(),
+        message,
+    }
+}
+
 impl Artifact {
+    /// An error about the artifact's file `file`, naming it.
+    pub fn file_error(&self, file: &str, message: String) -> RuntimeError {
+        file_error(&self.dir, file, message)
+    }
+
     /// An error in bucket `entry`'s plan, naming the manifest.
     pub fn plan_error(&self, entry: &BucketEntry, message: String) -> RuntimeError {
-        RuntimeError::Artifact {
-            file: self
-                .dir
-                .join(kiln_ir::artifact::MANIFEST)
-                .display()
-                .to_string(),
-            message: format!("bucket {}: {message}", entry.graph),
-        }
+        let message = format!("bucket {}: {message}", entry.graph);
+        self.file_error(kiln_ir::artifact::MANIFEST, message)
     }
 
     /// Opens and verifies `dir`.
@@ -238,10 +234,7 @@ impl Artifact {
             .unwrap_or("weights.safetensors");
         weights
             .region(&self.manifest.memory)
-            .map_err(|message| RuntimeError::Artifact {
-                file: self.dir.join(file).display().to_string(),
-                message,
-            })
+            .map_err(|message| self.file_error(file, message))
     }
 
     /// The sequence length of the largest prefill bucket (0 when there is none).

@@ -357,10 +357,8 @@ fn parallel(f: KernelFn, args: &[u64], extent: u64) {
 fn check_machine(art: &Artifact, file: &str) -> Result<(), RuntimeError> {
     let here = cpu_library_name();
     if *file != here {
-        return Err(RuntimeError::Artifact {
-            file: art.dir.join(file).display().to_string(),
-            message: format!("is built for another machine (this one loads {here})"),
-        });
+        let message = format!("is built for another machine (this one loads {here})");
+        return Err(art.file_error(file, message));
     }
     #[cfg(target_arch = "x86_64")]
     if !(std::arch::is_x86_feature_detected!("avx2")
@@ -388,10 +386,7 @@ fn cpu_weights(art: &Artifact) -> Result<(u64, Option<Vec<u64>>), RuntimeError> 
     let file = m.weights.as_deref().unwrap_or("weights.safetensors");
     let words = store
         .widened(plan)
-        .map_err(|message| RuntimeError::Artifact {
-            file: art.dir.join(file).display().to_string(),
-            message,
-        })?;
+        .map_err(|message| art.file_error(file, message))?;
     Ok((words.as_ptr() as u64, Some(words)))
 }
 
@@ -407,22 +402,17 @@ impl<'a> Library<'a> {
         // SAFETY: the library was written by `kiln compile` into this checksum-verified
         // artifact; it has no initialisers and exports functions of the kernel ABI only.
         let library = unsafe { libloading::Library::new(art.dir.join(file)) }
-            .map_err(|e| Self::bad(art, file, format!("cannot be loaded: {e}")))?;
+            .map_err(|e| art.file_error(file, format!("cannot be loaded: {e}")))?;
         Ok(Library { art, file, library })
-    }
-
-    fn bad(art: &Artifact, file: &str, message: String) -> RuntimeError {
-        RuntimeError::Artifact {
-            file: art.dir.join(file).display().to_string(),
-            message,
-        }
     }
 
     /// The function `symbol` (`what` for the error: a kernel or the sampler).
     fn function(&self, symbol: &str, what: &str) -> Result<KernelFn, RuntimeError> {
         // SAFETY: every exported symbol of the library has the kernel ABI.
-        let f = unsafe { self.library.get::<KernelFn>(symbol.as_bytes()) }
-            .map_err(|e| Self::bad(self.art, self.file, format!("lacks the {what}: {e}")))?;
+        let f = unsafe { self.library.get::<KernelFn>(symbol.as_bytes()) }.map_err(|e| {
+            self.art
+                .file_error(self.file, format!("lacks the {what}: {e}"))
+        })?;
         Ok(*f)
     }
 
@@ -465,8 +455,7 @@ impl<'a> Library<'a> {
             return Ok(None);
         };
         if *symbol != kiln_ir::artifact::cpu_sampler_name(m.model.vocab_size) {
-            return Err(Self::bad(
-                self.art,
+            return Err(self.art.file_error(
                 kiln_ir::artifact::MANIFEST,
                 format!(
                     "names the sampler `{symbol}`, which is not the one for a vocabulary of {}",

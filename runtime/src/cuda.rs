@@ -291,6 +291,8 @@ struct Loaded<'a> {
     stream: &'a Arc<CudaStream>,
     functions: &'a Kernels,
     addresses: &'a Addresses,
+    /// The arena's offset in the allocation.
+    arena: u64,
     /// When loading started (for the log).
     start: Instant,
 }
@@ -309,7 +311,7 @@ impl Loaded<'_> {
         let mut graphs = BTreeMap::new();
         for (entry, plan) in buckets {
             let _range = nvtx::range!("kiln capture {}", bucket_name(&entry.graph));
-            let graph = self.warm_and_capture(memory, m, (entry, plan), counts)?;
+            let graph = self.warm_and_capture(memory, (entry, plan), counts)?;
             let logits = plan.outputs.iter().find(|s| s.name == LOGITS);
             if let (Some(ring), Some(slot)) = (ring.as_deref_mut(), logits) {
                 if m.logits_chunks.contains(entry) {
@@ -336,13 +338,11 @@ impl Loaded<'_> {
     fn warm_and_capture(
         &self,
         memory: &mut CudaSlice<u8>,
-        m: &Manifest,
         (entry, plan): (&BucketEntry, &ExecPlan),
         counts: &mut DriverCounts,
     ) -> Result<CudaGraph, RuntimeError> {
-        let arena = m.memory.base(Region::Arena);
         for slot in &plan.inputs {
-            let at = (arena + slot.offset) as usize;
+            let at = (self.arena + slot.offset) as usize;
             self.stream
                 .memset_zeros(&mut memory.slice_mut(at..at + slot.bytes() as usize))
                 .map_err(dev)?;
@@ -769,6 +769,7 @@ impl CudaExecutor {
             stream: &stream,
             functions: &functions,
             addresses: &addresses,
+            arena: m.memory.base(Region::Arena),
             start,
         };
         let graphs = loaded.capture_all(&mut memory, m, &buckets, ring.as_mut(), &mut counts)?;
