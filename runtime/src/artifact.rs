@@ -122,11 +122,7 @@ impl<'a> Folder<'a> {
     fn graphs(&self, manifest: &Manifest) -> Result<BTreeMap<String, Graph>, RuntimeError> {
         let mut graphs = BTreeMap::new();
         for entry in manifest.buckets() {
-            if !self.listed(&entry.graph) {
-                return Err(self.bad(&entry.graph, "has no checksum".into()));
-            }
-            let text = std::fs::read_to_string(self.dir.join(&entry.graph))
-                .map_err(|e| self.bad(&entry.graph, format!("cannot be read: {e}")))?;
+            let text = self.read_listed(&entry.graph)?;
             let graph =
                 Graph::from_ron(&text).map_err(|e| self.bad(&entry.graph, e.to_string()))?;
             graphs.insert(entry.graph.clone(), graph);

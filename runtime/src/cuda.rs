@@ -435,10 +435,7 @@ pub fn cubin_sm(bytes: &[u8]) -> Option<u32> {
 /// is refused, naming the file.
 pub fn choose_image(art: &Artifact, sm: u32) -> Result<KernelImage, RuntimeError> {
     let m = &art.manifest;
-    let bad = |file: &str, message: String| RuntimeError::Artifact {
-        file: art.dir.join(file).display().to_string(),
-        message,
-    };
+    let bad = |file: &str, message: String| art.file_error(file, message);
     match &m.kernels_cubin {
         Some(file) => {
             let bytes = std::fs::read(art.dir.join(file))
@@ -485,27 +482,20 @@ pub fn choose_sm90a_image(art: &Artifact, sm: u32) -> Result<Option<KernelImage>
         return Ok(None);
     }
     let read = |file: &str| {
-        std::fs::read(art.dir.join(file)).map_err(|e| RuntimeError::Artifact {
-            file: art.dir.join(file).display().to_string(),
-            message: format!("cannot be read: {e}"),
-        })
+        std::fs::read(art.dir.join(file))
+            .map_err(|e| art.file_error(file, format!("cannot be read: {e}")))
     };
     if let Some(file) = &m.kernels_sm90a_cubin {
         let bytes = read(file)?;
         if cubin_sm(&bytes) != Some(90) {
-            return Err(RuntimeError::Artifact {
-                file: art.dir.join(file).display().to_string(),
-                message: "is not an sm_90a cubin".into(),
-            });
+            return Err(art.file_error(file, "is not an sm_90a cubin".into()));
         }
         return Ok(Some(KernelImage::Cubin(bytes)));
     }
     match &m.kernels_sm90a_ptx {
         Some(file) => {
-            let text = String::from_utf8(read(file)?).map_err(|_| RuntimeError::Artifact {
-                file: art.dir.join(file).display().to_string(),
-                message: "is not UTF-8 text".into(),
-            })?;
+            let text = String::from_utf8(read(file)?)
+                .map_err(|_| art.file_error(file, "is not UTF-8 text".into()))?;
             Ok(Some(KernelImage::Ptx(text)))
         }
         None => Ok(None),

@@ -346,9 +346,11 @@ fn host_tail(
         let t = outputs
             .get(name)
             .or_else(|| inputs.get(name))
-            .ok_or_else(|| RuntimeError::Artifact {
-                file: entry.graph.clone(),
-                message: format!("the host tail reads `{name}`, which nothing provides"),
+            .ok_or_else(|| {
+                art.plan_error(
+                    entry,
+                    format!("the host tail reads `{name}`, which nothing provides"),
+                )
             })?;
         tail_inputs.insert(name.to_string(), t.clone());
     }

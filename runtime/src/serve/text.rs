@@ -106,12 +106,9 @@ fn read_json(art: &Artifact, file: Option<&str>) -> Result<Option<Value>, Runtim
     let Some(file) = file else {
         return Ok(None);
     };
-    let path = art.dir.join(file);
-    let bad = |message: String| RuntimeError::Artifact {
-        file: path.display().to_string(),
-        message,
-    };
-    let text = std::fs::read_to_string(&path).map_err(|e| bad(format!("cannot be read: {e}")))?;
+    let bad = |message: String| art.file_error(file, message);
+    let text = std::fs::read_to_string(art.dir.join(file))
+        .map_err(|e| bad(format!("cannot be read: {e}")))?;
     serde_json::from_str(&text)
         .map(Some)
         .map_err(|e| bad(format!("is not JSON: {e}")))
