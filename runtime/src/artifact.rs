@@ -39,8 +39,7 @@ impl<'a> Folder<'a> {
     /// `dir` with its checksums file read.
     fn read(dir: &'a Path) -> Result<Folder<'a>, RuntimeError> {
         let bad = |message| file_error(dir, artifact::CHECKSUMS, message);
-        let sums_bytes = std::fs::read(dir.join(artifact::CHECKSUMS))
-            .map_err(|e| bad(format!("cannot be read: {e}")))?;
+        let sums_bytes = read_bytes(dir, artifact::CHECKSUMS)?;
         let sums_text = String::from_utf8(sums_bytes)
             .map_err(|_| bad("is not text: the checksums file itself is corrupt".into()))?;
         let sums = checksum::parse_checksums(&sums_text).map_err(|e| bad(e.to_string()))?;
@@ -59,8 +58,7 @@ impl<'a> Folder<'a> {
 
     /// `file`'s text, once it is listed.
     fn read_listed(&self, file: &str) -> Result<String, RuntimeError> {
-        let text = std::fs::read_to_string(self.dir.join(file))
-            .map_err(|e| self.bad(file, format!("cannot be read: {e}")))?;
+        let text = read_text(self.dir, file)?;
         if !self.listed(file) {
             return Err(self.bad(file, "has no checksum".into()));
         }
@@ -164,10 +162,37 @@ fn file_error(dir: &Path, file: &str, message: String) -> RuntimeError {
     }
 }
 
+/// The bytes of `file` of the artifact folder `dir`.
+fn read_bytes(dir: &Path, file: &str) -> Result<Vec<u8>, RuntimeError> {
+    std::fs::read(dir.join(file)).map_err(|e| file_error(dir, file, format!("cannot be read: {e}")))
+}
+
+/// The text of `file` of the artifact folder `dir`.
+fn read_text(dir: &Path, file: &str) -> Result<String, RuntimeError> {
+    std::fs::read_to_string(dir.join(file))
+        .map_err(|e| file_error(dir, file, format!("cannot be read: {e}")))
+}
+
 impl Artifact {
     /// An error about the artifact's file `file`, naming it.
     pub fn file_error(&self, file: &str, message: String) -> RuntimeError {
         file_error(&self.dir, file, message)
+    }
+
+    /// The bytes of the artifact's file `file`; the error names it.
+    pub fn read_bytes(&self, file: &str) -> Result<Vec<u8>, RuntimeError> {
+        read_bytes(&self.dir, file)
+    }
+
+    /// The text of the artifact's file `file`; the error names it.
+    pub fn read_text(&self, file: &str) -> Result<String, RuntimeError> {
+        read_text(&self.dir, file)
+    }
+
+    /// An error about the weights file, naming it.
+    pub fn weights_error(&self, message: String) -> RuntimeError {
+        let file = self.manifest.weights.as_deref();
+        self.file_error(file.unwrap_or("weights.safetensors"), message)
     }
 
     /// An error in bucket `entry`'s plan, naming the manifest.
@@ -223,14 +248,9 @@ impl Artifact {
         let weights = self.weights.as_ref().ok_or_else(|| {
             RuntimeError::Request("the artifact was compiled with --no-weights".into())
         })?;
-        let file = self
-            .manifest
-            .weights
-            .as_deref()
-            .unwrap_or("weights.safetensors");
         weights
             .region(&self.manifest.memory)
-            .map_err(|message| self.file_error(file, message))
+            .map_err(|message| self.weights_error(message))
     }
 
     /// The sequence length of the largest prefill bucket (0 when there is none).

@@ -383,10 +383,9 @@ fn cpu_weights(art: &Artifact) -> Result<(u64, Option<Vec<u64>>), RuntimeError> 
     let store = art.weights.as_ref().ok_or_else(|| {
         RuntimeError::Device("the artifact was compiled with --no-weights".into())
     })?;
-    let file = m.weights.as_deref().unwrap_or("weights.safetensors");
     let words = store
         .widened(plan)
-        .map_err(|message| art.file_error(file, message))?;
+        .map_err(|message| art.weights_error(message))?;
     Ok((words.as_ptr() as u64, Some(words)))
 }
 

@@ -438,8 +438,7 @@ pub fn choose_image(art: &Artifact, sm: u32) -> Result<KernelImage, RuntimeError
     let bad = |file: &str, message: String| art.file_error(file, message);
     match &m.kernels_cubin {
         Some(file) => {
-            let bytes = std::fs::read(art.dir.join(file))
-                .map_err(|e| bad(file, format!("cannot be read: {e}")))?;
+            let bytes = art.read_bytes(file)?;
             let built = cubin_sm(&bytes)
                 .ok_or_else(|| bad(file, "is not a CUDA cubin (ELF ABI 8+)".into()))?;
             if !m.targets.contains(&built) {
@@ -465,9 +464,7 @@ pub fn choose_image(art: &Artifact, sm: u32) -> Result<KernelImage, RuntimeError
                     "the artifact has no GPU kernels (compiled with --target cpu)".into(),
                 )
             })?;
-            let text = std::fs::read_to_string(art.dir.join(file))
-                .map_err(|e| bad(file, format!("cannot be read: {e}")))?;
-            Ok(KernelImage::Ptx(text))
+            Ok(KernelImage::Ptx(art.read_text(file)?))
         }
     }
 }
@@ -481,12 +478,8 @@ pub fn choose_sm90a_image(art: &Artifact, sm: u32) -> Result<Option<KernelImage>
     if sm != 90 || disabled {
         return Ok(None);
     }
-    let read = |file: &str| {
-        std::fs::read(art.dir.join(file))
-            .map_err(|e| art.file_error(file, format!("cannot be read: {e}")))
-    };
     if let Some(file) = &m.kernels_sm90a_cubin {
-        let bytes = read(file)?;
+        let bytes = art.read_bytes(file)?;
         if cubin_sm(&bytes) != Some(90) {
             return Err(art.file_error(file, "is not an sm_90a cubin".into()));
         }
@@ -494,7 +487,7 @@ pub fn choose_sm90a_image(art: &Artifact, sm: u32) -> Result<Option<KernelImage>
     }
     match &m.kernels_sm90a_ptx {
         Some(file) => {
-            let text = String::from_utf8(read(file)?)
+            let text = String::from_utf8(art.read_bytes(file)?)
                 .map_err(|_| art.file_error(file, "is not UTF-8 text".into()))?;
             Ok(Some(KernelImage::Ptx(text)))
         }

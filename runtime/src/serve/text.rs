@@ -106,12 +106,10 @@ fn read_json(art: &Artifact, file: Option<&str>) -> Result<Option<Value>, Runtim
     let Some(file) = file else {
         return Ok(None);
     };
-    let bad = |message: String| art.file_error(file, message);
-    let text = std::fs::read_to_string(art.dir.join(file))
-        .map_err(|e| bad(format!("cannot be read: {e}")))?;
+    let text = art.read_text(file)?;
     serde_json::from_str(&text)
         .map(Some)
-        .map_err(|e| bad(format!("is not JSON: {e}")))
+        .map_err(|e| art.file_error(file, format!("is not JSON: {e}")))
 }
 
 /// A sequence's text as its tokens arrive: each [`Detokenizer::push`] gives the text that is
