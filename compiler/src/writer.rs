@@ -153,7 +153,9 @@ fn write_weights(
     );
     let checkpoint = &src.model.checkpoint;
     let digest =
-        crate::weights::write_weights(&dir.join(WEIGHTS), checkpoint, art, &|n| stage.inc(n))?;
+        crate::weights::write_weights(&dir.join(artifact::WEIGHTS), checkpoint, art, &|n| {
+            stage.inc(n)
+        })?;
     Ok(digest)
 }
 
@@ -207,7 +209,9 @@ fn manifest(
                 .collect(),
         ),
         dtype: src.dtype,
-        weights: weights_digest.as_ref().map(|_| WEIGHTS.to_string()),
+        weights: weights_digest
+            .as_ref()
+            .map(|_| artifact::WEIGHTS.to_string()),
         tokenizer,
         tokenizer_config,
         generation_config,
@@ -290,7 +294,6 @@ fn write_checksums(
     Ok(())
 }
 
-const WEIGHTS: &str = "weights.safetensors";
 const TOKENIZER: &str = "tokenizer.json";
 
 /// The kernel files of an artifact: each image's PTX module and, when ptxas was found, its cubin.

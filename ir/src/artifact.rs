@@ -39,6 +39,8 @@ pub const ALIGN: u64 = 256;
 pub const LOGITS: &str = "logits";
 /// The manifest's file name.
 pub const MANIFEST: &str = "manifest.ron";
+/// The weights file's name (the manifest names it: absent under `--no-weights`).
+pub const WEIGHTS: &str = "weights.safetensors";
 pub use crate::checksum::CHECKSUMS;
 
 /// What an artifact holds.

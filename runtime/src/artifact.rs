@@ -192,7 +192,7 @@ impl Artifact {
     /// An error about the weights file, naming it.
     pub fn weights_error(&self, message: String) -> RuntimeError {
         let file = self.manifest.weights.as_deref();
-        self.file_error(file.unwrap_or("weights.safetensors"), message)
+        self.file_error(file.unwrap_or(artifact::WEIGHTS), message)
     }
 
     /// An error in bucket `entry`'s plan, naming the manifest.
