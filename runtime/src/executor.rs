@@ -75,6 +75,15 @@ impl Executor {
         Ok(Executor::Cpu(Box::new(cpu)))
     }
 
+    /// The first logits chunk's size the CUDA executor chose at load
+    /// ([`crate::forward::time_first_chunk`]); `None` elsewhere.
+    pub fn first_logits_chunk(&self) -> Option<usize> {
+        match self {
+            Executor::Cuda(c) => c.first_logits_chunk(),
+            _ => None,
+        }
+    }
+
     /// What runs requests, in words.
     pub fn describe(&self) -> String {
         match self {

@@ -24,7 +24,7 @@ pub fn forward(
     exec: &mut Executor,
     batch: &TokenBatch,
 ) -> Result<BTreeMap<String, Tensor>, RuntimeError> {
-    if let Some(chunks) = logits_chunks(art, batch)? {
+    if let Some(chunks) = logits_chunks(art, batch, exec.first_logits_chunk())? {
         let logits = run_chunks(art, exec, &batch.ids[0], &chunks)?;
         return Ok(BTreeMap::from([(LOGITS.to_string(), logits)]));
     }
@@ -145,19 +145,21 @@ pub struct Chunk<'a> {
     pub len: usize,
 }
 
-/// How `batch` runs through the artifact's logits chunks (chunks of the largest size, then the
-/// smallest that holds the rest), or `None` when it takes a prefill bucket: only a decoder's
-/// single unpadded sequence, no longer than the KV cache, that is longer than the largest logits
-/// chunk or that no prefill bucket holds, takes them, validated (a request that takes a bucket is
-/// validated when it is padded to it, [`prepare`]).
+/// How `batch` runs through the artifact's logits chunks, or `None` when it takes a prefill
+/// bucket: only a decoder's single unpadded sequence, no longer than the KV cache, that is longer
+/// than the largest logits chunk or that no prefill bucket holds, takes them, validated (a
+/// request that takes a bucket is validated when it is padded to it, [`prepare`]). The chunks
+/// are [`chunk_sizes`]'s, `first` the executor's choice of a first chunk
+/// ([`Executor::first_logits_chunk`]).
 pub fn logits_chunks<'a>(
     art: &'a Artifact,
     batch: &TokenBatch,
+    first: Option<usize>,
 ) -> Result<Option<Vec<Chunk<'a>>>, RuntimeError> {
     let m = &art.manifest;
-    let mut sizes: Vec<&BucketEntry> = m.logits_chunks.iter().collect();
-    sizes.sort_by_key(|e| e.seq);
-    let (Some(&largest), Some(context)) = (sizes.last(), m.max_context) else {
+    let (Some(largest), Some(context)) =
+        (m.logits_chunks.iter().map(|e| e.seq).max(), m.max_context)
+    else {
         return Ok(None);
     };
     let padded = |mask: &Vec<Vec<i64>>| mask.iter().flatten().any(|&v| v != 1);
@@ -173,24 +175,58 @@ pub fn logits_chunks<'a>(
             art.longest_prefill()
         )));
     }
-    if len > context || (len <= largest.seq && bucket) {
+    if len > context || (len <= largest && bucket) {
         return Ok(None);
     }
     model_inputs(&m.model.contract(), batch).map_err(RuntimeError::Request)?;
-    let mut chunks = Vec::new();
+    Ok(Some(chunks_of(art, len, first)))
+}
+
+/// `len` tokens as chunks of `art`'s logits chunk buckets ([`chunk_sizes`]).
+fn chunks_of(art: &Artifact, len: usize, first: Option<usize>) -> Vec<Chunk<'_>> {
+    let entries = &art.manifest.logits_chunks;
+    let sizes: Vec<usize> = entries.iter().map(|e| e.seq).collect();
     let mut start = 0;
-    while start < len {
-        let left = len - start;
-        let entry = *sizes.iter().find(|e| e.seq >= left).unwrap_or(&largest);
-        let take = left.min(entry.seq);
-        chunks.push(Chunk {
-            entry,
-            start,
-            len: take,
-        });
-        start += take;
+    chunk_sizes(&sizes, len, first)
+        .into_iter()
+        .map(|(seq, take)| {
+            let entry = entries.iter().find(|e| e.seq == seq).expect("one of sizes");
+            let chunk = Chunk {
+                entry,
+                start,
+                len: take,
+            };
+            start += take;
+            chunk
+        })
+        .collect()
+}
+
+/// How `len` tokens split over chunks of `sizes` (not empty): each chunk's size and the tokens it
+/// takes. Chunks of the largest size, then the smallest that holds the rest; when `first` is one
+/// of the sizes and more tokens than it and than the largest size are left, the first chunk
+/// takes that size instead. A smaller first chunk starts the first copy to the host sooner,
+/// which shortens a prompt whose logits take longer to copy than to compute.
+pub fn chunk_sizes(sizes: &[usize], len: usize, first: Option<usize>) -> Vec<(usize, usize)> {
+    let largest = sizes.iter().copied().max().unwrap_or(0);
+    let mut chunks = Vec::new();
+    let mut left = len;
+    if let Some(a) = first.filter(|a| sizes.contains(a) && *a < len && len > largest) {
+        chunks.push((a, a));
+        left -= a;
     }
-    Ok(Some(chunks))
+    while left > 0 {
+        let seq = sizes
+            .iter()
+            .copied()
+            .filter(|&s| s >= left)
+            .min()
+            .unwrap_or(largest);
+        let take = left.min(seq);
+        chunks.push((seq, take));
+        left -= take;
+    }
+    chunks
 }
 
 /// Runs `tokens` through `chunks` (from [`logits_chunks`]) on `exec` and returns their logits,
@@ -257,6 +293,45 @@ pub fn stream_chunks<'e>(
     cuda.replay_logits_chunks(&runs)
 }
 
+/// The first logits chunk that streams a long prompt soonest on `cuda` ([`chunk_sizes`]'s
+/// `first`), timed: a prompt of the whole context (at most four of the largest chunks) streamed
+/// once to warm up, then once with each size first; a smaller first chunk is taken only when it
+/// is at least 2% faster than the largest. `None` when the artifact has one chunk size, or its
+/// chunks do not stream or did not load.
+pub fn time_first_chunk(
+    art: &Artifact,
+    cuda: &mut CudaExecutor,
+) -> Result<Option<usize>, RuntimeError> {
+    let m = &art.manifest;
+    let mut sizes: Vec<usize> = m.logits_chunks.iter().map(|e| e.seq).collect();
+    sizes.sort_unstable();
+    let (Some(&largest), Some(context)) = (sizes.last(), m.max_context) else {
+        return Ok(None);
+    };
+    let len = context.min(4 * largest);
+    let on_device = |e: &BucketEntry| {
+        cuda.has(&e.graph) && e.plan.as_ref().is_some_and(|p| p.host_tail.is_none())
+    };
+    if sizes.len() < 2 || len <= largest || !m.logits_chunks.iter().all(on_device) {
+        return Ok(None);
+    }
+    let tokens = vec![0; len];
+    let mut time = |first: Option<usize>| {
+        let chunks = chunks_of(art, len, first);
+        let start = std::time::Instant::now();
+        stream_chunks(art, cuda, &tokens, &chunks).map(|_| start.elapsed().as_secs_f64())
+    };
+    time(None)?;
+    let mut best = (time(None)? * 0.98, None);
+    for &a in &sizes[..sizes.len() - 1] {
+        let seconds = time(Some(a))?;
+        if seconds < best.0 {
+            best = (seconds, Some(a));
+        }
+    }
+    Ok(best.1)
+}
+
 /// Whether `exec` streams `chunks` ([`stream_chunks`]): the CUDA executor, and no chunk runs
 /// part of its graph on the host.
 pub fn streams(exec: &Executor, chunks: &[Chunk]) -> bool {
@@ -285,4 +360,47 @@ fn row_blocks(art: &Artifact, tokens: usize) -> Result<Option<Vec<u32>>, Runtime
     }
     pool.ensure(0, tokens)?;
     Ok(pool.take_table().map(<[u32]>::to_vec))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::chunk_sizes;
+
+    #[test]
+    fn chunks_take_the_largest_then_the_smallest_that_holds_the_rest() {
+        let sizes = [256, 1024];
+        assert_eq!(chunk_sizes(&sizes, 4096, None), vec![(1024, 1024); 4]);
+        let rest = [(1024, 1024), (1024, 1024), (1024, 1024), (256, 200)];
+        assert_eq!(chunk_sizes(&sizes, 3272, None), rest);
+        assert_eq!(chunk_sizes(&sizes, 300, None), vec![(1024, 300)]);
+    }
+
+    #[test]
+    fn a_first_chunk_goes_ahead_of_the_largest_ones() {
+        let sizes = [256, 768, 1024];
+        let want = [
+            (768, 768),
+            (1024, 1024),
+            (1024, 1024),
+            (1024, 1024),
+            (256, 256),
+        ];
+        assert_eq!(chunk_sizes(&sizes, 4096, Some(768)), want);
+        let small_first = [(256, 256), (1024, 1024), (1024, 1000)];
+        assert_eq!(chunk_sizes(&sizes, 2280, Some(256)), small_first);
+    }
+
+    #[test]
+    fn a_first_chunk_is_not_taken_where_it_cannot_help() {
+        let sizes = [256, 768, 1024];
+        // One chunk holds the prompt: nothing to stream behind it.
+        assert_eq!(chunk_sizes(&sizes, 1000, Some(768)), vec![(1024, 1000)]);
+        // Not a size of the artifact.
+        assert_eq!(chunk_sizes(&sizes, 2048, Some(512)), vec![(1024, 1024); 2]);
+        // No smaller than the prompt.
+        assert_eq!(
+            chunk_sizes(&[1024, 2048], 2048, Some(2048)),
+            vec![(2048, 2048)]
+        );
+    }
 }
