@@ -294,9 +294,9 @@ pub fn stream_chunks<'e>(
 }
 
 /// The first logits chunk that streams a long prompt soonest on `cuda` ([`chunk_sizes`]'s
-/// `first`), timed: a prompt of the whole context (at most four of the largest chunks) streamed
-/// once to warm up, then once with each size first; a smaller first chunk is taken only when it
-/// is at least 2% faster than the largest. `None` when the artifact has one chunk size, or its
+/// `first`), timed: a prompt of the whole context (at most four of the largest chunks, and what
+/// a paged cache holds) streamed once to warm up, then once with each size first; a smaller
+/// first chunk is taken only when it is at least 2% faster than the largest. `None` when the artifact has one chunk size, or its
 /// chunks do not stream or did not load.
 pub fn time_first_chunk(
     art: &Artifact,
@@ -308,7 +308,12 @@ pub fn time_first_chunk(
     let (Some(&largest), Some(context)) = (sizes.last(), m.max_context) else {
         return Ok(None);
     };
-    let len = context.min(4 * largest);
+    // As long as a paged cache can hold (fewer blocks than a context's may be compiled).
+    let held = m
+        .memory
+        .paging
+        .map_or(context, |p| p.blocks.saturating_sub(1) * p.block_tokens);
+    let len = context.min(4 * largest).min(held);
     let on_device = |e: &BucketEntry| {
         cuda.has(&e.graph) && e.plan.as_ref().is_some_and(|p| p.host_tail.is_none())
     };
