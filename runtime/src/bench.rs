@@ -98,8 +98,8 @@ pub struct BenchReport {
     /// Seconds from the opened artifact to ready: on CUDA every graph captured, on the CPU the
     /// library loaded and the buffers allocated (none for the interpreter).
     pub load_seconds: Option<f64>,
-    /// The first logits chunk's size the executor chose at load, when smaller than the largest.
-    pub first_logits_chunk: Option<usize>,
+    /// The last logits chunk's size the executor chose at load, when smaller than the largest.
+    pub last_logits_chunk: Option<usize>,
 }
 
 /// Runs the benchmark on `exec`.
@@ -118,7 +118,7 @@ pub fn bench(
     for r in 0..opts.requests {
         let batch = request(art, opts, r);
         let len = batch.ids[0].len();
-        let chunks = logits_chunks(art, &batch, exec.first_logits_chunk())?;
+        let chunks = logits_chunks(art, &batch, exec.last_logits_chunk())?;
         let label = match &chunks {
             Some(chunks) => {
                 slots += chunks.iter().map(|c| c.entry.seq).sum::<usize>();
@@ -155,7 +155,7 @@ pub fn bench(
         gpu_used_after_bytes: gpu_after,
         counters,
         load_seconds,
-        first_logits_chunk: exec.first_logits_chunk(),
+        last_logits_chunk: exec.last_logits_chunk(),
         per_bucket: latencies
             .into_iter()
             .map(|(k, v)| (k, Latency::of(v)))

@@ -556,8 +556,8 @@ fn print_bench(r: &BenchReport, out: &mut dyn Write) -> Result<()> {
             mib(r.gpu_used_after_bytes)
         )?;
     }
-    if let Some(first) = r.first_logits_chunk {
-        writeln!(out, "long prompts start with a logits chunk of {first}")?;
+    if let Some(last) = r.last_logits_chunk {
+        writeln!(out, "long prompts end with a logits chunk of {last}")?;
     }
     if let Some(s) = r.load_seconds {
         writeln!(out, "load to ready {:.3} s", s)?;

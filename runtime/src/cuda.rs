@@ -79,9 +79,9 @@ pub struct CudaExecutor {
     ring: Option<LogitsRing>,
     /// The decode step [`CudaExecutor::launch_advanced`] launched and nothing has read yet.
     launched: Option<String>,
-    /// The first logits chunk's size, when a smaller one than the largest streams a long prompt
-    /// sooner ([`crate::forward::time_first_chunk`], at load).
-    first_chunk: Option<usize>,
+    /// The last logits chunk's size, when a smaller one than the largest ends a long prompt
+    /// sooner ([`crate::forward::time_last_chunk`], at load).
+    last_chunk: Option<usize>,
     /// Driver work so far, and as it stood when `load` returned.
     counts: DriverCounts,
     at_load: DriverCounts,
@@ -797,7 +797,7 @@ impl CudaExecutor {
             paging: m.memory.paging,
             ring,
             launched: None,
-            first_chunk: None,
+            last_chunk: None,
             ctx,
             stream,
             memory,
@@ -810,34 +810,34 @@ impl CudaExecutor {
             device,
             sm90a,
         };
-        exec.time_first_chunk(art)?;
+        exec.time_last_chunk(art)?;
         Ok(exec)
     }
 
-    /// Times the logits chunks' first sizes ([`crate::forward::time_first_chunk`]; not under
+    /// Times the logits chunks' last sizes ([`crate::forward::time_last_chunk`]; not under
     /// `KILN_EAGER`, whose launches one by one time something else), then leaves the executor
     /// as load did: the cache empty, no replay counted.
-    fn time_first_chunk(&mut self, art: &Artifact) -> Result<(), RuntimeError> {
+    fn time_last_chunk(&mut self, art: &Artifact) -> Result<(), RuntimeError> {
         if self.eager {
             return Ok(());
         }
         let start = Instant::now();
-        self.first_chunk = crate::forward::time_first_chunk(art, self)?;
+        self.last_chunk = crate::forward::time_last_chunk(art, self)?;
         self.reset_cache()?;
         self.stream.synchronize().map_err(dev)?;
         self.replays.clear();
         tracing::info!(
             seconds = start.elapsed().as_secs_f64(),
-            first = ?self.first_chunk,
+            last = ?self.last_chunk,
             "logits chunks timed"
         );
         Ok(())
     }
 
-    /// The first logits chunk's size that load found to stream a long prompt soonest, when it is
-    /// not the largest ([`crate::forward::chunk_sizes`]).
-    pub fn first_logits_chunk(&self) -> Option<usize> {
-        self.first_chunk
+    /// The last logits chunk's size that load found to end a long prompt soonest, when it is not
+    /// the largest ([`crate::forward::chunk_sizes`]).
+    pub fn last_logits_chunk(&self) -> Option<usize> {
+        self.last_chunk
     }
 
     /// Whether the bucket whose graph file is `graph` has a captured graph.

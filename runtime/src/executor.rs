@@ -75,11 +75,11 @@ impl Executor {
         Ok(Executor::Cpu(Box::new(cpu)))
     }
 
-    /// The first logits chunk's size the CUDA executor chose at load
-    /// ([`crate::forward::time_first_chunk`]); `None` elsewhere.
-    pub fn first_logits_chunk(&self) -> Option<usize> {
+    /// The last logits chunk's size the CUDA executor chose at load
+    /// ([`crate::forward::time_last_chunk`]); `None` elsewhere.
+    pub fn last_logits_chunk(&self) -> Option<usize> {
         match self {
-            Executor::Cuda(c) => c.first_logits_chunk(),
+            Executor::Cuda(c) => c.last_logits_chunk(),
             _ => None,
         }
     }

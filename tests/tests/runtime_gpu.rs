@@ -146,9 +146,9 @@ fn long_prompts_stream_through_logits_chunks_on_the_gpu() {
 /// A logits chunk of more rows than an LM-head piece copies each piece's rows to the host once
 /// they are written: prompts of 400 tokens (one chunk of 520 whose pieces end at rows 256, 512
 /// and 520, the last two partly or wholly past the prompt) and 530 (520, then 10 of a chunk of
-/// 256) give the logits the CPU executor computes from the same artifact, and so does 530 in
-/// a first chunk of 256, then 274 of the 520 (the schedule load picks where the copies outlast
-/// the compute); GPT-2 and Llama, f32 paged and bf16 dense.
+/// 256) give the logits the CPU executor computes from the same artifact, and so does 530 as
+/// 274 of the 520, then a last chunk of 256 (the schedule load may pick where the copies
+/// outlast the compute); GPT-2 and Llama, f32 paged and bf16 dense.
 #[test]
 fn logits_chunks_stream_their_lm_head_pieces_on_the_gpu() {
     let Some(tmp) = gpu_scratch() else { return };
@@ -184,7 +184,7 @@ fn assert_pieces_stream(art: &Artifact, what: &str) {
         assert_close_for(&dtype, got, want, vocab, &what);
         println!("ok: {what}: logits in pieces");
         if len == 530 {
-            assert_first_chunk_keeps_logits(art, &mut gpu_exec, &batch, want, &what);
+            assert_last_chunk_keeps_logits(art, &mut gpu_exec, &batch, want, &what);
         }
     }
     let Executor::Cuda(c) = &gpu_exec else {
@@ -194,8 +194,8 @@ fn assert_pieces_stream(art: &Artifact, what: &str) {
     assert!(after_load.is_zero(), "{what}: {after_load}");
 }
 
-/// `batch` (530 tokens) through a first chunk of 256 on `exec` gives `want`'s logits.
-fn assert_first_chunk_keeps_logits(
+/// `batch` (530 tokens) ending in a chunk of 256 on `exec` gives `want`'s logits.
+fn assert_last_chunk_keeps_logits(
     art: &Artifact,
     exec: &mut Executor,
     batch: &TokenBatch,
@@ -204,12 +204,12 @@ fn assert_first_chunk_keeps_logits(
 ) {
     let chunks = logits_chunks(art, batch, Some(256)).unwrap().unwrap();
     let sizes: Vec<(usize, usize)> = chunks.iter().map(|c| (c.entry.seq, c.len)).collect();
-    assert_eq!(sizes, [(256, 256), (520, 274)], "{what}");
+    assert_eq!(sizes, [(520, 274), (256, 256)], "{what}");
     let got = run_chunks(art, exec, &batch.ids[0], &chunks).unwrap();
     let dtype = art.manifest.dtype.to_string();
     let vocab = art.manifest.model.vocab_size;
     assert_close_for(&dtype, floats(&got), want, vocab, what);
-    println!("ok: {what}: a first chunk of 256");
+    println!("ok: {what}: a last chunk of 256");
 }
 
 /// Greedy decode steps chained on the device (each step's token choice leaves the next step's
