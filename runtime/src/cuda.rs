@@ -489,11 +489,7 @@ pub fn choose_sm90a_image(art: &Artifact, sm: u32) -> Result<Option<KernelImage>
         return Ok(Some(KernelImage::Cubin(bytes)));
     }
     match &m.kernels_sm90a_ptx {
-        Some(file) => {
-            let text = String::from_utf8(art.read_bytes(file)?)
-                .map_err(|_| art.file_error(file, "is not UTF-8 text".into()))?;
-            Ok(Some(KernelImage::Ptx(text)))
-        }
+        Some(file) => Ok(Some(KernelImage::Ptx(art.read_text(file)?))),
         None => Ok(None),
     }
 }

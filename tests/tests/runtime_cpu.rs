@@ -482,6 +482,51 @@ fn a_cubin_for_another_sm_is_refused() {
     );
 }
 
+/// A kernel PTX file that is not text is refused with the same error by both image choices,
+/// naming the file (the sm_80 module's and the Hopper module's PTX, where no cubin replaces them).
+#[test]
+fn kernel_ptx_that_is_not_text_is_refused_naming_it() {
+    use kiln_runtime::cuda::{choose_image, choose_sm90a_image};
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("llama.kiln");
+    let art = compile(
+        &fixture("llama-tiny"),
+        &dir,
+        &["--buckets", "16", "--dtype", "bf16"],
+    );
+    let m = &art.manifest;
+    let ptx = [
+        (m.kernels_ptx.clone(), m.kernels_cubin.is_none()),
+        (m.kernels_sm90a_ptx.clone(), m.kernels_sm90a_cubin.is_none()),
+    ];
+    assert!(
+        m.kernels_sm90a_ptx.is_some(),
+        "bf16 products take Hopper kernels"
+    );
+    for (file, _) in ptx.iter().filter(|(f, read)| f.is_some() && *read) {
+        let file = file.as_deref().unwrap();
+        std::fs::write(dir.join(file), [0xff, 0xfe, 0x00]).unwrap();
+    }
+    reseal_checksums(&dir);
+    let art = Artifact::open(&dir).unwrap();
+    let errors = [
+        choose_image(&art, 90).err().map(|e| e.to_string()),
+        choose_sm90a_image(&art, 90).err().map(|e| e.to_string()),
+    ];
+    for ((file, read), err) in ptx.iter().zip(errors) {
+        let (Some(file), true) = (file, read) else {
+            continue;
+        };
+        let err = err.expect("refused");
+        assert!(
+            err.contains(&format!(
+                "{file}: cannot be read: stream did not contain valid UTF-8"
+            )),
+            "{err}"
+        );
+    }
+}
+
 fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
     let mut out = Vec::new();
     for entry in std::fs::read_dir(dir).unwrap() {
