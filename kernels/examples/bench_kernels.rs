@@ -570,9 +570,13 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
         // split in parts, in several tilings.
         let splits = [
             (64, 2),
+            (64, 3),
             (64, 4),
+            (64, 5),
+            (64, 7),
             (64, 8),
             (128, 2),
+            (128, 3),
             (128, 4),
             (128, 8),
             (128, 16),

@@ -100,12 +100,18 @@ const MIN_SPLIT_STEPS: u32 = 2;
 /// registers to add the parts' sums without spilling (and on the H200 no product measured
 /// faster split 256 wide than 128 wide).
 const SPLIT_WIDEST: u32 = 128;
-/// Work items below which [`tiling`] considers splitting K: where the best unsplit tiling leaves
-/// more than half the SMs idle. (H200, 2026-12-03: Llama-3.2-1B's down product at 64 rows, 32
-/// tiles of 64 columns, took 31 us in 8 parts of 128 columns against 47 unsplit; where the tiles
-/// filled most SMs, split parts lost: 1024 rows of it 66 us in 2 parts of 256 columns against 60
-/// unsplit at 128 columns.)
-const SPLIT_BELOW: u32 = GRID / 2;
+/// A split is for the SMs an unsplit tiling leaves idle: [`tiling`] takes one only where its
+/// parts are one wave of the grid (H100 and H200, 2026-12-03 to 12-06: every split measured
+/// that took a second wave lost, such as Llama-3.1-8B's down product at 384 rows in 4 parts,
+/// 0.107 ms against 0.084 unsplit, or Llama-3.2-1B's at 1024 rows in 2, 66 us against 60).
+const SPLIT_WAVE: u32 = GRID;
+/// The speed of a 64-wide tile with K split, against [`TILINGS`]' 60 for one whole: fitted with
+/// [`split_steps`]' row factor to 50 products of 16-768 rows measured in every tiling (H100,
+/// 2026-12-06; Llama, Qwen2 and GPT-2 shapes where the model before them picked otherwise).
+/// With both, it picks the fastest tiling or one within 4% on 46 of them (before: 17), at worst
+/// 16% off (before: 68%); on two a tiling 1.5-1.8% slower than the one it took before. Most
+/// products of few rows then take 64-wide tiles whole or 128-wide ones in parts, not 64-wide parts.
+const SPLIT_NARROW_SPEED: u64 = 50;
 
 /// K steps of a tile's epilogue and the next tile's first loads that the consumers wait out
 /// unless they take turns: fitted to the H200 (2026-12-02), where taking turns wins on
@@ -212,10 +218,11 @@ pub fn supports(cfg: &GemmConfig) -> bool {
 /// per block of the persistent grid times each item's K steps at its tiling's speed, plus the
 /// epilogues the consumers wait out and a split item's partial sums ([`split_steps`]; the first
 /// of [`TILINGS`] on a tie). A product of few tiles (few rows, or few columns such as GPT-2's
-/// 768) takes a narrower tile and more SMs, and where even the narrowest leave most SMs idle
-/// ([`SPLIT_BELOW`]: a decode step's products of 64 rows) its K in parts; one of many tiles
-/// takes a staged epilogue where it fits, else with short K (whose epilogues weigh) the
-/// consumers take turns.
+/// 768) takes a narrower tile and more SMs, or its K in parts where that is modelled clearly
+/// faster and the parts are one wave ([`SPLIT_WAVE`]): a decode step's
+/// products, and those of a few hundred rows over long K (a wide tile in two parts instead of a
+/// narrow one whole); one of many tiles takes a staged epilogue where it fits, else with short
+/// K (whose epilogues weigh) the consumers take turns.
 pub fn tiling(cfg: &GemmConfig) -> Tiling {
     let k_steps = cfg.k.div_ceil(BK);
     let cost = |tiling: Tiling, speed: u64| {
@@ -250,13 +257,15 @@ pub fn tiling(cfg: &GemmConfig) -> Tiling {
         })
     };
     let unsplit = cheapest(&mut TILINGS.iter().copied().filter(|&(t, _)| fits(cfg, t)));
-    if Tile::new(cfg, unsplit.0).items(cfg) >= SPLIT_BELOW {
-        return unsplit.0;
-    }
     let split = cheapest(&mut TILINGS.iter().flat_map(|&(tiling, speed)| {
+        let speed = if tiling.width == 64 {
+            SPLIT_NARROW_SPEED
+        } else {
+            speed
+        };
         (2..=MAX_SPLITS)
             .map(move |splits| (tiling.split(splits), speed))
-            .filter(|&(t, _)| splits_fit(cfg, t))
+            .filter(|&(t, _)| splits_fit(cfg, t) && Tile::new(cfg, t).items(cfg) <= SPLIT_WAVE)
     }));
     if split.1 < unsplit.1 {
         split.0
@@ -266,12 +275,15 @@ pub fn tiling(cfg: &GemmConfig) -> Tiling {
 }
 
 /// K steps a split item's partial sums take: its own stored and, for the tile's last part, every
-/// part's loaded (the tile's rows the product has, as f32), against the bytes a K step loads.
+/// part's loaded (the tile's rows the product has, as f32), against the bytes a K step loads,
+/// times the tile's blocks of 64 rows. That factor is fitted, not derived (with
+/// [`SPLIT_NARROW_SPEED`]): parts of 128-row tiles measured 12-22 K steps dearer than their
+/// share of K, parts of 64-row tiles 3-5 (H100, 2026-12-06).
 fn split_steps(cfg: &GemmConfig, tiling: Tiling) -> u64 {
     let rows = u64::from(cfg.m.min(BM).next_multiple_of(64));
     let sums = rows * u64::from(tiling.width) * 4;
     let step = u64::from((BM + tiling.width) * BK * 2);
-    (u64::from(tiling.splits + 1) * sums).div_ceil(step)
+    (u64::from(tiling.splits + 1) * sums).div_ceil(step) * (rows / 64)
 }
 
 /// The kernel with K split, in the tilings that fit `cfg` of: 128 wide in two parts and in as many
@@ -1704,8 +1716,12 @@ mod tests {
     fn products_of_few_tiles_spread_over_more_sms() {
         // GPT-2 small at 1024 tokens: 24 tiles of 768 columns become 96.
         assert_eq!(tiling(&product(1024, 768, 3072, false)).width, 64);
-        // 16 rows: 12 tiles become 48 (and K in two parts, 96 items).
-        assert_eq!(tiling(&product(16, 3072, 768, false)).width, 64);
+        // 16 rows: 12 tiles become 48, K whole (64 rows of it measured 5.7 us so, 7.6 in two
+        // parts of K).
+        assert_eq!(
+            tiling(&product(16, 3072, 768, false)),
+            Tiling::together(64).staged()
+        );
         // Llama-3.2-1B's QKV at 512 tokens: 48 tiles, 96 at 128 wide still one wave.
         assert_eq!(
             tiling(&product(512, 3072, 2048, false)),
@@ -1738,7 +1754,7 @@ mod tests {
                 let items = Tile::new(&cfg, t).items(&cfg);
                 assert!(t.splits > 1, "{m}x{n}x{k}: {}", t.label());
                 assert!(
-                    (SPLIT_BELOW..=GRID).contains(&items),
+                    (GRID / 2..=SPLIT_WAVE).contains(&items),
                     "{m}x{n}x{k}: {items}"
                 );
             }
@@ -1746,14 +1762,36 @@ mod tests {
     }
 
     #[test]
-    fn products_filling_most_sms_stay_unsplit() {
-        // The down product at 512 and 1024 rows (128 tiles of 64 and 128 columns), the decode
-        // step's gate/up product with SwiGLU (128 tiles), GPT-2's FFN down at 1024 rows (96).
+    fn long_k_takes_a_wide_tile_in_two_parts_over_a_narrow_one_whole() {
+        // Measured 11-40% faster (H100, 2026-12-06): Llama-3.2-1B's down product at 320-512
+        // rows, Llama-3.1-8B's and Qwen2-7B's at 192 and 256, Llama-3.1-8B's QKV at 16-64.
+        for (m, n, k) in [
+            (512, 2048, 8192),
+            (320, 2048, 8192),
+            (256, 4096, 14336),
+            (192, 3584, 18944),
+            (64, 6144, 4096),
+            (16, 6144, 4096),
+        ] {
+            let cfg = product(m, n, k, false);
+            assert_eq!(tiling(&cfg), Tiling::together(128).split(2), "{m}x{n}x{k}");
+        }
+    }
+
+    #[test]
+    fn splits_that_need_a_second_wave_or_lose_stay_unsplit() {
+        // A second wave: the down product at 1024 rows (2 parts of 128 tiles), Llama-3.1-8B's at
+        // 384 (measured 28% slower in 4 parts), the decode step's gate/up with SwiGLU, GPT-2's
+        // FFN down at 1024 rows. Measured 11-31% slower split: Llama-3.1-8B's QKV at 128 rows and
+        // O at 256, GPT-2's QKV at 64.
         for cfg in [
-            product(512, 2048, 8192, false),
+            product(64, 2304, 768, false),
             product(1024, 2048, 8192, false),
+            product(384, 4096, 14336, false),
             product(64, 16384, 2048, true),
             product(1024, 768, 3072, false),
+            product(128, 6144, 4096, false),
+            product(256, 4096, 4096, false),
         ] {
             assert_eq!(tiling(&cfg).splits, 1, "{cfg:?}");
         }

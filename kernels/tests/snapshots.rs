@@ -162,7 +162,7 @@ fn gemm_split_k_residual_bf16() {
         ..GemmConfig::plain(64, 2048, 8192, Elem::BF16)
     };
     let tiling = kiln_kernels::gemm_wgmma::tiling(&cfg);
-    assert_eq!(tiling.label(), "w64k4");
+    assert_eq!(tiling.label(), "w128k8");
     let k = kiln_kernels::gemm_wgmma::gemm_wgmma(&cfg, "gemm_split".into());
     insta::assert_snapshot!(k.module());
 }
