@@ -218,11 +218,11 @@ pub fn supports(cfg: &GemmConfig) -> bool {
 /// per block of the persistent grid times each item's K steps at its tiling's speed, plus the
 /// epilogues the consumers wait out and a split item's partial sums ([`split_steps`]; the first
 /// of [`TILINGS`] on a tie). A product of few tiles (few rows, or few columns such as GPT-2's
-/// 768) takes a narrower tile and more SMs, or its K in parts where that is modelled clearly
-/// faster and the parts are one wave ([`SPLIT_WAVE`]): a decode step's
-/// products, and those of a few hundred rows over long K (a wide tile in two parts instead of a
-/// narrow one whole); one of many tiles takes a staged epilogue where it fits, else with short
-/// K (whose epilogues weigh) the consumers take turns.
+/// 768) takes a narrower tile and more SMs, or its K in parts where that is modelled faster and
+/// the parts are one wave ([`SPLIT_WAVE`]): a decode step's products, and those of a few
+/// hundred rows over long K (a wide tile in two parts instead of a narrow one whole); one of
+/// many tiles takes a staged epilogue where it fits, else with short K (whose epilogues weigh)
+/// the consumers take turns.
 pub fn tiling(cfg: &GemmConfig) -> Tiling {
     let k_steps = cfg.k.div_ceil(BK);
     let cost = |tiling: Tiling, speed: u64| {

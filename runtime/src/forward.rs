@@ -314,9 +314,7 @@ pub fn time_last_chunk(
         .paging
         .map_or(context, |p| p.blocks.saturating_sub(1) * p.block_tokens);
     let len = context.min(4 * largest).min(held);
-    let on_device = |e: &BucketEntry| {
-        cuda.has(&e.graph) && e.plan.as_ref().is_some_and(|p| p.host_tail.is_none())
-    };
+    let on_device = |e: &BucketEntry| cuda.has(&e.graph) && whole_on_device(e);
     if sizes.len() < 2 || len <= largest || !m.logits_chunks.iter().all(on_device) {
         return Ok(None);
     }
@@ -362,8 +360,12 @@ fn fastest_last(times: &[(Option<usize>, f64)]) -> Option<usize> {
 /// Whether `exec` streams `chunks` ([`stream_chunks`]): the CUDA executor, and no chunk runs
 /// part of its graph on the host.
 pub fn streams(exec: &Executor, chunks: &[Chunk]) -> bool {
-    let on_device = |c: &Chunk| c.entry.plan.as_ref().is_some_and(|p| p.host_tail.is_none());
-    matches!(exec, Executor::Cuda(_)) && chunks.iter().all(on_device)
+    matches!(exec, Executor::Cuda(_)) && chunks.iter().all(|c| whole_on_device(c.entry))
+}
+
+/// Whether bucket `entry`'s plan runs all of its graph on the device (no host tail).
+fn whole_on_device(entry: &BucketEntry) -> bool {
+    entry.plan.as_ref().is_some_and(|p| p.host_tail.is_none())
 }
 
 /// Chunk `c` of `tokens` as row 0 of its bucket.
