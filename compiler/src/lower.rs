@@ -23,7 +23,7 @@ use kiln_kernels::attention::{
 use kiln_kernels::attention_decode::Extras;
 use kiln_kernels::elementwise::activation_kernel;
 use kiln_kernels::embedding::{embedding, EmbeddingConfig};
-use kiln_kernels::gemm::{gemm_base, gemm_for, split_scratch, GemmConfig};
+use kiln_kernels::gemm::{gemm_base, gemm_for, row_sum_parts, split_scratch, GemmConfig, RowNorm};
 use kiln_kernels::gemv::{self, Rows};
 use kiln_kernels::kv_cache::{chunk_entries, kv_write, ChunkEntriesConfig, KvWriteConfig};
 use kiln_kernels::norm::{norm, NormConfig};
@@ -78,6 +78,9 @@ pub enum Operand {
     BlockTable,
     /// Another operand's storage this many bytes further (a row piece of a product).
     Offset(Box<Operand>, u64),
+    /// The row sums of squares the product node writes for a product after it
+    /// ([`RowNorm::Sums`]), which the plan places from that node to its last reader.
+    RowSums(NodeId),
 }
 
 impl Operand {
@@ -104,6 +107,9 @@ pub struct KernelLaunch {
     pub launch: kiln_kernels::Launch,
     /// The same work on base-image kernels, when `kernel` needs sm_90a.
     pub fallback: Option<Box<KernelLaunch>>,
+    /// Launched only where the sm_90a steps fall back: work the next step's sm_90a kernel does
+    /// itself, and its fallback reads (an RMSNorm a product carries, [`RowNorm`]).
+    pub base_only: bool,
 }
 
 /// The CPU version of a launch: the generated kernel (or the library product) it calls.
@@ -149,6 +155,9 @@ pub struct NodeLaunches {
     /// A logits chunk's LM head in row pieces ([`Fused::logits_pieces`]): after launch `i`,
     /// the first `rows` rows of its output are final.
     pub pieces: Vec<(usize, u32)>,
+    /// Bytes of the row sums this product writes ([`Operand::RowSums`]) and the last node
+    /// that reads them.
+    pub row_sums: Option<(u64, NodeId)>,
 }
 
 impl NodeLaunches {
@@ -346,25 +355,36 @@ impl Lowered {
         (cfg, base): (&C, impl FnOnce(&C) -> GeneratedKernel),
         bind: &[(&str, Operand)],
     ) -> Option<()> {
+        self.launch_best_over(node, (kernel, bind), (cfg, base), bind)
+    }
+
+    /// [`Lowered::launch_best`], the fallback's parameters bound from `base_bind` (a product
+    /// that carries its norm reads x as it is, its fallback the normed x).
+    fn launch_best_over<C: std::fmt::Debug>(
+        &mut self,
+        node: &mut NodeLaunches,
+        (kernel, bind): (GeneratedKernel, &[(&str, Operand)]),
+        (cfg, base): (&C, impl FnOnce(&C) -> GeneratedKernel),
+        base_bind: &[(&str, Operand)],
+    ) -> Option<()> {
         if kernel.image == Image::Sm90a {
             let fallback = self.generate(cfg, base);
-            self.launch_with_fallback(node, kernel, fallback, bind)
+            self.launch_with_fallback(node, (kernel, bind), (fallback, base_bind))
         } else {
             self.launch(node, kernel, bind)
         }
     }
 
-    /// Like [`Lowered::launch`], with `fallback` (a base-image kernel under the same parameter
-    /// names) launched instead where the GPU cannot run `kernel`'s sm_90a image.
+    /// Like [`Lowered::launch`], with `fallback` (a base-image kernel) launched instead where the
+    /// GPU cannot run `kernel`'s sm_90a image, each bound from its own operands.
     fn launch_with_fallback(
         &mut self,
         node: &mut NodeLaunches,
-        kernel: GeneratedKernel,
-        fallback: GeneratedKernel,
-        bind: &[(&str, Operand)],
+        (kernel, bind): (GeneratedKernel, &[(&str, Operand)]),
+        (fallback, base_bind): (GeneratedKernel, &[(&str, Operand)]),
     ) -> Option<()> {
         let mut launch = self.bound(kernel, bind)?;
-        launch.fallback = Some(Box::new(self.bound(fallback, bind)?));
+        launch.fallback = Some(Box::new(self.bound(fallback, base_bind)?));
         node.launches.push(launch);
         Some(())
     }
@@ -383,6 +403,7 @@ impl Lowered {
             args,
             launch,
             fallback: None,
+            base_only: false,
         })
     }
 }
@@ -623,6 +644,8 @@ struct Fused {
     choosing: Option<NodeId>,
     /// A logits chunk's LM head, lowered in row pieces ([`logits_pieces`]).
     logits_pieces: Option<NodeId>,
+    /// RMSNorms that products carry between them instead of a launch ([`RowNorms::find`]).
+    row_norms: RowNorms,
 }
 
 impl Fused {
@@ -661,6 +684,7 @@ impl Fused {
             attention_writes,
             chunk_writes,
             token_site,
+            row_norms: RowNorms::find(g, kernels.rows, [choosing, logits_pieces(g)]),
             choosing,
             logits_pieces: logits_pieces(g),
         }
@@ -700,6 +724,7 @@ fn gemm_parts(g: &Graph, id: NodeId) -> Option<(GemmConfig, Option<NormConfig>)>
         swiglu: spec.swiglu,
         residual: spec.residual,
         elem,
+        row_norm: None,
     };
     let norm = spec.prologue.as_ref().map(|p| NormConfig {
         kind: p.kind,
@@ -849,9 +874,91 @@ fn lower_norm_op(
     Some(())
 }
 
+/// How a product takes the norm of its prologue.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum PrologueForm {
+    /// The one-row product scales its sums by the RMSNorm's 1/rms itself (f16/bf16, the norm's
+    /// weight ones: it is in the product's, `fold::scales_by_norm`).
+    Folded,
+    /// The tensor-core GEMV normalises x and takes the product in one kernel (f16/bf16, whose
+    /// CPU plans come from their f32 twins).
+    Taken,
+    /// The norm runs into a scratch buffer the product reads (unless the product carries it,
+    /// [`RowNorms`]).
+    Apart,
+}
+
+impl PrologueForm {
+    fn of(cfg: &GemmConfig, norm: &NormConfig, rows: Rows, ones: bool) -> PrologueForm {
+        if ones && gemv::folds_norm(cfg, norm, rows) {
+            PrologueForm::Folded
+        } else if gemv::takes_prologue(cfg, norm, rows) {
+            PrologueForm::Taken
+        } else {
+            PrologueForm::Apart
+        }
+    }
+}
+
+/// RMSNorms the products on both sides carry instead of a launch ([`RowNorm`]): where a Hopper
+/// product would normalise its input apart (an RMSNorm of a weight of ones, the norm's weight
+/// in the product's) and that input is the whole output of a Hopper product over an even N
+/// without SwiGLU (a pre-norm model's residual products), the first writes its rows' sums of
+/// squares and the second scales its rows by their 1/rms. The norm's launch stays in the plan
+/// for the GPUs where the sm_90a steps fall back, and only runs there.
+#[derive(Default)]
+struct RowNorms {
+    /// Each product writing sums: its sums per row, and the last product that reads them.
+    writers: BTreeMap<NodeId, (u32, NodeId)>,
+    /// Each product scaling its rows: the product whose sums it reads.
+    readers: BTreeMap<NodeId, NodeId>,
+}
+
+impl RowNorms {
+    /// The writers and readers of `g` under `rows`, apart from the products lowered in their own
+    /// ways (`special`: a decode step's choosing LM head, a logits chunk's LM head in pieces).
+    fn find(g: &Graph, rows: Rows, special: [Option<NodeId>; 2]) -> RowNorms {
+        let mut found = RowNorms::default();
+        let plain = |id: NodeId| !special.contains(&Some(id));
+        for (id, node) in g.nodes() {
+            let Op::Gemm(spec) = &node.op else {
+                continue;
+            };
+            let rms = spec
+                .prologue
+                .as_ref()
+                .is_some_and(|p| p.kind == kiln_ir::kernel::NormKind::RmsNorm);
+            let Some((cfg, Some(norm))) = gemm_parts(g, id).filter(|_| rms && plain(id)) else {
+                continue;
+            };
+            let ones = node
+                .args
+                .last()
+                .is_some_and(|&w| crate::fold::is_ones(g, w));
+            let apart = PrologueForm::of(&cfg, &norm, rows, ones) == PrologueForm::Apart;
+            if !(ones && apart && kiln_kernels::gemm::carries_row_norm(&cfg, rows)) {
+                continue;
+            }
+            let x = node.args[0];
+            let writer = match &g.node(x).op {
+                Op::Gemm(s) if s.prologue.is_none() && plain(x) => gemm_parts(g, x),
+                _ => None,
+            };
+            let Some(parts) = writer.and_then(|(c, _)| row_sum_parts(&c, rows)) else {
+                continue;
+            };
+            found.readers.insert(id, x);
+            let (_, last) = found.writers.entry(x).or_insert((parts, id));
+            *last = (*last).max(id);
+        }
+        found
+    }
+}
+
 /// A product with its epilogue: with a norm prologue, folded into a one-row product, taken by
-/// it, or run first into scratch; a decode step's LM head folding its greedy choice; a Hopper
-/// kernel (splitting K into scratch where it does) with its base-image fallback.
+/// it, or run first into scratch (or carried from the product before, [`RowNorms`]); a decode
+/// step's LM head folding its greedy choice; a Hopper kernel (splitting K into scratch where it
+/// does) with its base-image fallback.
 fn lower_gemm(cx: &NodeCx, spec: &GemmSpec, out: &mut Lowered, n: &mut NodeLaunches) -> Option<()> {
     let (cfg, norm_cfg) = gemm_parts(cx.g, cx.id)?;
     // Operands: x, w, [bias], [residual], [prologue weight, [prologue bias]].
@@ -870,7 +977,8 @@ fn lower_gemm(cx: &NodeCx, spec: &GemmSpec, out: &mut Lowered, n: &mut NodeLaunc
         bind.push(("residual", r));
     }
     let choosing = cx.fused.choosing == Some(cx.id);
-    if let Some(norm_cfg) = norm_cfg {
+    let carried = cx.fused.row_norms.readers.get(&cx.id);
+    if let Some(norm_cfg) = norm_cfg.clone() {
         let norm_weight = cx.a(rest.next()?);
         let norm_bias = rest.next().map(|i| cx.a(i));
         let ones = cx
@@ -878,34 +986,35 @@ fn lower_gemm(cx: &NodeCx, spec: &GemmSpec, out: &mut Lowered, n: &mut NodeLaunc
             .args
             .last()
             .is_some_and(|&w| crate::fold::is_ones(cx.g, w));
-        if ones && gemv::folds_norm(&cfg, &norm_cfg, out.rows) {
-            // The one-row product scales its sums by the norm's 1/rms itself (f16/bf16
-            // only; the norm's weight is in the product's, `fold::scales_by_norm`).
-            if choosing {
-                bind.push(("best", Operand::Counters(u64::from(cfg.m) * 8)));
+        match PrologueForm::of(&cfg, &norm_cfg, out.rows, ones) {
+            PrologueForm::Folded => {
+                if choosing {
+                    bind.push(("best", Operand::Counters(u64::from(cfg.m) * 8)));
+                }
+                let kernel = out.generate(&(cfg, norm_cfg, choosing), gemv::gemv_folded);
+                return out.launch(n, kernel, &bind);
             }
-            let kernel = out.generate(&(cfg, norm_cfg, choosing), gemv::gemv_folded);
-            return out.launch(n, kernel, &bind);
+            PrologueForm::Taken => {
+                bind.push(("norm_weight", norm_weight));
+                bind.extend(norm_bias.map(|b| ("norm_bias", b)));
+                let kernel = out.generate(&(cfg, norm_cfg, !ones), gemv::gemv_normed);
+                return out.launch(n, kernel, &bind);
+            }
+            PrologueForm::Apart => {
+                n.scratch
+                    .push(u64::from(cfg.m) * u64::from(cfg.k) * u64::from(cx.elem.bytes()));
+                let mut norm_bind = vec![
+                    ("x", cx.a(0)),
+                    ("weight", norm_weight),
+                    ("out", Operand::Scratch(0)),
+                ];
+                norm_bind.extend(norm_bias.map(|b| ("bias", b)));
+                launch_norm(out, n, norm_cfg, norm_bind)?;
+                // A product that carries the norm reads x as it is; its fallback, the normed x.
+                n.launches.last_mut()?.base_only = carried.is_some();
+                bind[0].1 = Operand::Scratch(0);
+            }
         }
-        if gemv::takes_prologue(&cfg, &norm_cfg, out.rows) {
-            // One kernel normalises x and takes the product (f16/bf16 only, whose CPU
-            // plans come from their f32 twins).
-            bind.push(("norm_weight", norm_weight));
-            bind.extend(norm_bias.map(|b| ("norm_bias", b)));
-            let kernel = out.generate(&(cfg, norm_cfg, !ones), gemv::gemv_normed);
-            return out.launch(n, kernel, &bind);
-        }
-        // Otherwise the norm runs into a scratch buffer the product reads.
-        n.scratch
-            .push(u64::from(cfg.m) * u64::from(cfg.k) * u64::from(cx.elem.bytes()));
-        let mut norm_bind = vec![
-            ("x", cx.a(0)),
-            ("weight", norm_weight),
-            ("out", Operand::Scratch(0)),
-        ];
-        norm_bind.extend(norm_bias.map(|b| ("bias", b)));
-        launch_norm(out, n, norm_cfg, norm_bind)?;
-        bind[0].1 = Operand::Scratch(0);
     }
     let m = u64::from(cfg.m);
     if choosing {
@@ -932,16 +1041,36 @@ fn lower_gemm(cx: &NodeCx, spec: &GemmSpec, out: &mut Lowered, n: &mut NodeLaunc
         n.cpu_like(CpuKernel::Gemm(cfg.clone()), &first, &bind, m);
         return lower_pieces(&cfg, &pieces, out, n, &bind);
     }
-    let kernel = out.generate(&(cfg.clone(), out.rows), |(c, r)| gemm_for(c, *r));
-    n.cpu_like(CpuKernel::Gemm(cfg.clone()), &kernel, &bind, m);
-    // A Hopper kernel splitting K leaves each part's sums in a scratch buffer.
-    let (partials, counters) = split_scratch(&cfg, out.rows);
-    if partials > 0 {
-        bind.push(("partials", Operand::Scratch(n.scratch.len())));
-        n.scratch.push(partials);
-        bind.push(("counters", Operand::Counters(counters)));
+    // The kernel's own configuration and operands, with the norm it carries; the CPU and the
+    // base image take the plain product (of the normed x).
+    let (mut own, mut own_bind) = (cfg.clone(), bind.clone());
+    if let Some(&(parts, last)) = cx.fused.row_norms.writers.get(&cx.id) {
+        own.row_norm = Some(RowNorm::Sums);
+        own_bind.push(("row_sums", Operand::RowSums(cx.id)));
+        n.row_sums = Some((m * u64::from(parts) * 4, last));
     }
-    out.launch_best(n, kernel, (&cfg, gemm_base), &bind)
+    if let (Some(&writer), Some(norm)) = (carried, &norm_cfg) {
+        let (parts, _) = cx.fused.row_norms.writers[&writer];
+        let eps = norm.eps;
+        own.row_norm = Some(RowNorm::Scale { parts, eps });
+        own_bind[0].1 = cx.a(0);
+        own_bind.push(("norm_sums", Operand::RowSums(writer)));
+    }
+    let kernel = out.generate(&(own.clone(), out.rows), |(c, r)| gemm_for(c, *r));
+    let plain = if own == cfg {
+        kernel.clone()
+    } else {
+        out.generate(&cfg, gemm_base)
+    };
+    n.cpu_like(CpuKernel::Gemm(cfg.clone()), &plain, &bind, m);
+    // A Hopper kernel splitting K leaves each part's sums in a scratch buffer.
+    let (partials, counters) = split_scratch(&own, out.rows);
+    if partials > 0 {
+        own_bind.push(("partials", Operand::Scratch(n.scratch.len())));
+        n.scratch.push(partials);
+        own_bind.push(("counters", Operand::Counters(counters)));
+    }
+    out.launch_best_over(n, (kernel, &own_bind), (&cfg, gemm_base), &bind)
 }
 
 /// `cfg`'s product in row pieces: [`LOGITS_PIECE_ROWS`] first, then each at most
@@ -1118,7 +1247,7 @@ fn lower_decode_attention(
         if kernel.image == Image::Sm90a {
             let fallback = out.generate(&cfg, attention_base);
             return if aligned {
-                out.launch_with_fallback(n, kernel, fallback, &bind)
+                out.launch_with_fallback(n, (kernel, &bind), (fallback, &bind))
             } else {
                 out.launch(n, fallback, &bind)
             };
@@ -1461,7 +1590,7 @@ fn lower_prerotated(
     }
     let kernel = out.generate(&plain, attention);
     let fallback = out.generate(&plain, attention_base);
-    out.launch_with_fallback(n, kernel, fallback, &attention_bind)
+    out.launch_with_fallback(n, (kernel, &attention_bind), (fallback, &attention_bind))
 }
 
 /// The configuration of decode attention `id` (its keys and values the KV cache, paged as

@@ -629,6 +629,8 @@ struct Storage {
     buffers: Vec<crate::memory::Lifetime>,
     /// Each launched node's scratch buffers.
     scratch: BTreeMap<NodeId, Vec<usize>>,
+    /// Each product's row sums for the products after it (`Operand::RowSums`).
+    row_sums: BTreeMap<NodeId, usize>,
     /// Outputs that are strided views (a CLS slice) and the contiguous buffer the CPU plan
     /// copies each into at the end (the GPU gathers them in its host tail).
     copied_outputs: Vec<(usize, usize)>,
@@ -653,6 +655,10 @@ impl Storage {
             for bytes in &node.scratch {
                 let b = storage.push(*bytes, id.index(), id.index());
                 storage.scratch.entry(*id).or_default().push(b);
+            }
+            if let Some((bytes, last)) = node.row_sums {
+                let b = storage.push(bytes, id.index(), last.index());
+                storage.row_sums.insert(*id, b);
             }
         }
         for (i, o) in g.outputs().iter().enumerate() {
@@ -680,6 +686,7 @@ impl Storage {
             homes: BTreeMap::new(),
             buffers: Vec::new(),
             scratch: BTreeMap::new(),
+            row_sums: BTreeMap::new(),
             copied_outputs: Vec::new(),
             tokens: None,
             params: None,
@@ -832,6 +839,11 @@ impl<'a> Addresses<'a> {
         Ok(match op {
             Operand::Value(v) => self.address(*v),
             Operand::Scratch(i) => arena(self.storage.scratch[&id][*i]),
+            Operand::RowSums(writer) => {
+                arena(*self.storage.row_sums.get(writer).ok_or_else(|| {
+                    PlanError::Layout(format!("node {} writes no row sums", writer.0))
+                })?)
+            }
             Operand::Rope { table, sin } => {
                 let name = table_name(table, *sin);
                 let at = self.storage.weight_at.get(&name).ok_or_else(|| {
@@ -886,6 +898,7 @@ impl<'a> Addresses<'a> {
             launch: launch.launch,
             node,
             fallback: None,
+            base_only: launch.base_only,
         })
     }
 

@@ -27,8 +27,9 @@ use crate::DType;
 /// ([`ExecPlan::sampler`]); since version 13 the cache may be paged ([`MemoryPlan::paging`]);
 /// since version 14 a decoder may list logits chunks ([`Manifest::logits_chunks`]); since
 /// version 15 a logits chunk's plan may say where its logits land in row pieces
-/// ([`ExecPlan::logits_pieces`]).
-pub const FORMAT_VERSION: u32 = 15;
+/// ([`ExecPlan::logits_pieces`]); since version 16 a step may run only where the sm_90a steps
+/// fall back ([`Step::base_only`]).
+pub const FORMAT_VERSION: u32 = 16;
 /// The inputs a decode step that advances them ([`ExecPlan::advances`]) leaves for the next
 /// step: token ids (each unmasked row's chosen token), positions (one further) and the mask
 /// (unchanged), each i64 `[batch, 1]`.
@@ -548,6 +549,11 @@ pub struct Step {
     /// the GPU cannot run that image.
     #[serde(default)]
     pub fallback: Option<Box<Step>>,
+    /// Run only where the GPU cannot run [`Image::Sm90a`] (and the steps fall back): work an
+    /// sm_90a step after it does itself, which that step's fallback reads (an RMSNorm that the
+    /// Hopper products carry between them).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub base_only: bool,
 }
 
 /// A bucket's execution plan: copy the inputs into their arena slots, run the steps in order,
@@ -632,6 +638,20 @@ impl ExecPlan {
             ));
         }
         Ok(())
+    }
+
+    /// Drops the steps that only a GPU without sm_90a runs ([`Step::base_only`]), the logits
+    /// pieces counted over the steps that remain.
+    pub fn drop_base_only(&mut self) {
+        let kept = |n: usize| self.steps[..n].iter().filter(|s| !s.base_only).count();
+        let pieces: Vec<LogitsPiece> = (self.logits_pieces.iter())
+            .map(|p| LogitsPiece {
+                steps: kept(p.steps),
+                rows: p.rows,
+            })
+            .collect();
+        self.logits_pieces = pieces;
+        self.steps.retain(|s| !s.base_only);
     }
 
     /// Rows of the `logits` output (its second axis), if the plan has one.
@@ -800,6 +820,7 @@ mod tests {
             },
             node: "gemm_1".into(),
             fallback: None,
+            base_only: false,
         };
         ExecPlan {
             arena_bytes: 0,
@@ -835,6 +856,33 @@ mod tests {
             [(0..7, 256), (7..8, 512), (8..10, 520)]
         );
         assert_eq!(plan(10, &[]).logits_segments(), [(0..10, 520)]);
+    }
+
+    /// On a GPU that runs sm_90a, the steps only its fallback needs go, and the logits pieces
+    /// still end after the same launches.
+    #[test]
+    fn base_only_steps_drop_out_with_the_pieces_counted_again() {
+        let mut p = plan(10, &[(7, 256), (8, 512), (9, 520)]);
+        for i in [1, 4] {
+            p.steps[i].base_only = true;
+            p.steps[i].node = format!("norm_{i}");
+        }
+        let kept: Vec<String> = (p.steps.iter())
+            .filter(|s| !s.base_only)
+            .map(|s| s.node.clone())
+            .collect();
+        p.drop_base_only();
+        assert_eq!(
+            p.steps.iter().map(|s| &s.node).collect::<Vec<_>>(),
+            kept.iter().collect::<Vec<_>>()
+        );
+        let steps: Vec<usize> = p.logits_pieces.iter().map(|q| q.steps).collect();
+        assert_eq!(steps, [5, 6, 7]);
+        assert_eq!(p.check_logits_pieces(), Ok(()));
+        // A plan without base-only steps is left as it is.
+        let mut q = plan(10, &[(7, 256), (9, 520)]);
+        q.drop_base_only();
+        assert_eq!(q, plan(10, &[(7, 256), (9, 520)]));
     }
 
     #[test]

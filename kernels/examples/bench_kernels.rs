@@ -388,6 +388,7 @@ fn swiglu_gemms(
             swiglu,
             residual: false,
             elem: Elem::BF16,
+            row_norm: None,
         });
         let ms = time_ms(stream, launch(stream, ctx, &k, &[&x, &w, &out]));
         println!(
@@ -425,6 +426,7 @@ fn gemms(
             swiglu: false,
             residual: false,
             elem: Elem::BF16,
+            row_norm: None,
         };
         for k in [gemm(&cfg), gemm_base(&cfg)] {
             let bufs: Vec<&CudaSlice<u16>> = if bias {

@@ -6,7 +6,7 @@ use kiln_ir::kernel::{Activation, NormKind};
 use crate::attention::{attention, AttentionConfig, Dropout, KeyRule};
 use crate::elementwise::activation_kernel;
 use crate::embedding::{embedding, EmbeddingConfig};
-use crate::gemm::{gemm, gemm_base, GemmConfig};
+use crate::gemm::{gemm, gemm_base, GemmConfig, RowNorm};
 use crate::norm::{norm, NormConfig};
 use crate::paging::Paging;
 use crate::ptx::Elem;
@@ -359,6 +359,7 @@ fn gemm_kernels(elem: Elem, out: &mut Catalog) {
                 swiglu,
                 residual,
                 elem,
+                row_norm: None,
             };
             let kernel = gemm(&cfg);
             if kernel.image == Image::Sm90a {
@@ -389,6 +390,7 @@ fn gemm_kernels(elem: Elem, out: &mut Catalog) {
             swiglu,
             residual: !swiglu,
             elem,
+            row_norm: None,
         };
         let norm = NormConfig {
             kind,
@@ -426,6 +428,7 @@ fn gemm_kernels(elem: Elem, out: &mut Catalog) {
             swiglu: true,
             residual: false,
             elem,
+            row_norm: None,
         };
         let norm = rms(1, gate_up.k);
         out.push(("gemm", crate::gemv::gemv_folded(&(gate_up, norm, false))));
@@ -445,8 +448,35 @@ fn gemm_kernels(elem: Elem, out: &mut Catalog) {
         swiglu: false,
         residual: false,
         elem,
+        row_norm: None,
     };
     out.push(("gemm", gemm(&odd)));
+    if elem != Elem::F32 {
+        // An RMSNorm carried between two products, in every Hopper tiling: a residual product
+        // writing its rows' sums of squares, a SwiGLU one scaling its rows by their 1/rms.
+        let sums = GemmConfig {
+            residual: true,
+            row_norm: Some(RowNorm::Sums),
+            ..GemmConfig::plain(1000, 2048, 2048, elem)
+        };
+        let scaled = GemmConfig {
+            swiglu: true,
+            row_norm: Some(RowNorm::Scale {
+                parts: 8,
+                eps: 1e-5,
+            }),
+            ..GemmConfig::plain(1000, 4096, 2048, elem)
+        };
+        for cfg in [sums, scaled] {
+            let kernel = gemm(&cfg);
+            out.extend(
+                (crate::gemm_wgmma::other_tilings(&cfg, &kernel.name).into_iter())
+                    .chain(crate::gemm_wgmma::split_tilings(&cfg, &kernel.name))
+                    .map(|k| ("gemm", k)),
+            );
+            out.push(("gemm", kernel));
+        }
+    }
 }
 
 /// Paging of `block`-key blocks over `rows` sequences of `capacity` keys in the default pool.

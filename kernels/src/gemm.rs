@@ -40,6 +40,27 @@ pub struct GemmConfig {
     pub residual: bool,
     /// Element type of every operand and the output.
     pub elem: Elem,
+    /// RMSNorm statistics carried from one product to the next (Hopper kernel only).
+    pub row_norm: Option<RowNorm>,
+}
+
+/// An RMSNorm between two products, carried by them instead of launched: the product that
+/// finishes the rows (a residual product of a pre-norm model) writes their sums of squares, and
+/// the product that reads them normalised scales each row of its sums by the row's `1/rms`
+/// before its epilogue (the norm's weight folded into its own weight, `fold::scales_by_norm`),
+/// `rms = sqrt(sum of squares / K + eps)`: row scaling commutes with the product.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum RowNorm {
+    /// Writes `row_sums [M, parts]` (f32): each row's sum of squares of its finished (rounded)
+    /// outputs over each tile's columns, [`row_sum_parts`] of them.
+    Sums,
+    /// Scales each row of the product by `1 / sqrt(sum(norm_sums[row, ..parts]) / K + eps)`.
+    Scale {
+        /// Sums per row, as the product that wrote them has ([`row_sum_parts`]).
+        parts: u32,
+        /// The norm's epsilon.
+        eps: f32,
+    },
 }
 
 impl GemmConfig {
@@ -55,6 +76,7 @@ impl GemmConfig {
             swiglu: false,
             residual: false,
             elem,
+            row_norm: None,
         }
     }
 
@@ -89,6 +111,11 @@ impl GemmConfig {
         }
         if self.residual {
             suffix.push_str("_residual");
+        }
+        match self.row_norm {
+            Some(RowNorm::Sums) => suffix.push_str("_rowsums"),
+            Some(RowNorm::Scale { parts, .. }) => suffix.push_str(&format!("_rms{parts}")),
+            None => {}
         }
         suffix
     }
@@ -141,6 +168,18 @@ pub fn split_scratch(cfg: &GemmConfig, rows: Rows) -> (u64, u64) {
     crate::gemm_wgmma::split_scratch(cfg, crate::gemm_wgmma::tiling(cfg))
 }
 
+/// The sums of squares per row that [`gemm_for`]'s kernel writes with [`RowNorm::Sums`] (one
+/// per tile of columns), where it can: the Hopper kernel over an even N without SwiGLU.
+pub fn row_sum_parts(cfg: &GemmConfig, rows: Rows) -> Option<u32> {
+    (carries_row_norm(cfg, rows) && !cfg.swiglu && cfg.n.is_multiple_of(2))
+        .then(|| crate::gemm_wgmma::row_sum_parts(cfg, crate::gemm_wgmma::tiling(cfg)))
+}
+
+/// Whether [`gemm_for`]'s kernel can carry a [`RowNorm`]: the Hopper kernel's.
+pub fn carries_row_norm(cfg: &GemmConfig, rows: Rows) -> bool {
+    !crate::gemv::supports_grouped(cfg, rows) && path(cfg) == KernelPath::Wgmma
+}
+
 /// The kernel [`gemm`] picks where sm_90a is not available: the same work under the same
 /// parameter names (pointers where the Hopper kernel takes tensor maps), in the base image.
 pub fn gemm_base(cfg: &GemmConfig) -> GeneratedKernel {
@@ -156,6 +195,10 @@ pub fn gemm_simt(cfg: &GemmConfig) -> GeneratedKernel {
     assert!(
         !cfg.swiglu || cfg.n.is_multiple_of(2),
         "SwiGLU needs an even N"
+    );
+    assert!(
+        cfg.row_norm.is_none(),
+        "only the Hopper GEMM carries a row norm"
     );
     let mut k = Kernel::new(&cfg.name());
     let x = k.param_ptr("x");

@@ -40,6 +40,10 @@ pub fn gemm_tc(cfg: &GemmConfig, name: String) -> GeneratedKernel {
         supports(cfg),
         "the tensor-core GEMM needs f16/bf16, [N, K] weights, K % 8 == 0 (N even with SwiGLU)"
     );
+    assert!(
+        cfg.row_norm.is_none(),
+        "only the Hopper GEMM carries a row norm"
+    );
     let mut k = Kernel::new(&name);
     let x = k.param_ptr("x");
     let w = k.param_ptr("w");

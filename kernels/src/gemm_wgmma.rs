@@ -37,7 +37,7 @@
 //! sets the counter back to zero and runs the epilogue. A consumer whose 64 rows are all past M
 //! neither stores nor adds.
 
-use crate::gemm::{apply, Addends, EpiloguePtrs, GemmConfig};
+use crate::gemm::{apply, Addends, EpiloguePtrs, GemmConfig, RowNorm};
 use crate::hopper::{
     bulk_commit, bulk_wait, bulk_wait_when, fence_proxy_async, for_each_block_item,
     mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_arrive_expect_tx_when, mbarrier_init,
@@ -335,6 +335,12 @@ pub fn splits_fit(cfg: &GemmConfig, tiling: Tiling) -> bool {
         && crate::check_index_range(&[split_scratch(cfg, tiling).0 / 4])
 }
 
+/// The sums of squares per row that `cfg` writes in `tiling` with [`RowNorm::Sums`]: one per
+/// tile of columns.
+pub fn row_sum_parts(cfg: &GemmConfig, tiling: Tiling) -> u32 {
+    cfg.n_out().div_ceil(Tile::new(cfg, tiling).columns())
+}
+
 /// The scratch a launch of `cfg` in `tiling` binds besides its operands: bytes of the f32
 /// `partials` and of the u32 `counters` (zero before the launch, and left zero); none unsplit.
 pub fn split_scratch(cfg: &GemmConfig, tiling: Tiling) -> (u64, u64) {
@@ -521,6 +527,7 @@ pub fn gemm_wgmma_tiled(cfg: &GemmConfig, tiling: Tiling, name: String) -> Gener
         flags: k.shared("split_last", 4 * CONSUMERS as u32),
         splits: tiling.splits,
     });
+    let norm = NormParam::declare(&mut k, cfg, tile);
     let smem = k.dynamic_shared_aligned("gemm_stages", 1024);
     // Room for the most stages' barriers, whatever this tile's count.
     k.shared("gemm_barriers", 2 * STAGES * MBARRIER_BYTES);
@@ -577,7 +584,7 @@ pub fn gemm_wgmma_tiled(cfg: &GemmConfig, tiling: Tiling, name: String) -> Gener
         &mut k,
         cfg,
         &pipe,
-        (&epilogue, split.as_ref(), residual.as_ref()),
+        (&epilogue, split.as_ref(), residual.as_ref(), norm),
         &tid,
         &warpgroup,
     );
@@ -747,7 +754,12 @@ fn consumer(
     k: &mut Kernel,
     cfg: &GemmConfig,
     pipe: &Pipeline,
-    (epilogue, split, residual): (&EpiloguePtrs, Option<&Split>, Option<&ResidualLoads>),
+    (epilogue, split, residual, norm): (
+        &EpiloguePtrs,
+        Option<&Split>,
+        Option<&ResidualLoads>,
+        Option<NormParam>,
+    ),
     tid: &Reg,
     warpgroup: &Reg,
 ) {
@@ -797,11 +809,37 @@ fn consumer(
             }
         };
         let mid_step: Option<&StepHook<'_>> = residual.map(|_| &loads as _);
+        // Each row half's first row: this warpgroup's 64 rows, or both halves of the tile.
+        let half_rows = |k: &mut Kernel, half: u32| {
+            if tile.ping_pong() {
+                k.add_u32(&m0, &(64 * half))
+            } else {
+                k.mad_u32(&consumer, &64u32, &m0)
+            }
+        };
+        // The rows' 1/rms, loaded ahead of the products they scale.
+        let scales: Vec<[Reg; 2]> = match norm {
+            Some(NormParam::Scale { sums, parts, eps }) => (0..halves.len() as u32)
+                .map(|half| {
+                    let rows0 = half_rows(k, half);
+                    row_scales(k, cfg, (sums, parts, eps), tid, &rows0)
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
         mac.multiply(k, &item.steps, mid_step);
         if let (Some(t), Some(next)) = (&turns, hand_over) {
             t.hand_over(k, next);
         }
         mac.release_last(k);
+        let per_half = acc.len() / halves.len();
+        for (acc, scales) in acc.chunks(per_half).zip(&scales) {
+            scale_rows(k, acc, scales);
+        }
+        let sums_out = match norm {
+            Some(NormParam::Sums(ptr)) => Some(ptr),
+            _ => None,
+        };
         if let Some(split) = split {
             // A consumer whose 64 rows are all past M (a decode step's 64 rows) has nothing to
             // add up or store.
@@ -819,18 +857,28 @@ fn consumer(
             };
             let rows = k.mad_u32(&consumer, &64u32, &m0);
             let frag = Fragment::of(k, &acc, tid, rows, n0);
-            staging.write(&regs, k, cfg, epilogue, &frag);
+            let mut sums = sums_out.map(|_| RowSums::new(k));
+            staging.write(&regs, k, cfg, epilogue, &frag, sums.as_mut());
+            if let (Some(sums), Some(ptr)) = (sums, sums_out) {
+                sums.store(k, (cfg, tile), &frag, ptr, (tid, &n0));
+            }
             staging.flush(&regs, k, epilogue.out_map(), [rows, n0]);
             k.place(&skip);
             return;
         }
-        for (half, acc) in (0u32..).zip(acc.chunks(acc.len() / halves.len())) {
-            let rows = if tile.ping_pong() {
-                k.add_u32(&m0, &(64 * half))
+        for (half, acc) in (0u32..).zip(acc.chunks(per_half)) {
+            let rows = half_rows(k, half);
+            k.comment("epilogue on the accumulators");
+            let frag = Fragment::of(k, acc, tid, rows, n0);
+            if cfg.n_out().is_multiple_of(2) {
+                let mut sums = sums_out.map(|_| RowSums::new(k));
+                store_pairs(k, cfg, epilogue, &frag, sums.as_mut());
+                if let (Some(sums), Some(ptr)) = (sums, sums_out) {
+                    sums.store(k, (cfg, tile), &frag, ptr, (tid, &n0));
+                }
             } else {
-                k.mad_u32(&consumer, &64u32, &m0)
-            };
-            store(k, cfg, epilogue, acc, tid, rows, n0);
+                store_elements(k, cfg, epilogue, &frag);
+            }
         }
         k.place(&skip);
     });
@@ -960,6 +1008,7 @@ impl Staging {
         cfg: &GemmConfig,
         epilogue: &EpiloguePtrs,
         frag: &Fragment,
+        mut sums: Option<&mut RowSums>,
     ) {
         let no_operands = PairOperands::words(cfg) == 0;
         let rows: Vec<(Reg, Reg)> = if no_operands {
@@ -1001,7 +1050,11 @@ impl Staging {
                         });
                         PairOperands::load(k, cfg, epilogue, &place, pair)
                     };
-                    finish_chunk(k, cfg, frag, j, &operands)
+                    let words = finish_chunk(k, cfg, frag, j, &operands);
+                    if let Some(sums) = sums.as_deref_mut() {
+                        sums.add(k, cfg, frag, j, &words);
+                    }
+                    words
                 })
                 .to_vec();
             let addr = match resident {
@@ -1378,24 +1431,6 @@ impl Split {
 /// The epilogue of 64 rows from `rows0`: thread `t` of a consumer warpgroup holds, for each
 /// 8-column chunk `j`, the columns `8 j + 2 (t % 4) + {0, 1}` of rows
 /// `16 (t / 32 % 4) + (t % 32) / 4 + {0, 8}` (registers `4 j + {0, 1}` and `4 j + {2, 3}`).
-fn store(
-    k: &mut Kernel,
-    cfg: &GemmConfig,
-    epilogue: &EpiloguePtrs,
-    acc: &[Reg],
-    tid: &Reg,
-    rows0: Reg,
-    n0: Reg,
-) {
-    k.comment("epilogue on the accumulators");
-    let frag = Fragment::of(k, acc, tid, rows0, n0);
-    if cfg.n_out().is_multiple_of(2) {
-        store_pairs(k, cfg, epilogue, &frag);
-    } else {
-        store_elements(k, cfg, epilogue, &frag);
-    }
-}
-
 /// A thread's accumulators and the output row and column of its first one.
 struct Fragment<'a> {
     acc: &'a [Reg],
@@ -1433,6 +1468,138 @@ impl<'a> Fragment<'a> {
     }
 }
 
+/// A product's [`RowNorm`] parameter: where it writes its rows' sums of squares (`row_sums`),
+/// or reads those it scales its rows by (`norm_sums`).
+#[derive(Clone, Copy)]
+enum NormParam {
+    Sums(Reg),
+    Scale { sums: Reg, parts: u32, eps: f32 },
+}
+
+impl NormParam {
+    fn declare(k: &mut Kernel, cfg: &GemmConfig, tile: Tile) -> Option<NormParam> {
+        let norm = cfg.row_norm?;
+        Some(match norm {
+            RowNorm::Sums => {
+                assert!(
+                    !tile.swiglu && cfg.n.is_multiple_of(2),
+                    "row sums are written over an even N without SwiGLU"
+                );
+                NormParam::Sums(k.param_ptr("row_sums"))
+            }
+            RowNorm::Scale { parts, eps } => NormParam::Scale {
+                sums: k.param_ptr("norm_sums"),
+                parts,
+                eps,
+            },
+        })
+    }
+}
+
+/// The `1/rms` of each of a thread's two fragment rows (those of the 64 from `rows0`), from
+/// the `parts` sums of squares per row that the product before wrote; a row past M reads row
+/// 0's and is never stored.
+fn row_scales(
+    k: &mut Kernel,
+    cfg: &GemmConfig,
+    (sums, parts, eps): (Reg, u32, f32),
+    tid: &Reg,
+    rows0: &Reg,
+) -> [Reg; 2] {
+    let WarpgroupThread { lane, warp, .. } = WarpgroupThread::of(k, tid);
+    let quad = k.op2("shr.u32", RegClass::B32, &lane, &2u32);
+    let first = k.mad_u32(&warp, &16u32, rows0);
+    let row0 = k.add_u32(&first, &quad);
+    [0u32, 1].map(|h| {
+        let row = k.add_u32(&row0, &(8 * h));
+        let inside = k.setp("lt.u32", &row, &cfg.m);
+        let row = k.selp(RegClass::B32, "u32", &row, &0u32, inside);
+        let at = k.mul_u32(&row, &parts);
+        let base = k.address(sums, &at, 4);
+        let values: Vec<Reg> = (0..parts)
+            .map(|p| {
+                let v = k.reg(RegClass::F32);
+                k.emit(format!("ld.global.f32 {v}, [{base}+{}]", 4 * p));
+                v
+            })
+            .collect();
+        let total = values
+            .into_iter()
+            .reduce(|a, b| k.add_f32(&a, &b))
+            .expect("a row has at least one part");
+        let mean = k.fma_f32(&total, &F32(1.0 / cfg.k as f32), &F32(eps));
+        k.rsqrt_f32(&mean)
+    })
+}
+
+/// Scales a thread's accumulators by their rows' factors: chunk `j`'s four are rows
+/// `(h, h, h + 1, h + 1)` of its fragment ([`Fragment::at`]), SwiGLU's up half alike.
+fn scale_rows(k: &mut Kernel, acc: &[Reg], scales: &[Reg; 2]) {
+    for (i, a) in acc.iter().enumerate() {
+        let s = scales[(i % 4) / 2];
+        k.emit(format!("mul.rn.f32 {a}, {a}, {s}"));
+    }
+}
+
+/// A thread's running sums of squares of its two fragment rows' finished outputs over one tile
+/// ([`RowNorm::Sums`]), from the rounded values the tile stores.
+struct RowSums {
+    sums: [Reg; 2],
+}
+
+impl RowSums {
+    fn new(k: &mut Kernel) -> RowSums {
+        RowSums {
+            sums: [0, 1].map(|_| k.mov(RegClass::F32, &F32(0.0))),
+        }
+    }
+
+    /// Adds chunk `j`'s finished words (one per row half); columns past N count nothing.
+    fn add(&mut self, k: &mut Kernel, cfg: &GemmConfig, frag: &Fragment, j: u32, words: &[Reg; 2]) {
+        let col = k.add_u32(&frag.col0, &(8 * j));
+        let inside = k.setp("lt.u32", &col, &cfg.n_out());
+        for (sum, &word) in self.sums.iter_mut().zip(words) {
+            let [a, b] = pair(k, cfg.elem, word);
+            let s = k.fma_f32(&a, &a, sum);
+            let s = k.fma_f32(&b, &b, &s);
+            *sum = k.selp(RegClass::F32, "f32", &s, sum, inside);
+        }
+    }
+
+    /// Adds up each row's sums over the four lanes that hold it and stores them at the row's
+    /// place for the tile's columns (`n0`), for rows inside M.
+    fn store(
+        self,
+        k: &mut Kernel,
+        (cfg, tile): (&GemmConfig, Tile),
+        frag: &Fragment,
+        row_sums: Reg,
+        (tid, n0): (&Reg, &Reg),
+    ) {
+        let parts = cfg.n_out().div_ceil(tile.columns());
+        let part = k.op2("div.u32", RegClass::B32, n0, &tile.columns());
+        let lane = k.op2("and.b32", RegClass::B32, tid, &3u32);
+        let leader = k.setp("eq.u32", &lane, &0u32);
+        for (h, sum) in (0u32..).zip(self.sums) {
+            let mut total = sum;
+            for offset in [1u32, 2] {
+                let other = k.reg(RegClass::F32);
+                k.emit(format!(
+                    "shfl.sync.bfly.b32 {other}, {total}, {offset}, 31, -1"
+                ));
+                total = k.add_f32(&total, &other);
+            }
+            let row = k.add_u32(&frag.row0, &(8 * h));
+            let inside = k.setp("lt.u32", &row, &cfg.m);
+            let ok = k.reg(RegClass::Pred);
+            k.emit(format!("and.pred {ok}, {inside}, {leader}"));
+            let at = k.mad_u32(&row, &parts, &part);
+            let addr = k.address(row_sums, &at, 4);
+            k.emit(format!("@{ok} st.global.f32 [{addr}], {total}"));
+        }
+    }
+}
+
 /// Words of bias and residual a consumer thread loads before storing any: the epilogue loads
 /// the operands of a group of chunks at once, then finishes and stores them, since a load
 /// issued after a store to `out` (which may be the residual's buffer) would wait for it.
@@ -1441,7 +1608,13 @@ const EPILOGUE_WORDS: u32 = 48;
 /// The epilogue for an even N: each pair of columns is finished and stored as one 32-bit word,
 /// its bias and residual read as words too; out-of-range places load from element 0 and store
 /// nothing, so there are no branches and a group's loads are all in flight at once.
-fn store_pairs(k: &mut Kernel, cfg: &GemmConfig, epilogue: &EpiloguePtrs, frag: &Fragment) {
+fn store_pairs(
+    k: &mut Kernel,
+    cfg: &GemmConfig,
+    epilogue: &EpiloguePtrs,
+    frag: &Fragment,
+    mut sums: Option<&mut RowSums>,
+) {
     let n_out = cfg.n_out();
     let rows: Vec<(Reg, Reg)> = (0..2u32)
         .map(|h| {
@@ -1467,7 +1640,10 @@ fn store_pairs(k: &mut Kernel, cfg: &GemmConfig, epilogue: &EpiloguePtrs, frag: 
         for (&j, operands) in group.iter().zip(&loaded) {
             // The place again rather than held since the loads: fewer live registers.
             let place = PairPlace::of(k, cfg, frag, &rows, j);
-            store_chunk(k, cfg, epilogue, frag, j, &place, operands);
+            let words = store_chunk(k, cfg, epilogue, frag, j, &place, operands);
+            if let Some(sums) = sums.as_deref_mut() {
+                sums.add(k, cfg, frag, j, &words);
+            }
         }
     }
 }
@@ -1556,7 +1732,8 @@ impl PairOperands {
     }
 }
 
-/// Finishes chunk `j`'s pairs with their loaded operands and stores those inside the output.
+/// Finishes chunk `j`'s pairs with their loaded operands, stores those inside the output and
+/// returns them (both row halves' words).
 fn store_chunk(
     k: &mut Kernel,
     cfg: &GemmConfig,
@@ -1565,12 +1742,13 @@ fn store_chunk(
     j: u32,
     place: &PairPlace,
     operands: &PairOperands,
-) {
+) -> [Reg; 2] {
     let words = finish_chunk(k, cfg, frag, j, operands);
     for ((ok, oi), word) in place.rows.iter().zip(words) {
         let addr = k.address(epilogue.out(), oi, 2);
         k.emit(format!("@{ok} st.global.b32 [{addr}], {word}"));
     }
+    words
 }
 
 /// Chunk `j`'s pairs of both row halves finished with their loaded operands, as words.

@@ -117,6 +117,10 @@ pub fn gemv_for(cfg: &GemmConfig, name: String, rows: Rows) -> GeneratedKernel {
         supports(cfg) || supports_grouped(cfg, rows) || narrow_grouped(cfg),
         "the GEMV kernel needs [N, K] weights and M <= 8 (more on tensor cores in row groups)"
     );
+    assert!(
+        cfg.row_norm.is_none(),
+        "only the Hopper GEMM carries a row norm"
+    );
     if tensor_cores(cfg, rows) {
         gemv_tc(cfg, &name, None)
     } else {

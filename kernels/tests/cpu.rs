@@ -443,6 +443,7 @@ fn gemm_epilogues_match_the_interpreter() {
             swiglu,
             residual,
             elem: Elem::F32,
+            row_norm: None,
         };
         assert!(epilogue::needed(&cfg));
         built.push((epilogue::epilogue(&mut module, &cfg).unwrap(), cfg));

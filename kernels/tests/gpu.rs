@@ -673,6 +673,7 @@ fn gemms_match_the_interpreter() {
                     swiglu,
                     residual,
                     elem,
+                    row_norm: None,
                 };
                 // The kernel lowering picks, the base-image kernel its launches fall back to, the
                 // Hopper kernel's other tilings, and the one a batched artifact picks (the
@@ -838,6 +839,7 @@ fn gemv_norm_prologues_match_the_interpreter() {
                     swiglu,
                     residual,
                     elem,
+                    row_norm: None,
                 };
                 let norm_cfg = NormConfig {
                     kind,
@@ -953,6 +955,7 @@ fn one_row_products_fold_their_rms_norm() {
                 swiglu,
                 residual,
                 elem,
+                row_norm: None,
             };
             let norm_cfg = NormConfig {
                 kind: NormKind::RmsNorm,
@@ -1025,6 +1028,159 @@ fn one_row_products_fold_their_rms_norm() {
     }
 }
 
+/// Random weights `[n, k]` of a product (scaled so that its sums stay near 1) and its bias.
+fn product_weights(rng: &mut Rng, n: u32, k: u32, elem: Elem) -> (Vec<f32>, Vec<f32>) {
+    let w = values(rng, (n * k) as usize, 1.0 / (k as f32).sqrt(), elem);
+    (w, values(rng, n as usize, 0.5, elem))
+}
+
+/// An RMSNorm carried between two Hopper products (`RowNorm`): a residual product writes each
+/// row's sums of squares of its stored outputs, one per tile of columns, and a product over
+/// those rows (its norm weight folded into its own) scales its sums by each row's 1/rms, in
+/// every tiling of both (K split too), over ragged rows and columns: the second product is the
+/// interpreter's product with an RMSNorm prologue (weight ones) of the first's output.
+#[test]
+fn hopper_products_carry_an_rms_norm_between_them() {
+    use kiln_kernels::gemm::RowNorm;
+    use kiln_kernels::gemm_wgmma::{fits, gemm_wgmma_tiled, row_sum_parts, Tiling};
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng::seed_from_u64(0x00a1_10f5_a1e5);
+    let tilings = |cfg: &GemmConfig| -> Vec<(Tiling, GeneratedKernel)> {
+        let all = TILINGS.iter().flat_map(|&(t, _)| [t, t.split(2)]);
+        (0u32..)
+            .zip(all.filter(|&t| fits(cfg, t)))
+            .map(|(i, t)| (t, gemm_wgmma_tiled(cfg, t, format!("rms_{i}"))))
+            .collect()
+    };
+    for elem in [Elem::F16, Elem::BF16] {
+        for (m, hidden, k, n, swiglu) in [
+            (300u32, 520u32, 264u32, 1040u32, true),
+            (130, 1000, 96, 258, false),
+        ] {
+            let first = GemmConfig {
+                bias: true,
+                residual: true,
+                row_norm: Some(RowNorm::Sums),
+                ..GemmConfig::plain(m, hidden, k, elem)
+            };
+            // Rows of several scales, so that each row's 1/rms matters.
+            let x = values(&mut rng, (m * k) as usize, 2.0, elem);
+            let (w, b) = product_weights(&mut rng, hidden, k, elem);
+            let r: Vec<f32> = (0..m * hidden)
+                .map(|i| {
+                    round(
+                        elem,
+                        (1 + i / hidden % 5) as f32 * rng.random_range(-1.0f32..1.0),
+                    )
+                })
+                .collect();
+            let inputs = vec![
+                (vec![m as usize, k as usize], x.clone()),
+                (vec![hidden as usize, k as usize], w.clone()),
+                (vec![hidden as usize], b.clone()),
+                (vec![m as usize, hidden as usize], r.clone()),
+            ];
+            let spec = GemmSpec {
+                transpose_b: true,
+                bias: true,
+                activation: None,
+                swiglu: false,
+                residual: true,
+                prologue: None,
+            };
+            let want = rounded_reference(Op::Gemm(spec), inputs, elem);
+            let bufs: Vec<Buf> = [&x, &w, &b, &r]
+                .iter()
+                .map(|v| gpu.upload(elem, v))
+                .collect();
+            let (partials, counters) = (
+                gpu.upload(Elem::F32, &vec![f32::NAN; 1 << 20]),
+                gpu.upload_u32(&vec![0; 1 << 12]),
+            );
+            let mut outs = Vec::new();
+            for (tiling, kernel) in tilings(&first) {
+                let parts = row_sum_parts(&first, tiling);
+                let out = gpu.poisoned(elem, (m * hidden) as usize);
+                let sums = gpu.upload(Elem::F32, &vec![f32::NAN; (m * parts) as usize]);
+                let args = BTreeMap::from([
+                    ("x", Arg::Buf(&bufs[0])),
+                    ("w", Arg::Buf(&bufs[1])),
+                    ("bias", Arg::Buf(&bufs[2])),
+                    ("residual", Arg::Buf(&bufs[3])),
+                    ("out", Arg::Buf(&out)),
+                    ("row_sums", Arg::Buf(&sums)),
+                    ("partials", Arg::Buf(&partials)),
+                    ("counters", Arg::Buf(&counters)),
+                ]);
+                gpu.launch(&kernel, &args);
+                let got = gpu.download(elem, &out);
+                let what = format!("{tiling:?} {m}x{hidden}x{k} {elem:?}");
+                check(&what, elem, &got, &want);
+                let got_sums = gpu.download(Elem::F32, &sums);
+                for (row, values) in got.chunks(hidden as usize).enumerate() {
+                    let want: f64 = values.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+                    let part = &got_sums[row * parts as usize..][..parts as usize];
+                    let sum: f64 = part.iter().map(|&v| f64::from(v)).sum();
+                    assert!(
+                        (sum - want).abs() <= 1e-5 * want + 1e-6,
+                        "{what}: row {row} sums {sum} against {want}"
+                    );
+                }
+                outs.push((parts, got, sums));
+            }
+            // The second product over the first's rows, with each of its tilings' sums.
+            let second = |parts| GemmConfig {
+                swiglu,
+                bias: true,
+                row_norm: Some(RowNorm::Scale { parts, eps: 1e-5 }),
+                ..GemmConfig::plain(m, n, hidden, elem)
+            };
+            let (w2, b2) = product_weights(&mut rng, n, hidden, elem);
+            let (bw2, bb2) = (gpu.upload(elem, &w2), gpu.upload(elem, &b2));
+            for (parts, x2, sums) in &outs {
+                let spec = GemmSpec {
+                    transpose_b: true,
+                    bias: true,
+                    activation: None,
+                    swiglu,
+                    residual: false,
+                    prologue: Some(NormSpec {
+                        kind: NormKind::RmsNorm,
+                        eps: 1e-5,
+                        residual: false,
+                    }),
+                };
+                let inputs = vec![
+                    (vec![m as usize, hidden as usize], x2.clone()),
+                    (vec![n as usize, hidden as usize], w2.clone()),
+                    (vec![n as usize], b2.clone()),
+                    (vec![hidden as usize], vec![1.0; hidden as usize]),
+                ];
+                let want = rounded_reference(Op::Gemm(spec), inputs, elem);
+                let bx2 = gpu.upload(elem, x2);
+                let cfg = second(*parts);
+                for (tiling, kernel) in tilings(&cfg) {
+                    let out = gpu.poisoned(elem, (m * cfg.n_out()) as usize);
+                    let args = BTreeMap::from([
+                        ("x", Arg::Buf(&bx2)),
+                        ("w", Arg::Buf(&bw2)),
+                        ("bias", Arg::Buf(&bb2)),
+                        ("out", Arg::Buf(&out)),
+                        ("norm_sums", Arg::Buf(sums)),
+                        ("partials", Arg::Buf(&partials)),
+                        ("counters", Arg::Buf(&counters)),
+                    ]);
+                    gpu.launch(&kernel, &args);
+                    let got = gpu.download(elem, &out);
+                    let what = format!("{tiling:?} {m}x{n}x{hidden} over {parts} sums {elem:?}");
+                    check(&what, elem, &got, &want);
+                }
+            }
+            println!("ok: {m} rows of {hidden} between products, {elem:?}");
+        }
+    }
+}
+
 /// Batch invariance of the tensor-core GEMV (what a batched artifact relies on for each sequence
 /// to decode as it does alone): row r of a product of 1 to 16 rows (past 8 in row groups), with
 /// and without the norm prologue, is bit for bit row r of the same product over 16 rows, and a
@@ -1056,6 +1212,7 @@ fn tensor_core_gemv_rows_do_not_depend_on_their_neighbours() {
                 swiglu: normed,
                 residual: false,
                 elem,
+                row_norm: None,
             };
             let kernel = if normed {
                 let norm = NormConfig {

@@ -85,6 +85,7 @@ fn swiglu_bf16(m: u32, bias: bool) -> GemmConfig {
         swiglu: true,
         residual: false,
         elem: Elem::BF16,
+        row_norm: None,
     }
 }
 
@@ -118,6 +119,7 @@ fn gemm_bias_gelu_odd_columns_bf16() {
         swiglu: false,
         residual: false,
         elem: Elem::BF16,
+        row_norm: None,
     });
     insta::assert_snapshot!(k.module());
 }
@@ -191,6 +193,7 @@ fn gemv_split_k_residual_bf16_decode() {
         swiglu: false,
         residual: true,
         elem: Elem::BF16,
+        row_norm: None,
     });
     assert!(k.name.ends_with("_gemv"), "{}", k.name);
     assert_eq!(k.launch.grid, [32, 1, 1], "two columns per block");

@@ -494,7 +494,8 @@ pub fn choose_sm90a_image(art: &Artifact, sm: u32) -> Result<Option<KernelImage>
     }
 }
 
-/// `plan` with every step whose kernel needs sm_90a replaced by its fallback when `sm90a` is off.
+/// `plan` with every step whose kernel needs sm_90a replaced by its fallback when `sm90a` is off,
+/// and without the steps only those fallbacks need when it is on ([`ExecPlan::drop_base_only`]).
 pub fn resolve_plan(
     plan: &ExecPlan,
     table: &BTreeMap<&str, &KernelEntry>,
@@ -502,6 +503,7 @@ pub fn resolve_plan(
 ) -> Result<ExecPlan, RuntimeError> {
     let mut out = plan.clone();
     if sm90a {
+        out.drop_base_only();
         return Ok(out);
     }
     for step in &mut out.steps {
@@ -1694,6 +1696,7 @@ mod tests {
             },
             node: "attention_7".into(),
             fallback: None,
+            base_only: false,
         };
         let size = |_: Region| 0u64;
         let check = |cluster, blocks| {

@@ -390,6 +390,95 @@ fn decode_products_normalise_their_rows_themselves() {
     }
 }
 
+/// A pre-norm model's RMSNorms ride on its Hopper products (`RowNorm`): in bf16 prefill
+/// buckets, prompt chunks and logits chunks of the real Llama, Mistral and Qwen2 shapes, the
+/// norms before every layer's QKV and up products but the first layer's are base-only steps
+/// (launched only where the sm_90a steps fall back), each followed by the product that scales
+/// its rows itself (`_rms<parts>`, reading the sums that its input's product writes,
+/// `_rowsums`, with as many parts), as is the LM head's in prefill buckets (the 7B-8B heads'
+/// weights are their own, so the norm's folds into them); the first layer's (after the
+/// embedding) and a logits chunk's LM head's (in row pieces) are launched. Near misses: an f32 build (no Hopper kernel)
+/// and GPT-2 (LayerNorm) keep every norm.
+#[test]
+fn prefill_products_carry_their_rms_norms() {
+    for (name, dtype, carried) in [
+        ("llama-3.1-8b", "bf16", true),
+        ("mistral-7b", "bf16", true),
+        ("qwen2-7b", "bf16", true),
+        ("llama-3.1-8b", "f32", false),
+        ("gpt2-small", "bf16", false),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let model = configs_dir().join(name);
+        let flags = "--no-weights --buckets 256 --max-context 1024 --prefill-chunk 128 \
+                     --logits-chunk 512 --target cuda -q --dtype";
+        let flags: Vec<&str> = flags.split_whitespace().chain([dtype]).collect();
+        let art = kiln_tests::compile_artifact(&model, &tmp.path().join("out"), &flags);
+        let m = &art.manifest;
+        let config: Value =
+            serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap())
+                .unwrap();
+        let number = |a: &str, b: &str| config[a].as_u64().or(config[b].as_u64()).unwrap();
+        let layers = number("num_hidden_layers", "n_layer") as usize;
+        let hidden = number("hidden_size", "n_embd") as u32;
+        let chunks = m.decode.iter().filter(|e| e.seq > 1);
+        let entries = m.prefill.iter().chain(chunks).chain(&m.logits_chunks);
+        for e in entries {
+            let steps = &e.plan.as_ref().unwrap().steps;
+            let what = format!("{name} {dtype} {}", e.graph);
+            let base_only: Vec<usize> = (0..steps.len()).filter(|&i| steps[i].base_only).collect();
+            if !carried {
+                assert!(base_only.is_empty(), "{what}");
+                assert!(steps.iter().all(|s| !s.kernel.contains("_rms")), "{what}");
+                assert!(
+                    steps.iter().all(|s| !s.kernel.contains("_rowsums")),
+                    "{what}"
+                );
+                continue;
+            }
+            // All but the first layer's first (and the LM head's where its weight stays its
+            // own or it runs in row pieces) ride on products: at most two are launched.
+            let norms = steps.iter().filter(|s| s.kernel.starts_with("rms_norm"));
+            let launched = norms.clone().filter(|s| !s.base_only).count();
+            assert!(launched <= 2, "{what}: {launched} launched");
+            assert!(norms.count() >= 2 * layers - 1, "{what}");
+            let writers: Vec<&str> = (steps.iter())
+                .map(|s| s.kernel.as_str())
+                .filter(|k| k.contains("_rowsums"))
+                .collect();
+            for i in base_only {
+                let norm = &steps[i];
+                assert!(
+                    norm.kernel.starts_with("rms_norm") && norm.fallback.is_none(),
+                    "{what}"
+                );
+                let product = &steps[i + 1];
+                let fallback = product.fallback.as_ref().expect("an sm_90a product");
+                assert!(
+                    !fallback.kernel.contains("_rms"),
+                    "{what}: {}",
+                    fallback.kernel
+                );
+                // The parts it reads: those of the last product before it that wrote sums.
+                let parts = product.kernel.split("_rms").nth(1).unwrap();
+                let parts: u32 = parts.split('_').next().unwrap().parse().unwrap();
+                let writer = (steps[..i].iter().rev())
+                    .find(|s| s.kernel.contains("_rowsums"))
+                    .expect("a product that wrote the sums");
+                assert!(writers.contains(&writer.kernel.as_str()));
+                let cols = kiln_kernels::gemm_wgmma::TILINGS
+                    .iter()
+                    .map(|(t, _)| t.width)
+                    .filter(|w| hidden.div_ceil(*w) == parts);
+                assert!(
+                    cols.count() > 0,
+                    "{what}: {parts} parts of {hidden} columns"
+                );
+            }
+        }
+    }
+}
+
 /// Issue 15's kernel count, read off `--report`: a bf16 decode step of the real Llama, Mistral,
 /// Qwen2 and GPT-2 shapes is five kernels per layer (the QKV product with its norm, the
 /// attention, which writes the step's key and value into the caches itself, the output

@@ -464,6 +464,7 @@ pub fn gemm_config(
         swiglu: spec.swiglu,
         residual: spec.residual,
         elem: Elem::of(out.dtype)?,
+        row_norm: None,
     })
 }
 
