@@ -924,10 +924,8 @@ impl RowNorms {
             let Op::Gemm(spec) = &node.op else {
                 continue;
             };
-            let rms = spec
-                .prologue
-                .as_ref()
-                .is_some_and(|p| p.kind == kiln_ir::kernel::NormKind::RmsNorm);
+            let rms = (spec.prologue.as_ref())
+                .is_some_and(|p| p.kind == kiln_ir::kernel::NormKind::RmsNorm && !p.residual);
             let Some((cfg, Some(norm))) = gemm_parts(g, id).filter(|_| rms && plain(id)) else {
                 continue;
             };

@@ -817,15 +817,16 @@ fn consumer(
                 k.mad_u32(&consumer, &64u32, &m0)
             }
         };
-        // The rows' 1/rms, loaded ahead of the products they scale.
-        let scales: Vec<[Reg; 2]> = match norm {
-            Some(NormParam::Scale { sums, parts, eps }) => (0..halves.len() as u32)
-                .map(|half| {
+        // The rows' sums of squares, loaded ahead of the products they scale.
+        let (loads, eps): (Vec<RowSumLoads>, f32) = match norm {
+            Some(NormParam::Scale { sums, parts, eps }) => {
+                let loads = (0..halves.len() as u32).map(|half| {
                     let rows0 = half_rows(k, half);
-                    row_scales(k, cfg, (sums, parts, eps), tid, &rows0)
-                })
-                .collect(),
-            _ => Vec::new(),
+                    RowSumLoads::issue(k, cfg, (sums, parts), tid, &rows0)
+                });
+                (loads.collect(), eps)
+            }
+            _ => (Vec::new(), 0.0),
         };
         mac.multiply(k, &item.steps, mid_step);
         if let (Some(t), Some(next)) = (&turns, hand_over) {
@@ -833,8 +834,9 @@ fn consumer(
         }
         mac.release_last(k);
         let per_half = acc.len() / halves.len();
-        for (acc, scales) in acc.chunks(per_half).zip(&scales) {
-            scale_rows(k, acc, scales);
+        for (acc, loads) in acc.chunks(per_half).zip(loads) {
+            let scales = loads.scales(k, cfg, eps);
+            scale_rows(k, acc, &scales);
         }
         let sums_out = match norm {
             Some(NormParam::Sums(ptr)) => Some(ptr),
@@ -859,10 +861,11 @@ fn consumer(
             let frag = Fragment::of(k, &acc, tid, rows, n0);
             let mut sums = sums_out.map(|_| RowSums::new(k));
             staging.write(&regs, k, cfg, epilogue, &frag, sums.as_mut());
+            staging.flush(&regs, k, epilogue.out_map(), [rows, n0]);
+            // After the stores are issued: the sums' shuffles do not hold them up.
             if let (Some(sums), Some(ptr)) = (sums, sums_out) {
                 sums.store(k, (cfg, tile), &frag, ptr, (tid, &n0));
             }
-            staging.flush(&regs, k, epilogue.out_map(), [rows, n0]);
             k.place(&skip);
             return;
         }
@@ -1496,40 +1499,54 @@ impl NormParam {
     }
 }
 
-/// The `1/rms` of each of a thread's two fragment rows (those of the 64 from `rows0`), from
-/// the `parts` sums of squares per row that the product before wrote; a row past M reads row
-/// 0's and is never stored.
-fn row_scales(
-    k: &mut Kernel,
-    cfg: &GemmConfig,
-    (sums, parts, eps): (Reg, u32, f32),
-    tid: &Reg,
-    rows0: &Reg,
-) -> [Reg; 2] {
-    let WarpgroupThread { lane, warp, .. } = WarpgroupThread::of(k, tid);
-    let quad = k.op2("shr.u32", RegClass::B32, &lane, &2u32);
-    let first = k.mad_u32(&warp, &16u32, rows0);
-    let row0 = k.add_u32(&first, &quad);
-    [0u32, 1].map(|h| {
-        let row = k.add_u32(&row0, &(8 * h));
-        let inside = k.setp("lt.u32", &row, &cfg.m);
-        let row = k.selp(RegClass::B32, "u32", &row, &0u32, inside);
-        let at = k.mul_u32(&row, &parts);
-        let base = k.address(sums, &at, 4);
-        let values: Vec<Reg> = (0..parts)
-            .map(|p| {
-                let v = k.reg(RegClass::F32);
-                k.emit(format!("ld.global.f32 {v}, [{base}+{}]", 4 * p));
-                v
-            })
-            .collect();
-        let total = values
-            .into_iter()
-            .reduce(|a, b| k.add_f32(&a, &b))
-            .expect("a row has at least one part");
-        let mean = k.fma_f32(&total, &F32(1.0 / cfg.k as f32), &F32(eps));
-        k.rsqrt_f32(&mean)
-    })
+/// A thread's two fragment rows' sums of squares (of the 64 rows from `rows0`), the `parts`
+/// a row that the product before wrote, loaded ahead of the products and added up after them
+/// ([`RowSumLoads::scales`]), so that no consumer waits for them before its first wgmma; a
+/// row past M reads row 0's and is never stored.
+struct RowSumLoads {
+    rows: [Vec<Reg>; 2],
+}
+
+impl RowSumLoads {
+    fn issue(
+        k: &mut Kernel,
+        cfg: &GemmConfig,
+        (sums, parts): (Reg, u32),
+        tid: &Reg,
+        rows0: &Reg,
+    ) -> Self {
+        let WarpgroupThread { lane, warp, .. } = WarpgroupThread::of(k, tid);
+        let quad = k.op2("shr.u32", RegClass::B32, &lane, &2u32);
+        let first = k.mad_u32(&warp, &16u32, rows0);
+        let row0 = k.add_u32(&first, &quad);
+        let rows = [0u32, 1].map(|h| {
+            let row = k.add_u32(&row0, &(8 * h));
+            let inside = k.setp("lt.u32", &row, &cfg.m);
+            let row = k.selp(RegClass::B32, "u32", &row, &0u32, inside);
+            let at = k.mul_u32(&row, &parts);
+            let base = k.address(sums, &at, 4);
+            (0..parts)
+                .map(|p| {
+                    let v = k.reg(RegClass::F32);
+                    k.emit(format!("ld.global.f32 {v}, [{base}+{}]", 4 * p));
+                    v
+                })
+                .collect()
+        });
+        RowSumLoads { rows }
+    }
+
+    /// Each row's `1/rms`: `1 / sqrt(sum / K + eps)`.
+    fn scales(self, k: &mut Kernel, cfg: &GemmConfig, eps: f32) -> [Reg; 2] {
+        self.rows.map(|values| {
+            let total = values
+                .into_iter()
+                .reduce(|a, b| k.add_f32(&a, &b))
+                .expect("a row has at least one part");
+            let mean = k.fma_f32(&total, &F32(1.0 / cfg.k as f32), &F32(eps));
+            k.rsqrt_f32(&mean)
+        })
+    }
 }
 
 /// Scales a thread's accumulators by their rows' factors: chunk `j`'s four are rows
