@@ -818,15 +818,14 @@ fn consumer(
             }
         };
         // The rows' sums of squares, loaded ahead of the products they scale.
-        let (loads, eps): (Vec<RowSumLoads>, f32) = match norm {
-            Some(NormParam::Scale { sums, parts, eps }) => {
-                let loads = (0..halves.len() as u32).map(|half| {
+        let loads: Vec<RowSumLoads> = match norm {
+            Some(NormParam::Scale { sums, parts, eps }) => (0..halves.len() as u32)
+                .map(|half| {
                     let rows0 = half_rows(k, half);
-                    RowSumLoads::issue(k, cfg, (sums, parts), tid, &rows0)
-                });
-                (loads.collect(), eps)
-            }
-            _ => (Vec::new(), 0.0),
+                    RowSumLoads::issue(k, cfg, (sums, parts, eps), tid, &rows0)
+                })
+                .collect(),
+            _ => Vec::new(),
         };
         mac.multiply(k, &item.steps, mid_step);
         if let (Some(t), Some(next)) = (&turns, hand_over) {
@@ -835,7 +834,7 @@ fn consumer(
         mac.release_last(k);
         let per_half = acc.len() / halves.len();
         for (acc, loads) in acc.chunks(per_half).zip(loads) {
-            let scales = loads.scales(k, cfg, eps);
+            let scales = loads.scales(k, cfg);
             scale_rows(k, acc, &scales);
         }
         let sums_out = match norm {
@@ -859,12 +858,12 @@ fn consumer(
             };
             let rows = k.mad_u32(&consumer, &64u32, &m0);
             let frag = Fragment::of(k, &acc, tid, rows, n0);
-            let mut sums = sums_out.map(|_| RowSums::new(k));
+            let mut sums = sums_out.map(|out| RowSums::new(k, out));
             staging.write(&regs, k, cfg, epilogue, &frag, sums.as_mut());
             staging.flush(&regs, k, epilogue.out_map(), [rows, n0]);
             // After the stores are issued: the sums' shuffles do not hold them up.
-            if let (Some(sums), Some(ptr)) = (sums, sums_out) {
-                sums.store(k, (cfg, tile), &frag, ptr, (tid, &n0));
+            if let Some(sums) = sums {
+                sums.store(k, (cfg, tile), &frag, (tid, &n0));
             }
             k.place(&skip);
             return;
@@ -874,10 +873,10 @@ fn consumer(
             k.comment("epilogue on the accumulators");
             let frag = Fragment::of(k, acc, tid, rows, n0);
             if cfg.n_out().is_multiple_of(2) {
-                let mut sums = sums_out.map(|_| RowSums::new(k));
+                let mut sums = sums_out.map(|out| RowSums::new(k, out));
                 store_pairs(k, cfg, epilogue, &frag, sums.as_mut());
-                if let (Some(sums), Some(ptr)) = (sums, sums_out) {
-                    sums.store(k, (cfg, tile), &frag, ptr, (tid, &n0));
+                if let Some(sums) = sums {
+                    sums.store(k, (cfg, tile), &frag, (tid, &n0));
                 }
             } else {
                 store_elements(k, cfg, epilogue, &frag);
@@ -1505,13 +1504,14 @@ impl NormParam {
 /// row past M reads row 0's and is never stored.
 struct RowSumLoads {
     rows: [Vec<Reg>; 2],
+    eps: f32,
 }
 
 impl RowSumLoads {
     fn issue(
         k: &mut Kernel,
         cfg: &GemmConfig,
-        (sums, parts): (Reg, u32),
+        (sums, parts, eps): (Reg, u32, f32),
         tid: &Reg,
         rows0: &Reg,
     ) -> Self {
@@ -1533,11 +1533,12 @@ impl RowSumLoads {
                 })
                 .collect()
         });
-        RowSumLoads { rows }
+        RowSumLoads { rows, eps }
     }
 
     /// Each row's `1/rms`: `1 / sqrt(sum / K + eps)`.
-    fn scales(self, k: &mut Kernel, cfg: &GemmConfig, eps: f32) -> [Reg; 2] {
+    fn scales(self, k: &mut Kernel, cfg: &GemmConfig) -> [Reg; 2] {
+        let eps = self.eps;
         self.rows.map(|values| {
             let total = values
                 .into_iter()
@@ -1559,15 +1560,17 @@ fn scale_rows(k: &mut Kernel, acc: &[Reg], scales: &[Reg; 2]) {
 }
 
 /// A thread's running sums of squares of its two fragment rows' finished outputs over one tile
-/// ([`RowNorm::Sums`]), from the rounded values the tile stores.
+/// ([`RowNorm::Sums`]), from the rounded values the tile stores, and where they go (`row_sums`).
 struct RowSums {
     sums: [Reg; 2],
+    out: Reg,
 }
 
 impl RowSums {
-    fn new(k: &mut Kernel) -> RowSums {
+    fn new(k: &mut Kernel, out: Reg) -> RowSums {
         RowSums {
             sums: [0, 1].map(|_| k.mov(RegClass::F32, &F32(0.0))),
+            out,
         }
     }
 
@@ -1590,7 +1593,6 @@ impl RowSums {
         k: &mut Kernel,
         (cfg, tile): (&GemmConfig, Tile),
         frag: &Fragment,
-        row_sums: Reg,
         (tid, n0): (&Reg, &Reg),
     ) {
         let parts = cfg.n_out().div_ceil(tile.columns());
@@ -1611,7 +1613,7 @@ impl RowSums {
             let ok = k.reg(RegClass::Pred);
             k.emit(format!("and.pred {ok}, {inside}, {leader}"));
             let at = k.mad_u32(&row, &parts, &part);
-            let addr = k.address(row_sums, &at, 4);
+            let addr = k.address(self.out, &at, 4);
             k.emit(format!("@{ok} st.global.f32 [{addr}], {total}"));
         }
     }
