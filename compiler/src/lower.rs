@@ -975,43 +975,12 @@ fn lower_gemm(cx: &NodeCx, spec: &GemmSpec, out: &mut Lowered, n: &mut NodeLaunc
         bind.push(("residual", r));
     }
     let choosing = cx.fused.choosing == Some(cx.id);
-    let carried = cx.fused.row_norms.readers.get(&cx.id);
     if let Some(norm_cfg) = norm_cfg.clone() {
         let norm_weight = cx.a(rest.next()?);
         let norm_bias = rest.next().map(|i| cx.a(i));
-        let ones = cx
-            .node
-            .args
-            .last()
-            .is_some_and(|&w| crate::fold::is_ones(cx.g, w));
-        match PrologueForm::of(&cfg, &norm_cfg, out.rows, ones) {
-            PrologueForm::Folded => {
-                if choosing {
-                    bind.push(("best", Operand::Counters(u64::from(cfg.m) * 8)));
-                }
-                let kernel = out.generate(&(cfg, norm_cfg, choosing), gemv::gemv_folded);
-                return out.launch(n, kernel, &bind);
-            }
-            PrologueForm::Taken => {
-                bind.push(("norm_weight", norm_weight));
-                bind.extend(norm_bias.map(|b| ("norm_bias", b)));
-                let kernel = out.generate(&(cfg, norm_cfg, !ones), gemv::gemv_normed);
-                return out.launch(n, kernel, &bind);
-            }
-            PrologueForm::Apart => {
-                n.scratch
-                    .push(u64::from(cfg.m) * u64::from(cfg.k) * u64::from(cx.elem.bytes()));
-                let mut norm_bind = vec![
-                    ("x", cx.a(0)),
-                    ("weight", norm_weight),
-                    ("out", Operand::Scratch(0)),
-                ];
-                norm_bind.extend(norm_bias.map(|b| ("bias", b)));
-                launch_norm(out, n, norm_cfg, norm_bind)?;
-                // A product that carries the norm reads x as it is; its fallback, the normed x.
-                n.launches.last_mut()?.base_only = carried.is_some();
-                bind[0].1 = Operand::Scratch(0);
-            }
+        let operands = (norm_weight, norm_bias);
+        if lower_prologue(cx, (&cfg, norm_cfg), &mut bind, operands, (out, n))? {
+            return Some(());
         }
     }
     let m = u64::from(cfg.m);
@@ -1041,19 +1010,8 @@ fn lower_gemm(cx: &NodeCx, spec: &GemmSpec, out: &mut Lowered, n: &mut NodeLaunc
     }
     // The kernel's own configuration and operands, with the norm it carries; the CPU and the
     // base image take the plain product (of the normed x).
-    let (mut own, mut own_bind) = (cfg.clone(), bind.clone());
-    if let Some(&(parts, last)) = cx.fused.row_norms.writers.get(&cx.id) {
-        own.row_norm = Some(RowNorm::Sums);
-        own_bind.push(("row_sums", Operand::RowSums(cx.id)));
-        n.row_sums = Some((m * u64::from(parts) * 4, last));
-    }
-    if let (Some(&writer), Some(norm)) = (carried, &norm_cfg) {
-        let (parts, _) = cx.fused.row_norms.writers[&writer];
-        let eps = norm.eps;
-        own.row_norm = Some(RowNorm::Scale { parts, eps });
-        own_bind[0].1 = cx.a(0);
-        own_bind.push(("norm_sums", Operand::RowSums(writer)));
-    }
+    let eps = norm_cfg.as_ref().map(|norm| norm.eps);
+    let (own, mut own_bind) = with_row_norm(cx, (&cfg, eps), &bind, n);
     let kernel = out.generate(&(own.clone(), out.rows), |(c, r)| gemm_for(c, *r));
     let plain = if own == cfg {
         kernel.clone()
@@ -1069,6 +1027,77 @@ fn lower_gemm(cx: &NodeCx, spec: &GemmSpec, out: &mut Lowered, n: &mut NodeLaunc
         own_bind.push(("counters", Operand::Counters(counters)));
     }
     out.launch_best_over(n, (kernel, &own_bind), (&cfg, gemm_base), &bind)
+}
+
+/// The norm prologue of the product `cfg` whose operands `bind` holds (its weight and bias
+/// `operands`): folded into or taken by a one-row product, which is then the whole node (true),
+/// or launched into a scratch buffer that `bind`'s x becomes (false; base-only where the
+/// product carries the norm, [`RowNorms`]).
+fn lower_prologue(
+    cx: &NodeCx,
+    (cfg, norm_cfg): (&GemmConfig, NormConfig),
+    bind: &mut Vec<(&str, Operand)>,
+    (norm_weight, norm_bias): (Operand, Option<Operand>),
+    (out, n): (&mut Lowered, &mut NodeLaunches),
+) -> Option<bool> {
+    let ones = (cx.node.args.last()).is_some_and(|&w| crate::fold::is_ones(cx.g, w));
+    let choosing = cx.fused.choosing == Some(cx.id);
+    match PrologueForm::of(cfg, &norm_cfg, out.rows, ones) {
+        PrologueForm::Folded => {
+            if choosing {
+                bind.push(("best", Operand::Counters(u64::from(cfg.m) * 8)));
+            }
+            let kernel = out.generate(&(cfg.clone(), norm_cfg, choosing), gemv::gemv_folded);
+            out.launch(n, kernel, bind).map(|()| true)
+        }
+        PrologueForm::Taken => {
+            bind.push(("norm_weight", norm_weight));
+            bind.extend(norm_bias.map(|b| ("norm_bias", b)));
+            let kernel = out.generate(&(cfg.clone(), norm_cfg, !ones), gemv::gemv_normed);
+            out.launch(n, kernel, bind).map(|()| true)
+        }
+        PrologueForm::Apart => {
+            n.scratch
+                .push(u64::from(cfg.m) * u64::from(cfg.k) * u64::from(cx.elem.bytes()));
+            let mut norm_bind = vec![
+                ("x", cx.a(0)),
+                ("weight", norm_weight),
+                ("out", Operand::Scratch(0)),
+            ];
+            norm_bind.extend(norm_bias.map(|b| ("bias", b)));
+            launch_norm(out, n, norm_cfg, norm_bind)?;
+            // A product that carries the norm reads x as it is; its fallback, the normed x.
+            n.launches.last_mut()?.base_only = cx.fused.row_norms.readers.contains_key(&cx.id);
+            bind[0].1 = Operand::Scratch(0);
+            Some(false)
+        }
+    }
+}
+
+/// `cfg` and `bind` with the RMSNorm the product carries ([`RowNorms`]): writing its rows'
+/// sums of squares, or scaling its rows by those of the product before (of a norm of `eps`),
+/// reading x itself rather than the normed scratch; as they are otherwise.
+fn with_row_norm<'a>(
+    cx: &NodeCx,
+    (cfg, eps): (&GemmConfig, Option<f32>),
+    bind: &[(&'a str, Operand)],
+    n: &mut NodeLaunches,
+) -> (GemmConfig, Vec<(&'a str, Operand)>) {
+    let norms = &cx.fused.row_norms;
+    let (mut own, mut own_bind) = (cfg.clone(), bind.to_vec());
+    if let Some(&(parts, last)) = norms.writers.get(&cx.id) {
+        own.row_norm = Some(RowNorm::Sums);
+        own_bind.push(("row_sums", Operand::RowSums(cx.id)));
+        let m = u64::from(cfg.m);
+        n.row_sums = Some((m * u64::from(parts) * 4, last));
+    }
+    if let (Some(writer), Some(eps)) = (norms.readers.get(&cx.id), eps) {
+        let (parts, _) = norms.writers[writer];
+        own.row_norm = Some(RowNorm::Scale { parts, eps });
+        own_bind[0].1 = cx.a(0);
+        own_bind.push(("norm_sums", Operand::RowSums(*writer)));
+    }
+    (own, own_bind)
 }
 
 /// `cfg`'s product in row pieces: [`LOGITS_PIECE_ROWS`] first, then each at most

@@ -818,15 +818,7 @@ fn consumer(
             }
         };
         // The rows' sums of squares, loaded ahead of the products they scale.
-        let loads: Vec<RowSumLoads> = match norm {
-            Some(NormParam::Scale { sums, parts, eps }) => (0..halves.len() as u32)
-                .map(|half| {
-                    let rows0 = half_rows(k, half);
-                    RowSumLoads::issue(k, cfg, (sums, parts, eps), tid, &rows0)
-                })
-                .collect(),
-            _ => Vec::new(),
-        };
+        let loads = NormParam::loads(norm, k, cfg, tid, halves.len() as u32, half_rows);
         mac.multiply(k, &item.steps, mid_step);
         if let (Some(t), Some(next)) = (&turns, hand_over) {
             t.hand_over(k, next);
@@ -837,10 +829,7 @@ fn consumer(
             let scales = loads.scales(k, cfg);
             scale_rows(k, acc, &scales);
         }
-        let sums_out = match norm {
-            Some(NormParam::Sums(ptr)) => Some(ptr),
-            _ => None,
-        };
+        let sums_out = NormParam::sums_out(norm);
         if let Some(split) = split {
             // A consumer whose 64 rows are all past M (a decode step's 64 rows) has nothing to
             // add up or store.
@@ -870,17 +859,7 @@ fn consumer(
         }
         for (half, acc) in (0u32..).zip(acc.chunks(per_half)) {
             let rows = half_rows(k, half);
-            k.comment("epilogue on the accumulators");
-            let frag = Fragment::of(k, acc, tid, rows, n0);
-            if cfg.n_out().is_multiple_of(2) {
-                let mut sums = sums_out.map(|out| RowSums::new(k, out));
-                store_pairs(k, cfg, epilogue, &frag, sums.as_mut());
-                if let Some(sums) = sums {
-                    sums.store(k, (cfg, tile), &frag, (tid, &n0));
-                }
-            } else {
-                store_elements(k, cfg, epilogue, &frag);
-            }
+            store(k, (cfg, tile), (epilogue, sums_out), acc, tid, [rows, n0]);
         }
         k.place(&skip);
     });
@@ -1433,6 +1412,30 @@ impl Split {
 /// The epilogue of 64 rows from `rows0`: thread `t` of a consumer warpgroup holds, for each
 /// 8-column chunk `j`, the columns `8 j + 2 (t % 4) + {0, 1}` of rows
 /// `16 (t / 32 % 4) + (t % 32) / 4 + {0, 8}` (registers `4 j + {0, 1}` and `4 j + {2, 3}`).
+/// The epilogue from registers of a row half's accumulators (its 64 rows from `rows0`): pairs
+/// finished and stored (with the rows' sums of squares where the product writes them), or over
+/// an odd N element by element.
+fn store(
+    k: &mut Kernel,
+    (cfg, tile): (&GemmConfig, Tile),
+    (epilogue, sums_out): (&EpiloguePtrs, Option<Reg>),
+    acc: &[Reg],
+    tid: &Reg,
+    [rows0, n0]: [Reg; 2],
+) {
+    k.comment("epilogue on the accumulators");
+    let frag = Fragment::of(k, acc, tid, rows0, n0);
+    if cfg.n_out().is_multiple_of(2) {
+        let mut sums = sums_out.map(|out| RowSums::new(k, out));
+        store_pairs(k, cfg, epilogue, &frag, sums.as_mut());
+        if let Some(sums) = sums {
+            sums.store(k, (cfg, tile), &frag, (tid, &n0));
+        }
+    } else {
+        store_elements(k, cfg, epilogue, &frag);
+    }
+}
+
 /// A thread's accumulators and the output row and column of its first one.
 struct Fragment<'a> {
     acc: &'a [Reg],
@@ -1479,6 +1482,35 @@ enum NormParam {
 }
 
 impl NormParam {
+    /// Where a product that scales its rows loads each row half's sums ([`RowSumLoads`]; the
+    /// halves' first rows from `half_rows`); none for other products.
+    fn loads(
+        norm: Option<NormParam>,
+        k: &mut Kernel,
+        cfg: &GemmConfig,
+        tid: &Reg,
+        halves: u32,
+        half_rows: impl Fn(&mut Kernel, u32) -> Reg,
+    ) -> Vec<RowSumLoads> {
+        let Some(NormParam::Scale { sums, parts, eps }) = norm else {
+            return Vec::new();
+        };
+        (0..halves)
+            .map(|half| {
+                let rows0 = half_rows(k, half);
+                RowSumLoads::issue(k, cfg, (sums, parts, eps), tid, &rows0)
+            })
+            .collect()
+    }
+
+    /// Where a product that writes its rows' sums stores them.
+    fn sums_out(norm: Option<NormParam>) -> Option<Reg> {
+        match norm {
+            Some(NormParam::Sums(out)) => Some(out),
+            _ => None,
+        }
+    }
+
     fn declare(k: &mut Kernel, cfg: &GemmConfig, tile: Tile) -> Option<NormParam> {
         let norm = cfg.row_norm?;
         Some(match norm {
