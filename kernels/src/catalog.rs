@@ -453,7 +453,8 @@ fn gemm_kernels(elem: Elem, out: &mut Catalog) {
     out.push(("gemm", gemm(&odd)));
     if elem != Elem::F32 {
         // An RMSNorm carried between two products, in every Hopper tiling: a residual product
-        // writing its rows' sums of squares, a SwiGLU one scaling its rows by their 1/rms.
+        // writing its rows' sums of squares, a SwiGLU one scaling its rows by their 1/rms (8
+        // sums a row, and the most it takes).
         let sums = GemmConfig {
             residual: true,
             row_norm: Some(RowNorm::Sums),
@@ -467,7 +468,14 @@ fn gemm_kernels(elem: Elem, out: &mut Catalog) {
             }),
             ..GemmConfig::plain(1000, 4096, 2048, elem)
         };
-        for cfg in [sums, scaled] {
+        let most = GemmConfig {
+            row_norm: Some(RowNorm::Scale {
+                parts: crate::gemm_wgmma::MAX_ROW_SUM_PARTS,
+                eps: 1e-5,
+            }),
+            ..scaled.clone()
+        };
+        for cfg in [sums, scaled, most] {
             let kernel = gemm(&cfg);
             out.extend(
                 (crate::gemm_wgmma::other_tilings(&cfg, &kernel.name).into_iter())

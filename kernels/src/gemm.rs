@@ -169,10 +169,13 @@ pub fn split_scratch(cfg: &GemmConfig, rows: Rows) -> (u64, u64) {
 }
 
 /// The sums of squares per row that [`gemm_for`]'s kernel writes with [`RowNorm::Sums`] (one
-/// per tile of columns), where it can: the Hopper kernel over an even N without SwiGLU.
+/// per tile of columns), where it can: the Hopper kernel over an even N without SwiGLU, in a
+/// tiling of at most [`crate::gemm_wgmma::MAX_ROW_SUM_PARTS`] tiles of columns (what a product
+/// scaling its rows by them holds).
 pub fn row_sum_parts(cfg: &GemmConfig, rows: Rows) -> Option<u32> {
     (carries_row_norm(cfg, rows) && !cfg.swiglu && cfg.n.is_multiple_of(2))
         .then(|| crate::gemm_wgmma::row_sum_parts(cfg, crate::gemm_wgmma::tiling(cfg)))
+        .filter(|&parts| parts <= crate::gemm_wgmma::MAX_ROW_SUM_PARTS)
 }
 
 /// Whether [`gemm_for`]'s kernel can carry a [`RowNorm`]: the Hopper kernel's.

@@ -1473,6 +1473,12 @@ impl<'a> Fragment<'a> {
     }
 }
 
+/// The most sums per row a product scales its rows by ([`RowNorm::Scale`]): each consumer
+/// thread holds its rows' sums through its products, loaded ahead of them, and more spill
+/// beside a wide tile's accumulators (ptxas, 2026-12-06: Llama-3.1-8B's 64 a row, from a
+/// 64-wide residual product over 4096 columns, and Qwen2-7B's 28 and 56).
+pub const MAX_ROW_SUM_PARTS: u32 = 16;
+
 /// A product's [`RowNorm`] parameter: where it writes its rows' sums of squares (`row_sums`),
 /// or reads those it scales its rows by (`norm_sums`).
 #[derive(Clone, Copy)]
@@ -1521,11 +1527,14 @@ impl NormParam {
                 );
                 NormParam::Sums(k.param_ptr("row_sums"))
             }
-            RowNorm::Scale { parts, eps } => NormParam::Scale {
+            RowNorm::Scale { parts, eps } if parts <= MAX_ROW_SUM_PARTS => NormParam::Scale {
                 sums: k.param_ptr("norm_sums"),
                 parts,
                 eps,
             },
+            RowNorm::Scale { parts, .. } => {
+                panic!("{parts} row sums a row, more than {MAX_ROW_SUM_PARTS}")
+            }
         })
     }
 }
