@@ -680,13 +680,14 @@ impl Fused {
         let choosing = token_site
             .as_ref()
             .and_then(|site| choosing_product(g, site, kernels.rows));
+        let logits_pieces = logits_pieces(g);
         Fused {
             attention_writes,
             chunk_writes,
             token_site,
-            row_norms: RowNorms::find(g, kernels.rows, [choosing, logits_pieces(g)]),
+            row_norms: RowNorms::find(g, kernels.rows, [choosing, logits_pieces]),
             choosing,
-            logits_pieces: logits_pieces(g),
+            logits_pieces,
         }
     }
 
@@ -874,6 +875,14 @@ fn lower_norm_op(
     Some(())
 }
 
+/// Whether the norm prologue of the product `node` has a weight of ones (its last operand: the
+/// norm's weight moved into the product's, `fold::scales_by_norm`).
+fn norm_weight_is_ones(g: &Graph, node: &kiln_ir::Node) -> bool {
+    node.args
+        .last()
+        .is_some_and(|&w| crate::fold::is_ones(g, w))
+}
+
 /// How a product takes the norm of its prologue.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum PrologueForm {
@@ -929,10 +938,7 @@ impl RowNorms {
             let Some((cfg, Some(norm))) = gemm_parts(g, id).filter(|_| rms && plain(id)) else {
                 continue;
             };
-            let ones = node
-                .args
-                .last()
-                .is_some_and(|&w| crate::fold::is_ones(g, w));
+            let ones = norm_weight_is_ones(g, node);
             let apart = PrologueForm::of(&cfg, &norm, rows, ones) == PrologueForm::Apart;
             if !(ones && apart && kiln_kernels::gemm::carries_row_norm(&cfg, rows)) {
                 continue;
@@ -1040,7 +1046,7 @@ fn lower_prologue(
     (norm_weight, norm_bias): (Operand, Option<Operand>),
     (out, n): (&mut Lowered, &mut NodeLaunches),
 ) -> Option<bool> {
-    let ones = (cx.node.args.last()).is_some_and(|&w| crate::fold::is_ones(cx.g, w));
+    let ones = norm_weight_is_ones(cx.g, cx.node);
     let choosing = cx.fused.choosing == Some(cx.id);
     match PrologueForm::of(cfg, &norm_cfg, out.rows, ones) {
         PrologueForm::Folded => {
