@@ -1517,6 +1517,8 @@ impl NormParam {
         }
     }
 
+    /// The parameter `cfg`'s row norm takes, if any (declared after the epilogue's and the
+    /// split's).
     fn declare(k: &mut Kernel, cfg: &GemmConfig, tile: Tile) -> Option<NormParam> {
         let norm = cfg.row_norm?;
         Some(match norm {
@@ -1591,8 +1593,9 @@ impl RowSumLoads {
     }
 }
 
-/// Scales a thread's accumulators by their rows' factors: chunk `j`'s four are rows
-/// `(h, h, h + 1, h + 1)` of its fragment ([`Fragment::at`]), SwiGLU's up half alike.
+/// Scales a thread's accumulators by their rows' factors: of chunk `j`'s four, the first two are
+/// its fragment's first row and the last two its second, 8 rows further ([`Fragment::at`]),
+/// SwiGLU's up half alike.
 fn scale_rows(k: &mut Kernel, acc: &[Reg], scales: &[Reg; 2]) {
     for (i, a) in acc.iter().enumerate() {
         let s = scales[(i % 4) / 2];
