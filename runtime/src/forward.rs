@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 
 use kiln_ir::artifact::{BucketEntry, LOGITS};
-use kiln_ir::inputs::{model_inputs, TokenBatch};
+use kiln_ir::inputs::{check_batch, padded_model_inputs, TokenBatch};
 use kiln_ir::{DType, Data, Tensor};
 
 use crate::batcher::{largest_step, step_inputs, Row, Session};
@@ -45,36 +45,15 @@ pub fn prepare<'a>(
 ) -> Result<(&'a BucketEntry, BTreeMap<String, Tensor>), RuntimeError> {
     let contract = art.manifest.model.contract();
     // Validate the request as it is, before padding.
-    model_inputs(&contract, batch).map_err(RuntimeError::Request)?;
+    check_batch(&contract, batch).map_err(RuntimeError::Request)?;
     let (b, l) = (batch.ids.len(), batch.ids[0].len());
     let bucket = prefill_bucket(art, b, l)?;
-    let mask = batch.mask.clone().unwrap_or_else(|| vec![vec![1; l]; b]);
-    let pad = |rows: &[Vec<i64>], fill_first: i64| -> Vec<Vec<i64>> {
-        let mut out: Vec<Vec<i64>> = rows
-            .iter()
-            .map(|r| {
-                let mut r = r.clone();
-                r.resize(bucket.seq, 0);
-                r
-            })
-            .collect();
-        while out.len() < bucket.batch {
-            let mut dummy = vec![0; bucket.seq];
-            dummy[0] = fill_first;
-            out.push(dummy);
-        }
-        out
-    };
-    let padded = TokenBatch {
-        ids: pad(&batch.ids, 0),
-        mask: Some(pad(&mask, 1)),
-        types: batch.types.as_ref().map(|t| pad(t, 0)),
-    };
-    let inputs = model_inputs(&contract, &padded).map_err(RuntimeError::Request)?;
+    let mut inputs = padded_model_inputs(&contract, batch, [bucket.batch, bucket.seq])
+        .map_err(RuntimeError::Request)?;
     let graph = &art.graphs[&bucket.graph];
     let inputs: BTreeMap<String, Tensor> = graph
         .inputs()
-        .filter_map(|(_, name, _)| inputs.get(name).map(|t| (name.to_string(), t.clone())))
+        .filter_map(|(_, name, _)| inputs.remove_entry(name))
         .collect();
     Ok((bucket, inputs))
 }
@@ -178,7 +157,7 @@ pub fn logits_chunks<'a>(
     if len > context || (len <= largest && bucket) {
         return Ok(None);
     }
-    model_inputs(&m.model.contract(), batch).map_err(RuntimeError::Request)?;
+    check_batch(&m.model.contract(), batch).map_err(RuntimeError::Request)?;
     Ok(Some(chunks_of(art, len, last)))
 }
 
