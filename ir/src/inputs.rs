@@ -222,9 +222,17 @@ fn positions(mask: &[i64], seq: usize, decoder: bool) -> Vec<i64> {
     out
 }
 
+/// A batch [`check_batch`] has validated against a contract, which [`padded_model_inputs`] builds
+/// inputs from without checking it again.
+#[derive(Clone, Copy, Debug)]
+pub struct CheckedBatch<'a>(&'a TokenBatch);
+
 /// Validates `batch` against `contract`: ids in range in rows of one length, the mask and token
-/// types of the ids' shape and in range.
-pub fn check_batch(contract: &InputContract, batch: &TokenBatch) -> Result<(), String> {
+/// types of the ids' shape and in range, its positions inside the model's position table.
+pub fn check_batch<'a>(
+    contract: &InputContract,
+    batch: &'a TokenBatch,
+) -> Result<CheckedBatch<'a>, String> {
     let b = batch.ids.len();
     let l = batch.ids.first().map_or(0, Vec::len);
     let vocab = contract.vocab_size;
@@ -256,7 +264,8 @@ pub fn check_batch(contract: &InputContract, batch: &TokenBatch) -> Result<(), S
         }
         _ => l as i64 - 1,
     };
-    check_positions(contract, top)
+    check_positions(contract, top)?;
+    Ok(CheckedBatch(batch))
 }
 
 /// Checks that the model's position table (if it has one) holds position `top`.
@@ -274,19 +283,19 @@ pub fn model_inputs(
     contract: &InputContract,
     batch: &TokenBatch,
 ) -> Result<BTreeMap<String, Tensor>, String> {
-    let shape = [batch.ids.len(), batch.ids.first().map_or(0, Vec::len)];
-    padded_model_inputs(contract, batch, shape)
+    let checked = check_batch(contract, batch)?;
+    padded_model_inputs(contract, checked, [batch.ids.len(), batch.ids[0].len()])
 }
 
-/// [`model_inputs`] of `batch` padded to `[rows, seq]`: each row right-padded (id 0, mask 0,
-/// type 0), then dummy rows of one token (id 0, mask 1 then 0s), so that no row's softmax is
-/// over nothing. Built flat in one pass: a request of 128 x 128 tokens is 65,536 values.
+/// [`model_inputs`] of a checked batch padded to `[rows, seq]`: each row right-padded (id 0,
+/// mask 0, type 0), then dummy rows of one token (id 0, mask 1 then 0s), so that no row's softmax
+/// is over nothing. Built flat in one pass (a request of 128 x 128 tokens is 65,536 values), the
+/// batch checked once, before its bucket is chosen.
 pub fn padded_model_inputs(
     contract: &InputContract,
-    batch: &TokenBatch,
+    CheckedBatch(batch): CheckedBatch,
     [rows, seq]: [usize; 2],
 ) -> Result<BTreeMap<String, Tensor>, String> {
-    check_batch(contract, batch)?;
     let (b, l) = (batch.ids.len(), batch.ids[0].len());
     if rows < b || seq < l {
         return Err(format!(
@@ -335,6 +344,15 @@ mod tests {
         }
     }
 
+    /// The batch checked, then padded to `shape`.
+    fn padded(
+        contract: &InputContract,
+        batch: &TokenBatch,
+        shape: [usize; 2],
+    ) -> Result<BTreeMap<String, Tensor>, String> {
+        padded_model_inputs(contract, check_batch(contract, batch)?, shape)
+    }
+
     const BERT: InputContract = InputContract {
         decoder: false,
         vocab_size: 100,
@@ -346,7 +364,7 @@ mod tests {
     fn padding_right_pads_rows_and_adds_one_token_dummies() {
         let batch =
             TokenBatch::padded(&[vec![5, 6, 7], vec![8]], 0).with_types(&[vec![0, 1, 1], vec![1]]);
-        let inputs = padded_model_inputs(&BERT, &batch, [3, 4]).unwrap();
+        let inputs = padded(&BERT, &batch, [3, 4]).unwrap();
         assert_eq!(inputs["input_ids"].shape, vec![3, 4]);
         assert_eq!(
             ints(&inputs, "input_ids"),
@@ -372,12 +390,12 @@ mod tests {
             mask: Some(vec![vec![0, 1, 1]]),
             types: None,
         };
-        let inputs = padded_model_inputs(&gpt, &left, [2, 4]).unwrap();
+        let inputs = padded(&gpt, &left, [2, 4]).unwrap();
         assert_eq!(ints(&inputs, "position_ids"), [0, 0, 1, 1, 0, 0, 0, 0]);
         assert!(!inputs.contains_key("token_type_ids"));
         // Unpadded, the same as `model_inputs`.
         assert_eq!(
-            padded_model_inputs(&gpt, &left, [1, 3]).unwrap(),
+            padded(&gpt, &left, [1, 3]).unwrap(),
             model_inputs(&gpt, &left).unwrap()
         );
     }
@@ -385,16 +403,16 @@ mod tests {
     #[test]
     fn padding_checks_the_batch_as_given_first() {
         let ragged = TokenBatch::unmasked(vec![vec![1, 2], vec![3]]);
-        let err = padded_model_inputs(&BERT, &ragged, [2, 4]).unwrap_err();
+        let err = padded(&BERT, &ragged, [2, 4]).unwrap_err();
         assert_eq!(err, "`input_ids` rows differ in length");
         let long = TokenBatch::unmasked(vec![vec![1; 9]]);
-        let err = padded_model_inputs(&BERT, &long, [1, 16]).unwrap_err();
+        let err = padded(&BERT, &long, [1, 16]).unwrap_err();
         assert_eq!(
             err,
             "sequence needs position 8, but the model has 8 positions"
         );
         let batch = TokenBatch::unmasked(vec![vec![1, 2, 3]; 2]);
-        let err = padded_model_inputs(&BERT, &batch, [1, 4]).unwrap_err();
+        let err = padded(&BERT, &batch, [1, 4]).unwrap_err();
         assert_eq!(
             err,
             "a batch of 2 x 3 tokens does not fit a padded shape of 1 x 4"

@@ -45,10 +45,10 @@ pub fn prepare<'a>(
 ) -> Result<(&'a BucketEntry, BTreeMap<String, Tensor>), RuntimeError> {
     let contract = art.manifest.model.contract();
     // Validate the request as it is, before padding.
-    check_batch(&contract, batch).map_err(RuntimeError::Request)?;
+    let checked = check_batch(&contract, batch).map_err(RuntimeError::Request)?;
     let (b, l) = (batch.ids.len(), batch.ids[0].len());
     let bucket = prefill_bucket(art, b, l)?;
-    let mut inputs = padded_model_inputs(&contract, batch, [bucket.batch, bucket.seq])
+    let mut inputs = padded_model_inputs(&contract, checked, [bucket.batch, bucket.seq])
         .map_err(RuntimeError::Request)?;
     let graph = &art.graphs[&bucket.graph];
     let inputs: BTreeMap<String, Tensor> = graph
