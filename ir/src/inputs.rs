@@ -318,8 +318,12 @@ pub fn padded_model_inputs(
     };
     let ids = padded(Some(&batch.ids), 0, 0);
     let mask = padded(batch.mask.as_deref(), 1, 1);
+    // A decoder's positions count real tokens, which `check_batch` has checked; an encoder's are
+    // the index, up to the padded length.
+    if !contract.decoder {
+        check_positions(contract, seq as i64 - 1)?;
+    }
     let positions = positions(&mask, seq, contract.decoder);
-    check_positions(contract, positions.iter().copied().max().unwrap_or(0))?;
     let shape = vec![rows, seq];
     let mut out = BTreeMap::new();
     if contract.type_vocab_size.is_some() {
