@@ -34,13 +34,7 @@ pub fn activation(k: &mut Kernel, x: Reg, act: Activation) -> Reg {
             let d = k.add_f32(&e, &F32(1.0));
             k.div_full_f32(&x, &d)
         }
-        Activation::GeluErf => {
-            // 0.5 x (1 + erf(x / sqrt 2)), with 1 + erf computed without cancellation.
-            let z = k.mul_f32(&x, &F32(std::f32::consts::FRAC_1_SQRT_2));
-            let one_plus = one_plus_erf(k, z);
-            let half = k.mul_f32(&x, &F32(0.5));
-            k.mul_f32(&half, &one_plus)
-        }
+        Activation::GeluErf => gelu_erf(k, x),
     }
 }
 
@@ -56,30 +50,34 @@ pub const ERF_A: [f32; 5] = [
     1.061_405_4,
 ];
 
-/// `1 + erf(z)` by Abramowitz and Stegun 7.1.26 (absolute error of erf below 1.5e-7): with
-/// `tail = erfc(|z|)`, it is `tail` for negative `z` (no cancellation in the negative tail) and
-/// `2 - tail` otherwise.
-pub fn one_plus_erf(k: &mut Kernel, z: Reg) -> Reg {
-    const P: f32 = ERF_P;
-    const A: [f32; 5] = ERF_A;
-    let az = k.op1("abs.f32", RegClass::F32, &z);
-    let d = k.fma_f32(&az, &F32(P), &F32(1.0));
+/// `x Phi(x) = 0.5 x (1 + erf(x / sqrt 2))` by Abramowitz and Stegun 7.1.26 (absolute error of
+/// erf below 1.5e-7), in one form for both signs: with `tail = erfc(|x| / sqrt 2)`,
+/// `x Phi(x) = max(x, 0) - 0.5 |x| tail` (it is `0.5 x tail` below zero, so the negative tail has
+/// no cancellation, and `x - 0.5 x tail` above). The `-0.5` is folded into the polynomial's
+/// coefficients, and `|x|` is clamped to the largest finite f32 so that `x = inf` gives
+/// `inf + 0 * f32::MAX` rather than `inf * 0`: 15 instructions, two of them MUFU.
+fn gelu_erf(k: &mut Kernel, x: Reg) -> Reg {
+    use std::f32::consts::{FRAC_1_SQRT_2, LOG2_E};
+    let ax = k.op1("abs.f32", RegClass::F32, &x);
+    let ax = k.op2("min.f32", RegClass::F32, &ax, &F32(f32::MAX));
+    let d = k.fma_f32(&ax, &F32(ERF_P * FRAC_1_SQRT_2), &F32(1.0));
     // d >= 1 (no subnormals, no zero): the 1-ulp reciprocal is far inside the approximation's
     // own error.
     let t = k.rcp_approx_f32(&d);
-    // Horner: ((((a5 t + a4) t + a3) t + a2) t + a1) t
-    let mut poly = k.mov(RegClass::F32, &F32(A[4]));
-    for a in A[..4].iter().rev() {
-        poly = k.fma_f32(&poly, &t, &F32(*a));
+    // Horner over the coefficients times -0.5 (exact):
+    // -0.5 (((((a5 t + a4) t + a3) t + a2) t + a1) t
+    let mut poly = k.fma_f32(&t, &F32(-0.5 * ERF_A[4]), &F32(-0.5 * ERF_A[3]));
+    for a in ERF_A[..3].iter().rev() {
+        poly = k.fma_f32(&poly, &t, &F32(-0.5 * a));
     }
-    poly = k.mul_f32(&poly, &t);
-    let sq = k.mul_f32(&az, &az);
-    let neg = k.op1("neg.f32", RegClass::F32, &sq);
-    let e = k.exp_f32(&neg);
-    let tail = k.mul_f32(&poly, &e);
-    let upper = k.sub_f32(&F32(2.0), &tail);
-    let negative = k.setp("lt.f32", &z, &F32(0.0));
-    k.selp(RegClass::F32, "f32", &tail, &upper, negative)
+    let poly = k.mul_f32(&poly, &t);
+    // e^(-x^2 / 2) = 2^(-x^2 log2(e) / 2)
+    let sq = k.mul_f32(&x, &x);
+    let scaled = k.mul_f32(&sq, &F32(-0.5 * LOG2_E));
+    let e = k.op1("ex2.approx.ftz.f32", RegClass::F32, &scaled);
+    let minus_half_tail = k.mul_f32(&poly, &e);
+    let relu = k.max_f32(&x, &F32(0.0));
+    k.fma_f32(&ax, &minus_half_tail, &relu)
 }
 
 /// Generates `out[i] = act(x[i])` for `n` elements. Parameters: `x, out, n`.

@@ -1,8 +1,8 @@
 //! Transcendentals for the CPU kernels, in Cranelift IR for `f32` and `f32x4` alike (the same
 //! instructions; constants are splatted for vectors): `exp` by Cody-Waite range reduction and a
 //! degree-6 polynomial (relative error about 2e-7 over the whole range), and `1 + erf(z)` by
-//! Abramowitz and Stegun 7.1.26 computed without cancellation in the negative tail, as the PTX
-//! kernels do.
+//! Abramowitz and Stegun 7.1.26 (the PTX kernels' coefficients) computed without cancellation in
+//! the negative tail.
 
 use cranelift_codegen::ir::condcodes::FloatCC;
 use cranelift_codegen::ir::types::{F32X4, I32, I32X4};
