@@ -50,30 +50,41 @@ pub const ERF_A: [f32; 5] = [
     1.061_405_4,
 ];
 
-/// `x Phi(x) = 0.5 x (1 + erf(x / sqrt 2))` by Abramowitz and Stegun 7.1.26 (absolute error of
-/// erf below 1.5e-7), in one form for both signs: with `tail = erfc(|x| / sqrt 2)`,
-/// `x Phi(x) = max(x, 0) - 0.5 |x| tail` (it is `0.5 x tail` below zero, so the negative tail has
-/// no cancellation, and `x - 0.5 x tail` above). The `-0.5` is folded into the polynomial's
-/// coefficients, and `|x|` is clamped to the largest finite f32 so that `x = inf` gives
-/// `inf + 0 * f32::MAX` rather than `inf * 0`: 15 instructions, two of them MUFU.
+/// [`ERF_P`]'s approximation as GELU(erf) takes it, over `|x|` rather than `z = |x| / sqrt 2`:
+/// `t = 1 / (1 + GELU_ERF_P |x|)`, and the coefficients times -0.5 (exact), so that
+/// `t (a1' + t (a2' + ..)) e^(-x^2 / 2) = -0.5 erfc(|x| / sqrt 2)`.
+pub const GELU_ERF_P: f32 = ERF_P * std::f32::consts::FRAC_1_SQRT_2;
+/// The coefficients of [`GELU_ERF_P`]'s approximation: [`ERF_A`] times -0.5.
+pub const GELU_ERF_A: [f32; 5] = [
+    -0.5 * ERF_A[0],
+    -0.5 * ERF_A[1],
+    -0.5 * ERF_A[2],
+    -0.5 * ERF_A[3],
+    -0.5 * ERF_A[4],
+];
+
+/// `x Phi(x) = 0.5 x (1 + erf(x / sqrt 2))` in one form for both signs (the CPU kernels' too):
+/// `max(x, 0) - 0.5 |x| erfc(|x| / sqrt 2)`, which is `0.5 x erfc(-x / sqrt 2)` below zero (no
+/// cancellation in the negative tail) and `x - 0.5 x erfc(x / sqrt 2)` above, with erfc by
+/// [`GELU_ERF_A`] (absolute error of erf below 1.5e-7). `|x|` is clamped to the largest finite
+/// f32 so that `x = inf` gives `inf + f32::MAX * 0` rather than `inf * 0`. 15 instructions, two
+/// of them MUFU.
 fn gelu_erf(k: &mut Kernel, x: Reg) -> Reg {
-    use std::f32::consts::{FRAC_1_SQRT_2, LOG2_E};
     let ax = k.op1("abs.f32", RegClass::F32, &x);
     let ax = k.op2("min.f32", RegClass::F32, &ax, &F32(f32::MAX));
-    let d = k.fma_f32(&ax, &F32(ERF_P * FRAC_1_SQRT_2), &F32(1.0));
+    let d = k.fma_f32(&ax, &F32(GELU_ERF_P), &F32(1.0));
     // d >= 1 (no subnormals, no zero): the 1-ulp reciprocal is far inside the approximation's
     // own error.
     let t = k.rcp_approx_f32(&d);
-    // Horner over the coefficients times -0.5 (exact):
-    // -0.5 (((((a5 t + a4) t + a3) t + a2) t + a1) t
-    let mut poly = k.fma_f32(&t, &F32(-0.5 * ERF_A[4]), &F32(-0.5 * ERF_A[3]));
-    for a in ERF_A[..3].iter().rev() {
-        poly = k.fma_f32(&poly, &t, &F32(-0.5 * a));
+    let a = GELU_ERF_A;
+    let mut poly = k.fma_f32(&t, &F32(a[4]), &F32(a[3]));
+    for c in a[..3].iter().rev() {
+        poly = k.fma_f32(&poly, &t, &F32(*c));
     }
     let poly = k.mul_f32(&poly, &t);
     // e^(-x^2 / 2) = 2^(-x^2 log2(e) / 2)
     let sq = k.mul_f32(&x, &x);
-    let scaled = k.mul_f32(&sq, &F32(-0.5 * LOG2_E));
+    let scaled = k.mul_f32(&sq, &F32(-0.5 * std::f32::consts::LOG2_E));
     let e = k.op1("ex2.approx.ftz.f32", RegClass::F32, &scaled);
     let minus_half_tail = k.mul_f32(&poly, &e);
     let relu = k.max_f32(&x, &F32(0.0));

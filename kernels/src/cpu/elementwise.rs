@@ -6,7 +6,7 @@ use cranelift_codegen::ir::{InstBuilder, Type, Value};
 use cranelift_frontend::FunctionBuilder;
 use kiln_ir::kernel::{Activation, GELU_CUBIC};
 
-use super::math::{constant, exp, one_plus_erf};
+use super::math::{constant, exp};
 use super::module::{arg, f32_addr, for_range, load, store, CpuError, CpuModule, SCALAR, VECTOR};
 
 /// `act(x)` for `x` of type `ty` (`F32` or `F32X4`).
@@ -37,12 +37,29 @@ pub fn activation(b: &mut FunctionBuilder, ty: Type, x: Value, act: Activation) 
             b.ins().fdiv(x, d)
         }
         Activation::GeluErf => {
-            let s = constant(b, ty, std::f32::consts::FRAC_1_SQRT_2);
-            let z = b.ins().fmul(x, s);
-            let one_plus = one_plus_erf(b, ty, z);
-            let half = constant(b, ty, 0.5);
-            let hx = b.ins().fmul(x, half);
-            b.ins().fmul(hx, one_plus)
+            // max(x, 0) - 0.5 |x| erfc(|x| / sqrt 2), as the PTX kernels compute it.
+            use crate::elementwise::{GELU_ERF_A as A, GELU_ERF_P as P};
+            let ax = b.ins().fabs(x);
+            let top = constant(b, ty, f32::MAX);
+            let ax = b.ins().fmin(ax, top);
+            let p = constant(b, ty, P);
+            let one = constant(b, ty, 1.0);
+            let d = b.ins().fma(ax, p, one);
+            let t = b.ins().fdiv(one, d);
+            let mut poly = constant(b, ty, A[4]);
+            for a in A[..4].iter().rev() {
+                let a = constant(b, ty, *a);
+                poly = b.ins().fma(poly, t, a);
+            }
+            poly = b.ins().fmul(poly, t);
+            let sq = b.ins().fmul(x, x);
+            let minus_half = constant(b, ty, -0.5);
+            let arg = b.ins().fmul(sq, minus_half);
+            let e = exp(b, ty, arg);
+            let minus_half_tail = b.ins().fmul(poly, e);
+            let zero = constant(b, ty, 0.0);
+            let relu = b.ins().fmax(x, zero);
+            b.ins().fma(ax, minus_half_tail, relu)
         }
     }
 }
