@@ -50,45 +50,47 @@ pub const ERF_A: [f32; 5] = [
     1.061_405_4,
 ];
 
-/// [`ERF_P`]'s approximation as GELU(erf) takes it, over `|x|` rather than `z = |x| / sqrt 2`:
-/// `t = 1 / (1 + GELU_ERF_P |x|)`, and the coefficients times -0.5 (exact), so that
-/// `t (a1' + t (a2' + ..)) e^(-x^2 / 2) = -0.5 erfc(|x| / sqrt 2)`.
-pub const GELU_ERF_P: f32 = ERF_P * std::f32::consts::FRAC_1_SQRT_2;
-/// The coefficients of [`GELU_ERF_P`]'s approximation: [`ERF_A`] times -0.5.
-pub const GELU_ERF_A: [f32; 5] = [
-    -0.5 * ERF_A[0],
-    -0.5 * ERF_A[1],
-    -0.5 * ERF_A[2],
-    -0.5 * ERF_A[3],
-    -0.5 * ERF_A[4],
+/// GELU(erf)'s normal tail: `log2 Phi(-a) ~ c0 + c1 a + .. + c6 a^6` for `0 <= a <=`
+/// [`GELU_ERF_CLAMP`], a minimax fit weighted by what an error costs `x Phi(x)` (`a Phi(-a) ln 2`
+/// per unit of `log2`), with `c0` and `c1` fixed by `Phi(0) = 1/2` and its slope there, so that
+/// small `x` keep their relative precision. One `ex2` an element where Abramowitz and Stegun's
+/// form takes an `ex2` and a reciprocal; absolute error of `x Phi(x)` below 4e-7 in f32 (the same
+/// as theirs).
+pub const GELU_LOG2_PHI: [f32; 7] = [
+    -1.0,
+    -1.151_104_1,
+    -0.459_103_23,
+    -0.052_950_706,
+    0.007_779_5,
+    -6.776_469_5e-4,
+    2.269_520_9e-5,
 ];
+/// Where [`GELU_LOG2_PHI`]'s fit ends: past `|x| = 6`, `log2 Phi(-|x|)` goes on falling from
+/// its value at 6 at [`GELU_TAIL_SLOPE`] a unit, and the tail's factor stays 6 (`x = inf` would
+/// otherwise give `inf * 0`).
+pub const GELU_ERF_CLAMP: f32 = 6.0;
+/// The slope of `log2 Phi(-a)` at 6, rounded: `-(a + 1/a) / ln 2`.
+pub const GELU_TAIL_SLOPE: f32 = -9.0;
 
 /// `x Phi(x) = 0.5 x (1 + erf(x / sqrt 2))` in one form for both signs (the CPU kernels' too):
-/// `max(x, 0) - 0.5 |x| erfc(|x| / sqrt 2)`, which is `0.5 x erfc(-x / sqrt 2)` below zero (no
-/// cancellation in the negative tail) and `x - 0.5 x erfc(x / sqrt 2)` above, with erfc by
-/// [`GELU_ERF_A`] (absolute error of erf below 1.5e-7). `|x|` is clamped to the largest finite
-/// f32 so that `x = inf` gives `inf + f32::MAX * 0` rather than `inf * 0`. 15 instructions, two
-/// of them MUFU.
+/// `max(x, 0) - |x| Phi(-|x|)`, which is `x Phi(x)` below zero (no cancellation in the negative
+/// tail) and `x - x Phi(-x)` above, `Phi(-|x|)` by [`GELU_LOG2_PHI`] up to 6 and
+/// [`GELU_TAIL_SLOPE`] past it. The maximum propagates NaN (`|x|`'s minimum would drop
+/// it). 14 instructions, one of them MUFU.
 fn gelu_erf(k: &mut Kernel, x: Reg) -> Reg {
     let ax = k.op1("abs.f32", RegClass::F32, &x);
-    let ax = k.op2("min.f32", RegClass::F32, &ax, &F32(f32::MAX));
-    let d = k.fma_f32(&ax, &F32(GELU_ERF_P), &F32(1.0));
-    // d >= 1 (no subnormals, no zero): the 1-ulp reciprocal is far inside the approximation's
-    // own error.
-    let t = k.rcp_approx_f32(&d);
-    let a = GELU_ERF_A;
-    let mut poly = k.fma_f32(&t, &F32(a[4]), &F32(a[3]));
-    for c in a[..3].iter().rev() {
-        poly = k.fma_f32(&poly, &t, &F32(*c));
+    let a = k.op2("min.f32", RegClass::F32, &ax, &F32(GELU_ERF_CLAMP));
+    let c = GELU_LOG2_PHI;
+    let mut log2_tail = k.fma_f32(&a, &F32(c[6]), &F32(c[5]));
+    for ck in c[..5].iter().rev() {
+        log2_tail = k.fma_f32(&log2_tail, &a, &F32(*ck));
     }
-    let poly = k.mul_f32(&poly, &t);
-    // e^(-x^2 / 2) = 2^(-x^2 log2(e) / 2)
-    let sq = k.mul_f32(&x, &x);
-    let scaled = k.mul_f32(&sq, &F32(-0.5 * std::f32::consts::LOG2_E));
-    let e = k.op1("ex2.approx.ftz.f32", RegClass::F32, &scaled);
-    let minus_half_tail = k.mul_f32(&poly, &e);
-    let relu = k.max_f32(&x, &F32(0.0));
-    k.fma_f32(&ax, &minus_half_tail, &relu)
+    let past = k.sub_f32(&ax, &a);
+    let log2_tail = k.fma_f32(&past, &F32(GELU_TAIL_SLOPE), &log2_tail);
+    let tail = k.op1("ex2.approx.ftz.f32", RegClass::F32, &log2_tail);
+    let minus_a = k.op1("neg.f32", RegClass::F32, &a);
+    let relu = k.op2("max.NaN.f32", RegClass::F32, &x, &F32(0.0));
+    k.fma_f32(&minus_a, &tail, &relu)
 }
 
 /// Generates `out[i] = act(x[i])` for `n` elements. Parameters: `x, out, n`.

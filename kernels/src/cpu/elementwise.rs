@@ -37,29 +37,26 @@ pub fn activation(b: &mut FunctionBuilder, ty: Type, x: Value, act: Activation) 
             b.ins().fdiv(x, d)
         }
         Activation::GeluErf => {
-            // max(x, 0) - 0.5 |x| erfc(|x| / sqrt 2), as the PTX kernels compute it.
-            use crate::elementwise::{GELU_ERF_A as A, GELU_ERF_P as P};
+            // max(x, 0) - |x| Phi(-|x|), as the PTX kernels compute it.
+            use crate::elementwise::{GELU_ERF_CLAMP, GELU_LOG2_PHI as C, GELU_TAIL_SLOPE};
             let ax = b.ins().fabs(x);
-            let top = constant(b, ty, f32::MAX);
-            let ax = b.ins().fmin(ax, top);
-            let p = constant(b, ty, P);
-            let one = constant(b, ty, 1.0);
-            let d = b.ins().fma(ax, p, one);
-            let t = b.ins().fdiv(one, d);
-            let mut poly = constant(b, ty, A[4]);
-            for a in A[..4].iter().rev() {
-                let a = constant(b, ty, *a);
-                poly = b.ins().fma(poly, t, a);
+            let top = constant(b, ty, GELU_ERF_CLAMP);
+            let a = b.ins().fmin(ax, top);
+            let mut log2_tail = constant(b, ty, C[6]);
+            for c in C[..6].iter().rev() {
+                let c = constant(b, ty, *c);
+                log2_tail = b.ins().fma(log2_tail, a, c);
             }
-            poly = b.ins().fmul(poly, t);
-            let sq = b.ins().fmul(x, x);
-            let minus_half = constant(b, ty, -0.5);
-            let arg = b.ins().fmul(sq, minus_half);
-            let e = exp(b, ty, arg);
-            let minus_half_tail = b.ins().fmul(poly, e);
+            let past = b.ins().fsub(ax, a);
+            let slope = constant(b, ty, GELU_TAIL_SLOPE);
+            let log2_tail = b.ins().fma(past, slope, log2_tail);
+            let ln2 = constant(b, ty, std::f32::consts::LN_2);
+            let ln_tail = b.ins().fmul(log2_tail, ln2);
+            let tail = exp(b, ty, ln_tail);
+            let minus_a = b.ins().fneg(a);
             let zero = constant(b, ty, 0.0);
             let relu = b.ins().fmax(x, zero);
-            b.ins().fma(ax, minus_half_tail, relu)
+            b.ins().fma(minus_a, tail, relu)
         }
     }
 }
