@@ -38,18 +38,6 @@ pub fn activation(k: &mut Kernel, x: Reg, act: Activation) -> Reg {
     }
 }
 
-/// Abramowitz and Stegun 7.1.26: `erfc(z) ~ t (a1 + t (a2 + ..)) e^(-z^2)`, `t = 1 / (1 + p z)`
-/// for `z >= 0` (absolute error of erf below 1.5e-7); the GPU and CPU kernels share it.
-pub const ERF_P: f32 = 0.327_591_1;
-/// The coefficients `a1..a5` of [`ERF_P`]'s approximation.
-pub const ERF_A: [f32; 5] = [
-    0.254_829_6,
-    -0.284_496_74,
-    1.421_413_8,
-    -1.453_152,
-    1.061_405_4,
-];
-
 /// GELU(erf)'s normal tail: `log2 Phi(-a) ~ c0 + c1 a + .. + c6 a^6` for `0 <= a <=`
 /// [`GELU_ERF_CLAMP`], a minimax fit weighted by what an error costs `x Phi(x)` (`a Phi(-a) ln 2`
 /// per unit of `log2`), with `c0` and `c1` fixed by `Phi(0) = 1/2` and its slope there, so that

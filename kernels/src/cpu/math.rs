@@ -1,8 +1,8 @@
 //! Transcendentals for the CPU kernels, in Cranelift IR for `f32` and `f32x4` alike (the same
 //! instructions; constants are splatted for vectors): `exp` by Cody-Waite range reduction and a
 //! degree-6 polynomial (relative error about 2e-7 over the whole range), and `1 + erf(z)` by
-//! Abramowitz and Stegun 7.1.26 (the PTX kernels' coefficients) computed without cancellation in
-//! the negative tail.
+//! Abramowitz and Stegun 7.1.26 computed without cancellation in the negative tail (the strided
+//! `erf`; GELU(erf) has its own form, [`crate::elementwise::GELU_LOG2_PHI`]).
 
 use cranelift_codegen::ir::condcodes::FloatCC;
 use cranelift_codegen::ir::types::{F32X4, I32, I32X4};
@@ -64,16 +64,27 @@ pub fn exp(b: &mut FunctionBuilder, ty: Type, x: Value) -> Value {
     b.ins().fmul(p, two_n)
 }
 
+/// Abramowitz and Stegun 7.1.26: `erfc(z) ~ t (a1 + t (a2 + ..)) e^(-z^2)`, `t = 1 / (1 + p z)`
+/// for `z >= 0` (absolute error of erf below 1.5e-7).
+const ERF_P: f32 = 0.327_591_1;
+/// The coefficients `a1..a5` of [`ERF_P`]'s approximation.
+const ERF_A: [f32; 5] = [
+    0.254_829_6,
+    -0.284_496_74,
+    1.421_413_8,
+    -1.453_152,
+    1.061_405_4,
+];
+
 /// `1 + erf(z)`: with `tail = erfc(|z|)`, `tail` for negative `z` and `2 - tail` otherwise.
 pub fn one_plus_erf(b: &mut FunctionBuilder, ty: Type, z: Value) -> Value {
-    use crate::elementwise::{ERF_A as A, ERF_P as P};
     let az = b.ins().fabs(z);
-    let p = constant(b, ty, P);
+    let p = constant(b, ty, ERF_P);
     let one = constant(b, ty, 1.0);
     let d = b.ins().fma(az, p, one);
     let t = b.ins().fdiv(one, d);
-    let mut poly = constant(b, ty, A[4]);
-    for a in A[..4].iter().rev() {
+    let mut poly = constant(b, ty, ERF_A[4]);
+    for a in ERF_A[..4].iter().rev() {
         let a = constant(b, ty, *a);
         poly = b.ins().fma(poly, t, a);
     }
