@@ -1,0 +1,199 @@
+"""kiln against Hugging Face transformers on random-weight checkpoints of any shape of a supported
+family, on the GPU machine: the checks the fixtures make, at real shapes and the variations of them
+that users bring (head counts, GQA ratios, head dims, windows, tied heads, dtypes, shardings).
+
+usage (on the GPU machine, which has torch and transformers; the binaries are built anywhere):
+  python3 scripts/check-against-hf.py --bin DIR CONFIG_JSON [CONFIG_JSON ...] [--layers N]
+        [--set KEY=VALUE ...] [--dtype bf16|f16|f32] [--shard-mb MB] [--length L] [--batch B]
+        [--work DIR] [--name NAME] [--device cuda|cpu]
+
+For each config.json (a real model's, e.g. tests/data/configs/*/config.json), with `--set`
+overrides (JSON values: `num_key_value_heads=4`, `sliding_window=128`) and `--layers` layers:
+1. transformers builds the model with its own random initialiser (seeded), 2-D weights widened
+   by 2.5 as the fixtures' decoders are so that logits are decisive, and saves it as a bf16
+   checkpoint (`save_pretrained`, in shards of `--shard-mb` when given);
+2. the reference is that checkpoint's weights in float32 on the GPU, eager attention, TF32 off;
+3. `kiln compile` builds it for CUDA in `--dtype` with one bucket holding the input, and
+   `kiln-run forward --device cuda` runs random ids (`--device cpu`: both sides on the CPU, kiln's
+   Cranelift kernels) (an encoder's rows padded to lengths spread
+   over 1..L, its attention mask zero past them);
+4. the outputs are compared as the fixtures' README asks: max |kiln - ref| / max |ref| under 1e-4
+   in f32 and 2e-2 in f16/bf16, and, for logits, the argmax of every row equal wherever the
+   reference's top-1/top-2 margin exceeds 0.05.
+
+Prints one line per config; exits 1 if any check fails.
+"""
+import argparse, json, os, shutil, subprocess, sys
+import torch
+from safetensors.torch import load_file, save_file
+
+TOLERANCE = {"f32": 1e-4, "f16": 2e-2, "bf16": 2e-2}
+MARGIN = 0.05
+
+
+def parse_value(text):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def config_of(path, layers, overrides):
+    cfg = json.load(open(path))
+    for item in overrides:
+        key, _, value = item.partition("=")
+        cfg[key] = parse_value(value)
+    if layers is not None:
+        cfg["n_layer" if cfg["model_type"] == "gpt2" else "num_hidden_layers"] = layers
+    return cfg
+
+
+def model_class(cfg):
+    """transformers' class for `cfg`, a function making a random-weight model of it, and whether
+    it is a decoder (encoders are BertModel without the pooler, as kiln compiles them)."""
+    from transformers import AutoModelForCausalLM, BertModel
+    if cfg["model_type"] == "bert":
+        return BertModel, lambda config: BertModel(config, add_pooling_layer=False), False
+    return AutoModelForCausalLM, AutoModelForCausalLM.from_config, True
+
+
+def save_checkpoint(cfg, seed, device, ckpt, shard_mb):
+    """Writes a bf16 checkpoint of `cfg` with transformers' random weights; True for a decoder."""
+    from transformers import AutoConfig
+    _, make, decoder = model_class(cfg)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = make(AutoConfig.for_model(**cfg)).float()
+    if decoder:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.mul_(2.5)
+    shard = {"max_shard_size": f"{shard_mb}MB"} if shard_mb else {}
+    model.to(torch.bfloat16).save_pretrained(ckpt, safe_serialization=True, **shard)
+    return decoder
+
+
+def load_reference_model(cfg, ckpt, device):
+    """The checkpoint as a user loads it, in float32 (its buffers, such as RoPE's frequencies,
+    computed in float32 rather than cast from bf16), eager attention."""
+    cls, _, decoder = model_class(cfg)
+    extra = {} if decoder else {"add_pooling_layer": False}
+    return cls.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager", **extra).to(device).eval()
+
+
+def inputs(cfg, decoder, batch, length, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, cfg["vocab_size"], (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    if not decoder:
+        for row in range(batch):
+            mask[row, max(1, length * (row + 1) // batch):] = 0
+        ids = ids * mask
+    return ids, mask
+
+
+def reference(model, decoder, ids, mask, device):
+    ids, mask = ids.to(device), mask.to(device)
+    with torch.no_grad():
+        if decoder:
+            return model(input_ids=ids, use_cache=False).logits.float().cpu()
+        out = model(input_ids=ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids))
+        return out.last_hidden_state.float().cpu()
+
+
+def run(cmd, log):
+    with open(log, "a") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        tail = open(log).read().strip().splitlines()[-1:]
+        raise RuntimeError(f"{os.path.basename(cmd[0])} {cmd[1]} failed: {tail[0] if tail else ''}")
+
+
+def kiln(args, ckpt, work, decoder, ids, mask):
+    art, log = f"{work}/artifact", f"{work}/log.txt"
+    batch, length = ids.shape
+    cmd = [f"{args.bin}/kiln", "compile", ckpt, "-o", art, "--dtype", args.dtype, "--buckets", str(length),
+           "--batch-buckets", str(batch), "--target", args.device]
+    run(cmd, log)
+    feed = {"input_ids": ids.contiguous()}
+    if not decoder:
+        feed["attention_mask"] = mask.contiguous()
+    save_file(feed, f"{work}/in.safetensors")
+    run([f"{args.bin}/kiln-run", "forward", art, "--input", f"{work}/in.safetensors", "--output",
+         f"{work}/out.safetensors", "--device", args.device], log)
+    out = load_file(f"{work}/out.safetensors")
+    return out["logits" if decoder else "last_hidden_state"].float()
+
+
+def compare(got, ref, decoder, mask, dtype):
+    got = got.reshape(ref.shape)
+    keep = mask.bool()
+    got, ref = got[keep], ref[keep]
+    rel = ((got - ref).abs().max() / ref.abs().max()).item()
+    ok = rel < TOLERANCE[dtype]
+    line = f"rel err {rel:.2e} (tolerance {TOLERANCE[dtype]:.0e})"
+    if decoder:
+        top2 = ref.topk(2, dim=-1).values
+        decisive = (top2[:, 0] - top2[:, 1]) > MARGIN
+        same = (got.argmax(-1) == ref.argmax(-1))[decisive]
+        line += f", argmax {int(same.sum())}/{int(decisive.sum())} decisive rows"
+        ok = ok and bool(same.all())
+    return ok, line
+
+
+def check(args, path, index):
+    cfg = config_of(path, args.layers, args.set)
+    name = args.name or os.path.basename(os.path.dirname(os.path.abspath(path)))
+    work = f"{args.work}/{index}-{name}"
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    ckpt = f"{work}/checkpoint"
+    decoder = save_checkpoint(cfg, index, args.device, ckpt, args.shard_mb)
+    model = load_reference_model(cfg, ckpt, args.device)
+    ids, mask = inputs(cfg, decoder, args.batch, args.length, seed=1000 + index)
+    ref = reference(model, decoder, ids, mask, args.device)
+    del model
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    got = kiln(args, ckpt, work, decoder, ids, mask)
+    ok, line = compare(got, ref, decoder, mask, args.dtype)
+    shards = len([f for f in os.listdir(ckpt) if f.endswith(".safetensors")])
+    what = " ".join(args.set) or "as released"
+    print(f"{'ok  ' if ok else 'FAIL'} {name} ({what}; {cfg.get('num_hidden_layers', cfg.get('n_layer'))} layers, "
+          f"{shards} shard(s), {args.dtype}, {args.batch} x {args.length}): {line}", flush=True)
+    if ok:
+        shutil.rmtree(ckpt)
+    return ok
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("configs", nargs="+")
+    ap.add_argument("--bin", required=True, help="the folder holding the kiln and kiln-run binaries")
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--dtype", default="bf16", choices=sorted(TOLERANCE))
+    ap.add_argument("--shard-mb", type=int)
+    ap.add_argument("--length", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--work", default="/tmp/kiln-check")
+    ap.add_argument("--name")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    failed = 0
+    for i, path in enumerate(args.configs):
+        try:
+            failed += not check(args, path, i)
+        except Exception as e:  # one line per failing config, then the next
+            print(f"FAIL {path}: {type(e).__name__}: {e}", flush=True)
+            failed += 1
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
