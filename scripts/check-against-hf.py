@@ -5,13 +5,13 @@ that users bring (head counts, GQA ratios, head dims, windows, tied heads, dtype
 usage (on the GPU machine, which has torch and transformers; the binaries are built anywhere):
   python3 scripts/check-against-hf.py --bin DIR CONFIG_JSON [CONFIG_JSON ...] [--layers N]
         [--set KEY=VALUE ...] [--dtype bf16|f16|f32] [--shard-mb MB] [--length L] [--batch B]
-        [--work DIR] [--name NAME] [--device cuda|cpu]
+        [--work DIR] [--name NAME] [--device cuda|cpu] [--checkpoint-dtype bf16|f16|f32]
 
 For each config.json (a real model's, e.g. tests/data/configs/*/config.json), with `--set`
 overrides (JSON values: `num_key_value_heads=4`, `sliding_window=128`) and `--layers` layers:
 1. transformers builds the model with its own random initialiser (seeded), 2-D weights widened
-   by 2.5 as the fixtures' decoders are so that logits are decisive, and saves it as a bf16
-   checkpoint (`save_pretrained`, in shards of `--shard-mb` when given);
+   by 2.5 as the fixtures' decoders are so that logits are decisive, and saves it as a checkpoint
+   of `--checkpoint-dtype` (bf16 unless given; `save_pretrained`, in shards of `--shard-mb` MB);
 2. the reference is that checkpoint's weights in float32 on the GPU, eager attention, TF32 off;
 3. `kiln compile` builds it for CUDA in `--dtype` with one bucket holding the input, and
    `kiln-run forward --device cuda` runs random ids (`--device cpu`: both sides on the CPU, kiln's
@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 TOLERANCE = {"f32": 1e-4, "f16": 2e-2, "bf16": 2e-2}
+DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 MARGIN = 0.05
 
 
@@ -57,8 +58,8 @@ def model_class(cfg):
     return AutoModelForCausalLM, AutoModelForCausalLM.from_config, True
 
 
-def save_checkpoint(cfg, seed, device, ckpt, shard_mb):
-    """Writes a bf16 checkpoint of `cfg` with transformers' random weights; True for a decoder."""
+def save_checkpoint(cfg, seed, device, ckpt, args):
+    """Writes a checkpoint of `cfg` with transformers' random weights; True for a decoder."""
     from transformers import AutoConfig
     _, make, decoder = model_class(cfg)
     torch.manual_seed(seed)
@@ -69,14 +70,14 @@ def save_checkpoint(cfg, seed, device, ckpt, shard_mb):
             for p in model.parameters():
                 if p.dim() >= 2:
                     p.mul_(2.5)
-    shard = {"max_shard_size": f"{shard_mb}MB"} if shard_mb else {}
-    model.to(torch.bfloat16).save_pretrained(ckpt, safe_serialization=True, **shard)
+    shard = {"max_shard_size": f"{args.shard_mb}MB"} if args.shard_mb else {}
+    model.to(DTYPES[args.checkpoint_dtype]).save_pretrained(ckpt, safe_serialization=True, **shard)
     return decoder
 
 
 def load_reference_model(cfg, ckpt, device):
     """The checkpoint as a user loads it, in float32 (its buffers, such as RoPE's frequencies,
-    computed in float32 rather than cast from bf16), eager attention."""
+    computed in float32 rather than cast from the checkpoint's dtype), eager attention."""
     cls, _, decoder = model_class(cfg)
     extra = {} if decoder else {"add_pooling_layer": False}
     return cls.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager", **extra).to(device).eval()
@@ -151,7 +152,7 @@ def check(args, path, index):
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     ckpt = f"{work}/checkpoint"
-    decoder = save_checkpoint(cfg, index, args.device, ckpt, args.shard_mb)
+    decoder = save_checkpoint(cfg, index, args.device, ckpt, args)
     model = load_reference_model(cfg, ckpt, args.device)
     ids, mask = inputs(cfg, decoder, args.batch, args.length, seed=1000 + index)
     ref = reference(model, decoder, ids, mask, args.device)
@@ -163,7 +164,7 @@ def check(args, path, index):
     shards = len([f for f in os.listdir(ckpt) if f.endswith(".safetensors")])
     what = " ".join(args.set) or "as released"
     print(f"{'ok  ' if ok else 'FAIL'} {name} ({what}; {cfg.get('num_hidden_layers', cfg.get('n_layer'))} layers, "
-          f"{shards} shard(s), {args.dtype}, {args.batch} x {args.length}): {line}", flush=True)
+          f"{shards} {args.checkpoint_dtype} shard(s), {args.dtype}, {args.batch} x {args.length}): {line}", flush=True)
     if ok:
         shutil.rmtree(ckpt)
     return ok
@@ -177,6 +178,7 @@ def main():
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--dtype", default="bf16", choices=sorted(TOLERANCE))
     ap.add_argument("--shard-mb", type=int)
+    ap.add_argument("--checkpoint-dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--length", type=int, default=300)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--work", default="/tmp/kiln-check")
