@@ -1190,6 +1190,60 @@ struct Consumer {
     t2: Reg,
 }
 
+/// The first and last key each of a consumer thread's two rows sees ([`Consumer::keys_seen`]).
+struct KeysSeen {
+    last: Vec<Reg>,
+    /// Under a window only.
+    first: Option<Vec<Reg>>,
+}
+
+/// The consumers' turns at issuing products: each waits on its own named barrier
+/// ([`turn_barrier`] + its index) and, once its products are issued, arrives at the next one's,
+/// round the consumers. The last consumer makes the first arrival, for the first, at the start.
+struct Turns {
+    mine: Reg,
+    next: Reg,
+    last_one: Reg,
+}
+
+impl Turns {
+    fn new(k: &mut Kernel, cfg: &Plan, consumer: &Reg) -> Turns {
+        let n = consumers(cfg);
+        let mine = k.add_u32(consumer, &turn_barrier(cfg));
+        let after = k.add_u32(consumer, &1u32);
+        let after = k.op2("rem.u32", RegClass::B32, &after, &n);
+        let next = k.add_u32(&after, &turn_barrier(cfg));
+        let last_one = k.setp("eq.u32", consumer, &(n - 1));
+        let first_goes = k.label("first_goes");
+        k.bra(Some((last_one, false)), &first_goes);
+        k.emit(format!("bar.arrive {}, 256", turn_barrier(cfg)));
+        k.place(&first_goes);
+        Turns {
+            mine,
+            next,
+            last_one,
+        }
+    }
+
+    /// Waits for this consumer's turn.
+    fn wait(&self, k: &mut Kernel) {
+        k.emit(format!("bar.sync {}, 256", self.mine));
+    }
+
+    /// Hands the turn to the next consumer.
+    fn pass(&self, k: &mut Kernel) {
+        k.emit(format!("bar.arrive {}, 256", self.next));
+    }
+
+    /// The last turn: the last consumer made the first arrival, so it makes no last one.
+    fn pass_last(&self, k: &mut Kernel) {
+        let no_turn = k.label("no_turn");
+        k.bra(Some((self.last_one, true)), &no_turn);
+        self.pass(k);
+        k.place(&no_turn);
+    }
+}
+
 /// A consumer's view of the stages: Q, the K/V stage of each tile, and the score and
 /// probability registers the tiles reuse.
 struct Tiles<'a> {
@@ -1320,29 +1374,7 @@ impl Consumer {
         progress: &Progress,
     ) -> RowState {
         let state = RowState::new(k, cfg.head_dim);
-        // The last key each of the thread's rows sees (T - 1 without a causal or position rule),
-        // clamped to the keys, and as the rule gives it.
-        let (last, given): (Vec<Reg>, Vec<Reg>) = (0..2u32)
-            .map(|h| {
-                let row = k.add_u32(&self.row, &(8 * h));
-                let row = k.add_u32(&row, &block.q0);
-                let l = match (cfg.keys, keys) {
-                    (KeyRule::Causal { .. }, _) => k.add_u32(&row, &(cfg.kv_len - cfg.q_len)),
-                    (_, Some(keys)) => keys.position(k, cfg, &block.b, &row),
-                    _ => {
-                        let all = k.mov(RegClass::B32, &(cfg.kv_len - 1));
-                        return (all, all);
-                    }
-                };
-                (k.op2("min.u32", RegClass::B32, &l, &(cfg.kv_len - 1)), l)
-            })
-            .unzip();
-        // Under a window, the first key each of them sees, from the given last key: a position
-        // past the keys sees fewer than the window, a negative one none.
-        let firsts: Option<Vec<Reg>> = cfg
-            .keys
-            .window()
-            .map(|w| given.iter().map(|l| window_start(k, *l, w)).collect());
+        let seen = self.keys_seen(k, cfg, keys, block);
         // This warpgroup's 64 rows of the item's Q buffer.
         let (q_offset, q_full, q_empty, q_parity) = progress.q_buffer(k, cfg, layout, bars);
         let q_rows = k.mad_u32(&self.c, &(64 * SWIZZLE_BYTES), &q_offset);
@@ -1357,16 +1389,7 @@ impl Consumer {
             s: (0..BKV / 2).map(|_| k.reg(RegClass::F32)).collect(),
             p: (0..BKV / 4).map(|_| k.reg(RegClass::B32)).collect(),
         };
-        let n = consumers(cfg);
-        let mine = k.add_u32(&self.c, &turn_barrier(cfg));
-        let after = k.add_u32(&self.c, &1u32);
-        let after = k.op2("rem.u32", RegClass::B32, &after, &n);
-        let other = k.add_u32(&after, &turn_barrier(cfg));
-        let last_one = k.setp("eq.u32", &self.c, &(n - 1));
-        let first_goes = k.label("first_goes");
-        k.bra(Some((last_one, false)), &first_goes);
-        k.emit(format!("bar.arrive {}, 256", turn_barrier(cfg)));
-        k.place(&first_goes);
+        let turns = Turns::new(k, cfg, &self.c);
         mbarrier_wait(k, &q_full, &q_parity);
 
         let j = k.mov(RegClass::B32, &0u32);
@@ -1379,7 +1402,7 @@ impl Consumer {
                 self.add_mask(k, &tiles.s, &tile);
             }
             let key0 = block.key0(k, j);
-            self.mask_edges(k, &tiles.s, block, j, &key0, (&last, firsts.as_deref()));
+            self.mask_edges(k, &tiles.s, block, j, &key0, &seen);
             let correction = self.softmax(k, cfg, &tiles.s, &state, (first, in_flight));
             if let Some(d) = dropping {
                 d.drop(k, &tiles.s, &key0);
@@ -1400,11 +1423,11 @@ impl Consumer {
         if let Some(mask) = mask {
             self.stage_mask(k, cfg, block, &j, progress, mask);
         }
-        k.emit(format!("bar.sync {mine}, 256"));
+        turns.wait(k);
         wgmma_fence(k);
         tiles.issue_scores(k, &j);
         wgmma_commit(k);
-        k.emit(format!("bar.arrive {other}, 256"));
+        turns.pass(k);
         wgmma_wait(k, 0);
         tiles.release(k, &j, Kv::K, self.lane0);
         let correction = probabilities(k, &j, true);
@@ -1419,7 +1442,7 @@ impl Consumer {
         if let Some(mask) = mask {
             self.stage_mask(k, cfg, block, &next, progress, mask);
         }
-        k.emit(format!("bar.sync {mine}, 256"));
+        turns.wait(k);
         wgmma_fence(k);
         let correction = if under_own_products(cfg) {
             k.comment("the scores of tile j + 1, then O += P V of tile j: two wgmma groups");
@@ -1427,7 +1450,7 @@ impl Consumer {
             wgmma_commit(k);
             tiles.issue_pv(k, &j, &state.o);
             wgmma_commit(k);
-            k.emit(format!("bar.arrive {other}, 256"));
+            turns.pass(k);
             k.comment("the softmax of tile j + 1 under O += P V of tile j");
             wgmma_wait(k, 1);
             tiles.release(k, &next, Kv::K, self.lane0);
@@ -1440,7 +1463,7 @@ impl Consumer {
             tiles.issue_pv(k, &j, &state.o);
             tiles.issue_scores(k, &next);
             wgmma_commit(k);
-            k.emit(format!("bar.arrive {other}, 256"));
+            turns.pass(k);
             wgmma_wait(k, 0);
             tiles.release(k, &j, Kv::V, self.lane0);
             tiles.release(k, &next, Kv::K, self.lane0);
@@ -1452,20 +1475,48 @@ impl Consumer {
         k.place(&done);
 
         k.comment("the last tile's O += P V");
-        k.emit(format!("bar.sync {mine}, 256"));
+        turns.wait(k);
         wgmma_fence(k);
         tiles.issue_pv(k, &j, &state.o);
         wgmma_commit(k);
-        // The last warpgroup made the first arrival, so it makes no last one.
-        let no_turn = k.label("no_turn");
-        k.bra(Some((last_one, true)), &no_turn);
-        k.emit(format!("bar.arrive {other}, 256"));
-        k.place(&no_turn);
+        turns.pass_last(k);
         wgmma_wait(k, 0);
         tiles.release(k, &j, Kv::V, self.lane0);
         k.comment("the item's Q buffer is free for a later item");
         mbarrier_arrive(k, &q_empty, Some(self.lane0));
         state
+    }
+
+    /// The keys each of the thread's two rows sees: the last (T - 1 without a causal or position
+    /// rule) clamped to the keys, and, under a window, the first, from the last as the rule gives
+    /// it (a position past the keys sees fewer than the window, a negative one none).
+    fn keys_seen(
+        &self,
+        k: &mut Kernel,
+        cfg: &Plan,
+        keys: Option<&PositionKeys>,
+        block: &Block,
+    ) -> KeysSeen {
+        let (last, given): (Vec<Reg>, Vec<Reg>) = (0..2u32)
+            .map(|h| {
+                let row = k.add_u32(&self.row, &(8 * h));
+                let row = k.add_u32(&row, &block.q0);
+                let l = match (cfg.keys, keys) {
+                    (KeyRule::Causal { .. }, _) => k.add_u32(&row, &(cfg.kv_len - cfg.q_len)),
+                    (_, Some(keys)) => keys.position(k, cfg, &block.b, &row),
+                    _ => {
+                        let all = k.mov(RegClass::B32, &(cfg.kv_len - 1));
+                        return (all, all);
+                    }
+                };
+                (k.op2("min.u32", RegClass::B32, &l, &(cfg.kv_len - 1)), l)
+            })
+            .unzip();
+        let first = cfg
+            .keys
+            .window()
+            .map(|w| given.iter().map(|l| window_start(k, *l, w)).collect());
+        KeysSeen { last, first }
     }
 
     /// Each warpgroup writes the item's key tile `j`'s additive padding mask (0 present, -inf
@@ -1535,15 +1586,15 @@ impl Consumer {
         block: &Block,
         j: &Reg,
         key0: &Reg,
-        (last, first): (&[Reg], Option<&[Reg]>),
+        seen: &KeysSeen,
     ) {
         let interior = k.label("interior_tile");
         let inside = k.setp("lt.u32", j, &block.edge_from);
         k.bra(Some((inside, true)), &interior);
         k.comment("edge tile: keys past each row's last");
-        self.mask_columns(k, s, key0, last, "gt.u32");
+        self.mask_columns(k, s, key0, &seen.last, "gt.u32");
         k.place(&interior);
-        if let (Some(slide), Some(first)) = (&block.window, first) {
+        if let (Some(slide), Some(first)) = (&block.window, &seen.first) {
             let clean = k.label("inside_windows");
             let past = k.setp("ge.u32", j, &slide.clean_from);
             k.bra(Some((past, true)), &clean);
