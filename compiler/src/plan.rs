@@ -395,13 +395,14 @@ fn table_name(t: &RopeTable, sin: bool) -> String {
     )
 }
 
-/// `cos` or `sin` of `position * inv_freq[i]`, in f64 rounded to f32, `[positions, head_dim / 2]`.
+/// `cos` or `sin` of `position * inv_freq[i]` (times YaRN's attention factor), in f64 rounded to
+/// f32, `[positions, head_dim / 2]`.
 fn rope_table(t: &RopeTable, positions: usize, sin: bool) -> Tensor {
     let inv = t.scaling.inv_freq(t.theta, t.head_dim as usize);
     let mut values = Vec::with_capacity(positions * inv.len());
     for p in 0..positions {
         for f in &inv {
-            let (s, c) = (p as f64 * f).sin_cos();
+            let (s, c) = t.scaling.sin_cos(p as f64, *f);
             values.push(if sin { s } else { c } as f32);
         }
     }

@@ -553,7 +553,7 @@ fn rope(
                 let p = pv[bi * l + li] as f64;
                 let base = ((bi * h + hi) * l + li) * d;
                 for c in 0..half {
-                    let (sin, cos) = (p * inv_freq[c]).sin_cos();
+                    let (sin, cos) = scaling.sin_cos(p, inv_freq[c]);
                     let x1 = f64::from(xv[base + c]);
                     let x2 = f64::from(xv[base + c + half]);
                     out[base + c] = (x1 * cos - x2 * sin) as f32;

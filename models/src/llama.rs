@@ -1,5 +1,5 @@
 //! The Llama family: `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`. RMSNorm, RoPE
-//! (with `rope_theta` and the default / linear / llama3 scalings), grouped-query attention (GQA and
+//! (with `rope_theta` and the default / linear / llama3 / yarn scalings), grouped-query attention (GQA and
 //! MQA: K/V heads broadcast to their query groups), SwiGLU MLP, optional Q/K/V bias, tied or untied
 //! embeddings, Mistral's sliding window. Weight names mirror the Hugging Face keys
 //! (`model.layers.{i}.self_attn.q_proj`).
@@ -175,10 +175,11 @@ fn rope(c: &Config) -> Result<(f64, RopeScaling), ModelError> {
             high_freq_factor: need("high_freq_factor")?,
             original_max_position_embeddings: need("original_max_position_embeddings")?,
         },
+        "yarn" => yarn(c, (field, params), &num)?,
         other => {
             return Err(ModelError::Config {
                 field: format!("{field}.rope_type"),
-                message: format!("= \"{other}\" is not supported (default, linear, llama3)"),
+                message: format!("= \"{other}\" is not supported (default, linear, llama3, yarn)"),
             })
         }
     };
@@ -187,6 +188,57 @@ fn rope(c: &Config) -> Result<(f64, RopeScaling), ModelError> {
         message,
     })?;
     Ok((theta, scaling))
+}
+
+/// YaRN's parameters as transformers reads them: the original context from the rope parameters,
+/// else the config's `original_max_position_embeddings`, else `max_position_embeddings`; the
+/// factor, when absent, the ratio of `max_position_embeddings` to it.
+fn yarn(
+    c: &Config,
+    (field, params): (&str, Option<&Value>),
+    num: &dyn Fn(&str) -> Result<Option<f64>, ModelError>,
+) -> Result<RopeScaling, ModelError> {
+    let max_positions = c.opt_f64("max_position_embeddings")?;
+    let original = num("original_max_position_embeddings")?
+        .or(c.opt_f64("original_max_position_embeddings")?)
+        .or(max_positions)
+        .ok_or_else(|| ModelError::Config {
+            field: format!("{field}.original_max_position_embeddings"),
+            message: "is missing (and so is max_position_embeddings)".into(),
+        })?;
+    let factor = match (num("factor")?, max_positions) {
+        (Some(f), _) => f,
+        (None, Some(m)) => m / original,
+        (None, None) => {
+            return Err(ModelError::Config {
+                field: format!("{field}.factor"),
+                message: "is missing".into(),
+            })
+        }
+    };
+    let attention_factor = match num("attention_factor")? {
+        Some(a) => a,
+        None => RopeScaling::yarn_attention_factor(factor, num("mscale")?, num("mscale_all_dim")?),
+    };
+    let truncate = match params.and_then(|p| p.get("truncate")) {
+        None | Some(Value::Null) => true,
+        Some(v) => v.as_bool().ok_or_else(|| ModelError::Config {
+            field: format!("{field}.truncate"),
+            message: format!("is {v}, expected true or false"),
+        })?,
+    };
+    // transformers takes 0 (as `or` does) for the defaults too.
+    let beta = |key: &str, default: f64| -> Result<f64, ModelError> {
+        Ok(num(key)?.filter(|b| *b != 0.0).unwrap_or(default))
+    };
+    Ok(RopeScaling::Yarn {
+        factor,
+        original_max_position_embeddings: original,
+        beta_fast: beta("beta_fast", 32.0)?,
+        beta_slow: beta("beta_slow", 1.0)?,
+        attention_factor,
+        truncate,
+    })
 }
 
 /// Builds the graph: inputs `input_ids`, `attention_mask`, `position_ids` `[B, S]`, output

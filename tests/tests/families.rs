@@ -203,6 +203,20 @@ fn llama_with_llama3_rope_and_biases() {
 }
 
 #[test]
+fn llama_with_yarn_rope() {
+    let tmp = tempfile::tempdir().unwrap();
+    rewrite_checkpoint(&fixture("llama-tiny"), tmp.path(), Dtype::F32, 1, |c, _| {
+        c["rope_parameters"] = serde_json::json!({
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 16, "beta_fast": 8, "mscale": 1.1,
+            "mscale_all_dim": 0.9
+        });
+    });
+    fused_equals_unfused(tmp.path(), "yarn");
+    cpu_executor_agrees(tmp.path(), "yarn");
+}
+
+#[test]
 fn gpt2_with_relu_and_layer_scaled_attention() {
     let tmp = tempfile::tempdir().unwrap();
     rewrite_checkpoint(&fixture("gpt2-tiny"), tmp.path(), Dtype::F32, 1, |c, _| {

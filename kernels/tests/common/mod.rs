@@ -108,7 +108,7 @@ pub fn scaled_rope_tables(
     let (mut cos, mut sin) = (Vec::new(), Vec::new());
     for p in 0..positions {
         for f in &inv {
-            let (s, c) = (p as f64 * f).sin_cos();
+            let (s, c) = scaling.sin_cos(p as f64, *f);
             cos.push(c as f32);
             sin.push(s as f32);
         }
