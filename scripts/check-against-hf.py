@@ -12,7 +12,8 @@ overrides (JSON values: `num_key_value_heads=4`, `sliding_window=128`) and `--la
 1. transformers builds the model with its own random initialiser (seeded), 2-D weights widened
    by 2.5 as the fixtures' decoders are so that logits are decisive, and saves it as a checkpoint
    of `--checkpoint-dtype` (bf16 unless given; `save_pretrained`, in shards of `--shard-mb` MB);
-2. the reference is that checkpoint's weights in float32 on the GPU, eager attention, TF32 off;
+2. the reference is that checkpoint as a user loads it, in float32 on the same device, eager
+   attention, TF32 off;
 3. `kiln compile` builds it for CUDA in `--dtype` with one bucket holding the input, and
    `kiln-run forward --device cuda` runs random ids (`--device cpu`: both sides on the CPU, kiln's
    Cranelift kernels) (an encoder's rows padded to lengths spread
