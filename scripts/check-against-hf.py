@@ -51,21 +51,21 @@ def config_of(path, layers, overrides):
 
 
 def model_class(cfg):
-    """transformers' class for `cfg`, a function making a random-weight model of it, and whether
-    it is a decoder (encoders are BertModel without the pooler, as kiln compiles them)."""
-    from transformers import AutoModelForCausalLM, BertModel
+    """transformers' auto class for `cfg`, the keyword arguments its models take, and whether it is
+    a decoder (encoders are BertModel without the pooler, as kiln compiles them)."""
+    from transformers import AutoModel, AutoModelForCausalLM
     if cfg["model_type"] == "bert":
-        return BertModel, lambda config: BertModel(config, add_pooling_layer=False), False
-    return AutoModelForCausalLM, AutoModelForCausalLM.from_config, True
+        return AutoModel, {"add_pooling_layer": False}, False
+    return AutoModelForCausalLM, {}, True
 
 
 def save_checkpoint(cfg, seed, device, ckpt, args):
     """Writes a checkpoint of `cfg` with transformers' random weights; True for a decoder."""
     from transformers import AutoConfig
-    _, make, decoder = model_class(cfg)
+    cls, extra, decoder = model_class(cfg)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = make(AutoConfig.for_model(**cfg)).float()
+        model = cls.from_config(AutoConfig.for_model(**cfg), **extra).float()
     if decoder:
         with torch.no_grad():
             for p in model.parameters():
@@ -79,8 +79,7 @@ def save_checkpoint(cfg, seed, device, ckpt, args):
 def load_reference_model(cfg, ckpt, device):
     """The checkpoint as a user loads it, in float32 (its buffers, such as RoPE's frequencies,
     computed in float32 rather than cast from the checkpoint's dtype), eager attention."""
-    cls, _, decoder = model_class(cfg)
-    extra = {} if decoder else {"add_pooling_layer": False}
+    cls, extra, _ = model_class(cfg)
     return cls.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager", **extra).to(device).eval()
 
 

@@ -121,68 +121,70 @@ impl RopeScaling {
 
     /// The `D / 2` inverse frequencies for head dim `head_dim` and base `theta`.
     pub fn inv_freq(&self, theta: f64, head_dim: usize) -> Vec<f64> {
-        let half = head_dim / 2;
-        let ramp = self.yarn_ramp(theta, head_dim);
-        (0..half)
-            .map(|i| {
-                let base = theta.powf(-((2 * i) as f64) / head_dim as f64);
-                match self {
-                    RopeScaling::Default => base,
-                    RopeScaling::Linear { factor } => base / factor,
-                    RopeScaling::Llama3 {
-                        factor,
-                        low_freq_factor,
-                        high_freq_factor,
-                        original_max_position_embeddings: old,
-                    } => {
-                        let wavelen = 2.0 * std::f64::consts::PI / base;
-                        let low_wavelen = old / low_freq_factor;
-                        let high_wavelen = old / high_freq_factor;
-                        if wavelen > low_wavelen {
-                            base / factor
-                        } else if wavelen < high_wavelen {
-                            base
-                        } else {
-                            let smooth = (old / wavelen - low_freq_factor)
-                                / (high_freq_factor - low_freq_factor);
-                            (1.0 - smooth) * base / factor + smooth * base
-                        }
+        let base = (0..head_dim / 2).map(|i| (i, theta.powf(-((2 * i) as f64) / head_dim as f64)));
+        match self {
+            RopeScaling::Default => base.map(|(_, b)| b).collect(),
+            RopeScaling::Linear { factor } => base.map(|(_, b)| b / factor).collect(),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings: old,
+            } => base
+                .map(|(_, b)| {
+                    let wavelen = 2.0 * std::f64::consts::PI / b;
+                    let low_wavelen = old / low_freq_factor;
+                    let high_wavelen = old / high_freq_factor;
+                    if wavelen > low_wavelen {
+                        b / factor
+                    } else if wavelen < high_wavelen {
+                        b
+                    } else {
+                        let smooth = (old / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * b / factor + smooth * b
                     }
-                    RopeScaling::Yarn { factor, .. } => {
-                        let (low, high) = ramp.expect("yarn has a ramp");
-                        let t = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
-                        base / factor * t + base * (1.0 - t)
-                    }
-                }
-            })
-            .collect()
-    }
-
-    /// YaRN's ramp over the `head_dim / 2` frequencies: from the dimension whose frequency turns
-    /// `beta_fast` times over the original context (kept below it) to the one that turns
-    /// `beta_slow` times (interpolated above it).
-    fn yarn_ramp(&self, theta: f64, head_dim: usize) -> Option<(f64, f64)> {
-        let RopeScaling::Yarn {
-            original_max_position_embeddings: old,
-            beta_fast,
-            beta_slow,
-            truncate,
-            ..
-        } = self
-        else {
-            return None;
-        };
-        let dim = head_dim as f64;
-        let at = |turns: f64| {
-            dim * (old / (turns * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln())
-        };
-        let (mut low, mut high) = (at(*beta_fast), at(*beta_slow));
-        if *truncate {
-            (low, high) = (low.floor(), high.ceil());
+                })
+                .collect(),
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: old,
+                beta_fast,
+                beta_slow,
+                truncate,
+                ..
+            } => {
+                let (low, high) =
+                    yarn_ramp(theta, head_dim, *old, (*beta_fast, *beta_slow), *truncate);
+                base.map(|(i, b)| {
+                    let t = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                    b / factor * t + b * (1.0 - t)
+                })
+                .collect()
+            }
         }
-        let (low, high) = (low.max(0.0), high.min(dim - 1.0));
-        Some((low, if low == high { high + 0.001 } else { high }))
     }
+}
+
+/// YaRN's ramp over the `head_dim / 2` frequencies: from the dimension whose frequency turns
+/// `beta_fast` times over the original context `old` (kept below it) to the one that turns
+/// `beta_slow` times (interpolated above it), rounded outwards where `truncate`.
+fn yarn_ramp(
+    theta: f64,
+    head_dim: usize,
+    old: f64,
+    (beta_fast, beta_slow): (f64, f64),
+    truncate: bool,
+) -> (f64, f64) {
+    let dim = head_dim as f64;
+    let at =
+        |turns: f64| dim * (old / (turns * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln());
+    let (mut low, mut high) = (at(beta_fast), at(beta_slow));
+    if truncate {
+        (low, high) = (low.floor(), high.ceil());
+    }
+    let (low, high) = (low.max(0.0), high.min(dim - 1.0));
+    (low, if low == high { high + 0.001 } else { high })
 }
 
 #[cfg(test)]
