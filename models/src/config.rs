@@ -46,6 +46,17 @@ impl<'a> Config<'a> {
         }
     }
 
+    /// A non-negative integer with a default.
+    pub fn count_or(&self, field: &str, default: usize) -> Result<usize, ModelError> {
+        match self.get(field) {
+            None => Ok(default),
+            Some(v) => v
+                .as_u64()
+                .map(|n| n as usize)
+                .ok_or_else(|| Self::invalid(field, v, "a non-negative integer")),
+        }
+    }
+
     /// An optional number.
     pub fn opt_f64(&self, field: &str) -> Result<Option<f64>, ModelError> {
         match self.get(field) {

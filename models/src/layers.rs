@@ -46,8 +46,8 @@ pub struct ModelBuilder<'a> {
     kv_cache: bool,
     /// `(attention_mask, position_ids)` of a decoder, once declared.
     decoder: Option<(NodeId, NodeId)>,
-    /// The layers' shared attention mask, once built.
-    shared_mask: Option<NodeId>,
+    /// The attention masks the layers share, one per sliding window, once built.
+    shared_masks: Vec<(Option<i64>, NodeId)>,
 }
 
 /// Reads the activation named by config field `field`.
@@ -76,7 +76,7 @@ impl<'a> ModelBuilder<'a> {
             streams: 0,
             kv_cache: options.kv_cache,
             decoder: None,
-            shared_mask: None,
+            shared_masks: Vec::new(),
         }
     }
 
@@ -286,6 +286,21 @@ impl<'a> ModelBuilder<'a> {
         )?)
     }
 
+    /// The mask that every layer with sliding window `window` shares, built by `build` for the
+    /// first of them.
+    fn shared_mask(
+        &mut self,
+        window: Option<i64>,
+        build: impl FnOnce(&mut Self) -> Result<NodeId, ModelError>,
+    ) -> Result<NodeId, ModelError> {
+        if let Some(&(_, m)) = self.shared_masks.iter().find(|(w, _)| *w == window) {
+            return Ok(m);
+        }
+        let m = build(self)?;
+        self.shared_masks.push((window, m));
+        Ok(m)
+    }
+
     /// The additive mask of a decoder: padding plus causal (optionally windowed), `[B, 1, S, S]`.
     pub fn decoder_mask(
         &mut self,
@@ -334,14 +349,7 @@ impl<'a> ModelBuilder<'a> {
         let kt = self.g.ty(k).clone();
         let kv_heads = kt.shape[1].as_const().unwrap_or(1) as usize;
         if !self.kv_cache {
-            let attn_mask = match self.shared_mask {
-                Some(m) => m,
-                None => {
-                    let m = self.decoder_mask(mask, window)?;
-                    self.shared_mask = Some(m);
-                    m
-                }
-            };
+            let attn_mask = self.shared_mask(window, |mb| mb.decoder_mask(mask, window))?;
             let k = self.repeat_kv(k, kv_heads, heads)?;
             let v = self.repeat_kv(v, kv_heads, heads)?;
             return self.attention(q, k, v, attn_mask, scale, dropout_p);
@@ -365,14 +373,11 @@ impl<'a> ModelBuilder<'a> {
                 .set_output(&format!("present_{name}.{layer}"), present)?;
             written.push(self.repeat_kv(present, kv_heads, heads)?);
         }
-        let cache_mask = match self.shared_mask {
-            Some(m) => m,
-            None => {
-                let m = kernel::position_mask(&mut self.g, positions, context, window, self.dtype)?;
-                self.shared_mask = Some(m);
-                m
-            }
-        };
+        let cache_mask = self.shared_mask(window, |mb| {
+            Ok(kernel::position_mask(
+                &mut mb.g, positions, context, window, mb.dtype,
+            )?)
+        })?;
         Ok(kernel::sdpa(
             &mut self.g,
             q,

@@ -1,7 +1,7 @@
 //! The Llama family: `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`. RMSNorm, RoPE
 //! (with `rope_theta` and the default / linear / llama3 / yarn scalings), grouped-query attention (GQA and
 //! MQA: K/V heads broadcast to their query groups), SwiGLU MLP, optional Q/K/V bias, tied or untied
-//! embeddings, Mistral's sliding window. Weight names mirror the Hugging Face keys
+//! embeddings, sliding windows (Mistral's on every layer, Qwen2's on the layers it names). Weight names mirror the Hugging Face keys
 //! (`model.layers.{i}.self_attn.q_proj`).
 
 use kiln_ir::kernel::{self, Activation};
@@ -56,8 +56,8 @@ pub struct LlamaConfig {
     pub mlp_bias: bool,
     /// `tie_word_embeddings`
     pub tied: bool,
-    /// `sliding_window` (Mistral)
-    pub sliding_window: Option<i64>,
+    /// Each layer's sliding window (`None`: the layer attends to every earlier token).
+    pub windows: Vec<Option<i64>>,
     /// `attention_dropout`
     pub attention_dropout: f64,
 }
@@ -98,19 +98,13 @@ impl LlamaConfig {
         }
         let (rope_theta, rope_scaling) = rope(c)?;
         let attention_bias = c.bool_or("attention_bias", false)?;
-        let sliding_window = match flavor {
-            LlamaFlavor::Mistral => c.opt_usize("sliding_window")?.map(|w| w as i64),
-            LlamaFlavor::Qwen2 if c.bool_or("use_sliding_window", false)? => {
-                return Err(c.unsupported("use_sliding_window", "Qwen2 sliding-window layers"))
-            }
-            _ => None,
-        };
+        let layers = c.usize("num_hidden_layers")?;
         Ok(LlamaConfig {
             flavor,
             vocab_size: c.usize("vocab_size")?,
             hidden,
             intermediate: c.usize("intermediate_size")?,
-            layers: c.usize("num_hidden_layers")?,
+            layers,
             heads,
             kv_heads,
             head_dim,
@@ -121,10 +115,76 @@ impl LlamaConfig {
             o_bias: flavor == LlamaFlavor::Llama && attention_bias,
             mlp_bias: flavor == LlamaFlavor::Llama && c.bool_or("mlp_bias", false)?,
             tied: c.bool_or("tie_word_embeddings", false)?,
-            sliding_window,
+            windows: windows(c, flavor, layers)?,
             attention_dropout: c.f64_or("attention_dropout", 0.0)?,
         })
     }
+}
+
+/// Each layer's sliding window, as transformers assigns them: Llama has none; Mistral puts
+/// `sliding_window` on every layer; Qwen2 puts it (when `use_sliding_window`) on the layers that
+/// `layer_types` calls `sliding_attention`, or without `layer_types` on layers from
+/// `max_window_layers` on.
+fn windows(c: &Config, flavor: LlamaFlavor, layers: usize) -> Result<Vec<Option<i64>>, ModelError> {
+    let window = |field: &str| Ok::<_, ModelError>(c.opt_usize(field)?.map(|w| w as i64));
+    match flavor {
+        LlamaFlavor::Llama => Ok(vec![None; layers]),
+        LlamaFlavor::Mistral => Ok(vec![window("sliding_window")?; layers]),
+        LlamaFlavor::Qwen2 => {
+            let w = match c.bool_or("use_sliding_window", false)? {
+                true => window("sliding_window")?,
+                false => None,
+            };
+            let sliding = match c.get("layer_types") {
+                Some(_) => layer_types(c, layers)?,
+                None => {
+                    let first = c.count_or("max_window_layers", 28)?;
+                    (0..layers).map(|i| w.is_some() && i >= first).collect()
+                }
+            };
+            sliding
+                .into_iter()
+                .map(|s| match (s, w) {
+                    (false, _) => Ok(None),
+                    (true, Some(w)) => Ok(Some(w)),
+                    (true, None) => Err(ModelError::Config {
+                        field: "layer_types".into(),
+                        message: "names sliding_attention layers, but use_sliding_window is \
+                                  false or sliding_window is missing"
+                            .into(),
+                    }),
+                })
+                .collect()
+        }
+    }
+}
+
+/// Reads `layer_types`: for each layer, whether it is `sliding_attention` (or `full_attention`).
+fn layer_types(c: &Config, layers: usize) -> Result<Vec<bool>, ModelError> {
+    let bad = |message: String| ModelError::Config {
+        field: "layer_types".into(),
+        message,
+    };
+    let types = c
+        .get("layer_types")
+        .and_then(Value::as_array)
+        .ok_or_else(|| bad("is not a list".into()))?;
+    if types.len() != layers {
+        return Err(bad(format!(
+            "has {} entries for {layers} layers",
+            types.len()
+        )));
+    }
+    types
+        .iter()
+        .map(|t| match t.as_str() {
+            Some("full_attention") => Ok(false),
+            Some("sliding_attention") => Ok(true),
+            _ => Err(bad(format!(
+                "holds {t}, expected full_attention or sliding_attention"
+            ))),
+        })
+        .collect()
 }
 
 /// Reads the rotary base and scaling from `rope_parameters` (transformers 5) or
@@ -280,7 +340,7 @@ pub fn build(mb: &mut ModelBuilder, cfg: &LlamaConfig) -> Result<ModelKind, Mode
             k,
             vv,
             1.0 / (d as f64).sqrt(),
-            cfg.sliding_window,
+            cfg.windows[i],
             cfg.attention_dropout,
         )?;
         let merged = mb.merge_heads(ctx, h, d)?;

@@ -1,7 +1,7 @@
 //! Family variants no fixture covers, built from the tiny fixtures with edited configs and random
-//! extra tensors (Qwen2 with Q/K/V bias and tied embeddings, Mistral's sliding window, Llama with
-//! llama3 RoPE scaling and attention/MLP biases, GPT-2 with ReLU and per-layer attention scaling):
-//! each imports, its fused bucket graph computes exactly what its unfused graph computes, and its
+//! extra tensors (Qwen2 with Q/K/V bias and tied embeddings, sliding windows on every layer
+//! (Mistral) or on some (Qwen2), Llama with llama3 or YaRN RoPE scaling and attention/MLP biases,
+//! GPT-2 with ReLU and per-layer attention scaling): each imports, its fused bucket graph computes exactly what its unfused graph computes, and its
 //! compiled artifact runs on the CPU executor (generated kernels, KV-cached decoding) with the
 //! same results.
 
@@ -111,38 +111,76 @@ fn cpu_executor_agrees(dir: &std::path::Path, what: &str) {
     );
 }
 
+/// Makes the tiny Llama a Qwen2 (Q/K/V biases on both layers) with `edit`'s changes on top.
+fn qwen2(dir: &std::path::Path, edit: impl FnOnce(&mut serde_json::Value, &mut TensorMap)) {
+    rewrite_checkpoint(&fixture("llama-tiny"), dir, Dtype::F32, 1, |c, t| {
+        c["architectures"] = serde_json::json!(["Qwen2ForCausalLM"]);
+        c["model_type"] = "qwen2".into();
+        for l in 0..2 {
+            for (proj, n, seed) in [("q_proj", 64, 11), ("k_proj", 32, 21), ("v_proj", 32, 31)] {
+                let key = format!("model.layers.{l}.self_attn.{proj}.bias");
+                add_bias(t, &key, n, seed + l);
+            }
+        }
+        edit(c, t);
+    });
+}
+
+/// The sliding windows of the graph's causal masks, one per mask.
+fn mask_windows(dir: &std::path::Path) -> Vec<Option<i64>> {
+    let model = kiln_models::import(dir).unwrap();
+    let mut windows: Vec<_> = model
+        .graph
+        .nodes()
+        .filter_map(|(_, n)| match &n.op {
+            kiln_ir::Op::CausalMask { window, .. } => Some(*window),
+            _ => None,
+        })
+        .collect();
+    windows.sort();
+    windows
+}
+
 #[test]
 fn qwen2_with_qkv_bias_and_tied_embeddings() {
     let tmp = tempfile::tempdir().unwrap();
-    rewrite_checkpoint(&fixture("llama-tiny"), tmp.path(), Dtype::F32, 1, |c, t| {
-        c["architectures"] = serde_json::json!(["Qwen2ForCausalLM"]);
-        c["model_type"] = "qwen2".into();
+    qwen2(tmp.path(), |c, t| {
         c["tie_word_embeddings"] = true.into();
         c["use_sliding_window"] = false.into();
         t.remove("lm_head.weight");
-        for l in 0..2 {
-            add_bias(
-                t,
-                &format!("model.layers.{l}.self_attn.q_proj.bias"),
-                64,
-                11 + l,
-            );
-            add_bias(
-                t,
-                &format!("model.layers.{l}.self_attn.k_proj.bias"),
-                32,
-                21 + l,
-            );
-            add_bias(
-                t,
-                &format!("model.layers.{l}.self_attn.v_proj.bias"),
-                32,
-                31 + l,
-            );
-        }
     });
     fused_equals_unfused(tmp.path(), "qwen2");
     cpu_executor_agrees(tmp.path(), "qwen2");
+}
+
+#[test]
+fn qwen2_with_sliding_window_layers() {
+    // transformers' rule: with `use_sliding_window`, the layers from `max_window_layers` on slide.
+    let tmp = tempfile::tempdir().unwrap();
+    qwen2(tmp.path(), |c, _| {
+        c["use_sliding_window"] = true.into();
+        c["sliding_window"] = 5.into();
+        c["max_window_layers"] = 1.into();
+    });
+    assert_eq!(mask_windows(tmp.path()), [None, Some(5)]);
+    fused_equals_unfused(tmp.path(), "qwen2 sliding");
+    cpu_executor_agrees(tmp.path(), "qwen2 sliding");
+    // `layer_types`, where given, names the sliding layers instead.
+    let listed = tempfile::tempdir().unwrap();
+    qwen2(listed.path(), |c, _| {
+        c["use_sliding_window"] = true.into();
+        c["sliding_window"] = 5.into();
+        c["max_window_layers"] = 1.into();
+        c["layer_types"] = serde_json::json!(["sliding_attention", "sliding_attention"]);
+    });
+    assert_eq!(mask_windows(listed.path()), [Some(5)]);
+    // Near miss: without `use_sliding_window`, `sliding_window` and `max_window_layers` do nothing.
+    let off = tempfile::tempdir().unwrap();
+    qwen2(off.path(), |c, _| {
+        c["sliding_window"] = 5.into();
+        c["max_window_layers"] = 0.into();
+    });
+    assert_eq!(mask_windows(off.path()), [None]);
 }
 
 #[test]

@@ -151,6 +151,27 @@ fn unsupported_configs_name_the_field_and_value() {
         err.contains("rope_type") && err.contains("dynamic"),
         "{err}"
     );
+    let qwen2 = |c: &mut serde_json::Value, layer_types: serde_json::Value| {
+        c["architectures"] = serde_json::json!(["Qwen2ForCausalLM"]);
+        c["layer_types"] = layer_types;
+    };
+    for (types, says) in [
+        (
+            serde_json::json!(["full_attention"]),
+            "has 1 entries for 2 layers",
+        ),
+        (
+            serde_json::json!(["full_attention", "chunked_attention"]),
+            "\"chunked_attention\"",
+        ),
+        (
+            serde_json::json!(["full_attention", "sliding_attention"]),
+            "use_sliding_window is false",
+        ),
+    ] {
+        let err = import_error(|c, _| qwen2(c, types));
+        assert!(err.contains("`layer_types`") && err.contains(says), "{err}");
+    }
     let err = import_error(|c, _| c["num_key_value_heads"] = 3.into());
     assert!(
         err.contains("`num_key_value_heads`") && err.contains('3'),
