@@ -534,35 +534,110 @@ pub fn attention_wgmma_shaped(
     if cluster(cfg) > 1 {
         k.cluster(cluster(cfg));
     }
-    let maps = [
-        k.param_tensor_map("q", map(cfg, 0, cfg.heads, cfg.q_len, bm(cfg))),
-        k.param_tensor_map("k", map(cfg, 1, cfg.kv_heads, cfg.kv_len, BKV)),
-        k.param_tensor_map("v", map(cfg, 2, cfg.kv_heads, cfg.kv_len, BKV)),
-    ];
-    let out = k.param_ptr("out");
-    let mask = cfg.padding.then(|| k.param_ptr("mask"));
-    let positions = matches!(cfg.keys, KeyRule::Position { .. }).then(|| {
-        k.shared("attention_ranges", (consumers(cfg) + 1) * 4 * 2 * 4);
-        k.param_ptr("positions")
-    });
-    let seed = cfg.dropout.map(|_| k.param_ptr("seed"));
-    let table = cfg.paging.map(|p| (k.param_ptr("table"), p));
-    let smem = k.dynamic_shared_aligned("attention_tiles", 1024);
-    k.shared(
-        "attention_barriers",
-        cfg.barrier(Barrier::End) * MBARRIER_BYTES,
-    );
-    if cfg.padding {
-        k.shared("attention_mask", consumers(cfg) * 2 * BKV * 4);
-    }
+    let params = Params::declare(&mut k, cfg);
     let layout = Layout::new(cfg);
-
     let tid = k.special("tid.x");
-    let raw = k.shared_base(&smem);
+    let (base, bars) = init_barriers(&mut k, cfg, &tid);
+
+    // Warp-uniform to ptxas, so that the branches on roles and turns are no divergent paths.
+    let warpgroup = k.op2("shr.u32", RegClass::B32, &tid, &7u32);
+    let warpgroup = warp_uniform(&mut k, &warpgroup);
+    // Every warpgroup's share in finding an item's positions, before the roles part.
+    let keys = params
+        .positions
+        .map(|p| PositionKeys::new(&mut k, cfg, p, &tid, &warpgroup));
+    let consumers = k.label("consumers");
+    let is_producer = k.setp("eq.u32", &warpgroup, &0u32);
+    k.bra(Some((is_producer, false)), &consumers);
+    producer(
+        &mut k,
+        cfg,
+        (&layout, keys.as_ref(), params.table),
+        &base,
+        &bars,
+        &tid,
+        params.maps,
+    );
+    k.place(&consumers);
+    let c = Consumer::new(&mut k, cfg, &tid, &warpgroup);
+    let progress = Progress::new(&mut k);
+    for_each_item(&mut k, cfg, keys.as_ref(), |k, block| {
+        let dropping = params.seed.map(|seed| c.dropping(k, cfg, &block, seed));
+        let state = c.main_loop(
+            k,
+            cfg,
+            (&layout, keys.as_ref()),
+            &block,
+            &base,
+            &bars,
+            params.mask,
+            &dropping,
+            &progress,
+        );
+        c.store(k, cfg, &block, &state, params.out);
+        progress.next_item(k, &block);
+    });
+
+    GeneratedKernel::new(k, launch(cfg, &layout))
+        .on(KernelPath::Wgmma)
+        .in_image(Image::Sm90a)
+}
+
+/// The shared memory of the tiles (dynamic, aligned at run time to 1024 bytes) and of the
+/// barriers.
+const TILES: &str = "attention_tiles";
+const BARRIERS: &str = "attention_barriers";
+
+/// The kernel's parameters, `q, k, v` (tensor maps), `out, [mask], [positions], [seed],
+/// [table]`, declared with the shared memory their parts of the kernel use.
+struct Params {
+    maps: [Reg; 3],
+    out: Reg,
+    mask: Option<Reg>,
+    positions: Option<Reg>,
+    seed: Option<Reg>,
+    table: Option<(Reg, Paging)>,
+}
+
+impl Params {
+    fn declare(k: &mut Kernel, cfg: &Plan) -> Params {
+        let maps = [
+            k.param_tensor_map("q", map(cfg, 0, cfg.heads, cfg.q_len, bm(cfg))),
+            k.param_tensor_map("k", map(cfg, 1, cfg.kv_heads, cfg.kv_len, BKV)),
+            k.param_tensor_map("v", map(cfg, 2, cfg.kv_heads, cfg.kv_len, BKV)),
+        ];
+        let out = k.param_ptr("out");
+        let mask = cfg.padding.then(|| k.param_ptr("mask"));
+        let positions = matches!(cfg.keys, KeyRule::Position { .. }).then(|| {
+            k.shared("attention_ranges", (consumers(cfg) + 1) * 4 * 2 * 4);
+            k.param_ptr("positions")
+        });
+        let seed = cfg.dropout.map(|_| k.param_ptr("seed"));
+        let table = cfg.paging.map(|p| (k.param_ptr("table"), p));
+        k.dynamic_shared_aligned(TILES, 1024);
+        k.shared(BARRIERS, cfg.barrier(Barrier::End) * MBARRIER_BYTES);
+        if cfg.padding {
+            k.shared("attention_mask", consumers(cfg) * 2 * BKV * 4);
+        }
+        Params {
+            maps,
+            out,
+            mask,
+            positions,
+            seed,
+            table,
+        }
+    }
+}
+
+/// Thread 0 initialises the block's barriers (in a cluster, every block's are ready before
+/// any block goes on); returns the tiles' 1024-aligned base and the barriers' address.
+fn init_barriers(k: &mut Kernel, cfg: &Plan, tid: &Reg) -> (Reg, Reg) {
+    let raw = k.shared_base(TILES);
     let padded = k.add_u32(&raw, &1023u32);
     let base = k.op2("and.b32", RegClass::B32, &padded, &!1023u32);
-    let bars = k.shared_base("attention_barriers");
-    let first = k.setp("eq.u32", &tid, &0u32);
+    let bars = k.shared_base(BARRIERS);
+    let first = k.setp("eq.u32", tid, &0u32);
     let init_done = k.label("init_done");
     k.bra(Some((first, false)), &init_done);
     for i in 0..cfg.barrier(Barrier::End) {
@@ -576,71 +651,34 @@ pub fn attention_wgmma_shaped(
             4 * consumers(cfg)
         };
         let bar = k.add_u32(&bars, &(i * MBARRIER_BYTES));
-        mbarrier_init(&mut k, &bar, arrivals);
+        mbarrier_init(k, &bar, arrivals);
     }
-    mbarrier_init_fence(&mut k);
+    mbarrier_init_fence(k);
     k.place(&init_done);
     k.barrier();
     if cluster(cfg) > 1 {
         // The other block's barriers are ready before this one's copies and arrivals reach them.
-        cluster_sync(&mut k);
+        cluster_sync(k);
     }
+    (base, bars)
+}
 
-    // Warp-uniform to ptxas, so that the branches on roles and turns are no divergent paths.
-    let warpgroup = k.op2("shr.u32", RegClass::B32, &tid, &7u32);
-    let warpgroup = warp_uniform(&mut k, &warpgroup);
-    // Every warpgroup's share in finding an item's positions, before the roles part.
-    let keys = positions.map(|p| PositionKeys::new(&mut k, cfg, p, &tid, &warpgroup));
-    let consumers = k.label("consumers");
-    let is_producer = k.setp("eq.u32", &warpgroup, &0u32);
-    k.bra(Some((is_producer, false)), &consumers);
-    producer(
-        &mut k,
-        cfg,
-        (&layout, keys.as_ref(), table),
-        &base,
-        &bars,
-        &tid,
-        maps,
-    );
-    k.place(&consumers);
-    let c = Consumer::new(&mut k, cfg, &tid, &warpgroup);
-    let progress = Progress::new(&mut k);
-    for_each_item(&mut k, cfg, keys.as_ref(), |k, block| {
-        let dropping = seed.map(|seed| c.dropping(k, cfg, &block, seed));
-        let state = c.main_loop(
-            k,
-            cfg,
-            (&layout, keys.as_ref()),
-            &block,
-            &base,
-            &bars,
-            mask,
-            &dropping,
-            &progress,
-        );
-        c.store(k, cfg, &block, &state, out);
-        progress.next_item(k, &block);
-    });
-
+/// One block per item, or at most [`GRID`] going round them; the tiles' shared memory and
+/// 1024 bytes to align it.
+fn launch(cfg: &Plan, layout: &Layout) -> Launch {
     let items = items(cfg);
-    GeneratedKernel::new(
-        k,
-        Launch {
-            grid: [
-                match shape.grid {
-                    Grid::Persistent => items.min(GRID),
-                    Grid::Items | Grid::Pairs => items,
-                },
-                1,
-                1,
-            ],
-            block: [threads(cfg), 1, 1],
-            shared_bytes: layout.total + 1024,
-        },
-    )
-    .on(KernelPath::Wgmma)
-    .in_image(Image::Sm90a)
+    Launch {
+        grid: [
+            match cfg.shape.grid {
+                Grid::Persistent => items.min(GRID),
+                Grid::Items | Grid::Pairs => items,
+            },
+            1,
+            1,
+        ],
+        block: [threads(cfg), 1, 1],
+        shared_bytes: layout.total + 1024,
+    }
 }
 
 /// Runs `body` for each of this block's items (`ctaid.x`, then every `nctaid.x`-th); with
