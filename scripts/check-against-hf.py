@@ -20,7 +20,12 @@ overrides (JSON values: `num_key_value_heads=4`, `sliding_window=128`) and `--la
    over 1..L, its attention mask zero past them);
 4. the outputs are compared as the fixtures' README asks: max |kiln - ref| / max |ref| under 1e-4
    in f32 and 2e-2 in f16/bf16, and, for logits, the argmax of every row equal wherever the
-   reference's top-1/top-2 margin exceeds 0.05.
+   reference's top-1/top-2 margin exceeds 0.05;
+5. in f16 and bf16, transformers itself runs the same checkpoint and inputs in that dtype (eager
+   attention, as the reference) and is compared the same way. Over a few thousand wide dot
+   products at real shapes its own error can pass the fixtures' tolerance: where it does, kiln
+   passes only if its error and its argmax misses are no larger than transformers' own, and the
+   line says so.
 
 Prints one line per config; exits 1 if any check fails.
 """
@@ -76,11 +81,17 @@ def save_checkpoint(cfg, seed, device, ckpt, args):
     return decoder
 
 
-def load_reference_model(cfg, ckpt, device):
-    """The checkpoint as a user loads it, in float32 (its buffers, such as RoPE's frequencies,
-    computed in float32 rather than cast from the checkpoint's dtype), eager attention."""
+def load_reference_model(cfg, ckpt, device, dtype=torch.float32):
+    """The checkpoint as a user loads it, in `dtype` (float32 for the reference: its buffers, such
+    as RoPE's frequencies, computed in float32 rather than cast from the checkpoint's dtype),
+    eager attention."""
     cls, extra, _ = model_class(cfg)
-    return cls.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager", **extra).to(device).eval()
+    return cls.from_pretrained(ckpt, dtype=dtype, attn_implementation="eager", **extra).to(device).eval()
+
+
+def free(device):
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def inputs(cfg, decoder, batch, length, seed):
@@ -129,20 +140,44 @@ def kiln(args, ckpt, work, decoder, ids, mask):
     return out["logits" if decoder else "last_hidden_state"].float()
 
 
-def compare(got, ref, decoder, mask, dtype):
-    got = got.reshape(ref.shape)
-    keep = mask.bool()
-    got, ref = got[keep], ref[keep]
-    rel = ((got - ref).abs().max() / ref.abs().max()).item()
-    ok = rel < TOLERANCE[dtype]
-    line = f"rel err {rel:.2e} (tolerance {TOLERANCE[dtype]:.0e})"
-    if decoder:
-        top2 = ref.topk(2, dim=-1).values
-        decisive = (top2[:, 0] - top2[:, 1]) > MARGIN
-        same = (got.argmax(-1) == ref.argmax(-1))[decisive]
-        line += f", argmax {int(same.sum())}/{int(decisive.sum())} decisive rows"
-        ok = ok and bool(same.all())
-    return ok, line
+class Errors:
+    """`got` against the reference: max |got - ref| / max |ref| over the real tokens and, for
+    logits, how many decisive rows (top-2 margin over MARGIN) have another argmax."""
+
+    def __init__(self, got, ref, decoder, mask):
+        keep = mask.bool()
+        got, ref = got.reshape(ref.shape)[keep], ref[keep]
+        self.rel = ((got - ref).abs().max() / ref.abs().max()).item()
+        self.misses = self.decisive = None
+        if decoder:
+            top2 = ref.topk(2, dim=-1).values
+            decisive = (top2[:, 0] - top2[:, 1]) > MARGIN
+            same = (got.argmax(-1) == ref.argmax(-1))[decisive]
+            self.decisive, self.misses = int(decisive.sum()), int((~same).sum())
+
+    def __str__(self):
+        argmax = f", argmax {self.decisive - self.misses}/{self.decisive} decisive rows" if self.decisive is not None else ""
+        return f"rel err {self.rel:.2e}{argmax}"
+
+    def within(self, tolerance):
+        return self.rel < tolerance and not self.misses
+
+    def no_worse_than(self, peer):
+        return self.rel <= peer.rel and (self.misses or 0) <= (peer.misses or 0)
+
+
+def verdict(kiln, peer, dtype):
+    """Whether kiln passes, and the line's account: the fixtures' tolerance, or, where
+    transformers in the same dtype misses it too, transformers' own error as the bound."""
+    line = f"{kiln} (tolerance {TOLERANCE[dtype]:.0e})"
+    if peer is None:
+        return kiln.within(TOLERANCE[dtype]), line
+    line += f"; transformers in {dtype}: {peer}"
+    if kiln.within(TOLERANCE[dtype]):
+        return True, line
+    if not peer.within(TOLERANCE[dtype]) and kiln.no_worse_than(peer):
+        return True, line + f" (over the tolerance, within transformers' own {dtype} error)"
+    return False, line
 
 
 def check(args, path, index):
@@ -157,10 +192,15 @@ def check(args, path, index):
     ids, mask = inputs(cfg, decoder, args.batch, args.length, seed=1000 + index)
     ref = reference(model, decoder, ids, mask, args.device)
     del model
-    if args.device == "cuda":
-        torch.cuda.empty_cache()
+    free(args.device)
+    peer = None
+    if args.dtype != "f32":
+        model = load_reference_model(cfg, ckpt, args.device, DTYPES[args.dtype])
+        peer = Errors(reference(model, decoder, ids, mask, args.device), ref, decoder, mask)
+        del model
+        free(args.device)
     got = kiln(args, ckpt, work, decoder, ids, mask)
-    ok, line = compare(got, ref, decoder, mask, args.dtype)
+    ok, line = verdict(Errors(got, ref, decoder, mask), peer, args.dtype)
     shards = len([f for f in os.listdir(ckpt) if f.endswith(".safetensors")])
     what = " ".join(args.set) or "as released"
     print(f"{'ok  ' if ok else 'FAIL'} {name} ({what}; {cfg.get('num_hidden_layers', cfg.get('n_layer'))} layers, "
