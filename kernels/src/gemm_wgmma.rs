@@ -752,7 +752,7 @@ fn producer(k: &mut Kernel, cfg: &GemmConfig, pipe: &Pipeline, tid: &Reg, [x, w]
 
 /// Warpgroups 1 and 2: take the registers; for each of their work items, multiply their rows of
 /// every stage (`step` counts stages across the block's items, as the producer's does), then
-/// run the epilogue (with K split, only the tile's last part to finish, over every part's sums).
+/// run the epilogue ([`Consumer::finish`]).
 /// Together, each multiplies its 64 rows of every tile; taking turns, each multiplies all 128
 /// rows of every other tile (two row halves of accumulators), skipping the other's ([`Turns`]).
 fn consumer(
@@ -773,7 +773,7 @@ fn consumer(
     let acc: Vec<Reg> = (0..tile.accumulators())
         .map(|_| k.reg(RegClass::F32))
         .collect();
-    let consumer = k.sub_u32(warpgroup, &1u32);
+    let index = k.sub_u32(warpgroup, &1u32);
     // The A rows each half of the accumulators multiplies: this warpgroup's 64 rows (64 rows of
     // 128 bytes further per consumer), or both halves of the tile.
     let halves: Vec<Reg> = if tile.ping_pong() {
@@ -782,14 +782,12 @@ fn consumer(
             k.mov(RegClass::B32, &(64 * BK * 2)),
         ]
     } else {
-        vec![k.mul_u32(&consumer, &(64 * BK * 2))]
+        vec![k.mul_u32(&index, &(64 * BK * 2))]
     };
     let lane = k.op2("and.b32", RegClass::B32, tid, &31u32);
     let lane0 = k.setp("eq.u32", &lane, &0u32);
     let step = k.mov(RegClass::B32, &0u32);
-    let turns = tile
-        .ping_pong()
-        .then(|| Turns::new(k, cfg, tile, &consumer));
+    let turns = tile.ping_pong().then(|| Turns::new(k, cfg, tile, &index));
     let mac = Products {
         cfg,
         pipe,
@@ -798,78 +796,148 @@ fn consumer(
         step,
         lane0,
     };
-    let staging = tile
-        .tiling
-        .staged
-        .then(|| Staging::new(pipe, residual.is_some()));
+    let me = Consumer {
+        cfg,
+        tile,
+        epilogue,
+        split,
+        residual,
+        norm,
+        staging: tile
+            .tiling
+            .staged
+            .then(|| Staging::new(pipe, residual.is_some())),
+        tid: *tid,
+        index,
+    };
     for_each_item(k, cfg, pipe, |k, item| {
-        let (m0, n0) = (item.m0, item.n0);
         let skip = k.label("other_tile");
         // Taking turns: whether the other consumer has a tile after this one.
-        let hand_over = turns.as_ref().map(|t| t.take(k, &consumer, &mac, &skip));
-        let loads = |k: &mut Kernel, mid: &Reg| {
-            if let (Some(residual), Some(staging)) = (residual, &staging) {
-                let rows = k.mad_u32(&consumer, &64u32, &m0);
-                residual.issue(k, (staging, epilogue), mid, [tid, &consumer], [rows, n0]);
-            }
-        };
+        let hand_over = turns.as_ref().map(|t| t.take(k, &index, &mac, &skip));
+        let loads = |k: &mut Kernel, mid: &Reg| me.load_residual(k, item, mid);
         let mid_step: Option<&StepHook<'_>> = residual.map(|_| &loads as _);
-        // Each row half's first row: this warpgroup's 64 rows, or both halves of the tile.
-        let half_rows = |k: &mut Kernel, half: u32| {
-            if tile.ping_pong() {
-                k.add_u32(&m0, &(64 * half))
-            } else {
-                k.mad_u32(&consumer, &64u32, &m0)
-            }
-        };
         // The rows' sums of squares, loaded ahead of the products they scale.
-        let loads = NormParam::loads(norm, k, cfg, tid, halves.len() as u32, half_rows);
+        let norms = NormParam::loads(norm, k, cfg, tid, halves.len() as u32, |k, half| {
+            me.half_rows(k, item, half)
+        });
         mac.multiply(k, &item.steps, mid_step);
         if let (Some(t), Some(next)) = (&turns, hand_over) {
             t.hand_over(k, next);
         }
         mac.release_last(k);
-        let per_half = acc.len() / halves.len();
-        for (acc, loads) in acc.chunks(per_half).zip(loads) {
+        me.finish(k, item, &acc, norms, &skip);
+        k.place(&skip);
+    });
+    if let Some(staging) = &me.staging {
+        staging.finish(k, tid);
+    }
+}
+
+/// What a consumer warpgroup's epilogues share: the product's parts and the consumer's place.
+struct Consumer<'a> {
+    cfg: &'a GemmConfig,
+    tile: Tile,
+    epilogue: &'a EpiloguePtrs,
+    split: Option<&'a Split>,
+    residual: Option<&'a ResidualLoads>,
+    norm: Option<NormParam>,
+    staging: Option<Staging>,
+    tid: Reg,
+    /// 0 or 1: the warpgroup less the producer's.
+    index: Reg,
+}
+
+impl Consumer<'_> {
+    /// The first row of accumulator half `half`: this warpgroup's 64 rows, or, taking turns,
+    /// either half of the tile.
+    fn half_rows(&self, k: &mut Kernel, item: &Item, half: u32) -> Reg {
+        if self.tile.ping_pong() {
+            k.add_u32(&item.m0, &(64 * half))
+        } else {
+            self.own_rows(k, item)
+        }
+    }
+
+    /// The first of this warpgroup's 64 rows of the tile.
+    fn own_rows(&self, k: &mut Kernel, item: &Item) -> Reg {
+        k.mad_u32(&self.index, &64u32, &item.m0)
+    }
+
+    /// Issues the residual tile's loads in the middle K step (`mid` its predicate).
+    fn load_residual(&self, k: &mut Kernel, item: &Item, mid: &Reg) {
+        if let (Some(residual), Some(staging)) = (self.residual, &self.staging) {
+            let rows = self.own_rows(k, item);
+            let place = [rows, item.n0];
+            residual.issue(
+                k,
+                (staging, self.epilogue),
+                mid,
+                [&self.tid, &self.index],
+                place,
+            );
+        }
+    }
+
+    /// The epilogue of a tile's products in `acc`: rows scaled by their norms (`norms`), K's
+    /// parts added up (only the tile's last part goes on, the others to `skip`), then stored
+    /// staged or from registers.
+    fn finish(
+        &self,
+        k: &mut Kernel,
+        item: &Item,
+        acc: &[Reg],
+        norms: Vec<RowSumLoads>,
+        skip: &Label,
+    ) {
+        let (cfg, tid) = (self.cfg, &self.tid);
+        let per_half = if self.tile.ping_pong() {
+            acc.len() / 2
+        } else {
+            acc.len()
+        };
+        for (acc, loads) in acc.chunks(per_half).zip(norms) {
             let scales = loads.scales(k, cfg);
             scale_rows(k, acc, &scales);
         }
-        let sums_out = NormParam::sums_out(norm);
-        if let Some(split) = split {
+        let sums_out = NormParam::sums_out(self.norm);
+        if let Some(split) = self.split {
             // A consumer whose 64 rows are all past M (a decode step's 64 rows) has nothing to
             // add up or store.
-            let rows = k.mad_u32(&consumer, &64u32, &m0);
+            let rows = self.own_rows(k, item);
             let outside = k.setp("ge.u32", &rows, &cfg.m);
-            k.bra(Some((outside, true)), &skip);
-            let last = split.add_parts(k, &acc, item, [*tid, consumer]);
-            k.bra(Some((last, false)), &skip);
+            k.bra(Some((outside, true)), skip);
+            let last = split.add_parts(k, acc, item, [*tid, self.index]);
+            k.bra(Some((last, false)), skip);
         }
-        if let Some(staging) = &staging {
+        if let Some(staging) = &self.staging {
             // Consumers together: one half of 64 rows.
-            let regs = match residual {
-                Some(residual) => residual.wait(k, staging, tid, &consumer),
-                None => staging.begin(k, tid, &consumer),
+            let regs = match self.residual {
+                Some(residual) => residual.wait(k, staging, tid, &self.index),
+                None => staging.begin(k, tid, &self.index),
             };
-            let rows = k.mad_u32(&consumer, &64u32, &m0);
-            let frag = Fragment::of(k, &acc, tid, rows, n0);
+            let rows = self.own_rows(k, item);
+            let frag = Fragment::of(k, acc, tid, rows, item.n0);
             let mut sums = sums_out.map(|out| RowSums::new(k, out));
-            staging.write(&regs, k, cfg, epilogue, &frag, sums.as_mut());
-            staging.flush(&regs, k, epilogue.out_map(), [rows, n0]);
+            staging.write(&regs, k, cfg, self.epilogue, &frag, sums.as_mut());
+            staging.flush(&regs, k, self.epilogue.out_map(), [rows, item.n0]);
             // After the stores are issued: the sums' shuffles do not hold them up.
             if let Some(sums) = sums {
-                sums.store(k, (cfg, tile), &frag, (tid, &n0));
+                sums.store(k, (cfg, self.tile), &frag, (tid, &item.n0));
             }
-            k.place(&skip);
             return;
         }
         for (half, acc) in (0u32..).zip(acc.chunks(per_half)) {
-            let rows = half_rows(k, half);
-            store(k, (cfg, tile), (epilogue, sums_out), acc, tid, [rows, n0]);
+            let rows = self.half_rows(k, item, half);
+            let place = [rows, item.n0];
+            store(
+                k,
+                (cfg, self.tile),
+                (self.epilogue, sums_out),
+                acc,
+                tid,
+                place,
+            );
         }
-        k.place(&skip);
-    });
-    if let Some(staging) = &staging {
-        staging.finish(k, tid);
     }
 }
 
