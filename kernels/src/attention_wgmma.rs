@@ -1370,6 +1370,119 @@ impl Tiles<'_> {
     }
 }
 
+/// A consumer warpgroup's pass over one item's key tiles ([`Consumer::main_loop`]): tile 0's
+/// scores and probabilities, then for each next tile its scores and the tile before's `P V`,
+/// then the last tile's `P V`, the rows' state (`state`) carried through.
+struct Pass<'a> {
+    c: &'a Consumer,
+    cfg: &'a Plan<'a>,
+    block: &'a Block,
+    mask: Option<Reg>,
+    dropping: &'a Option<Dropping>,
+    progress: &'a Progress,
+    seen: KeysSeen,
+    state: RowState,
+    tiles: Tiles<'a>,
+    turns: Turns,
+}
+
+impl Pass<'_> {
+    /// Tile j's probabilities (dropped ones zeroed) in place of its scores, and, where a later
+    /// tile's softmax runs under the warpgroup's own `P V`, the correction O waits for.
+    fn probabilities(&self, k: &mut Kernel, j: &Reg, first: bool) -> Correction {
+        let (c, cfg, s) = (self.c, self.cfg, &self.tiles.s);
+        let in_flight = !first && under_own_products(cfg);
+        if self.mask.is_some() {
+            let tile = self.progress.tile(k, j);
+            c.add_mask(k, s, &tile);
+        }
+        let key0 = self.block.key0(k, j);
+        c.mask_edges(k, s, self.block, j, &key0, &self.seen);
+        let correction = c.softmax(k, cfg, s, &self.state, (first, in_flight));
+        if let Some(d) = self.dropping {
+            d.drop(k, s, &key0);
+        }
+        correction
+    }
+
+    /// Once the previous `P V` is done: O corrected, the probabilities packed in pairs into P,
+    /// the A operand of the next `P V` (4 registers per 16 keys).
+    fn finish(&self, k: &mut Kernel, correction: Correction) {
+        correction.apply(k, &self.state.o);
+        let cvt = format!("cvt.rn.{}x2.f32", self.cfg.elem.name());
+        for (pair, w) in self.tiles.s.chunks(2).zip(&self.tiles.p) {
+            // The first operand goes to the upper half.
+            k.emit(format!("{cvt} {w}, {}, {}", pair[1], pair[0]));
+        }
+    }
+
+    /// Stages tile `j`'s mask, if any, and waits for this consumer's turn.
+    fn turn_for(&self, k: &mut Kernel, j: &Reg) {
+        if let Some(mask) = self.mask {
+            self.c
+                .stage_mask(k, self.cfg, self.block, j, self.progress, mask);
+        }
+        self.turns.wait(k);
+        wgmma_fence(k);
+    }
+
+    fn first_tile(&self, k: &mut Kernel, j: &Reg) {
+        let (tiles, lane0) = (&self.tiles, self.c.lane0);
+        k.comment("tile 0: its scores and probabilities");
+        self.turn_for(k, j);
+        tiles.issue_scores(k, j);
+        wgmma_commit(k);
+        self.turns.pass(k);
+        wgmma_wait(k, 0);
+        tiles.release(k, j, Kv::K, lane0);
+        let correction = self.probabilities(k, j, true);
+        self.finish(k, correction);
+    }
+
+    /// The scores of tile `next` and `O += P V` of tile `j`.
+    fn next_tile(&self, k: &mut Kernel, j: &Reg, next: &Reg) {
+        let (tiles, lane0, o) = (&self.tiles, self.c.lane0, &self.state.o);
+        self.turn_for(k, next);
+        let correction = if under_own_products(self.cfg) {
+            k.comment("the scores of tile j + 1, then O += P V of tile j: two wgmma groups");
+            tiles.issue_scores(k, next);
+            wgmma_commit(k);
+            tiles.issue_pv(k, j, o);
+            wgmma_commit(k);
+            self.turns.pass(k);
+            k.comment("the softmax of tile j + 1 under O += P V of tile j");
+            wgmma_wait(k, 1);
+            tiles.release(k, next, Kv::K, lane0);
+            let correction = self.probabilities(k, next, false);
+            wgmma_wait(k, 0);
+            tiles.release(k, j, Kv::V, lane0);
+            correction
+        } else {
+            k.comment("O += P V of tile j, then the scores of tile j + 1: one wgmma group");
+            tiles.issue_pv(k, j, o);
+            tiles.issue_scores(k, next);
+            wgmma_commit(k);
+            self.turns.pass(k);
+            wgmma_wait(k, 0);
+            tiles.release(k, j, Kv::V, lane0);
+            tiles.release(k, next, Kv::K, lane0);
+            self.probabilities(k, next, false)
+        };
+        self.finish(k, correction);
+    }
+
+    fn last_tile(&self, k: &mut Kernel, j: &Reg) {
+        k.comment("the last tile's O += P V");
+        self.turns.wait(k);
+        wgmma_fence(k);
+        self.tiles.issue_pv(k, j, &self.state.o);
+        wgmma_commit(k);
+        self.turns.pass_last(k);
+        wgmma_wait(k, 0);
+        self.tiles.release(k, j, Kv::V, self.c.lane0);
+    }
+}
+
 impl Consumer {
     fn new(k: &mut Kernel, cfg: &Plan, tid: &Reg, warpgroup: &Reg) -> Consumer {
         setmaxnreg(k, true, consumer_regs(cfg));
@@ -1429,100 +1542,34 @@ impl Consumer {
         };
         let turns = Turns::new(k, cfg, &self.c);
         mbarrier_wait(k, &q_full, &q_parity);
-
         let j = k.mov(RegClass::B32, &0u32);
-        // Tile j's probabilities (dropped ones zeroed) in place of its scores, and, where a
-        // later tile's softmax runs under the warpgroup's own `P V`, the correction O waits for.
-        let probabilities = |k: &mut Kernel, j: &Reg, first: bool| {
-            let in_flight = !first && under_own_products(cfg);
-            if mask.is_some() {
-                let tile = progress.tile(k, j);
-                self.add_mask(k, &tiles.s, &tile);
-            }
-            let key0 = block.key0(k, j);
-            self.mask_edges(k, &tiles.s, block, j, &key0, &seen);
-            let correction = self.softmax(k, cfg, &tiles.s, &state, (first, in_flight));
-            if let Some(d) = dropping {
-                d.drop(k, &tiles.s, &key0);
-            }
-            correction
+        let pass = Pass {
+            c: self,
+            cfg,
+            block,
+            mask,
+            dropping,
+            progress,
+            seen,
+            state,
+            tiles,
+            turns,
         };
-        // Once the previous `P V` is done: O corrected, the probabilities packed in pairs into P,
-        // the A operand of the next `P V` (4 registers per 16 keys).
-        let finish = |k: &mut Kernel, correction: Correction| {
-            correction.apply(k, &state.o);
-            let cvt = format!("cvt.rn.{}x2.f32", cfg.elem.name());
-            for (pair, w) in tiles.s.chunks(2).zip(&tiles.p) {
-                // The first operand goes to the upper half.
-                k.emit(format!("{cvt} {w}, {}, {}", pair[1], pair[0]));
-            }
-        };
-        k.comment("tile 0: its scores and probabilities");
-        if let Some(mask) = mask {
-            self.stage_mask(k, cfg, block, &j, progress, mask);
-        }
-        turns.wait(k);
-        wgmma_fence(k);
-        tiles.issue_scores(k, &j);
-        wgmma_commit(k);
-        turns.pass(k);
-        wgmma_wait(k, 0);
-        tiles.release(k, &j, Kv::K, self.lane0);
-        let correction = probabilities(k, &j, true);
-        finish(k, correction);
-
+        pass.first_tile(k, &j);
         let top = k.label("tiles");
         let done = k.label("tiles_done");
         k.place(&top);
         let next = k.add_u32(&j, &1u32);
         let past = k.setp("ge.u32", &next, &block.tiles);
         k.bra(Some((past, true)), &done);
-        if let Some(mask) = mask {
-            self.stage_mask(k, cfg, block, &next, progress, mask);
-        }
-        turns.wait(k);
-        wgmma_fence(k);
-        let correction = if under_own_products(cfg) {
-            k.comment("the scores of tile j + 1, then O += P V of tile j: two wgmma groups");
-            tiles.issue_scores(k, &next);
-            wgmma_commit(k);
-            tiles.issue_pv(k, &j, &state.o);
-            wgmma_commit(k);
-            turns.pass(k);
-            k.comment("the softmax of tile j + 1 under O += P V of tile j");
-            wgmma_wait(k, 1);
-            tiles.release(k, &next, Kv::K, self.lane0);
-            let correction = probabilities(k, &next, false);
-            wgmma_wait(k, 0);
-            tiles.release(k, &j, Kv::V, self.lane0);
-            correction
-        } else {
-            k.comment("O += P V of tile j, then the scores of tile j + 1: one wgmma group");
-            tiles.issue_pv(k, &j, &state.o);
-            tiles.issue_scores(k, &next);
-            wgmma_commit(k);
-            turns.pass(k);
-            wgmma_wait(k, 0);
-            tiles.release(k, &j, Kv::V, self.lane0);
-            tiles.release(k, &next, Kv::K, self.lane0);
-            probabilities(k, &next, false)
-        };
-        finish(k, correction);
+        pass.next_tile(k, &j, &next);
         k.emit(format!("mov.u32 {j}, {next}"));
         k.bra(None, &top);
         k.place(&done);
-
-        k.comment("the last tile's O += P V");
-        turns.wait(k);
-        wgmma_fence(k);
-        tiles.issue_pv(k, &j, &state.o);
-        wgmma_commit(k);
-        turns.pass_last(k);
-        wgmma_wait(k, 0);
-        tiles.release(k, &j, Kv::V, self.lane0);
+        pass.last_tile(k, &j);
         k.comment("the item's Q buffer is free for a later item");
         mbarrier_arrive(k, &q_empty, Some(self.lane0));
-        state
+        pass.state
     }
 
     /// The keys each of the thread's two rows sees: the last (T - 1 without a causal or position
