@@ -187,44 +187,9 @@ pub fn compile_with_progress(
     };
     drop(stage);
     stage_seconds.insert("saturate".to_string(), start.elapsed().as_secs_f64());
-    let decode_buckets = match (&saturated_cached, opts.max_context) {
-        (Some(_), Some(_)) => {
-            opts.plan.batch_sizes.len() + opts.prompt_chunks().count() + opts.logits_chunks.len()
-        }
-        _ => 0,
-    };
-    let stage = progress.stage(
-        "fusion",
-        (opts.plan.prefill().len() + decode_buckets) as u64,
-    );
-
     let start = Instant::now();
-    // Every bucket's extraction on every core; lowering then goes bucket after bucket, so the
-    // kernel table (names of kernels that clash included) is the same whatever the scheduling.
-    let mut jobs: Vec<(&Saturated, Bucket, Role)> = opts
-        .plan
-        .prefill()
-        .into_iter()
-        .map(|b| (&saturated, b, Role::Prefill))
-        .collect();
-    if let (Some(sat), Some(context)) = (&saturated_cached, opts.max_context) {
-        let steps = opts
-            .plan
-            .batch_sizes
-            .iter()
-            .rev()
-            .map(|&batch| Bucket { batch, seq: 1 });
-        jobs.extend(
-            opts.prompt_chunks()
-                .chain(steps)
-                .map(|b| (sat, b, Role::Cached(context))),
-        );
-        jobs.extend(
-            opts.logits_chunks
-                .iter()
-                .map(|&b| (sat, b, Role::LogitsChunk(context))),
-        );
-    }
+    let jobs = bucket_jobs(opts, &saturated, saturated_cached.as_ref());
+    let stage = progress.stage("fusion", jobs.len() as u64);
     let extracted: Vec<(Graph, f64)> = jobs
         .par_iter()
         .map(|&(sat, bucket, role)| {
@@ -284,6 +249,43 @@ pub fn compile_with_progress(
             kernels: generated,
         },
     ))
+}
+
+/// Every bucket to extract, with the saturated graph it comes from and its role: the prefill
+/// buckets, then, with a KV cache, the prompt chunks, the decode steps (largest batch first)
+/// and the logits chunks. Extraction runs on every core; lowering then goes bucket after
+/// bucket in this order, so the kernel table (names of kernels that clash included) is the
+/// same whatever the scheduling.
+fn bucket_jobs<'a>(
+    opts: &CompileOptions,
+    saturated: &'a Saturated,
+    cached: Option<&'a Saturated>,
+) -> Vec<(&'a Saturated, Bucket, Role)> {
+    let mut jobs: Vec<_> = opts
+        .plan
+        .prefill()
+        .into_iter()
+        .map(|b| (saturated, b, Role::Prefill))
+        .collect();
+    if let (Some(sat), Some(context)) = (cached, opts.max_context) {
+        let steps = opts
+            .plan
+            .batch_sizes
+            .iter()
+            .rev()
+            .map(|&batch| Bucket { batch, seq: 1 });
+        jobs.extend(
+            opts.prompt_chunks()
+                .chain(steps)
+                .map(|b| (sat, b, Role::Cached(context))),
+        );
+        jobs.extend(
+            opts.logits_chunks
+                .iter()
+                .map(|&b| (sat, b, Role::LogitsChunk(context))),
+        );
+    }
+    jobs
 }
 
 /// What a bucket is for.
