@@ -6,6 +6,7 @@ usage (on the GPU machine, which has torch and transformers; the binaries are bu
   python3 scripts/check-against-hf.py --bin DIR CONFIG_JSON [CONFIG_JSON ...] [--layers N]
         [--set KEY=VALUE ...] [--dtype bf16|f16|f32] [--shard-mb MB] [--length L] [--batch B]
         [--work DIR] [--name NAME] [--device cuda|cpu] [--checkpoint-dtype bf16|f16|f32]
+        [--generate N]
 
 For each config.json (a real model's, e.g. tests/data/configs/*/config.json), with `--set`
 overrides (JSON values: `num_key_value_heads=4`, `sliding_window=128`) and `--layers` layers:
@@ -29,7 +30,7 @@ overrides (JSON values: `num_key_value_heads=4`, `sliding_window=128`) and `--la
 
 Prints one line per config; exits 1 if any check fails.
 """
-import argparse, json, os, shutil, subprocess, sys
+import argparse, inspect, json, os, shutil, subprocess, sys
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -81,7 +82,7 @@ def save_checkpoint(cfg, seed, device, ckpt, args):
     return decoder
 
 
-def load_reference_model(cfg, ckpt, device, dtype=torch.float32):
+def load_reference_model(cfg, ckpt, device, dtype):
     """The checkpoint as a user loads it, in `dtype` (float32 for the reference: its buffers, such
     as RoPE's frequencies, computed in float32 rather than cast from the checkpoint's dtype),
     eager attention."""
@@ -114,21 +115,59 @@ def reference(model, decoder, ids, mask, device):
         return out.last_hidden_state.float().cpu()
 
 
-def run(cmd, log):
+def greedy(model, ids, steps, device):
+    """transformers' greedy tokens after each row of `ids` over its KV cache, and each step's
+    top-2 margin."""
+    # transformers 5.x names the cache argument `cache`; earlier versions `past_key_values`.
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    tokens, margins = [], []
+    with torch.no_grad():
+        out = model(input_ids=ids.to(device), use_cache=True)
+        for step in range(steps):
+            top2 = out.logits[:, -1].float().topk(2, dim=-1)
+            tokens.append(top2.indices[:, 0])
+            margins.append(top2.values[:, 0] - top2.values[:, 1])
+            if step + 1 < steps:
+                cache = getattr(out, "cache", None) or out.past_key_values
+                out = model(input_ids=tokens[-1][:, None], use_cache=True, **{name: cache})
+    return torch.stack(tokens, 1).cpu(), torch.stack(margins, 1).cpu()
+
+
+def transformers_run(cfg, ckpt, dtype, decoder, ids, mask, args):
+    """transformers' outputs for `ids` in `dtype` (eager attention), and with `--generate` its
+    greedy tokens and their margins."""
+    model = load_reference_model(cfg, ckpt, args.device, DTYPES[dtype])
+    out = reference(model, decoder, ids, mask, args.device)
+    tokens = greedy(model, ids, args.generate, args.device) if decoder and args.generate > 0 else None
+    del model
+    free(args.device)
+    return out, tokens
+
+
+def run(cmd, log, stdout=None):
+    """Runs `cmd`, its output appended to `log` (its standard output to `stdout` if given)."""
     with open(log, "a") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
-        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+        if stdout:
+            with open(stdout, "w") as out:
+                done = subprocess.run(cmd, stdout=out, stderr=f)
+        else:
+            done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
     if done.returncode != 0:
         tail = open(log).read().strip().splitlines()[-1:]
         raise RuntimeError(f"{os.path.basename(cmd[0])} {cmd[1]} failed: {tail[0] if tail else ''}")
 
 
 def kiln(args, ckpt, work, decoder, ids, mask):
+    """kiln's outputs for `ids`, and with `--generate` its greedy tokens after each row."""
     art, log = f"{work}/artifact", f"{work}/log.txt"
     batch, length = ids.shape
     cmd = [f"{args.bin}/kiln", "compile", ckpt, "-o", art, "--dtype", args.dtype, "--buckets", str(length),
            "--batch-buckets", str(batch), "--target", args.device]
+    generate = decoder and args.generate > 0
+    if generate:
+        cmd += ["--max-context", str(length + args.generate)]
     run(cmd, log)
     feed = {"input_ids": ids.contiguous()}
     if not decoder:
@@ -137,7 +176,14 @@ def kiln(args, ckpt, work, decoder, ids, mask):
     run([f"{args.bin}/kiln-run", "forward", art, "--input", f"{work}/in.safetensors", "--output",
          f"{work}/out.safetensors", "--device", args.device], log)
     out = load_file(f"{work}/out.safetensors")
-    return out["logits" if decoder else "last_hidden_state"].float()
+    out = out["logits" if decoder else "last_hidden_state"].float()
+    if not generate:
+        return out, None
+    prompts = [a for row in ids.tolist() for a in ("--prompt-ids", ",".join(map(str, row)))]
+    run([f"{args.bin}/kiln-run", "generate", art, *prompts, "--max-new-tokens", str(args.generate),
+         "--json", "--device", args.device], log, stdout=f"{work}/generated.jsonl")
+    rows = [json.loads(line)["tokens"] for line in open(f"{work}/generated.jsonl")]
+    return out, torch.tensor(rows)
 
 
 class Errors:
@@ -180,6 +226,34 @@ def verdict(kiln, peer, dtype):
     return False, line
 
 
+def agreed(tokens, ref):
+    """How many leading tokens of each row equal the reference's."""
+    same = (tokens == ref).int()
+    return same.cumprod(dim=1).sum(dim=1)
+
+
+def greedy_verdict(kiln_tokens, ref, peer_tokens, dtype):
+    """Whether kiln's greedy tokens follow the reference's: all of them, or up to a step where the
+    reference's top-2 margin is MARGIN or less (a tie may go either way, and the histories part
+    there), or, where transformers in the same dtype leaves the reference sooner at a decisive
+    step, at least as far as it goes."""
+    ref_tokens, margins = ref
+    steps = ref_tokens.shape[1]
+
+    def followed(tokens):
+        n = agreed(tokens, ref_tokens)
+        at_tie = margins.gather(1, n.clamp(max=steps - 1)[:, None])[:, 0] <= MARGIN
+        return n, (n == steps) | at_tie
+
+    n, ok = followed(kiln_tokens)
+    line = f"greedy {int(n.sum())}/{n.numel() * steps} tokens as the reference's"
+    if peer_tokens is not None:
+        peer, peer_ok = followed(peer_tokens[0])
+        line += f" (transformers in {dtype}: {int(peer.sum())})"
+        ok = ok | (~peer_ok & (n >= peer))
+    return bool(ok.all()), line
+
+
 def check(args, path, index):
     cfg = config_of(path, args.layers, args.set)
     name = args.name or os.path.basename(os.path.dirname(os.path.abspath(path)))
@@ -188,19 +262,17 @@ def check(args, path, index):
     os.makedirs(work)
     ckpt = f"{work}/checkpoint"
     decoder = save_checkpoint(cfg, index, args.device, ckpt, args)
-    model = load_reference_model(cfg, ckpt, args.device)
     ids, mask = inputs(cfg, decoder, args.batch, args.length, seed=1000 + index)
-    ref = reference(model, decoder, ids, mask, args.device)
-    del model
-    free(args.device)
-    peer = None
+    ref, ref_tokens = transformers_run(cfg, ckpt, "f32", decoder, ids, mask, args)
+    peer = peer_tokens = None
     if args.dtype != "f32":
-        model = load_reference_model(cfg, ckpt, args.device, DTYPES[args.dtype])
-        peer = Errors(reference(model, decoder, ids, mask, args.device), ref, decoder, mask)
-        del model
-        free(args.device)
-    got = kiln(args, ckpt, work, decoder, ids, mask)
+        peer, peer_tokens = transformers_run(cfg, ckpt, args.dtype, decoder, ids, mask, args)
+        peer = Errors(peer, ref, decoder, mask)
+    got, tokens = kiln(args, ckpt, work, decoder, ids, mask)
     ok, line = verdict(Errors(got, ref, decoder, mask), peer, args.dtype)
+    if tokens is not None:
+        generated, greedy_line = greedy_verdict(tokens, ref_tokens, peer_tokens, args.dtype)
+        ok, line = ok and generated, f"{line}; {greedy_line}"
     shards = len([f for f in os.listdir(ckpt) if f.endswith(".safetensors")])
     what = " ".join(args.set) or "as released"
     print(f"{'ok  ' if ok else 'FAIL'} {name} ({what}; {cfg.get('num_hidden_layers', cfg.get('n_layer'))} layers, "
@@ -224,6 +296,8 @@ def main():
     ap.add_argument("--work", default="/tmp/kiln-check")
     ap.add_argument("--name")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--generate", type=int, default=0, metavar="N",
+                    help="decoders: also compare N greedy tokens after each row (kiln-run generate)")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
