@@ -537,7 +537,7 @@ pub fn attention_wgmma_shaped(
     let params = Params::declare(&mut k, cfg);
     let layout = Layout::new(cfg);
     let tid = k.special("tid.x");
-    let (base, bars) = init_barriers(&mut k, cfg, &tid);
+    let (base, bars) = shared_setup(&mut k, cfg, &tid);
 
     // Warp-uniform to ptxas, so that the branches on roles and turns are no divergent paths.
     let warpgroup = k.op2("shr.u32", RegClass::B32, &tid, &7u32);
@@ -583,13 +583,14 @@ pub fn attention_wgmma_shaped(
         .in_image(Image::Sm90a)
 }
 
-/// The shared memory of the tiles (dynamic, aligned at run time to 1024 bytes) and of the
-/// barriers.
+/// The tiles' shared memory: dynamic, aligned at run time to 1024 bytes ([`shared_setup`]).
 const TILES: &str = "attention_tiles";
+/// The barriers' shared memory.
 const BARRIERS: &str = "attention_barriers";
 
 /// The kernel's parameters, `q, k, v` (tensor maps), `out, [mask], [positions], [seed],
-/// [table]`, declared with the shared memory their parts of the kernel use.
+/// [table]`, declared with the kernel's shared memory: the tiles and barriers
+/// ([`shared_setup`] sets them up), the positions' ranges and the staged mask.
 struct Params {
     maps: [Reg; 3],
     out: Reg,
@@ -630,9 +631,10 @@ impl Params {
     }
 }
 
-/// Thread 0 initialises the block's barriers (in a cluster, every block's are ready before
-/// any block goes on); returns the tiles' 1024-aligned base and the barriers' address.
-fn init_barriers(k: &mut Kernel, cfg: &Plan, tid: &Reg) -> (Reg, Reg) {
+/// After [`Params::declare`]: the tiles' 1024-aligned base and the barriers' address, the
+/// barriers initialised by thread 0 (in a cluster, every block's are ready before any block
+/// goes on).
+fn shared_setup(k: &mut Kernel, cfg: &Plan, tid: &Reg) -> (Reg, Reg) {
     let raw = k.shared_base(TILES);
     let padded = k.add_u32(&raw, &1023u32);
     let base = k.op2("and.b32", RegClass::B32, &padded, &!1023u32);
@@ -1405,9 +1407,10 @@ impl Pass<'_> {
         correction
     }
 
-    /// Once the previous `P V` is done: O corrected, the probabilities packed in pairs into P,
-    /// the A operand of the next `P V` (4 registers per 16 keys).
-    fn finish(&self, k: &mut Kernel, correction: Correction) {
+    /// After each tile's softmax, once the `P V` before it is done (tile 0 has none): O
+    /// corrected, the probabilities packed in pairs into P, the A operand of the tile's `P V`
+    /// (4 registers per 16 keys).
+    fn correct_and_pack(&self, k: &mut Kernel, correction: Correction) {
         correction.apply(k, &self.state.o);
         let cvt = format!("cvt.rn.{}x2.f32", self.cfg.elem.name());
         for (pair, w) in self.tiles.s.chunks(2).zip(&self.tiles.p) {
@@ -1426,6 +1429,7 @@ impl Pass<'_> {
         wgmma_fence(k);
     }
 
+    /// Tile 0's scores and probabilities.
     fn first_tile(&self, k: &mut Kernel, j: &Reg) {
         let (tiles, lane0) = (&self.tiles, self.c.lane0);
         k.comment("tile 0: its scores and probabilities");
@@ -1436,7 +1440,7 @@ impl Pass<'_> {
         wgmma_wait(k, 0);
         tiles.release(k, j, Kv::K, lane0);
         let correction = self.probabilities(k, j, true);
-        self.finish(k, correction);
+        self.correct_and_pack(k, correction);
     }
 
     /// The scores of tile `next` and `O += P V` of tile `j`.
@@ -1468,9 +1472,10 @@ impl Pass<'_> {
             tiles.release(k, next, Kv::K, lane0);
             self.probabilities(k, next, false)
         };
-        self.finish(k, correction);
+        self.correct_and_pack(k, correction);
     }
 
+    /// The last tile's `O += P V`.
     fn last_tile(&self, k: &mut Kernel, j: &Reg) {
         k.comment("the last tile's O += P V");
         self.turns.wait(k);

@@ -386,6 +386,15 @@ impl Tile {
         self.tiling.ping_pong
     }
 
+    /// Row halves of 64 a consumer multiplies per tile: both, taking turns, or its own.
+    fn halves(self) -> u32 {
+        if self.ping_pong() {
+            2
+        } else {
+            1
+        }
+    }
+
     /// Accumulators per consumer thread: 64 or 128 rows of the tile over 128 threads.
     fn accumulators(self) -> u32 {
         if self.ping_pong() {
@@ -752,7 +761,7 @@ fn producer(k: &mut Kernel, cfg: &GemmConfig, pipe: &Pipeline, tid: &Reg, [x, w]
 
 /// Warpgroups 1 and 2: take the registers; for each of their work items, multiply their rows of
 /// every stage (`step` counts stages across the block's items, as the producer's does), then
-/// run the epilogue ([`Consumer::finish`]).
+/// run the epilogue ([`Consumer::epilogue`]).
 /// Together, each multiplies its 64 rows of every tile; taking turns, each multiplies all 128
 /// rows of every other tile (two row halves of accumulators), skipping the other's ([`Turns`]).
 fn consumer(
@@ -796,7 +805,7 @@ fn consumer(
         step,
         lane0,
     };
-    let me = Consumer {
+    let this = Consumer {
         cfg,
         tile,
         epilogue,
@@ -814,21 +823,21 @@ fn consumer(
         let skip = k.label("other_tile");
         // Taking turns: whether the other consumer has a tile after this one.
         let hand_over = turns.as_ref().map(|t| t.take(k, &index, &mac, &skip));
-        let loads = |k: &mut Kernel, mid: &Reg| me.load_residual(k, item, mid);
+        let loads = |k: &mut Kernel, mid: &Reg| this.load_residual(k, item, mid);
         let mid_step: Option<&StepHook<'_>> = residual.map(|_| &loads as _);
         // The rows' sums of squares, loaded ahead of the products they scale.
-        let norms = NormParam::loads(norm, k, cfg, tid, halves.len() as u32, |k, half| {
-            me.half_rows(k, item, half)
+        let norms = NormParam::loads(norm, k, cfg, tid, tile.halves(), |k, half| {
+            this.half_rows(k, item, half)
         });
         mac.multiply(k, &item.steps, mid_step);
         if let (Some(t), Some(next)) = (&turns, hand_over) {
             t.hand_over(k, next);
         }
         mac.release_last(k);
-        me.finish(k, item, &acc, norms, &skip);
+        this.epilogue(k, item, &acc, norms, &skip);
         k.place(&skip);
     });
-    if let Some(staging) = &me.staging {
+    if let Some(staging) = &this.staging {
         staging.finish(k, tid);
     }
 }
@@ -843,7 +852,7 @@ struct Consumer<'a> {
     norm: Option<NormParam>,
     staging: Option<Staging>,
     tid: Reg,
-    /// 0 or 1: the warpgroup less the producer's.
+    /// The warpgroup less one (warpgroup 0 is the producer).
     index: Reg,
 }
 
@@ -881,7 +890,7 @@ impl Consumer<'_> {
     /// The epilogue of a tile's products in `acc`: rows scaled by their norms (`norms`), K's
     /// parts added up (only the tile's last part goes on, the others to `skip`), then stored
     /// staged or from registers.
-    fn finish(
+    fn epilogue(
         &self,
         k: &mut Kernel,
         item: &Item,
@@ -890,11 +899,7 @@ impl Consumer<'_> {
         skip: &Label,
     ) {
         let (cfg, tid) = (self.cfg, &self.tid);
-        let per_half = if self.tile.ping_pong() {
-            acc.len() / 2
-        } else {
-            acc.len()
-        };
+        let per_half = acc.len() / self.tile.halves() as usize;
         for (acc, loads) in acc.chunks(per_half).zip(norms) {
             let scales = loads.scales(k, cfg);
             scale_rows(k, acc, &scales);

@@ -46,6 +46,15 @@ impl<'a> Config<'a> {
         }
     }
 
+    /// A positive integer that is `default` where the field is missing and none where it is null
+    /// (as transformers reads a field whose default is not null).
+    pub fn usize_or_null(&self, field: &str, default: usize) -> Result<Option<usize>, ModelError> {
+        match self.value.get(field) {
+            None => Ok(Some(default)),
+            Some(_) => self.opt_usize(field),
+        }
+    }
+
     /// A non-negative integer with a default.
     pub fn count_or(&self, field: &str, default: usize) -> Result<usize, ModelError> {
         match self.get(field) {

@@ -1,8 +1,8 @@
 //! The Llama family: `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`. RMSNorm, RoPE
-//! (with `rope_theta` and the default / linear / llama3 / yarn scalings), grouped-query attention (GQA and
-//! MQA: K/V heads broadcast to their query groups), SwiGLU MLP, optional Q/K/V bias, tied or untied
-//! embeddings, sliding windows (Mistral's on every layer, Qwen2's on the layers it names). Weight names mirror the Hugging Face keys
-//! (`model.layers.{i}.self_attn.q_proj`).
+//! (with `rope_theta` and the default / linear / llama3 / yarn scalings), grouped-query attention
+//! (GQA and MQA: K/V heads broadcast to their query groups), SwiGLU MLP, optional Q/K/V bias,
+//! tied or untied embeddings, sliding windows (Mistral's on every layer, Qwen2's on the layers it
+//! names). Weight names mirror the Hugging Face keys (`model.layers.{i}.self_attn.q_proj`).
 
 use kiln_ir::kernel::{self, Activation};
 use kiln_ir::{Op, RopeScaling};
@@ -124,15 +124,18 @@ impl LlamaConfig {
 /// Each layer's sliding window, as transformers assigns them: Llama has none; Mistral puts
 /// `sliding_window` on every layer; Qwen2 puts it (when `use_sliding_window`) on the layers that
 /// `layer_types` calls `sliding_attention`, or without `layer_types` on layers from
-/// `max_window_layers` on.
+/// `max_window_layers` on. Both families take 4096 for a missing `sliding_window` and none for
+/// a null one.
 fn windows(c: &Config, flavor: LlamaFlavor, layers: usize) -> Result<Vec<Option<i64>>, ModelError> {
-    let window = |field: &str| Ok::<_, ModelError>(c.opt_usize(field)?.map(|w| w as i64));
+    let window = || -> Result<Option<i64>, ModelError> {
+        Ok(c.usize_or_null("sliding_window", 4096)?.map(|w| w as i64))
+    };
     match flavor {
         LlamaFlavor::Llama => Ok(vec![None; layers]),
-        LlamaFlavor::Mistral => Ok(vec![window("sliding_window")?; layers]),
+        LlamaFlavor::Mistral => Ok(vec![window()?; layers]),
         LlamaFlavor::Qwen2 => {
             let w = match c.bool_or("use_sliding_window", false)? {
-                true => window("sliding_window")?,
+                true => window()?,
                 false => None,
             };
             let sliding = match c.get("layer_types") {
@@ -150,7 +153,7 @@ fn windows(c: &Config, flavor: LlamaFlavor, layers: usize) -> Result<Vec<Option<
                     (true, None) => Err(ModelError::Config {
                         field: "layer_types".into(),
                         message: "names sliding_attention layers, but use_sliding_window is \
-                                  false or sliding_window is missing"
+                                  false or sliding_window is null"
                             .into(),
                     }),
                 })

@@ -1,9 +1,9 @@
 //! Family variants no fixture covers, built from the tiny fixtures with edited configs and random
 //! extra tensors (Qwen2 with Q/K/V bias and tied embeddings, sliding windows on every layer
 //! (Mistral) or on some (Qwen2), Llama with llama3 or YaRN RoPE scaling and attention/MLP biases,
-//! GPT-2 with ReLU and per-layer attention scaling): each imports, its fused bucket graph computes exactly what its unfused graph computes, and its
-//! compiled artifact runs on the CPU executor (generated kernels, KV-cached decoding) with the
-//! same results.
+//! GPT-2 with ReLU and per-layer attention scaling): each imports, its fused bucket graph computes
+//! exactly what its unfused graph computes, and its compiled artifact runs on the CPU executor
+//! (generated kernels, KV-cached decoding) with the same results.
 
 use kiln_models::inputs::TokenBatch;
 use kiln_tests::{
@@ -181,6 +181,33 @@ fn qwen2_with_sliding_window_layers() {
         c["max_window_layers"] = 0.into();
     });
     assert_eq!(mask_windows(off.path()), [None]);
+}
+
+#[test]
+fn windows_default_as_transformers_reads_them() {
+    // A missing `sliding_window` is 4096 to Mistral and Qwen2; a null one is none.
+    let mistral = |dir: &std::path::Path, window: Option<serde_json::Value>| {
+        rewrite_checkpoint(&fixture("llama-tiny"), dir, Dtype::F32, 1, |c, _| {
+            c["architectures"] = serde_json::json!(["MistralForCausalLM"]);
+            c["model_type"] = "mistral".into();
+            match window {
+                Some(w) => c["sliding_window"] = w,
+                None => {
+                    c.as_object_mut().unwrap().remove("sliding_window");
+                }
+            }
+        })
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    mistral(tmp.path(), None);
+    assert_eq!(mask_windows(tmp.path()), [Some(4096)]);
+    mistral(tmp.path(), Some(serde_json::Value::Null));
+    assert_eq!(mask_windows(tmp.path()), [None]);
+    qwen2(tmp.path(), |c, _| {
+        c["use_sliding_window"] = true.into();
+        c["max_window_layers"] = 1.into();
+    });
+    assert_eq!(mask_windows(tmp.path()), [None, Some(4096)]);
 }
 
 #[test]
