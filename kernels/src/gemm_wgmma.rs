@@ -1514,6 +1514,13 @@ fn store(
     }
 }
 
+/// The first of a consumer thread's two fragment rows (the second is 8 further) among the 64
+/// rows from `rows0`: `rows0 + 16 warp + quad`, `quad` being its lane's quarter (`lane / 4`).
+fn fragment_row(k: &mut Kernel, place: &WarpgroupThread, quad: &Reg, rows0: &Reg) -> Reg {
+    let first = k.mad_u32(&place.warp, &16u32, rows0);
+    k.add_u32(&first, quad)
+}
+
 /// A thread's accumulators and the output row and column of its first one.
 struct Fragment<'a> {
     acc: &'a [Reg],
@@ -1524,11 +1531,10 @@ struct Fragment<'a> {
 impl<'a> Fragment<'a> {
     /// The fragment of thread `tid` of a consumer warpgroup over the 64 rows from `rows0`.
     fn of(k: &mut Kernel, acc: &'a [Reg], tid: &Reg, rows0: Reg, n0: Reg) -> Self {
-        let WarpgroupThread { lane, warp, .. } = WarpgroupThread::of(k, tid);
-        let quad = k.op2("shr.u32", RegClass::B32, &lane, &2u32);
-        let pair = k.op2("and.b32", RegClass::B32, &lane, &3u32);
-        let rows1 = k.mad_u32(&warp, &16u32, &rows0);
-        let row0 = k.add_u32(&rows1, &quad);
+        let place = WarpgroupThread::of(k, tid);
+        let quad = k.op2("shr.u32", RegClass::B32, &place.lane, &2u32);
+        let pair = k.op2("and.b32", RegClass::B32, &place.lane, &3u32);
+        let row0 = fragment_row(k, &place, &quad, &rows0);
         let col0 = k.mad_u32(&pair, &2u32, &n0);
         Fragment { acc, row0, col0 }
     }
@@ -1636,10 +1642,9 @@ impl RowSumLoads {
         tid: &Reg,
         rows0: &Reg,
     ) -> Self {
-        let WarpgroupThread { lane, warp, .. } = WarpgroupThread::of(k, tid);
-        let quad = k.op2("shr.u32", RegClass::B32, &lane, &2u32);
-        let first = k.mad_u32(&warp, &16u32, rows0);
-        let row0 = k.add_u32(&first, &quad);
+        let place = WarpgroupThread::of(k, tid);
+        let quad = k.op2("shr.u32", RegClass::B32, &place.lane, &2u32);
+        let row0 = fragment_row(k, &place, &quad, rows0);
         let rows = [0u32, 1].map(|h| {
             let row = k.add_u32(&row0, &(8 * h));
             let inside = k.setp("lt.u32", &row, &cfg.m);
