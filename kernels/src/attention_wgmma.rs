@@ -57,7 +57,7 @@ use crate::attention::{
 };
 use crate::attention_tc::RowState;
 use crate::hopper::{
-    cluster_sync, for_each_block_item, mbarrier_arrive, mbarrier_arrive_expect_tx,
+    aligned_base, cluster_sync, for_each_block_item, mbarrier_arrive, mbarrier_arrive_expect_tx,
     mbarrier_arrive_in, mbarrier_init, mbarrier_init_fence, mbarrier_wait, prefetch_tensor_map,
     setmaxnreg, tma_load, tma_load_to, warp_uniform, wgmma, wgmma_commit, wgmma_descriptor,
     wgmma_fence, wgmma_wait, WarpgroupThread, WgmmaA, WgmmaB, MAX_SHARED, MBARRIER_BYTES,
@@ -635,9 +635,7 @@ impl Params {
 /// barriers initialised by thread 0 (in a cluster, every block's are ready before any block
 /// goes on).
 fn shared_setup(k: &mut Kernel, cfg: &Plan, tid: &Reg) -> (Reg, Reg) {
-    let raw = k.shared_base(TILES);
-    let padded = k.add_u32(&raw, &1023u32);
-    let base = k.op2("and.b32", RegClass::B32, &padded, &!1023u32);
+    let base = aligned_base(k, TILES);
     let bars = k.shared_base(BARRIERS);
     let first = k.setp("eq.u32", tid, &0u32);
     let init_done = k.label("init_done");

@@ -39,7 +39,7 @@
 
 use crate::gemm::{apply, Addends, EpiloguePtrs, GemmConfig, RowNorm};
 use crate::hopper::{
-    bulk_commit, bulk_wait, bulk_wait_when, fence_proxy_async, for_each_block_item,
+    aligned_base, bulk_commit, bulk_wait, bulk_wait_when, fence_proxy_async, for_each_block_item,
     mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_arrive_expect_tx_when, mbarrier_init,
     mbarrier_init_fence, mbarrier_wait, prefetch_tensor_map, setmaxnreg, stmatrix_x4, tma_load,
     tma_load_when, tma_store, wgmma, wgmma_commit, wgmma_descriptor, wgmma_fence, wgmma_wait,
@@ -525,60 +525,15 @@ pub fn gemm_wgmma_tiled(cfg: &GemmConfig, tiling: Tiling, name: String) -> Gener
     let mut k = Kernel::new(&name);
     k.directive(format!(".maxntid {THREADS}, 1, 1"));
     k.directive(".minnctapersm 1");
-    let (x_spec, w_spec) = tensor_maps(cfg, tile);
-    let x = k.param_tensor_map("x", x_spec);
-    let w = k.param_tensor_map("w", w_spec);
-    let out_map = tiling.staged.then(|| {
-        let dims = [cfg.m.into(), cfg.n_out().into()];
-        TensorMapSpec::matrix(tensor_dtype(cfg.elem), dims, [STORE_ROWS, STORE_COLUMNS])
-            .swizzled(crate::hopper::SWIZZLE_BYTES)
-    });
-    let copied = copies_residual(cfg, tiling);
-    let epilogue = EpiloguePtrs::declare_with(&mut k, cfg, out_map, copied);
-    let split = (tiling.splits > 1).then(|| Split {
-        partials: k.param_ptr("partials"),
-        counters: k.param_ptr("counters"),
-        flags: k.shared("split_last", 4 * CONSUMERS as u32),
-        splits: tiling.splits,
-    });
-    let norm = NormParam::declare(&mut k, cfg, tile);
-    let smem = k.dynamic_shared_aligned("gemm_stages", 1024);
-    // Room for the most stages' barriers, whatever this tile's count.
-    k.shared("gemm_barriers", 2 * STAGES * MBARRIER_BYTES);
-    let residual = copied.then(|| {
-        k.shared("gemm_residual_barriers", CONSUMERS as u32 * MBARRIER_BYTES);
-        ResidualLoads {
-            bars: k.shared_base("gemm_residual_barriers"),
-            tiles: k.mov(RegClass::B32, &0u32),
-        }
-    });
-
+    let Params {
+        maps,
+        epilogue,
+        split,
+        norm,
+        residual,
+    } = Params::declare(&mut k, cfg, tile);
     let tid = k.special("tid.x");
-    // The stages, 1024-byte aligned (the launch asks for 1 KB more than they need).
-    let raw = k.shared_base(&smem);
-    let padded = k.add_u32(&raw, &1023u32);
-    let stages = k.op2("and.b32", RegClass::B32, &padded, &!1023u32);
-    let full = k.shared_base("gemm_barriers");
-    let empty = k.add_u32(&full, &(STAGES * MBARRIER_BYTES));
-
-    k.comment(
-        "barriers: full (one arrival plus the stage's bytes), empty (one per releasing warp)",
-    );
-    let first = k.setp("eq.u32", &tid, &0u32);
-    let init_done = k.label("init_done");
-    k.bra(Some((first, false)), &init_done);
-    for s in 0..tile.stages() {
-        let f = k.add_u32(&full, &(s * MBARRIER_BYTES));
-        mbarrier_init(&mut k, &f, 1);
-        let e = k.add_u32(&empty, &(s * MBARRIER_BYTES));
-        mbarrier_init(&mut k, &e, tile.releasing_warps());
-    }
-    if let Some(residual) = &residual {
-        residual.init(&mut k);
-    }
-    mbarrier_init_fence(&mut k);
-    k.place(&init_done);
-    k.barrier();
+    let (stages, full, empty) = shared_setup(&mut k, tile, &tid, residual.as_ref());
 
     let warpgroup = k.op2("shr.u32", RegClass::B32, &tid, &7u32);
     let consumers = k.label("consumers");
@@ -592,7 +547,7 @@ pub fn gemm_wgmma_tiled(cfg: &GemmConfig, tiling: Tiling, name: String) -> Gener
         k_tiles: cfg.k.div_ceil(BK),
         count: tile.stages(),
     };
-    producer(&mut k, cfg, &pipe, &tid, [x, w]);
+    producer(&mut k, cfg, &pipe, &tid, maps);
     k.place(&consumers);
     consumer(
         &mut k,
@@ -613,6 +568,96 @@ pub fn gemm_wgmma_tiled(cfg: &GemmConfig, tiling: Tiling, name: String) -> Gener
     )
     .on(KernelPath::Wgmma)
     .in_image(Image::Sm90a)
+}
+
+/// The kernel's parameters (`x, w` tensor maps, the epilogue's, K split's and the row norm's),
+/// declared with the kernel's shared memory: the stages and barriers ([`shared_setup`] sets
+/// them up), the split's flags and the residual tiles' barriers.
+struct Params {
+    maps: [Reg; 2],
+    epilogue: EpiloguePtrs,
+    split: Option<Split>,
+    norm: Option<NormParam>,
+    residual: Option<ResidualLoads>,
+}
+
+impl Params {
+    fn declare(k: &mut Kernel, cfg: &GemmConfig, tile: Tile) -> Params {
+        let tiling = tile.tiling;
+        let (x_spec, w_spec) = tensor_maps(cfg, tile);
+        let maps = [
+            k.param_tensor_map("x", x_spec),
+            k.param_tensor_map("w", w_spec),
+        ];
+        let out_map = tiling.staged.then(|| {
+            let dims = [cfg.m.into(), cfg.n_out().into()];
+            TensorMapSpec::matrix(tensor_dtype(cfg.elem), dims, [STORE_ROWS, STORE_COLUMNS])
+                .swizzled(crate::hopper::SWIZZLE_BYTES)
+        });
+        let copied = copies_residual(cfg, tiling);
+        let epilogue = EpiloguePtrs::declare_with(k, cfg, out_map, copied);
+        let split = (tiling.splits > 1).then(|| Split {
+            partials: k.param_ptr("partials"),
+            counters: k.param_ptr("counters"),
+            flags: k.shared("split_last", 4 * CONSUMERS as u32),
+            splits: tiling.splits,
+        });
+        let norm = NormParam::declare(k, cfg, tile);
+        k.dynamic_shared_aligned(STAGES_MEMORY, 1024);
+        // Room for the most stages' barriers, whatever this tile's count.
+        k.shared(BARRIERS, 2 * STAGES * MBARRIER_BYTES);
+        let residual = copied.then(|| {
+            k.shared("gemm_residual_barriers", CONSUMERS as u32 * MBARRIER_BYTES);
+            ResidualLoads {
+                bars: k.shared_base("gemm_residual_barriers"),
+                tiles: k.mov(RegClass::B32, &0u32),
+            }
+        });
+        Params {
+            maps,
+            epilogue,
+            split,
+            norm,
+            residual,
+        }
+    }
+}
+
+/// The stages' shared memory: dynamic, aligned at run time to 1024 bytes ([`aligned_base`]).
+const STAGES_MEMORY: &str = "gemm_stages";
+/// The stages' full and empty barriers.
+const BARRIERS: &str = "gemm_barriers";
+
+/// After [`Params::declare`]: the stages' 1024-aligned base and their full and empty barriers,
+/// which thread 0 initialises (the residual tiles' too).
+fn shared_setup(
+    k: &mut Kernel,
+    tile: Tile,
+    tid: &Reg,
+    residual: Option<&ResidualLoads>,
+) -> (Reg, Reg, Reg) {
+    let stages = aligned_base(k, STAGES_MEMORY);
+    let full = k.shared_base(BARRIERS);
+    let empty = k.add_u32(&full, &(STAGES * MBARRIER_BYTES));
+    k.comment(
+        "barriers: full (one arrival plus the stage's bytes), empty (one per releasing warp)",
+    );
+    let first = k.setp("eq.u32", tid, &0u32);
+    let init_done = k.label("init_done");
+    k.bra(Some((first, false)), &init_done);
+    for s in 0..tile.stages() {
+        let f = k.add_u32(&full, &(s * MBARRIER_BYTES));
+        mbarrier_init(k, &f, 1);
+        let e = k.add_u32(&empty, &(s * MBARRIER_BYTES));
+        mbarrier_init(k, &e, tile.releasing_warps());
+    }
+    if let Some(residual) = residual {
+        residual.init(k);
+    }
+    mbarrier_init_fence(k);
+    k.place(&init_done);
+    k.barrier();
+    (stages, full, empty)
 }
 
 /// A block's work item: a tile (its index and first output row and column) and the part of K

@@ -303,6 +303,14 @@ impl WarpgroupThread {
     }
 }
 
+/// The address of the dynamic shared memory `name` rounded up to 1024 bytes, the 128-byte
+/// swizzle's alignment (a launch asks for 1 KB more than its tiles take).
+pub fn aligned_base(k: &mut Kernel, name: &str) -> Reg {
+    let raw = k.shared_base(name);
+    let padded = k.add_u32(&raw, &1023u32);
+    k.op2("and.b32", RegClass::B32, &padded, &!1023u32)
+}
+
 /// A thread's registers at launch in a block of `threads` (its `.maxntid`): ptxas shares the
 /// SM's 64K out over the block in multiples of 8. `setmaxnreg` only moves these between
 /// warpgroups: a request for more than the others gave up waits forever.
