@@ -128,7 +128,7 @@ def greedy(model, ids, steps, device):
             tokens.append(top2.indices[:, 0])
             margins.append(top2.values[:, 0] - top2.values[:, 1])
             if step + 1 < steps:
-                cache = getattr(out, "cache", None) or out.past_key_values
+                cache = out.cache if hasattr(out, "cache") else out.past_key_values
                 out = model(input_ids=tokens[-1][:, None], use_cache=True, **{name: cache})
     return torch.stack(tokens, 1).cpu(), torch.stack(margins, 1).cpu()
 
@@ -234,10 +234,10 @@ def agreed(tokens, ref):
 
 
 def greedy_verdict(kiln_tokens, ref, peer_tokens, dtype):
-    """Whether kiln's greedy tokens follow the reference's: all of them, or up to a step where the
-    reference's top-2 margin is MARGIN or less (a tie may go either way, and the histories part
-    there), or, where transformers in the same dtype leaves the reference sooner at a decisive
-    step, at least as far as it goes."""
+    """Whether kiln's greedy tokens follow the reference's (`ref`: its tokens and margins): all of
+    them, or up to a step where the reference's top-2 margin is MARGIN or less (a tie may go
+    either way, and the histories part there), or, where transformers in the same dtype
+    (`peer_tokens`) leaves the reference sooner at a decisive step, at least as far as it goes."""
     ref_tokens, margins = ref
     steps = ref_tokens.shape[1]
 
@@ -249,7 +249,7 @@ def greedy_verdict(kiln_tokens, ref, peer_tokens, dtype):
     n, ok = followed(kiln_tokens)
     line = f"greedy {int(n.sum())}/{n.numel() * steps} tokens as the reference's"
     if peer_tokens is not None:
-        peer, peer_ok = followed(peer_tokens[0])
+        peer, peer_ok = followed(peer_tokens)
         line += f" (transformers in {dtype}: {int(peer.sum())})"
         leaning = ~ok & ~peer_ok & (n >= peer)
         if leaning.any():
@@ -270,8 +270,9 @@ def check(args, path, index):
     ref, ref_tokens = transformers_run(cfg, ckpt, "f32", decoder, ids, mask, args)
     peer = peer_tokens = None
     if args.dtype != "f32":
-        peer, peer_tokens = transformers_run(cfg, ckpt, args.dtype, decoder, ids, mask, args)
-        peer = Errors(peer, ref, decoder, mask)
+        peer_out, peer_greedy = transformers_run(cfg, ckpt, args.dtype, decoder, ids, mask, args)
+        peer = Errors(peer_out, ref, decoder, mask)
+        peer_tokens = peer_greedy[0] if peer_greedy is not None else None
     got, tokens = kiln(args, ckpt, work, decoder, ids, mask)
     ok, line = verdict(Errors(got, ref, decoder, mask), peer, args.dtype)
     if tokens is not None:

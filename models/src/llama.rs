@@ -139,7 +139,7 @@ fn windows(c: &Config, flavor: LlamaFlavor, layers: usize) -> Result<Vec<Option<
                 false => None,
             };
             let sliding = match c.get("layer_types") {
-                Some(_) => layer_types(c, layers)?,
+                Some(types) => layer_types(types, layers)?,
                 None => {
                     let first = c.count_or("max_window_layers", 28)?;
                     (0..layers).map(|i| w.is_some() && i >= first).collect()
@@ -163,14 +163,13 @@ fn windows(c: &Config, flavor: LlamaFlavor, layers: usize) -> Result<Vec<Option<
 }
 
 /// Reads `layer_types`: for each layer, whether it is `sliding_attention` (or `full_attention`).
-fn layer_types(c: &Config, layers: usize) -> Result<Vec<bool>, ModelError> {
+fn layer_types(types: &Value, layers: usize) -> Result<Vec<bool>, ModelError> {
     let bad = |message: String| ModelError::Config {
         field: "layer_types".into(),
         message,
     };
-    let types = c
-        .get("layer_types")
-        .and_then(Value::as_array)
+    let types = types
+        .as_array()
         .ok_or_else(|| bad("is not a list".into()))?;
     if types.len() != layers {
         return Err(bad(format!(
