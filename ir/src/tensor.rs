@@ -88,6 +88,31 @@ impl Tensor {
         }
     }
 
+    /// Rows `range` of the leading dimension.
+    ///
+    /// # Panics
+    /// For a scalar, and when `range` is not within the leading dimension.
+    pub fn rows(&self, range: std::ops::Range<usize>) -> Tensor {
+        let (&n, rest) = self.shape.split_first().expect("rows of a scalar");
+        assert!(
+            range.start <= range.end && range.end <= n,
+            "rows {range:?} of {n}"
+        );
+        let per_row: usize = rest.iter().product();
+        let span = range.start * per_row..range.end * per_row;
+        let mut shape = self.shape.clone();
+        shape[0] = range.len();
+        let data = match &self.data {
+            Data::Float(v) => Data::Float(v[span].to_vec()),
+            Data::Int(v) => Data::Int(v[span].to_vec()),
+        };
+        Tensor {
+            dtype: self.dtype,
+            shape,
+            data,
+        }
+    }
+
     /// Converts to `dtype` (floats round; float to integer truncates toward zero; to bool is `!= 0`).
     pub fn cast(&self, dtype: DType) -> Tensor {
         let data = match (&self.data, dtype.is_float()) {
@@ -207,5 +232,19 @@ mod tests {
         assert_eq!(t.cast(DType::Bool).as_i64().unwrap(), &[1, 1, 0]);
         let h = t.cast(DType::F16);
         assert_eq!(h.as_f32().unwrap()[0], 1.0 + 1.0 / 1024.0);
+    }
+
+    #[test]
+    fn rows_slice_the_leading_dimension() {
+        let t = Tensor::i64(vec![3, 2], vec![1, 2, 3, 4, 5, 6]);
+        assert_eq!(t.rows(1..3), Tensor::i64(vec![2, 2], vec![3, 4, 5, 6]));
+        assert_eq!(t.rows(0..0).shape, vec![0, 2]);
+        let f = Tensor::float(DType::BF16, vec![2, 1, 2], vec![0.5, 1.0, 1.5, 2.0]);
+        let second = f.rows(1..2);
+        assert_eq!(
+            (second.dtype, second.shape.clone()),
+            (DType::BF16, vec![1, 1, 2])
+        );
+        assert_eq!(second.as_f32().unwrap(), &[1.5, 2.0]);
     }
 }

@@ -100,6 +100,9 @@ pub struct BenchReport {
     pub load_seconds: Option<f64>,
     /// The last logits chunk's size the executor chose at load, when smaller than the largest.
     pub last_logits_chunk: Option<usize>,
+    /// Buckets the executor runs as groups of a smaller one (load found it faster), by graph
+    /// file: the smaller bucket's graph file.
+    pub batch_groups: BTreeMap<String, String>,
 }
 
 /// Runs the benchmark on `exec`.
@@ -149,6 +152,12 @@ pub fn bench(
         Executor::Cpu(c) => (None, Some(c.load_seconds)),
         Executor::Interpreter => (None, None),
     };
+    let batch_groups = match exec {
+        Executor::Cuda(c) => c.batch_groups().iter(),
+        _ => Default::default(),
+    }
+    .map(|(whole, g)| (whole.clone(), g.part.clone()))
+    .collect();
     Ok(BenchReport {
         device: exec.describe(),
         gpu_used_before_bytes: gpu_before,
@@ -156,6 +165,7 @@ pub fn bench(
         counters,
         load_seconds,
         last_logits_chunk: exec.last_logits_chunk(),
+        batch_groups,
         per_bucket: latencies
             .into_iter()
             .map(|(k, v)| (k, Latency::of(v)))

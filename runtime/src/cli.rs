@@ -559,6 +559,9 @@ fn print_bench(r: &BenchReport, out: &mut dyn Write) -> Result<()> {
     if let Some(last) = r.last_logits_chunk {
         writeln!(out, "long prompts end with a logits chunk of {last}")?;
     }
+    for (whole, part) in &r.batch_groups {
+        writeln!(out, "{whole} runs as groups of {part}")?;
+    }
     if let Some(s) = r.load_seconds {
         writeln!(out, "load to ready {:.3} s", s)?;
     }

@@ -31,10 +31,12 @@ use kiln_ir::artifact::{
 use kiln_ir::{DType, Data, Tensor};
 
 use crate::executor::Work;
+use crate::groups::{outputs_bytes, Grouping};
 use crate::{Artifact, RuntimeError};
 use launch::ArgValue;
 
 mod counts;
+mod groups;
 mod launch;
 mod tma;
 pub use counts::DriverCounts;
@@ -76,12 +78,16 @@ pub struct CudaExecutor {
     /// How the cache is paged (`None`: dense).
     paging: Option<CachePaging>,
     /// What streaming logits chunks to the host takes, when the artifact has logits chunks.
-    ring: Option<LogitsRing>,
+    ring: Option<CopyRing>,
     /// The decode step [`CudaExecutor::launch_advanced`] launched and nothing has read yet.
     launched: Option<String>,
     /// The last logits chunk's size, when a smaller one than the largest ends a long prompt
     /// sooner ([`crate::forward::time_last_chunk`], at load).
     last_chunk: Option<usize>,
+    /// Every way of running a bucket as groups of a smaller one ([`crate::groups::candidates`]).
+    groupings: Vec<Grouping>,
+    /// The grouping each bucket runs as, by its graph file, where load timed one faster.
+    grouped: BTreeMap<String, Grouping>,
     /// Driver work so far, and as it stood when `load` returned.
     counts: DriverCounts,
     at_load: DriverCounts,
@@ -94,12 +100,13 @@ pub struct CudaExecutor {
     pub sm90a: bool,
 }
 
-/// What streaming logits chunks to the host takes
-/// ([`CudaExecutor::replay_logits_chunks`]): a second stream for the copies, two device
-/// buffers of the largest chunk's logits that chunks take in turn, each chunk's graph captured
+/// What copying outputs to the host while the next work computes takes (logits chunks,
+/// [`CudaExecutor::replay_logits_chunks`], and batch groups, [`crate::groups`]): a second
+/// stream for the copies, two device buffers that chunks or groups fill in turn (each holds the
+/// largest chunk's logits and the largest group's outputs), each logits chunk's graph captured
 /// once per buffer with its logits written straight into it, and the events that order each
 /// buffer's fill (on the replay stream) and its copy out (on the copy stream).
-struct LogitsRing {
+struct CopyRing {
     copies: Arc<CudaStream>,
     buffers: CudaSlice<u8>,
     /// Bytes of each buffer.
@@ -108,9 +115,9 @@ struct LogitsRing {
     /// a segment at a time ([`ExecPlan::logits_segments`]), so that each segment's rows go to
     /// the host while the next computes.
     graphs: BTreeMap<String, [Vec<CudaGraph>; 2]>,
-    /// `ready[k]`: buffer `k` holds a chunk's logits.
+    /// `ready[k]`: buffer `k` holds a chunk's logits or a group's outputs.
     ready: [CudaEvent; 2],
-    /// `copied[k]`: buffer `k`'s logits are on the host.
+    /// `copied[k]`: buffer `k`'s bytes are on the host.
     copied: [CudaEvent; 2],
 }
 
@@ -123,18 +130,18 @@ struct Segment<'a> {
     steps: std::ops::Range<usize>,
 }
 
-impl LogitsRing {
-    /// A ring for chunks of at most `half` bytes of logits (their graphs captured later).
+impl CopyRing {
+    /// A ring of two buffers of `half` bytes (the logits chunks' graphs captured later).
     fn new(
         ctx: &Arc<CudaContext>,
         stream: &Arc<CudaStream>,
         half: usize,
         counts: &mut DriverCounts,
-    ) -> Result<LogitsRing, RuntimeError> {
+    ) -> Result<CopyRing, RuntimeError> {
         counts.allocated();
         let buffers = stream.alloc_zeros::<u8>(2 * half).map_err(dev)?;
         let event = || ctx.new_event(None).map_err(dev);
-        Ok(LogitsRing {
+        Ok(CopyRing {
             copies: ctx.new_stream().map_err(dev)?,
             buffers,
             half,
@@ -265,26 +272,39 @@ fn load_kernels(
 }
 
 /// The bytes of page-locked staging the outputs need (a prompt of the whole context comes back
-/// through the logits chunks), and the logits ring when a logits chunk among the buckets has
-/// logits.
+/// through the logits chunks), and the copy ring when a logits chunk among the buckets has
+/// logits or `groupings` group a bucket.
 fn staging_and_ring(
     ctx: &Arc<CudaContext>,
     stream: &Arc<CudaStream>,
     m: &Manifest,
     buckets: &[(&BucketEntry, ExecPlan)],
+    groupings: &[Grouping],
     counts: &mut DriverCounts,
-) -> Result<(usize, Option<LogitsRing>), RuntimeError> {
-    let staging_bytes = plans_outputs_bytes(buckets);
+) -> Result<(usize, Option<CopyRing>), RuntimeError> {
+    let mut staging_bytes = plans_outputs_bytes(buckets);
     let chunk_logits = buckets
         .iter()
         .filter(|(e, _)| m.logits_chunks.contains(e))
         .filter_map(|(e, p)| Some((e.seq, p.outputs.iter().find(|s| s.name == LOGITS)?)));
     let widest = chunk_logits.map(|(seq, s)| (s.bytes() as usize, s.bytes() as usize / seq));
-    let Some((half, row)) = widest.reduce(|a, b| (a.0.max(b.0), a.1.max(b.1))) else {
+    let mut half = 0;
+    if let Some((logits, row)) = widest.reduce(|a, b| (a.0.max(b.0), a.1.max(b.1))) {
+        staging_bytes = staging_bytes.max(row * m.max_context.unwrap_or(0));
+        half = logits;
+    }
+    let part = |g: &Grouping| buckets.iter().find(|(e, _)| e.graph == g.part);
+    let parts = groupings.iter().filter_map(part);
+    half = half.max(
+        parts
+            .map(|(_, p)| outputs_bytes(p) as usize)
+            .max()
+            .unwrap_or(0),
+    );
+    if half == 0 {
         return Ok((staging_bytes, None));
-    };
-    let staging_bytes = staging_bytes.max(row * m.max_context.unwrap_or(0));
-    let ring = LogitsRing::new(ctx, stream, half, counts)?;
+    }
+    let ring = CopyRing::new(ctx, stream, half, counts)?;
     Ok((staging_bytes, Some(ring)))
 }
 
@@ -308,7 +328,7 @@ impl Loaded<'_> {
         memory: &mut CudaSlice<u8>,
         m: &Manifest,
         buckets: &[(&BucketEntry, ExecPlan)],
-        mut ring: Option<&mut LogitsRing>,
+        mut ring: Option<&mut CopyRing>,
         counts: &mut DriverCounts,
     ) -> Result<BTreeMap<String, CudaGraph>, RuntimeError> {
         let mut graphs = BTreeMap::new();
@@ -376,7 +396,7 @@ impl Loaded<'_> {
     /// segment ([`ExecPlan::logits_segments`]).
     fn capture_segments(
         &self,
-        ring: &LogitsRing,
+        ring: &CopyRing,
         (entry, plan): (&BucketEntry, &ExecPlan),
         slot: &TensorSlot,
         k: usize,
@@ -748,7 +768,14 @@ impl CudaExecutor {
             plan: m.memory.clone(),
             moved: None,
         };
-        let (staging_bytes, mut ring) = staging_and_ring(&ctx, &stream, m, &buckets, &mut counts)?;
+        let prefill: Vec<(&BucketEntry, &ExecPlan)> = buckets
+            .iter()
+            .filter(|(e, _)| m.prefill.contains(e))
+            .map(|(e, p)| (*e, p))
+            .collect();
+        let groupings = crate::groups::candidates(&prefill);
+        let (staging_bytes, mut ring) =
+            staging_and_ring(&ctx, &stream, m, &buckets, &groupings, &mut counts)?;
         let loaded = Loaded {
             stream: &stream,
             functions: &functions,
@@ -796,6 +823,8 @@ impl CudaExecutor {
             ring,
             launched: None,
             last_chunk: None,
+            groupings,
+            grouped: BTreeMap::new(),
             ctx,
             stream,
             memory,
@@ -809,6 +838,7 @@ impl CudaExecutor {
             sm90a,
         };
         exec.time_last_chunk(art)?;
+        exec.time_groups()?;
         Ok(exec)
     }
 
@@ -861,12 +891,16 @@ impl CudaExecutor {
     }
 
     /// Like [`CudaExecutor::run`], but the outputs stay the device's bytes (what a server hands
-    /// on), in page-locked host memory that the next request reuses.
+    /// on), in page-locked host memory that the next request reuses. A bucket that load found
+    /// faster in groups runs as them ([`crate::groups`]).
     pub fn replay(
         &mut self,
         graph: &str,
         inputs: &BTreeMap<String, Tensor>,
     ) -> Result<Vec<(&TensorSlot, &[u8])>, RuntimeError> {
+        if let Some(grouping) = self.grouped.get(graph).cloned() {
+            return self.replay_grouped(&grouping, inputs);
+        }
         self.launch(graph, inputs)?;
         let plan = &self.plans[graph];
         let arena = self.addresses.base + self.arena;
@@ -1179,20 +1213,24 @@ impl CudaExecutor {
     ) -> Result<(&[u8], DType), RuntimeError> {
         let logits = self.chunk_logits(chunks)?;
         let outcome = self.stream_chunks(chunks, &logits);
-        // Nothing may still be landing in the staging buffer when this returns, failed or not.
-        let failed = |e| RuntimeError::Device(format!("logits chunks: a kernel failed: {e}"));
-        let synced = self
-            .stream
+        let synced = self.settle("logits chunks");
+        let at = outcome?;
+        synced?;
+        let dtype = logits.first().map_or(DType::F32, |(slot, _)| slot.dtype);
+        Ok((&self.staging.as_slice().map_err(dev)?[..at], dtype))
+    }
+
+    /// Waits for the replay stream and the copy ring's stream, so that nothing is still landing
+    /// in the staging buffer, whether what was streamed (`what`) failed or not.
+    fn settle(&self, what: &str) -> Result<(), RuntimeError> {
+        let failed = |e| RuntimeError::Device(format!("{what}: a kernel failed: {e}"));
+        self.stream
             .synchronize()
             .map_err(failed)
             .and_then(|()| match &self.ring {
                 Some(ring) => ring.copies.synchronize().map_err(failed),
                 None => Ok(()),
-            });
-        let at = outcome?;
-        synced?;
-        let dtype = logits.first().map_or(DType::F32, |(slot, _)| slot.dtype);
-        Ok((&self.staging.as_slice().map_err(dev)?[..at], dtype))
+            })
     }
 
     /// Each chunk's logits slot and the bytes of its sequence's rows, checked to fit the ring
@@ -1278,15 +1316,20 @@ impl CudaExecutor {
         at: usize,
         bytes: std::ops::Range<usize>,
     ) -> Result<(), RuntimeError> {
-        let ring = self.ring.as_ref().expect("chunk_logits found the ring");
+        let ring = self
+            .ring
+            .as_ref()
+            .expect("chunks and groups run with the ring");
         let staging = self.staging.as_mut_slice().map_err(dev)?;
         let buffer = ring.buffer(&self.stream, k);
         ring.ready[k].record(&self.stream).map_err(dev)?;
         ring.copies.wait(&ring.ready[k]).map_err(dev)?;
         // SAFETY: `staging[at..at + bytes.len()]` lies inside the page-locked buffer (the chunks'
-        // bytes together fit, `chunk_logits`) and is read only after the copy stream is
-        // synchronised; `bytes` lies inside buffer `k` (at most a chunk's logits, which
-        // `chunk_logits` checked against the buffer), and the copy waits for the replay stream.
+        // bytes together fit, `chunk_logits`; a group's rows of a bucket's outputs, which it
+        // holds) and is read only after the copy stream is synchronised; `bytes` lies inside
+        // buffer `k` (at most a chunk's logits, which `chunk_logits` checked against the buffer,
+        // or a group's outputs, for which `staging_and_ring` sized it), and the copy waits for
+        // the replay stream.
         unsafe {
             cudarc::driver::result::memcpy_dtoh_async(
                 &mut staging[at..at + bytes.len()],
@@ -1422,30 +1465,39 @@ fn copy_back(
     slots: &[TensorSlot],
 ) -> Result<Vec<std::ops::Range<usize>>, RuntimeError> {
     let staging = staging.as_mut_slice().map_err(dev)?;
-    let mut ranges = Vec::with_capacity(slots.len());
-    let mut at = 0usize;
-    for slot in slots {
-        let n = slot.bytes() as usize;
+    let ranges = packed(slots);
+    for (slot, r) in slots.iter().zip(&ranges) {
         let src = arena + slot.offset;
-        // SAFETY: `src..src + n` is the slot inside the one allocation (`check_plan`), and
-        // `staging[at..at + n]` lies inside the page-locked buffer sized for the most any bucket
-        // copies back (its outputs, or its tokens); the stream is synchronised below before the
-        // bytes are read.
+        // SAFETY: `src..src + r.len()` is the slot inside the one allocation (`check_plan`), and
+        // `staging[r]` lies inside the page-locked buffer sized for the most any bucket copies
+        // back (its outputs, or its tokens); the stream is synchronised below before the bytes
+        // are read.
         unsafe {
             cudarc::driver::result::memcpy_dtoh_async(
-                &mut staging[at..at + n],
+                &mut staging[r.clone()],
                 src,
                 stream.cu_stream(),
             )
         }
         .map_err(dev)?;
-        ranges.push(at..at + n);
-        at += n;
     }
     stream
         .synchronize()
         .map_err(|e| RuntimeError::Device(format!("{graph}: a kernel failed: {e}")))?;
     Ok(ranges)
+}
+
+/// Where `slots` land in the staging buffer: one after the other, from its start.
+fn packed(slots: &[TensorSlot]) -> Vec<std::ops::Range<usize>> {
+    let mut at = 0usize;
+    slots
+        .iter()
+        .map(|slot| {
+            let n = slot.bytes() as usize;
+            at += n;
+            at - n..at
+        })
+        .collect()
 }
 
 /// The most bytes any bucket copies back: its outputs, or a decode step's tokens ([`MAX_STEPS`]
@@ -1516,7 +1568,7 @@ struct Addresses {
     base: u64,
     plan: kiln_ir::artifact::MemoryPlan,
     /// `(start, bytes, to)`: addresses in `start..start + bytes` are read as `to` on (a logits
-    /// chunk's logits written straight into a [`LogitsRing`] buffer).
+    /// chunk's logits written straight into a [`CopyRing`] buffer).
     moved: Option<(u64, u64, u64)>,
 }
 

@@ -273,9 +273,8 @@ pub fn stream_chunks<'e>(
 
 /// The last logits chunk that ends a long prompt soonest on `cuda` ([`chunk_sizes`]'s `last`),
 /// timed: a prompt of the whole context (at most four of the largest chunks, and what a paged
-/// cache holds) streamed with each smaller size last and with none, in [`TIMING_ROUNDS`]
-/// interleaved rounds after one to warm up (so a clock that drifts during load drifts under every
-/// candidate alike), each candidate's fastest stream kept ([`fastest_last`] picks). `None` when
+/// cache holds) streamed with each smaller size last and with none ([`time_interleaved`]), the
+/// fastest by [`LAST_CHUNK_GAIN`] kept ([`fastest`]). `None` when
 /// the artifact has one chunk size, or its chunks do not stream or did not load.
 pub fn time_last_chunk(
     art: &Artifact,
@@ -302,22 +301,16 @@ pub fn time_last_chunk(
         .chain(sizes[..sizes.len() - 1].iter().map(|&a| Some(a)))
         .collect();
     let schedules: Vec<Vec<Chunk>> = candidates.iter().map(|&l| chunks_of(art, len, l)).collect();
-    let mut fastest = vec![f64::INFINITY; candidates.len()];
-    for round in 0..=TIMING_ROUNDS {
-        for (chunks, best) in schedules.iter().zip(&mut fastest) {
-            let start = std::time::Instant::now();
-            stream_chunks(art, cuda, &tokens, chunks)?;
-            if round > 0 {
-                *best = best.min(start.elapsed().as_secs_f64());
-            }
-        }
-    }
-    Ok(fastest_last(
-        &candidates.into_iter().zip(fastest).collect::<Vec<_>>(),
+    let fastest_of = time_interleaved(schedules.len(), |i| {
+        stream_chunks(art, cuda, &tokens, &schedules[i]).map(|_| ())
+    })?;
+    Ok(fastest(
+        &candidates.into_iter().zip(fastest_of).collect::<Vec<_>>(),
+        LAST_CHUNK_GAIN,
     ))
 }
 
-/// Rounds of [`time_last_chunk`] after its warm-up.
+/// Rounds of [`time_interleaved`] after its warm-up.
 const TIMING_ROUNDS: usize = 5;
 
 /// A smaller last chunk must be this much faster than none to be taken: less than the
@@ -325,15 +318,35 @@ const TIMING_ROUNDS: usize = 5;
 /// the spread of the fastest of [`TIMING_ROUNDS`] streams.
 const LAST_CHUNK_GAIN: f64 = 0.005;
 
-/// The last chunk of `times` (each candidate's seconds, `None` the schedule without one) that
-/// is fastest, taken only when it beats `None`'s by [`LAST_CHUNK_GAIN`].
-fn fastest_last(times: &[(Option<usize>, f64)]) -> Option<usize> {
-    let none = times.iter().find(|(l, _)| l.is_none()).map(|&(_, t)| t)?;
-    times
+/// The seconds of `candidates` ways to run the same work, each the fastest of [`TIMING_ROUNDS`]
+/// interleaved rounds after one to warm up, so that a clock that drifts during load drifts under
+/// every candidate alike. `run(i)` runs candidate `i` and waits for it.
+pub(crate) fn time_interleaved(
+    candidates: usize,
+    mut run: impl FnMut(usize) -> Result<(), RuntimeError>,
+) -> Result<Vec<f64>, RuntimeError> {
+    let mut fastest = vec![f64::INFINITY; candidates];
+    for round in 0..=TIMING_ROUNDS {
+        for (i, best) in fastest.iter_mut().enumerate() {
+            let start = std::time::Instant::now();
+            run(i)?;
+            if round > 0 {
+                *best = best.min(start.elapsed().as_secs_f64());
+            }
+        }
+    }
+    Ok(fastest)
+}
+
+/// The candidate of `timed` (each one's seconds, `None` the way without it) that is fastest,
+/// taken only when it beats `None`'s time by the fraction `gain`.
+pub(crate) fn fastest<T: Copy>(timed: &[(Option<T>, f64)], gain: f64) -> Option<T> {
+    let none = timed.iter().find(|(c, _)| c.is_none()).map(|&(_, t)| t)?;
+    timed
         .iter()
-        .filter(|&&(l, t)| l.is_some() && t < none * (1.0 - LAST_CHUNK_GAIN))
+        .filter(|&&(c, t)| c.is_some() && t < none * (1.0 - gain))
         .min_by(|a, b| a.1.total_cmp(&b.1))
-        .and_then(|&(l, _)| l)
+        .and_then(|&(c, _)| c)
 }
 
 /// Whether `exec` streams `chunks` ([`stream_chunks`]): the CUDA executor, and no chunk runs
@@ -372,10 +385,11 @@ fn row_blocks(art: &Artifact, tokens: usize) -> Result<Option<Vec<u32>>, Runtime
 
 #[cfg(test)]
 mod tests {
-    use super::{chunk_sizes, fastest_last};
+    use super::{chunk_sizes, fastest, time_interleaved, LAST_CHUNK_GAIN, TIMING_ROUNDS};
 
     #[test]
     fn the_fastest_last_chunk_wins_by_half_a_percent() {
+        let fastest_last = |times: &[(Option<usize>, f64)]| fastest(times, LAST_CHUNK_GAIN);
         let times = [(None, 23.6), (Some(256), 23.3), (Some(512), 23.4)];
         assert_eq!(fastest_last(&times), Some(256));
         // 0.4% faster is within the timing's spread: none.
@@ -383,6 +397,24 @@ mod tests {
         assert_eq!(fastest_last(&[(None, 23.6), (Some(256), 23.8)]), None);
         // Nothing to compare against.
         assert_eq!(fastest_last(&[(Some(256), 1.0)]), None);
+    }
+
+    #[test]
+    fn candidates_are_timed_in_turn_after_a_warm_up_round() {
+        let mut order = Vec::new();
+        let times = time_interleaved(3, |i| {
+            order.push(i);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(order.len(), 3 * (TIMING_ROUNDS + 1));
+        assert!(order.chunks(3).all(|round| round == [0, 1, 2]));
+        assert!(times.iter().all(|t| t.is_finite()));
+        let failed = time_interleaved(2, |i| match i {
+            1 => Err(crate::RuntimeError::Device("a kernel failed".into())),
+            _ => Ok(()),
+        });
+        assert!(failed.is_err());
     }
 
     #[test]

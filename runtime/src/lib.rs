@@ -10,6 +10,8 @@
 //! - [`cuda`]: the CUDA executor: one allocation, graphs captured at load, replayed per request;
 //! - [`executor`]: the executor a command runs on (CUDA, or the interpreter without a GPU);
 //! - [`forward`]: a request through the smallest prefill bucket that holds it;
+//! - [`groups`]: a bucket of many rows run as groups of a smaller one, each group's outputs
+//!   copied to the host while the next computes;
 //! - [`generate`]: token generation through the decode graph and its KV cache;
 //! - [`batcher`]: continuous batching over the decode buckets, and [`pacing`]: which prompt chunk
 //!   a step takes, timed against the decode steps;
@@ -30,6 +32,7 @@ pub mod cuda;
 pub mod executor;
 pub mod forward;
 pub mod generate;
+pub mod groups;
 pub mod pacing;
 pub mod serve;
 pub mod tokenizer;

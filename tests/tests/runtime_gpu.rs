@@ -6,6 +6,9 @@
 
 use kiln_ir::inputs::TokenBatch;
 use kiln_runtime::forward::{forward, logits_chunks, run_chunks};
+use std::path::{Path, PathBuf};
+
+use kiln_runtime::cuda::{Counters, CudaExecutor};
 use kiln_runtime::{Artifact, Device, Executor};
 use kiln_tests::{
     assert_chained_steps_match, assert_close_for, assert_decoder_references,
@@ -30,6 +33,26 @@ fn cuda(art: &Artifact) -> Executor {
     let exec = Executor::open(art, Device::Cuda).unwrap();
     assert!(matches!(exec, Executor::Cuda(_)));
     exec
+}
+
+/// The CUDA executor `exec` is.
+fn cuda_of(exec: &mut Executor) -> &mut CudaExecutor {
+    match exec {
+        Executor::Cuda(c) => c,
+        _ => panic!("not the CUDA executor"),
+    }
+}
+
+/// A sentence-transformers copy of bert-tiny in `dir`, with mean pooling and normalisation.
+fn mean_pooling_copy(dir: &Path) -> PathBuf {
+    let st = dir.join("st");
+    kiln_tests::sentence_transformers_copy(
+        &fixture("bert-tiny"),
+        &st,
+        &["pooling_mode_mean_tokens"],
+        true,
+    );
+    st
 }
 
 #[test]
@@ -411,19 +434,93 @@ fn encoders_match_references_on_the_gpu() {
     }
 }
 
+/// Batch groups: a bucket of 64 rows run as four groups of the 16-row bucket, each group's
+/// outputs copied to the host while the next computes, gives what one replay of it gives (and,
+/// for a sentence-transformers copy, what its host tail pools from them), f32 and bf16; the
+/// part's graph is what replays, four times a request, and nothing is captured or allocated.
+#[test]
+fn batch_groups_give_what_one_replay_gives_on_the_gpu() {
+    let Some(tmp) = gpu_scratch() else { return };
+    let st = mean_pooling_copy(tmp.path());
+    // 60 rows of 90-128 tokens: the bucket's last four rows are dummies.
+    let rows: Vec<Vec<i64>> = (0..60)
+        .map(|r| {
+            (0..90 + (r * 7) % 39)
+                .map(|t| (r * 31 + t * 17) % 512)
+                .collect()
+        })
+        .collect();
+    let batch = TokenBatch::padded(&rows, 0);
+    for (name, dir) in [("bert-tiny", fixture("bert-tiny")), ("bert-tiny st", st)] {
+        for dtype in ["f32", "bf16"] {
+            let art = compile_artifact(
+                &dir,
+                &tmp.path()
+                    .join(format!("{}-{dtype}.kiln", name.replace(' ', "-"))),
+                &[
+                    "--buckets",
+                    "128",
+                    "--batch-buckets",
+                    "16,64",
+                    "--dtype",
+                    dtype,
+                ],
+            );
+            let bucket = |b: usize| {
+                let e = art.manifest.prefill.iter().find(|e| e.batch == b).unwrap();
+                e.graph.clone()
+            };
+            let (whole, part) = (bucket(64), bucket(16));
+            let mut exec = cuda(&art);
+            let chosen = cuda_of(&mut exec).batch_groups().get(&whole).cloned();
+            cuda_of(&mut exec).group_bucket(&whole, None).unwrap();
+            let one = forward(&art, &mut exec, &batch).unwrap();
+            cuda_of(&mut exec)
+                .group_bucket(&whole, Some(&part))
+                .unwrap();
+            let before = cuda_of(&mut exec).counters();
+            let grouped = forward(&art, &mut exec, &batch).unwrap();
+            let after = cuda_of(&mut exec).counters();
+            let replays = |c: &Counters, g: &str| c.replays.get(g).copied().unwrap_or(0);
+            assert_eq!(replays(&after, &part), replays(&before, &part) + 4);
+            assert_eq!(replays(&after, &whole), replays(&before, &whole));
+            assert!(
+                after.after_load.is_zero(),
+                "after load: {}",
+                after.after_load
+            );
+            assert_eq!(
+                one.keys().collect::<Vec<_>>(),
+                grouped.keys().collect::<Vec<_>>()
+            );
+            for (output, want) in &one {
+                let got = &grouped[output];
+                assert_eq!(got.shape, want.shape, "{name} {dtype} {output}");
+                // The two buckets' products may split K differently (fewer rows, fewer tiles).
+                let tol = if dtype == "f32" { 1e-5 } else { 4e-3 };
+                let err = rel_err(floats(got), floats(want));
+                assert!(
+                    err < tol,
+                    "{name} {dtype} {output}: {err:e} from one replay"
+                );
+                println!("ok: {name} {dtype} {output} in groups: {err:e} from one replay");
+            }
+            let chosen = chosen.map(|g| g.part);
+            println!("ok: {name} {dtype}: load chose {chosen:?} for {whole}");
+            assert!(cuda_of(&mut exec)
+                .group_bucket(&part, Some(&whole))
+                .is_err());
+        }
+    }
+}
+
 /// A sentence-transformers encoder (bert-tiny with mean pooling and normalisation added): the
 /// transformer runs as the GPU plan, the pooling as its host tail; `--device cuda` gives what the
 /// interpreter gives on the same artifact.
 #[test]
 fn sentence_embeddings_on_the_gpu_match_the_interpreter() {
     let Some(tmp) = gpu_scratch() else { return };
-    let st = tmp.path().join("st");
-    kiln_tests::sentence_transformers_copy(
-        &fixture("bert-tiny"),
-        &st,
-        &["pooling_mode_mean_tokens"],
-        true,
-    );
+    let st = mean_pooling_copy(tmp.path());
     let art = compile_artifact(
         &st,
         &tmp.path().join("st.kiln"),

@@ -1,0 +1,240 @@
+//! Batch groups: a prefill bucket of many rows run as replays of a smaller bucket of the same
+//! length, a group of rows each, every group's outputs copied to the host while the next group
+//! computes. Run as one replay, a request computes everything and then waits for the whole copy:
+//! BERT-base's `last_hidden_state` for 128 x 128 tokens is 25 MB, about 0.46 ms over PCIe after
+//! some 6 ms of compute. Grouped, only the last group's copy is left after the compute.
+//!
+//! [`candidates`] says from the plans alone which buckets may be grouped, and by which smaller
+//! ones; the CUDA executor times each at load and keeps one only where it is faster
+//! ([`crate::forward::fastest`]), since the smaller bucket's products may run slower a row.
+
+use std::collections::BTreeMap;
+
+use kiln_ir::artifact::{BucketEntry, ExecPlan, TensorSlot};
+use kiln_ir::Tensor;
+
+/// A prefill bucket run as `count` replays of a smaller one, each taking the next `part`'s
+/// batch of rows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Grouping {
+    /// The graph file of the bucket a request takes.
+    pub whole: String,
+    /// The graph file of the bucket each group replays.
+    pub part: String,
+    /// Groups: the whole bucket's batch over the part's.
+    pub count: usize,
+}
+
+/// Outputs smaller than this copy in less than about 20 us over PCIe: less than the launches
+/// that grouping adds.
+pub const MIN_OUTPUT_BYTES: u64 = 1 << 20;
+
+/// A grouping must be this much faster than one replay to be kept: more than the spread of the
+/// fastest of several timed requests.
+pub const MIN_GAIN: f64 = 0.01;
+
+/// Every grouping of `prefill`'s buckets (each with its plan) that computes what the whole
+/// bucket computes: a bucket whose outputs take at least [`MIN_OUTPUT_BYTES`], by each smaller
+/// bucket of the same length whose batch divides its batch. Both keep no state between requests
+/// (no KV cache, no decode step), and every input and output of both has the batch as its
+/// leading dimension, the part's slots being the whole's with the part's batch. A dropout seed
+/// (a scalar input) keeps a bucket whole: its masks follow each row's index in the batch.
+pub fn candidates(prefill: &[(&BucketEntry, &ExecPlan)]) -> Vec<Grouping> {
+    let mut groupings = Vec::new();
+    for &(whole, wp) in prefill {
+        if !stateless(wp) || outputs_bytes(wp) < MIN_OUTPUT_BYTES {
+            continue;
+        }
+        for &(part, pp) in prefill {
+            let divides = part.batch < whole.batch && whole.batch % part.batch == 0;
+            let splits =
+                |w: &[TensorSlot], p: &[TensorSlot]| slots_split(w, p, whole.batch, part.batch);
+            if part.seq == whole.seq
+                && divides
+                && stateless(pp)
+                && splits(&wp.inputs, &pp.inputs)
+                && splits(&wp.outputs, &pp.outputs)
+            {
+                groupings.push(Grouping {
+                    whole: whole.graph.clone(),
+                    part: part.graph.clone(),
+                    count: whole.batch / part.batch,
+                });
+            }
+        }
+    }
+    groupings
+}
+
+/// Bytes of `plan`'s outputs together.
+pub fn outputs_bytes(plan: &ExecPlan) -> u64 {
+    plan.outputs.iter().map(TensorSlot::bytes).sum()
+}
+
+/// Whether a replay of `plan` depends on nothing but its inputs and leaves nothing but its
+/// outputs: no KV cache, no decode step's tokens, sampler or advanced inputs, no logits pieces.
+fn stateless(plan: &ExecPlan) -> bool {
+    plan.cache_inputs.is_empty()
+        && plan.cache_outputs.is_empty()
+        && plan.tokens.is_none()
+        && plan.sampler.is_none()
+        && !plan.advances
+        && plan.logits_pieces.is_empty()
+}
+
+/// Whether `part` is `whole` with `b` rows for `batch`: slot by slot the same names and types,
+/// the leading dimension `batch` in `whole` and `b` in `part`, the others equal.
+fn slots_split(whole: &[TensorSlot], part: &[TensorSlot], batch: usize, b: usize) -> bool {
+    whole.len() == part.len()
+        && whole.iter().zip(part).all(|(w, p)| {
+            let leading = match (w.shape.split_first(), p.shape.split_first()) {
+                (Some((&wb, w_rest)), Some((&pb, p_rest))) => {
+                    wb == batch && pb == b && w_rest == p_rest
+                }
+                _ => false,
+            };
+            w.name == p.name && w.dtype == p.dtype && leading
+        })
+}
+
+/// Group `g` of `count` of each of `inputs` (a whole bucket's): its rows of the leading
+/// dimension.
+pub fn group_inputs(
+    inputs: &BTreeMap<String, Tensor>,
+    g: usize,
+    count: usize,
+) -> BTreeMap<String, Tensor> {
+    inputs
+        .iter()
+        .map(|(name, t)| {
+            let rows = t.shape.first().copied().unwrap_or(0) / count;
+            (name.clone(), t.rows(g * rows..(g + 1) * rows))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_ir::DType;
+
+    fn slot(name: &str, dtype: DType, shape: &[usize]) -> TensorSlot {
+        TensorSlot {
+            name: name.into(),
+            offset: 0,
+            dtype,
+            shape: shape.to_vec(),
+        }
+    }
+
+    /// An encoder's bucket of `batch` x `seq` tokens, hidden size 512 in f32.
+    fn encoder(batch: usize, seq: usize) -> (BucketEntry, ExecPlan) {
+        let plan = ExecPlan {
+            arena_bytes: 0,
+            inputs: vec![
+                slot("attention_mask", DType::I64, &[batch, seq]),
+                slot("input_ids", DType::I64, &[batch, seq]),
+            ],
+            cache_inputs: Vec::new(),
+            outputs: vec![slot("last_hidden_state", DType::F32, &[batch, seq, 512])],
+            cache_outputs: Vec::new(),
+            steps: Vec::new(),
+            tokens: None,
+            advances: false,
+            sampler: None,
+            logits_pieces: Vec::new(),
+            host_tail: None,
+            cpu: None,
+        };
+        let entry = BucketEntry {
+            batch,
+            seq,
+            context: None,
+            graph: format!("prefill-b{batch}-s{seq}.ron"),
+            kernels: Vec::new(),
+            plan: None,
+            no_gpu: Vec::new(),
+            no_cpu: Vec::new(),
+        };
+        (entry, plan)
+    }
+
+    fn groupings(buckets: &[(BucketEntry, ExecPlan)]) -> Vec<(String, String, usize)> {
+        let pairs: Vec<(&BucketEntry, &ExecPlan)> = buckets.iter().map(|(e, p)| (e, p)).collect();
+        candidates(&pairs)
+            .into_iter()
+            .map(|g| (g.whole, g.part, g.count))
+            .collect()
+    }
+
+    fn grouping(
+        whole: (usize, usize),
+        part: (usize, usize),
+        count: usize,
+    ) -> (String, String, usize) {
+        let name = |(b, s)| format!("prefill-b{b}-s{s}.ron");
+        (name(whole), name(part), count)
+    }
+
+    #[test]
+    fn large_buckets_group_by_each_smaller_batch_that_divides_theirs() {
+        // 128 x 128 x 512 f32 outputs are 32 MiB; 8 x 128 x 512 are 2 MiB; 4 x 128 x 512, 1 MiB.
+        let buckets: Vec<_> = [4, 8, 32, 48, 128].map(|b| encoder(b, 128)).into();
+        assert_eq!(
+            groupings(&buckets),
+            vec![
+                grouping((8, 128), (4, 128), 2),
+                grouping((32, 128), (4, 128), 8),
+                grouping((32, 128), (8, 128), 4),
+                grouping((48, 128), (4, 128), 12),
+                grouping((48, 128), (8, 128), 6),
+                grouping((128, 128), (4, 128), 32),
+                grouping((128, 128), (8, 128), 16),
+                grouping((128, 128), (32, 128), 4),
+            ]
+        );
+    }
+
+    #[test]
+    fn near_misses_stay_whole() {
+        // Another length, and outputs under a mebibyte.
+        assert!(groupings(&[encoder(4, 64), encoder(32, 128)]).is_empty());
+        assert!(groupings(&[encoder(1, 128), encoder(2, 128)]).is_empty());
+        let with = |change: fn(&mut ExecPlan)| {
+            let (part, mut pp) = encoder(32, 128);
+            let (whole, mut wp) = encoder(128, 128);
+            change(&mut pp);
+            change(&mut wp);
+            groupings(&[(part, pp), (whole, wp)])
+        };
+        assert_eq!(with(|_| ()).len(), 1);
+        // A KV cache, a decode step's state, a dropout seed, an output without the batch.
+        assert!(with(|p| p.cache_outputs.push("present.0.key".into())).is_empty());
+        assert!(with(|p| p.advances = true).is_empty());
+        assert!(with(|p| p.inputs.push(slot("seed", DType::I64, &[]))).is_empty());
+        assert!(with(|p| p.outputs.push(slot("scale", DType::F32, &[512]))).is_empty());
+        // The part's slots must be the whole's: a name, a type or a width apart is no split.
+        let (part, mut pp) = encoder(32, 128);
+        pp.outputs[0].dtype = DType::BF16;
+        assert!(groupings(&[(part, pp), encoder(128, 128)]).is_empty());
+        let (part, mut pp) = encoder(32, 128);
+        pp.outputs[0].shape[2] = 256;
+        assert!(groupings(&[(part, pp), encoder(128, 128)]).is_empty());
+        let (part, mut pp) = encoder(32, 128);
+        pp.inputs[0].name = "token_type_ids".into();
+        assert!(groupings(&[(part, pp), encoder(128, 128)]).is_empty());
+    }
+
+    #[test]
+    fn groups_take_consecutive_rows() {
+        let ids = Tensor::i64(vec![4, 2], (0..8).collect());
+        let inputs = BTreeMap::from([("input_ids".to_string(), ids)]);
+        let second = group_inputs(&inputs, 1, 2);
+        assert_eq!(
+            second["input_ids"],
+            Tensor::i64(vec![2, 2], vec![4, 5, 6, 7])
+        );
+        let last = group_inputs(&inputs, 3, 4);
+        assert_eq!(last["input_ids"], Tensor::i64(vec![1, 2], vec![6, 7]));
+    }
+}
