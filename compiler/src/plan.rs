@@ -543,7 +543,10 @@ fn plan_bucket(
         .is_some_and(|t| t.outputs.iter().any(|o| o == crate::compile::LOGITS));
     // A decode step's chosen tokens come from logits the GPU computed (not its host tail's).
     let choice = launches.tokens.as_ref().filter(|_| gpu_logits);
-    let storage = Storage::new(g, memory, launches, tail.as_ref(), choice)?;
+    // A KV-cached graph's logits may be written straight into a ring buffer, every address in
+    // their slot moved there (the CUDA executor's logits chunks).
+    let moved = gpu_logits && g.inputs().any(|(_, name, _)| is_cache(name));
+    let storage = Storage::new(g, memory, launches, tail.as_ref(), choice, moved)?;
     let at = Addresses::new(g, memory, kernels, &storage);
     let (mut steps, mut logits_pieces) = (Vec::new(), Vec::new());
     for (id, node) in &launches.nodes {
@@ -648,9 +651,21 @@ impl Storage {
         launches: &crate::lower::GraphLaunches,
         tail: Option<&HostTail>,
         choice: Option<&crate::lower::TokenChoice>,
+        moved_logits: bool,
     ) -> Result<Storage, PlanError> {
         let mut storage = Storage::homes(g, memory)?;
         storage.extend_lifetimes(g, launches, tail);
+        if moved_logits {
+            // Logits whose addresses move share their bytes with no other value: one inside them
+            // would move with them, one running past their end would overrun the ring buffer.
+            let logits = g
+                .outputs()
+                .iter()
+                .find(|o| o.name == crate::compile::LOGITS);
+            if let Some(o) = logits {
+                storage.alive_from_start(o.node);
+            }
+        }
         let end = g.len();
         for (id, node) in &launches.nodes {
             for bytes in &node.scratch {
@@ -770,6 +785,13 @@ impl Storage {
             if matches!(node.op, Op::Input(_)) {
                 self.extend(id, end);
             }
+        }
+    }
+
+    /// Makes `id`'s buffer (if its root has one) alive from the first step.
+    fn alive_from_start(&mut self, id: NodeId) {
+        if let Some(Home::Buffer(b)) = self.homes.get(&self.root[id.index()].0) {
+            self.buffers[*b].first = 0;
         }
     }
 

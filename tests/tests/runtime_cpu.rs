@@ -761,3 +761,61 @@ fn logits_chunks_are_checked_when_opened() {
     let want = "logits chunk buckets/logits-b1-s8.ron takes 1 sequences of 0 tokens";
     assert!(err.contains(want), "{err}");
 }
+
+/// A logits chunk's logits share their bytes with no other value: the CUDA executor writes them
+/// straight into a ring buffer by moving every address inside their slot
+/// (`Addresses::moved`), so a value that began inside the slot would move with them, and one
+/// that ran past its end would overrun the buffer. Only the LM head's launches (the nodes that
+/// write the slot) point into it.
+#[test]
+fn logits_chunks_share_their_logits_bytes_with_no_other_value() {
+    use kiln_ir::artifact::{Arg, Region};
+    let tmp = tempfile::tempdir().unwrap();
+    for name in ["llama-tiny", "gpt2-tiny"] {
+        for dtype in ["f32", "bf16"] {
+            let dir = tmp.path().join(format!("{name}-{dtype}.kiln"));
+            let flags = [
+                "--buckets",
+                "16",
+                "--max-context",
+                "256",
+                "--logits-chunk",
+                "200,64,8",
+                "--dtype",
+                dtype,
+            ];
+            compile(&fixture(name), &dir, &flags);
+            let art = Artifact::open(&dir).unwrap();
+            for e in &art.manifest.logits_chunks {
+                let plan = e.plan.as_ref().unwrap();
+                let logits = plan.outputs.iter().find(|s| s.name == "logits").unwrap();
+                let slot = logits.offset..logits.offset + logits.bytes();
+                let arena = |a: &Arg| match *a {
+                    Arg::Ptr(Region::Arena, o) | Arg::TensorMap(Region::Arena, o) => Some(o),
+                    _ => None,
+                };
+                let writers: Vec<&str> = plan
+                    .steps
+                    .iter()
+                    .filter(|s| s.args.iter().any(|a| arena(a) == Some(logits.offset)))
+                    .map(|s| s.node.as_str())
+                    .collect();
+                for s in plan
+                    .steps
+                    .iter()
+                    .filter(|s| !writers.contains(&s.node.as_str()))
+                {
+                    for o in s.args.iter().filter_map(arena) {
+                        assert!(
+                            !slot.contains(&o),
+                            "{name} {dtype} {}: {} ({}) points at {o}, inside the logits {slot:?}",
+                            e.graph,
+                            s.node,
+                            s.kernel
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
