@@ -273,13 +273,15 @@ fn load_kernels(
 
 /// The bytes of page-locked staging the outputs need (a prompt of the whole context comes back
 /// through the logits chunks), and the copy ring when a logits chunk among the buckets has
-/// logits or `groupings` group a bucket.
+/// logits or `groupings` group a bucket. Grouping only saves time: a grouping whose outputs
+/// would take the ring's two buffers past half the GPU's free memory is dropped (its bucket
+/// runs as one replay) rather than the load failing.
 fn staging_and_ring(
     ctx: &Arc<CudaContext>,
     stream: &Arc<CudaStream>,
     m: &Manifest,
     buckets: &[(&BucketEntry, ExecPlan)],
-    groupings: &[Grouping],
+    groupings: &mut Vec<Grouping>,
     counts: &mut DriverCounts,
 ) -> Result<(usize, Option<CopyRing>), RuntimeError> {
     let mut staging_bytes = plans_outputs_bytes(buckets);
@@ -293,14 +295,15 @@ fn staging_and_ring(
         staging_bytes = staging_bytes.max(row * m.max_context.unwrap_or(0));
         half = logits;
     }
-    let part = |g: &Grouping| buckets.iter().find(|(e, _)| e.graph == g.part);
-    let parts = groupings.iter().filter_map(part);
-    half = half.max(
-        parts
-            .map(|(_, p)| outputs_bytes(p) as usize)
-            .max()
-            .unwrap_or(0),
-    );
+    let part_bytes = |g: &Grouping| {
+        let part = buckets.iter().find(|(e, _)| e.graph == g.part);
+        part.map_or(0, |(_, p)| outputs_bytes(p) as usize)
+    };
+    if !groupings.is_empty() {
+        let (free, _) = ctx.mem_get_info().map_err(dev)?;
+        groupings.retain(|g| part_bytes(g) <= half.max(free / 4));
+    }
+    half = half.max(groupings.iter().map(part_bytes).max().unwrap_or(0));
     if half == 0 {
         return Ok((staging_bytes, None));
     }
@@ -773,9 +776,9 @@ impl CudaExecutor {
             .filter(|(e, _)| m.prefill.contains(e))
             .map(|(e, p)| (*e, p))
             .collect();
-        let groupings = crate::groups::candidates(&prefill);
+        let mut groupings = crate::groups::candidates(&prefill);
         let (staging_bytes, mut ring) =
-            staging_and_ring(&ctx, &stream, m, &buckets, &groupings, &mut counts)?;
+            staging_and_ring(&ctx, &stream, m, &buckets, &mut groupings, &mut counts)?;
         let loaded = Loaded {
             stream: &stream,
             functions: &functions,
