@@ -92,7 +92,8 @@ pub struct CudaExecutor {
     counts: DriverCounts,
     at_load: DriverCounts,
     replays: BTreeMap<String, u64>,
-    /// Seconds from the start of `load` until every graph was captured and uploaded.
+    /// Seconds from the start of `load` until it returned: every graph captured and uploaded,
+    /// the last logits chunk and the batch groups timed.
     pub load_seconds: f64,
     /// The GPU's name and compute capability.
     pub device: String,
@@ -149,6 +150,22 @@ impl CopyRing {
             ready: [event()?, event()?],
             copied: [event()?, event()?],
         })
+    }
+
+    /// The buffer the `i`th chunk or group of a stream fills, `i % 2`, once `stream` has waited
+    /// for the copy out of the one two before (the one before that, of an earlier stream, was
+    /// settled with it).
+    fn take(&self, stream: &CudaStream, i: usize) -> Result<usize, RuntimeError> {
+        let k = i % 2;
+        if i >= 2 {
+            stream.wait(&self.copied[k]).map_err(dev)?;
+        }
+        Ok(k)
+    }
+
+    /// Buffer `k` free again once the copies queued out of it so far are done.
+    fn release(&self, k: usize) -> Result<(), RuntimeError> {
+        self.copied[k].record(&self.copies).map_err(dev)
     }
 
     /// Device address of buffer `k`.
@@ -273,9 +290,7 @@ fn load_kernels(
 
 /// The bytes of page-locked staging the outputs need (a prompt of the whole context comes back
 /// through the logits chunks), and the copy ring when a logits chunk among the buckets has
-/// logits or `groupings` group a bucket. Grouping only saves time: a grouping whose outputs
-/// would take the ring's two buffers past half the GPU's free memory is dropped (its bucket
-/// runs as one replay) rather than the load failing.
+/// logits or `groupings` group a bucket (those [`fit_groupings`] keeps).
 fn staging_and_ring(
     ctx: &Arc<CudaContext>,
     stream: &Arc<CudaStream>,
@@ -295,20 +310,43 @@ fn staging_and_ring(
         staging_bytes = staging_bytes.max(row * m.max_context.unwrap_or(0));
         half = logits;
     }
-    let part_bytes = |g: &Grouping| {
-        let part = buckets.iter().find(|(e, _)| e.graph == g.part);
-        part.map_or(0, |(_, p)| outputs_bytes(p) as usize)
-    };
-    if !groupings.is_empty() {
-        let (free, _) = ctx.mem_get_info().map_err(dev)?;
-        groupings.retain(|g| part_bytes(g) <= half.max(free / 4));
-    }
-    half = half.max(groupings.iter().map(part_bytes).max().unwrap_or(0));
+    half = half.max(fit_groupings(ctx, buckets, groupings, half)?);
     if half == 0 {
         return Ok((staging_bytes, None));
     }
     let ring = CopyRing::new(ctx, stream, half, counts)?;
     Ok((staging_bytes, Some(ring)))
+}
+
+/// Keeps the `groupings` whose outputs a ring buffer of `half` bytes holds, or whose two buffers
+/// take at most half the GPU's free memory, and returns the bytes a buffer needs for them.
+/// Grouping only saves time: a bucket whose groups the GPU has no room for runs as one replay
+/// rather than the load failing; so does every bucket under `KILN_BATCH_GROUPS=0`.
+fn fit_groupings(
+    ctx: &CudaContext,
+    buckets: &[(&BucketEntry, ExecPlan)],
+    groupings: &mut Vec<Grouping>,
+    half: usize,
+) -> Result<usize, RuntimeError> {
+    if std::env::var("KILN_BATCH_GROUPS").is_ok_and(|v| v == "0") {
+        groupings.clear();
+    }
+    if groupings.is_empty() {
+        return Ok(0);
+    }
+    let part_bytes = |g: &Grouping| {
+        let part = buckets.iter().find(|(e, _)| e.graph == g.part);
+        part.map_or(0, |(_, p)| outputs_bytes(p) as usize)
+    };
+    let (free, _) = ctx.mem_get_info().map_err(dev)?;
+    groupings.retain(|g| {
+        let fits = part_bytes(g) <= half.max(free / 4);
+        if !fits {
+            tracing::info!(bucket = %g.whole, part = %g.part, "no room for batch groups");
+        }
+        fits
+    });
+    Ok(groupings.iter().map(part_bytes).max().unwrap_or(0))
 }
 
 /// What capturing the buckets at load works with: the stream, the loaded kernels and the
@@ -842,6 +880,7 @@ impl CudaExecutor {
         };
         exec.time_last_chunk(art)?;
         exec.time_groups()?;
+        exec.load_seconds = start.elapsed().as_secs_f64();
         Ok(exec)
     }
 
@@ -1168,20 +1207,7 @@ impl CudaExecutor {
         graph: &str,
         inputs: &BTreeMap<String, Tensor>,
     ) -> Result<(), RuntimeError> {
-        let plan = self
-            .plans
-            .get(graph)
-            .ok_or_else(|| RuntimeError::Device(format!("bucket {graph} has no GPU plan")))?;
-        for slot in &plan.inputs {
-            let t = inputs.get(&slot.name).ok_or_else(|| {
-                RuntimeError::Request(format!("input `{}` is missing", slot.name))
-            })?;
-            if t.shape != slot.shape {
-                return Err(RuntimeError::Request(format!(
-                    "input `{}` has shape {:?}; bucket {graph} takes {:?}",
-                    slot.name, t.shape, slot.shape
-                )));
-            }
+        for (slot, t) in self.checked_inputs(graph, inputs)? {
             let bytes = encode(t, slot.dtype);
             let at = (self.arena + slot.offset) as usize;
             self.stream
@@ -1189,6 +1215,34 @@ impl CudaExecutor {
                 .map_err(dev)?;
         }
         Ok(())
+    }
+
+    /// Each input slot of `graph`'s plan with its tensor of `inputs`: `Err` naming a missing
+    /// one, or one of another shape.
+    fn checked_inputs<'t>(
+        &self,
+        graph: &str,
+        inputs: &'t BTreeMap<String, Tensor>,
+    ) -> Result<Vec<(TensorSlot, &'t Tensor)>, RuntimeError> {
+        let plan = self
+            .plans
+            .get(graph)
+            .ok_or_else(|| RuntimeError::Device(format!("bucket {graph} has no GPU plan")))?;
+        plan.inputs
+            .iter()
+            .map(|slot| {
+                let t = inputs.get(&slot.name).ok_or_else(|| {
+                    RuntimeError::Request(format!("input `{}` is missing", slot.name))
+                })?;
+                if t.shape != slot.shape {
+                    return Err(RuntimeError::Request(format!(
+                        "input `{}` has shape {:?}; bucket {graph} takes {:?}",
+                        slot.name, t.shape, slot.shape
+                    )));
+                }
+                Ok((slot.clone(), t))
+            })
+            .collect()
     }
 
     /// Empties the KV cache (a new generation).
@@ -1227,13 +1281,12 @@ impl CudaExecutor {
     /// in the staging buffer, whether what was streamed (`what`) failed or not.
     fn settle(&self, what: &str) -> Result<(), RuntimeError> {
         let failed = |e| RuntimeError::Device(format!("{what}: a kernel failed: {e}"));
-        self.stream
-            .synchronize()
-            .map_err(failed)
-            .and_then(|()| match &self.ring {
-                Some(ring) => ring.copies.synchronize().map_err(failed),
-                None => Ok(()),
-            })
+        let replays = self.stream.synchronize().map_err(failed);
+        let copies = match &self.ring {
+            Some(ring) => ring.copies.synchronize().map_err(failed),
+            None => Ok(()),
+        };
+        replays.and(copies)
     }
 
     /// Each chunk's logits slot and the bytes of its sequence's rows, checked to fit the ring
@@ -1282,13 +1335,8 @@ impl CudaExecutor {
     ) -> Result<usize, RuntimeError> {
         let mut at = 0usize;
         for (i, ((graph, inputs, _), (slot, bytes))) in chunks.iter().zip(logits).enumerate() {
-            let k = i % 2;
-            if i >= 2 {
-                // The chunk writes its logits into buffer `k`: after the copy out of the chunk
-                // two before.
-                let ring = self.ring.as_ref().expect("chunk_logits found the ring");
-                self.stream.wait(&ring.copied[k]).map_err(dev)?;
-            }
+            let ring = self.ring.as_ref().expect("chunk_logits found the ring");
+            let k = ring.take(&self.stream, i)?;
             self.upload_inputs(graph, inputs)?;
             let seq = slot.shape[1];
             let row = slot.bytes() as usize / seq;
@@ -1305,7 +1353,7 @@ impl CudaExecutor {
                 }
             }
             let ring = self.ring.as_ref().expect("chunk_logits found the ring");
-            ring.copied[k].record(&ring.copies).map_err(dev)?;
+            ring.release(k)?;
             at += bytes;
         }
         Ok(at)

@@ -33,12 +33,15 @@ pub const MIN_OUTPUT_BYTES: u64 = 1 << 20;
 /// fastest of several timed requests.
 pub const MIN_GAIN: f64 = 0.01;
 
-/// Every grouping of `prefill`'s buckets (each with its plan) that computes what the whole
-/// bucket computes: a bucket whose outputs take at least [`MIN_OUTPUT_BYTES`], by each smaller
+/// Every grouping of `prefill`'s buckets (each with its plan) that computes each row as the
+/// whole bucket does: a bucket whose outputs take at least [`MIN_OUTPUT_BYTES`], by each smaller
 /// bucket of the same length whose batch divides its batch. Both keep no state between requests
 /// (no KV cache, no decode step), and every input and output of both has the batch as its
 /// leading dimension, the part's slots being the whole's with the part's batch. A dropout seed
-/// (a scalar input) keeps a bucket whole: its masks follow each row's index in the batch.
+/// (a scalar input) keeps a bucket whole: its masks follow each row's index in the batch. The
+/// part's kernels are generated for its own size, so its rows may differ from the whole's in
+/// the last bit where a product of fewer rows splits its sums otherwise; `KILN_BATCH_GROUPS=0`
+/// keeps every bucket whole.
 pub fn candidates(prefill: &[(&BucketEntry, &ExecPlan)]) -> Vec<Grouping> {
     let mut groupings = Vec::new();
     for &(whole, wp) in prefill {
@@ -97,28 +100,30 @@ fn slots_split(whole: &[TensorSlot], part: &[TensorSlot], batch: usize, b: usize
         })
 }
 
-/// Group `g` of `count` of each of `inputs` (a whole bucket's): its rows of the leading
+/// Group `g` of `count` of each of `inputs` (a whole bucket's, by name): its rows of the leading
 /// dimension.
 pub fn group_inputs(
-    inputs: &BTreeMap<String, Tensor>,
+    inputs: &[(&str, &Tensor)],
     g: usize,
     count: usize,
 ) -> BTreeMap<String, Tensor> {
     inputs
         .iter()
-        .map(|(name, t)| {
+        .map(|&(name, t)| {
             let rows = t.shape.first().copied().unwrap_or(0) / count;
-            (name.clone(), t.rows(g * rows..(g + 1) * rows))
+            (name.to_string(), t.rows(g * rows..(g + 1) * rows))
         })
         .collect()
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+    use kiln_ir::artifact::LogitsPiece;
     use kiln_ir::DType;
 
-    fn slot(name: &str, dtype: DType, shape: &[usize]) -> TensorSlot {
+    /// A slot of `shape` at offset 0.
+    pub(crate) fn slot(name: &str, dtype: DType, shape: &[usize]) -> TensorSlot {
         TensorSlot {
             name: name.into(),
             offset: 0,
@@ -210,7 +215,13 @@ mod tests {
         assert_eq!(with(|_| ()).len(), 1);
         // A KV cache, a decode step's state, a dropout seed, an output without the batch.
         assert!(with(|p| p.cache_outputs.push("present.0.key".into())).is_empty());
+        assert!(with(|p| p.cache_inputs.push("past.0.key".into())).is_empty());
         assert!(with(|p| p.advances = true).is_empty());
+        assert!(
+            with(|p| p.tokens = Some(slot("tokens", DType::I64, &[p.inputs[0].shape[0]])))
+                .is_empty()
+        );
+        assert!(with(|p| p.logits_pieces.push(LogitsPiece { steps: 1, rows: 1 })).is_empty());
         assert!(with(|p| p.inputs.push(slot("seed", DType::I64, &[]))).is_empty());
         assert!(with(|p| p.outputs.push(slot("scale", DType::F32, &[512]))).is_empty());
         // The part's slots must be the whole's: a name, a type or a width apart is no split.
@@ -225,10 +236,25 @@ mod tests {
         assert!(groupings(&[(part, pp), encoder(128, 128)]).is_empty());
     }
 
+    /// The outputs of a bucket take at least [`MIN_OUTPUT_BYTES`], or it stays whole.
+    #[test]
+    fn outputs_of_a_mebibyte_are_the_least_worth_grouping() {
+        let with_width = |width: usize| {
+            let mut buckets = [encoder(8, 128), encoder(16, 128)];
+            for (e, p) in &mut buckets {
+                p.outputs[0].shape = vec![e.batch, 128, width];
+            }
+            groupings(&buckets).len()
+        };
+        // 16 x 128 x 128 f32 outputs are 1 MiB exactly; 16 x 128 x 127, a row short of it.
+        assert_eq!(with_width(128), 1);
+        assert_eq!(with_width(127), 0);
+    }
+
     #[test]
     fn groups_take_consecutive_rows() {
         let ids = Tensor::i64(vec![4, 2], (0..8).collect());
-        let inputs = BTreeMap::from([("input_ids".to_string(), ids)]);
+        let inputs = [("input_ids", &ids)];
         let second = group_inputs(&inputs, 1, 2);
         assert_eq!(
             second["input_ids"],

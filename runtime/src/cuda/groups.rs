@@ -5,6 +5,7 @@
 //! leaves the arena and the captured graphs as they are.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Range;
 
 use kiln_ir::artifact::TensorSlot;
 use kiln_ir::{DType, Tensor};
@@ -22,8 +23,8 @@ impl CudaExecutor {
 
     /// Runs bucket `whole` (its graph file) as groups of bucket `part` from now on, or with
     /// `None` as one replay: what load chose by timing, set by hand (tests, measurements).
-    /// `Err` unless `part`'s batch divides `whole`'s and the two compute alike
-    /// ([`crate::groups::candidates`]).
+    /// `Err` unless `part`'s batch divides `whole`'s, the two compute alike
+    /// ([`crate::groups::candidates`]) and the copy ring holds a group's outputs.
     pub fn group_bucket(&mut self, whole: &str, part: Option<&str>) -> Result<(), RuntimeError> {
         let Some(part) = part else {
             self.grouped.remove(whole);
@@ -51,30 +52,7 @@ impl CudaExecutor {
         let start = std::time::Instant::now();
         let wholes: BTreeSet<String> = self.groupings.iter().map(|g| g.whole.clone()).collect();
         for whole in wholes {
-            let inputs = self.zero_inputs(&whole);
-            let ways: Vec<Option<Grouping>> = std::iter::once(None)
-                .chain(
-                    self.groupings
-                        .iter()
-                        .filter(|g| g.whole == whole)
-                        .cloned()
-                        .map(Some),
-                )
-                .collect();
-            let times = time_interleaved(ways.len(), |i| {
-                match &ways[i] {
-                    Some(g) => self.grouped.insert(whole.clone(), g.clone()),
-                    None => self.grouped.remove(&whole),
-                };
-                self.replay(&whole, &inputs).map(|_| ())
-            })?;
-            let timed: Vec<(Option<usize>, f64)> = (0..ways.len())
-                .map(|i| ways[i].as_ref().map(|_| i))
-                .zip(times)
-                .collect();
-            self.grouped.remove(&whole);
-            if let Some(i) = fastest(&timed, MIN_GAIN) {
-                let g = ways[i].clone().expect("a grouping");
+            if let Some(g) = self.fastest_grouping(&whole)? {
                 tracing::info!(bucket = %whole, part = %g.part, groups = g.count, "batch groups kept");
                 self.grouped.insert(whole, g);
             }
@@ -86,6 +64,30 @@ impl CudaExecutor {
             "batch groups timed"
         );
         Ok(())
+    }
+
+    /// Bucket `whole` timed as one replay and as each of its groupings: the fastest grouping,
+    /// if it beats one replay by [`MIN_GAIN`]. Leaves `whole` running as one replay.
+    fn fastest_grouping(&mut self, whole: &str) -> Result<Option<Grouping>, RuntimeError> {
+        let inputs = self.zero_inputs(whole);
+        let groupings: Vec<Grouping> = self
+            .groupings
+            .iter()
+            .filter(|g| g.whole == whole)
+            .cloned()
+            .collect();
+        // Way 0 is one replay, way i + 1 grouping i.
+        let times = time_interleaved(groupings.len() + 1, |way| {
+            let part = way.checked_sub(1).map(|i| groupings[i].part.as_str());
+            self.group_bucket(whole, part)?;
+            self.replay(whole, &inputs).map(|_| ())
+        });
+        self.grouped.remove(whole);
+        let timed: Vec<(Option<usize>, f64)> = (0..=groupings.len())
+            .map(|way| way.checked_sub(1))
+            .zip(times?)
+            .collect();
+        Ok(fastest(&timed, MIN_GAIN).map(|i| groupings[i].clone()))
     }
 
     /// Zeros for every input of bucket `graph` (token 0, masked, position 0), as capture runs it.
@@ -110,7 +112,9 @@ impl CudaExecutor {
         grouping: &Grouping,
         inputs: &BTreeMap<String, Tensor>,
     ) -> Result<Vec<(&TensorSlot, &[u8])>, RuntimeError> {
-        let outcome = self.stream_groups(grouping, inputs);
+        // The whole bucket's inputs, as one replay would take them.
+        let whole = self.checked_inputs(&grouping.whole, inputs)?;
+        let outcome = self.stream_groups(grouping, &whole);
         let synced = self.settle(&grouping.whole);
         outcome?;
         synced?;
@@ -124,47 +128,81 @@ impl CudaExecutor {
     }
 
     /// Launches the groups of `grouping`, each with its rows of `inputs`, its outputs moved to
-    /// ring buffer `g % 2` and copied from there, without waiting.
+    /// a ring buffer and copied from there, without waiting.
     fn stream_groups(
         &mut self,
         grouping: &Grouping,
-        inputs: &BTreeMap<String, Tensor>,
+        inputs: &[(TensorSlot, &Tensor)],
     ) -> Result<(), RuntimeError> {
+        let inputs: Vec<(&str, &Tensor)> =
+            inputs.iter().map(|(s, t)| (s.name.as_str(), *t)).collect();
         let part = self.plans[&grouping.part].outputs.clone();
-        let whole = packed(&self.plans[&grouping.whole].outputs);
+        let whole = self.plans[&grouping.whole].outputs.clone();
         let arena = self.addresses.base + self.arena;
         for g in 0..grouping.count {
-            let k = g % 2;
             let ring = self.ring.as_ref().expect("groupings load with the ring");
-            if g >= 2 {
-                // Buffer `k` takes this group's outputs after the copy out of the group two before.
-                self.stream.wait(&ring.copied[k]).map_err(dev)?;
-            }
+            let k = ring.take(&self.stream, g)?;
             let buffer = ring.buffer(&self.stream, k);
-            self.launch(&grouping.part, &group_inputs(inputs, g, grouping.count))?;
-            let mut at = 0usize;
-            for (slot, rows) in part.iter().zip(&whole) {
-                let n = slot.bytes() as usize;
+            self.launch(&grouping.part, &group_inputs(&inputs, g, grouping.count))?;
+            for (slot, (within, at)) in part.iter().zip(group_copies(&whole, &part, g)) {
                 // SAFETY: the source is the part's output slot inside the one allocation
-                // (`check_plan`); the destination, bytes `at..at + n` of buffer `k`, lies inside
-                // it (`staging_and_ring` sized the buffers for every part's outputs together),
-                // which no copy reads until this stream records `ready[k]` after it.
+                // (`check_plan`); the destination, `within` of buffer `k`, lies inside it
+                // (`fit_groupings` sized the buffers for every part's outputs together). No copy
+                // still reads it: `take` waited for the copy out of the group two before, and
+                // a stream before this one was settled. The copy out below waits for this one.
                 unsafe {
                     cudarc::driver::result::memcpy_dtod_async(
-                        buffer + at as u64,
+                        buffer + within.start as u64,
                         arena + slot.offset,
-                        n,
+                        within.len(),
                         self.stream.cu_stream(),
                     )
                 }
                 .map_err(dev)?;
-                // The group's rows of the whole bucket's output.
-                self.copy_out(k, rows.start + g * n, at..at + n)?;
-                at += n;
+                self.copy_out(k, at, within)?;
             }
             let ring = self.ring.as_ref().expect("groupings load with the ring");
-            ring.copied[k].record(&ring.copies).map_err(dev)?;
+            ring.release(k)?;
         }
         Ok(())
+    }
+}
+
+/// Where group `g`'s outputs go: for each of the part's output slots, the bytes it takes in a
+/// ring buffer (the slots one after the other) and where they land in the staging buffer (the
+/// group's rows of the whole's slot, the whole's slots one after the other, as one replay
+/// copies them).
+fn group_copies(whole: &[TensorSlot], part: &[TensorSlot], g: usize) -> Vec<(Range<usize>, usize)> {
+    part.iter()
+        .zip(packed(part).into_iter().zip(packed(whole)))
+        .map(|(slot, (within, rows))| (within, rows.start + g * slot.bytes() as usize))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::groups::tests::slot;
+
+    /// A bucket of 8 rows as groups of 2: each group's rows of each output land after the
+    /// rows of the groups before, the outputs one after the other as one replay copies them.
+    #[test]
+    fn a_groups_outputs_land_at_its_rows_of_each_output() {
+        let outputs = |b| {
+            vec![
+                slot("last_hidden_state", DType::BF16, &[b, 3, 4]),
+                slot("kiln.value.7", DType::F32, &[b, 5]),
+            ]
+        };
+        let (whole, part) = (outputs(8), outputs(2));
+        // Whole: 8 x 3 x 4 x 2 = 192 bytes, then 8 x 5 x 4 = 160. Part: 48, then 40.
+        assert_eq!(
+            group_copies(&whole, &part, 0),
+            vec![(0..48, 0), (48..88, 192)]
+        );
+        assert_eq!(
+            group_copies(&whole, &part, 3),
+            vec![(0..48, 144), (48..88, 192 + 120)]
+        );
     }
 }
