@@ -163,14 +163,42 @@ pub fn build(mb: &mut ModelBuilder, cfg: &BertConfig) -> Result<ModelKind, Model
     } else {
         ""
     };
-    let (e, heads) = (cfg.hidden, cfg.heads);
-    let d = e / heads;
     let shape = ModelBuilder::token_shape();
     let ids = mb.g.input("input_ids", DType::I64, shape.clone())?;
     let mask = mb.g.input("attention_mask", DType::I64, shape.clone())?;
     let types = mb.g.input("token_type_ids", DType::I64, shape.clone())?;
     let pos = mb.g.input("position_ids", DType::I64, shape)?;
-    let emb = format!("{root}embeddings");
+    let mut h = embeddings(mb, cfg, &format!("{root}embeddings"), [ids, types, pos])?;
+    let attn_mask = mb.padding_mask(mask)?;
+    for i in 0..cfg.layers {
+        h = layer(mb, cfg, &format!("{root}encoder.layer.{i}"), h, attn_mask)?;
+    }
+    mb.g.set_output("last_hidden_state", h)?;
+    let sentence = match head {
+        Some(head) => {
+            let emb = pool(mb, h, mask, &head, cfg.hidden)?;
+            mb.g.set_output("sentence_embedding", emb)?;
+            true
+        }
+        None => false,
+    };
+    Ok(ModelKind::Encoder {
+        vocab_size: cfg.vocab_size,
+        max_positions: cfg.max_positions,
+        type_vocab_size: cfg.type_vocab_size,
+        sentence_embedding: sentence,
+    })
+}
+
+/// `{emb}`: the word, token type and position embeddings of `[ids, types, positions]`, summed,
+/// then its LayerNorm.
+fn embeddings(
+    mb: &mut ModelBuilder,
+    cfg: &BertConfig,
+    emb: &str,
+    [ids, types, pos]: [NodeId; 3],
+) -> Result<NodeId, ModelError> {
+    let e = cfg.hidden;
     let word = mb.weight(
         &format!("{emb}.word_embeddings.weight"),
         &[cfg.vocab_size, e],
@@ -188,86 +216,57 @@ pub fn build(mb: &mut ModelBuilder, cfg: &BertConfig) -> Result<ModelKind, Model
     let p = mb.g.add(Op::Gather, &[posw, pos])?;
     let wt = mb.g.add_(w, t)?;
     let sum = mb.g.add_(wt, p)?;
-    let mut h = mb.layer_norm(
-        sum,
-        &format!("{emb}.LayerNorm.weight"),
-        &format!("{emb}.LayerNorm.bias"),
-        e,
-        cfg.eps,
-    )?;
-    let attn_mask = mb.padding_mask(mask)?;
-    for i in 0..cfg.layers {
-        let l = format!("{root}encoder.layer.{i}");
-        let a = format!("{l}.attention.self");
-        let qkv = mb.fused_linear(
-            h,
-            &[
-                (&format!("{a}.query"), e),
-                (&format!("{a}.key"), e),
-                (&format!("{a}.value"), e),
-            ],
-            e,
-            true,
-        )?;
-        let [q, k, v] = mb.split_last(qkv, &[e, e, e])?[..] else {
-            unreachable!("three parts")
-        };
-        let q = mb.split_heads(q, heads, d)?;
-        let k = mb.split_heads(k, heads, d)?;
-        let v = mb.split_heads(v, heads, d)?;
-        let ctx = mb.attention(
-            q,
-            k,
-            v,
-            attn_mask,
-            1.0 / (d as f64).sqrt(),
-            cfg.attention_dropout,
-        )?;
-        let merged = mb.merge_heads(ctx, heads, d)?;
-        let o = mb.linear(merged, &format!("{l}.attention.output.dense"), e, e, true)?;
-        let r = mb.g.add_(o, h)?;
-        let ln = format!("{l}.attention.output.LayerNorm");
-        h = mb.layer_norm(
-            r,
-            &format!("{ln}.weight"),
-            &format!("{ln}.bias"),
-            e,
-            cfg.eps,
-        )?;
-        let up = mb.linear(
-            h,
-            &format!("{l}.intermediate.dense"),
-            e,
-            cfg.intermediate,
-            true,
-        )?;
-        let act = mb.activation(up, cfg.activation)?;
-        let down = mb.linear(act, &format!("{l}.output.dense"), cfg.intermediate, e, true)?;
-        let r = mb.g.add_(down, h)?;
-        let ln = format!("{l}.output.LayerNorm");
-        h = mb.layer_norm(
-            r,
-            &format!("{ln}.weight"),
-            &format!("{ln}.bias"),
-            e,
-            cfg.eps,
-        )?;
-    }
-    mb.g.set_output("last_hidden_state", h)?;
-    let sentence = match head {
-        Some(head) => {
-            let emb = pool(mb, h, mask, &head, e)?;
-            mb.g.set_output("sentence_embedding", emb)?;
-            true
-        }
-        None => false,
+    norm(mb, cfg, sum, &format!("{emb}.LayerNorm"))
+}
+
+/// Encoder layer `l` over `h`: self-attention under `attn_mask`, its output product, residual
+/// and LayerNorm; the feed-forward products, residual and LayerNorm.
+fn layer(
+    mb: &mut ModelBuilder,
+    cfg: &BertConfig,
+    l: &str,
+    h: NodeId,
+    attn_mask: NodeId,
+) -> Result<NodeId, ModelError> {
+    let (e, heads) = (cfg.hidden, cfg.heads);
+    let d = e / heads;
+    let a = format!("{l}.attention.self");
+    let parts = [
+        (format!("{a}.query"), e),
+        (format!("{a}.key"), e),
+        (format!("{a}.value"), e),
+    ];
+    let parts: Vec<(&str, usize)> = parts.iter().map(|(n, w)| (n.as_str(), *w)).collect();
+    let qkv = mb.fused_linear(h, &parts, e, true)?;
+    let [q, k, v] = mb.split_last(qkv, &[e, e, e])?[..] else {
+        unreachable!("three parts")
     };
-    Ok(ModelKind::Encoder {
-        vocab_size: cfg.vocab_size,
-        max_positions: cfg.max_positions,
-        type_vocab_size: cfg.type_vocab_size,
-        sentence_embedding: sentence,
-    })
+    let q = mb.split_heads(q, heads, d)?;
+    let k = mb.split_heads(k, heads, d)?;
+    let v = mb.split_heads(v, heads, d)?;
+    let scale = 1.0 / (d as f64).sqrt();
+    let ctx = mb.attention(q, k, v, attn_mask, scale, cfg.attention_dropout)?;
+    let merged = mb.merge_heads(ctx, heads, d)?;
+    let o = mb.linear(merged, &format!("{l}.attention.output.dense"), e, e, true)?;
+    let r = mb.g.add_(o, h)?;
+    let h = norm(mb, cfg, r, &format!("{l}.attention.output.LayerNorm"))?;
+    let inner = cfg.intermediate;
+    let up = mb.linear(h, &format!("{l}.intermediate.dense"), e, inner, true)?;
+    let act = mb.activation(up, cfg.activation)?;
+    let down = mb.linear(act, &format!("{l}.output.dense"), inner, e, true)?;
+    let r = mb.g.add_(down, h)?;
+    norm(mb, cfg, r, &format!("{l}.output.LayerNorm"))
+}
+
+/// LayerNorm `{name}` (its `weight` and `bias`) over `x`.
+fn norm(
+    mb: &mut ModelBuilder,
+    cfg: &BertConfig,
+    x: NodeId,
+    name: &str,
+) -> Result<NodeId, ModelError> {
+    let (weight, bias) = (format!("{name}.weight"), format!("{name}.bias"));
+    mb.layer_norm(x, &weight, &bias, cfg.hidden, cfg.eps)
 }
 
 /// sentence-transformers pooling over the tokens the mask keeps, then optional L2 normalisation.
