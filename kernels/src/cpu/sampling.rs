@@ -49,139 +49,197 @@ pub fn sample(module: &mut CpuModule, vocab: u32) -> Result<String, CpuError> {
         let out = args.next(b);
         let scratch = args.next(b);
         let bits = args.next(b);
-        let temperature = f32_arg(b, bits);
-        let top_k = args.next(b);
-        let bits = args.next(b);
-        let top_p = f32_arg(b, bits);
-        let word = args.next(b);
-        let flags = MemFlagsData::new().with_notrap();
+        let params = Params {
+            temperature: f32_arg(b, bits),
+            top_k: args.next(b),
+            top_p: {
+                let bits = args.next(b);
+                f32_arg(b, bits)
+            },
+            word: args.next(b),
+        };
         for_range(b, p.begin, p.end, 1, |b, row| {
             let x = b.ins().imul_imm_s(row, v * 4);
-            let x = b.ins().iadd(logits, x);
             let w = b.ins().imul_imm_s(row, v * 8);
             let w = b.ins().iadd(scratch, w);
-            let keys = b.ins().iadd_imm_s(w, v * 4);
-            let elem = |b: &mut FunctionBuilder, base: Value, i: Value| {
-                let off = b.ins().imul_imm_s(i, 4);
-                b.ins().iadd(base, off)
+            let r = Row {
+                x: b.ins().iadd(logits, x),
+                w,
+                keys: b.ins().iadd_imm_s(w, v * 4),
+                n: b.ins().iconst(I64, v),
             };
-            let zero = b.ins().iconst(I64, 0);
-            let n = b.ins().iconst(I64, v);
-
-            // The largest logit and its first index.
-            let best = b.declare_var(F32);
-            let best_i = b.declare_var(I64);
-            let neg_inf = b.ins().f32const(f32::NEG_INFINITY);
-            b.def_var(best, neg_inf);
-            b.def_var(best_i, zero);
-            for_range(b, zero, n, 1, |b, i| {
-                let a = elem(b, x, i);
-                let xi = b.ins().load(F32, flags, a, 0);
-                let top = b.use_var(best);
-                let top_i = b.use_var(best_i);
-                let gt = b.ins().fcmp(FloatCC::GreaterThan, xi, top);
-                let nb = b.ins().select(gt, xi, top);
-                let ni = b.ins().select(gt, i, top_i);
-                b.def_var(best, nb);
-                b.def_var(best_i, ni);
-            });
-            let chosen = b.declare_var(I64);
-            let top_i = b.use_var(best_i);
-            b.def_var(chosen, top_i);
-
-            let zero_f = b.ins().f32const(0.0);
-            let sampling = b.ins().fcmp(FloatCC::GreaterThan, temperature, zero_f);
-            if_then(b, sampling, |b| {
-                // Weights and ordered keys.
-                let m = b.use_var(best);
-                for_range(b, zero, n, 1, |b, i| {
-                    let a = elem(b, x, i);
-                    let xi = b.ins().load(F32, flags, a, 0);
-                    let wi = weight(b, xi, m, temperature);
-                    let a = elem(b, w, i);
-                    b.ins().store(flags, wi, a, 0);
-                    let key = ordered_key(b, xi);
-                    let a = elem(b, keys, i);
-                    b.ins().store(flags, key, a, 0);
-                });
-
-                // Top-k: the largest key with at least k logits at or above it.
-                let threshold = b.declare_var(I64);
-                b.def_var(threshold, zero);
-                let some = b.ins().icmp_imm_s(IntCC::NotEqual, top_k, 0);
-                let fewer = b.ins().icmp_imm_s(IntCC::UnsignedLessThan, top_k, v);
-                let limited = b.ins().band(some, fewer);
-                if_then(b, limited, |b| {
-                    let found = bisect(b, zero, |b, mid| {
-                        let c = count_at_least(b, keys, n, mid);
-                        b.ins().icmp(IntCC::UnsignedGreaterThanOrEqual, c, top_k)
-                    });
-                    b.def_var(threshold, found);
-                });
-                let t_k = b.use_var(threshold);
-                let z_k = mass_at_least(b, w, keys, n, t_k);
-
-                // Top-p: the largest key at or above the top-k one keeping top_p of its mass.
-                let one = b.ins().f32const(1.0);
-                let partial = b.ins().fcmp(FloatCC::LessThan, top_p, one);
-                if_then(b, partial, |b| {
-                    let scale = b.ins().f32const(kiln_ir::sampling::power_of_two(32));
-                    let p = b.ins().fmul(top_p, scale);
-                    let p = b.ins().fcvt_to_uint_sat(I64, p);
-                    let found = bisect(b, t_k, |b, mid| {
-                        let mass = mass_at_least(b, w, keys, n, mid);
-                        reaches(b, mass, p, z_k)
-                    });
-                    b.def_var(threshold, found);
-                });
-                let t = b.use_var(threshold);
-                let z = mass_at_least(b, w, keys, n, t);
-                // floor(word * z / 2^32), the product in 128 bits.
-                let hi = b.ins().umulhi(word, z);
-                let lo = b.ins().imul(word, z);
-                let hi = b.ins().ishl_imm_s(hi, 32);
-                let lo = b.ins().ushr_imm_s(lo, 32);
-                let target = b.ins().bor(hi, lo);
-
-                // The draw: the first index whose running kept mass passes the target.
-                let running = b.declare_var(I64);
-                let last = b.declare_var(I64);
-                let hit = b.declare_var(I64);
-                let none = b.ins().iconst(I64, -1);
-                b.def_var(running, zero);
-                b.def_var(last, zero);
-                b.def_var(hit, none);
-                for_range(b, zero, n, 1, |b, i| {
-                    let kept = kept(b, keys, i, t);
-                    let wi = load_weight(b, w, i);
-                    let add = b.ins().select(kept, wi, zero);
-                    let r = b.use_var(running);
-                    let r = b.ins().iadd(r, add);
-                    b.def_var(running, r);
-                    let l = b.use_var(last);
-                    let l = b.ins().select(kept, i, l);
-                    b.def_var(last, l);
-                    let h = b.use_var(hit);
-                    let past = b.ins().icmp(IntCC::UnsignedGreaterThan, r, target);
-                    let unset = b.ins().icmp_imm_s(IntCC::SignedLessThan, h, 0);
-                    let first = b.ins().band(past, unset);
-                    let first = b.ins().band(first, kept);
-                    let h = b.ins().select(first, i, h);
-                    b.def_var(hit, h);
-                });
-                let h = b.use_var(hit);
-                let l = b.use_var(last);
-                let found = b.ins().icmp_imm_s(IntCC::SignedGreaterThanOrEqual, h, 0);
-                let token = b.ins().select(found, h, l);
-                b.def_var(chosen, token);
-            });
-            let token = b.use_var(chosen);
+            let token = r.choose(b, &params, v);
             let at = b.ins().imul_imm_s(row, 8);
             let at = b.ins().iadd(out, at);
-            b.ins().store(flags, token, at, 0);
+            b.ins()
+                .store(MemFlagsData::new().with_notrap(), token, at, 0);
         });
     })?;
     Ok(name)
+}
+
+/// A step's sampling parameters, as the function's arguments give them.
+struct Params {
+    /// f32.
+    temperature: Value,
+    top_k: Value,
+    /// f32.
+    top_p: Value,
+    /// The step's uniform 32-bit word.
+    word: Value,
+}
+
+/// One row: its `n` logits `x`, and in its scratch the weights `w` and the ordered `keys`.
+struct Row {
+    x: Value,
+    w: Value,
+    keys: Value,
+    n: Value,
+}
+
+impl Row {
+    /// The row's token: the first largest logit, or at a temperature above 0 the draw among
+    /// the logits top-k and top-p keep.
+    fn choose(&self, b: &mut FunctionBuilder, params: &Params, v: i64) -> Value {
+        let (best, best_i) = self.argmax(b);
+        let chosen = b.declare_var(I64);
+        b.def_var(chosen, best_i);
+        let zero_f = b.ins().f32const(0.0);
+        let sampling = b
+            .ins()
+            .fcmp(FloatCC::GreaterThan, params.temperature, zero_f);
+        if_then(b, sampling, |b| {
+            self.weigh(b, best, params.temperature);
+            let t = self.threshold(b, params, v);
+            let token = self.draw(b, t, params.word);
+            b.def_var(chosen, token);
+        });
+        b.use_var(chosen)
+    }
+
+    /// Address of f32 (or u32) element `i` from `base`.
+    fn elem(b: &mut FunctionBuilder, base: Value, i: Value) -> Value {
+        let off = b.ins().imul_imm_s(i, 4);
+        b.ins().iadd(base, off)
+    }
+
+    /// The largest logit and its first index.
+    fn argmax(&self, b: &mut FunctionBuilder) -> (Value, Value) {
+        let flags = MemFlagsData::new().with_notrap();
+        let best = b.declare_var(F32);
+        let best_i = b.declare_var(I64);
+        let neg_inf = b.ins().f32const(f32::NEG_INFINITY);
+        let zero = b.ins().iconst(I64, 0);
+        b.def_var(best, neg_inf);
+        b.def_var(best_i, zero);
+        for_range(b, zero, self.n, 1, |b, i| {
+            let a = Self::elem(b, self.x, i);
+            let xi = b.ins().load(F32, flags, a, 0);
+            let top = b.use_var(best);
+            let top_i = b.use_var(best_i);
+            let gt = b.ins().fcmp(FloatCC::GreaterThan, xi, top);
+            let nb = b.ins().select(gt, xi, top);
+            let ni = b.ins().select(gt, i, top_i);
+            b.def_var(best, nb);
+            b.def_var(best_i, ni);
+        });
+        (b.use_var(best), b.use_var(best_i))
+    }
+
+    /// Each logit's weight (against the largest, `m`, at `temperature`) and ordered key, into
+    /// the scratch.
+    fn weigh(&self, b: &mut FunctionBuilder, m: Value, temperature: Value) {
+        let flags = MemFlagsData::new().with_notrap();
+        let zero = b.ins().iconst(I64, 0);
+        for_range(b, zero, self.n, 1, |b, i| {
+            let a = Self::elem(b, self.x, i);
+            let xi = b.ins().load(F32, flags, a, 0);
+            let wi = weight(b, xi, m, temperature);
+            let a = Self::elem(b, self.w, i);
+            b.ins().store(flags, wi, a, 0);
+            let key = ordered_key(b, xi);
+            let a = Self::elem(b, self.keys, i);
+            b.ins().store(flags, key, a, 0);
+        });
+    }
+
+    /// The smallest key kept: top-k's (the largest key with at least k logits at or above it;
+    /// 0 keeps all), then top-p's (the largest key at or above it keeping `top_p` of its mass).
+    fn threshold(&self, b: &mut FunctionBuilder, params: &Params, v: i64) -> Value {
+        let (keys, n, w) = (self.keys, self.n, self.w);
+        let zero = b.ins().iconst(I64, 0);
+        let threshold = b.declare_var(I64);
+        b.def_var(threshold, zero);
+        let top_k = params.top_k;
+        let some = b.ins().icmp_imm_s(IntCC::NotEqual, top_k, 0);
+        let fewer = b.ins().icmp_imm_s(IntCC::UnsignedLessThan, top_k, v);
+        let limited = b.ins().band(some, fewer);
+        if_then(b, limited, |b| {
+            let found = bisect(b, zero, |b, mid| {
+                let c = count_at_least(b, keys, n, mid);
+                b.ins().icmp(IntCC::UnsignedGreaterThanOrEqual, c, top_k)
+            });
+            b.def_var(threshold, found);
+        });
+        let t_k = b.use_var(threshold);
+        let z_k = mass_at_least(b, w, keys, n, t_k);
+        let one = b.ins().f32const(1.0);
+        let partial = b.ins().fcmp(FloatCC::LessThan, params.top_p, one);
+        if_then(b, partial, |b| {
+            let scale = b.ins().f32const(kiln_ir::sampling::power_of_two(32));
+            let p = b.ins().fmul(params.top_p, scale);
+            let p = b.ins().fcvt_to_uint_sat(I64, p);
+            let found = bisect(b, t_k, |b, mid| {
+                let mass = mass_at_least(b, w, keys, n, mid);
+                reaches(b, mass, p, z_k)
+            });
+            b.def_var(threshold, found);
+        });
+        b.use_var(threshold)
+    }
+
+    /// The draw among the logits whose keys are at least `t`: the first index whose running
+    /// kept mass passes `floor(word * kept mass / 2^32)`, else the last kept index.
+    fn draw(&self, b: &mut FunctionBuilder, t: Value, word: Value) -> Value {
+        let (keys, n, w) = (self.keys, self.n, self.w);
+        let z = mass_at_least(b, w, keys, n, t);
+        // floor(word * z / 2^32), the product in 128 bits.
+        let hi = b.ins().umulhi(word, z);
+        let lo = b.ins().imul(word, z);
+        let hi = b.ins().ishl_imm_s(hi, 32);
+        let lo = b.ins().ushr_imm_s(lo, 32);
+        let target = b.ins().bor(hi, lo);
+        let running = b.declare_var(I64);
+        let last = b.declare_var(I64);
+        let hit = b.declare_var(I64);
+        let zero = b.ins().iconst(I64, 0);
+        let none = b.ins().iconst(I64, -1);
+        b.def_var(running, zero);
+        b.def_var(last, zero);
+        b.def_var(hit, none);
+        for_range(b, zero, n, 1, |b, i| {
+            let kept = kept(b, keys, i, t);
+            let wi = load_weight(b, w, i);
+            let add = b.ins().select(kept, wi, zero);
+            let r = b.use_var(running);
+            let r = b.ins().iadd(r, add);
+            b.def_var(running, r);
+            let l = b.use_var(last);
+            let l = b.ins().select(kept, i, l);
+            b.def_var(last, l);
+            let h = b.use_var(hit);
+            let past = b.ins().icmp(IntCC::UnsignedGreaterThan, r, target);
+            let unset = b.ins().icmp_imm_s(IntCC::SignedLessThan, h, 0);
+            let first = b.ins().band(past, unset);
+            let first = b.ins().band(first, kept);
+            let h = b.ins().select(first, i, h);
+            b.def_var(hit, h);
+        });
+        let h = b.use_var(hit);
+        let l = b.use_var(last);
+        let found = b.ins().icmp_imm_s(IntCC::SignedGreaterThanOrEqual, h, 0);
+        b.ins().select(found, h, l)
+    }
 }
 
 /// The f32 whose bits are the low half of argument `bits`.
