@@ -19,7 +19,7 @@
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use cranelift_codegen::ir::types::{F32, I32, I64};
 use cranelift_codegen::ir::{InstBuilder, MemFlagsData, Value};
-use cranelift_frontend::FunctionBuilder;
+use cranelift_frontend::{FunctionBuilder, Variable};
 
 use super::module::{for_range, if_then, Args, CpuError, CpuModule};
 
@@ -218,12 +218,8 @@ impl Row {
         b.def_var(last, zero);
         b.def_var(hit, none);
         for_range(b, zero, n, 1, |b, i| {
-            let kept = kept(b, keys, i, t);
-            let wi = load_weight(b, w, i);
-            let add = b.ins().select(kept, wi, zero);
-            let r = b.use_var(running);
-            let r = b.ins().iadd(r, add);
-            b.def_var(running, r);
+            let (kept, add) = kept_weight(b, w, keys, i, t);
+            let r = add_to(b, running, add);
             let l = b.use_var(last);
             let l = b.ins().select(kept, i, l);
             b.def_var(last, l);
@@ -277,9 +273,7 @@ fn count_at_least(b: &mut FunctionBuilder, keys: Value, n: Value, t: Value) -> V
     for_range(b, zero, n, 1, |b, i| {
         let k = kept(b, keys, i, t);
         let k = b.ins().uextend(I64, k);
-        let c = b.use_var(count);
-        let c = b.ins().iadd(c, k);
-        b.def_var(count, c);
+        add_to(b, count, k);
     });
     b.use_var(count)
 }
@@ -290,14 +284,32 @@ fn mass_at_least(b: &mut FunctionBuilder, w: Value, keys: Value, n: Value, t: Va
     let zero = b.ins().iconst(I64, 0);
     b.def_var(mass, zero);
     for_range(b, zero, n, 1, |b, i| {
-        let k = kept(b, keys, i, t);
-        let wi = load_weight(b, w, i);
-        let add = b.ins().select(k, wi, zero);
-        let m = b.use_var(mass);
-        let m = b.ins().iadd(m, add);
-        b.def_var(mass, m);
+        let (_, add) = kept_weight(b, w, keys, i, t);
+        add_to(b, mass, add);
     });
     b.use_var(mass)
+}
+
+/// Whether key `i` is at least `t`, and weight `i` (widened) if so, else 0.
+fn kept_weight(
+    b: &mut FunctionBuilder,
+    w: Value,
+    keys: Value,
+    i: Value,
+    t: Value,
+) -> (Value, Value) {
+    let k = kept(b, keys, i, t);
+    let wi = load_weight(b, w, i);
+    let zero = b.ins().iconst(I64, 0);
+    (k, b.ins().select(k, wi, zero))
+}
+
+/// Adds `v` to variable `var`; its new value.
+fn add_to(b: &mut FunctionBuilder, var: Variable, v: Value) -> Value {
+    let sum = b.use_var(var);
+    let sum = b.ins().iadd(sum, v);
+    b.def_var(var, sum);
+    sum
 }
 
 /// Weight `i` (a u32), widened.
