@@ -7,7 +7,7 @@
 //! next decode step's inputs in place, so that decode steps can follow each other on the device
 //! without the host between them.
 
-use crate::ptx::{Bracket, Elem, Kernel, Reg, RegClass, F32};
+use crate::ptx::{Bracket, Elem, Kernel, Label, Reg, RegClass, F32};
 use crate::{GeneratedKernel, Launch};
 
 /// Threads of the argmax block.
@@ -38,89 +38,26 @@ pub fn argmax(elem: Elem, rows: u32, vocab: u32, advance: bool) -> GeneratedKern
     let tid = k.special("tid.x");
     let row = k.special("ctaid.x");
     let base = k.mul_u32(&row, &vocab);
-    let best = k.mov(RegClass::F32, &F32(f32::NEG_INFINITY));
-    let best_i = k.mov(RegClass::B32, &u32::MAX);
-    // Elements per chunk: 16 bytes when every row starts 16-byte aligned.
-    let per = match 16 / elem.bytes() {
-        wide if vocab.is_multiple_of(wide) => wide,
-        _ => 1,
+    let best = Best {
+        v: k.mov(RegClass::F32, &F32(f32::NEG_INFINITY)),
+        i: k.mov(RegClass::B32, &u32::MAX),
     };
-    let chunk = k.mov(RegClass::B32, &tid);
-    let top = k.label("scan");
-    let done = k.label("scan_done");
-    k.place(&top);
-    let first = k.mul_u32(&chunk, &per);
-    let past = k.setp("ge.u32", &first, &vocab);
-    k.bra(Some((past, true)), &done);
-    let mut loaded = Vec::new();
-    for u in 0..ARGMAX_UNROLL {
-        let at = k.add_u32(&first, &(u * ARGMAX_THREADS * per));
-        let inside = k.setp("lt.u32", &at, &vocab);
-        let i = k.add_u32(&base, &at);
-        let addr = k.address(logits, &i, elem.bytes());
-        loaded.push((at, inside, load_chunk(&mut k, elem, addr, inside, per)));
-    }
-    // In index order, strictly greater: NaN and -inf never win; a thread that saw neither keeps
-    // index MAX.
-    for (at, inside, values) in loaded {
-        for (j, v) in values.iter().enumerate() {
-            let take = k.setp("gt.f32", v, &best);
-            k.emit(format!("and.pred {take}, {take}, {inside}"));
-            k.emit(format!("@{take} mov.f32 {best}, {v}"));
-            k.emit(format!("@{take} add.u32 {best_i}, {at}, {j}"));
-        }
-    }
-    k.emit(format!(
-        "add.u32 {chunk}, {chunk}, {}",
-        ARGMAX_UNROLL * ARGMAX_THREADS
-    ));
-    k.bra(None, &top);
-    k.place(&done);
-    // Combine (value, index) pairs: larger value wins, the smaller index on ties.
-    let combine = |k: &mut Kernel, other_v, other_i| {
-        let gt = k.setp("gt.f32", &other_v, &best);
-        let eq = k.setp("eq.f32", &other_v, &best);
-        let lower = k.setp("lt.u32", &other_i, &best_i);
-        let tie = k.reg(RegClass::Pred);
-        k.emit(format!("and.pred {tie}, {eq}, {lower}"));
-        let take = k.reg(RegClass::Pred);
-        k.emit(format!("or.pred {take}, {gt}, {tie}"));
-        k.emit(format!("@{take} mov.f32 {best}, {other_v}"));
-        k.emit(format!("@{take} mov.u32 {best_i}, {other_i}"));
-    };
+    best.scan(&mut k, elem, vocab, [logits, base, tid]);
     for offset in [16u32, 8, 4, 2, 1] {
         let ov = k.reg(RegClass::F32);
         let oi = k.reg(RegClass::B32);
-        k.emit(format!("shfl.sync.bfly.b32 {ov}, {best}, {offset}, 31, -1"));
         k.emit(format!(
-            "shfl.sync.bfly.b32 {oi}, {best_i}, {offset}, 31, -1"
+            "shfl.sync.bfly.b32 {ov}, {}, {offset}, 31, -1",
+            best.v
         ));
-        combine(&mut k, ov, oi);
+        k.emit(format!(
+            "shfl.sync.bfly.b32 {oi}, {}, {offset}, 31, -1",
+            best.i
+        ));
+        best.combine(&mut k, ov, oi);
     }
-    let lane = k.op2("and.b32", RegClass::B32, &tid, &31u32);
-    let warp = k.op2("shr.u32", RegClass::B32, &tid, &5u32);
-    let first = k.setp("eq.u32", &lane, &0u32);
-    let vbase = k.shared_base(&vals);
-    let ibase = k.shared_base(&idxs);
-    let vslot = k.mad_u32(&warp, &4u32, &vbase);
-    let islot = k.mad_u32(&warp, &4u32, &ibase);
-    k.emit(format!("@{first} st.shared.f32 [{vslot}], {best}"));
-    k.emit(format!("@{first} st.shared.u32 [{islot}], {best_i}"));
-    k.barrier();
-    let leader = k.setp("eq.u32", &tid, &0u32);
-    let end = k.label("end");
-    k.bra(Some((leader, false)), &end);
-    for w in 1..warps {
-        let ov = k.reg(RegClass::F32);
-        let oi = k.reg(RegClass::B32);
-        k.emit(format!("ld.shared.f32 {ov}, [{vbase}+{}]", w * 4));
-        k.emit(format!("ld.shared.u32 {oi}, [{ibase}+{}]", w * 4));
-        combine(&mut k, ov, oi);
-    }
-    k.comment("no value above -inf: index 0");
-    let none = k.setp("eq.u32", &best_i, &u32::MAX);
-    k.emit(format!("@{none} mov.u32 {best_i}, 0"));
-    write_choice(&mut k, [out, row, best_i], next);
+    let end = best.over_warps(&mut k, [&vals, &idxs], tid);
+    write_choice(&mut k, [out, row, best.i], next);
     k.place(&end);
     GeneratedKernel::new(
         k,
@@ -130,6 +67,104 @@ pub fn argmax(elem: Elem, rows: u32, vocab: u32, advance: bool) -> GeneratedKern
             shared_bytes: 0,
         },
     )
+}
+
+/// A thread's best logit so far and its index (`u32::MAX` while it has seen none above -inf).
+struct Best {
+    v: Reg,
+    i: Reg,
+}
+
+impl Best {
+    /// The thread's own best over the row: its 16-byte chunks (single elements when rows are
+    /// not 16-byte aligned) `tid`, `tid + threads`, ..., [`ARGMAX_UNROLL`] in flight, from the
+    /// row's first element `base` of `logits`.
+    fn scan(&self, k: &mut Kernel, elem: Elem, vocab: u32, [logits, base, tid]: [Reg; 3]) {
+        // Elements per chunk: 16 bytes when every row starts 16-byte aligned.
+        let per = match 16 / elem.bytes() {
+            wide if vocab.is_multiple_of(wide) => wide,
+            _ => 1,
+        };
+        let chunk = k.mov(RegClass::B32, &tid);
+        let top = k.label("scan");
+        let done = k.label("scan_done");
+        k.place(&top);
+        let first = k.mul_u32(&chunk, &per);
+        let past = k.setp("ge.u32", &first, &vocab);
+        k.bra(Some((past, true)), &done);
+        let mut loaded = Vec::new();
+        for u in 0..ARGMAX_UNROLL {
+            let at = k.add_u32(&first, &(u * ARGMAX_THREADS * per));
+            let inside = k.setp("lt.u32", &at, &vocab);
+            let i = k.add_u32(&base, &at);
+            let addr = k.address(logits, &i, elem.bytes());
+            loaded.push((at, inside, load_chunk(k, elem, addr, inside, per)));
+        }
+        // In index order, strictly greater: NaN and -inf never win; a thread that saw neither
+        // keeps index MAX.
+        let (best, best_i) = (&self.v, &self.i);
+        for (at, inside, values) in loaded {
+            for (j, v) in values.iter().enumerate() {
+                let take = k.setp("gt.f32", v, best);
+                k.emit(format!("and.pred {take}, {take}, {inside}"));
+                k.emit(format!("@{take} mov.f32 {best}, {v}"));
+                k.emit(format!("@{take} add.u32 {best_i}, {at}, {j}"));
+            }
+        }
+        k.emit(format!(
+            "add.u32 {chunk}, {chunk}, {}",
+            ARGMAX_UNROLL * ARGMAX_THREADS
+        ));
+        k.bra(None, &top);
+        k.place(&done);
+    }
+
+    /// Takes the pair (`other_v`, `other_i`) where its value is larger, or equal with a
+    /// smaller index.
+    fn combine(&self, k: &mut Kernel, other_v: Reg, other_i: Reg) {
+        let (best, best_i) = (&self.v, &self.i);
+        let gt = k.setp("gt.f32", &other_v, best);
+        let eq = k.setp("eq.f32", &other_v, best);
+        let lower = k.setp("lt.u32", &other_i, best_i);
+        let tie = k.reg(RegClass::Pred);
+        k.emit(format!("and.pred {tie}, {eq}, {lower}"));
+        let take = k.reg(RegClass::Pred);
+        k.emit(format!("or.pred {take}, {gt}, {tie}"));
+        k.emit(format!("@{take} mov.f32 {best}, {other_v}"));
+        k.emit(format!("@{take} mov.u32 {best_i}, {other_i}"));
+    }
+
+    /// Each warp's best (in its lane 0, after the butterfly) through shared `vals` and `idxs`
+    /// to thread 0, which combines them in warp order and, with none above -inf, takes index
+    /// 0; the other threads branch to the returned label, to be placed after the choice is
+    /// written.
+    fn over_warps(&self, k: &mut Kernel, [vals, idxs]: [&str; 2], tid: Reg) -> Label {
+        let (best, best_i) = (&self.v, &self.i);
+        let lane = k.op2("and.b32", RegClass::B32, &tid, &31u32);
+        let warp = k.op2("shr.u32", RegClass::B32, &tid, &5u32);
+        let first = k.setp("eq.u32", &lane, &0u32);
+        let vbase = k.shared_base(vals);
+        let ibase = k.shared_base(idxs);
+        let vslot = k.mad_u32(&warp, &4u32, &vbase);
+        let islot = k.mad_u32(&warp, &4u32, &ibase);
+        k.emit(format!("@{first} st.shared.f32 [{vslot}], {best}"));
+        k.emit(format!("@{first} st.shared.u32 [{islot}], {best_i}"));
+        k.barrier();
+        let leader = k.setp("eq.u32", &tid, &0u32);
+        let end = k.label("end");
+        k.bra(Some((leader, false)), &end);
+        for w in 1..ARGMAX_THREADS / 32 {
+            let ov = k.reg(RegClass::F32);
+            let oi = k.reg(RegClass::B32);
+            k.emit(format!("ld.shared.f32 {ov}, [{vbase}+{}]", w * 4));
+            k.emit(format!("ld.shared.u32 {oi}, [{ibase}+{}]", w * 4));
+            self.combine(k, ov, oi);
+        }
+        k.comment("no value above -inf: index 0");
+        let none = k.setp("eq.u32", best_i, &u32::MAX);
+        k.emit(format!("@{none} mov.u32 {best_i}, 0"));
+        end
+    }
 }
 
 /// Row `row`'s chosen `token` (u32) into `out` as i64, and with the decode step's inputs
