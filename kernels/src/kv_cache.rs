@@ -238,25 +238,8 @@ pub fn chunk_entries(cfg: &ChunkEntriesConfig) -> GeneratedKernel {
             && q.elem == keys.elem,
         "q's rotation and the cache writes cover the same tokens"
     );
-    let [qb, qh, qs] = q.strides;
     let lanes = RowLanes::of(cfg);
-    let name = format!(
-        "chunk_entries_{}_h{}_kv{}_d{}_s{}_t{}_st{qb}x{qh}x{qs}{}{}{}",
-        keys.elem.name(),
-        q.heads,
-        keys.kv_heads,
-        keys.head_dim,
-        keys.new_len,
-        keys.capacity,
-        if keys.rope { "_rope" } else { "" },
-        Paging::suffix(keys.paging),
-        if lanes == RowLanes::WARP {
-            String::new()
-        } else {
-            format!("_l{}", lanes.lanes)
-        }
-    );
-    let mut k = Kernel::new(&name);
+    let mut k = Kernel::new(&chunk_entries_name(cfg, lanes));
     let caches = [k.param_ptr("k_cache"), k.param_ptr("v_cache")];
     let news = [k.param_ptr("k_new"), k.param_ptr("v_new")];
     let positions = k.param_ptr("positions");
@@ -330,6 +313,28 @@ pub fn chunk_entries(cfg: &ChunkEntriesConfig) -> GeneratedKernel {
     k.place(&exit);
     let heads = q.heads + 2 * keys.kv_heads;
     GeneratedKernel::new(k, WarpToken::launch(keys.new_len, heads, keys.batch, lanes))
+}
+
+/// [`chunk_entries`]' kernel name: types, heads, sizes, q's strides, RoPE, paging and lanes.
+fn chunk_entries_name(cfg: &ChunkEntriesConfig, lanes: RowLanes) -> String {
+    let (keys, q) = (&cfg.keys, &cfg.query);
+    let [qb, qh, qs] = q.strides;
+    format!(
+        "chunk_entries_{}_h{}_kv{}_d{}_s{}_t{}_st{qb}x{qh}x{qs}{}{}{}",
+        keys.elem.name(),
+        q.heads,
+        keys.kv_heads,
+        keys.head_dim,
+        keys.new_len,
+        keys.capacity,
+        if keys.rope { "_rope" } else { "" },
+        Paging::suffix(keys.paging),
+        if lanes == RowLanes::WARP {
+            String::new()
+        } else {
+            format!("_l{}", lanes.lanes)
+        }
+    )
 }
 
 /// One token of one head: row `b`, head `h`, token `s` of the chunk, the warp's `lane`; where
