@@ -127,24 +127,14 @@ pub struct EmbeddingSpec {
 
 /// The kernel ops, as `Op` variants, decompose through this function.
 pub(crate) fn decompose(op: &Op, g: &mut Graph, args: &[NodeId]) -> Result<NodeId, IrError> {
-    let want = |n: usize| -> Result<(), IrError> {
-        if args.len() == n {
-            Ok(())
-        } else {
-            Err(IrError::Type {
-                node: NodeId(g.len() as u32),
-                op: op.name(),
-                message: format!("expects {n} operand(s), got {}", args.len()),
-            })
-        }
-    };
+    let want = |g: &Graph, n: usize| operands(g, op.name(), args, n);
     match op {
         Op::Softmax => {
-            want(1)?;
+            want(g, 1)?;
             softmax(g, args[0])
         }
         Op::SoftmaxDropout { p, stream } => {
-            want(2)?;
+            want(g, 2)?;
             let s = softmax(g, args[0])?;
             g.add(
                 Op::Dropout {
@@ -155,115 +145,152 @@ pub(crate) fn decompose(op: &Op, g: &mut Graph, args: &[NodeId]) -> Result<NodeI
             )
         }
         Op::Activation(a) => {
-            want(1)?;
+            want(g, 1)?;
             activation(g, args[0], *a)
         }
         Op::RepeatKv { groups } => {
-            want(1)?;
+            want(g, 1)?;
             repeat_kv(g, args[0], *groups)
         }
         Op::Norm(spec) => {
             let with_bias = spec.kind == NormKind::LayerNorm;
-            want(2 + usize::from(spec.residual) + usize::from(with_bias))?;
-            let mut i = 0;
-            let mut x = args[0];
-            if spec.residual {
-                i += 1;
-                x = g.add_(x, args[i])?;
-            }
-            let w = args[i + 1];
-            match spec.kind {
-                NormKind::LayerNorm => layer_norm(g, x, w, args[i + 2], spec.eps),
-                NormKind::RmsNorm => rms_norm(g, x, w, spec.eps),
-            }
+            want(g, 2 + usize::from(spec.residual) + usize::from(with_bias))?;
+            norm(g, spec, args)
         }
-        Op::Gemm(spec) => {
-            let norm_args = match &spec.prologue {
-                None => 0,
-                Some(n) if n.residual => {
-                    return Err(IrError::Type {
-                        node: NodeId(g.len() as u32),
-                        op: "gemm",
-                        message: "a norm prologue cannot add a residual".into(),
-                    })
-                }
-                Some(n) => 1 + usize::from(n.kind == NormKind::LayerNorm),
-            };
-            let epilogue_args = usize::from(spec.bias) + usize::from(spec.residual);
-            want(2 + epilogue_args + norm_args)?;
-            let mut x = args[0];
-            if let Some(n) = &spec.prologue {
-                let p = &args[2 + epilogue_args..];
-                x = match n.kind {
-                    NormKind::LayerNorm => layer_norm(g, x, p[0], p[1], n.eps)?,
-                    NormKind::RmsNorm => rms_norm(g, x, p[0], n.eps)?,
-                };
-            }
-            let w = if spec.transpose_b {
-                g.transpose_last(args[1])?
-            } else {
-                args[1]
-            };
-            let mut y = g.matmul(x, w)?;
-            let mut i = 2;
-            if spec.bias {
-                y = g.add_(y, args[i])?;
-                i += 1;
-            }
-            if let Some(a) = spec.activation {
-                y = activation(g, y, a)?;
-            }
-            if spec.swiglu {
-                y = swiglu(g, y)?;
-            }
-            if spec.residual {
-                y = g.add_(y, args[i])?;
-            }
-            Ok(y)
-        }
+        Op::Gemm(spec) => gemm(g, spec, args),
         Op::Attention(spec) => {
             let n = 3
                 + usize::from(spec.padding)
                 + usize::from(spec.rope.is_some())
                 + usize::from(spec.dropout.is_some());
-            want(n)?;
+            want(g, n)?;
             attention(g, spec, args)
         }
         Op::Embedding(spec) => {
-            want(2 * spec.tables)?;
-            let mut sum: Option<NodeId> = None;
-            for pair in args.chunks(2) {
-                let e = g.add(Op::Gather, pair)?;
-                sum = Some(match sum {
-                    None => e,
-                    Some(s) => g.add_(s, e)?,
-                });
-            }
-            sum.ok_or_else(|| IrError::Type {
-                node: NodeId(g.len() as u32),
-                op: "embedding",
-                message: "needs at least one table".into(),
-            })
+            want(g, 2 * spec.tables)?;
+            embedding(g, args)
         }
         Op::DecodeAttention(spec) => {
-            want(4)?;
-            let (mut q, k, v, pos) = (args[0], args[1], args[2], args[3]);
-            let groups = kv_groups(g, q, k)?;
-            if let Some((theta, scaling)) = &spec.rope {
-                let rope = Op::Rope {
-                    theta: *theta,
-                    scaling: scaling.clone(),
-                };
-                q = g.add(rope, &[q, pos])?;
-            }
-            let k = repeat_kv(g, k, groups)?;
-            let v = repeat_kv(g, v, groups)?;
-            let cols = g.ty(k).shape[2].clone();
-            let mask = position_mask(g, pos, cols, spec.window, g.ty(q).dtype)?;
-            sdpa(g, q, k, v, Some(mask), spec.scale, None)
+            want(g, 4)?;
+            decode_attention(g, spec, args)
         }
         other => unreachable!("{} is not a kernel op", other.name()),
     }
+}
+
+/// `Err` naming kernel op `op` unless it has `n` operands.
+fn operands(g: &Graph, op: &'static str, args: &[NodeId], n: usize) -> Result<(), IrError> {
+    if args.len() == n {
+        return Ok(());
+    }
+    Err(IrError::Type {
+        node: NodeId(g.len() as u32),
+        op,
+        message: format!("expects {n} operand(s), got {}", args.len()),
+    })
+}
+
+/// A norm kernel: `[x, (residual,) weight, (bias)]`, the residual added first.
+fn norm(g: &mut Graph, spec: &NormSpec, args: &[NodeId]) -> Result<NodeId, IrError> {
+    let mut i = 0;
+    let mut x = args[0];
+    if spec.residual {
+        i += 1;
+        x = g.add_(x, args[i])?;
+    }
+    let w = args[i + 1];
+    match spec.kind {
+        NormKind::LayerNorm => layer_norm(g, x, w, args[i + 2], spec.eps),
+        NormKind::RmsNorm => rms_norm(g, x, w, spec.eps),
+    }
+}
+
+/// A GEMM kernel: `[x, w, (bias,) (residual,) (norm weight, (norm bias))]`: the prologue's
+/// norm of `x`, the product, then bias, activation, SwiGLU and residual in that order.
+fn gemm(g: &mut Graph, spec: &GemmSpec, args: &[NodeId]) -> Result<NodeId, IrError> {
+    let norm_args = match &spec.prologue {
+        None => 0,
+        Some(n) if n.residual => {
+            return Err(IrError::Type {
+                node: NodeId(g.len() as u32),
+                op: "gemm",
+                message: "a norm prologue cannot add a residual".into(),
+            })
+        }
+        Some(n) => 1 + usize::from(n.kind == NormKind::LayerNorm),
+    };
+    let epilogue_args = usize::from(spec.bias) + usize::from(spec.residual);
+    operands(g, "gemm", args, 2 + epilogue_args + norm_args)?;
+    let mut x = args[0];
+    if let Some(n) = &spec.prologue {
+        let p = &args[2 + epilogue_args..];
+        x = match n.kind {
+            NormKind::LayerNorm => layer_norm(g, x, p[0], p[1], n.eps)?,
+            NormKind::RmsNorm => rms_norm(g, x, p[0], n.eps)?,
+        };
+    }
+    let w = if spec.transpose_b {
+        g.transpose_last(args[1])?
+    } else {
+        args[1]
+    };
+    let mut y = g.matmul(x, w)?;
+    let mut i = 2;
+    if spec.bias {
+        y = g.add_(y, args[i])?;
+        i += 1;
+    }
+    if let Some(a) = spec.activation {
+        y = activation(g, y, a)?;
+    }
+    if spec.swiglu {
+        y = swiglu(g, y)?;
+    }
+    if spec.residual {
+        y = g.add_(y, args[i])?;
+    }
+    Ok(y)
+}
+
+/// An embedding kernel: the sum of its `(table, ids)` pairs' gathers.
+fn embedding(g: &mut Graph, args: &[NodeId]) -> Result<NodeId, IrError> {
+    let mut sum: Option<NodeId> = None;
+    for pair in args.chunks(2) {
+        let e = g.add(Op::Gather, pair)?;
+        sum = Some(match sum {
+            None => e,
+            Some(s) => g.add_(s, e)?,
+        });
+    }
+    sum.ok_or_else(|| IrError::Type {
+        node: NodeId(g.len() as u32),
+        op: "embedding",
+        message: "needs at least one table".into(),
+    })
+}
+
+/// A decode attention kernel: `[q, k, v, positions]`, q rotated first where the spec says, K
+/// and V repeated over the query groups, keys past each row's position (or outside its
+/// window) masked.
+fn decode_attention(
+    g: &mut Graph,
+    spec: &DecodeAttentionSpec,
+    args: &[NodeId],
+) -> Result<NodeId, IrError> {
+    let (mut q, k, v, pos) = (args[0], args[1], args[2], args[3]);
+    let groups = kv_groups(g, q, k)?;
+    if let Some((theta, scaling)) = &spec.rope {
+        let rope = Op::Rope {
+            theta: *theta,
+            scaling: scaling.clone(),
+        };
+        q = g.add(rope, &[q, pos])?;
+    }
+    let k = repeat_kv(g, k, groups)?;
+    let v = repeat_kv(g, v, groups)?;
+    let cols = g.ty(k).shape[2].clone();
+    let mask = position_mask(g, pos, cols, spec.window, g.ty(q).dtype)?;
+    sdpa(g, q, k, v, Some(mask), spec.scale, None)
 }
 
 /// Softmax over the last axis, max-subtracted: `exp(x - max) / sum(exp(x - max))`.
