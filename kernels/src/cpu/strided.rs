@@ -98,6 +98,60 @@ pub fn name(c: &StridedConfig) -> String {
 
 /// Generates `c` into `module`; returns its name.
 pub fn strided(module: &mut CpuModule, c: &StridedConfig) -> Result<String, CpuError> {
+    check(c)?;
+    let name = name(c);
+    let rank = c.shape.len();
+    let shape: Vec<i64> = if rank == 0 {
+        vec![1]
+    } else {
+        c.shape.iter().map(|&d| i64::from(d)).collect()
+    };
+    let out_strides = padded(rank, &c.out_strides);
+    module.define(&name, |b, p| {
+        let mut args = Args::new(p);
+        let bases: Vec<Option<Value>> = c
+            .sources
+            .iter()
+            .map(|s| matches!(s, Source::Memory { .. }).then(|| args.next(b)))
+            .collect();
+        let out = args.next(b);
+        let last = shape.len() - 1;
+        for_range(b, p.begin, p.end, 1, |b, row| {
+            let index = row_index(b, row, &shape[..last]);
+            let starts = c
+                .sources
+                .iter()
+                .map(|s| match s {
+                    Source::Memory {
+                        offset, strides, ..
+                    } => Some(row_offset(b, &index, *offset, &padded(rank, strides))),
+                    Source::Constant(_) => None,
+                })
+                .collect();
+            let operands = Operands {
+                c,
+                bases: &bases,
+                starts,
+                last,
+            };
+            let out_start = row_offset(b, &index, c.out_offset, &out_strides);
+            let zero = b.ins().iconst(I64, 0);
+            let width = b.ins().iconst(I64, shape[last]);
+            for_range(b, zero, width, 1, |b, j| {
+                let y = operands.value(b, j);
+                let off = b.ins().imul_imm_s(j, out_strides[last]);
+                let at = b.ins().iadd(out_start, off);
+                let bytes = b.ins().imul_imm_s(at, 4);
+                let addr = b.ins().iadd(out, bytes);
+                b.ins().store(MemFlagsData::new().with_notrap(), y, addr, 0);
+            });
+        });
+    })?;
+    Ok(name)
+}
+
+/// `Err` naming `c` when its operands, strides or reduced axis do not fit its shape and op.
+fn check(c: &StridedConfig) -> Result<(), CpuError> {
     let rank = c.shape.len();
     let arity = match c.op {
         StridedOp::Binary(_) => 2,
@@ -116,116 +170,107 @@ pub fn strided(module: &mut CpuModule, c: &StridedConfig) -> Result<String, CpuE
             return Err(CpuError(format!("reduced axis of {c:?}")));
         }
     }
-    let name = name(c);
-    let shape: Vec<i64> = if rank == 0 {
-        vec![1]
+    Ok(())
+}
+
+/// `strides` of a tensor of `rank` axes, a scalar's as one axis of stride 0.
+fn padded(rank: usize, strides: &[i64]) -> Vec<i64> {
+    if rank == 0 {
+        vec![0]
     } else {
-        c.shape.iter().map(|&d| i64::from(d)).collect()
-    };
-    let pad = |s: &[i64]| if rank == 0 { vec![0] } else { s.to_vec() };
-    let out_strides = pad(&c.out_strides);
-    module.define(&name, |b, p| {
-        let mut args = Args::new(p);
-        let bases: Vec<Option<Value>> = c
-            .sources
-            .iter()
-            .map(|s| matches!(s, Source::Memory { .. }).then(|| args.next(b)))
-            .collect();
-        let out = args.next(b);
-        let last = shape.len() - 1;
-        for_range(b, p.begin, p.end, 1, |b, row| {
-            // The row's index on every outer axis, innermost first.
-            let mut index = vec![None; last];
-            let mut rest = row;
-            for d in (0..last).rev() {
-                index[d] = Some(b.ins().urem_imm_s(rest, shape[d]));
-                rest = b.ins().udiv_imm_s(rest, shape[d]);
+        strides.to_vec()
+    }
+}
+
+/// Row `row`'s index on each of the outer axes `outer` (computed innermost first).
+fn row_index(b: &mut FunctionBuilder, row: Value, outer: &[i64]) -> Vec<Value> {
+    let mut index = vec![None; outer.len()];
+    let mut rest = row;
+    for d in (0..outer.len()).rev() {
+        index[d] = Some(b.ins().urem_imm_s(rest, outer[d]));
+        rest = b.ins().udiv_imm_s(rest, outer[d]);
+    }
+    index.into_iter().map(|i| i.expect("every axis")).collect()
+}
+
+/// Element offset of a row's first element: `offset + sum(index[d] * strides[d])`.
+fn row_offset(b: &mut FunctionBuilder, index: &[Value], offset: i64, strides: &[i64]) -> Value {
+    let mut at = b.ins().iconst(I64, offset);
+    for (d, &i) in index.iter().enumerate() {
+        if strides[d] != 0 {
+            let step = b.ins().imul_imm_s(i, strides[d]);
+            at = b.ins().iadd(at, step);
+        }
+    }
+    at
+}
+
+/// A row's operands: each memory source's base pointer and the element offset its row starts
+/// at; `last` is the innermost axis.
+struct Operands<'a> {
+    c: &'a StridedConfig,
+    bases: &'a [Option<Value>],
+    starts: Vec<Option<Value>>,
+    last: usize,
+}
+
+impl Operands<'_> {
+    /// The op's result at element `j` of the row.
+    fn value(&self, b: &mut FunctionBuilder, j: Value) -> Value {
+        match self.c.op {
+            StridedOp::Copy => self.read(b, 0, j, None),
+            StridedOp::Unary(u) => {
+                let x = self.read(b, 0, j, None);
+                unary(b, u, x)
             }
-            // Element offset of the row's first element: `offset + sum(index[d] * strides[d])`.
-            let row_offset = |b: &mut FunctionBuilder, offset: i64, strides: &[i64]| {
-                let mut at = b.ins().iconst(I64, offset);
-                for (d, i) in index.iter().enumerate() {
-                    if strides[d] != 0 {
-                        let step = b.ins().imul_imm_s(i.unwrap(), strides[d]);
-                        at = b.ins().iadd(at, step);
-                    }
+            StridedOp::Binary(op) => {
+                let (x, y) = (self.read(b, 0, j, None), self.read(b, 1, j, None));
+                match op {
+                    BinaryOp::Add => b.ins().fadd(x, y),
+                    BinaryOp::Sub => b.ins().fsub(x, y),
+                    BinaryOp::Mul => b.ins().fmul(x, y),
+                    BinaryOp::Div => b.ins().fdiv(x, y),
+                    BinaryOp::Max => b.ins().fmax(x, y),
                 }
-                at
-            };
-            let starts: Vec<Option<Value>> = c
-                .sources
-                .iter()
-                .map(|s| match s {
-                    Source::Memory {
-                        offset, strides, ..
-                    } => Some(row_offset(b, *offset, &pad(strides))),
-                    Source::Constant(_) => None,
-                })
-                .collect();
-            let out_start = row_offset(b, c.out_offset, &out_strides);
-            let zero = b.ins().iconst(I64, 0);
-            let width = b.ins().iconst(I64, shape[last]);
-            for_range(b, zero, width, 1, |b, j| {
-                // Operand `s` at element `j` of the row, `k` further along a reduced axis.
-                let read = |b: &mut FunctionBuilder, s: usize, k: Option<(Value, i64)>| match &c
-                    .sources[s]
-                {
-                    Source::Constant(v) => constant(b, F32, *v),
-                    Source::Memory { int, strides, .. } => {
-                        let mut at = starts[s].unwrap();
-                        let step = pad(strides)[last];
-                        if step != 0 {
-                            let off = b.ins().imul_imm_s(j, step);
-                            at = b.ins().iadd(at, off);
-                        }
-                        if let Some((k, stride)) = k {
-                            let off = b.ins().imul_imm_s(k, stride);
-                            at = b.ins().iadd(at, off);
-                        }
-                        let bytes = b.ins().imul_imm_s(at, if *int { 8 } else { 4 });
-                        let addr = b.ins().iadd(bases[s].unwrap(), bytes);
-                        let flags = MemFlagsData::new().with_notrap();
-                        if *int {
-                            let v = b.ins().load(I64, flags, addr, 0);
-                            b.ins().fcvt_from_sint(F32, v)
-                        } else {
-                            b.ins().load(F32, flags, addr, 0)
-                        }
-                    }
+            }
+            StridedOp::Reduce { op, axis, len } => {
+                let stride = match &self.c.sources[0] {
+                    Source::Memory { strides, .. } => strides[axis],
+                    Source::Constant(_) => 0,
                 };
-                let y = match c.op {
-                    StridedOp::Copy => read(b, 0, None),
-                    StridedOp::Unary(u) => {
-                        let x = read(b, 0, None);
-                        unary(b, u, x)
-                    }
-                    StridedOp::Binary(op) => {
-                        let (x, y) = (read(b, 0, None), read(b, 1, None));
-                        match op {
-                            BinaryOp::Add => b.ins().fadd(x, y),
-                            BinaryOp::Sub => b.ins().fsub(x, y),
-                            BinaryOp::Mul => b.ins().fmul(x, y),
-                            BinaryOp::Div => b.ins().fdiv(x, y),
-                            BinaryOp::Max => b.ins().fmax(x, y),
-                        }
-                    }
-                    StridedOp::Reduce { op, axis, len } => {
-                        let stride = match &c.sources[0] {
-                            Source::Memory { strides, .. } => strides[axis],
-                            Source::Constant(_) => 0,
-                        };
-                        reduce(b, op, len, |b, k| read(b, 0, Some((k, stride))))
-                    }
-                };
-                let off = b.ins().imul_imm_s(j, out_strides[last]);
-                let at = b.ins().iadd(out_start, off);
-                let bytes = b.ins().imul_imm_s(at, 4);
-                let addr = b.ins().iadd(out, bytes);
-                b.ins().store(MemFlagsData::new().with_notrap(), y, addr, 0);
-            });
-        });
-    })?;
-    Ok(name)
+                reduce(b, op, len, |b, k| self.read(b, 0, j, Some((k, stride))))
+            }
+        }
+    }
+
+    /// Operand `s` at element `j` of the row, `k` further along a reduced axis of `stride`.
+    fn read(&self, b: &mut FunctionBuilder, s: usize, j: Value, k: Option<(Value, i64)>) -> Value {
+        match &self.c.sources[s] {
+            Source::Constant(v) => constant(b, F32, *v),
+            Source::Memory { int, strides, .. } => {
+                let mut at = self.starts[s].expect("a memory source's row start");
+                let step = padded(self.c.shape.len(), strides)[self.last];
+                if step != 0 {
+                    let off = b.ins().imul_imm_s(j, step);
+                    at = b.ins().iadd(at, off);
+                }
+                if let Some((k, stride)) = k {
+                    let off = b.ins().imul_imm_s(k, stride);
+                    at = b.ins().iadd(at, off);
+                }
+                let bytes = b.ins().imul_imm_s(at, if *int { 8 } else { 4 });
+                let base = self.bases[s].expect("a memory source's base");
+                let addr = b.ins().iadd(base, bytes);
+                let flags = MemFlagsData::new().with_notrap();
+                if *int {
+                    let v = b.ins().load(I64, flags, addr, 0);
+                    b.ins().fcvt_from_sint(F32, v)
+                } else {
+                    b.ins().load(F32, flags, addr, 0)
+                }
+            }
+        }
+    }
 }
 
 /// `op(x)` in f32.
