@@ -543,10 +543,20 @@ fn plan_bucket(
         .is_some_and(|t| t.outputs.iter().any(|o| o == crate::compile::LOGITS));
     // A decode step's chosen tokens come from logits the GPU computed (not its host tail's).
     let choice = launches.tokens.as_ref().filter(|_| gpu_logits);
+    let mut storage = Storage::new(g, memory, launches, tail.as_ref(), choice)?;
     // A KV-cached graph's logits may be written straight into a ring buffer, every address in
-    // their slot moved there (the CUDA executor's logits chunks).
-    let moved = gpu_logits && g.inputs().any(|(_, name, _)| is_cache(name));
-    let storage = Storage::new(g, memory, launches, tail.as_ref(), choice, moved)?;
+    // their slot moved there (the CUDA executor's logits chunks): they share their bytes with
+    // no other value, since one inside them would move with them and one running past their
+    // end would overrun the buffer.
+    if gpu_logits && g.inputs().any(|(_, name, _)| is_cache(name)) {
+        let logits = g
+            .outputs()
+            .iter()
+            .find(|o| o.name == crate::compile::LOGITS);
+        if let Some(o) = logits {
+            storage.alive_from_start(o.node);
+        }
+    }
     let at = Addresses::new(g, memory, kernels, &storage);
     let (mut steps, mut logits_pieces) = (Vec::new(), Vec::new());
     for (id, node) in &launches.nodes {
@@ -651,21 +661,9 @@ impl Storage {
         launches: &crate::lower::GraphLaunches,
         tail: Option<&HostTail>,
         choice: Option<&crate::lower::TokenChoice>,
-        moved_logits: bool,
     ) -> Result<Storage, PlanError> {
         let mut storage = Storage::homes(g, memory)?;
         storage.extend_lifetimes(g, launches, tail);
-        if moved_logits {
-            // Logits whose addresses move share their bytes with no other value: one inside them
-            // would move with them, one running past their end would overrun the ring buffer.
-            let logits = g
-                .outputs()
-                .iter()
-                .find(|o| o.name == crate::compile::LOGITS);
-            if let Some(o) = logits {
-                storage.alive_from_start(o.node);
-            }
-        }
         let end = g.len();
         for (id, node) in &launches.nodes {
             for bytes in &node.scratch {

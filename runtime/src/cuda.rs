@@ -321,16 +321,13 @@ fn staging_and_ring(
 /// Keeps the `groupings` whose outputs a ring buffer of `half` bytes holds, or whose two buffers
 /// take at most half the GPU's free memory, and returns the bytes a buffer needs for them.
 /// Grouping only saves time: a bucket whose groups the GPU has no room for runs as one replay
-/// rather than the load failing; so does every bucket under `KILN_BATCH_GROUPS=0`.
+/// rather than the load failing.
 fn fit_groupings(
     ctx: &CudaContext,
     buckets: &[(&BucketEntry, ExecPlan)],
     groupings: &mut Vec<Grouping>,
     half: usize,
 ) -> Result<usize, RuntimeError> {
-    if std::env::var("KILN_BATCH_GROUPS").is_ok_and(|v| v == "0") {
-        groupings.clear();
-    }
     if groupings.is_empty() {
         return Ok(0);
     }
@@ -814,7 +811,11 @@ impl CudaExecutor {
             .filter(|(e, _)| m.prefill.contains(e))
             .map(|(e, p)| (*e, p))
             .collect();
-        let mut groupings = crate::groups::candidates(&prefill);
+        // `KILN_BATCH_GROUPS=0` keeps every bucket whole.
+        let mut groupings = match std::env::var("KILN_BATCH_GROUPS") {
+            Ok(v) if v == "0" => Vec::new(),
+            _ => crate::groups::candidates(&prefill),
+        };
         let (staging_bytes, mut ring) =
             staging_and_ring(&ctx, &stream, m, &buckets, &mut groupings, &mut counts)?;
         let loaded = Loaded {
@@ -1207,7 +1208,9 @@ impl CudaExecutor {
         graph: &str,
         inputs: &BTreeMap<String, Tensor>,
     ) -> Result<(), RuntimeError> {
-        for (slot, t) in self.checked_inputs(graph, inputs)? {
+        let tensors = self.checked_inputs(graph, inputs)?;
+        let plan = &self.plans[graph];
+        for (slot, t) in plan.inputs.iter().zip(tensors) {
             let bytes = encode(t, slot.dtype);
             let at = (self.arena + slot.offset) as usize;
             self.stream
@@ -1217,13 +1220,13 @@ impl CudaExecutor {
         Ok(())
     }
 
-    /// Each input slot of `graph`'s plan with its tensor of `inputs`: `Err` naming a missing
-    /// one, or one of another shape.
+    /// The tensor of `inputs` for each input slot of `graph`'s plan, in the plan's order: `Err`
+    /// naming a missing one, or one of another shape.
     fn checked_inputs<'t>(
         &self,
         graph: &str,
         inputs: &'t BTreeMap<String, Tensor>,
-    ) -> Result<Vec<(TensorSlot, &'t Tensor)>, RuntimeError> {
+    ) -> Result<Vec<&'t Tensor>, RuntimeError> {
         let plan = self
             .plans
             .get(graph)
@@ -1240,7 +1243,7 @@ impl CudaExecutor {
                         slot.name, t.shape, slot.shape
                     )));
                 }
-                Ok((slot.clone(), t))
+                Ok(t)
             })
             .collect()
     }

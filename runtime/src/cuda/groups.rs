@@ -113,7 +113,10 @@ impl CudaExecutor {
         inputs: &BTreeMap<String, Tensor>,
     ) -> Result<Vec<(&TensorSlot, &[u8])>, RuntimeError> {
         // The whole bucket's inputs, as one replay would take them.
-        let whole = self.checked_inputs(&grouping.whole, inputs)?;
+        let tensors = self.checked_inputs(&grouping.whole, inputs)?;
+        let slots = &self.plans[&grouping.whole].inputs;
+        let whole: Vec<(String, &Tensor)> =
+            slots.iter().map(|s| s.name.clone()).zip(tensors).collect();
         let outcome = self.stream_groups(grouping, &whole);
         let synced = self.settle(&grouping.whole);
         outcome?;
@@ -132,19 +135,24 @@ impl CudaExecutor {
     fn stream_groups(
         &mut self,
         grouping: &Grouping,
-        inputs: &[(TensorSlot, &Tensor)],
+        inputs: &[(String, &Tensor)],
     ) -> Result<(), RuntimeError> {
-        let inputs: Vec<(&str, &Tensor)> =
-            inputs.iter().map(|(s, t)| (s.name.as_str(), *t)).collect();
-        let part = self.plans[&grouping.part].outputs.clone();
-        let whole = self.plans[&grouping.whole].outputs.clone();
+        let inputs: Vec<(&str, &Tensor)> = inputs.iter().map(|(n, t)| (n.as_str(), *t)).collect();
         let arena = self.addresses.base + self.arena;
-        for g in 0..grouping.count {
+        let (part, whole) = (
+            &self.plans[&grouping.part].outputs,
+            &self.plans[&grouping.whole].outputs,
+        );
+        let sources: Vec<u64> = part.iter().map(|s| arena + s.offset).collect();
+        let groups: Vec<_> = (0..grouping.count)
+            .map(|g| group_copies(whole, part, g))
+            .collect();
+        for (g, copies) in groups.into_iter().enumerate() {
             let ring = self.ring.as_ref().expect("groupings load with the ring");
             let k = ring.take(&self.stream, g)?;
             let buffer = ring.buffer(&self.stream, k);
             self.launch(&grouping.part, &group_inputs(&inputs, g, grouping.count))?;
-            for (slot, (within, at)) in part.iter().zip(group_copies(&whole, &part, g)) {
+            for (&source, (within, at)) in sources.iter().zip(copies) {
                 // SAFETY: the source is the part's output slot inside the one allocation
                 // (`check_plan`); the destination, `within` of buffer `k`, lies inside it
                 // (`fit_groupings` sized the buffers for every part's outputs together). No copy
@@ -153,7 +161,7 @@ impl CudaExecutor {
                 unsafe {
                     cudarc::driver::result::memcpy_dtod_async(
                         buffer + within.start as u64,
-                        arena + slot.offset,
+                        source,
                         within.len(),
                         self.stream.cu_stream(),
                     )
