@@ -103,6 +103,9 @@ pub struct BenchReport {
     /// Buckets the executor runs as groups of a smaller one (load found it faster), by graph
     /// file: the smaller bucket's graph file.
     pub batch_groups: BTreeMap<String, String>,
+    /// Device bytes of the ring that copies logits chunks and batch groups to the host while
+    /// the next computes (CUDA only; 0 where neither needs it).
+    pub copy_ring_bytes: Option<u64>,
 }
 
 /// Runs the benchmark on `exec`.
@@ -152,6 +155,10 @@ pub fn bench(
         Executor::Cpu(c) => (None, Some(c.load_seconds)),
         Executor::Interpreter => (None, None),
     };
+    let copy_ring_bytes = match exec {
+        Executor::Cuda(c) => Some(c.copy_ring_bytes()),
+        _ => None,
+    };
     let batch_groups = match exec {
         Executor::Cuda(c) => c.batch_groups().iter(),
         _ => Default::default(),
@@ -166,6 +173,7 @@ pub fn bench(
         load_seconds,
         last_logits_chunk: exec.last_logits_chunk(),
         batch_groups,
+        copy_ring_bytes,
         per_bucket: latencies
             .into_iter()
             .map(|(k, v)| (k, Latency::of(v)))
@@ -243,9 +251,9 @@ fn timed_request(
             let (bucket, inputs) = prepare(art, batch)?;
             if bucket.plan.as_ref().is_some_and(|p| p.host_tail.is_some()) {
                 // Part of the bucket runs on the host: the whole request is timed.
-                exec.run(art, bucket, &inputs)?;
+                exec.run_rows(art, bucket, &inputs, batch.ids.len())?;
             } else {
-                c.replay(&bucket.graph, &inputs)?;
+                c.replay_rows(&bucket.graph, &inputs, batch.ids.len())?;
             }
         }
         // Elsewhere, and logits chunks that run part of their graph on the host.

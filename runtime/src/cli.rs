@@ -562,6 +562,9 @@ fn print_bench(r: &BenchReport, out: &mut dyn Write) -> Result<()> {
     for (whole, part) in &r.batch_groups {
         writeln!(out, "{whole} runs as groups of {part}")?;
     }
+    if let Some(bytes) = r.copy_ring_bytes.filter(|&b| b > 0) {
+        writeln!(out, "copy ring {}", mib(Some(bytes)))?;
+    }
     if let Some(s) = r.load_seconds {
         writeln!(out, "load to ready {:.3} s", s)?;
     }

@@ -881,6 +881,8 @@ impl CudaExecutor {
         };
         exec.time_last_chunk(art)?;
         exec.time_groups()?;
+        exec.fit_ring()?;
+        exec.at_load = exec.counts;
         exec.load_seconds = start.elapsed().as_secs_f64();
         Ok(exec)
     }
@@ -917,14 +919,16 @@ impl CudaExecutor {
     }
 
     /// Runs one bucket: `inputs` (by name; every non-cache input of its plan) are copied into
-    /// their slots, the graph is replayed, and the outputs in the arena are copied back.
+    /// their slots, the graph is replayed, and the outputs in the arena are copied back; only
+    /// their first `rows` rows are the caller's ([`Self::replay_rows`]).
     pub fn run(
         &mut self,
         graph: &str,
         inputs: &BTreeMap<String, Tensor>,
+        rows: usize,
     ) -> Result<BTreeMap<String, Tensor>, RuntimeError> {
         Ok(self
-            .replay(graph, inputs)?
+            .replay_rows(graph, inputs, rows)?
             .into_iter()
             .map(|(slot, bytes)| {
                 let t = decode(bytes, slot.dtype, slot.shape.clone());
@@ -941,8 +945,21 @@ impl CudaExecutor {
         graph: &str,
         inputs: &BTreeMap<String, Tensor>,
     ) -> Result<Vec<(&TensorSlot, &[u8])>, RuntimeError> {
+        self.replay_rows(graph, inputs, usize::MAX)
+    }
+
+    /// [`Self::replay`] where only the outputs' first `rows` rows are the caller's, the bucket's
+    /// others padding: a bucket that runs as groups replays only the groups that hold one of
+    /// them ([`Grouping::groups_for`]), and its outputs' rows past those groups keep the bytes
+    /// the staging buffer held.
+    pub fn replay_rows(
+        &mut self,
+        graph: &str,
+        inputs: &BTreeMap<String, Tensor>,
+        rows: usize,
+    ) -> Result<Vec<(&TensorSlot, &[u8])>, RuntimeError> {
         if let Some(grouping) = self.grouped.get(graph).cloned() {
-            return self.replay_grouped(&grouping, inputs);
+            return self.replay_grouped(&grouping, inputs, rows);
         }
         self.launch(graph, inputs)?;
         let plan = &self.plans[graph];

@@ -105,6 +105,19 @@ impl Executor {
         entry: &BucketEntry,
         inputs: &BTreeMap<String, Tensor>,
     ) -> Result<BTreeMap<String, Tensor>, RuntimeError> {
+        self.run_rows(art, entry, inputs, entry.batch)
+    }
+
+    /// [`Self::run`] where only the outputs' first `rows` rows are the caller's, the bucket's
+    /// others padding: what they hold is unspecified (the CUDA executor may leave groups of
+    /// them uncomputed, [`crate::cuda::CudaExecutor::replay_rows`]).
+    pub fn run_rows(
+        &mut self,
+        art: &Artifact,
+        entry: &BucketEntry,
+        inputs: &BTreeMap<String, Tensor>,
+        rows: usize,
+    ) -> Result<BTreeMap<String, Tensor>, RuntimeError> {
         let interpret = |inputs: &BTreeMap<String, Tensor>| {
             let weights = art.weights.as_ref().ok_or_else(|| {
                 RuntimeError::Request("the artifact was compiled with --no-weights".into())
@@ -131,7 +144,7 @@ impl Executor {
                         entry.no_gpu.join(", ")
                     )));
                 }
-                c.run(&entry.graph, inputs)?
+                c.run(&entry.graph, inputs, rows)?
             }
         };
         host_tail(art, entry, inputs, outputs)

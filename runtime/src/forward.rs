@@ -29,8 +29,8 @@ pub fn forward(
         return Ok(BTreeMap::from([(LOGITS.to_string(), logits)]));
     }
     let (bucket, inputs) = prepare(art, batch)?;
-    let outputs = exec.run(art, bucket, &inputs)?;
     let (b, l) = (batch.ids.len(), batch.ids[0].len());
+    let outputs = exec.run_rows(art, bucket, &inputs, b)?;
     Ok(outputs
         .into_iter()
         .map(|(name, t)| (name, cut(&t, b, l, bucket.seq)))

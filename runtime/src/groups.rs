@@ -23,6 +23,17 @@ pub struct Grouping {
     pub part: String,
     /// Groups: the whole bucket's batch over the part's.
     pub count: usize,
+    /// Rows each group takes: the part's batch.
+    pub rows: usize,
+}
+
+impl Grouping {
+    /// The groups a request replays when only its first `rows` rows are the caller's (the
+    /// others padding): those that hold one of them, at least one and at most all. A group of
+    /// padding rows alone computes nothing anyone reads.
+    pub fn groups_for(&self, rows: usize) -> usize {
+        rows.div_ceil(self.rows).clamp(1, self.count)
+    }
 }
 
 /// Outputs smaller than this copy in less than about 20 us over PCIe: less than the launches
@@ -62,6 +73,7 @@ pub fn candidates(prefill: &[(&BucketEntry, &ExecPlan)]) -> Vec<Grouping> {
                     whole: whole.graph.clone(),
                     part: part.graph.clone(),
                     count: whole.batch / part.batch,
+                    rows: part.batch,
                 });
             }
         }
@@ -249,6 +261,20 @@ pub(crate) mod tests {
         // 16 x 128 x 128 f32 outputs are 1 MiB exactly; 16 x 128 x 127, a row short of it.
         assert_eq!(with_width(128), 1);
         assert_eq!(with_width(127), 0);
+    }
+
+    #[test]
+    fn only_groups_that_hold_a_callers_row_run() {
+        let g = Grouping {
+            whole: "prefill-b128-s128.ron".into(),
+            part: "prefill-b32-s128.ron".into(),
+            count: 4,
+            rows: 32,
+        };
+        let runs: Vec<usize> = [0, 1, 32, 33, 64, 65, 96, 97, 128, 200]
+            .map(|rows| g.groups_for(rows))
+            .into();
+        assert_eq!(runs, vec![1, 1, 1, 2, 2, 3, 3, 4, 4, 4]);
     }
 
     #[test]

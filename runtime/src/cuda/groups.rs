@@ -10,9 +10,9 @@ use std::ops::Range;
 use kiln_ir::artifact::TensorSlot;
 use kiln_ir::{DType, Tensor};
 
-use super::{dev, packed, CudaExecutor};
+use super::{dev, packed, CopyRing, CudaExecutor};
 use crate::forward::{fastest, time_interleaved};
-use crate::groups::{group_inputs, Grouping, MIN_GAIN};
+use crate::groups::{group_inputs, outputs_bytes, Grouping, MIN_GAIN};
 use crate::RuntimeError;
 
 impl CudaExecutor {
@@ -23,8 +23,10 @@ impl CudaExecutor {
 
     /// Runs bucket `whole` (its graph file) as groups of bucket `part` from now on, or with
     /// `None` as one replay: what load chose by timing, set by hand (tests, measurements).
-    /// `Err` unless `part`'s batch divides `whole`'s, the two compute alike
-    /// ([`crate::groups::candidates`]) and the copy ring holds a group's outputs.
+    /// `Err` unless `part`'s batch divides `whole`'s and the two compute alike
+    /// ([`crate::groups::candidates`]). Where the copy ring that load left is too small for a
+    /// group's outputs ([`Self::fit_ring`]), it is allocated again, the one allocation this may
+    /// make.
     pub fn group_bucket(&mut self, whole: &str, part: Option<&str>) -> Result<(), RuntimeError> {
         let Some(part) = part else {
             self.grouped.remove(whole);
@@ -36,8 +38,58 @@ impl CudaExecutor {
             .find(|g| g.whole == whole && g.part == part)
             .ok_or_else(|| {
                 RuntimeError::Request(format!("bucket {whole} does not run as groups of {part}"))
-            })?;
-        self.grouped.insert(whole.to_string(), grouping.clone());
+            })?
+            .clone();
+        let need = self.part_bytes(&grouping);
+        if self.ring.as_ref().is_none_or(|r| r.half < need) {
+            self.ring = Some(CopyRing::new(
+                &self.ctx,
+                &self.stream,
+                need,
+                &mut self.counts,
+            )?);
+        }
+        self.grouped.insert(whole.to_string(), grouping);
+        Ok(())
+    }
+
+    /// Device bytes of the copy ring's two buffers (0 without one).
+    pub fn copy_ring_bytes(&self) -> u64 {
+        self.ring.as_ref().map_or(0, |r| 2 * r.half as u64)
+    }
+
+    /// Bytes of a group's outputs together (what a ring buffer holds of them).
+    fn part_bytes(&self, grouping: &Grouping) -> usize {
+        outputs_bytes(&self.plans[&grouping.part]) as usize
+    }
+
+    /// After [`Self::time_groups`]: the copy ring only as large as what runs through it. A ring
+    /// that logits chunks' graphs write into stays as it is; otherwise one that no kept grouping
+    /// needs is freed, and one larger than the kept groupings need is allocated again at their
+    /// size (load sized it for every candidate, [`super::staging_and_ring`]).
+    pub(super) fn fit_ring(&mut self) -> Result<(), RuntimeError> {
+        let Some(ring) = &self.ring else {
+            return Ok(());
+        };
+        if !ring.graphs.is_empty() {
+            return Ok(());
+        }
+        let need = self.grouped.values().map(|g| self.part_bytes(g)).max();
+        match need {
+            None => self.ring = None,
+            Some(need) if need < ring.half => {
+                // The old buffers go first, so that both never take the memory at once.
+                self.stream.synchronize().map_err(dev)?;
+                self.ring = None;
+                self.ring = Some(CopyRing::new(
+                    &self.ctx,
+                    &self.stream,
+                    need,
+                    &mut self.counts,
+                )?);
+            }
+            Some(_) => {}
+        }
         Ok(())
     }
 
@@ -105,19 +157,21 @@ impl CudaExecutor {
             .collect()
     }
 
-    /// Replays `grouping.whole` as its groups, each group's outputs copied to their rows of the
-    /// staging buffer while the next computes; the outputs as [`Self::replay`] gives them.
+    /// Replays `grouping.whole` as those of its groups that hold the first `rows` rows, each
+    /// group's outputs copied to their rows of the staging buffer while the next computes; the
+    /// outputs as [`Self::replay_rows`] gives them.
     pub(super) fn replay_grouped(
         &mut self,
         grouping: &Grouping,
         inputs: &BTreeMap<String, Tensor>,
+        rows: usize,
     ) -> Result<Vec<(&TensorSlot, &[u8])>, RuntimeError> {
         // The whole bucket's inputs, as one replay would take them.
         let tensors = self.checked_inputs(&grouping.whole, inputs)?;
         let slots = &self.plans[&grouping.whole].inputs;
         let whole: Vec<(String, &Tensor)> =
             slots.iter().map(|s| s.name.clone()).zip(tensors).collect();
-        let outcome = self.stream_groups(grouping, &whole);
+        let outcome = self.stream_groups(grouping, &whole, grouping.groups_for(rows));
         let synced = self.settle(&grouping.whole);
         outcome?;
         synced?;
@@ -130,12 +184,13 @@ impl CudaExecutor {
             .collect())
     }
 
-    /// Launches the groups of `grouping`, each with its rows of `inputs`, its outputs moved to
-    /// a ring buffer and copied from there, without waiting.
+    /// Launches the first `groups` groups of `grouping`, each with its rows of `inputs`, its
+    /// outputs moved to a ring buffer and copied from there, without waiting.
     fn stream_groups(
         &mut self,
         grouping: &Grouping,
         inputs: &[(String, &Tensor)],
+        groups: usize,
     ) -> Result<(), RuntimeError> {
         let inputs: Vec<(&str, &Tensor)> = inputs.iter().map(|(n, t)| (n.as_str(), *t)).collect();
         let arena = self.addresses.base + self.arena;
@@ -144,9 +199,7 @@ impl CudaExecutor {
             &self.plans[&grouping.whole].outputs,
         );
         let sources: Vec<u64> = part.iter().map(|s| arena + s.offset).collect();
-        let groups: Vec<_> = (0..grouping.count)
-            .map(|g| group_copies(whole, part, g))
-            .collect();
+        let groups: Vec<_> = (0..groups).map(|g| group_copies(whole, part, g)).collect();
         for (g, copies) in groups.into_iter().enumerate() {
             let ring = self.ring.as_ref().expect("groupings load with the ring");
             let k = ring.take(&self.stream, g)?;
