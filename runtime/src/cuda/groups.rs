@@ -42,12 +42,7 @@ impl CudaExecutor {
             .clone();
         let need = self.part_bytes(&grouping);
         if self.ring.as_ref().is_none_or(|r| r.half < need) {
-            self.ring = Some(CopyRing::new(
-                &self.ctx,
-                &self.stream,
-                need,
-                &mut self.counts,
-            )?);
+            self.new_ring(need)?;
         }
         self.grouped.insert(whole.to_string(), grouping);
         Ok(())
@@ -77,19 +72,31 @@ impl CudaExecutor {
         let need = self.grouped.values().map(|g| self.part_bytes(g)).max();
         match need {
             None => self.ring = None,
-            Some(need) if need < ring.half => {
-                // The old buffers go first, so that both never take the memory at once.
-                self.stream.synchronize().map_err(dev)?;
-                self.ring = None;
-                self.ring = Some(CopyRing::new(
-                    &self.ctx,
-                    &self.stream,
-                    need,
-                    &mut self.counts,
-                )?);
-            }
+            Some(need) if need < ring.half => self.new_ring(need)?,
             Some(_) => {}
         }
+        Ok(())
+    }
+
+    /// A copy ring of two buffers of `half` bytes in place of the one there is, which holds no
+    /// logits chunks' graphs (they write into its buffers). The old buffers are freed first, once
+    /// the streams are done with them, so that both never take the memory at once.
+    fn new_ring(&mut self, half: usize) -> Result<(), RuntimeError> {
+        if self.ring.as_ref().is_some_and(|r| !r.graphs.is_empty()) {
+            return Err(RuntimeError::Device(
+                "the copy ring holds logits chunks' graphs and cannot be replaced".into(),
+            ));
+        }
+        if let Some(old) = self.ring.take() {
+            self.stream.synchronize().map_err(dev)?;
+            old.copies.synchronize().map_err(dev)?;
+        }
+        self.ring = Some(CopyRing::new(
+            &self.ctx,
+            &self.stream,
+            half,
+            &mut self.counts,
+        )?);
         Ok(())
     }
 
