@@ -11,7 +11,7 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use crate::dim::{shape_to_string, Dim};
-use crate::dtype::TensorType;
+use crate::dtype::{DType, TensorType};
 use crate::graph::{Graph, Node, NodeId};
 use crate::op::{mask_value, BinaryOp, Op, ReduceOp, UnaryOp};
 use crate::philox::{dropout_keep, dropout_scale, dropout_threshold, seed_key};
@@ -217,6 +217,7 @@ fn view(t: &Tensor, node: &Node, shape: &[usize], view_strides: &[usize], offset
     same_storage(node, shape, data)
 }
 
+/// One node's value from its operands' (`shape` its concrete shape, `bindings` the symbols').
 fn eval_op(
     node: &Node,
     args: &[&Tensor],
@@ -230,77 +231,9 @@ fn eval_op(
             true => float_out(node, shape, vec![*v as f32]),
             false => Tensor::int(node.ty.dtype, vec![], vec![*v as i64]),
         },
-        Op::Unary(u) => match &args[0].data {
-            Data::Float(x) => {
-                let f: fn(f64) -> f64 = match u {
-                    UnaryOp::Neg => |v| -v,
-                    UnaryOp::Exp => f64::exp,
-                    UnaryOp::Tanh => f64::tanh,
-                    UnaryOp::Erf => libm::erf,
-                    UnaryOp::Rsqrt => |v| 1.0 / v.sqrt(),
-                };
-                float_out(
-                    node,
-                    shape,
-                    x.iter().map(|&v| f(f64::from(v)) as f32).collect(),
-                )
-            }
-            Data::Int(x) => Tensor::int(
-                node.ty.dtype,
-                shape.to_vec(),
-                x.iter().map(|v| -v).collect(),
-            ),
-        },
-        Op::Binary(b) => match (&args[0].data, &args[1].data) {
-            (Data::Float(x), Data::Float(y)) => {
-                let f: fn(f64, f64) -> f64 = match b {
-                    BinaryOp::Add => |a, b| a + b,
-                    BinaryOp::Sub => |a, b| a - b,
-                    BinaryOp::Mul => |a, b| a * b,
-                    BinaryOp::Div => |a, b| a / b,
-                    BinaryOp::Max => f64::max,
-                };
-                let v = x
-                    .iter()
-                    .zip(y)
-                    .map(|(&a, &c)| f(f64::from(a), f64::from(c)) as f32)
-                    .collect();
-                float_out(node, shape, v)
-            }
-            (Data::Int(x), Data::Int(y)) => {
-                let mut v = Vec::with_capacity(x.len());
-                for (&a, &c) in x.iter().zip(y) {
-                    v.push(match b {
-                        BinaryOp::Add => a.wrapping_add(c),
-                        BinaryOp::Sub => a.wrapping_sub(c),
-                        BinaryOp::Mul => a.wrapping_mul(c),
-                        BinaryOp::Div => a.checked_div(c).ok_or("integer division by zero")?,
-                        BinaryOp::Max => a.max(c),
-                    });
-                }
-                Tensor::int(node.ty.dtype, shape.to_vec(), v)
-            }
-            _ => unreachable!("typing guarantees equal dtypes"),
-        },
-        Op::Where => {
-            let c = ints(args[0]);
-            let data = match (&args[1].data, &args[2].data) {
-                (Data::Float(a), Data::Float(b)) => Data::Float(
-                    c.iter()
-                        .zip(a.iter().zip(b))
-                        .map(|(&c, (&a, &b))| if c != 0 { a } else { b })
-                        .collect(),
-                ),
-                (Data::Int(a), Data::Int(b)) => Data::Int(
-                    c.iter()
-                        .zip(a.iter().zip(b))
-                        .map(|(&c, (&a, &b))| if c != 0 { a } else { b })
-                        .collect(),
-                ),
-                _ => unreachable!("typing guarantees equal dtypes"),
-            };
-            same_storage(node, shape, data)
-        }
+        Op::Unary(u) => unary(node, args[0], *u, shape),
+        Op::Binary(b) => binary(node, args[0], args[1], *b, shape)?,
+        Op::Where => select(node, args, shape),
         Op::Cast(to) => args[0].cast(*to),
         Op::Reduce { op, axis } => reduce(node, args[0], *op, *axis, shape),
         Op::MatMul => matmul(node, args[0], args[1], shape),
@@ -310,77 +243,16 @@ fn eval_op(
             let view_strides: Vec<usize> = perm.iter().map(|&p| src[p]).collect();
             view(args[0], node, shape, &view_strides, 0)
         }
-        Op::Broadcast(_) => {
-            let x = args[0];
-            let src = strides(&x.shape);
-            let offset = shape.len() - x.shape.len();
-            let view_strides: Vec<usize> = (0..shape.len())
-                .map(|i| match i.checked_sub(offset) {
-                    Some(j) if x.shape[j] != 1 => src[j],
-                    _ => 0,
-                })
-                .collect();
-            view(x, node, shape, &view_strides, 0)
-        }
+        Op::Broadcast(_) => broadcast(node, args[0], shape),
         Op::Slice { axis, start, .. } => {
             let x = args[0];
-            let start = start
-                .eval(bindings)
-                .filter(|&s| s >= 0 && s as usize + shape[*axis] <= x.shape[*axis])
-                .ok_or_else(|| {
-                    format!(
-                        "slice start {start} is out of range for axis {axis} of {:?}",
-                        x.shape
-                    )
-                })? as usize;
+            let start = slice_start(start, *axis, x, shape, bindings)?;
             let src = strides(&x.shape);
             view(x, node, shape, &src, start * src[*axis])
         }
-        Op::Concat(axis) => {
-            let outer: usize = shape[..*axis].iter().product();
-            let data = match &args[0].data {
-                Data::Float(_) => {
-                    let parts: Vec<&[f32]> = args.iter().map(|a| floats(a)).collect();
-                    Data::Float(concat(&parts, args, *axis, outer))
-                }
-                Data::Int(_) => {
-                    let parts: Vec<&[i64]> = args.iter().map(|a| ints(a)).collect();
-                    Data::Int(concat(&parts, args, *axis, outer))
-                }
-            };
-            same_storage(node, shape, data)
-        }
-        Op::Gather => {
-            let (table, ids) = (args[0], ints(args[1]));
-            let rows = table.shape[0];
-            let row_len: usize = table.shape[1..].iter().product();
-            let t = floats(table);
-            let mut out = Vec::with_capacity(ids.len() * row_len);
-            for (i, &id) in ids.iter().enumerate() {
-                if id < 0 || id as usize >= rows {
-                    return Err(format!(
-                        "id {id} at flat position {i} is out of range for a table of {rows} rows"
-                    ));
-                }
-                let r = id as usize;
-                out.extend_from_slice(&t[r * row_len..(r + 1) * row_len]);
-            }
-            float_out(node, shape, out)
-        }
-        Op::CausalMask { window, dtype, .. } => {
-            let neg = mask_value(*dtype);
-            let (rows, cols) = (shape[0] as i64, shape[1] as i64);
-            let shift = cols - rows;
-            let mut out = Vec::with_capacity((rows * cols) as usize);
-            for i in 0..rows {
-                for j in 0..cols {
-                    let q = i + shift;
-                    let visible = j <= q && window.is_none_or(|w| q - j < w);
-                    out.push(if visible { 0.0 } else { neg });
-                }
-            }
-            float_out(node, shape, out)
-        }
+        Op::Concat(axis) => concat_op(node, args, *axis, shape),
+        Op::Gather => gather(node, args[0], ints(args[1]), shape)?,
+        Op::CausalMask { window, dtype, .. } => causal_mask(node, *window, *dtype, shape),
         Op::PaddingMask(dtype) => {
             let neg = mask_value(*dtype);
             let m = ints(args[0]);
@@ -392,21 +264,202 @@ fn eval_op(
         }
         Op::Rope { theta, scaling } => rope(node, args[0], args[1], *theta, scaling, shape),
         Op::PositionMask { window, dtype, .. } => {
-            let neg = mask_value(*dtype);
-            let pos = ints(args[0]);
-            let cols = shape[3] as i64;
-            let mut out = Vec::with_capacity(pos.len() * cols as usize);
-            for &p in pos {
-                for j in 0..cols {
-                    let visible = j <= p && window.is_none_or(|w| p - j < w);
-                    out.push(if visible { 0.0 } else { neg });
-                }
-            }
-            float_out(node, shape, out)
+            position_mask(node, ints(args[0]), *window, *dtype, shape)
         }
         Op::CacheWrite => cache_write(node, args, shape)?,
         Op::Dropout { p, stream } => dropout(node, args[0], args[1], *p, *stream, shape)?,
     })
+}
+
+/// `Unary` elementwise: floats in f64, integers negated (the only integer unary op).
+fn unary(node: &Node, x: &Tensor, u: UnaryOp, shape: &[usize]) -> Tensor {
+    match &x.data {
+        Data::Float(x) => {
+            let f: fn(f64) -> f64 = match u {
+                UnaryOp::Neg => |v| -v,
+                UnaryOp::Exp => f64::exp,
+                UnaryOp::Tanh => f64::tanh,
+                UnaryOp::Erf => libm::erf,
+                UnaryOp::Rsqrt => |v| 1.0 / v.sqrt(),
+            };
+            float_out(
+                node,
+                shape,
+                x.iter().map(|&v| f(f64::from(v)) as f32).collect(),
+            )
+        }
+        Data::Int(x) => Tensor::int(
+            node.ty.dtype,
+            shape.to_vec(),
+            x.iter().map(|v| -v).collect(),
+        ),
+    }
+}
+
+/// `Binary` elementwise: floats in f64, integers wrapping (a division by zero is an error).
+fn binary(
+    node: &Node,
+    x: &Tensor,
+    y: &Tensor,
+    b: BinaryOp,
+    shape: &[usize],
+) -> Result<Tensor, String> {
+    Ok(match (&x.data, &y.data) {
+        (Data::Float(x), Data::Float(y)) => {
+            let f: fn(f64, f64) -> f64 = match b {
+                BinaryOp::Add => |a, b| a + b,
+                BinaryOp::Sub => |a, b| a - b,
+                BinaryOp::Mul => |a, b| a * b,
+                BinaryOp::Div => |a, b| a / b,
+                BinaryOp::Max => f64::max,
+            };
+            let v = x
+                .iter()
+                .zip(y)
+                .map(|(&a, &c)| f(f64::from(a), f64::from(c)) as f32)
+                .collect();
+            float_out(node, shape, v)
+        }
+        (Data::Int(x), Data::Int(y)) => {
+            let mut v = Vec::with_capacity(x.len());
+            for (&a, &c) in x.iter().zip(y) {
+                v.push(match b {
+                    BinaryOp::Add => a.wrapping_add(c),
+                    BinaryOp::Sub => a.wrapping_sub(c),
+                    BinaryOp::Mul => a.wrapping_mul(c),
+                    BinaryOp::Div => a.checked_div(c).ok_or("integer division by zero")?,
+                    BinaryOp::Max => a.max(c),
+                });
+            }
+            Tensor::int(node.ty.dtype, shape.to_vec(), v)
+        }
+        _ => unreachable!("typing guarantees equal dtypes"),
+    })
+}
+
+/// `Where`: `args[1]` where the condition `args[0]` is true, else `args[2]`.
+fn select(node: &Node, args: &[&Tensor], shape: &[usize]) -> Tensor {
+    let c = ints(args[0]);
+    let data = match (&args[1].data, &args[2].data) {
+        (Data::Float(a), Data::Float(b)) => Data::Float(
+            c.iter()
+                .zip(a.iter().zip(b))
+                .map(|(&c, (&a, &b))| if c != 0 { a } else { b })
+                .collect(),
+        ),
+        (Data::Int(a), Data::Int(b)) => Data::Int(
+            c.iter()
+                .zip(a.iter().zip(b))
+                .map(|(&c, (&a, &b))| if c != 0 { a } else { b })
+                .collect(),
+        ),
+        _ => unreachable!("typing guarantees equal dtypes"),
+    };
+    same_storage(node, shape, data)
+}
+
+/// `Broadcast`: a view of `x` with stride 0 on the axes it gains and on its axes of size 1.
+fn broadcast(node: &Node, x: &Tensor, shape: &[usize]) -> Tensor {
+    let src = strides(&x.shape);
+    let offset = shape.len() - x.shape.len();
+    let view_strides: Vec<usize> = (0..shape.len())
+        .map(|i| match i.checked_sub(offset) {
+            Some(j) if x.shape[j] != 1 => src[j],
+            _ => 0,
+        })
+        .collect();
+    view(x, node, shape, &view_strides, 0)
+}
+
+/// A `Slice`'s start on `axis` of `x`, bound, once the slice of `shape` is known to fit.
+fn slice_start(
+    start: &Dim,
+    axis: usize,
+    x: &Tensor,
+    shape: &[usize],
+    bindings: &BTreeMap<String, i64>,
+) -> Result<usize, String> {
+    let at = start
+        .eval(bindings)
+        .filter(|&s| s >= 0 && s as usize + shape[axis] <= x.shape[axis])
+        .ok_or_else(|| {
+            format!(
+                "slice start {start} is out of range for axis {axis} of {:?}",
+                x.shape
+            )
+        })?;
+    Ok(at as usize)
+}
+
+/// `Concat` of `args` on `axis`, in either storage.
+fn concat_op(node: &Node, args: &[&Tensor], axis: usize, shape: &[usize]) -> Tensor {
+    let outer: usize = shape[..axis].iter().product();
+    let data = match &args[0].data {
+        Data::Float(_) => {
+            let parts: Vec<&[f32]> = args.iter().map(|a| floats(a)).collect();
+            Data::Float(concat(&parts, args, axis, outer))
+        }
+        Data::Int(_) => {
+            let parts: Vec<&[i64]> = args.iter().map(|a| ints(a)).collect();
+            Data::Int(concat(&parts, args, axis, outer))
+        }
+    };
+    same_storage(node, shape, data)
+}
+
+/// `Gather`: the rows of `table` that `ids` name (an id outside the table is an error).
+fn gather(node: &Node, table: &Tensor, ids: &[i64], shape: &[usize]) -> Result<Tensor, String> {
+    let rows = table.shape[0];
+    let row_len: usize = table.shape[1..].iter().product();
+    let t = floats(table);
+    let mut out = Vec::with_capacity(ids.len() * row_len);
+    for (i, &id) in ids.iter().enumerate() {
+        if id < 0 || id as usize >= rows {
+            return Err(format!(
+                "id {id} at flat position {i} is out of range for a table of {rows} rows"
+            ));
+        }
+        let r = id as usize;
+        out.extend_from_slice(&t[r * row_len..(r + 1) * row_len]);
+    }
+    Ok(float_out(node, shape, out))
+}
+
+/// `CausalMask`: 0 where row `i` (the last rows of the columns) sees column `j`, else the
+/// dtype's mask value.
+fn causal_mask(node: &Node, window: Option<i64>, dtype: DType, shape: &[usize]) -> Tensor {
+    let neg = mask_value(dtype);
+    let (rows, cols) = (shape[0] as i64, shape[1] as i64);
+    let shift = cols - rows;
+    let mut out = Vec::with_capacity((rows * cols) as usize);
+    for i in 0..rows {
+        for j in 0..cols {
+            let q = i + shift;
+            let visible = j <= q && window.is_none_or(|w| q - j < w);
+            out.push(if visible { 0.0 } else { neg });
+        }
+    }
+    float_out(node, shape, out)
+}
+
+/// `PositionMask`: 0 where a row at position `p` sees column `j`, else the dtype's mask value.
+fn position_mask(
+    node: &Node,
+    pos: &[i64],
+    window: Option<i64>,
+    dtype: DType,
+    shape: &[usize],
+) -> Tensor {
+    let neg = mask_value(dtype);
+    let cols = shape[3] as i64;
+    let mut out = Vec::with_capacity(pos.len() * cols as usize);
+    for &p in pos {
+        for j in 0..cols {
+            let visible = j <= p && window.is_none_or(|w| p - j < w);
+            out.push(if visible { 0.0 } else { neg });
+        }
+    }
+    float_out(node, shape, out)
 }
 
 /// A kernel node means its decomposition: build it over the operands and evaluate it.

@@ -19,6 +19,7 @@ pub mod checksum;
 pub mod dim;
 pub mod dtype;
 pub mod graph;
+mod infer;
 pub mod inputs;
 pub mod interp;
 pub mod io;

@@ -1,4 +1,4 @@
-//! The operations of the IR and their typing rules.
+//! The operations of the IR; their typing rules are in `crate::infer`.
 //!
 //! These are the *primitives* that importers emit. Each op documents its semantics; the reference
 //! interpreter (`crate::interp`) is the executable definition. Typing is strict: elementwise binary
@@ -7,9 +7,10 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::dim::{numel, shape_to_string, Dim, Shape};
+use crate::dim::{Dim, Shape};
 use crate::dtype::{DType, TensorType};
 use crate::graph::Graph;
+use crate::infer;
 use crate::kernel::{
     self, Activation, AttentionSpec, DecodeAttentionSpec, EmbeddingSpec, GemmSpec, NormSpec,
 };
@@ -331,326 +332,38 @@ impl Op {
     /// Infers the output type from the operand types, or says why the operands are invalid.
     /// Leaf ops have declared types and are not inferred here.
     pub fn infer(&self, args: &[&TensorType]) -> Result<TensorType, String> {
-        let arity = |n: usize| -> Result<(), String> {
-            if args.len() == n {
-                Ok(())
-            } else {
-                Err(format!("expects {n} operand(s), got {}", args.len()))
-            }
-        };
         match self {
             Op::Input(_) | Op::Weight(_) | Op::Scalar(_) => {
                 Err("leaf ops carry a declared type".into())
             }
-            kernel_ops!() => {
-                // The type of a kernel op is the type of its decomposition.
-                let mut g = Graph::new();
-                let mut ids = Vec::with_capacity(args.len());
-                for (i, t) in args.iter().enumerate() {
-                    ids.push(
-                        g.input(&format!("arg{i}"), t.dtype, t.shape.clone())
-                            .map_err(|e| e.to_string())?,
-                    );
-                }
-                let out = self.decompose(&mut g, &ids).map_err(|e| match e {
-                    crate::IrError::Type { op, message, .. } => format!("in {op}: {message}"),
-                    other => other.to_string(),
-                })?;
-                Ok(g.ty(out).clone())
-            }
-            Op::Unary(u) => {
-                arity(1)?;
-                let x = args[0];
-                let ok = x.dtype.is_float() || (*u == UnaryOp::Neg && x.dtype.is_int());
-                if !ok {
-                    return Err(format!("needs a float operand, got {x}"));
-                }
-                Ok(x.clone())
-            }
-            Op::Binary(_) => {
-                arity(2)?;
-                same_type(args[0], args[1])?;
-                if args[0].dtype == DType::Bool {
-                    return Err("arithmetic on bool tensors".into());
-                }
-                Ok(args[0].clone())
-            }
-            Op::Where => {
-                arity(3)?;
-                let (c, a, b) = (args[0], args[1], args[2]);
-                if c.dtype != DType::Bool {
-                    return Err(format!("condition must be bool, got {c}"));
-                }
-                same_type(a, b)?;
-                if c.shape != a.shape {
-                    return Err(format!("condition {c} and values {a} differ in shape"));
-                }
-                Ok(a.clone())
-            }
-            Op::Cast(to) => {
-                arity(1)?;
-                Ok(TensorType::new(*to, args[0].shape.clone()))
-            }
-            Op::Reduce { axis, op } => {
-                arity(1)?;
-                let x = args[0];
-                check_axis(*axis, x.rank())?;
-                if *op != ReduceOp::Max && !x.dtype.is_float() {
-                    return Err(format!("sum/mean need a float operand, got {x}"));
-                }
-                let mut shape = x.shape.clone();
-                shape[*axis] = Dim::constant(1);
-                Ok(TensorType::new(x.dtype, shape))
-            }
-            Op::MatMul => {
-                arity(2)?;
-                let (a, b) = (args[0], args[1]);
-                if a.dtype != b.dtype || !a.dtype.is_float() {
-                    return Err(format!(
-                        "operands must share a float dtype, got {a} and {b}"
-                    ));
-                }
-                if a.rank() < 2 || b.rank() < 2 {
-                    return Err(format!("operands must have rank >= 2, got {a} and {b}"));
-                }
-                let (m, k) = (&a.shape[a.rank() - 2], &a.shape[a.rank() - 1]);
-                let (k2, n) = (&b.shape[b.rank() - 2], &b.shape[b.rank() - 1]);
-                if k != k2 {
-                    return Err(format!("contraction dims differ: {a} x {b}"));
-                }
-                if b.rank() != 2 && a.shape[..a.rank() - 2] != b.shape[..b.rank() - 2] {
-                    return Err(format!("batch dims differ: {a} x {b}"));
-                }
-                let mut shape = a.shape[..a.rank() - 2].to_vec();
-                shape.push(m.clone());
-                shape.push(n.clone());
-                Ok(TensorType::new(a.dtype, shape))
-            }
-            Op::Reshape(shape) => {
-                arity(1)?;
-                let x = args[0];
-                if numel(&x.shape) != numel(shape) {
-                    return Err(format!(
-                        "cannot reshape {x} to {}: element counts differ",
-                        shape_to_string(shape)
-                    ));
-                }
-                Ok(TensorType::new(x.dtype, shape.clone()))
-            }
-            Op::Permute(perm) => {
-                arity(1)?;
-                let x = args[0];
-                let mut seen = vec![false; x.rank()];
-                if perm.len() != x.rank() {
-                    return Err(format!("permutation {perm:?} does not fit {x}"));
-                }
-                for &p in perm {
-                    if p >= x.rank() || seen[p] {
-                        return Err(format!("{perm:?} is not a permutation of {x}'s axes"));
-                    }
-                    seen[p] = true;
-                }
-                let shape = perm.iter().map(|&p| x.shape[p].clone()).collect();
-                Ok(TensorType::new(x.dtype, shape))
-            }
-            Op::Broadcast(shape) => {
-                arity(1)?;
-                let x = args[0];
-                if x.rank() > shape.len() {
-                    return Err(format!(
-                        "cannot broadcast {x} to lower rank {}",
-                        shape_to_string(shape)
-                    ));
-                }
-                let offset = shape.len() - x.rank();
-                for (i, d) in x.shape.iter().enumerate() {
-                    if d != &shape[offset + i] && d.as_const() != Some(1) {
-                        return Err(format!(
-                            "cannot broadcast {x} to {}: axis {i} is {d}",
-                            shape_to_string(shape)
-                        ));
-                    }
-                }
-                Ok(TensorType::new(x.dtype, shape.clone()))
-            }
-            Op::Slice { axis, start, end } => {
-                arity(1)?;
-                let x = args[0];
-                check_axis(*axis, x.rank())?;
-                let len = end.clone() - start.clone();
-                if let (Some(s), Some(e)) = (start.as_const(), end.as_const()) {
-                    if s < 0 || e < s {
-                        return Err(format!("bad slice {start}..{end}"));
-                    }
-                }
-                if let (Some(e), Some(n)) = (end.as_const(), x.shape[*axis].as_const()) {
-                    if e > n {
-                        return Err(format!("slice end {e} exceeds axis {axis} of {x}"));
-                    }
-                }
-                let mut shape = x.shape.clone();
-                shape[*axis] = len;
-                Ok(TensorType::new(x.dtype, shape))
-            }
-            Op::Concat(axis) => {
-                let first = args.first().ok_or("concat of zero tensors")?;
-                check_axis(*axis, first.rank())?;
-                let mut total = Dim::constant(0);
-                for t in args {
-                    let compatible = t.dtype == first.dtype
-                        && t.rank() == first.rank()
-                        && (0..t.rank()).all(|i| i == *axis || t.shape[i] == first.shape[i]);
-                    if !compatible {
-                        return Err(format!("cannot concat {t} with {first} on axis {axis}"));
-                    }
-                    total = total + t.shape[*axis].clone();
-                }
-                let mut shape = first.shape.clone();
-                shape[*axis] = total;
-                Ok(TensorType::new(first.dtype, shape))
-            }
-            Op::Gather => {
-                arity(2)?;
-                let (table, ids) = (args[0], args[1]);
-                if !ids.dtype.is_int() {
-                    return Err(format!("ids must be integers, got {ids}"));
-                }
-                if table.rank() < 1 {
-                    return Err("table must have rank >= 1".into());
-                }
-                let mut shape = ids.shape.clone();
-                shape.extend_from_slice(&table.shape[1..]);
-                Ok(TensorType::new(table.dtype, shape))
-            }
+            kernel_ops!() => infer::by_decomposition(self, args),
+            Op::Unary(u) => infer::unary(*u, args),
+            Op::Binary(_) => infer::binary(args),
+            Op::Where => infer::select(args),
+            Op::Cast(to) => infer::cast(*to, args),
+            Op::Reduce { axis, op } => infer::reduce(*axis, *op, args),
+            Op::MatMul => infer::matmul(args),
+            Op::Reshape(shape) => infer::reshape(shape, args),
+            Op::Permute(perm) => infer::permute(perm, args),
+            Op::Broadcast(shape) => infer::broadcast(shape, args),
+            Op::Slice { axis, start, end } => infer::slice(*axis, start, end, args),
+            Op::Concat(axis) => infer::concat(*axis, args),
+            Op::Gather => infer::gather(args),
             Op::CausalMask {
                 rows,
                 cols,
                 window,
                 dtype,
-            } => {
-                arity(0)?;
-                if window.is_some_and(|w| w < 1) {
-                    return Err(format!("window must be >= 1, got {window:?}"));
-                }
-                if !dtype.is_float() {
-                    return Err(format!("a mask must be a float type, got {dtype}"));
-                }
-                Ok(TensorType::new(*dtype, vec![rows.clone(), cols.clone()]))
-            }
-            Op::PaddingMask(dtype) => {
-                arity(1)?;
-                let m = args[0];
-                if m.rank() != 2 || !(m.dtype.is_int() || m.dtype == DType::Bool) {
-                    return Err(format!("mask must be an integer [B, L] tensor, got {m}"));
-                }
-                if !dtype.is_float() {
-                    return Err(format!("a mask must be a float type, got {dtype}"));
-                }
-                let one = Dim::constant(1);
-                Ok(TensorType::new(
-                    *dtype,
-                    vec![m.shape[0].clone(), one.clone(), one, m.shape[1].clone()],
-                ))
-            }
+            } => infer::causal_mask(rows, cols, *window, *dtype, args),
+            Op::PaddingMask(dtype) => infer::padding_mask(*dtype, args),
             Op::PositionMask {
                 cols,
                 window,
                 dtype,
-            } => {
-                arity(1)?;
-                let p = args[0];
-                if p.rank() != 2 || !p.dtype.is_int() {
-                    return Err(format!("positions must be integer [B, S], got {p}"));
-                }
-                if window.is_some_and(|w| w < 1) || !dtype.is_float() {
-                    return Err(format!("bad window {window:?} or mask type {dtype}"));
-                }
-                Ok(TensorType::new(
-                    *dtype,
-                    vec![
-                        p.shape[0].clone(),
-                        Dim::constant(1),
-                        p.shape[1].clone(),
-                        cols.clone(),
-                    ],
-                ))
-            }
-            Op::CacheWrite => {
-                arity(4)?;
-                let (cache, new, pos, mask) = (args[0], args[1], args[2], args[3]);
-                let fits = cache.rank() == 4
-                    && new.rank() == 4
-                    && cache.dtype == new.dtype
-                    && cache.shape[0] == new.shape[0]
-                    && cache.shape[1] == new.shape[1]
-                    && cache.shape[3] == new.shape[3]
-                    && pos.rank() == 2
-                    && pos.dtype.is_int()
-                    && pos.shape[0] == new.shape[0]
-                    && pos.shape[1] == new.shape[2]
-                    && mask.shape == pos.shape
-                    && (mask.dtype.is_int() || mask.dtype == DType::Bool);
-                if !fits {
-                    return Err(format!(
-                        "cannot write {new} at positions {pos} (mask {mask}) into cache {cache}"
-                    ));
-                }
-                Ok(cache.clone())
-            }
-            Op::Rope { theta, scaling } => {
-                arity(2)?;
-                let (x, pos) = (args[0], args[1]);
-                if !x.dtype.is_float() || x.rank() != 4 {
-                    return Err(format!("x must be a float [B, H, L, D] tensor, got {x}"));
-                }
-                if !pos.dtype.is_int()
-                    || pos.rank() != 2
-                    || pos.shape[0] != x.shape[0]
-                    || pos.shape[1] != x.shape[2]
-                {
-                    return Err(format!(
-                        "positions must be integer [B, L] for {x}, got {pos}"
-                    ));
-                }
-                if x.shape[3].as_const().is_none_or(|d| d % 2 != 0) {
-                    return Err(format!("head dim of {x} must be a known even number"));
-                }
-                if theta.is_nan() || *theta <= 0.0 {
-                    return Err(format!("theta must be positive, got {theta}"));
-                }
-                scaling.validate()?;
-                Ok(x.clone())
-            }
-            Op::Dropout { p, .. } => {
-                arity(2)?;
-                let (x, seed) = (args[0], args[1]);
-                if !x.dtype.is_float() {
-                    return Err(format!("x must be float, got {x}"));
-                }
-                if seed.dtype != DType::I64 || seed.rank() != 0 {
-                    return Err(format!("seed must be an i64 scalar, got {seed}"));
-                }
-                if !(0.0..1.0).contains(p) {
-                    return Err(format!("p must be in [0, 1), got {p}"));
-                }
-                Ok(x.clone())
-            }
+            } => infer::position_mask(cols, *window, *dtype, args),
+            Op::CacheWrite => infer::cache_write(args),
+            Op::Rope { theta, scaling } => infer::rope(*theta, scaling, args),
+            Op::Dropout { p, .. } => infer::dropout(*p, args),
         }
-    }
-}
-
-fn same_type(a: &TensorType, b: &TensorType) -> Result<(), String> {
-    if a == b {
-        Ok(())
-    } else {
-        Err(format!("operands differ: {a} vs {b}"))
-    }
-}
-
-fn check_axis(axis: usize, rank: usize) -> Result<(), String> {
-    if axis < rank {
-        Ok(())
-    } else {
-        Err(format!("axis {axis} out of range for rank {rank}"))
     }
 }
