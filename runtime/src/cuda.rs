@@ -292,8 +292,7 @@ fn load_kernels(
 /// through the logits chunks), and the copy ring when a logits chunk among the buckets has
 /// logits or `groupings` group a bucket (those [`fit_groupings`] keeps).
 fn staging_and_ring(
-    ctx: &Arc<CudaContext>,
-    stream: &Arc<CudaStream>,
+    gpu: &Gpu,
     m: &Manifest,
     buckets: &[(&BucketEntry, ExecPlan)],
     groupings: &mut Vec<Grouping>,
@@ -310,11 +309,11 @@ fn staging_and_ring(
         staging_bytes = staging_bytes.max(row * m.max_context.unwrap_or(0));
         half = logits;
     }
-    half = half.max(fit_groupings(ctx, buckets, groupings, half)?);
+    half = half.max(fit_groupings(&gpu.ctx, buckets, groupings, half)?);
     if half == 0 {
         return Ok((staging_bytes, None));
     }
-    let ring = CopyRing::new(ctx, stream, half, counts)?;
+    let ring = CopyRing::new(&gpu.ctx, &gpu.stream, half, counts)?;
     Ok((staging_bytes, Some(ring)))
 }
 
@@ -344,6 +343,129 @@ fn fit_groupings(
         fits
     });
     Ok(groupings.iter().map(part_bytes).max().unwrap_or(0))
+}
+
+/// GPU 0 as load opens it: its context (event tracking off), the replay stream, and its name.
+struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    device: String,
+}
+
+/// The kernel images a GPU runs: the module every GPU takes, and the sm_90a one where this GPU
+/// takes it.
+struct Images {
+    base: KernelImage,
+    hopper: Option<KernelImage>,
+}
+
+impl Gpu {
+    /// GPU 0 and the images of `art` it runs ([`choose_image`], [`choose_sm90a_image`]).
+    fn open(art: &Artifact, start: Instant) -> Result<(Gpu, Images), RuntimeError> {
+        probe()?;
+        let ctx = CudaContext::new(0).map_err(dev)?;
+        let (major, minor) = ctx.compute_capability().map_err(dev)?;
+        let sm = (major * 10 + minor) as u32;
+        let device = format!("{} (sm_{sm})", ctx.name().map_err(dev)?);
+        let images = Images {
+            base: choose_image(art, sm)?,
+            hopper: choose_sm90a_image(art, sm)?,
+        };
+        // SAFETY: called before any buffer exists; graph capture needs the context's event
+        // tracking off (cudarc's per-buffer events would join the capture).
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(dev)?;
+        tracing::info!(seconds = start.elapsed().as_secs_f64(), %device, "CUDA context ready");
+        let gpu = Gpu {
+            ctx,
+            stream,
+            device,
+        };
+        Ok((gpu, images))
+    }
+
+    /// The one allocation of `art`'s memory plan, zeroed, with its weights (`region`, mapped
+    /// from the artifact) uploaded into it.
+    fn allocate(
+        &self,
+        art: &Artifact,
+        region: &[u8],
+        counts: &mut DriverCounts,
+        start: Instant,
+    ) -> Result<CudaSlice<u8>, RuntimeError> {
+        let total = art.manifest.memory.total_bytes();
+        counts.allocated();
+        let memory = self.stream.alloc_zeros::<u8>(total as usize).map_err(dev)?;
+        let base = memory.device_ptr(&self.stream).0;
+        upload_weights(&self.ctx, &self.stream, base, art, region)?;
+        tracing::info!(
+            seconds = start.elapsed().as_secs_f64(),
+            bytes = region.len(),
+            "weights uploaded"
+        );
+        Ok(memory)
+    }
+
+    /// The kernels of `m`'s table from `images`' modules ([`load_kernels`]).
+    fn kernels(
+        &self,
+        m: &Manifest,
+        images: Images,
+        counts: &mut DriverCounts,
+        start: Instant,
+    ) -> Result<Kernels, RuntimeError> {
+        let module = load_image(&self.ctx, images.base, counts)?;
+        let hopper = images
+            .hopper
+            .map(|h| load_image(&self.ctx, h, counts))
+            .transpose()?;
+        let functions = Kernels {
+            by_name: load_kernels(&m.kernel_table, &module, hopper.as_ref())?,
+            dependent_launch: std::env::var("KILN_PDL").map_or(true, |v| v != "0"),
+        };
+        tracing::info!(
+            seconds = start.elapsed().as_secs_f64(),
+            dependent_launch = functions.dependent_launch,
+            "kernels loaded"
+        );
+        Ok(functions)
+    }
+
+    /// Page-locked host memory of `bytes` that outputs are copied into.
+    fn staging(
+        &self,
+        bytes: usize,
+        counts: &mut DriverCounts,
+        start: Instant,
+    ) -> Result<PinnedHostSlice<u8>, RuntimeError> {
+        counts.allocated();
+        // SAFETY: host memory that is only read after a copy into it has completed; flags 0 is
+        // ordinary (cached) page-locked memory, which the host reads fast. (Allocated on another
+        // thread during the weight upload, it slowed the upload more than it saved: 0.57 -> 1.11 s
+        // to uploaded weights, Llama-1B-shaped, H200.)
+        let staging =
+            unsafe { self.ctx.alloc_pinned_with_flags::<u8>(bytes.max(1), 0) }.map_err(dev)?;
+        tracing::info!(
+            seconds = start.elapsed().as_secs_f64(),
+            bytes,
+            "output staging allocated"
+        );
+        Ok(staging)
+    }
+}
+
+/// Every way of grouping a prefill bucket among `buckets` ([`crate::groups::candidates`]), none
+/// where `KILN_BATCH_GROUPS=0` keeps every bucket whole.
+fn batch_groupings(m: &Manifest, buckets: &[(&BucketEntry, ExecPlan)]) -> Vec<Grouping> {
+    if std::env::var("KILN_BATCH_GROUPS").is_ok_and(|v| v == "0") {
+        return Vec::new();
+    }
+    let prefill: Vec<(&BucketEntry, &ExecPlan)> = buckets
+        .iter()
+        .filter(|(e, _)| m.prefill.contains(e))
+        .map(|(e, p)| (*e, p))
+        .collect();
+    crate::groups::candidates(&prefill)
 }
 
 /// What capturing the buckets at load works with: the stream, the loaded kernels and the
@@ -741,7 +863,7 @@ fn check_step(
 impl CudaExecutor {
     /// Loads `art` on GPU 0: checks the GPU (compute capability against the cubin, free memory),
     /// allocates the plan, uploads the weights, loads the kernels and captures every bucket's
-    /// graph, largest first.
+    /// graph, largest first; then times what it may choose (a last logits chunk, batch groups).
     pub fn load(art: &Artifact, work: Work) -> Result<CudaExecutor, RuntimeError> {
         let _range = nvtx::range!("kiln load");
         let start = Instant::now();
@@ -753,104 +875,33 @@ impl CudaExecutor {
             .map(|k| (k.name.as_str(), k))
             .collect();
         let buckets = gpu_buckets(art, work, &table)?;
-
-        probe()?;
-        let ctx = CudaContext::new(0).map_err(dev)?;
-        let (major, minor) = ctx.compute_capability().map_err(dev)?;
-        let sm = (major * 10 + minor) as u32;
-        let device = format!("{} (sm_{sm})", ctx.name().map_err(dev)?);
-        let image = choose_image(art, sm)?;
-        let hopper = choose_sm90a_image(art, sm)?;
-        let sm90a = hopper.is_some();
+        let (gpu, images) = Gpu::open(art, start)?;
+        let sm90a = images.hopper.is_some();
         let buckets: Vec<(&BucketEntry, ExecPlan)> = buckets
             .into_iter()
             .map(|(e, p)| Ok((e, resolve_plan(p, &table, sm90a)?)))
             .collect::<Result<_, RuntimeError>>()?;
-        let total = m.memory.total_bytes();
-        check_free_memory(&ctx, total, &device)?;
-        // SAFETY: called before any buffer exists; graph capture needs the context's event
-        // tracking off (cudarc's per-buffer events would join the capture).
-        unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.new_stream().map_err(dev)?;
-        tracing::info!(seconds = start.elapsed().as_secs_f64(), %device, "CUDA context ready");
-
+        check_free_memory(&gpu.ctx, m.memory.total_bytes(), &gpu.device)?;
         let mut counts = DriverCounts::default();
-        counts.allocated();
-        let mut memory = stream.alloc_zeros::<u8>(total as usize).map_err(dev)?;
-        let base = {
-            let (ptr, _sync) = memory.device_ptr(&stream);
-            ptr
-        };
-        upload_weights(&ctx, &stream, base, art, region)?;
-        tracing::info!(
-            seconds = start.elapsed().as_secs_f64(),
-            bytes = region.len(),
-            "weights uploaded"
-        );
-
-        let module = load_image(&ctx, image, &mut counts)?;
-        let hopper = hopper
-            .map(|h| load_image(&ctx, h, &mut counts))
-            .transpose()?;
-        let functions = Kernels {
-            by_name: load_kernels(&m.kernel_table, &module, hopper.as_ref())?,
-            dependent_launch: std::env::var("KILN_PDL").map_or(true, |v| v != "0"),
-        };
-        tracing::info!(
-            seconds = start.elapsed().as_secs_f64(),
-            dependent_launch = functions.dependent_launch,
-            "kernels loaded"
-        );
+        let mut memory = gpu.allocate(art, region, &mut counts, start)?;
+        let functions = gpu.kernels(m, images, &mut counts, start)?;
         let addresses = Addresses {
-            base,
+            base: memory.device_ptr(&gpu.stream).0,
             plan: m.memory.clone(),
             moved: None,
         };
-        let prefill: Vec<(&BucketEntry, &ExecPlan)> = buckets
-            .iter()
-            .filter(|(e, _)| m.prefill.contains(e))
-            .map(|(e, p)| (*e, p))
-            .collect();
-        // `KILN_BATCH_GROUPS=0` keeps every bucket whole.
-        let mut groupings = match std::env::var("KILN_BATCH_GROUPS") {
-            Ok(v) if v == "0" => Vec::new(),
-            _ => crate::groups::candidates(&prefill),
-        };
+        let mut groupings = batch_groupings(m, &buckets);
         let (staging_bytes, mut ring) =
-            staging_and_ring(&ctx, &stream, m, &buckets, &mut groupings, &mut counts)?;
+            staging_and_ring(&gpu, m, &buckets, &mut groupings, &mut counts)?;
         let loaded = Loaded {
-            stream: &stream,
+            stream: &gpu.stream,
             functions: &functions,
             addresses: &addresses,
             arena: m.memory.base(Region::Arena),
             start,
         };
         let graphs = loaded.capture_all(&mut memory, m, &buckets, ring.as_mut(), &mut counts)?;
-        // The warm-up runs wrote the cache; a generation starts from an empty one.
-        let cache = m.memory.base(Region::Cache);
-        let cache_bytes = m.memory.cache_bytes;
-        if cache_bytes > 0 {
-            stream
-                .memset_zeros(&mut memory.slice_mut(cache as usize..(cache + cache_bytes) as usize))
-                .map_err(dev)?;
-        }
-        stream.synchronize().map_err(dev)?;
-        let plans = buckets
-            .iter()
-            .map(|(e, p)| (e.graph.clone(), p.clone()))
-            .collect();
-        counts.allocated();
-        // SAFETY: host memory that is only read after a copy into it has completed; flags 0 is
-        // ordinary (cached) page-locked memory, which the host reads fast. (Allocated on another
-        // thread during the weight upload, it slowed the upload more than it saved: 0.57 -> 1.11 s
-        // to uploaded weights, Llama-1B-shaped, H200.)
-        let staging =
-            unsafe { ctx.alloc_pinned_with_flags::<u8>(staging_bytes.max(1), 0) }.map_err(dev)?;
-        tracing::info!(
-            seconds = start.elapsed().as_secs_f64(),
-            bytes = staging_bytes,
-            "output staging allocated"
-        );
+        let staging = gpu.staging(staging_bytes, &mut counts, start)?;
         let mut exec = CudaExecutor {
             staging,
             functions,
@@ -858,8 +909,8 @@ impl CudaExecutor {
             eager: std::env::var_os("KILN_EAGER").is_some(),
             profile: BTreeMap::new(),
             arena: m.memory.base(Region::Arena),
-            cache,
-            cache_bytes,
+            cache: m.memory.base(Region::Cache),
+            cache_bytes: m.memory.cache_bytes,
             cache_slots: m.memory.cache.clone(),
             paging: m.memory.paging,
             ring,
@@ -867,24 +918,37 @@ impl CudaExecutor {
             last_chunk: None,
             groupings,
             grouped: BTreeMap::new(),
-            ctx,
-            stream,
+            ctx: gpu.ctx,
+            stream: gpu.stream,
             memory,
             graphs,
-            plans,
+            plans: buckets
+                .into_iter()
+                .map(|(e, p)| (e.graph.clone(), p))
+                .collect(),
             counts,
             at_load: counts,
             replays: BTreeMap::new(),
-            load_seconds: start.elapsed().as_secs_f64(),
-            device,
+            load_seconds: 0.0,
+            device: gpu.device,
             sm90a,
         };
-        exec.time_last_chunk(art)?;
-        exec.time_groups()?;
-        exec.fit_ring()?;
-        exec.at_load = exec.counts;
-        exec.load_seconds = start.elapsed().as_secs_f64();
+        exec.finish_load(art, start)?;
         Ok(exec)
+    }
+
+    /// The last of load: the cache the warm-up runs wrote emptied (a generation starts from an
+    /// empty one), the choices timed, the ring fitted to them; what was done so far counted as
+    /// load's.
+    fn finish_load(&mut self, art: &Artifact, start: Instant) -> Result<(), RuntimeError> {
+        self.reset_cache()?;
+        self.stream.synchronize().map_err(dev)?;
+        self.time_last_chunk(art)?;
+        self.time_groups()?;
+        self.fit_ring()?;
+        self.at_load = self.counts;
+        self.load_seconds = start.elapsed().as_secs_f64();
+        Ok(())
     }
 
     /// Times the logits chunks' last sizes ([`crate::forward::time_last_chunk`]; not under
