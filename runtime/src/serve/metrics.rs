@@ -102,66 +102,89 @@ impl Metrics {
             compilations_after_load: Gauge::default(),
             registry: Registry::default(),
         };
-        let r = &mut registry;
+        m.register_gauges(&mut registry);
+        m.register_counters(&mut registry);
+        m.register_latencies(&mut registry);
+        if cuda {
+            m.register_driver_counts(&mut registry);
+        }
+        Metrics { registry, ..m }
+    }
+
+    /// The gauges of the running, the waiting and the KV cache.
+    fn register_gauges(&self, r: &mut Registry) {
         let gauges = [
-            ("requests_running", "Sequences decoding", &m.running),
+            ("requests_running", "Sequences decoding", &self.running),
             (
                 "requests_waiting",
                 "Requests waiting for a KV-cache row or its blocks",
-                &m.waiting,
+                &self.waiting,
             ),
             (
                 "kv_cache_tokens_used",
                 "Tokens held in the KV cache",
-                &m.cache_tokens_used,
+                &self.cache_tokens_used,
             ),
             (
                 "kv_blocks_used",
                 "Blocks of the paged KV cache held (0: dense cache)",
-                &m.kv_blocks_used,
+                &self.kv_blocks_used,
             ),
             (
                 "kv_blocks",
                 "Blocks of the paged KV cache (0: dense cache)",
-                &m.kv_blocks,
+                &self.kv_blocks,
             ),
         ];
         for (name, help, gauge) in gauges {
             r.register(name, help, gauge.clone());
         }
-        let prompt = m.prompt_tokens.clone();
+    }
+
+    /// The token, request and replay counters.
+    fn register_counters(&self, r: &mut Registry) {
+        let prompt = self.prompt_tokens.clone();
         r.register(
             "prompt_tokens",
             "Prompt tokens of admitted requests",
             prompt,
         );
-        let generated = m.generated_tokens.clone();
+        let generated = self.generated_tokens.clone();
         r.register("generation_tokens", "Generated tokens", generated);
         r.register(
             "requests_finished",
             "Finished requests by reason",
-            m.finished.clone(),
+            self.finished.clone(),
         );
+        r.register(
+            "bucket_replays",
+            "Bucket runs since load",
+            self.replays.clone(),
+        );
+    }
+
+    /// The latency histograms (the engine's steps' by kind) and the prompt chunks' time limit.
+    fn register_latencies(&self, r: &mut Registry) {
         let h = [
             (
                 "time_to_first_token_seconds",
                 "Arrival to first token",
-                &m.time_to_first_token,
+                &self.time_to_first_token,
             ),
             (
                 "inter_token_latency_seconds",
                 "Between a sequence's tokens",
-                &m.inter_token,
+                &self.inter_token,
             ),
             (
                 "e2e_request_latency_seconds",
                 "Arrival to last token",
-                &m.end_to_end,
+                &self.end_to_end,
             ),
             (
                 "request_queue_time_seconds",
                 "Arrival to admission",
-                &m.queue_time,
+                &self.queue_time,
             ),
         ];
         for (name, help, hist) in h {
@@ -170,30 +193,26 @@ impl Metrics {
         r.register(
             "engine_step_seconds",
             "Engine steps, with or without prompt chunks",
-            m.step_seconds.clone(),
+            self.step_seconds.clone(),
         );
         r.register(
             "prompt_chunk_limit_seconds",
             "The time a prompt chunk may take under --chunk-budget (0: any)",
-            m.chunk_limit.clone(),
+            self.chunk_limit.clone(),
         );
+    }
+
+    /// What the CUDA executor compiled and captured after load.
+    fn register_driver_counts(&self, r: &mut Registry) {
+        let captures = self.captures_after_load.clone();
         r.register(
-            "bucket_replays",
-            "Bucket runs since load",
-            m.replays.clone(),
+            "graph_captures_after_load",
+            "CUDA graph captures after load",
+            captures,
         );
-        if cuda {
-            let captures = m.captures_after_load.clone();
-            r.register(
-                "graph_captures_after_load",
-                "CUDA graph captures after load",
-                captures,
-            );
-            let jit = m.compilations_after_load.clone();
-            let help = "Kernel module loads (and PTX JIT compilations) after load";
-            r.register("compilations_after_load", help, jit);
-        }
-        Metrics { registry, ..m }
+        let jit = self.compilations_after_load.clone();
+        let help = "Kernel module loads (and PTX JIT compilations) after load";
+        r.register("compilations_after_load", help, jit);
     }
 
     /// The OpenMetrics text of every metric.
