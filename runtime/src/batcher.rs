@@ -397,31 +397,6 @@ impl<'a> Batcher<'a> {
             .iter()
             .find(|e| e.batch > used)
             .expect("the largest decode bucket covers every row");
-        let tokens: Vec<Vec<i64>> = self
-            .rows
-            .iter()
-            .zip(&work)
-            .map(|(s, w)| match (s, w) {
-                (Some(s), Work::Feed) => vec![s.job.prompt[s.filled]],
-                (Some(s), Work::Choose) => {
-                    vec![*s.generated.last().unwrap_or(&s.job.prompt[s.head()])]
-                }
-                _ => Vec::new(),
-            })
-            .collect();
-        let rows: Vec<Row> = self.rows[..entry.batch]
-            .iter()
-            .zip(&tokens)
-            .map(|(s, t)| Row::new(t, s.as_ref().map_or(0, Seq::cached)))
-            .collect();
-        let picks: Vec<Option<(Sampling, u32)>> = self.rows[..entry.batch]
-            .iter()
-            .zip(&work)
-            .map(|(s, w)| match (s, w) {
-                (Some(s), Work::Choose) => Some((s.job.sampling, s.generated.len() as u32)),
-                _ => None,
-            })
-            .collect();
         let all_decoding = chunks == 0
             && self
                 .rows
@@ -429,26 +404,7 @@ impl<'a> Batcher<'a> {
                 .flatten()
                 .all(|s| !s.filling() && !s.generated.is_empty());
         let ahead = if all_decoding { self.ahead() } else { 1 };
-        // Each row with a token writes its keys at `cached..cached + ahead`.
-        let writes: Vec<(usize, usize)> = self
-            .rows
-            .iter()
-            .zip(&work)
-            .enumerate()
-            .filter_map(|(r, (s, w))| match (s, w) {
-                (Some(s), Work::Feed | Work::Choose) => Some((r, s.cached() + ahead)),
-                _ => None,
-            })
-            .collect();
-        Self::hold_blocks(&mut self.blocks, self.session.exec, writes)?;
-        let chained = match ahead {
-            1 => None,
-            n => self.session.next_steps(entry, &rows, &picks, n)?,
-        };
-        let chosen = match chained {
-            Some(chosen) => chosen,
-            None => vec![self.session.next(entry, &rows, &picks)?],
-        };
+        let chosen = self.decode(entry, &work, ahead)?;
         *self.runs.entry(entry.graph.clone()).or_default() += chosen.len() as u64;
         // Only the last of chained steps can finish a sequence, so rows move only after it.
         let mut emitted = Vec::new();
@@ -463,6 +419,67 @@ impl<'a> Batcher<'a> {
             self.decode_began = Some((started, chosen.len()));
         }
         Ok(emitted)
+    }
+
+    /// Runs the decode step `entry` over the rows' `work` (`ahead` chained steps where more
+    /// than one, [`Session::next_steps`]) once the KV blocks of the keys it writes are held:
+    /// the tokens chosen, a step at a time, each row's where it chose one.
+    fn decode(
+        &mut self,
+        entry: &BucketEntry,
+        work: &[Work],
+        ahead: usize,
+    ) -> Result<Vec<Vec<Option<usize>>>, RuntimeError> {
+        let tokens = self.step_tokens(work);
+        let rows: Vec<Row> = self.rows[..entry.batch]
+            .iter()
+            .zip(&tokens)
+            .map(|(s, t)| Row::new(t, s.as_ref().map_or(0, Seq::cached)))
+            .collect();
+        let picks: Vec<Option<(Sampling, u32)>> = self.rows[..entry.batch]
+            .iter()
+            .zip(work)
+            .map(|(s, w)| match (s, w) {
+                (Some(s), Work::Choose) => Some((s.job.sampling, s.generated.len() as u32)),
+                _ => None,
+            })
+            .collect();
+        // Each row with a token writes its keys at `cached..cached + ahead`.
+        let writes: Vec<(usize, usize)> = self
+            .rows
+            .iter()
+            .zip(work)
+            .enumerate()
+            .filter_map(|(r, (s, w))| match (s, w) {
+                (Some(s), Work::Feed | Work::Choose) => Some((r, s.cached() + ahead)),
+                _ => None,
+            })
+            .collect();
+        Self::hold_blocks(&mut self.blocks, self.session.exec, writes)?;
+        let chained = match ahead {
+            1 => None,
+            n => self.session.next_steps(entry, &rows, &picks, n)?,
+        };
+        Ok(match chained {
+            Some(chosen) => chosen,
+            None => vec![self.session.next(entry, &rows, &picks)?],
+        })
+    }
+
+    /// The token each row puts in for its `work`: the prompt's next to feed, or the last one
+    /// generated (the prompt's last before any) to choose after; none for an idle row.
+    fn step_tokens(&self, work: &[Work]) -> Vec<Vec<i64>> {
+        self.rows
+            .iter()
+            .zip(work)
+            .map(|(s, w)| match (s, w) {
+                (Some(s), Work::Feed) => vec![s.job.prompt[s.filled]],
+                (Some(s), Work::Choose) => {
+                    vec![*s.generated.last().unwrap_or(&s.job.prompt[s.head()])]
+                }
+                _ => Vec::new(),
+            })
+            .collect()
     }
 
     /// Each row's sequence.
