@@ -137,10 +137,14 @@ fn cache_kernels(elem: Elem, out: &mut Catalog) {
     out.push(("kv_cache", crate::kv_cache::chunk_entries(&aligned)));
 }
 
-/// Attention over every key rule, with padding, RoPE, dropout, windows and paged caches, and
-/// every shape of the Hopper kernel.
-fn attention_kernels(elem: Elem, out: &mut Catalog) {
-    for (head_dim, keys, padding, rope, dropout, q_len, kv_len) in [
+/// The catalog's attention cases: head dim, key rule, padding, RoPE, dropout, query and key
+/// lengths.
+type AttentionCase = (u32, KeyRule, bool, bool, Option<Dropout>, u32, u32);
+
+/// Every key rule, with padding, RoPE, dropout and windows, on each path (`mma.sync`, the Hopper
+/// kernel, decode steps, prompt chunks over a cache).
+fn attention_cases() -> [AttentionCase; 13] {
+    [
         (
             64,
             KeyRule::Causal { window: None },
@@ -260,7 +264,13 @@ fn attention_kernels(elem: Elem, out: &mut Catalog) {
             128,
             4096,
         ),
-    ] {
+    ]
+}
+
+/// Attention over every key rule, with padding, RoPE, dropout, windows and paged caches, and
+/// every shape of the Hopper kernel.
+fn attention_kernels(elem: Elem, out: &mut Catalog) {
+    for (head_dim, keys, padding, rope, dropout, q_len, kv_len) in attention_cases() {
         let mut cfg = AttentionConfig {
             batch: 2,
             heads: 16,
@@ -339,6 +349,20 @@ fn attention_variants(mut cfg: AttentionConfig, out: &mut Catalog) {
 /// Products: every epilogue on the tiled and matrix-vector kernels (every Hopper tiling), the
 /// folded and normed matrix-vector kernels and an odd column count.
 fn gemm_kernels(elem: Elem, out: &mut Catalog) {
+    epilogue_products(elem, out);
+    if elem != Elem::F32 {
+        normed_products(elem, out);
+    }
+    one_row_products(elem, out);
+    out.push(("gemm", gemm(&odd_columns(elem))));
+    if elem != Elem::F32 {
+        carried_norms(elem, out);
+    }
+}
+
+/// Every epilogue on 127 rows (the tiled kernels, every Hopper tiling and K split) and on 1 and
+/// 5 rows (the matrix-vector kernel).
+fn epilogue_products(elem: Elem, out: &mut Catalog) {
     for (transpose_b, bias, act, swiglu, residual) in [
         (true, false, None, false, false),
         (false, true, Some(Activation::GeluTanh), false, false),
@@ -375,11 +399,28 @@ fn gemm_kernels(elem: Elem, out: &mut Catalog) {
             out.push(("gemm", kernel));
         }
     }
-    // Decode products that normalise x in their prologue (tensor-core GEMV only).
+}
+
+/// A product of an odd number of output columns (GPT-2's vocabulary is 50257): element stores.
+fn odd_columns(elem: Elem) -> GemmConfig {
+    GemmConfig {
+        m: 127,
+        k: 768,
+        n: 1001,
+        transpose_b: true,
+        bias: true,
+        activation: None,
+        swiglu: false,
+        residual: false,
+        elem,
+        row_norm: None,
+    }
+}
+
+/// Decode products of 8 rows that normalise x in their prologue (tensor-core GEMV only): an
+/// RMSNorm before a SwiGLU gate/up, a LayerNorm before a residual product.
+fn normed_products(elem: Elem, out: &mut Catalog) {
     for (kind, swiglu) in [(NormKind::RmsNorm, true), (NormKind::LayerNorm, false)] {
-        if elem == Elem::F32 {
-            break;
-        }
         let cfg = GemmConfig {
             m: 8,
             k: 2048,
@@ -404,7 +445,11 @@ fn gemm_kernels(elem: Elem, out: &mut Catalog) {
         let weighted = kind == NormKind::LayerNorm;
         out.push(("gemm", crate::gemv::gemv_normed(&(cfg, norm, weighted))));
     }
-    // A one-row LM head folding the greedy choice into its keys.
+}
+
+/// A one-row LM head folding the greedy choice into its keys; on tensor cores, one-row products
+/// with x's RMSNorm folded in too.
+fn one_row_products(elem: Elem, out: &mut Catalog) {
     let head = GemmConfig::plain(1, 50257, 768, elem);
     out.push(("gemm", crate::gemv::gemv_choosing(&head)));
     if elem != Elem::F32 {
@@ -437,53 +482,40 @@ fn gemm_kernels(elem: Elem, out: &mut Catalog) {
         let norm = rms(1, small_head.k);
         out.push(("gemm", crate::gemv::gemv_folded(&(small_head, norm, true))));
     }
-    // An odd number of output columns (GPT-2's vocabulary is 50257): element stores.
-    let odd = GemmConfig {
-        m: 127,
-        k: 768,
-        n: 1001,
-        transpose_b: true,
-        bias: true,
-        activation: None,
-        swiglu: false,
-        residual: false,
-        elem,
-        row_norm: None,
+}
+
+/// An RMSNorm carried between two products, in every Hopper tiling: a residual product writing
+/// its rows' sums of squares, a SwiGLU one scaling its rows by their 1/rms (8 sums a row, and
+/// the most it takes).
+fn carried_norms(elem: Elem, out: &mut Catalog) {
+    let sums = GemmConfig {
+        residual: true,
+        row_norm: Some(RowNorm::Sums),
+        ..GemmConfig::plain(1000, 2048, 2048, elem)
     };
-    out.push(("gemm", gemm(&odd)));
-    if elem != Elem::F32 {
-        // An RMSNorm carried between two products, in every Hopper tiling: a residual product
-        // writing its rows' sums of squares, a SwiGLU one scaling its rows by their 1/rms (8
-        // sums a row, and the most it takes).
-        let sums = GemmConfig {
-            residual: true,
-            row_norm: Some(RowNorm::Sums),
-            ..GemmConfig::plain(1000, 2048, 2048, elem)
-        };
-        let scaled = GemmConfig {
-            swiglu: true,
-            row_norm: Some(RowNorm::Scale {
-                parts: 8,
-                eps: 1e-5,
-            }),
-            ..GemmConfig::plain(1000, 4096, 2048, elem)
-        };
-        let most = GemmConfig {
-            row_norm: Some(RowNorm::Scale {
-                parts: crate::gemm_wgmma::MAX_ROW_SUM_PARTS,
-                eps: 1e-5,
-            }),
-            ..scaled.clone()
-        };
-        for cfg in [sums, scaled, most] {
-            let kernel = gemm(&cfg);
-            out.extend(
-                (crate::gemm_wgmma::other_tilings(&cfg, &kernel.name).into_iter())
-                    .chain(crate::gemm_wgmma::split_tilings(&cfg, &kernel.name))
-                    .map(|k| ("gemm", k)),
-            );
-            out.push(("gemm", kernel));
-        }
+    let scaled = GemmConfig {
+        swiglu: true,
+        row_norm: Some(RowNorm::Scale {
+            parts: 8,
+            eps: 1e-5,
+        }),
+        ..GemmConfig::plain(1000, 4096, 2048, elem)
+    };
+    let most = GemmConfig {
+        row_norm: Some(RowNorm::Scale {
+            parts: crate::gemm_wgmma::MAX_ROW_SUM_PARTS,
+            eps: 1e-5,
+        }),
+        ..scaled.clone()
+    };
+    for cfg in [sums, scaled, most] {
+        let kernel = gemm(&cfg);
+        out.extend(
+            (crate::gemm_wgmma::other_tilings(&cfg, &kernel.name).into_iter())
+                .chain(crate::gemm_wgmma::split_tilings(&cfg, &kernel.name))
+                .map(|k| ("gemm", k)),
+        );
+        out.push(("gemm", kernel));
     }
 }
 
