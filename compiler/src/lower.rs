@@ -1223,20 +1223,7 @@ fn lower_decode_attention(
     if cfg.paging.is_some() {
         bind.push(("table", Operand::BlockTable));
     }
-    // On the CPU one call covers every key (no partials to combine).
-    let mut one = cfg.clone();
-    one.splits = 1;
-    let mut cpu_bind = bind.clone();
-    cpu_bind.push(("out", cx.this()));
-    let mut params = vec!["q", "k", "v", "out", "positions"];
-    if cfg.rope {
-        params.extend(["cos", "sin"]);
-    }
-    if cfg.paging.is_some() {
-        params.push("table");
-    }
-    let rows = u64::from(cfg.batch * cfg.heads * cfg.q_len);
-    n.cpu(CpuKernel::Attention(one), &cpu_bind, &params, rows);
+    decode_attention_on_cpu(cx, &cfg, &bind, n);
     // The decode kernel takes in the cache writes and merges its own key ranges.
     let writes = cx
         .fused
@@ -1266,11 +1253,7 @@ fn lower_decode_attention(
         bind.push(("mask", Operand::Value(mask)));
     }
     if split {
-        let rows = u64::from(cfg.batch * cfg.heads * cfg.q_len * cfg.splits);
-        n.scratch.push(rows * u64::from(cfg.head_dim) * 4);
-        n.scratch.push(rows * 2 * 4);
-        bind.push(("partial_acc", Operand::Scratch(0)));
-        bind.push(("partial_ml", Operand::Scratch(1)));
+        bind.extend(partials(&cfg, n));
     }
     // Kernels bind the parameters they declare: `out` unless they leave partials.
     bind.push(("out", cx.this()));
@@ -1304,6 +1287,41 @@ fn lower_decode_attention(
         out.launch(n, kernel, &bind)?;
     }
     Some(())
+}
+
+/// Decode attention `cfg`'s CPU call, its operands bound by `bind` (without `out`): one call
+/// over every key, with no partials to combine.
+fn decode_attention_on_cpu(
+    cx: &NodeCx,
+    cfg: &AttentionConfig,
+    bind: &[(&str, Operand)],
+    n: &mut NodeLaunches,
+) {
+    let mut one = cfg.clone();
+    one.splits = 1;
+    let mut cpu_bind = bind.to_vec();
+    cpu_bind.push(("out", cx.this()));
+    let mut params = vec!["q", "k", "v", "out", "positions"];
+    if cfg.rope {
+        params.extend(["cos", "sin"]);
+    }
+    if cfg.paging.is_some() {
+        params.push("table");
+    }
+    let rows = u64::from(cfg.batch * cfg.heads * cfg.q_len);
+    n.cpu(CpuKernel::Attention(one), &cpu_bind, &params, rows);
+}
+
+/// The scratch buffers of split decode attention `cfg`'s partials (each split's accumulators,
+/// and its rows' maxima and sums), added to the node's, bound as the kernels name them.
+fn partials(cfg: &AttentionConfig, n: &mut NodeLaunches) -> [(&'static str, Operand); 2] {
+    let rows = u64::from(cfg.batch * cfg.heads * cfg.q_len * cfg.splits);
+    n.scratch.push(rows * u64::from(cfg.head_dim) * 4);
+    n.scratch.push(rows * 2 * 4);
+    [
+        ("partial_acc", Operand::Scratch(0)),
+        ("partial_ml", Operand::Scratch(1)),
+    ]
 }
 
 /// An elementwise activation.

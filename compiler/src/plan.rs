@@ -544,56 +544,18 @@ fn plan_bucket(
     // A decode step's chosen tokens come from logits the GPU computed (not its host tail's).
     let choice = launches.tokens.as_ref().filter(|_| gpu_logits);
     let mut storage = Storage::new(g, memory, launches, tail.as_ref(), choice)?;
-    // A KV-cached graph's logits may be written straight into a ring buffer, every address in
-    // their slot moved there (the CUDA executor's logits chunks): they share their bytes with
-    // no other value, since one inside them would move with them and one running past their
-    // end would overrun the buffer.
     if gpu_logits && g.inputs().any(|(_, name, _)| is_cache(name)) {
-        let logits = g
-            .outputs()
-            .iter()
-            .find(|o| o.name == crate::compile::LOGITS);
-        if let Some(o) = logits {
-            storage.alive_from_start(o.node);
-        }
+        logits_alone(g, &mut storage);
     }
     let at = Addresses::new(g, memory, kernels, &storage);
-    let (mut steps, mut logits_pieces) = (Vec::new(), Vec::new());
-    for (id, node) in &launches.nodes {
-        let name = format!("{}_{}", g.node(*id).op.name(), id.0);
-        logits_pieces.extend(node.pieces.iter().map(|&(i, rows)| LogitsPiece {
-            steps: steps.len() + i + 1,
-            rows: rows as usize,
-        }));
-        for launch in &node.launches {
-            let mut s = at.step(*id, launch, name.clone())?;
-            if let Some(fallback) = &launch.fallback {
-                s.fallback = Some(Box::new(at.step(*id, fallback, name.clone())?));
-            }
-            steps.push(s);
+    let (mut steps, logits_pieces) = gpu_steps(g, launches, &at)?;
+    let (tokens, sampler) = match (choice, storage.tokens, storage.params) {
+        (Some(choice), Some(b), Some(pb)) => {
+            let (tokens, sampler) = token_choice(g, choice, &at, (b, pb), &mut steps)?;
+            (Some(tokens), Some(sampler))
         }
-    }
-    let (mut tokens, mut sampler) = (None, None);
-    if let (Some(choice), Some(b), Some(pb)) = (choice, storage.tokens, storage.params) {
-        // Its operands are graph values and the token slot: no node's scratch.
-        let after = NodeId(g.len() as u32 - 1);
-        steps.push(at.step(after, &choice.launch, "greedy_tokens".into())?);
-        tokens = Some(TensorSlot {
-            name: "tokens".into(),
-            offset: at.offsets[b],
-            dtype: DType::I64,
-            shape: vec![choice.rows as usize],
-        });
-        sampler = Some(kiln_ir::artifact::Sampler {
-            step: at.step(after, &choice.sampler, "sampled_tokens".into())?,
-            params: TensorSlot {
-                name: "sampling".into(),
-                offset: at.offsets[pb],
-                dtype: DType::I32,
-                shape: vec![choice.rows as usize, 4],
-            },
-        });
-    }
+        _ => (None, None),
+    };
     let (steps_cpu, no_cpu) = at.cpu_steps(launches, cpu_kernels)?;
     let mut inputs = Vec::new();
     let mut cache_inputs = Vec::new();
@@ -629,6 +591,76 @@ fn plan_bucket(
     };
     plan.check_logits_pieces().map_err(PlanError::Layout)?;
     Ok((plan, no_cpu))
+}
+
+/// A KV-cached graph's logits may be written straight into a ring buffer, every address in
+/// their slot moved there (the CUDA executor's logits chunks): they share their bytes with no
+/// other value, since one inside them would move with them and one running past their end
+/// would overrun the buffer. So they are alive from the first step.
+fn logits_alone(g: &Graph, storage: &mut Storage) {
+    let logits = g
+        .outputs()
+        .iter()
+        .find(|o| o.name == crate::compile::LOGITS);
+    if let Some(o) = logits {
+        storage.alive_from_start(o.node);
+    }
+}
+
+/// The GPU steps of `launches`, node by node (a launch's fallback with it), and the LM head's
+/// pieces among them.
+fn gpu_steps(
+    g: &Graph,
+    launches: &crate::lower::GraphLaunches,
+    at: &Addresses,
+) -> Result<(Vec<Step>, Vec<LogitsPiece>), PlanError> {
+    let (mut steps, mut logits_pieces) = (Vec::new(), Vec::new());
+    for (id, node) in &launches.nodes {
+        let name = format!("{}_{}", g.node(*id).op.name(), id.0);
+        logits_pieces.extend(node.pieces.iter().map(|&(i, rows)| LogitsPiece {
+            steps: steps.len() + i + 1,
+            rows: rows as usize,
+        }));
+        for launch in &node.launches {
+            let mut s = at.step(*id, launch, name.clone())?;
+            if let Some(fallback) = &launch.fallback {
+                s.fallback = Some(Box::new(at.step(*id, fallback, name.clone())?));
+            }
+            steps.push(s);
+        }
+    }
+    Ok((steps, logits_pieces))
+}
+
+/// A decode step's token choice after `steps`: the greedy choice's step appended, the token
+/// slot (value `b`, an i64 a row) and the sampler (its step and the sampling parameters, value
+/// `pb`, four i32 a row).
+fn token_choice(
+    g: &Graph,
+    choice: &crate::lower::TokenChoice,
+    at: &Addresses,
+    (b, pb): (usize, usize),
+    steps: &mut Vec<Step>,
+) -> Result<(TensorSlot, kiln_ir::artifact::Sampler), PlanError> {
+    // Its operands are graph values and the token slot: no node's scratch.
+    let after = NodeId(g.len() as u32 - 1);
+    steps.push(at.step(after, &choice.launch, "greedy_tokens".into())?);
+    let tokens = TensorSlot {
+        name: "tokens".into(),
+        offset: at.offsets[b],
+        dtype: DType::I64,
+        shape: vec![choice.rows as usize],
+    };
+    let sampler = kiln_ir::artifact::Sampler {
+        step: at.step(after, &choice.sampler, "sampled_tokens".into())?,
+        params: TensorSlot {
+            name: "sampling".into(),
+            offset: at.offsets[pb],
+            dtype: DType::I32,
+            shape: vec![choice.rows as usize, 4],
+        },
+    };
+    Ok((tokens, sampler))
 }
 
 /// Where a bucket's values live: each value's storage root and element offset (views and
