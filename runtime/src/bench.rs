@@ -100,8 +100,8 @@ pub struct BenchReport {
     pub load_seconds: Option<f64>,
     /// The last logits chunk's size the executor chose at load, when smaller than the largest.
     pub last_logits_chunk: Option<usize>,
-    /// Buckets the executor runs as groups of a smaller one (load found it faster), by graph
-    /// file: the smaller bucket's graph file.
+    /// Buckets whose full requests the executor runs as groups of a smaller one (load found it
+    /// faster), by graph file: the smaller bucket's graph file.
     pub batch_groups: BTreeMap<String, String>,
     /// Device bytes of the ring that copies logits chunks and batch groups to the host while
     /// the next computes (CUDA only; 0 where neither needs it).
@@ -160,10 +160,11 @@ pub fn bench(
         _ => None,
     };
     let batch_groups = match exec {
-        Executor::Cuda(c) => c.batch_groups().iter(),
+        Executor::Cuda(c) => c.batch_groups(),
         _ => Default::default(),
     }
-    .map(|(whole, g)| (whole.clone(), g.part.clone()))
+    .into_iter()
+    .map(|(whole, g)| (whole, g.part))
     .collect();
     Ok(BenchReport {
         device: exec.describe(),

@@ -86,8 +86,9 @@ pub struct CudaExecutor {
     last_chunk: Option<usize>,
     /// Every way of running a bucket as groups of a smaller one ([`crate::groups::candidates`]).
     groupings: Vec<Grouping>,
-    /// The grouping each bucket runs as, by its graph file, where load timed one faster.
-    grouped: BTreeMap<String, Grouping>,
+    /// How each bucket that has groupings runs, by its graph file: by load's timings, or as
+    /// set by hand.
+    choices: BTreeMap<String, groups::Choice>,
     /// Driver work so far, and as it stood when `load` returned.
     counts: DriverCounts,
     at_load: DriverCounts,
@@ -917,7 +918,7 @@ impl CudaExecutor {
             launched: None,
             last_chunk: None,
             groupings,
-            grouped: BTreeMap::new(),
+            choices: BTreeMap::new(),
             ctx: gpu.ctx,
             stream: gpu.stream,
             memory,
@@ -1022,7 +1023,7 @@ impl CudaExecutor {
         inputs: &BTreeMap<String, Tensor>,
         rows: usize,
     ) -> Result<Vec<(&TensorSlot, &[u8])>, RuntimeError> {
-        if let Some(grouping) = self.grouped.get(graph).cloned() {
+        if let Some(grouping) = self.grouping_for(graph, rows) {
             return self.replay_grouped(&grouping, inputs, rows);
         }
         self.launch(graph, inputs)?;

@@ -5,13 +5,16 @@
 //! some 6 ms of compute. Grouped, only the last group's copy is left after the compute.
 //!
 //! [`candidates`] says from the plans alone which buckets may be grouped, and by which smaller
-//! ones; the CUDA executor times each at load and keeps one only where it is faster
-//! ([`crate::forward::fastest`]), since the smaller bucket's products may run slower a row.
+//! ones; the CUDA executor times each at load ([`Timings`]), and a request takes a grouping only
+//! where its rows make it faster ([`Timings::pick`]), since the smaller bucket's products may
+//! run slower a row.
 
 use std::collections::BTreeMap;
 
 use kiln_ir::artifact::{BucketEntry, ExecPlan, TensorSlot};
 use kiln_ir::Tensor;
+
+use crate::forward::fastest;
 
 /// A prefill bucket run as `count` replays of a smaller one, each taking the next `part`'s
 /// batch of rows.
@@ -33,6 +36,41 @@ impl Grouping {
     /// padding rows alone computes nothing anyone reads.
     pub fn groups_for(&self, rows: usize) -> usize {
         rows.div_ceil(self.rows).clamp(1, self.count)
+    }
+}
+
+/// What load measured of a bucket that has groupings: one replay, and each grouping with all
+/// of its groups, seconds (the fastest of interleaved rounds).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Timings {
+    /// One replay of the whole bucket.
+    pub whole: f64,
+    /// Each grouping, all of its groups replayed.
+    pub ways: Vec<(Grouping, f64)>,
+}
+
+impl Timings {
+    /// The grouping a request whose first `rows` rows are its own runs as: the one whose groups
+    /// that hold them take least (each group an equal share of the grouping's time), where that
+    /// beats one replay by [`MIN_GAIN`]; `None` for one replay. A full bucket takes the fastest
+    /// way load timed; a bucket padded by whole groups may take a grouping that loses when full.
+    pub fn pick(&self, rows: usize) -> Option<&Grouping> {
+        let share = |g: &Grouping, t: f64| t * g.groups_for(rows) as f64 / g.count as f64;
+        let timed: Vec<(Option<usize>, f64)> = std::iter::once((None, self.whole))
+            .chain((self.ways.iter().enumerate()).map(|(i, (g, t))| (Some(i), share(g, *t))))
+            .collect();
+        fastest(&timed, MIN_GAIN).map(|i| &self.ways[i].0)
+    }
+
+    /// Every grouping some request of at most `batch` rows runs as ([`Self::pick`]).
+    pub fn used(&self, batch: usize) -> Vec<&Grouping> {
+        let mut used: Vec<&Grouping> = Vec::new();
+        for g in (1..=batch).filter_map(|rows| self.pick(rows)) {
+            if !used.contains(&g) {
+                used.push(g);
+            }
+        }
+        used
     }
 }
 
@@ -275,6 +313,49 @@ pub(crate) mod tests {
             .map(|rows| g.groups_for(rows))
             .into();
         assert_eq!(runs, vec![1, 1, 1, 2, 2, 3, 3, 4, 4, 4]);
+    }
+
+    /// Groupings of a 128-row bucket by 64, 32 and 16 rows, timed (ms) as given.
+    fn timings(whole: f64, by64: f64, by32: f64, by16: f64) -> Timings {
+        let by = |rows: usize, t: f64| {
+            let g = Grouping {
+                whole: "prefill-b128-s128.ron".into(),
+                part: format!("prefill-b{rows}-s128.ron"),
+                count: 128 / rows,
+                rows,
+            };
+            (g, t)
+        };
+        Timings {
+            whole,
+            ways: vec![by(64, by64), by(32, by32), by(16, by16)],
+        }
+    }
+
+    fn picked(t: &Timings, rows: usize) -> Option<usize> {
+        t.pick(rows).map(|g| g.rows)
+    }
+
+    #[test]
+    fn a_request_takes_the_way_its_rows_make_fastest() {
+        // BERT-base on an H200: 64-row groups fastest when full.
+        let t = timings(6.45, 6.15, 6.20, 6.60);
+        assert_eq!(picked(&t, 128), Some(64));
+        // 80 rows: two groups of 64 (6.15) against three of 32 (4.65) and five of 16 (4.13).
+        assert_eq!(picked(&t, 80), Some(16));
+        assert_eq!(picked(&t, 96), Some(32));
+        assert_eq!(picked(&t, 65), Some(16));
+        assert_eq!(picked(&t, 1), Some(16));
+        assert_eq!(t.used(128).len(), 3);
+        // Within 1% of one replay, a full bucket stays whole; a padded one need not.
+        let close = timings(6.45, 6.40, 6.44, 7.0);
+        assert_eq!(picked(&close, 128), None);
+        assert_eq!(picked(&close, 64), Some(64));
+        assert_eq!(picked(&close, 32), Some(32));
+        // Groups that cost far more a row stay unused, whatever the rows.
+        let slow = timings(6.45, 14.0, 28.0, 56.0);
+        assert!((1..=128).all(|rows| slow.pick(rows).is_none()));
+        assert!(slow.used(128).is_empty());
     }
 
     #[test]

@@ -482,9 +482,18 @@ fn batch_groups_give_what_one_replay_gives_on_the_gpu() {
                 .and_then(|e| e.plan.as_ref())
                 .map(|p| p.outputs.iter().map(|s| s.bytes()).sum())
                 .unwrap();
-            let kept = if chosen.is_some() { 2 * group_bytes } else { 0 };
+            // The ring holds what the groupings some request takes need, or nothing.
+            let grouped_rows: Vec<usize> = (1..=64)
+                .filter(|&rows| cuda_of(&mut exec).grouping_for(&whole, rows).is_some())
+                .collect();
+            let kept = if grouped_rows.is_empty() {
+                0
+            } else {
+                2 * group_bytes
+            };
             let ring = cuda_of(&mut exec).copy_ring_bytes();
             assert_eq!(ring, kept, "{name} {dtype}: the copy ring after load");
+            assert_eq!(chosen.is_some(), grouped_rows.contains(&64));
             let case = format!("{name} {dtype}");
             for (batch_rows, groups) in [(60, 4), (20, 2)] {
                 let batch = TokenBatch::padded(&rows[..batch_rows], 0);
@@ -492,7 +501,10 @@ fn batch_groups_give_what_one_replay_gives_on_the_gpu() {
                 grouped_as_one(&art, &mut exec, &batch, (&whole, &part), groups, &case);
             }
             let chosen = chosen.map(|g| g.part);
-            println!("ok: {name} {dtype}: load chose {chosen:?} for {whole}");
+            println!(
+                "ok: {name} {dtype}: load chose {chosen:?} for {whole} when full, groups for {} of its 64 row counts",
+                grouped_rows.len()
+            );
             assert!(cuda_of(&mut exec)
                 .group_bucket(&part, Some(&whole))
                 .is_err());

@@ -11,14 +11,45 @@ use kiln_ir::artifact::TensorSlot;
 use kiln_ir::{DType, Tensor};
 
 use super::{dev, packed, CopyRing, CudaExecutor};
-use crate::forward::{fastest, time_interleaved};
-use crate::groups::{group_inputs, outputs_bytes, Grouping, MIN_GAIN};
+use crate::forward::time_interleaved;
+use crate::groups::{group_inputs, outputs_bytes, Grouping, Timings};
 use crate::RuntimeError;
 
+/// How a bucket that has groupings runs.
+#[derive(Clone, Debug)]
+pub(super) enum Choice {
+    /// By load's timings, request by request ([`Timings::pick`]).
+    Timed(Timings),
+    /// As set by hand ([`CudaExecutor::group_bucket`]): always as this grouping, or as one
+    /// replay.
+    Fixed(Option<Grouping>),
+}
+
+impl Choice {
+    /// The grouping a request whose first `rows` rows are its own runs as.
+    fn pick(&self, rows: usize) -> Option<&Grouping> {
+        match self {
+            Choice::Timed(t) => t.pick(rows),
+            Choice::Fixed(g) => g.as_ref(),
+        }
+    }
+}
+
 impl CudaExecutor {
-    /// The groupings load kept, by the graph file of the bucket each groups.
-    pub fn batch_groups(&self) -> &BTreeMap<String, Grouping> {
-        &self.grouped
+    /// The grouping a full request of each bucket runs as, by the bucket's graph file (those
+    /// that run as one replay left out). A request that fills part of a bucket may run as
+    /// another ([`Timings::pick`]).
+    pub fn batch_groups(&self) -> BTreeMap<String, Grouping> {
+        let full = |whole: &str| self.plans[whole].inputs.first().map_or(1, |s| s.shape[0]);
+        (self.choices.iter())
+            .filter_map(|(whole, c)| Some((whole.clone(), c.pick(full(whole))?.clone())))
+            .collect()
+    }
+
+    /// The grouping bucket `graph` runs as for a request whose first `rows` rows are its own,
+    /// if any.
+    pub fn grouping_for(&self, graph: &str, rows: usize) -> Option<Grouping> {
+        self.choices.get(graph)?.pick(rows).cloned()
     }
 
     /// Runs bucket `whole` (its graph file) as groups of bucket `part` from now on, or with
@@ -29,7 +60,7 @@ impl CudaExecutor {
     /// make.
     pub fn group_bucket(&mut self, whole: &str, part: Option<&str>) -> Result<(), RuntimeError> {
         let Some(part) = part else {
-            self.grouped.remove(whole);
+            self.choices.insert(whole.to_string(), Choice::Fixed(None));
             return Ok(());
         };
         let grouping = self
@@ -44,7 +75,7 @@ impl CudaExecutor {
         if self.ring.as_ref().is_none_or(|r| r.half < need) {
             self.new_ring(need)?;
         }
-        self.grouped.insert(whole.to_string(), grouping);
+        (self.choices).insert(whole.to_string(), Choice::Fixed(Some(grouping)));
         Ok(())
     }
 
@@ -59,9 +90,10 @@ impl CudaExecutor {
     }
 
     /// After [`Self::time_groups`]: the copy ring only as large as what runs through it. A ring
-    /// that logits chunks' graphs write into stays as it is; otherwise one that no kept grouping
-    /// needs is freed, and one larger than the kept groupings need is allocated again at their
-    /// size (load sized it for every candidate, [`super::staging_and_ring`]).
+    /// that logits chunks' graphs write into stays as it is; otherwise one that no request
+    /// groups through is freed, and one larger than the groupings requests take need
+    /// ([`Timings::used`]) is allocated again at their size (load sized it for every candidate,
+    /// [`super::staging_and_ring`]).
     pub(super) fn fit_ring(&mut self) -> Result<(), RuntimeError> {
         let Some(ring) = &self.ring else {
             return Ok(());
@@ -69,7 +101,11 @@ impl CudaExecutor {
         if !ring.graphs.is_empty() {
             return Ok(());
         }
-        let need = self.grouped.values().map(|g| self.part_bytes(g)).max();
+        let used = self.choices.iter().flat_map(|(whole, c)| match c {
+            Choice::Timed(t) => t.used(self.plans[whole].inputs.first().map_or(1, |s| s.shape[0])),
+            Choice::Fixed(g) => g.iter().collect(),
+        });
+        let need = used.map(|g| self.part_bytes(g)).max();
         match need {
             None => self.ring = None,
             Some(need) if need < ring.half => self.new_ring(need)?,
@@ -101,9 +137,9 @@ impl CudaExecutor {
     }
 
     /// Times each bucket that has groupings as one replay and as each of them
-    /// ([`time_interleaved`], inputs of zeros as at capture) and keeps the fastest grouping
-    /// where it beats one replay by [`MIN_GAIN`]; not under `KILN_EAGER`. Leaves no replay
-    /// counted.
+    /// ([`time_interleaved`], inputs of zeros as at capture), after which each request takes
+    /// the way its rows make fastest ([`Timings::pick`]); not under `KILN_EAGER`, where every
+    /// bucket runs as one replay. Leaves no replay counted.
     pub(super) fn time_groups(&mut self) -> Result<(), RuntimeError> {
         if self.eager || self.groupings.is_empty() {
             return Ok(());
@@ -111,23 +147,24 @@ impl CudaExecutor {
         let start = std::time::Instant::now();
         let wholes: BTreeSet<String> = self.groupings.iter().map(|g| g.whole.clone()).collect();
         for whole in wholes {
-            if let Some(g) = self.fastest_grouping(&whole)? {
-                tracing::info!(bucket = %whole, part = %g.part, groups = g.count, "batch groups kept");
-                self.grouped.insert(whole, g);
-            }
+            let timings = self.time_ways(&whole)?;
+            (self.choices).insert(whole, Choice::Timed(timings));
         }
         self.replays.clear();
+        let full = self.batch_groups();
+        for (whole, g) in &full {
+            tracing::info!(bucket = %whole, part = %g.part, groups = g.count, "batch groups kept");
+        }
         tracing::info!(
             seconds = start.elapsed().as_secs_f64(),
-            kept = self.grouped.len(),
+            kept = full.len(),
             "batch groups timed"
         );
         Ok(())
     }
 
-    /// Bucket `whole` timed as one replay and as each of its groupings: the fastest grouping,
-    /// if it beats one replay by [`MIN_GAIN`]. Leaves `whole` running as one replay.
-    fn fastest_grouping(&mut self, whole: &str) -> Result<Option<Grouping>, RuntimeError> {
+    /// Bucket `whole` timed as one replay and as each of its groupings.
+    fn time_ways(&mut self, whole: &str) -> Result<Timings, RuntimeError> {
         let inputs = self.zero_inputs(whole);
         let groupings: Vec<Grouping> = self
             .groupings
@@ -141,12 +178,14 @@ impl CudaExecutor {
             self.group_bucket(whole, part)?;
             self.replay(whole, &inputs).map(|_| ())
         });
-        self.grouped.remove(whole);
-        let timed: Vec<(Option<usize>, f64)> = (0..=groupings.len())
-            .map(|way| way.checked_sub(1))
-            .zip(times?)
-            .collect();
-        Ok(fastest(&timed, MIN_GAIN).map(|i| groupings[i].clone()))
+        let times = times?;
+        Ok(Timings {
+            whole: times[0],
+            ways: groupings
+                .into_iter()
+                .zip(times[1..].iter().copied())
+                .collect(),
+        })
     }
 
     /// Zeros for every input of bucket `graph` (token 0, masked, position 0), as capture runs it.
