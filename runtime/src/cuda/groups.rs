@@ -56,7 +56,7 @@ impl CudaExecutor {
     /// `None` as one replay: what load chose by timing, set by hand (tests, measurements).
     /// `Err` unless `part`'s batch divides `whole`'s and the two compute alike
     /// ([`crate::groups::candidates`]). Where the copy ring that load left is too small for a
-    /// group's outputs ([`Self::fit_ring`]), it is allocated again, the one allocation this may
+    /// group's outputs (load fits it to the groupings requests take), it is allocated again, the one allocation this may
     /// make.
     pub fn group_bucket(&mut self, whole: &str, part: Option<&str>) -> Result<(), RuntimeError> {
         let Some(part) = part else {
