@@ -155,7 +155,7 @@ pub struct InspectArgs {
 pub struct EvalArgs {
     /// Checkpoint folder (config.json + safetensors).
     pub model_dir: PathBuf,
-    /// safetensors file with `input_ids` (i64 [L] or [B, L]) and optionally
+    /// safetensors file with `input_ids` (i64 `[L]` or `[B, L]`) and optionally
     /// `attention_mask` and, for BERT-family encoders, `token_type_ids` (i64, the ids'
     /// shape; zeros when absent).
     #[arg(long, conflicts_with = "text", required_unless_present = "text")]

@@ -152,7 +152,7 @@ pub struct NodeLaunches {
     pub scratch: Vec<u64>,
     /// The CPU calls, in order; `None` when some part of the node has no CPU version (f16/bf16).
     pub cpu: Option<Vec<CpuLaunch>>,
-    /// A logits chunk's LM head in row pieces ([`Fused::logits_pieces`]): after launch `i`,
+    /// A logits chunk's LM head in row pieces (`Fused::logits_pieces`): after launch `i`,
     /// the first `rows` rows of its output are final.
     pub pieces: Vec<(usize, u32)>,
     /// Bytes of the row sums this product writes ([`Operand::RowSums`]) and the last node

@@ -328,8 +328,8 @@ pub fn attention_base(cfg: &AttentionConfig) -> GeneratedKernel {
     }
 }
 
-/// The SIMT kernel, for every configuration: a warp per query row ([`WARPS`] rows a block),
-/// its lanes over the head dimension, keys [`KEY_UNROLL`] at a time (every load first, then
+/// The SIMT kernel, for every configuration: a warp per query row (`WARPS` rows a block),
+/// its lanes over the head dimension, keys `KEY_UNROLL` at a time (every load first, then
 /// each key's online-softmax update in order); with key ranges split, each writes unnormalised
 /// partial results for `attention_combine`.
 pub fn attention_simt(cfg: &AttentionConfig) -> GeneratedKernel {

@@ -1,7 +1,7 @@
 //! Decode attention over a KV cache (one query row per sequence, f16/bf16): one warp per (key
 //! range, K/V head, sequence) serves the head's whole query group from one read of its K/V
 //! rows, on tensor cores (`mma.sync` m16n8k16, the group's heads rows 0..group of A's 16), a tile
-//! of [`tile_keys`] keys at a time:
+//! of `tile_keys` keys at a time:
 //! 1. loads: thread `t` takes keys `8j + t / 4` of the tile and the quarter `t % 4` of their K
 //!    and V rows (16-byte loads). The head dimension is permuted so that these contiguous words
 //!    are the B fragments of `q K^T` as they stand (and q's A fragments take the same
@@ -50,7 +50,7 @@ fn tile_keys(cfg: &AttentionConfig) -> u32 {
 
 /// Whether `cfg` is a decode step this kernel serves: one query row over a cache (position
 /// keys, RoPE on q only), no padding mask or dropout, f16/bf16, a head dimension of 64 or 128
-/// (2 or 4 elements per lane), a query group of at most [`MAX_GROUP`], and strides that keep
+/// (2 or 4 elements per lane), a query group of at most `MAX_GROUP`, and strides that keep
 /// each lane's elements aligned.
 pub fn supports(cfg: &AttentionConfig) -> bool {
     matches!(cfg.keys, KeyRule::Position { .. })
@@ -85,7 +85,7 @@ pub struct NewEntries {
 pub struct Extras {
     /// The step's new key and value, written into the caches.
     pub new: Option<NewEntries>,
-    /// Merge the key ranges (`cfg.splits` a multiple of the block's [`WARPS`] ranges).
+    /// Merge the key ranges (`cfg.splits` a multiple of the block's `WARPS` ranges).
     pub combine: bool,
 }
 

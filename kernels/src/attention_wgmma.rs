@@ -5,7 +5,7 @@
 //! a consumer of one head, one item per block or, when items have few key tiles, the items
 //! `ctaid.x`, then every `nctaid.x`-th of a persistent grid, so that the next item's tiles load
 //! under this one's work; items run in groups of planes whose K/V share the L2
-//! ([`group_planes`]); or, over every key of a dense K/V at head dim 128, in clusters of two
+//! (`group_planes`); or, over every key of a dense K/V at head dim 128, in clusters of two
 //! blocks that share each K/V tile, each copying half of it into both ([`Grid::Pairs`]). How
 //! many consumers, Q buffers and K and V stages, and which grid, is the block's [`Shape`]:
 //! - warpgroup 0, the producer, gives up registers; its first thread copies each item's Q tile
@@ -20,13 +20,13 @@
 //! - the consumers each own 64 query rows: per key tile, `S = Q K^T` (wgmma, both operands
 //!   from shared memory), the online softmax in registers (base 2, the scale folded into the
 //!   exponent's FMA, quad shuffles for the row max; at head dim 128 O is rescaled only when a row's
-//!   maximum moved by more than 2^8, [`Rescale`]), then `O += P V` with P taken straight from
+//!   maximum moved by more than 2^8, `Rescale`), then `O += P V` with P taken straight from
 //!   the score registers as the A operand (the accumulator layout of S is the A-fragment layout)
 //!   and V read N-major (transposed) from its stage. The consumers take turns issuing (named
 //!   barriers, ping-pong), so that one's softmax runs while the others' products do; at head dim
 //!   64 the scores of tile `j + 1` are issued as a wgmma group ahead of `O += P V` of tile `j`,
 //!   and their softmax runs under that product too, O's correction and P waiting for it
-//!   ([`under_own_products`]); at 128 the two are one group.
+//!   (`under_own_products`); at 128 the two are one group.
 //!
 //! Key rules: every key, causal (query `i` sees keys `j <= i + T - S`), or position keys (query
 //! `i` of sequence `b` sees keys `j <= positions[b, i]`: a prompt chunk over a KV cache, dense or
@@ -39,7 +39,7 @@
 //! causal and position blocks are visited longest first. Under a sliding window of `w` keys (a
 //! row sees its last `w`), an item visits the tiles from the one where its earliest row's window
 //! starts, and masks per element those that cross a row's first key. With position keys each
-//! warpgroup finds the smallest and largest position of an item's rows itself ([`PositionKeys`]),
+//! warpgroup finds the smallest and largest position of an item's rows itself (`PositionKeys`),
 //! so that the producer and the consumers agree on the item's tiles without waiting for one
 //! another. A
 //! padding mask `[B, T]` is staged per key tile in shared memory as an additive 0 / -inf row by

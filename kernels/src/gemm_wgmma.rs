@@ -216,10 +216,10 @@ pub fn supports(cfg: &GemmConfig) -> bool {
 
 /// The tiling [`gemm_wgmma`] takes for `cfg`: the one with the least modelled time, work items
 /// per block of the persistent grid times each item's K steps at its tiling's speed, plus the
-/// epilogues the consumers wait out and a split item's partial sums ([`split_steps`]; the first
+/// epilogues the consumers wait out and a split item's partial sums (`split_steps`; the first
 /// of [`TILINGS`] on a tie). A product of few tiles (few rows, or few columns such as GPT-2's
 /// 768) takes a narrower tile and more SMs, or its K in parts where that is modelled faster and
-/// the parts are one wave ([`SPLIT_WAVE`]): a decode step's products, and those of a few
+/// the parts are one wave (`SPLIT_WAVE`): a decode step's products, and those of a few
 /// hundred rows over long K (a wide tile in two parts instead of a narrow one whole); one of
 /// many tiles takes a staged epilogue where it fits, else with short K (whose epilogues weigh)
 /// the consumers take turns. They take turns only where no staged tiling fits: on every product
@@ -327,7 +327,7 @@ pub fn staged_fits(cfg: &GemmConfig, tiling: Tiling) -> bool {
 }
 
 /// Whether `tiling` can split `cfg`'s K in its parts: consumers together, tiles at most
-/// [`SPLIT_WIDEST`] wide, every part at least [`MIN_SPLIT_STEPS`] K steps (equal parts but the
+/// `SPLIT_WIDEST` wide, every part at least `MIN_SPLIT_STEPS` K steps (equal parts but the
 /// last), the partial sums' indices in 32 bits.
 pub fn splits_fit(cfg: &GemmConfig, tiling: Tiling) -> bool {
     let k_steps = cfg.k.div_ceil(BK);

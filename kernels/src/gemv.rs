@@ -34,7 +34,7 @@ use crate::{GeneratedKernel, Launch};
 /// kernel's `n8`).
 pub const MAX_ROWS: u32 = 8;
 /// The most rows the tensor-core kernel takes for a batch-invariant artifact, in blocks of
-/// [`MAX_ROWS`] rows each ([`row_groups`]). The groups of a column block re-read its weight rows
+/// [`MAX_ROWS`] rows each (`row_groups`). The groups of a column block re-read its weight rows
 /// from L2 and each repeats the norm prologue, which stops paying past two groups (H200,
 /// Llama-3.2-1B shape, bf16 decode per step: 16 rows 1.93 ms against 3.18 on the Hopper GEMM; 64
 /// rows 5.73 against 3.57, the gate/up product 181 against 34 us).
@@ -218,7 +218,7 @@ pub fn gemv_normed((cfg, norm, weighted): &(GemmConfig, NormConfig, bool)) -> Ge
 /// ones, folded into the one-column-per-warp kernel (f16/bf16; the f32 products are the CPU
 /// executor's, which takes the norm apart): the product's weight holds the norm's (the compiler
 /// moves it there), and nothing waits for the statistics: each warp sums x's squares beside its
-/// products and scales its sums by `1 / rms` once at the end. Up to [`FOLD_COLUMNS`] output
+/// products and scales its sums by `1 / rms` once at the end. Up to `FOLD_COLUMNS` output
 /// columns. (H200, Llama-3.2-1B shape, bf16, ncu: the gate/up product 19.4 us against 19.1 and
 /// a 2.5 us norm launch, QKV 6.9 against 6.7; multiplying x by the norm's weight in every warp
 /// instead made them 20.6 and 7.5, and the LM head 132 against 118.)

@@ -1,10 +1,10 @@
 //! Writing a chunk of keys or values into a KV cache, in place: `cache[b, h, pos[b, s], :] =
 //! new[b, h, s, :]` for every token whose mask is 1, with RoPE applied on the way when the IR
 //! rotates the keys just before the write. One warp per (token, head), lanes over the head dim,
-//! up to [`WARPS`] tokens of a head per block (a block of one warp each would leave most of a
+//! up to `WARPS` tokens of a head per block (a block of one warp each would leave most of a
 //! long chunk's time to block scheduling); a prompt chunk's entries whose rows start 16-byte
 //! aligned take a few lanes per token instead, 16 bytes of each half of the row a lane
-//! ([`RowLanes`]), so that a launch over a long chunk runs in one wave of short warps rather
+//! (`RowLanes`), so that a launch over a long chunk runs in one wave of short warps rather
 //! than several of long ones. A paged cache's row is found through its block table
 //! (`crate::paging`).
 
@@ -209,7 +209,7 @@ pub struct ChunkEntriesConfig {
     pub query: RotateConfig,
     /// Whether q, the new keys and the new values start 16 bytes into their buffers' alignment
     /// (views at element offsets of whole 16 bytes): then, with strides of whole 16 bytes, every
-    /// row does, and lanes take 16 bytes at a time ([`RowLanes`]).
+    /// row does, and lanes take 16 bytes at a time (`RowLanes`).
     pub aligned: bool,
 }
 
@@ -226,7 +226,7 @@ impl ChunkEntriesConfig {
 
 /// Generates the kernel. Parameters: `k_cache, v_cache, k_new, v_new, positions, mask, cos, sin,
 /// q, q_out, [table]`. Blocks over `y` take q's heads, then the keys', then the values'; each
-/// warp one token of one head, as [`kv_write`] does, or several ([`RowLanes`]; the rotation the
+/// warp one token of one head, as [`kv_write`] does, or several (`RowLanes`; the rotation the
 /// same multiply and fused multiply-add, so every output is the three kernels' bit for bit).
 pub fn chunk_entries(cfg: &ChunkEntriesConfig) -> GeneratedKernel {
     let keys = &cfg.keys;

@@ -4,7 +4,7 @@
 //! kernel over a paged cache takes the table as its `table` parameter and the pool's strides as
 //! the cache's `[batch, head, row]` strides, the batch stride being the block's.
 //!
-//! [`KeyRows`] finds rows in PTX, `cpu::paging` on the CPU; both read one table entry per key.
+//! `KeyRows` finds rows in PTX, `cpu::paging` on the CPU; both read one table entry per key.
 
 use crate::ptx::{Kernel, Reg, RegClass};
 

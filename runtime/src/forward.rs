@@ -273,8 +273,8 @@ pub fn stream_chunks<'e>(
 
 /// The last logits chunk that ends a long prompt soonest on `cuda` ([`chunk_sizes`]'s `last`),
 /// timed: a prompt of the whole context (at most four of the largest chunks, and what a paged
-/// cache holds) streamed with each smaller size last and with none ([`time_interleaved`]), the
-/// fastest by [`LAST_CHUNK_GAIN`] kept ([`fastest`]). `None` when
+/// cache holds) streamed with each smaller size last and with none (`time_interleaved`), the
+/// fastest by `LAST_CHUNK_GAIN` kept (`fastest`). `None` when
 /// the artifact has one chunk size, or its chunks do not stream or did not load.
 pub fn time_last_chunk(
     art: &Artifact,

@@ -15,7 +15,7 @@
 //! - [`generate`]: token generation through the decode graph and its KV cache;
 //! - [`batcher`]: continuous batching over the decode buckets, and [`pacing`]: which prompt chunk
 //!   a step takes, timed against the decode steps;
-//! - [`bench`]: latency percentiles, throughput and memory over a stream of requests;
+//! - [`bench`](mod@bench): latency percentiles, throughput and memory over a stream of requests;
 //! - [`tokenizer`]: text to ids and back with the artifact's `tokenizer.json`.
 //!
 //! Invariant: this crate depends on `kiln-ir` (for the artifact schema, the input contract and,

@@ -3,7 +3,7 @@
 //!
 //! - [`lang`]: the e-graph language (IR ops, attributes as leaf children);
 //! - [`analysis`]: types, constants and weight-only facts per e-class;
-//! - [`rules`]: rule files (`compiler/rules/*.ron`) and their appliers;
+//! - [`rules`](mod@rules): rule files (`compiler/rules/*.ron`) and their appliers;
 //! - [`constructors`]: the named guards and builders rules refer to;
 //! - [`cost`]: the cost model and kernel classification;
 //! - [`extract`]: DAG-aware extraction.
