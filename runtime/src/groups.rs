@@ -62,8 +62,10 @@ impl Timings {
         fastest(&timed, MIN_GAIN).map(|i| &self.ways[i].0)
     }
 
-    /// Every grouping some request of at most `batch` rows runs as ([`Self::pick`]).
-    pub fn used(&self, batch: usize) -> Vec<&Grouping> {
+    /// Every grouping some request runs as ([`Self::pick`], for each count of rows the bucket
+    /// holds).
+    pub fn used(&self) -> Vec<&Grouping> {
+        let batch = self.ways.first().map_or(0, |(g, _)| g.count * g.rows);
         let mut used: Vec<&Grouping> = Vec::new();
         for g in (1..=batch).filter_map(|rows| self.pick(rows)) {
             if !used.contains(&g) {
@@ -341,12 +343,13 @@ pub(crate) mod tests {
         // BERT-base on an H200: 64-row groups fastest when full.
         let t = timings(6.45, 6.15, 6.20, 6.60);
         assert_eq!(picked(&t, 128), Some(64));
+        assert_eq!(picked(&t, usize::MAX), Some(64));
         // 80 rows: two groups of 64 (6.15) against three of 32 (4.65) and five of 16 (4.13).
         assert_eq!(picked(&t, 80), Some(16));
         assert_eq!(picked(&t, 96), Some(32));
         assert_eq!(picked(&t, 65), Some(16));
         assert_eq!(picked(&t, 1), Some(16));
-        assert_eq!(t.used(128).len(), 3);
+        assert_eq!(t.used().len(), 3);
         // Within 1% of one replay, a full bucket stays whole; a padded one need not.
         let close = timings(6.45, 6.40, 6.44, 7.0);
         assert_eq!(picked(&close, 128), None);
@@ -355,7 +358,7 @@ pub(crate) mod tests {
         // Groups that cost far more a row stay unused, whatever the rows.
         let slow = timings(6.45, 14.0, 28.0, 56.0);
         assert!((1..=128).all(|rows| slow.pick(rows).is_none()));
-        assert!(slow.used(128).is_empty());
+        assert!(slow.used().is_empty());
     }
 
     #[test]

@@ -40,9 +40,9 @@ impl CudaExecutor {
     /// that run as one replay left out). A request that fills part of a bucket may run as
     /// another ([`Timings::pick`]).
     pub fn batch_groups(&self) -> BTreeMap<String, Grouping> {
-        let full = |whole: &str| self.plans[whole].inputs.first().map_or(1, |s| s.shape[0]);
+        // As many rows as any bucket holds: every group of each.
         (self.choices.iter())
-            .filter_map(|(whole, c)| Some((whole.clone(), c.pick(full(whole))?.clone())))
+            .filter_map(|(whole, c)| Some((whole.clone(), c.pick(usize::MAX)?.clone())))
             .collect()
     }
 
@@ -101,8 +101,8 @@ impl CudaExecutor {
         if !ring.graphs.is_empty() {
             return Ok(());
         }
-        let used = self.choices.iter().flat_map(|(whole, c)| match c {
-            Choice::Timed(t) => t.used(self.plans[whole].inputs.first().map_or(1, |s| s.shape[0])),
+        let used = self.choices.values().flat_map(|c| match c {
+            Choice::Timed(t) => t.used(),
             Choice::Fixed(g) => g.iter().collect(),
         });
         let need = used.map(|g| self.part_bytes(g)).max();
