@@ -53,11 +53,11 @@ impl CudaExecutor {
     }
 
     /// Runs bucket `whole` (its graph file) as groups of bucket `part` from now on, or with
-    /// `None` as one replay: what load chose by timing, set by hand (tests, measurements).
-    /// `Err` unless `part`'s batch divides `whole`'s and the two compute alike
-    /// ([`crate::groups::candidates`]). Where the copy ring that load left is too small for a
-    /// group's outputs (load fits it to the groupings requests take), it is allocated again, the one allocation this may
-    /// make.
+    /// `None` as one replay, whatever a request's rows: load's timed choice set by hand (tests,
+    /// measurements). `Err` unless `part`'s batch divides `whole`'s and the two compute alike
+    /// ([`crate::groups::candidates`]). Where the copy ring load left is too small for a
+    /// group's outputs (load fits it to the groupings requests take), it is allocated again:
+    /// the one allocation this may make.
     pub fn group_bucket(&mut self, whole: &str, part: Option<&str>) -> Result<(), RuntimeError> {
         let Some(part) = part else {
             self.choices.insert(whole.to_string(), Choice::Fixed(None));
