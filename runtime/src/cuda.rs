@@ -985,18 +985,25 @@ impl CudaExecutor {
 
     /// Runs one bucket: `inputs` (by name; every non-cache input of its plan) are copied into
     /// their slots, the graph is replayed, and the outputs in the arena are copied back; only
-    /// their first `rows` rows are the caller's ([`Self::replay_rows`]).
+    /// their first `rows` rows are the caller's ([`Self::replay_rows`]), and the rows of groups
+    /// it did not run are zeros (not what an earlier request left, which a host tail would read).
     pub fn run(
         &mut self,
         graph: &str,
         inputs: &BTreeMap<String, Tensor>,
         rows: usize,
     ) -> Result<BTreeMap<String, Tensor>, RuntimeError> {
+        let computed = self
+            .grouping_for(graph, rows)
+            .map(|g| g.groups_for(rows) * g.rows);
         Ok(self
             .replay_rows(graph, inputs, rows)?
             .into_iter()
             .map(|(slot, bytes)| {
-                let t = decode(bytes, slot.dtype, slot.shape.clone());
+                let mut t = decode(bytes, slot.dtype, slot.shape.clone());
+                if let Some(row) = computed {
+                    zero_rows_from(&mut t, row);
+                }
                 (slot.name.clone(), t)
             })
             .collect())
@@ -1464,7 +1471,7 @@ impl CudaExecutor {
         // bytes together fit, `chunk_logits`; a group's rows of a bucket's outputs, which it
         // holds) and is read only after the copy stream is synchronised; `bytes` lies inside
         // buffer `k` (at most a chunk's logits, which `chunk_logits` checked against the buffer,
-        // or a group's outputs, for which `staging_and_ring` sized it), and the copy waits for
+        // or a group's outputs, which `grouping_for` checked against it), and the copy waits for
         // the replay stream.
         unsafe {
             cudarc::driver::result::memcpy_dtoh_async(
@@ -1565,6 +1572,16 @@ fn load_image(
         KernelImage::Ptx(text) => Ptx::from_src(text),
     })
     .map_err(|e| RuntimeError::Device(format!("the kernel module does not load: {e}")))
+}
+
+/// Sets the rows of `t` (its leading dimension) from `row` on to zero.
+fn zero_rows_from(t: &mut Tensor, row: usize) {
+    let per_row: usize = t.shape.iter().skip(1).product();
+    let from = (row * per_row).min(t.numel());
+    match &mut t.data {
+        Data::Float(v) => v[from..].fill(0.0),
+        Data::Int(v) => v[from..].fill(0),
+    }
 }
 
 /// Captures the launches of `steps` (of `graph`'s plan) on `stream` as a CUDA graph,
@@ -1902,6 +1919,19 @@ mod tests {
             )
         );
         assert!(check(0, 64).is_err());
+    }
+
+    /// The rows a grouped request left uncomputed come back as zeros.
+    #[test]
+    fn rows_of_groups_not_run_are_zeros() {
+        let mut t = Tensor::f32(vec![4, 2], (1..=8).map(|v| v as f32).collect());
+        zero_rows_from(&mut t, 3);
+        let want = vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 0.0, 0.0];
+        assert_eq!(t, Tensor::f32(vec![4, 2], want));
+        // Every row computed: nothing changes.
+        let mut ids = Tensor::i64(vec![2, 3], vec![7; 6]);
+        zero_rows_from(&mut ids, 2);
+        assert_eq!(ids, Tensor::i64(vec![2, 3], vec![7; 6]));
     }
 
     /// A logits slot moved to a ring buffer: every address inside it lands at the same offset

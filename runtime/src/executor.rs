@@ -110,7 +110,7 @@ impl Executor {
 
     /// [`Self::run`] where only the outputs' first `rows` rows are the caller's, the bucket's
     /// others padding: what they hold is unspecified (the CUDA executor may leave groups of
-    /// them uncomputed, [`crate::cuda::CudaExecutor::replay_rows`]).
+    /// them uncomputed, and gives them as zeros, [`crate::cuda::CudaExecutor::run`]).
     pub fn run_rows(
         &mut self,
         art: &Artifact,

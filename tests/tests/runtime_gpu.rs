@@ -5,7 +5,7 @@
 //! load. Skips, saying why, on a machine without a GPU.
 
 use kiln_ir::inputs::TokenBatch;
-use kiln_runtime::forward::{forward, logits_chunks, run_chunks};
+use kiln_runtime::forward::{forward, logits_chunks, prepare, run_chunks};
 use std::path::{Path, PathBuf};
 
 use kiln_runtime::cuda::{Counters, CudaExecutor};
@@ -452,6 +452,12 @@ fn batch_groups_give_what_one_replay_gives_on_the_gpu() {
                 .collect()
         })
         .collect();
+    // Other tokens in every row of the 64-row bucket, run first as one replay so that the
+    // staging buffer holds other rows wherever a group's copy went astray.
+    let other: Vec<Vec<i64>> = (0..64)
+        .map(|r| (0..128).map(|t| (r * 13 + t * 7 + 5) % 512).collect())
+        .collect();
+    let other = TokenBatch::padded(&other, 0);
     for (name, dir) in [("bert-tiny", fixture("bert-tiny")), ("bert-tiny st", st)] {
         for dtype in ["f32", "bf16"] {
             let art = compile_artifact(
@@ -498,7 +504,8 @@ fn batch_groups_give_what_one_replay_gives_on_the_gpu() {
             for (batch_rows, groups) in [(60, 4), (20, 2)] {
                 let batch = TokenBatch::padded(&rows[..batch_rows], 0);
                 let case = format!("{case}, {batch_rows} rows");
-                grouped_as_one(&art, &mut exec, &batch, (&whole, &part), groups, &case);
+                let buckets = (whole.as_str(), part.as_str());
+                grouped_as_one(&art, &mut exec, [&batch, &other], buckets, groups, &case);
             }
             let chosen = chosen.map(|g| g.part);
             println!(
@@ -512,18 +519,19 @@ fn batch_groups_give_what_one_replay_gives_on_the_gpu() {
     }
 }
 
-/// `batch` through bucket `whole` as one replay and as `groups` replays of bucket `part`: the
-/// same outputs, within what a product of fewer rows may round otherwise.
+/// `batch` through bucket `whole` as `groups` replays of bucket `part` and as one replay: the
+/// same outputs, within what a product of fewer rows may round otherwise, after `other` went
+/// through the whole bucket; the rows of groups not run come back as zeros.
 fn grouped_as_one(
     art: &Artifact,
     exec: &mut Executor,
-    batch: &TokenBatch,
+    [batch, other]: [&TokenBatch; 2],
     (whole, part): (&str, &str),
     groups: u64,
     case: &str,
 ) {
     cuda_of(exec).group_bucket(whole, None).unwrap();
-    let one = forward(art, exec, batch).unwrap();
+    forward(art, exec, other).unwrap();
     // Setting the grouping by hand may allocate the ring that load freed; the grouped
     // request itself captures and allocates nothing.
     cuda_of(exec).group_bucket(whole, Some(part)).unwrap();
@@ -542,6 +550,23 @@ fn grouped_as_one(
         "{case}: during the request"
     );
     assert_eq!(after.after_load.captures, 0, "{case}");
+    // The bucket's rows past the groups run are zeros, whatever the staging buffer held.
+    let (bucket, inputs) = prepare(art, batch).unwrap();
+    let outputs = cuda_of(exec)
+        .run(&bucket.graph, &inputs, batch.ids.len())
+        .unwrap();
+    let part_rows = art.manifest.prefill.iter().find(|e| e.graph == part);
+    let computed = groups as usize * part_rows.unwrap().batch;
+    for (output, t) in &outputs {
+        let per_row: usize = t.shape[1..].iter().product();
+        let past = &floats(t)[computed * per_row..];
+        assert!(
+            past.iter().all(|&v| v == 0.0),
+            "{case} {output}: rows past the groups"
+        );
+    }
+    cuda_of(exec).group_bucket(whole, None).unwrap();
+    let one = forward(art, exec, batch).unwrap();
     assert_eq!(
         one.keys().collect::<Vec<_>>(),
         grouped.keys().collect::<Vec<_>>()

@@ -47,9 +47,15 @@ impl CudaExecutor {
     }
 
     /// The grouping bucket `graph` runs as for a request whose first `rows` rows are its own,
-    /// if any.
+    /// if any: none where the copy ring cannot hold a group's outputs (its reallocation by
+    /// [`Self::group_bucket`] failed).
     pub fn grouping_for(&self, graph: &str, rows: usize) -> Option<Grouping> {
-        self.choices.get(graph)?.pick(rows).cloned()
+        let g = self.choices.get(graph)?.pick(rows)?;
+        let fits = self
+            .ring
+            .as_ref()
+            .is_some_and(|r| r.half >= self.part_bytes(g));
+        fits.then(|| g.clone())
     }
 
     /// Runs bucket `whole` (its graph file) as groups of bucket `part` from now on, or with
@@ -246,16 +252,24 @@ impl CudaExecutor {
         );
         let sources: Vec<u64> = part.iter().map(|s| arena + s.offset).collect();
         let groups: Vec<_> = (0..groups).map(|g| group_copies(whole, part, g)).collect();
+        let need = self.part_bytes(grouping);
+        if self.ring.as_ref().is_none_or(|r| r.half < need) {
+            return Err(RuntimeError::Device(format!(
+                "batch groups of {} need a copy ring of {need} bytes a buffer",
+                grouping.part
+            )));
+        }
+        let no_ring = || RuntimeError::Device("batch groups need the copy ring".into());
         for (g, copies) in groups.into_iter().enumerate() {
-            let ring = self.ring.as_ref().expect("groupings load with the ring");
+            let ring = self.ring.as_ref().ok_or_else(no_ring)?;
             let k = ring.take(&self.stream, g)?;
             let buffer = ring.buffer(&self.stream, k);
             self.launch(&grouping.part, &group_inputs(&inputs, g, grouping.count))?;
             for (&source, (within, at)) in sources.iter().zip(copies) {
                 // SAFETY: the source is the part's output slot inside the one allocation
-                // (`check_plan`); the destination, `within` of buffer `k`, lies inside it
-                // (`fit_groupings` sized the buffers for every part's outputs together). No copy
-                // still reads it: `take` waited for the copy out of the group two before, and
+                // (`check_plan`); the destination, `within` of buffer `k`, lies inside it (a
+                // buffer holds the part's outputs together, checked above). No copy still
+                // reads it: `take` waited for the copy out of the group two before, and
                 // a stream before this one was settled. The copy out below waits for this one.
                 unsafe {
                     cudarc::driver::result::memcpy_dtod_async(
@@ -268,8 +282,7 @@ impl CudaExecutor {
                 .map_err(dev)?;
                 self.copy_out(k, at, within)?;
             }
-            let ring = self.ring.as_ref().expect("groupings load with the ring");
-            ring.release(k)?;
+            self.ring.as_ref().ok_or_else(no_ring)?.release(k)?;
         }
         Ok(())
     }
