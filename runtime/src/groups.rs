@@ -57,7 +57,12 @@ impl Timings {
     pub fn pick(&self, rows: usize) -> Option<&Grouping> {
         let share = |g: &Grouping, t: f64| t * g.groups_for(rows) as f64 / g.count as f64;
         let timed: Vec<(Option<usize>, f64)> = std::iter::once((None, self.whole))
-            .chain((self.ways.iter().enumerate()).map(|(i, (g, t))| (Some(i), share(g, *t))))
+            .chain(
+                self.ways
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (g, t))| (Some(i), share(g, *t))),
+            )
             .collect();
         fastest(&timed, MIN_GAIN).map(|i| &self.ways[i].0)
     }

@@ -41,7 +41,8 @@ impl CudaExecutor {
     /// another ([`Timings::pick`]).
     pub fn batch_groups(&self) -> BTreeMap<String, Grouping> {
         // As many rows as any bucket holds: every group of each.
-        (self.choices.iter())
+        self.choices
+            .iter()
             .filter_map(|(whole, c)| Some((whole.clone(), c.pick(usize::MAX)?.clone())))
             .collect()
     }
@@ -81,7 +82,8 @@ impl CudaExecutor {
         if self.ring.as_ref().is_none_or(|r| r.half < need) {
             self.new_ring(need)?;
         }
-        (self.choices).insert(whole.to_string(), Choice::Fixed(Some(grouping)));
+        self.choices
+            .insert(whole.to_string(), Choice::Fixed(Some(grouping)));
         Ok(())
     }
 
@@ -154,7 +156,7 @@ impl CudaExecutor {
         let wholes: BTreeSet<String> = self.groupings.iter().map(|g| g.whole.clone()).collect();
         for whole in wholes {
             let timings = self.time_ways(&whole)?;
-            (self.choices).insert(whole, Choice::Timed(timings));
+            self.choices.insert(whole, Choice::Timed(timings));
         }
         self.replays.clear();
         let full = self.batch_groups();
