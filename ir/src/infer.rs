@@ -242,10 +242,17 @@ pub(crate) fn causal_mask(
     if window.is_some_and(|w| w < 1) {
         return Err(format!("window must be >= 1, got {window:?}"));
     }
-    if !dtype.is_float() {
-        return Err(format!("a mask must be a float type, got {dtype}"));
-    }
+    float_mask(dtype)?;
     Ok(TensorType::new(dtype, vec![rows.clone(), cols.clone()]))
+}
+
+/// `Err` unless a mask's `dtype` is a float type.
+fn float_mask(dtype: DType) -> Result<(), String> {
+    if dtype.is_float() {
+        Ok(())
+    } else {
+        Err(format!("a mask must be a float type, got {dtype}"))
+    }
 }
 
 /// `PaddingMask`: an integer or bool `[B, L]` mask, the result a float `[B, 1, 1, L]`.
@@ -255,9 +262,7 @@ pub(crate) fn padding_mask(dtype: DType, args: &[&TensorType]) -> Result<TensorT
     if m.rank() != 2 || !(m.dtype.is_int() || m.dtype == DType::Bool) {
         return Err(format!("mask must be an integer [B, L] tensor, got {m}"));
     }
-    if !dtype.is_float() {
-        return Err(format!("a mask must be a float type, got {dtype}"));
-    }
+    float_mask(dtype)?;
     let one = Dim::constant(1);
     Ok(TensorType::new(
         dtype,

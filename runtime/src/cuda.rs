@@ -993,11 +993,10 @@ impl CudaExecutor {
         inputs: &BTreeMap<String, Tensor>,
         rows: usize,
     ) -> Result<BTreeMap<String, Tensor>, RuntimeError> {
-        let computed = self
-            .grouping_for(graph, rows)
-            .map(|g| g.groups_for(rows) * g.rows);
+        let grouping = self.grouping_for(graph, rows);
+        let computed = grouping.as_ref().map(|g| g.groups_for(rows) * g.rows);
         Ok(self
-            .replay_rows(graph, inputs, rows)?
+            .replay_as(graph, inputs, rows, grouping.as_ref())?
             .into_iter()
             .map(|(slot, bytes)| {
                 let mut t = decode(bytes, slot.dtype, slot.shape.clone());
@@ -1030,8 +1029,21 @@ impl CudaExecutor {
         inputs: &BTreeMap<String, Tensor>,
         rows: usize,
     ) -> Result<Vec<(&TensorSlot, &[u8])>, RuntimeError> {
-        if let Some(grouping) = self.grouping_for(graph, rows) {
-            return self.replay_grouped(&grouping, inputs, rows);
+        let grouping = self.grouping_for(graph, rows);
+        self.replay_as(graph, inputs, rows, grouping.as_ref())
+    }
+
+    /// [`Self::replay_rows`] as `grouping` (its groups that hold the first `rows` rows), or as
+    /// one replay with `None`.
+    fn replay_as(
+        &mut self,
+        graph: &str,
+        inputs: &BTreeMap<String, Tensor>,
+        rows: usize,
+        grouping: Option<&Grouping>,
+    ) -> Result<Vec<(&TensorSlot, &[u8])>, RuntimeError> {
+        if let Some(grouping) = grouping {
+            return self.replay_grouped(grouping, inputs, rows);
         }
         self.launch(graph, inputs)?;
         let plan = &self.plans[graph];

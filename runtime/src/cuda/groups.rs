@@ -180,11 +180,11 @@ impl CudaExecutor {
             .filter(|g| g.whole == whole)
             .cloned()
             .collect();
-        // Way 0 is one replay, way i + 1 grouping i.
+        // Way 0 is one replay, way i + 1 grouping i, every row the caller's.
         let times = time_interleaved(groupings.len() + 1, |way| {
-            let part = way.checked_sub(1).map(|i| groupings[i].part.as_str());
-            self.group_bucket(whole, part)?;
-            self.replay(whole, &inputs).map(|_| ())
+            let grouping = way.checked_sub(1).map(|i| &groupings[i]);
+            self.replay_as(whole, &inputs, usize::MAX, grouping)
+                .map(|_| ())
         });
         let times = times?;
         Ok(Timings {
