@@ -171,11 +171,13 @@ impl NodeLaunches {
         bind: &[(&str, Operand)],
         extent: u64,
     ) {
+        // The CPU kernels take no scratch (a Hopper kernel's partials and counters).
         let params: Vec<&str> = like
             .signature
             .iter()
             .filter(|(_, ty)| !matches!(ty, ParamType::U32 | ParamType::F32))
             .map(|(p, _)| p.as_str())
+            .filter(|p| !matches!(*p, "partials" | "counters"))
             .collect();
         self.cpu(kernel, bind, &params, extent);
     }
@@ -1194,6 +1196,7 @@ fn lower_attention(
     } else {
         let kernel = attention_kernel(out, &cfg, offsets);
         n.cpu_like(CpuKernel::Attention(cfg.clone()), &kernel, &bind, rows);
+        bind_stream_scratch(&cfg, &kernel, n, &mut bind);
         out.launch_best(n, kernel, (&cfg, attention_base), &bind)?;
     }
     Some(())
@@ -1641,7 +1644,25 @@ fn lower_prerotated(
     }
     let kernel = out.generate(&plain, attention);
     let fallback = out.generate(&plain, attention_base);
+    bind_stream_scratch(&plain, &kernel, n, &mut attention_bind);
     out.launch_with_fallback(n, (kernel, &attention_bind), (fallback, &attention_bind))
+}
+
+/// The scratch of `kernel`, the Hopper attention of `cfg` on a stream grid, added to the node's
+/// and bound: the split items' partials and counters ([`kiln_kernels::attention_wgmma::scratch`]).
+fn bind_stream_scratch(
+    cfg: &AttentionConfig,
+    kernel: &GeneratedKernel,
+    n: &mut NodeLaunches,
+    bind: &mut Vec<(&str, Operand)>,
+) {
+    if !kernel.signature.iter().any(|(p, _)| p == "partials") {
+        return;
+    }
+    let (partials, counters) = kiln_kernels::attention_wgmma::scratch(cfg);
+    bind.push(("partials", Operand::Scratch(n.scratch.len())));
+    n.scratch.push(partials);
+    bind.push(("counters", Operand::Counters(counters)));
 }
 
 /// The configuration of decode attention `id` (its keys and values the KV cache, paged as

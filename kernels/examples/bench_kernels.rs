@@ -13,7 +13,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, LaunchConfig
 use cudarc::nvrtc::Ptx;
 use kiln_ir::kernel::{Activation, NormKind};
 use kiln_kernels::attention::{attention, AttentionConfig, KeyRule};
-use kiln_kernels::attention_wgmma::{attention_wgmma_shaped, Shape};
+use kiln_kernels::attention_wgmma::{attention_wgmma_shaped, scratch, stream_scratch, Shape};
 use kiln_kernels::gemm::{gemm, gemm_base, GemmConfig};
 use kiln_kernels::gemm_wgmma::{
     fits, gemm_wgmma_tiled, split_scratch, splits_fit, tiling, Tiling, TILINGS,
@@ -715,6 +715,7 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
         if dropout.is_some() {
             buffers.push(("seed", (vec![1], "i64", 0.0)));
         }
+        stream_buffers(&mut buffers, scratch(&cfg));
         let peer = serde_json::json!({
             "kind": "sdpa", "causal": causal, "dropout": dropout.unwrap_or(0.0),
             "scale": cfg.scale,
@@ -733,10 +734,12 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
         add(name, attention(&cfg), buffers, &[], peer, flops);
     }
     // Attention of the models' prefills in every shape that fits (consumers, Q buffers, K and V
-    // stages, one item a block or a persistent grid):
+    // stages, one item a block, a persistent or a stream grid):
     // BERT-base at 128 x 128 tokens (all keys), GPT-2 at 1024 tokens and Llama-3.2-1B at 4096
-    // (causal, GQA 4:1); and the benchmark shapes above (4 x 16 heads, 4096 tokens, dropout
-    // 0.1 at head dim 128), whose blocks of 32 key tiles start and finish 2048 items on 132 SMs.
+    // (causal, GQA 4:1); the benchmark shapes above (4 x 16 heads, 4096 tokens, dropout
+    // 0.1 at head dim 128), whose blocks of 32 key tiles start and finish 2048 items on 132 SMs;
+    // BERT-base at 32 x 512 tokens (1152 items of four key tiles); and 2048 items of 8 and 16
+    // key tiles at head dim 128, between the persistent grid's items and the stream grid's.
     for (b, h, kv, s, d, causal, dropout) in [
         (128u32, 12u32, 12u32, 128u32, 64u32, false, false),
         (1, 12, 12, 1024, 64, true, false),
@@ -745,6 +748,9 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
         (4, 16, 16, 4096, 128, true, false),
         (4, 16, 16, 4096, 64, false, false),
         (4, 16, 16, 4096, 128, false, true),
+        (32, 12, 12, 512, 64, false, false),
+        (16, 16, 16, 1024, 128, false, false),
+        (8, 16, 16, 2048, 128, false, false),
     ] {
         let mut cfg = AttentionConfig::plain([b, h, kv, s, s, d], Elem::BF16);
         cfg.scale = 1.0 / (d as f32).sqrt();
@@ -759,6 +765,7 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
             if dropout {
                 buffers.push(("seed", (vec![1], "i64", 0.0)));
             }
+            stream_buffers(&mut buffers, stream_scratch(&cfg, shape));
             let peer = serde_json::json!({
                 "kind": "sdpa", "causal": causal, "dropout": p, "scale": cfg.scale,
                 "gqa": h != kv,
@@ -804,6 +811,14 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
         add(name, kernel, buffers, &[], peer, flops);
     }
     finish(dir, &cases);
+}
+
+/// A stream grid's scratch (`partials`, `counters` zero before the launch), if any.
+fn stream_buffers(buffers: &mut Vec<(&'static str, Buffer)>, (partials, counters): (u64, u64)) {
+    if partials > 0 {
+        buffers.push(("partials", (vec![partials as usize / 4], "f32", 0.0)));
+        buffers.push(("counters", (vec![counters as usize / 4], "i32", 0.0)));
+    }
 }
 
 /// The bf16 tensors of an attention over `b` sequences of `s` tokens, `h` query and `kv` K/V

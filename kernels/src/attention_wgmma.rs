@@ -6,8 +6,11 @@
 //! `ctaid.x`, then every `nctaid.x`-th of a persistent grid, so that the next item's tiles load
 //! under this one's work; items run in groups of planes whose K/V share the L2
 //! (`group_planes`); or, over every key of a dense K/V at head dim 128, in clusters of two
-//! blocks that share each K/V tile, each copying half of it into both ([`Grid::Pairs`]). How
-//! many consumers, Q buffers and K and V stages, and which grid, is the block's [`Shape`]:
+//! blocks that share each K/V tile, each copying half of it into both ([`Grid::Pairs`]); or,
+//! over every key, persistent blocks that share out the last two waves' key tiles in equal
+//! ranges, an item that two ranges share finished by the later of its two parts from both
+//! parts' state in scratch ([`Grid::Stream`]). How many consumers, Q buffers and K and V
+//! stages, and which grid, is the block's [`Shape`]:
 //! - warpgroup 0, the producer, gives up registers; its first thread copies each item's Q tile
 //!   into one of its Q buffers (refilled once every consumer released it), then the K and V
 //!   tiles of 128 keys through their stages (TMA, 128-byte swizzle, zeros past the tensor's
@@ -75,9 +78,17 @@ const COLS: u32 = SWIZZLE_BYTES / 2;
 const MIN_PRODUCER_REGS: u32 = 24;
 /// Blocks of a persistent grid: the SMs of an H100 / H200 SXM.
 const GRID: u32 = 132;
-/// Key tiles per item up to which the grid is persistent: below this, a block's fixed costs
-/// (barriers, the first loads, the epilogue) outweigh its products.
+/// Key tiles per item up to which a grid of items whose keys differ (causal, windows, position
+/// keys) is persistent: below this, a block's fixed costs (barriers, the first loads, the
+/// epilogue) outweigh its products. (Causal items of 8 and 32 tiles measured 5% slower
+/// persistent: GPT-2 at 1024 tokens, Llama-3.2-1B at 4096.)
 const PERSISTENT_MAX_TILES: u32 = 2;
+/// Key tiles per item from which items over every key take a stream grid rather than a
+/// persistent one: a split item's parts each load Q, fill the pipeline and leave their state,
+/// which pays where items are long. Measured on the H100 (2026-12-07): 4 x 16 heads over 4096
+/// keys (32 tiles) as fast as persistent at head dim 128, 4% faster with dropout; BERT-base's
+/// heads over 32 x 512 tokens (4 tiles) 10% slower.
+const STREAM_MIN_TILES: u32 = 32;
 /// How many powers of two a row's running maximum (base 2) may trail a tile's before O and the
 /// row's sum are rescaled to the tile's: probabilities stay at most `2^RESCALE_SLACK`.
 const RESCALE_SLACK: f32 = 8.0;
@@ -176,6 +187,11 @@ pub enum Grid {
     /// from the L2 that a block of [`Grid::Items`] does. A stage is refilled once the consumers
     /// of both blocks released it.
     Pairs,
+    /// One block an SM, the work shared out by key tiles: all but the last two waves of items
+    /// as on [`Grid::Persistent`], then the rest's key tiles in equal ranges, one a block, so
+    /// that no SM idles through a last wave that only some blocks have items for. An item split
+    /// between two blocks is finished by the later of its two parts ([`StreamSplit`]).
+    Stream,
 }
 
 impl std::fmt::Display for Shape {
@@ -185,6 +201,7 @@ impl std::fmt::Display for Shape {
             Grid::Items => "items",
             Grid::Persistent => "persistent",
             Grid::Pairs => "pairs",
+            Grid::Stream => "stream",
         };
         let Shape {
             consumers: c,
@@ -203,8 +220,7 @@ impl Shape {
     /// softmax) wherever blocks of 192 rows pad the query rows at most 5% more than blocks of
     /// 128 do; otherwise two. Dropout keeps two: its Philox rounds hold the ALUs, not the tensor
     /// cores, and its registers spill within three consumers' 160. Two Q buffers and two stages
-    /// of K and of V; a persistent grid for items of few key tiles, more of them than the grid
-    /// has blocks.
+    /// of K and of V, on the grid [`Shape::grid_for`] picks.
     pub fn of(cfg: &AttentionConfig) -> Shape {
         let padded = |rows: u32| u64::from(cfg.q_len.div_ceil(rows) * rows);
         let three = Shape {
@@ -216,12 +232,36 @@ impl Shape {
         } else {
             2
         };
-        let mut shape = Shape::two_deep(consumers);
-        let plan = Plan { cfg, shape };
-        if cfg.kv_len.div_ceil(BKV) <= PERSISTENT_MAX_TILES && items(&plan) > GRID {
-            shape.grid = Grid::Persistent;
+        let shape = Shape::two_deep(consumers);
+        Shape {
+            grid: shape.grid_for(cfg),
+            ..shape
         }
-        shape
+    }
+
+    /// The grid this shape runs `cfg` on where more items than the grid has blocks would leave
+    /// it a last wave that only some blocks have items for, or a block's fixed costs outweigh
+    /// its products: items over every key on a persistent grid (each block loads its next item
+    /// under this one: H100, 2026-12-07, BERT-base's heads over 32 x 512 tokens 17% faster
+    /// than one item a block) or, from [`STREAM_MIN_TILES`] key tiles, a stream grid (the same
+    /// measurement, median of seven passes at 32 tiles: 1.3% faster than one item a block at
+    /// head dim 128, 1.6% at 64, 4.2% with dropout); items whose keys differ persistent only
+    /// up to [`PERSISTENT_MAX_TILES`]; otherwise one item a block.
+    fn grid_for(self, cfg: &AttentionConfig) -> Grid {
+        let plan = Plan { cfg, shape: self };
+        let stream = Shape {
+            grid: Grid::Stream,
+            ..self
+        };
+        let tiles = key_tiles(cfg);
+        let many = items(&plan) > GRID;
+        if tiles >= STREAM_MIN_TILES && stream.fits(cfg) {
+            Grid::Stream
+        } else if many && (tiles <= PERSISTENT_MAX_TILES || cfg.keys == KeyRule::All) {
+            Grid::Persistent
+        } else {
+            Grid::Items
+        }
     }
 
     /// Whether the kernel can be built in this shape for `cfg`: two or three consumers, one or
@@ -229,17 +269,22 @@ impl Shape {
     /// take. Three consumers have 160 registers each: not at head dim 128, where S, O and P
     /// alone take 160 (ptxas serializes their wgmma, C7511), nor with dropout, whose registers
     /// spill there. Pairs need every item of a plane to visit every key of a dense K/V (every
-    /// key, no window) and an even count of 64-column blocks to share out (head dim 128).
+    /// key, no window) and an even count of 64-column blocks to share out (head dim 128). A
+    /// stream grid needs items of equal key tiles (every key of a dense K/V), at least two of
+    /// them, and at least as many items as blocks, so that no item has more than two parts.
     pub fn fits(&self, cfg: &AttentionConfig) -> bool {
         let plan = Plan { cfg, shape: *self };
         let three = cfg.head_dim == 64 && cfg.dropout.is_none();
-        let pairs = cfg.keys == KeyRule::All && cfg.paging.is_none() && cfg.head_dim == 128;
+        let dense = cfg.keys == KeyRule::All && cfg.paging.is_none();
+        let pairs = dense && cfg.head_dim == 128;
+        let stream = dense && key_tiles(cfg) >= 2 && items(&plan) >= GRID;
         (2..=3).contains(&self.consumers)
             && (1..=2).contains(&self.q_buffers)
             && (2..=4).contains(&self.k_stages)
             && (2..=4).contains(&self.v_stages)
             && (self.consumers == 2 || three)
             && (self.grid != Grid::Pairs || pairs)
+            && (self.grid != Grid::Stream || stream)
             && shared_bytes(&plan) <= MAX_SHARED
     }
 
@@ -258,7 +303,7 @@ impl Shape {
     /// stages of K and of V, or deeper stages of K (and V) for fewer Q buffers, on every grid.
     pub fn space(cfg: &AttentionConfig) -> Vec<Shape> {
         let mut shapes = Vec::new();
-        for grid in [Grid::Items, Grid::Persistent, Grid::Pairs] {
+        for grid in [Grid::Items, Grid::Persistent, Grid::Pairs, Grid::Stream] {
             for consumers in [2, 3] {
                 for (q_buffers, k_stages, v_stages) in [(2, 2, 2), (2, 3, 2), (1, 3, 2), (1, 3, 3)]
                 {
@@ -366,7 +411,7 @@ fn producer_regs(cfg: &Plan) -> u32 {
 }
 
 /// The block's shared memory: the tiles (aligned to 1024 bytes inside a region 1024 larger),
-/// the barriers, the padding mask rows and the position ranges.
+/// the barriers, the padding mask rows, the position ranges and the split items' flags.
 fn shared_bytes(cfg: &Plan) -> u32 {
     let mask = if cfg.padding {
         consumers(cfg) * 2 * BKV * 4
@@ -377,7 +422,16 @@ fn shared_bytes(cfg: &Plan) -> u32 {
         KeyRule::Position { .. } => (consumers(cfg) + 1) * 4 * 2 * 4,
         _ => 0,
     };
-    Layout::new(cfg).total + 1024 + cfg.barrier(Barrier::End) * MBARRIER_BYTES + mask + ranges
+    let flags = match cfg.shape.grid {
+        Grid::Stream => consumers(cfg) * 4,
+        _ => 0,
+    };
+    Layout::new(cfg).total
+        + 1024
+        + cfg.barrier(Barrier::End) * MBARRIER_BYTES
+        + mask
+        + ranges
+        + flags
 }
 
 /// Named barriers: 0 the block's; [`MASK_BARRIER`] `+ c` consumer `c`'s 128 threads (mask
@@ -466,7 +520,7 @@ fn map(cfg: &AttentionConfig, i: usize, heads: u32, rows: u32, box_rows: u32) ->
 fn cluster(cfg: &Plan) -> u32 {
     match cfg.shape.grid {
         Grid::Pairs => 2,
-        Grid::Items | Grid::Persistent => 1,
+        Grid::Items | Grid::Persistent | Grid::Stream => 1,
     }
 }
 
@@ -479,6 +533,69 @@ fn query_blocks(cfg: &Plan) -> u32 {
 /// Work items: query blocks times heads times batch.
 fn items(cfg: &Plan) -> u32 {
     query_blocks(cfg) * cfg.heads * cfg.batch
+}
+
+/// Key tiles over every key.
+fn key_tiles(cfg: &AttentionConfig) -> u32 {
+    cfg.kv_len.div_ceil(BKV)
+}
+
+/// How [`Grid::Stream`] shares the work out: the first `whole` items as [`Grid::Persistent`]
+/// takes them, then the `units` key tiles of the others (items of `tiles` each, in item order)
+/// in equal ranges, one a block (the first blocks' one tile longer where they do not divide).
+#[derive(Debug, PartialEq, Eq)]
+struct StreamWork {
+    whole: u32,
+    tiles: u32,
+    units: u32,
+}
+
+impl StreamWork {
+    /// All but the last two waves' items whole: at least a wave of [`GRID`] blocks' items is
+    /// left, so that a block's range (of at most as many blocks) holds at least an item's
+    /// tiles, and no item has more than two parts.
+    fn of(cfg: &Plan) -> StreamWork {
+        let items = items(cfg);
+        let whole = (items / GRID).saturating_sub(1) * GRID;
+        let tiles = key_tiles(cfg);
+        StreamWork {
+            whole,
+            tiles,
+            units: (items - whole) * tiles,
+        }
+    }
+}
+
+/// The scratch a launch of `cfg` in `shape` binds besides its operands: bytes of the f32
+/// `partials` (each split item's two parts' state, [`StreamSplit`]) and of the u32 `counters`
+/// (zero before the launch, and left zero); none but on a stream grid.
+pub fn stream_scratch(cfg: &AttentionConfig, shape: Shape) -> (u64, u64) {
+    if shape.grid != Grid::Stream {
+        return (0, 0);
+    }
+    let consumers = u64::from(shape.consumers);
+    let values = u64::from(part_values(cfg));
+    let slots = u64::from(GRID);
+    (
+        slots * 2 * consumers * values * 128 * 4,
+        slots * consumers * 4,
+    )
+}
+
+/// [`stream_scratch`] of the kernel [`attention_wgmma`] builds for `cfg` (none where `cfg` takes
+/// another kernel).
+pub fn scratch(cfg: &AttentionConfig) -> (u64, u64) {
+    if supports(cfg) {
+        stream_scratch(cfg, Shape::of(cfg))
+    } else {
+        (0, 0)
+    }
+}
+
+/// Values of a consumer thread's state that a part of a split item leaves: its O accumulators,
+/// then its two rows' maxima and sums.
+fn part_values(cfg: &AttentionConfig) -> u32 {
+    cfg.head_dim / 2 + 4
 }
 
 /// Bytes of K/V that the items of one group of planes may share through the L2 (the H200's holds
@@ -574,7 +691,12 @@ pub fn attention_wgmma_shaped(
             &dropping,
             &progress,
         );
-        c.store(k, cfg, &block, &state, params.out);
+        match (&block.part, &params.split) {
+            (Some(part), Some(split)) => {
+                c.finish_part(k, cfg, (&block, part), &state, (split, params.out));
+            }
+            _ => c.store(k, cfg, &block, &state, params.out),
+        }
         progress.next_item(k, &block);
     });
 
@@ -589,8 +711,9 @@ const TILES: &str = "attention_tiles";
 const BARRIERS: &str = "attention_barriers";
 
 /// The kernel's parameters, `q, k, v` (tensor maps), `out, [mask], [positions], [seed],
-/// [table]`, declared with the kernel's shared memory: the tiles and barriers
-/// ([`shared_setup`] sets them up), the positions' ranges and the staged mask.
+/// [table], [partials, counters]`, declared with the kernel's shared memory: the tiles and
+/// barriers ([`shared_setup`] sets them up), the positions' ranges, the staged mask and the
+/// split items' flags.
 struct Params {
     maps: [Reg; 3],
     out: Reg,
@@ -598,6 +721,7 @@ struct Params {
     positions: Option<Reg>,
     seed: Option<Reg>,
     table: Option<(Reg, Paging)>,
+    split: Option<StreamSplit>,
 }
 
 impl Params {
@@ -615,6 +739,11 @@ impl Params {
         });
         let seed = cfg.dropout.map(|_| k.param_ptr("seed"));
         let table = cfg.paging.map(|p| (k.param_ptr("table"), p));
+        let split = (cfg.shape.grid == Grid::Stream).then(|| StreamSplit {
+            partials: k.param_ptr("partials"),
+            counters: k.param_ptr("counters"),
+            flags: k.shared("attention_split_flags", consumers(cfg) * 4),
+        });
         k.dynamic_shared_aligned(TILES, 1024);
         k.shared(BARRIERS, cfg.barrier(Barrier::End) * MBARRIER_BYTES);
         if cfg.padding {
@@ -627,6 +756,7 @@ impl Params {
             positions,
             seed,
             table,
+            split,
         }
     }
 }
@@ -670,7 +800,7 @@ fn launch(cfg: &Plan, layout: &Layout) -> Launch {
     Launch {
         grid: [
             match cfg.shape.grid {
-                Grid::Persistent => items.min(GRID),
+                Grid::Persistent | Grid::Stream => items.min(GRID),
                 Grid::Items | Grid::Pairs => items,
             },
             1,
@@ -681,18 +811,70 @@ fn launch(cfg: &Plan, layout: &Layout) -> Launch {
     }
 }
 
-/// Runs `body` for each of this block's items (`ctaid.x`, then every `nctaid.x`-th); with
-/// position keys every thread of the warpgroup must run it (`keys` finds the item's range).
+/// Runs `body` for each of this block's items (`ctaid.x`, then every `nctaid.x`-th), or on a
+/// stream grid each of its items and parts of items ([`for_each_part`]); with position keys
+/// every thread of the warpgroup must run it (`keys` finds the item's range).
 fn for_each_item(
     k: &mut Kernel,
     cfg: &Plan,
     keys: Option<&PositionKeys>,
     mut body: impl FnMut(&mut Kernel, Block),
 ) {
+    if cfg.shape.grid == Grid::Stream {
+        return for_each_part(k, cfg, body);
+    }
     for_each_block_item(k, "item", items(cfg), |k, item| {
         let block = Block::at(k, cfg, item, keys);
         body(k, block);
     });
+}
+
+/// [`Grid::Stream`]: runs `body` for this block's whole items (`ctaid.x`, then every
+/// `nctaid.x`-th, up to [`StreamWork::whole`]), then for each item its range of the other
+/// items' key tiles touches (whole, or the part in the range), in one loop so that `body` is
+/// emitted once. Any grid of at most [`GRID`] blocks covers the work.
+fn for_each_part(k: &mut Kernel, cfg: &Plan, mut body: impl FnMut(&mut Kernel, Block)) {
+    let work = StreamWork::of(cfg);
+    let block_id = k.special("ctaid.x");
+    let blocks = k.special("nctaid.x");
+    let per_block = k.op2("div.u32", RegClass::B32, &work.units, &blocks);
+    let longer = k.op2("rem.u32", RegClass::B32, &work.units, &blocks);
+    let extra = k.op2("min.u32", RegClass::B32, &block_id, &longer);
+    let start = k.mad_u32(&block_id, &per_block, &extra);
+    let end = k.add_u32(&start, &per_block);
+    let one_more = k.setp("lt.u32", &block_id, &longer);
+    k.emit(format!("@{one_more} add.u32 {end}, {end}, 1"));
+    let unit = k.mov(RegClass::B32, &start);
+    let taken = k.mov(RegClass::B32, &block_id);
+    let [item, first, tiles] = [(); 3].map(|_| k.reg(RegClass::B32));
+    let top = k.label("part");
+    let ranged = k.label("ranged_part");
+    let found = k.label("part_found");
+    let done = k.label("parts_done");
+    k.place(&top);
+    let wave = k.setp("lt.u32", &taken, &work.whole);
+    k.bra(Some((wave, false)), &ranged);
+    k.set(item, &taken);
+    k.set(first, &0u32);
+    k.set(tiles, &work.tiles);
+    k.emit(format!("add.u32 {taken}, {taken}, {blocks}"));
+    k.bra(None, &found);
+    k.place(&ranged);
+    let past = k.setp("ge.u32", &unit, &end);
+    k.bra(Some((past, true)), &done);
+    let index = k.op2("div.u32", RegClass::B32, &unit, &work.tiles);
+    k.emit(format!("add.u32 {item}, {index}, {}", work.whole));
+    k.emit(format!("rem.u32 {first}, {unit}, {}", work.tiles));
+    let left = k.sub_u32(&work.tiles, &first);
+    let rest = k.sub_u32(&end, &unit);
+    k.emit(format!("min.u32 {tiles}, {left}, {rest}"));
+    k.emit(format!("add.u32 {unit}, {unit}, {tiles}"));
+    k.place(&found);
+    let mut block = Block::at(k, cfg, &item, None);
+    block.take_part(k, [first, tiles], &block_id, work.tiles);
+    body(k, block);
+    k.bra(None, &top);
+    k.place(&done);
 }
 
 /// Position keys: the `positions` operand (`[B, S]`, i64), and this thread's share in its
@@ -850,6 +1032,22 @@ struct Block {
     edge_from: Reg,
     /// Under a sliding window, where the item's tiles start and which cross a row's first key.
     window: Option<Slide>,
+    /// On a stream grid, the part of the item this is.
+    part: Option<Part>,
+}
+
+/// A [`Grid::Stream`] block's part of an item: the whole item, or one of the two parts of an
+/// item whose key tiles two blocks' ranges share.
+struct Part {
+    /// The item's key tile that the part's tile 0 is.
+    first: Reg,
+    /// Whether the part is the whole item.
+    whole: Reg,
+    /// Whether it is the item's later part (this block's range starts inside the item).
+    later: Reg,
+    /// Where the two parts meet in `partials` and `counters`: the block whose range starts
+    /// inside the item (this one for the later part, the next for the first).
+    slot: Reg,
 }
 
 /// An item's key tiles under a sliding window ([`Block::slide`]).
@@ -932,6 +1130,7 @@ impl Block {
             tiles,
             edge_from,
             window: None,
+            part: None,
         };
         if let (Some(w), Some(lasts)) = (cfg.keys.window(), lasts) {
             block.slide(k, cfg.kv_len, w, lasts);
@@ -966,9 +1165,32 @@ impl Block {
         });
     }
 
+    /// The part of the item of `tiles` key tiles from its tile `first` that a stream grid's
+    /// block `block_id` takes ([`for_each_part`]): `count` of them, those from `edge_from` on
+    /// (counted in the item) masked per element.
+    fn take_part(&mut self, k: &mut Kernel, [first, count]: [Reg; 2], block_id: &Reg, tiles: u32) {
+        let edge_from = k.op2("max.u32", RegClass::B32, &self.edge_from, &first);
+        self.edge_from = k.sub_u32(&edge_from, &first);
+        self.tiles = count;
+        let later = k.setp("ne.u32", &first, &0u32);
+        let next = k.add_u32(block_id, &1u32);
+        self.part = Some(Part {
+            first,
+            whole: k.setp("eq.u32", &count, &tiles),
+            later,
+            slot: k.selp(RegClass::B32, "u32", block_id, &next, later),
+        });
+    }
+
     /// The first key of the item's key tile `j`.
     fn key0(&self, k: &mut Kernel, j: &Reg) -> Reg {
-        let key0 = k.mul_u32(j, &BKV);
+        let key0 = match &self.part {
+            Some(part) => {
+                let tile = k.add_u32(j, &part.first);
+                k.mul_u32(&tile, &BKV)
+            }
+            None => k.mul_u32(j, &BKV),
+        };
         match &self.window {
             Some(slide) => k.add_u32(&key0, &slide.start_key),
             None => key0,
@@ -1832,6 +2054,158 @@ impl Consumer {
     }
 }
 
+/// A stream grid's split items ([`Grid::Stream`]): each part leaves its consumer threads' state
+/// ([`part_values`]: O, then the rows' maxima and sums, register by register, the warpgroup's
+/// 128 threads side by side) in its half of the slot's `partials`, and counts itself done on
+/// the slot's counter of its consumer (zero before the launch); the later of the two to finish
+/// merges the other's state into its own, the item's first part always first, so that the
+/// result does not depend on which finished later, sets the counter back to zero and stores.
+struct StreamSplit {
+    partials: Reg,
+    counters: Reg,
+    /// Shared: each consumer's answer, whether its part finished the item.
+    flags: String,
+}
+
+impl Consumer {
+    /// Stores the item `block` whole, or its part's share of it ([`StreamSplit`]).
+    fn finish_part(
+        &self,
+        k: &mut Kernel,
+        cfg: &Plan,
+        (block, part): (&Block, &Part),
+        state: &RowState,
+        (split, out): (&StreamSplit, Reg),
+    ) {
+        let whole = k.label("whole_item");
+        let stored = k.label("part_stored");
+        k.bra(Some((part.whole, true)), &whole);
+        let last = self.merge_parts(k, cfg, part, state, split);
+        k.bra(Some((last, false)), &stored);
+        k.place(&whole);
+        self.store(k, cfg, block, state, out);
+        k.place(&stored);
+    }
+
+    /// Leaves this part's state in its partials and counts it done; returns whether it finished
+    /// the item, `state` then the item's (both parts' merged).
+    fn merge_parts(
+        &self,
+        k: &mut Kernel,
+        cfg: &Plan,
+        part: &Part,
+        state: &RowState,
+        split: &StreamSplit,
+    ) -> Reg {
+        k.comment("a split item: this part's state into the partials; the later part merges both");
+        let values: Vec<Reg> = state
+            .o
+            .iter()
+            .chain(&state.m)
+            .chain(&state.l)
+            .copied()
+            .collect();
+        let stride = 128 * 4;
+        let slot_of = |k: &mut Kernel, which: &Reg| {
+            let index = k.mad_u32(&part.slot, &2u32, which);
+            let index = k.mad_u32(&index, &consumers(cfg), &self.c);
+            let first = k.mul_u32(&index, &(part_values(cfg) * 128));
+            let first = k.add_u32(&first, &self.wt);
+            k.address(split.partials, &first, 4)
+        };
+        let mine = k.selp(RegClass::B32, "u32", &1u32, &0u32, part.later);
+        let at = slot_of(k, &mine);
+        for (i, v) in (0u32..).zip(&values) {
+            k.emit(format!("st.global.f32 [{at}+{}], {v}", i * stride));
+        }
+        let counter = k.mad_u32(&part.slot, &consumers(cfg), &self.c);
+        let counter = k.address(split.counters, &counter, 4);
+        let leader = k.setp("eq.u32", &self.wt, &0u32);
+        let flag = k.shared_base(&split.flags);
+        let flag = k.mad_u32(&self.c, &4u32, &flag);
+        let barrier = k.add_u32(&self.c, &MASK_BARRIER);
+        let last = crate::reduce::last_arrival(
+            k,
+            [counter, leader],
+            &2u32,
+            &format!("bar.sync {barrier}, 128"),
+            &flag.to_string(),
+        );
+        let merged = k.label("parts_merged");
+        k.bra(Some((last, false)), &merged);
+        let theirs = k.op2("xor.b32", RegClass::B32, &mine, &1u32);
+        let other = slot_of(k, &theirs);
+        let load = |k: &mut Kernel, i: u32| {
+            let v = k.reg(RegClass::F32);
+            k.emit(format!("ld.global.cg.f32 {v}, [{other}+{}]", i * stride));
+            v
+        };
+        let n = state.o.len() as u32;
+        let rows: Vec<Reg> = (n..n + 4).map(|i| load(k, i)).collect();
+        let factors = merge_rows(k, state, &rows, part.later);
+        for (c, chunk) in state.o.chunks(MERGED_AT_ONCE).enumerate() {
+            let loaded: Vec<Reg> = (0..chunk.len())
+                .map(|j| load(k, (c * MERGED_AT_ONCE + j) as u32))
+                .collect();
+            for (j, (o, theirs)) in chunk.iter().zip(&loaded).enumerate() {
+                // Accumulator 4 chunk + 2 h + c belongs to row h.
+                let h = (c * MERGED_AT_ONCE + j) % 4 / 2;
+                merge_value(k, *o, theirs, factors[h], part.later);
+            }
+        }
+        k.place(&merged);
+        last
+    }
+}
+
+/// O accumulators a merging thread loads from the other part at once (bounds the registers the
+/// loads in flight take).
+const MERGED_AT_ONCE: usize = 16;
+
+/// The first part's and the later part's values of `own` and `theirs` (this thread holds the
+/// later part where `later`).
+fn in_order(k: &mut Kernel, own: &Reg, theirs: &Reg, later: Reg) -> (Reg, Reg) {
+    let first = k.selp(RegClass::F32, "f32", theirs, own, later);
+    let second = k.selp(RegClass::F32, "f32", own, theirs, later);
+    (first, second)
+}
+
+/// Merges the other part's rows' maxima and sums (`theirs`: m0, m1, l0, l1) into `state`'s, and
+/// returns each row's factors for the first and the later part's O (a row that saw no key in
+/// either keeps -inf and a zero sum).
+fn merge_rows(k: &mut Kernel, state: &RowState, theirs: &[Reg], later: Reg) -> [(Reg, Reg); 2] {
+    let neg_inf = F32(f32::NEG_INFINITY);
+    [0, 1].map(|h| {
+        let (m_first, m_second) = in_order(k, &state.m[h], &theirs[h], later);
+        let m = k.max_f32(&m_first, &m_second);
+        let none = k.setp("eq.f32", &m, &neg_inf);
+        let safe = k.selp(RegClass::F32, "f32", &F32(0.0), &m, none);
+        let factor = |k: &mut Kernel, m_part: &Reg| {
+            let diff = k.sub_f32(m_part, &safe);
+            k.op1("ex2.approx.ftz.f32", RegClass::F32, &diff)
+        };
+        let factors = (factor(k, &m_first), factor(k, &m_second));
+        k.set(state.m[h], &m);
+        let l = state.l[h];
+        merge_value(k, l, &theirs[2 + h], factors, later);
+        factors
+    })
+}
+
+/// `own = first * factors.0 + second * factors.1`, the two parts' values of `own` and `theirs`
+/// in order.
+fn merge_value(
+    k: &mut Kernel,
+    own: Reg,
+    theirs: &Reg,
+    (f_first, f_second): (Reg, Reg),
+    later: Reg,
+) {
+    let (first, second) = in_order(k, &own, theirs, later);
+    let scaled = k.mul_f32(&second, &f_second);
+    k.emit(format!("fma.rn.f32 {own}, {first}, {f_first}, {scaled}"));
+}
+
 /// A tile's correction of O: each of the thread's two rows' factor (none on an item's first
 /// tile) and, under [`Rescale::WhenMoved`], whether any row of the warp moved (every factor 1
 /// otherwise); the default corrects nothing.
@@ -2217,6 +2591,106 @@ mod tests {
         assert_eq!(alone.cluster, 1);
         let alone = alone.module();
         assert!(!alone.contains("cluster_ctarank") && !alone.contains("multicast"));
+    }
+
+    #[test]
+    fn items_over_every_key_share_out_their_last_waves_key_tiles_on_a_stream_grid() {
+        // 4 x 16 heads at head dim 128 over 4096 keys: 2048 items of 32 key tiles, 14 waves
+        // whole, then the last 200 items' 6400 tiles, 48 or 49 a block.
+        let mut d128 = config(4, 16, 16, 4096, false);
+        d128.head_dim = 128;
+        let shape = Shape::of(&d128);
+        assert_eq!(shape.grid, Grid::Stream);
+        let plan = Plan { cfg: &d128, shape };
+        let work = StreamWork::of(&plan);
+        let want = StreamWork {
+            whole: 1848,
+            tiles: 32,
+            units: 6400,
+        };
+        assert_eq!(work, want);
+        // On any grid of at most GRID blocks, the ranges as the kernel cuts them cover the
+        // tiles once, each at least an item's: no item has more than two parts.
+        for blocks in 1..=GRID {
+            let (per, longer) = (work.units / blocks, work.units % blocks);
+            let mut next = 0;
+            for b in 0..blocks {
+                let start = b * per + b.min(longer);
+                let end = start + per + u32::from(b < longer);
+                assert_eq!(start, next);
+                assert!(end - start >= work.tiles, "{blocks} blocks");
+                next = end;
+            }
+            assert_eq!(next, work.units);
+        }
+        // Fewer items than two waves (10 heads x 2 sequences x 8 query blocks): none whole.
+        let mut few = config(2, 10, 5, 1000, false);
+        few.head_dim = 128;
+        let plan = Plan {
+            cfg: &few,
+            shape: Shape::of(&few),
+        };
+        assert_eq!(StreamWork::of(&plan).whole, 0);
+        // The kernel: one block an SM, the split items' partials and counters.
+        let kernel = attention_wgmma(&d128, "s".into());
+        assert_eq!(kernel.launch.grid, [GRID, 1, 1]);
+        let params: Vec<&str> = kernel.signature.iter().map(|(p, _)| p.as_str()).collect();
+        assert_eq!(params, ["q", "k", "v", "out", "partials", "counters"]);
+        assert_eq!(scratch(&d128), (132 * 2 * 2 * 68 * 128 * 4, 132 * 2 * 4));
+        let ptx = kernel.module();
+        assert_eq!(ptx.matches("atom.acq_rel.gpu.global.add.u32").count(), 1);
+        assert!(ptx.contains("a split item: this part's state into the partials"));
+    }
+
+    #[test]
+    fn grids_follow_the_items_key_tiles_and_key_rule() {
+        let grid = |cfg: &AttentionConfig| Shape::of(cfg).grid;
+        // Every key, more items than blocks: persistent (BERT-base at 128 x 128 and 32 x 512
+        // tokens, 31 key tiles), a stream from 32 key tiles.
+        assert_eq!(grid(&config(128, 12, 12, 128, false)), Grid::Persistent);
+        assert_eq!(grid(&config(32, 12, 12, 512, false)), Grid::Persistent);
+        assert_eq!(grid(&config(4, 16, 16, 31 * 128, false)), Grid::Persistent);
+        assert_eq!(grid(&config(4, 16, 16, 32 * 128, false)), Grid::Stream);
+        // Causal items of more than two tiles, and few items, one a block.
+        assert_eq!(grid(&config(16, 12, 12, 1024, true)), Grid::Items);
+        assert_eq!(grid(&config(16, 12, 12, 256, true)), Grid::Persistent);
+        assert_eq!(grid(&config(1, 2, 2, 8192, false)), Grid::Items);
+    }
+
+    #[test]
+    fn a_stream_grid_needs_equal_items_more_than_the_grid_has_blocks() {
+        let mut d128 = config(4, 16, 16, 4096, false);
+        d128.head_dim = 128;
+        let stream = Shape {
+            grid: Grid::Stream,
+            ..Shape::two_deep(2)
+        };
+        assert!(stream.fits(&d128));
+        // Near misses: keys that differ from item to item (causal, a window, a chunk over a
+        // cache), one key tile, fewer items than blocks.
+        let causal = AttentionConfig {
+            keys: KeyRule::Causal { window: None },
+            ..d128.clone()
+        };
+        let windowed = AttentionConfig {
+            keys: KeyRule::Causal { window: Some(512) },
+            ..d128.clone()
+        };
+        let chunk = AttentionConfig {
+            keys: KeyRule::Position { window: None },
+            ..d128.clone()
+        };
+        let one_tile = config(128, 12, 12, 128, false);
+        let few = config(1, 4, 4, 4096, false);
+        for near in [&causal, &windowed, &chunk, &one_tile, &few] {
+            assert!(!stream.fits(near), "{near:?}");
+            assert_ne!(Shape::of(near).grid, Grid::Stream);
+            assert_eq!(scratch(near), (0, 0));
+            let params = attention_wgmma(near, "n".into()).signature;
+            assert!(params
+                .iter()
+                .all(|(p, _)| p != "partials" && p != "counters"));
+        }
     }
 
     #[test]

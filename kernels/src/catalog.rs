@@ -143,7 +143,7 @@ type AttentionCase = (u32, KeyRule, bool, bool, Option<Dropout>, u32, u32);
 
 /// Every key rule, with padding, RoPE, dropout and windows, on each path (`mma.sync`, the Hopper
 /// kernel, decode steps, prompt chunks over a cache).
-fn attention_cases() -> [AttentionCase; 13] {
+fn attention_cases() -> [AttentionCase; 14] {
     [
         (
             64,
@@ -254,6 +254,9 @@ fn attention_cases() -> [AttentionCase; 13] {
             300,
             4097,
         ),
+        // An encoder's items over every key, more than the grid has blocks: the Hopper kernel
+        // on a stream grid, padding, ragged rows and keys.
+        (128, KeyRule::All, true, false, None, 1200, 1200),
         // A prompt chunk over a cache (tensor cores), head dim 96, with a window.
         (
             96,

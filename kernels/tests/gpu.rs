@@ -1305,8 +1305,10 @@ impl AttentionCase {
 /// The Hopper attention in every shape that fits (two or three consumers, one or two Q buffers,
 /// two or three stages of K and of V) matches the interpreter where tiles are ragged: key counts
 /// past a tile, query rows past a block, every key rule, padding, GQA and dropout, on one item
-/// a block, on a persistent grid, on three blocks taking turns and, over every key at head dim
-/// 128, in clusters of two blocks sharing K/V (a pair's second block past the rows included).
+/// a block, on a persistent grid, on three blocks taking turns, over every key at head dim
+/// 128 in clusters of two blocks sharing K/V (a pair's second block past the rows included),
+/// and on a stream grid that splits items between blocks (its counters left zero for the next
+/// kernel).
 #[test]
 fn attention_in_every_shape_matches_the_interpreter() {
     use kiln_kernels::attention::KeyRule;
@@ -1345,6 +1347,17 @@ fn attention_in_every_shape_matches_the_interpreter() {
         },
         // Items of one key tile, more than the grid has blocks: a persistent grid.
         AttentionCase::new(12, 12, 100, 100, 64),
+        // More items than the grid has blocks, over ragged keys: a stream grid splits them
+        // between blocks (GQA, padding; dropout; three consumers).
+        AttentionCase {
+            padding: true,
+            ..AttentionCase::new(10, 5, 1000, 1000, 128)
+        },
+        AttentionCase {
+            dropout: Some((0.1, 3)),
+            ..AttentionCase::new(10, 10, 1000, 700, 128)
+        },
+        AttentionCase::new(10, 10, 2000, 1000, 64),
     ];
     for case in cases.map(every) {
         let batch = if case.heads == 12 { 16 } else { 2 };
@@ -1970,6 +1983,16 @@ fn attention_case(
         kernels.extend(other_shapes(&cfg));
     }
     let kernels = with_few_blocks(kernels);
+    // A stream grid's split items (as many consumers as any shape has): one zeroed set of
+    // counters for every kernel, which each launch must leave zero.
+    let stream = kiln_kernels::attention_wgmma::Shape {
+        grid: kiln_kernels::attention_wgmma::Grid::Stream,
+        consumers: 3,
+        ..kiln_kernels::attention_wgmma::Shape::of(&cfg)
+    };
+    let (partials, counters) = kiln_kernels::attention_wgmma::stream_scratch(&cfg, stream);
+    let partials = gpu.poisoned(Elem::F32, partials.max(4) as usize / 4);
+    let counters = gpu.upload_u32(&vec![0; counters.max(4) as usize / 4]);
     for kernel in &kernels {
         let out = gpu.poisoned(elem, b * h * s * d);
         let mut args = BTreeMap::from([
@@ -1981,6 +2004,8 @@ fn attention_case(
             ("cos", Arg::Buf(&bc)),
             ("sin", Arg::Buf(&bn)),
             ("seed", Arg::Buf(&bs)),
+            ("partials", Arg::Buf(&partials)),
+            ("counters", Arg::Buf(&counters)),
         ]);
         args.insert("out", Arg::Buf(&out));
         gpu.launch(kernel, &args);

@@ -296,6 +296,24 @@ fn attention_sliding_window_bf16_wgmma() {
     insta::assert_snapshot!(k.module());
 }
 
+/// The Hopper attention on a stream grid (an encoder's 12 heads over 2 x 4096 tokens, padding:
+/// 528 items of 32 key tiles): the last waves' key tiles shared out in equal ranges, an item
+/// that two ranges share finished by the later of its parts.
+#[test]
+fn attention_stream_grid_padded_bf16_wgmma() {
+    use kiln_kernels::attention::{attention, AttentionConfig};
+    let mut cfg = AttentionConfig::plain([2, 12, 12, 4096, 4096, 64], Elem::BF16);
+    cfg.padding = true;
+    cfg.scale = 0.125;
+    let k = attention(&cfg);
+    let params: Vec<&str> = k.signature.iter().map(|(p, _)| p.as_str()).collect();
+    assert_eq!(
+        params,
+        ["q", "k", "v", "out", "mask", "partials", "counters"]
+    );
+    insta::assert_snapshot!(k.module());
+}
+
 #[test]
 fn attention_gqa_causal_rope_dropout_bf16() {
     use kiln_kernels::attention::{attention, AttentionConfig, KeyRule};

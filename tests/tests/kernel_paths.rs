@@ -627,3 +627,55 @@ fn decode_attention_merges_its_key_ranges() {
         assert_eq!(manifest.memory.counter_bytes, counters, "{dtype}");
     }
 }
+
+/// Encoder attention over every key takes a persistent grid where it has more items than the
+/// GPU has SMs (BERT-base at 32 x 512 tokens: 1152 items of four key tiles), and a stream grid
+/// where those items are long (the BERT-base shape with 4096 positions, 2 x 4096 tokens: 528
+/// items of 32 tiles): in bf16 the stream's split items count in the counters region (a u32 per
+/// SM and consumer warpgroup) and leave their state in scratch; f32's SIMT attention, and the
+/// persistent grid, count nothing.
+#[test]
+fn long_encoder_attention_takes_a_stream_grid() {
+    use kiln_kernels::attention::AttentionConfig;
+    let base = configs_dir().join("bert-base");
+    let long = tempfile::tempdir().unwrap();
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(base.join("config.json")).unwrap()).unwrap();
+    config["max_position_embeddings"] = 4096.into();
+    std::fs::write(long.path().join("config.json"), config.to_string()).unwrap();
+    let mut cfg = AttentionConfig::plain([2, 12, 12, 4096, 4096, 64], kiln_kernels::Elem::BF16);
+    cfg.padding = true;
+    let (partials, counters) = kiln_kernels::attention_wgmma::scratch(&cfg);
+    assert!(partials > 0 && counters > 0);
+    let cases = [
+        (base.as_path(), "512", "32", "bf16", 0),
+        (long.path(), "4096", "2", "bf16", counters),
+        (long.path(), "4096", "2", "f32", 0),
+    ];
+    for (dir, len, batch, dtype, want) in cases {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("out");
+        kiln(&[
+            "compile",
+            dir.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+            "--no-weights",
+            "--dtype",
+            dtype,
+            "--buckets",
+            len,
+            "--batch-buckets",
+            batch,
+            "--target",
+            "cuda",
+        ])
+        .unwrap();
+        let manifest: kiln_ir::artifact::Manifest =
+            ron::from_str(&std::fs::read_to_string(out.join("manifest.ron")).unwrap()).unwrap();
+        assert_eq!(
+            manifest.memory.counter_bytes, want,
+            "{len} x {batch} {dtype}"
+        );
+    }
+}
