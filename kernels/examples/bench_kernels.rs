@@ -738,7 +738,7 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
     // BERT-base at 128 x 128 tokens (all keys), GPT-2 at 1024 tokens and Llama-3.2-1B at 4096
     // (causal, GQA 4:1); the benchmark shapes above (4 x 16 heads, 4096 tokens, dropout
     // 0.1 at head dim 128), whose blocks of 32 key tiles start and finish 2048 items on 132 SMs;
-    // BERT-base at 32 x 512 tokens (1152 items of four key tiles); and 2048 items of 8 and 16
+    // BERT-base at 32 x 512 tokens (1536 items of four key tiles); and 2048 items of 8 and 16
     // key tiles at head dim 128, between the persistent grid's items and the stream grid's.
     for (b, h, kv, s, d, causal, dropout) in [
         (128u32, 12u32, 12u32, 128u32, 64u32, false, false),

@@ -271,13 +271,14 @@ impl Shape {
     /// spill there. Pairs need every item of a plane to visit every key of a dense K/V (every
     /// key, no window) and an even count of 64-column blocks to share out (head dim 128). A
     /// stream grid needs items of equal key tiles (every key of a dense K/V), at least two of
-    /// them, and at least as many items as blocks, so that no item has more than two parts.
+    /// them, and more items than blocks (at least a wave is left for the ranges, so that no
+    /// item has more than two parts, and some item is split).
     pub fn fits(&self, cfg: &AttentionConfig) -> bool {
         let plan = Plan { cfg, shape: *self };
         let three = cfg.head_dim == 64 && cfg.dropout.is_none();
         let dense = cfg.keys == KeyRule::All && cfg.paging.is_none();
         let pairs = dense && cfg.head_dim == 128;
-        let stream = dense && key_tiles(cfg) >= 2 && items(&plan) >= GRID;
+        let stream = dense && key_tiles(cfg) >= 2 && items(&plan) > GRID;
         (2..=3).contains(&self.consumers)
             && (1..=2).contains(&self.q_buffers)
             && (2..=4).contains(&self.k_stages)
@@ -545,8 +546,11 @@ fn key_tiles(cfg: &AttentionConfig) -> u32 {
 /// in equal ranges, one a block (the first blocks' one tile longer where they do not divide).
 #[derive(Debug, PartialEq, Eq)]
 struct StreamWork {
+    /// Items taken whole, a wave at a time.
     whole: u32,
+    /// Key tiles an item.
     tiles: u32,
+    /// Key tiles of the items after those, shared out in ranges.
     units: u32,
 }
 
@@ -564,6 +568,18 @@ impl StreamWork {
             units: (items - whole) * tiles,
         }
     }
+
+    /// Block `block_id`'s range of the units, of a grid of `blocks`: its start and end.
+    fn range(&self, k: &mut Kernel, block_id: &Reg, blocks: &Reg) -> (Reg, Reg) {
+        let per_block = k.op2("div.u32", RegClass::B32, &self.units, blocks);
+        let longer = k.op2("rem.u32", RegClass::B32, &self.units, blocks);
+        let extra = k.op2("min.u32", RegClass::B32, block_id, &longer);
+        let start = k.mad_u32(block_id, &per_block, &extra);
+        let end = k.add_u32(&start, &per_block);
+        let one_more = k.setp("lt.u32", block_id, &longer);
+        k.emit(format!("@{one_more} add.u32 {end}, {end}, 1"));
+        (start, end)
+    }
 }
 
 /// The scratch a launch of `cfg` in `shape` binds besides its operands: bytes of the f32
@@ -575,7 +591,7 @@ pub fn stream_scratch(cfg: &AttentionConfig, shape: Shape) -> (u64, u64) {
     }
     let consumers = u64::from(shape.consumers);
     let values = u64::from(part_values(cfg));
-    let slots = u64::from(GRID);
+    let slots = u64::from(GRID - 1);
     (
         slots * 2 * consumers * values * 128 * 4,
         slots * consumers * 4,
@@ -837,13 +853,7 @@ fn for_each_part(k: &mut Kernel, cfg: &Plan, mut body: impl FnMut(&mut Kernel, B
     let work = StreamWork::of(cfg);
     let block_id = k.special("ctaid.x");
     let blocks = k.special("nctaid.x");
-    let per_block = k.op2("div.u32", RegClass::B32, &work.units, &blocks);
-    let longer = k.op2("rem.u32", RegClass::B32, &work.units, &blocks);
-    let extra = k.op2("min.u32", RegClass::B32, &block_id, &longer);
-    let start = k.mad_u32(&block_id, &per_block, &extra);
-    let end = k.add_u32(&start, &per_block);
-    let one_more = k.setp("lt.u32", &block_id, &longer);
-    k.emit(format!("@{one_more} add.u32 {end}, {end}, 1"));
+    let (start, end) = work.range(k, &block_id, &blocks);
     let unit = k.mov(RegClass::B32, &start);
     let taken = k.mov(RegClass::B32, &block_id);
     let [item, first, tiles] = [(); 3].map(|_| k.reg(RegClass::B32));
@@ -1045,8 +1055,9 @@ struct Part {
     whole: Reg,
     /// Whether it is the item's later part (this block's range starts inside the item).
     later: Reg,
-    /// Where the two parts meet in `partials` and `counters`: the block whose range starts
-    /// inside the item (this one for the later part, the next for the first).
+    /// Where the two parts meet in `partials` and `counters`: the boundary between the two
+    /// blocks whose ranges share the item (block `slot` and `slot + 1`; this block's start for
+    /// the later part, its end for the first), of which a grid of [`GRID`] blocks has one fewer.
     slot: Reg,
 }
 
@@ -1083,7 +1094,7 @@ impl Block {
         };
         let q0 = k.mul_u32(&qb, &bm(cfg));
         let kvh = k.op2("div.u32", RegClass::B32, &h, &(cfg.heads / cfg.kv_heads));
-        let all = cfg.kv_len.div_ceil(BKV);
+        let all = key_tiles(cfg);
         let whole = cfg.kv_len / BKV;
         // The item's rows' smallest and largest last keys as the rule gives them, and the largest
         // inside the keys, where they differ from row to row.
@@ -1173,24 +1184,22 @@ impl Block {
         self.edge_from = k.sub_u32(&edge_from, &first);
         self.tiles = count;
         let later = k.setp("ne.u32", &first, &0u32);
-        let next = k.add_u32(block_id, &1u32);
+        let before = k.sub_u32(block_id, &1u32);
         self.part = Some(Part {
             first,
             whole: k.setp("eq.u32", &count, &tiles),
             later,
-            slot: k.selp(RegClass::B32, "u32", block_id, &next, later),
+            slot: k.selp(RegClass::B32, "u32", &before, block_id, later),
         });
     }
 
     /// The first key of the item's key tile `j`.
     fn key0(&self, k: &mut Kernel, j: &Reg) -> Reg {
-        let key0 = match &self.part {
-            Some(part) => {
-                let tile = k.add_u32(j, &part.first);
-                k.mul_u32(&tile, &BKV)
-            }
-            None => k.mul_u32(j, &BKV),
+        let tile = match &self.part {
+            Some(part) => k.add_u32(j, &part.first),
+            None => *j,
         };
+        let key0 = k.mul_u32(&tile, &BKV);
         match &self.window {
             Some(slide) => k.add_u32(&key0, &slide.start_key),
             None => key0,
@@ -2061,7 +2070,9 @@ impl Consumer {
 /// merges the other's state into its own, the item's first part always first, so that the
 /// result does not depend on which finished later, sets the counter back to zero and stores.
 struct StreamSplit {
+    /// The parts' state: `[slot][part][consumer][value][thread]` f32.
     partials: Reg,
+    /// A u32 per slot and consumer.
     counters: Reg,
     /// Shared: each consumer's answer, whether its part finished the item.
     flags: String,
@@ -2636,7 +2647,7 @@ mod tests {
         assert_eq!(kernel.launch.grid, [GRID, 1, 1]);
         let params: Vec<&str> = kernel.signature.iter().map(|(p, _)| p.as_str()).collect();
         assert_eq!(params, ["q", "k", "v", "out", "partials", "counters"]);
-        assert_eq!(scratch(&d128), (132 * 2 * 2 * 68 * 128 * 4, 132 * 2 * 4));
+        assert_eq!(scratch(&d128), (131 * 2 * 2 * 68 * 128 * 4, 131 * 2 * 4));
         let ptx = kernel.module();
         assert_eq!(ptx.matches("atom.acq_rel.gpu.global.add.u32").count(), 1);
         assert!(ptx.contains("a split item: this part's state into the partials"));

@@ -254,8 +254,8 @@ fn attention_cases() -> [AttentionCase; 14] {
             300,
             4097,
         ),
-        // An encoder's items over every key, more than the grid has blocks: the Hopper kernel
-        // on a stream grid, padding, ragged rows and keys.
+        // An encoder's items over every key, more than the grid has blocks (padding, ragged
+        // rows and keys): the Hopper kernel persistent, and on a stream grid among its shapes.
         (128, KeyRule::All, true, false, None, 1200, 1200),
         // A prompt chunk over a cache (tensor cores), head dim 96, with a window.
         (

@@ -629,7 +629,7 @@ fn decode_attention_merges_its_key_ranges() {
 }
 
 /// Encoder attention over every key takes a persistent grid where it has more items than the
-/// GPU has SMs (BERT-base at 32 x 512 tokens: 1152 items of four key tiles), and a stream grid
+/// GPU has SMs (BERT-base at 32 x 512 tokens: 1536 items of four key tiles), and a stream grid
 /// where those items are long (the BERT-base shape with 4096 positions, 2 x 4096 tokens: 528
 /// items of 32 tiles): in bf16 the stream's split items count in the counters region (a u32 per
 /// SM and consumer warpgroup) and leave their state in scratch; f32's SIMT attention, and the
