@@ -2116,19 +2116,9 @@ impl Consumer {
             .chain(&state.l)
             .copied()
             .collect();
-        let stride = 128 * 4;
-        let slot_of = |k: &mut Kernel, which: &Reg| {
-            let index = k.mad_u32(&part.slot, &2u32, which);
-            let index = k.mad_u32(&index, &consumers(cfg), &self.c);
-            let first = k.mul_u32(&index, &(part_values(cfg) * 128));
-            let first = k.add_u32(&first, &self.wt);
-            k.address(split.partials, &first, 4)
-        };
         let mine = k.selp(RegClass::B32, "u32", &1u32, &0u32, part.later);
-        let at = slot_of(k, &mine);
-        for (i, v) in (0u32..).zip(&values) {
-            k.emit(format!("st.global.f32 [{at}+{}], {v}", i * stride));
-        }
+        let at = self.part_slot(k, cfg, (part, split), &mine);
+        crate::reduce::store_side_by_side(k, &at, &values);
         let counter = k.mad_u32(&part.slot, &consumers(cfg), &self.c);
         let counter = k.address(split.counters, &counter, 4);
         let leader = k.setp("eq.u32", &self.wt, &0u32);
@@ -2145,27 +2135,43 @@ impl Consumer {
         let merged = k.label("parts_merged");
         k.bra(Some((last, false)), &merged);
         let theirs = k.op2("xor.b32", RegClass::B32, &mine, &1u32);
-        let other = slot_of(k, &theirs);
-        let load = |k: &mut Kernel, i: u32| {
-            let v = k.reg(RegClass::F32);
-            k.emit(format!("ld.global.cg.f32 {v}, [{other}+{}]", i * stride));
-            v
-        };
-        let n = state.o.len() as u32;
-        let rows: Vec<Reg> = (n..n + 4).map(|i| load(k, i)).collect();
-        let factors = merge_rows(k, state, &rows, part.later);
-        for (c, chunk) in state.o.chunks(MERGED_AT_ONCE).enumerate() {
-            let loaded: Vec<Reg> = (0..chunk.len())
-                .map(|j| load(k, (c * MERGED_AT_ONCE + j) as u32))
-                .collect();
-            for (j, (o, theirs)) in chunk.iter().zip(&loaded).enumerate() {
-                // Accumulator 4 chunk + 2 h + c belongs to row h.
-                let h = (c * MERGED_AT_ONCE + j) % 4 / 2;
-                merge_value(k, *o, theirs, factors[h], part.later);
-            }
-        }
+        let other = self.part_slot(k, cfg, (part, split), &theirs);
+        merge_other(k, state, &other, part.later);
         k.place(&merged);
         last
+    }
+
+    /// This thread's first value in part `which` (0 the item's first, 1 its later) of the
+    /// slot's partials: `[slot][part][consumer][value][thread]`.
+    fn part_slot(
+        &self,
+        k: &mut Kernel,
+        cfg: &Plan,
+        (part, split): (&Part, &StreamSplit),
+        which: &Reg,
+    ) -> Reg {
+        let index = k.mad_u32(&part.slot, &2u32, which);
+        let index = k.mad_u32(&index, &consumers(cfg), &self.c);
+        let first = k.mul_u32(&index, &(part_values(cfg) * 128));
+        let first = k.add_u32(&first, &self.wt);
+        k.address(split.partials, &first, 4)
+    }
+}
+
+/// Merges the other part's state, stored from `other` on, into this thread's `state` (this
+/// thread holds the later part where `later`).
+fn merge_other(k: &mut Kernel, state: &RowState, other: &Reg, later: Reg) {
+    let load = |k: &mut Kernel, i: usize| crate::reduce::load_side_by_side(k, other, i as u32);
+    let n = state.o.len();
+    let rows: Vec<Reg> = (n..n + 4).map(|i| load(k, i)).collect();
+    let factors = merge_rows(k, state, &rows, later);
+    for (c, chunk) in state.o.chunks(MERGED_AT_ONCE).enumerate() {
+        let first = c * MERGED_AT_ONCE;
+        let loaded: Vec<Reg> = (first..first + chunk.len()).map(|i| load(k, i)).collect();
+        for (i, (o, theirs)) in (first..).zip(chunk.iter().zip(&loaded)) {
+            // Accumulator 4 chunk + 2 h + c belongs to row h.
+            merge_value(k, *o, theirs, factors[i % 4 / 2], later);
+        }
     }
 }
 

@@ -1470,7 +1470,6 @@ impl Split {
             "K split: this part's sums into the partials; the tile's last part adds them all",
         );
         let thread = k.op2("and.b32", RegClass::B32, &tid, &127u32);
-        let stride = 128 * 4u32;
         let part_sums = |k: &mut Kernel, part: &Reg| {
             let index = k.mad_u32(&item.tile, &self.splits, part);
             let index = k.mad_u32(&index, &(CONSUMERS as u32), &consumer);
@@ -1479,9 +1478,7 @@ impl Split {
             k.address(self.partials, &first, 4)
         };
         let mine = part_sums(k, &item.part);
-        for (i, a) in (0u32..).zip(acc) {
-            k.emit(format!("st.global.f32 [{mine}+{}], {a}", i * stride));
-        }
+        crate::reduce::store_side_by_side(k, &mine, acc);
         let counter = k.mad_u32(&item.tile, &(CONSUMERS as u32), &consumer);
         let counter = k.address(self.counters, &counter, 4);
         let leader = k.setp("eq.u32", &thread, &0u32);
@@ -1503,7 +1500,7 @@ impl Split {
             let zero = k.mov(RegClass::B32, &0u32);
             part_sums(k, &zero)
         };
-        let part_bytes = CONSUMERS as u32 * acc.len() as u32 * stride;
+        let part_bytes = CONSUMERS as u32 * acc.len() as u32 * crate::reduce::SIDE_BY_SIDE;
         for a in acc {
             k.set(*a, &F32(0.0));
         }
@@ -1513,12 +1510,7 @@ impl Split {
         let sums = k.address(first, &part, part_bytes);
         for (c, chunk) in acc.chunks(SUMS_AT_ONCE).enumerate() {
             let loaded: Vec<Reg> = (0..chunk.len())
-                .map(|j| {
-                    let v = k.reg(RegClass::F32);
-                    let at = (c * SUMS_AT_ONCE + j) as u32 * stride;
-                    k.emit(format!("ld.global.cg.f32 {v}, [{sums}+{at}]"));
-                    v
-                })
+                .map(|j| crate::reduce::load_side_by_side(k, &sums, (c * SUMS_AT_ONCE + j) as u32))
                 .collect();
             for (a, v) in chunk.iter().zip(&loaded) {
                 k.emit(format!("add.f32 {a}, {a}, {v}"));

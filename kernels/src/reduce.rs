@@ -176,3 +176,22 @@ pub fn last_arrival(
     k.emit("fence.acq_rel.gpu");
     last
 }
+
+/// Bytes between a thread's consecutive values in a warpgroup's partials, its 128 threads side
+/// by side ([`store_side_by_side`]).
+pub const SIDE_BY_SIDE: u32 = 128 * 4;
+
+/// Stores `values` from this thread's `at` on, register by register, a warpgroup's 128 threads
+/// side by side (a split product's or a split attention item's partials).
+pub fn store_side_by_side(k: &mut Kernel, at: &Reg, values: &[Reg]) {
+    for (i, v) in (0u32..).zip(values) {
+        k.emit(format!("st.global.f32 [{at}+{}], {v}", i * SIDE_BY_SIDE));
+    }
+}
+
+/// Value `i` of what [`store_side_by_side`] stored from `at` (another block's: read past L1).
+pub fn load_side_by_side(k: &mut Kernel, at: &Reg, i: u32) -> Reg {
+    let v = k.reg(RegClass::F32);
+    k.emit(format!("ld.global.cg.f32 {v}, [{at}+{}]", i * SIDE_BY_SIDE));
+    v
+}
