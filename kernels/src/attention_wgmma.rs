@@ -2,8 +2,9 @@
 //! feeds K/V tiles through an mbarrier pipeline to consumer warpgroups on `wgmma`.
 //!
 //! A block of a producer and two or three consumer warpgroups takes work items of 64 query rows
-//! a consumer of one head, one item per block or, when items have few key tiles, the items
-//! `ctaid.x`, then every `nctaid.x`-th of a persistent grid, so that the next item's tiles load
+//! a consumer of one head, one item per block or, when items have few key tiles (or, over every
+//! key, outnumber the SMs), the items `ctaid.x`, then every `nctaid.x`-th of a persistent grid,
+//! so that the next item's tiles load
 //! under this one's work; items run in groups of planes whose K/V share the L2
 //! (`group_planes`); or, over every key of a dense K/V at head dim 128, in clusters of two
 //! blocks that share each K/V tile, each copying half of it into both ([`Grid::Pairs`]); or,
@@ -190,7 +191,7 @@ pub enum Grid {
     /// One block an SM, the work shared out by key tiles: all but the last two waves of items
     /// as on [`Grid::Persistent`], then the rest's key tiles in equal ranges, one a block, so
     /// that no SM idles through a last wave that only some blocks have items for. An item split
-    /// between two blocks is finished by the later of its two parts ([`StreamSplit`]).
+    /// between two blocks is finished by the later of its two parts (`StreamSplit`).
     Stream,
 }
 
@@ -220,7 +221,7 @@ impl Shape {
     /// softmax) wherever blocks of 192 rows pad the query rows at most 5% more than blocks of
     /// 128 do; otherwise two. Dropout keeps two: its Philox rounds hold the ALUs, not the tensor
     /// cores, and its registers spill within three consumers' 160. Two Q buffers and two stages
-    /// of K and of V, on the grid [`Shape::grid_for`] picks.
+    /// of K and of V, on the grid `Shape::grid_for` picks.
     pub fn of(cfg: &AttentionConfig) -> Shape {
         let padded = |rows: u32| u64::from(cfg.q_len.div_ceil(rows) * rows);
         let three = Shape {
@@ -583,7 +584,7 @@ impl StreamWork {
 }
 
 /// The scratch a launch of `cfg` in `shape` binds besides its operands: bytes of the f32
-/// `partials` (each split item's two parts' state, [`StreamSplit`]) and of the u32 `counters`
+/// `partials` (each split item's two parts' state, `StreamSplit`) and of the u32 `counters`
 /// (zero before the launch, and left zero); none but on a stream grid.
 pub fn stream_scratch(cfg: &AttentionConfig, shape: Shape) -> (u64, u64) {
     if shape.grid != Grid::Stream {
