@@ -341,21 +341,19 @@ fn binary(
 fn select(node: &Node, args: &[&Tensor], shape: &[usize]) -> Tensor {
     let c = ints(args[0]);
     let data = match (&args[1].data, &args[2].data) {
-        (Data::Float(a), Data::Float(b)) => Data::Float(
-            c.iter()
-                .zip(a.iter().zip(b))
-                .map(|(&c, (&a, &b))| if c != 0 { a } else { b })
-                .collect(),
-        ),
-        (Data::Int(a), Data::Int(b)) => Data::Int(
-            c.iter()
-                .zip(a.iter().zip(b))
-                .map(|(&c, (&a, &b))| if c != 0 { a } else { b })
-                .collect(),
-        ),
+        (Data::Float(a), Data::Float(b)) => Data::Float(choose(c, a, b)),
+        (Data::Int(a), Data::Int(b)) => Data::Int(choose(c, a, b)),
         _ => unreachable!("typing guarantees equal dtypes"),
     };
     same_storage(node, shape, data)
+}
+
+/// `a`'s element where `c`'s is nonzero, else `b`'s.
+fn choose<T: Copy>(c: &[i64], a: &[T], b: &[T]) -> Vec<T> {
+    c.iter()
+        .zip(a.iter().zip(b))
+        .map(|(&c, (&a, &b))| if c != 0 { a } else { b })
+        .collect()
 }
 
 /// `Broadcast`: a view of `x` with stride 0 on the axes it gains and on its axes of size 1.
