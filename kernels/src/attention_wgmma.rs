@@ -63,9 +63,9 @@ use crate::attention_tc::RowState;
 use crate::hopper::{
     aligned_base, cluster_sync, for_each_block_item, mbarrier_arrive, mbarrier_arrive_expect_tx,
     mbarrier_arrive_in, mbarrier_init, mbarrier_init_fence, mbarrier_wait, prefetch_tensor_map,
-    setmaxnreg, tma_load, tma_load_to, warp_uniform, wgmma, wgmma_commit, wgmma_descriptor,
-    wgmma_fence, wgmma_wait, WarpgroupThread, WgmmaA, WgmmaB, MAX_SHARED, MBARRIER_BYTES,
-    SWIZZLE_BYTES,
+    setmaxnreg, tma_load, tma_load_to, wait_released, warp_uniform, wgmma, wgmma_commit,
+    wgmma_descriptor, wgmma_fence, wgmma_wait, WarpgroupThread, WgmmaA, WgmmaB, MAX_SHARED,
+    MBARRIER_BYTES, SWIZZLE_BYTES,
 };
 use crate::paging::{KeyRows, Paging};
 use crate::ptx::{Elem, Kernel, Operand, Reg, RegClass, F32};
@@ -1280,12 +1280,7 @@ fn producer(
             for &kv in *pass {
                 let (s, parity) = stage_of(k, &tile, cfg.stages(kv));
                 let (full, empty) = kv_barriers(k, cfg, bars, &s, kv);
-                let fresh = k.label("fresh_stage");
-                let refill = k.setp("ge.u32", &tile, &cfg.stages(kv));
-                k.bra(Some((refill, false)), &fresh);
-                let released = k.op2("xor.b32", RegClass::B32, &parity, &1u32);
-                mbarrier_wait(k, &empty, &released);
-                k.place(&fresh);
+                wait_released(k, (&tile, cfg.stages(kv)), (&empty, &parity), "fresh_stage");
                 mbarrier_arrive_expect_tx(k, &full, layout.kv_tile);
                 let dst = k.mad_u32(&s, &layout.kv_tile, &layout.stages(kv));
                 armed.push((maps[kv as usize], k.add_u32(&dst, base), full));
@@ -1385,12 +1380,8 @@ fn load_q(
     q: &Reg,
 ) {
     let (offset, full, empty, parity) = progress.q_buffer(k, cfg, layout, bars);
-    let reuse = k.setp("ge.u32", &progress.item, &cfg.shape.q_buffers);
-    let fresh = k.label("fresh_q");
-    k.bra(Some((reuse, false)), &fresh);
-    let released = k.op2("xor.b32", RegClass::B32, &parity, &1u32);
-    mbarrier_wait(k, &empty, &released);
-    k.place(&fresh);
+    let ring = (&progress.item, cfg.shape.q_buffers);
+    wait_released(k, ring, (&empty, &parity), "fresh_q");
     mbarrier_arrive_expect_tx(k, &full, tile_bytes(cfg, bm(cfg)));
     let buffer = k.add_u32(base, &offset);
     for i in 0..cfg.head_dim / COLS {

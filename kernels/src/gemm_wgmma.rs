@@ -42,8 +42,8 @@ use crate::hopper::{
     aligned_base, bulk_commit, bulk_wait, bulk_wait_when, fence_proxy_async, for_each_block_item,
     mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_arrive_expect_tx_when, mbarrier_init,
     mbarrier_init_fence, mbarrier_wait, prefetch_tensor_map, setmaxnreg, stmatrix_x4, tma_load,
-    tma_load_when, tma_store, wgmma, wgmma_commit, wgmma_descriptor, wgmma_fence, wgmma_wait,
-    WarpgroupThread, WgmmaA, WgmmaB, MAX_SHARED, MBARRIER_BYTES,
+    tma_load_when, tma_store, wait_released, wgmma, wgmma_commit, wgmma_descriptor, wgmma_fence,
+    wgmma_wait, WarpgroupThread, WgmmaA, WgmmaB, MAX_SHARED, MBARRIER_BYTES,
 };
 use crate::ptx::{Elem, Kernel, Label, Reg, RegClass, F32};
 use crate::{GeneratedKernel, Image, KernelPath, Launch, TensorMapSpec};
@@ -779,12 +779,12 @@ fn producer(k: &mut Kernel, cfg: &GemmConfig, pipe: &Pipeline, tid: &Reg, [x, w]
         k.place(&top);
         let st = pipe.at(k, &step);
         k.comment("wait until the consumers released the stage (from the second round on)");
-        let refill = k.setp("ge.u32", &step, &pipe.count);
-        let fresh = k.label("fresh_stage");
-        k.bra(Some((refill, false)), &fresh);
-        let released = k.op2("xor.b32", RegClass::B32, &st.parity, &1u32);
-        mbarrier_wait(k, &st.empty, &released);
-        k.place(&fresh);
+        wait_released(
+            k,
+            (&step, pipe.count),
+            (&st.empty, &st.parity),
+            "fresh_stage",
+        );
         mbarrier_arrive_expect_tx(k, &st.full, pipe.tile.stage_bytes());
         let at = k.add_u32(&item.first, &kt);
         let k0 = k.mul_u32(&at, &BK);

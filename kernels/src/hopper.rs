@@ -96,6 +96,24 @@ pub fn mbarrier_wait(k: &mut Kernel, bar: &dyn Operand, parity: &dyn Operand) {
     k.bra(Some((done, false)), &again);
 }
 
+/// Waits, where the `used`-th use of a ring of `stages` buffers (counted from 0) refills one
+/// (from the ring's second round on), until the buffer's readers have released it: the phase of
+/// `empty` before the use's round's `parity`. `what` names the label of the first round's way
+/// past the wait.
+pub fn wait_released(
+    k: &mut Kernel,
+    (used, stages): (&Reg, u32),
+    (empty, parity): (&Reg, &Reg),
+    what: &str,
+) {
+    let refill = k.setp("ge.u32", used, &stages);
+    let fresh = k.label(what);
+    k.bra(Some((refill, false)), &fresh);
+    let released = k.op2("xor.b32", RegClass::B32, parity, &1u32);
+    mbarrier_wait(k, empty, &released);
+    k.place(&fresh);
+}
+
 /// Prefetches the tensor map at generic address `map` into the TMA unit's descriptor cache.
 pub fn prefetch_tensor_map(k: &mut Kernel, map: &Reg) {
     k.emit(format!("prefetch.tensormap [{map}]"));
