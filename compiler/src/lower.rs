@@ -1028,11 +1028,9 @@ fn lower_gemm(cx: &NodeCx, spec: &GemmSpec, out: &mut Lowered, n: &mut NodeLaunc
     };
     n.cpu_like(CpuKernel::Gemm(cfg.clone()), &plain, &bind, m);
     // A Hopper kernel splitting K leaves each part's sums in a scratch buffer.
-    let (partials, counters) = split_scratch(&own, out.rows);
-    if partials > 0 {
-        own_bind.push(("partials", Operand::Scratch(n.scratch.len())));
-        n.scratch.push(partials);
-        own_bind.push(("counters", Operand::Counters(counters)));
+    let scratch = split_scratch(&own, out.rows);
+    if scratch.0 > 0 {
+        bind_scratch(n, &mut own_bind, scratch);
     }
     out.launch_best_over(n, (kernel, &own_bind), (&cfg, gemm_base), &bind)
 }
@@ -1656,10 +1654,19 @@ fn bind_stream_scratch(
     n: &mut NodeLaunches,
     bind: &mut Vec<(&str, Operand)>,
 ) {
-    if !kernel.signature.iter().any(|(p, _)| p == "partials") {
-        return;
+    if kernel.signature.iter().any(|(p, _)| p == "partials") {
+        bind_scratch(n, bind, kiln_kernels::attention_wgmma::scratch(cfg));
     }
-    let (partials, counters) = kiln_kernels::attention_wgmma::scratch(cfg);
+}
+
+/// Binds a Hopper kernel's `partials` (`partials` bytes of scratch, added to the node's) and
+/// its `counters` (bytes of the counters region), as split products and stream-grid attention
+/// take them.
+fn bind_scratch(
+    n: &mut NodeLaunches,
+    bind: &mut Vec<(&str, Operand)>,
+    (partials, counters): (u64, u64),
+) {
     bind.push(("partials", Operand::Scratch(n.scratch.len())));
     n.scratch.push(partials);
     bind.push(("counters", Operand::Counters(counters)));

@@ -544,6 +544,13 @@ fn decode_steps_are_five_kernels_per_layer() {
     }
 }
 
+/// The bytes of the counters region the artifact at `out` plans.
+fn counter_bytes(out: &Path) -> u64 {
+    let manifest: kiln_ir::artifact::Manifest =
+        ron::from_str(&std::fs::read_to_string(out.join("manifest.ron")).unwrap()).unwrap();
+    manifest.memory.counter_bytes
+}
+
 /// The counters the Llama-3.1-8B shape's products of 64 rows take where they split K: QKV, O,
 /// gate/up with SwiGLU, down (16 rows take the same tiles).
 fn split_k_counters() -> u64 {
@@ -614,8 +621,6 @@ fn decode_attention_merges_its_key_ranges() {
                 assert_eq!(first.ends_with("_combined_decode"), merged, "{dtype}: {k}");
             }
         }
-        let manifest: kiln_ir::artifact::Manifest =
-            ron::from_str(&std::fs::read_to_string(out.join("manifest.ron")).unwrap()).unwrap();
         // f32: the decode steps' LM heads (one-row kernel) keep a u64 per sequence for the greedy
         // choice; bf16: the attention's u32 per sequence and K/V head, or more where the prefill
         // bucket's products (16 tokens of 1 and 4 sequences) split K and count their tiles.
@@ -624,7 +629,7 @@ fn decode_attention_merges_its_key_ranges() {
         } else {
             4 * 8
         };
-        assert_eq!(manifest.memory.counter_bytes, counters, "{dtype}");
+        assert_eq!(counter_bytes(&out), counters, "{dtype}");
     }
 }
 
@@ -671,11 +676,6 @@ fn long_encoder_attention_takes_a_stream_grid() {
             "cuda",
         ])
         .unwrap();
-        let manifest: kiln_ir::artifact::Manifest =
-            ron::from_str(&std::fs::read_to_string(out.join("manifest.ron")).unwrap()).unwrap();
-        assert_eq!(
-            manifest.memory.counter_bytes, want,
-            "{len} x {batch} {dtype}"
-        );
+        assert_eq!(counter_bytes(&out), want, "{len} x {batch} {dtype}");
     }
 }
