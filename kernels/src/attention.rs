@@ -1115,17 +1115,23 @@ const PHILOX_M1: u32 = 0xCD9E_8D57;
 const PHILOX_W0: u32 = 0x9E37_79B9;
 const PHILOX_W1: u32 = 0xBB67_AE85;
 
-/// Philox-4x32-10 over the counters `(c0, row, plane, stream)` of one row of one plane: the part
-/// of the first round that does not depend on `c0` is done once, in [`PhiloxRow::new`], and the
-/// round keys too after [`PhiloxRow::scheduled`].
+/// Philox-4x32-10 over the counters `(c0, row, plane, stream)` of one row of one plane. Only `c0`
+/// varies, and it enters the first round's `c0 M0` alone: every other product of the first two
+/// rounds, and what it is xored with, is done once in [`PhiloxRow::new`] (and the keys of rounds 2
+/// to 9 too after [`PhiloxRow::scheduled`]), so a block takes 18 wide products instead of 20.
 pub(crate) struct PhiloxRow {
     key: [Reg; 2],
-    /// The keys of rounds 1 to 9, when held in registers.
-    schedule: Option<Vec<[Reg; 2]>>,
-    /// The first round's new `c[0]` and `c[1]`: `hi(plane M1) ^ row ^ key0`, `lo(plane M1)`.
-    first: [Reg; 2],
-    /// `stream ^ key1`, which the first round's new `c[2]` takes.
+    /// The key words that rounds 2 to 9 take (see [`PhiloxRow::key_index`]), when held in
+    /// registers.
+    schedule: Option<Vec<Reg>>,
+    /// `stream ^ key1`: the first round's new `c[2]` is `hi(c0 M0) ^ stream_key`.
     stream_key: Reg,
+    /// The second round's constants. Its `c[0]` is the first round's `hi(plane M1) ^ row ^ key0`,
+    /// so its product `(hi, lo) = c[0] M0` is one: `x0 = lo(plane M1) ^ key0(1)` joins the new
+    /// `c[0]`, `x2 = hi ^ key1(1)` the new `c[2]`, and `lo` is its new `c[3]`.
+    second: [Reg; 3],
+    /// `lo ^ key1(2)`, which the third round's new `c[2]` takes.
+    third: Reg,
 }
 
 impl PhiloxRow {
@@ -1139,40 +1145,82 @@ impl PhiloxRow {
         let plane = k.mov(RegClass::B32, plane);
         let (hi1, lo1) = mul_wide(k, &plane, PHILOX_M1);
         let x = k.op2("xor.b32", RegClass::B32, &hi1, row);
-        let first = [k.op2("xor.b32", RegClass::B32, &x, &key[0]), lo1];
+        let c0 = k.op2("xor.b32", RegClass::B32, &x, &key[0]);
         let stream_key = k.op2("xor.b32", RegClass::B32, &key[1], &stream);
+        let (hi, lo) = mul_wide(k, &c0, PHILOX_M0);
+        let k0 = key_word(k, &key, 1, 0);
+        let k1 = key_word(k, &key, 1, 1);
+        let second = [
+            k.op2("xor.b32", RegClass::B32, &lo1, &k0),
+            k.op2("xor.b32", RegClass::B32, &hi, &k1),
+            lo,
+        ];
+        let k1 = key_word(k, &key, 2, 1);
+        let third = k.op2("xor.b32", RegClass::B32, &lo, &k1);
         PhiloxRow {
             key,
             schedule: None,
-            first,
             stream_key,
+            second,
+            third,
         }
     }
 
-    /// The same generator with the round keys computed once, here (18 registers held).
+    /// The same generator with the key words of rounds 2 to 9 computed once, here (15 registers
+    /// held: the second round's key1 is folded into `third`).
     pub(crate) fn scheduled(mut self, k: &mut Kernel) -> PhiloxRow {
-        let schedule = (1..10).map(|round| self.round_key(k, round)).collect();
+        let words =
+            std::iter::once((2, 0)).chain((3..10).flat_map(|round| [(round, 0), (round, 1)]));
+        let schedule = words
+            .map(|(round, w)| key_word(k, &self.key, round, w))
+            .collect();
         self.schedule = Some(schedule);
         self
     }
 
-    fn round_key(&self, k: &mut Kernel, round: u32) -> [Reg; 2] {
-        if let Some(keys) = &self.schedule {
-            return keys[round as usize - 1];
+    /// Where key word `w` of round `round` (2 to 9; word 0 only in round 2) is in the schedule.
+    fn key_index(round: u32, w: usize) -> usize {
+        match round {
+            2 => 0,
+            _ => 1 + 2 * (round as usize - 3) + w,
         }
-        [
-            k.add_u32(&self.key[0], &PHILOX_W0.wrapping_mul(round)),
-            k.add_u32(&self.key[1], &PHILOX_W1.wrapping_mul(round)),
-        ]
+    }
+
+    fn key_word(&self, k: &mut Kernel, round: u32, w: usize) -> Reg {
+        match &self.schedule {
+            Some(words) => words[Self::key_index(round, w)],
+            None => key_word(k, &self.key, round, w),
+        }
     }
 
     /// The four words of counter `(c0, row, plane, stream)`.
     pub(crate) fn words(&self, k: &mut Kernel, c0: &Reg) -> [Reg; 4] {
-        let (hi0, lo0) = mul_wide(k, c0, PHILOX_M0);
+        let first = FirstProduct::of(k, c0);
+        self.words_after(k, &first)
+    }
+
+    /// The four words of the counter whose first product is `first`.
+    pub(crate) fn words_after(&self, k: &mut Kernel, first: &FirstProduct) -> [Reg; 4] {
+        let (hi0, lo0) = first.split(k);
         let n2 = k.op2("xor.b32", RegClass::B32, &hi0, &self.stream_key);
-        let mut c = [self.first[0], self.first[1], n2, lo0];
-        for round in 1..10u32 {
-            let [k0, k1] = self.round_key(k, round);
+        let [x0, x2, lo] = self.second;
+        let (hi1, lo1) = mul_wide(k, &n2, PHILOX_M1);
+        let c = [
+            k.op2("xor.b32", RegClass::B32, &hi1, &x0),
+            lo1,
+            k.op2("xor.b32", RegClass::B32, &lo0, &x2),
+            lo,
+        ];
+        // Round 2: its c[3] is the constant `lo`, folded into `third` with the round's key1.
+        let k0 = self.key_word(k, 2, 0);
+        let (hi0, lo0) = mul_wide(k, &c[0], PHILOX_M0);
+        let (hi1, lo1) = mul_wide(k, &c[2], PHILOX_M1);
+        let x0 = k.op2("xor.b32", RegClass::B32, &hi1, &c[1]);
+        let n0 = k.op2("xor.b32", RegClass::B32, &x0, &k0);
+        let n2 = k.op2("xor.b32", RegClass::B32, &hi0, &self.third);
+        let mut c = [n0, lo1, n2, lo0];
+        for round in 3..10u32 {
+            let (k0, k1) = (self.key_word(k, round, 0), self.key_word(k, round, 1));
             let (hi0, lo0) = mul_wide(k, &c[0], PHILOX_M0);
             let (hi1, lo1) = mul_wide(k, &c[2], PHILOX_M1);
             let x0 = k.op2("xor.b32", RegClass::B32, &hi1, &c[1]);
@@ -1185,9 +1233,46 @@ impl PhiloxRow {
     }
 }
 
+/// Word `w` of round `round`'s key: `key[w] + round W[w]`.
+fn key_word(k: &mut Kernel, key: &[Reg; 2], round: u32, w: usize) -> Reg {
+    let step = [PHILOX_W0, PHILOX_W1][w].wrapping_mul(round);
+    k.add_u32(&key[w], &step)
+}
+
+/// The first round's product `c0 M0` of a Philox counter, as one 64-bit register. Counters that
+/// step by constants take it by 64-bit adds ([`FirstProduct::plus`]) instead of a wide product
+/// each.
+pub(crate) struct FirstProduct(Reg);
+
+impl FirstProduct {
+    pub(crate) fn of(k: &mut Kernel, c0: &Reg) -> FirstProduct {
+        FirstProduct(k.op2("mul.wide.u32", RegClass::B64, c0, &PHILOX_M0))
+    }
+
+    /// The product of counter `c0 + d`, where `c0 + d` stays below `2^32`: then `(c0 + d) M0 =
+    /// c0 M0 + d M0` exactly in 64 bits.
+    pub(crate) fn plus(&self, k: &mut Kernel, d: u32) -> FirstProduct {
+        if d == 0 {
+            return FirstProduct(self.0);
+        }
+        let step = u64::from(d) * u64::from(PHILOX_M0);
+        FirstProduct(k.op2("add.u64", RegClass::B64, &self.0, &step))
+    }
+
+    /// `(hi, lo)`.
+    fn split(&self, k: &mut Kernel) -> (Reg, Reg) {
+        split_wide(k, &self.0)
+    }
+}
+
 /// `(hi, lo)` of the 64-bit product `a * m`.
 fn mul_wide(k: &mut Kernel, a: &Reg, m: u32) -> (Reg, Reg) {
     let wide = k.op2("mul.wide.u32", RegClass::B64, a, &m);
+    split_wide(k, &wide)
+}
+
+/// `(hi, lo)` of a 64-bit register.
+fn split_wide(k: &mut Kernel, wide: &Reg) -> (Reg, Reg) {
     let (lo, hi) = (k.reg(RegClass::B32), k.reg(RegClass::B32));
     k.emit(format!("mov.b64 {{{lo}, {hi}}}, {wide}"));
     (hi, lo)

@@ -57,7 +57,7 @@
 //! halves by shuffle, so every word drawn is used.
 
 use crate::attention::{
-    philox_key, reciprocal_or_zero, window_start, AttentionConfig, KeyRule, PhiloxRow,
+    philox_key, reciprocal_or_zero, window_start, AttentionConfig, FirstProduct, KeyRule, PhiloxRow,
 };
 use crate::attention_tc::RowState;
 use crate::hopper::{
@@ -2264,9 +2264,11 @@ impl Dropping {
         k.comment("dropout: one Philox block per quad pair, row and 4 columns, halves swapped");
         let block0 = k.op2("shr.u32", RegClass::B32, key0, &2u32);
         let block0 = k.add_u32(&block0, &self.half_t);
+        // Counters step by 2 a chunk: their first products by 64-bit adds.
+        let first = FirstProduct::of(k, &block0);
         for chunk in 0..BKV / 8 {
-            let c0 = k.add_u32(&block0, &(2 * chunk));
-            let w = self.philox.words(k, &c0);
+            let product = first.plus(k, 2 * chunk);
+            let w = self.philox.words_after(k, &product);
             for c in 0..2usize {
                 // Even t keeps words 0, 1 of its first row and sends 2, 3; odd t the reverse
                 // for its second row.
