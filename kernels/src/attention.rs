@@ -1283,6 +1283,106 @@ mod tests {
     use super::*;
     use kiln_ir::kernel::AttentionSpec;
 
+    /// Runs the straight-line integer PTX that [`PhiloxRow`] emits (the few opcodes it uses),
+    /// registers as u64; returns the values of `outputs`.
+    fn run_philox_ptx(k: Kernel, outputs: &[Reg]) -> Vec<u64> {
+        use std::collections::HashMap;
+        let text = k.finish();
+        let mut regs: HashMap<String, u64> = HashMap::new();
+        let value = |regs: &HashMap<String, u64>, a: &str| match a.parse::<u64>() {
+            Ok(v) => v,
+            Err(_) => regs[a],
+        };
+        for line in text
+            .lines()
+            .map(str::trim)
+            .filter(|l| l.ends_with(';') && !l.starts_with('.'))
+        {
+            let line = line.trim_end_matches(';');
+            // Instructions without operands (`ret`, `griddepcontrol.*`) compute nothing.
+            let Some((op, rest)) = line.split_once(' ') else {
+                continue;
+            };
+            if op == "mov.b64" {
+                // mov.b64 {lo, hi}, wide
+                let (pair, wide) = rest.rsplit_once(", ").expect("mov.b64 {lo, hi}, wide");
+                let (lo, hi) = pair
+                    .trim_matches(|c| c == '{' || c == '}')
+                    .split_once(", ")
+                    .expect("a pair");
+                let w = regs[wide];
+                regs.insert(lo.into(), w & 0xffff_ffff);
+                regs.insert(hi.into(), w >> 32);
+                continue;
+            }
+            let args: Vec<&str> = rest.split(", ").collect();
+            let a = |i: usize| value(&regs, args[i]);
+            let v = match op {
+                "mov.u32" => a(1),
+                "xor.b32" => a(1) ^ a(2),
+                "add.u32" => (a(1) + a(2)) & 0xffff_ffff,
+                "add.u64" => a(1).wrapping_add(a(2)),
+                "mul.wide.u32" => a(1) * a(2),
+                _ => panic!("an opcode the Philox PTX does not use: {line}"),
+            };
+            regs.insert(args[0].into(), v);
+        }
+        outputs.iter().map(|r| regs[&r.to_string()]).collect()
+    }
+
+    /// The PTX of [`PhiloxRow`] (held or computed round keys; a counter's first product by a
+    /// wide product or stepped on from an earlier counter's) draws the IR's Philox-4x32-10 words: Random123's known answers and
+    /// random counters.
+    #[test]
+    fn philox_rows_draw_the_irs_words() {
+        let mut cases = vec![
+            ([0u32; 4], [0u32; 2]),
+            ([u32::MAX; 4], [u32::MAX; 2]),
+            (
+                [0x243f_6a88, 0x85a3_08d3, 0x1319_8a2e, 0x0370_7344],
+                [0xa409_3822, 0x299f_31d0],
+            ),
+        ];
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u32
+        };
+        for _ in 0..50 {
+            cases.push(([next(), next(), next(), next()], [next(), next()]));
+        }
+        for (counter, key) in cases {
+            let want = kiln_ir::philox::philox4x32_10(counter, key);
+            for (scheduled, stepped) in [(false, false), (true, false), (true, true)] {
+                let mut k = Kernel::new("philox");
+                let key_regs = [k.mov(RegClass::B32, &key[0]), k.mov(RegClass::B32, &key[1])];
+                let [c0, row, plane, stream] = counter;
+                let c0 = k.mov(RegClass::B32, &c0);
+                let mut philox = PhiloxRow::new(&mut k, key_regs, stream, &plane, &row);
+                if scheduled {
+                    philox = philox.scheduled(&mut k);
+                }
+                let words = if stepped {
+                    // The counter 6 before it, stepped on by a 64-bit add.
+                    let before = k.mov(RegClass::B32, &counter[0].wrapping_sub(6).min(counter[0]));
+                    let step = counter[0] - counter[0].wrapping_sub(6).min(counter[0]);
+                    let first = FirstProduct::of(&mut k, &before).plus(&mut k, step);
+                    philox.words_after(&mut k, &first)
+                } else {
+                    philox.words(&mut k, &c0)
+                };
+                let got = run_philox_ptx(k, &words);
+                let want: Vec<u64> = want.iter().map(|&w| u64::from(w)).collect();
+                assert_eq!(
+                    got, want,
+                    "counter {counter:x?} key {key:x?} {scheduled} {stepped}"
+                );
+            }
+        }
+    }
+
     /// Batches up to the batch-invariant limit split a row's keys alike; larger ones split them
     /// less when all their ranges would be many waves of warps.
     #[test]
