@@ -1116,21 +1116,22 @@ const PHILOX_W0: u32 = 0x9E37_79B9;
 const PHILOX_W1: u32 = 0xBB67_AE85;
 
 /// Philox-4x32-10 over the counters `(c0, row, plane, stream)` of one row of one plane. Only `c0`
-/// varies, and it enters the first round's `c0 M0` alone: every other product of the first two
+/// varies, and it enters round 0's `c0 M0` alone: every other product of rounds 0 and 1
 /// rounds, and what it is xored with, is done once in [`PhiloxRow::new`] (and the keys of rounds 2
-/// to 9 too after [`PhiloxRow::scheduled`]), so a block takes 18 wide products instead of 20.
+/// to 9 too after [`PhiloxRow::scheduled`]), so a block takes 18 wide products instead of 19.
+/// Rounds are counted from 0 here, as [`key_word`] counts them.
 pub(crate) struct PhiloxRow {
     key: [Reg; 2],
     /// The key words that rounds 2 to 9 take (see [`PhiloxRow::key_index`]), when held in
     /// registers.
     schedule: Option<Vec<Reg>>,
-    /// `stream ^ key1`: the first round's new `c[2]` is `hi(c0 M0) ^ stream_key`.
+    /// `stream ^ key1`: round 0's new `c[2]` is `hi(c0 M0) ^ stream_key`.
     stream_key: Reg,
-    /// The second round's constants. Its `c[0]` is the first round's `hi(plane M1) ^ row ^ key0`,
+    /// Round 1's constants. Its `c[0]` is round 0's `hi(plane M1) ^ row ^ key0`,
     /// so its product `(hi, lo) = c[0] M0` is one: `x0 = lo(plane M1) ^ key0(1)` joins the new
     /// `c[0]`, `x2 = hi ^ key1(1)` the new `c[2]`, and `lo` is its new `c[3]`.
     second: [Reg; 3],
-    /// `lo ^ key1(2)`, which the third round's new `c[2]` takes.
+    /// `lo ^ key1(2)`, which round 2's new `c[2]` takes.
     third: Reg,
 }
 
@@ -1167,7 +1168,7 @@ impl PhiloxRow {
     }
 
     /// The same generator with the key words of rounds 2 to 9 computed once, here (15 registers
-    /// held: the second round's key1 is folded into `third`).
+    /// held: round 2's key1 is folded into `third`).
     pub(crate) fn scheduled(mut self, k: &mut Kernel) -> PhiloxRow {
         let words =
             std::iter::once((2, 0)).chain((3..10).flat_map(|round| [(round, 0), (round, 1)]));
@@ -1239,7 +1240,7 @@ fn key_word(k: &mut Kernel, key: &[Reg; 2], round: u32, w: usize) -> Reg {
     k.add_u32(&key[w], &step)
 }
 
-/// The first round's product `c0 M0` of a Philox counter, as one 64-bit register. Counters that
+/// Round 0's product `c0 M0` of a Philox counter, as one 64-bit register. Counters that
 /// step by constants take it by 64-bit adds ([`FirstProduct::plus`]) instead of a wide product
 /// each.
 pub(crate) struct FirstProduct(Reg);
