@@ -1116,10 +1116,10 @@ const PHILOX_W0: u32 = 0x9E37_79B9;
 const PHILOX_W1: u32 = 0xBB67_AE85;
 
 /// Philox-4x32-10 over the counters `(c0, row, plane, stream)` of one row of one plane. Only `c0`
-/// varies, and it enters round 0's `c0 M0` alone: every other product of rounds 0 and 1
-/// rounds, and what it is xored with, is done once in [`PhiloxRow::new`] (and the keys of rounds 2
-/// to 9 too after [`PhiloxRow::scheduled`]), so a block takes 18 wide products instead of 19.
-/// Rounds are counted from 0 here, as [`key_word`] counts them.
+/// varies along the row; round 0's `plane M1` and round 1's `c[0] M0` do not depend on it, and
+/// are done once in [`PhiloxRow::new`] with what is xored beside them (the keys of rounds 2 to 9
+/// too after [`PhiloxRow::scheduled`]), so a block takes 18 wide products. Rounds are counted
+/// from 0, as [`key_word`] counts them.
 pub(crate) struct PhiloxRow {
     key: [Reg; 2],
     /// The key words that rounds 2 to 9 take (see [`PhiloxRow::key_index`]), when held in
