@@ -314,6 +314,20 @@ fn attention_stream_grid_padded_bf16_wgmma() {
     insta::assert_snapshot!(k.module());
 }
 
+/// The Hopper attention with dropout: each consumer thread draws the Philox blocks of one of its
+/// two rows (round 1's row product once, first products stepped by adds) and swaps halves with
+/// its quad neighbour.
+#[test]
+fn attention_dropout_bf16_wgmma() {
+    use kiln_kernels::attention::{attention, AttentionConfig};
+    let mut cfg = AttentionConfig::plain([1, 2, 2, 256, 256, 128], Elem::BF16);
+    cfg.dropout = Some(kiln_kernels::attention::Dropout::new(0.1, 0));
+    let k = attention(&cfg);
+    let params: Vec<&str> = k.signature.iter().map(|(p, _)| p.as_str()).collect();
+    assert_eq!(params, ["q", "k", "v", "out", "seed"]);
+    insta::assert_snapshot!(k.module());
+}
+
 #[test]
 fn attention_gqa_causal_rope_dropout_bf16() {
     use kiln_kernels::attention::{attention, AttentionConfig, KeyRule};
