@@ -1129,9 +1129,10 @@ pub(crate) struct PhiloxRow {
     stream_key: Reg,
     /// Round 1's constants. Its `c[0]` is round 0's `hi(plane M1) ^ row ^ key0`,
     /// so its product `(hi, lo) = c[0] M0` is one: `x0 = lo(plane M1) ^ key0(1)` joins the new
-    /// `c[0]`, `x2 = hi ^ key1(1)` the new `c[2]`, and `lo` is its new `c[3]`.
-    second: [Reg; 3],
-    /// `lo ^ key1(2)`, which round 2's new `c[2]` takes.
+    /// `c[0]` and `x2 = hi ^ key1(1)` the new `c[2]`; its new `c[3]` is `lo`.
+    second: [Reg; 2],
+    /// `lo ^ key1(2)`: round 1's new `c[3]` with round 2's key1, which round 2's new `c[2]`
+    /// takes.
     third: Reg,
 }
 
@@ -1154,7 +1155,6 @@ impl PhiloxRow {
         let second = [
             k.op2("xor.b32", RegClass::B32, &lo1, &k0),
             k.op2("xor.b32", RegClass::B32, &hi, &k1),
-            lo,
         ];
         let k1 = key_word(k, &key, 2, 1);
         let third = k.op2("xor.b32", RegClass::B32, &lo, &k1);
@@ -1204,34 +1204,38 @@ impl PhiloxRow {
     pub(crate) fn words_after(&self, k: &mut Kernel, first: &FirstProduct) -> [Reg; 4] {
         let (hi0, lo0) = first.split(k);
         let n2 = k.op2("xor.b32", RegClass::B32, &hi0, &self.stream_key);
-        let [x0, x2, lo] = self.second;
+        let [x0, x2] = self.second;
         let (hi1, lo1) = mul_wide(k, &n2, PHILOX_M1);
+        // Round 1's new c[3] is the row's `lo`, which round 2 takes folded into `third` with
+        // its key1.
         let c = [
             k.op2("xor.b32", RegClass::B32, &hi1, &x0),
             lo1,
             k.op2("xor.b32", RegClass::B32, &lo0, &x2),
-            lo,
+            self.third,
         ];
-        // Round 2: its c[3] is the constant `lo`, folded into `third` with the round's key1.
         let k0 = self.key_word(k, 2, 0);
-        let (hi0, lo0) = mul_wide(k, &c[0], PHILOX_M0);
-        let (hi1, lo1) = mul_wide(k, &c[2], PHILOX_M1);
-        let x0 = k.op2("xor.b32", RegClass::B32, &hi1, &c[1]);
-        let n0 = k.op2("xor.b32", RegClass::B32, &x0, &k0);
-        let n2 = k.op2("xor.b32", RegClass::B32, &hi0, &self.third);
-        let mut c = [n0, lo1, n2, lo0];
-        for round in 3..10u32 {
-            let (k0, k1) = (self.key_word(k, round, 0), self.key_word(k, round, 1));
-            let (hi0, lo0) = mul_wide(k, &c[0], PHILOX_M0);
-            let (hi1, lo1) = mul_wide(k, &c[2], PHILOX_M1);
-            let x0 = k.op2("xor.b32", RegClass::B32, &hi1, &c[1]);
-            let n0 = k.op2("xor.b32", RegClass::B32, &x0, &k0);
-            let x2 = k.op2("xor.b32", RegClass::B32, &hi0, &c[3]);
-            let n2 = k.op2("xor.b32", RegClass::B32, &x2, &k1);
-            c = [n0, lo1, n2, lo0];
+        let mut c = round(k, c, (&k0, None));
+        for r in 3..10u32 {
+            let (k0, k1) = (self.key_word(k, r, 0), self.key_word(k, r, 1));
+            c = round(k, c, (&k0, Some(&k1)));
         }
         c
     }
+}
+
+/// One Philox round on `c` under keys `(k0, k1)`; without `k1`, `c[3]` holds it already.
+fn round(k: &mut Kernel, c: [Reg; 4], (k0, k1): (&Reg, Option<&Reg>)) -> [Reg; 4] {
+    let (hi0, lo0) = mul_wide(k, &c[0], PHILOX_M0);
+    let (hi1, lo1) = mul_wide(k, &c[2], PHILOX_M1);
+    let x0 = k.op2("xor.b32", RegClass::B32, &hi1, &c[1]);
+    let n0 = k.op2("xor.b32", RegClass::B32, &x0, k0);
+    let x2 = k.op2("xor.b32", RegClass::B32, &hi0, &c[3]);
+    let n2 = match k1 {
+        Some(k1) => k.op2("xor.b32", RegClass::B32, &x2, k1),
+        None => x2,
+    };
+    [n0, lo1, n2, lo0]
 }
 
 /// Word `w` of round `round`'s key: `key[w] + round W[w]`.
@@ -1332,8 +1336,8 @@ mod tests {
     }
 
     /// The PTX of [`PhiloxRow`] (held or computed round keys; a counter's first product by a
-    /// wide product or stepped on from an earlier counter's) draws the IR's Philox-4x32-10 words: Random123's known answers and
-    /// random counters.
+    /// wide product or stepped on from an earlier counter's) draws the IR's Philox-4x32-10
+    /// words: Random123's known answers and random counters.
     #[test]
     fn philox_rows_draw_the_irs_words() {
         let mut cases = vec![
@@ -1366,9 +1370,9 @@ mod tests {
                     philox = philox.scheduled(&mut k);
                 }
                 let words = if stepped {
-                    // The counter 6 before it, stepped on by a 64-bit add.
-                    let before = k.mov(RegClass::B32, &counter[0].wrapping_sub(6).min(counter[0]));
-                    let step = counter[0] - counter[0].wrapping_sub(6).min(counter[0]);
+                    // A counter up to 6 before it, stepped on by a 64-bit add.
+                    let step = counter[0].min(6);
+                    let before = k.mov(RegClass::B32, &(counter[0] - step));
                     let first = FirstProduct::of(&mut k, &before).plus(&mut k, step);
                     philox.words_after(&mut k, &first)
                 } else {
