@@ -1202,25 +1202,82 @@ impl PhiloxRow {
 
     /// The four words of the counter whose first product is `first`.
     pub(crate) fn words_after(&self, k: &mut Kernel, first: &FirstProduct) -> [Reg; 4] {
+        self.words_of(k, std::slice::from_ref(first))[0]
+    }
+
+    /// The four words of each counter whose first product is in `firsts`, drawn round by round
+    /// (each round of every block before the next round), so that the blocks' independent
+    /// products and xors interleave.
+    pub(crate) fn words_of(&self, k: &mut Kernel, firsts: &[FirstProduct]) -> Vec<[Reg; 4]> {
+        let mut blocks: Vec<[Reg; 4]> = firsts.iter().map(|f| self.second_round(k, f)).collect();
+        let k0 = self.key_word(k, 2, 0);
+        for c in &mut blocks {
+            *c = round(k, *c, (&k0, None));
+        }
+        self.last_rounds(k, blocks)
+    }
+
+    /// The words of a counter `(c0, ., plane, stream)` that do not depend on its row, from its
+    /// first product: `lo(c0 M0)`, which round 1's new `c[2]` xors with the row's, round 1's new
+    /// `c[1]` with round 2's key0, and round 2's product `(hi, lo)` of its `c[0]`, round 1's new
+    /// `c[0]`, which is the column's alone. A row's block then takes 15 wide products
+    /// ([`PhiloxRow::words_of_columns`]).
+    pub(crate) fn column(&self, k: &mut Kernel, first: &FirstProduct) -> [Reg; 4] {
+        let (hi0, lo0) = first.split(k);
+        let n2 = k.op2("xor.b32", RegClass::B32, &hi0, &self.stream_key);
+        let (hi1, lo1) = mul_wide(k, &n2, PHILOX_M1);
+        let c0 = k.op2("xor.b32", RegClass::B32, &hi1, &self.second[0]);
+        let k0 = self.key_word(k, 2, 0);
+        let c1 = k.op2("xor.b32", RegClass::B32, &lo1, &k0);
+        let (hi2, lo2) = mul_wide(k, &c0, PHILOX_M0);
+        [lo0, c1, hi2, lo2]
+    }
+
+    /// The four words of each counter of this row whose column words ([`PhiloxRow::column`])
+    /// are in `columns`, drawn round by round.
+    pub(crate) fn words_of_columns(&self, k: &mut Kernel, columns: &[[Reg; 4]]) -> Vec<[Reg; 4]> {
+        let blocks = columns
+            .iter()
+            .map(|[lo0, c1, hi2, lo2]| {
+                // Round 2 on (round 1's new c[0] of the column, c1, c2, the row's c[3]).
+                let c2 = k.op2("xor.b32", RegClass::B32, lo0, &self.second[1]);
+                let (hi, lo) = mul_wide(k, &c2, PHILOX_M1);
+                [
+                    k.op2("xor.b32", RegClass::B32, &hi, c1),
+                    lo,
+                    k.op2("xor.b32", RegClass::B32, hi2, &self.third),
+                    *lo2,
+                ]
+            })
+            .collect();
+        self.last_rounds(k, blocks)
+    }
+
+    /// Rounds 3 to 9 on each of `blocks`, round by round.
+    fn last_rounds(&self, k: &mut Kernel, mut blocks: Vec<[Reg; 4]>) -> Vec<[Reg; 4]> {
+        for r in 3..10u32 {
+            let (k0, k1) = (self.key_word(k, r, 0), self.key_word(k, r, 1));
+            for c in &mut blocks {
+                *c = round(k, *c, (&k0, Some(&k1)));
+            }
+        }
+        blocks
+    }
+
+    /// The counter after rounds 0 and 1, from its first product.
+    fn second_round(&self, k: &mut Kernel, first: &FirstProduct) -> [Reg; 4] {
         let (hi0, lo0) = first.split(k);
         let n2 = k.op2("xor.b32", RegClass::B32, &hi0, &self.stream_key);
         let [x0, x2] = self.second;
         let (hi1, lo1) = mul_wide(k, &n2, PHILOX_M1);
         // Round 1's new c[3] is the row's `lo`, which round 2 takes folded into `third` with
         // its key1.
-        let c = [
+        [
             k.op2("xor.b32", RegClass::B32, &hi1, &x0),
             lo1,
             k.op2("xor.b32", RegClass::B32, &lo0, &x2),
             self.third,
-        ];
-        let k0 = self.key_word(k, 2, 0);
-        let mut c = round(k, c, (&k0, None));
-        for r in 3..10u32 {
-            let (k0, k1) = (self.key_word(k, r, 0), self.key_word(k, r, 1));
-            c = round(k, c, (&k0, Some(&k1)));
-        }
-        c
+        ]
     }
 }
 
@@ -1336,8 +1393,9 @@ mod tests {
     }
 
     /// The PTX of [`PhiloxRow`] (held or computed round keys; a counter's first product by a
-    /// wide product or stepped on from an earlier counter's) draws the IR's Philox-4x32-10
-    /// words: Random123's known answers and random counters.
+    /// wide product or stepped on from an earlier counter's; column words first; two blocks
+    /// round by round) draws the IR's Philox-4x32-10 words: Random123's known answers and random
+    /// counters.
     #[test]
     fn philox_rows_draw_the_irs_words() {
         let mut cases = vec![
@@ -1360,32 +1418,75 @@ mod tests {
         }
         for (counter, key) in cases {
             let want = kiln_ir::philox::philox4x32_10(counter, key);
-            for (scheduled, stepped) in [(false, false), (true, false), (true, true)] {
+            for draw in Draw::ALL {
                 let mut k = Kernel::new("philox");
                 let key_regs = [k.mov(RegClass::B32, &key[0]), k.mov(RegClass::B32, &key[1])];
                 let [c0, row, plane, stream] = counter;
-                let c0 = k.mov(RegClass::B32, &c0);
                 let mut philox = PhiloxRow::new(&mut k, key_regs, stream, &plane, &row);
-                if scheduled {
+                if draw != Draw::Plain {
                     philox = philox.scheduled(&mut k);
                 }
-                let words = if stepped {
-                    // A counter up to 6 before it, stepped on by a 64-bit add.
-                    let step = counter[0].min(6);
-                    let before = k.mov(RegClass::B32, &(counter[0] - step));
-                    let first = FirstProduct::of(&mut k, &before).plus(&mut k, step);
-                    philox.words_after(&mut k, &first)
-                } else {
-                    philox.words(&mut k, &c0)
+                // Grouped draws take a neighbouring counter first, round by round with this one.
+                let c0s: &[u32] = match draw {
+                    Draw::Grouped | Draw::GroupedColumns => &[c0 ^ 1, c0],
+                    _ => &[c0],
                 };
-                let got = run_philox_ptx(k, &words);
+                let firsts: Vec<FirstProduct> = c0s
+                    .iter()
+                    .map(|&c| match draw {
+                        Draw::Stepped => {
+                            // A counter up to 6 before it, stepped on by a 64-bit add.
+                            let step = c.min(6);
+                            let before = k.mov(RegClass::B32, &(c - step));
+                            FirstProduct::of(&mut k, &before).plus(&mut k, step)
+                        }
+                        _ => {
+                            let c = k.mov(RegClass::B32, &c);
+                            FirstProduct::of(&mut k, &c)
+                        }
+                    })
+                    .collect();
+                let words = match draw {
+                    Draw::Columns | Draw::GroupedColumns => {
+                        let columns: Vec<_> =
+                            firsts.iter().map(|f| philox.column(&mut k, f)).collect();
+                        philox.words_of_columns(&mut k, &columns)
+                    }
+                    _ => philox.words_of(&mut k, &firsts),
+                };
+                let got = run_philox_ptx(k, words.last().expect("a block"));
                 let want: Vec<u64> = want.iter().map(|&w| u64::from(w)).collect();
-                assert_eq!(
-                    got, want,
-                    "counter {counter:x?} key {key:x?} {scheduled} {stepped}"
-                );
+                assert_eq!(got, want, "counter {counter:x?} key {key:x?} {draw:?}");
             }
         }
+    }
+
+    /// How [`philox_rows_draw_the_irs_words`] draws a block.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Draw {
+        /// Round keys computed where used.
+        Plain,
+        /// Round keys held ([`PhiloxRow::scheduled`]), as every draw below.
+        Scheduled,
+        /// The first product stepped from an earlier counter's ([`FirstProduct::plus`]).
+        Stepped,
+        /// Column words first ([`PhiloxRow::column`]).
+        Columns,
+        /// Two blocks round by round ([`PhiloxRow::words_of`]).
+        Grouped,
+        /// Two blocks' column words, then both round by round.
+        GroupedColumns,
+    }
+
+    impl Draw {
+        const ALL: [Draw; 6] = [
+            Draw::Plain,
+            Draw::Scheduled,
+            Draw::Stepped,
+            Draw::Columns,
+            Draw::Grouped,
+            Draw::GroupedColumns,
+        ];
     }
 
     /// Batches up to the batch-invariant limit split a row's keys alike; larger ones split them

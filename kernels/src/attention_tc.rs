@@ -540,8 +540,9 @@ impl<'a> Attn<'a> {
             new_lo.push(self.pack(lo[0], lo[1]));
             new_hi.push(self.pack(hi[0], hi[1]));
         }
-        st_shared_v4(&mut self.k, lo_addr, &new_lo);
-        st_shared_v4(&mut self.k, hi_addr, &new_hi);
+        let words = |w: Vec<Reg>| -> [Reg; 4] { w.try_into().expect("four words") };
+        self.k.st_shared_words(lo_addr, &words(new_lo));
+        self.k.st_shared_words(hi_addr, &words(new_hi));
     }
 
     /// Key rule: the block's key tiles and each thread's per-row limits.
@@ -1114,11 +1115,4 @@ fn ld_shared_v4_f32(k: &mut Kernel, addr: Reg, offset: u32) -> Vec<Reg> {
         v[0], v[1], v[2], v[3]
     ));
     v
-}
-
-fn st_shared_v4(k: &mut Kernel, addr: Reg, w: &[Reg]) {
-    k.emit(format!(
-        "st.shared.v4.b32 [{addr}], {{{}, {}, {}, {}}}",
-        w[0], w[1], w[2], w[3]
-    ));
 }

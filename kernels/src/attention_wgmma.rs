@@ -73,6 +73,8 @@ use crate::{GeneratedKernel, Image, KernelPath, Launch, TensorMapSpec};
 
 /// Keys per tile.
 const BKV: u32 = 128;
+/// Philox blocks a consumer thread draws round by round (see [`PhiloxRow::words_of`]).
+const DRAW_GROUP: usize = 1;
 /// Elements of one 128-byte swizzle row: the head dimension is copied in blocks of this many.
 const COLS: u32 = SWIZZLE_BYTES / 2;
 /// The fewest registers the producer works in.
@@ -434,7 +436,23 @@ fn shared_bytes(cfg: &Plan) -> u32 {
         + mask
         + ranges
         + flags
+        + column_bytes(cfg)
 }
+
+/// The Philox column words' tables under dropout ([`Dropping`]): [`COLUMN_BYTES`] for each
+/// consumer thread.
+fn column_bytes(cfg: &Plan) -> u32 {
+    match cfg.dropout {
+        Some(_) => consumers(cfg) * 128 * COLUMN_BYTES,
+        None => 0,
+    }
+}
+
+/// One Philox block's column words ([`PhiloxRow::column`]).
+const COLUMN_BYTES: u32 = 16;
+
+/// The static shared array of the column words' tables.
+const COLUMNS: &str = "attention_columns";
 
 /// Named barriers: 0 the block's; [`MASK_BARRIER`] `+ c` consumer `c`'s 128 threads (mask
 /// rows); [`turn_barrier`] `+ c` consumer `c`'s turn to issue; [`ranges_barrier`] `+ w`
@@ -754,7 +772,10 @@ impl Params {
             k.shared("attention_ranges", (consumers(cfg) + 1) * 4 * 2 * 4);
             k.param_ptr("positions")
         });
-        let seed = cfg.dropout.map(|_| k.param_ptr("seed"));
+        let seed = cfg.dropout.map(|_| {
+            k.shared(COLUMNS, column_bytes(cfg));
+            k.param_ptr("seed")
+        });
         let table = cfg.paging.map(|p| (k.param_ptr("table"), p));
         let split = (cfg.shape.grid == Grid::Stream).then(|| StreamSplit {
             partials: k.param_ptr("partials"),
@@ -2012,10 +2033,20 @@ impl Consumer {
         let row = k.add_u32(&row, &block.q0);
         let plane = k.mad_u32(&block.b, &cfg.heads, &block.h);
         let key = philox_key(k, seed);
+        // This thread's entry of its warp's table, and the entry of the block its half draws
+        // in a tile's first chunk.
+        let columns = k.shared_base(COLUMNS);
+        let thread = k.mad_u32(&self.c, &128u32, &self.wt);
+        let store = k.mad_u32(&thread, &COLUMN_BYTES, &columns);
+        let first = k.sub_u32(&thread, &self.lane);
+        let first = k.add_u32(&first, &half_t);
+        let read = k.mad_u32(&first, &COLUMN_BYTES, &columns);
         Dropping {
             philox: PhiloxRow::new(k, key, dropout.stream, &plane, &row).scheduled(k),
             odd,
-            half_t,
+            lane: self.lane,
+            store,
+            read,
             threshold: dropout.threshold,
         }
     }
@@ -2246,14 +2277,20 @@ impl Correction {
     }
 }
 
-/// A consumer thread's dropout state (see the module comment).
+/// A consumer thread's dropout state (see the module comment). A key tile's 32 column blocks
+/// are the same for every row: lane `b` of each warp draws block `b`'s column words
+/// ([`PhiloxRow::column`]) into its warp's table of 32 entries, and each thread's row blocks
+/// read them from there.
 struct Dropping {
     /// The Philox blocks of the row this thread draws for.
     philox: PhiloxRow,
     /// Odd `t`: this thread draws for its second row, and holds columns 2 and 3 of each block.
     odd: Reg,
-    /// `t / 2`: the thread's Philox block within each 8-column chunk.
-    half_t: Reg,
+    lane: Reg,
+    /// The shared address of this lane's entry in its warp's table.
+    store: Reg,
+    /// The entry of block `t / 2`, this thread's within each tile's first 8-column chunk.
+    read: Reg,
     threshold: u32,
 }
 
@@ -2263,25 +2300,46 @@ impl Dropping {
     fn drop(&self, k: &mut Kernel, s: &[Reg], key0: &Reg) {
         k.comment("dropout: one Philox block per quad pair, row and 4 columns, halves swapped");
         let block0 = k.op2("shr.u32", RegClass::B32, key0, &2u32);
-        let block0 = k.add_u32(&block0, &self.half_t);
-        // Counters step by 2 a chunk: their first products by 64-bit adds.
-        let first = FirstProduct::of(k, &block0);
-        for chunk in 0..BKV / 8 {
-            let product = first.plus(k, 2 * chunk);
-            let w = self.philox.words_after(k, &product);
-            for c in 0..2usize {
-                // Even t keeps words 0, 1 of its first row and sends 2, 3; odd t the reverse
-                // for its second row.
-                let send = k.selp(RegClass::B32, "b32", &w[c], &w[2 + c], self.odd);
-                let got = k.reg(RegClass::B32);
-                k.emit(format!("shfl.sync.bfly.b32 {got}, {send}, 1, 31, -1"));
-                let first = k.selp(RegClass::B32, "b32", &got, &w[c], self.odd);
-                let second = k.selp(RegClass::B32, "b32", &w[2 + c], &got, self.odd);
-                for (h, word) in [first, second].iter().enumerate() {
-                    let keep = k.setp("ge.u32", word, &self.threshold);
-                    let reg = s[chunk as usize * 4 + h * 2 + c];
-                    k.emit(format!("@!{keep} mov.f32 {reg}, 0f00000000"));
-                }
+        let mine = k.add_u32(&block0, &self.lane);
+        let first = FirstProduct::of(k, &mine);
+        let column = self.philox.column(k, &first);
+        // Every lane has read the last tile's table before any overwrites it.
+        k.emit("bar.warp.sync -1");
+        k.st_shared_words(self.store, &column);
+        k.emit("bar.warp.sync -1");
+        let chunks: Vec<u32> = (0..BKV / 8).collect();
+        for group in chunks.chunks(DRAW_GROUP) {
+            let columns: Vec<[Reg; 4]> = group
+                .iter()
+                .map(|&chunk| {
+                    // Chunk `chunk`'s block is entry `t / 2 + 2 chunk`.
+                    let at = k.add_u32(&self.read, &(2 * chunk * COLUMN_BYTES));
+                    let w = k.ld_shared_words(at);
+                    [w[0], w[1], w[2], w[3]]
+                })
+                .collect();
+            let words = self.philox.words_of_columns(k, &columns);
+            for (&chunk, w) in group.iter().zip(&words) {
+                self.keep(k, s, chunk, w);
+            }
+        }
+    }
+
+    /// Zeroes the dropped probabilities of 8-column chunk `chunk`, whose block's words (this
+    /// thread's row's) are `w`.
+    fn keep(&self, k: &mut Kernel, s: &[Reg], chunk: u32, w: &[Reg; 4]) {
+        for c in 0..2usize {
+            // Even t keeps words 0, 1 of its first row and sends 2, 3; odd t the reverse
+            // for its second row.
+            let send = k.selp(RegClass::B32, "b32", &w[c], &w[2 + c], self.odd);
+            let got = k.reg(RegClass::B32);
+            k.emit(format!("shfl.sync.bfly.b32 {got}, {send}, 1, 31, -1"));
+            let first = k.selp(RegClass::B32, "b32", &got, &w[c], self.odd);
+            let second = k.selp(RegClass::B32, "b32", &w[2 + c], &got, self.odd);
+            for (h, word) in [first, second].iter().enumerate() {
+                let keep = k.setp("ge.u32", word, &self.threshold);
+                let reg = s[chunk as usize * 4 + h * 2 + c];
+                k.emit(format!("@!{keep} mov.f32 {reg}, 0f00000000"));
             }
         }
     }

@@ -672,6 +672,14 @@ impl Kernel {
         w
     }
 
+    /// Stores four b32 words as the 16 bytes at shared address `addr`.
+    pub fn st_shared_words(&mut self, addr: Reg, w: &[Reg; 4]) {
+        self.emit(format!(
+            "st.shared.v4.b32 [{addr}], {{{}, {}, {}, {}}}",
+            w[0], w[1], w[2], w[3]
+        ));
+    }
+
     /// `c += a b` with `mma.sync.aligned.m16n8k16` on `ty` (f16/bf16) operands and f32
     /// accumulators: `a` the four A-fragment registers, `b` the two B-fragment ones.
     pub fn mma_m16n8k16(&mut self, ty: &str, c: &[Reg], a: &[Reg], b: &[Reg; 2]) {
