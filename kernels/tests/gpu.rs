@@ -1536,12 +1536,6 @@ fn attention_matches_the_interpreter() {
             rope: true,
             ..AttentionCase::new(4, 1, 130, 520, 128)
         },
-        // Dropout in a prompt chunk: the blocks' rows and keys start at the items' positions.
-        AttentionCase {
-            keys: KeyRule::Position { window: None },
-            dropout: Some((0.1, 3)),
-            ..AttentionCase::new(4, 2, 300, 1000, 64)
-        },
         // Sliding windows on the Hopper kernel, narrower than the keys: items whose windows
         // start mid-tile, rows of one block in different tiles' windows; with padding, three
         // consumers (d 64 in blocks of 192 rows), dropout, a prompt chunk over a cache (q
