@@ -305,7 +305,7 @@ pub fn time_last_chunk(
         stream_chunks(art, cuda, &tokens, &schedules[i]).map(|_| ())
     })?;
     Ok(fastest(
-        &candidates.into_iter().zip(fastest_of).collect::<Vec<_>>(),
+        candidates.into_iter().zip(fastest_of),
         LAST_CHUNK_GAIN,
     ))
 }
@@ -340,13 +340,16 @@ pub(crate) fn time_interleaved(
 
 /// The candidate of `timed` (each one's seconds, `None` the way without it) that is fastest,
 /// taken only when it beats `None`'s time by the fraction `gain`.
-pub(crate) fn fastest<T: Copy>(timed: &[(Option<T>, f64)], gain: f64) -> Option<T> {
-    let none = timed.iter().find(|(c, _)| c.is_none()).map(|&(_, t)| t)?;
+pub(crate) fn fastest<T>(
+    timed: impl IntoIterator<Item = (Option<T>, f64)> + Clone,
+    gain: f64,
+) -> Option<T> {
+    let none = timed.clone().into_iter().find(|(c, _)| c.is_none())?.1;
     timed
-        .iter()
-        .filter(|&&(c, t)| c.is_some() && t < none * (1.0 - gain))
+        .into_iter()
+        .filter(|(c, t)| c.is_some() && *t < none * (1.0 - gain))
         .min_by(|a, b| a.1.total_cmp(&b.1))
-        .and_then(|&(c, _)| c)
+        .and_then(|(c, _)| c)
 }
 
 /// Whether `exec` streams `chunks` ([`stream_chunks`]): the CUDA executor, and no chunk runs
@@ -389,7 +392,8 @@ mod tests {
 
     #[test]
     fn the_fastest_last_chunk_wins_by_half_a_percent() {
-        let fastest_last = |times: &[(Option<usize>, f64)]| fastest(times, LAST_CHUNK_GAIN);
+        let fastest_last =
+            |times: &[(Option<usize>, f64)]| fastest(times.iter().copied(), LAST_CHUNK_GAIN);
         let times = [(None, 23.6), (Some(256), 23.3), (Some(512), 23.4)];
         assert_eq!(fastest_last(&times), Some(256));
         // 0.4% faster is within the timing's spread: none.

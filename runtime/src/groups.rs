@@ -56,15 +56,9 @@ impl Timings {
     /// way load timed; a bucket padded by whole groups may take a grouping that loses when full.
     pub fn pick(&self, rows: usize) -> Option<&Grouping> {
         let share = |g: &Grouping, t: f64| t * g.groups_for(rows) as f64 / g.count as f64;
-        let timed: Vec<(Option<usize>, f64)> = std::iter::once((None, self.whole))
-            .chain(
-                self.ways
-                    .iter()
-                    .enumerate()
-                    .map(|(i, (g, t))| (Some(i), share(g, *t))),
-            )
-            .collect();
-        fastest(&timed, MIN_GAIN).map(|i| &self.ways[i].0)
+        let timed = std::iter::once((None, self.whole))
+            .chain(self.ways.iter().map(move |(g, t)| (Some(g), share(g, *t))));
+        fastest(timed, MIN_GAIN)
     }
 
     /// Every grouping some request runs as ([`Self::pick`], for each count of rows the bucket
