@@ -1118,8 +1118,9 @@ const PHILOX_W1: u32 = 0xBB67_AE85;
 /// Philox-4x32-10 over the counters `(c0, row, plane, stream)` of one row of one plane. Only `c0`
 /// varies along the row; round 0's `plane M1` and round 1's `c[0] M0` do not depend on it, and
 /// are done once in [`PhiloxRow::new`] with what is xored beside them (the keys of rounds 2 to 9
-/// too after [`PhiloxRow::scheduled`]), so a block takes 18 wide products. Rounds are counted
-/// from 0, as [`key_word`] counts them.
+/// too after [`PhiloxRow::scheduled`]), so a block takes 18 wide products; 15 where the words
+/// that depend on `c0` alone are drawn once for every row ([`PhiloxRow::column`]). Rounds are
+/// counted from 0, as [`key_word`] counts them.
 pub(crate) struct PhiloxRow {
     key: [Reg; 2],
     /// The key words that rounds 2 to 9 take (see [`PhiloxRow::key_index`]), when held in
@@ -1196,20 +1197,14 @@ impl PhiloxRow {
 
     /// The four words of counter `(c0, row, plane, stream)`.
     pub(crate) fn words(&self, k: &mut Kernel, c0: &Reg) -> [Reg; 4] {
-        let first = FirstProduct::of(k, c0);
-        self.words_after(k, &first)
+        self.words_of(k, std::slice::from_ref(c0))[0]
     }
 
-    /// The four words of the counter whose first product is `first`.
-    pub(crate) fn words_after(&self, k: &mut Kernel, first: &FirstProduct) -> [Reg; 4] {
-        self.words_of(k, std::slice::from_ref(first))[0]
-    }
-
-    /// The four words of each counter whose first product is in `firsts`, drawn round by round
+    /// The four words of each counter `(c0, row, plane, stream)` of `c0s`, drawn round by round
     /// (each round of every block before the next round), so that the blocks' independent
     /// products and xors interleave.
-    pub(crate) fn words_of(&self, k: &mut Kernel, firsts: &[FirstProduct]) -> Vec<[Reg; 4]> {
-        let mut blocks: Vec<[Reg; 4]> = firsts.iter().map(|f| self.second_round(k, f)).collect();
+    pub(crate) fn words_of(&self, k: &mut Kernel, c0s: &[Reg]) -> Vec<[Reg; 4]> {
+        let mut blocks: Vec<[Reg; 4]> = c0s.iter().map(|c0| self.second_round(k, c0)).collect();
         let k0 = self.key_word(k, 2, 0);
         for c in &mut blocks {
             *c = round(k, *c, (&k0, None));
@@ -1217,13 +1212,13 @@ impl PhiloxRow {
         self.last_rounds(k, blocks)
     }
 
-    /// The words of a counter `(c0, ., plane, stream)` that do not depend on its row, from its
-    /// first product: `lo(c0 M0)`, which round 1's new `c[2]` xors with the row's, round 1's new
+    /// The words of a counter `(c0, ., plane, stream)` that do not depend on its row:
+    /// `lo(c0 M0)`, which round 1's new `c[2]` xors with the row's, round 1's new
     /// `c[1]` with round 2's key0, and round 2's product `(hi, lo)` of its `c[0]`, round 1's new
     /// `c[0]`, which is the column's alone. A row's block then takes 15 wide products
     /// ([`PhiloxRow::words_of_columns`]).
-    pub(crate) fn column(&self, k: &mut Kernel, first: &FirstProduct) -> [Reg; 4] {
-        let (hi0, lo0) = first.split(k);
+    pub(crate) fn column(&self, k: &mut Kernel, c0: &Reg) -> [Reg; 4] {
+        let (hi0, lo0) = mul_wide(k, c0, PHILOX_M0);
         let n2 = k.op2("xor.b32", RegClass::B32, &hi0, &self.stream_key);
         let (hi1, lo1) = mul_wide(k, &n2, PHILOX_M1);
         let c0 = k.op2("xor.b32", RegClass::B32, &hi1, &self.second[0]);
@@ -1264,9 +1259,9 @@ impl PhiloxRow {
         blocks
     }
 
-    /// The counter after rounds 0 and 1, from its first product.
-    fn second_round(&self, k: &mut Kernel, first: &FirstProduct) -> [Reg; 4] {
-        let (hi0, lo0) = first.split(k);
+    /// Counter `(c0, row, plane, stream)` after rounds 0 and 1.
+    fn second_round(&self, k: &mut Kernel, c0: &Reg) -> [Reg; 4] {
+        let (hi0, lo0) = mul_wide(k, c0, PHILOX_M0);
         let n2 = k.op2("xor.b32", RegClass::B32, &hi0, &self.stream_key);
         let [x0, x2] = self.second;
         let (hi1, lo1) = mul_wide(k, &n2, PHILOX_M1);
@@ -1299,32 +1294,6 @@ fn round(k: &mut Kernel, c: [Reg; 4], (k0, k1): (&Reg, Option<&Reg>)) -> [Reg; 4
 fn key_word(k: &mut Kernel, key: &[Reg; 2], round: u32, w: usize) -> Reg {
     let step = [PHILOX_W0, PHILOX_W1][w].wrapping_mul(round);
     k.add_u32(&key[w], &step)
-}
-
-/// Round 0's product `c0 M0` of a Philox counter, as one 64-bit register. Counters that
-/// step by constants take it by 64-bit adds ([`FirstProduct::plus`]) instead of a wide product
-/// each.
-pub(crate) struct FirstProduct(Reg);
-
-impl FirstProduct {
-    pub(crate) fn of(k: &mut Kernel, c0: &Reg) -> FirstProduct {
-        FirstProduct(k.op2("mul.wide.u32", RegClass::B64, c0, &PHILOX_M0))
-    }
-
-    /// The product of counter `c0 + d`, where `c0 + d` stays below `2^32`: then `(c0 + d) M0 =
-    /// c0 M0 + d M0` exactly in 64 bits.
-    pub(crate) fn plus(&self, k: &mut Kernel, d: u32) -> FirstProduct {
-        if d == 0 {
-            return FirstProduct(self.0);
-        }
-        let step = u64::from(d) * u64::from(PHILOX_M0);
-        FirstProduct(k.op2("add.u64", RegClass::B64, &self.0, &step))
-    }
-
-    /// `(hi, lo)`.
-    fn split(&self, k: &mut Kernel) -> (Reg, Reg) {
-        split_wide(k, &self.0)
-    }
 }
 
 /// `(hi, lo)` of the 64-bit product `a * m`.
@@ -1392,8 +1361,7 @@ mod tests {
         outputs.iter().map(|r| regs[&r.to_string()]).collect()
     }
 
-    /// The PTX of [`PhiloxRow`] (held or computed round keys; a counter's first product by a
-    /// wide product or stepped on from an earlier counter's; column words first; two blocks
+    /// The PTX of [`PhiloxRow`] (held or computed round keys; column words first; two blocks
     /// round by round) draws the IR's Philox-4x32-10 words: Random123's known answers and random
     /// counters.
     #[test]
@@ -1431,28 +1399,14 @@ mod tests {
                     Draw::Grouped | Draw::GroupedColumns => &[c0 ^ 1, c0],
                     _ => &[c0],
                 };
-                let firsts: Vec<FirstProduct> = c0s
-                    .iter()
-                    .map(|&c| match draw {
-                        Draw::Stepped => {
-                            // A counter up to 6 before it, stepped on by a 64-bit add.
-                            let step = c.min(6);
-                            let before = k.mov(RegClass::B32, &(c - step));
-                            FirstProduct::of(&mut k, &before).plus(&mut k, step)
-                        }
-                        _ => {
-                            let c = k.mov(RegClass::B32, &c);
-                            FirstProduct::of(&mut k, &c)
-                        }
-                    })
-                    .collect();
+                let c0s: Vec<Reg> = c0s.iter().map(|c| k.mov(RegClass::B32, c)).collect();
                 let words = match draw {
                     Draw::Columns | Draw::GroupedColumns => {
                         let columns: Vec<_> =
-                            firsts.iter().map(|f| philox.column(&mut k, f)).collect();
+                            c0s.iter().map(|c| philox.column(&mut k, c)).collect();
                         philox.words_of_columns(&mut k, &columns)
                     }
-                    _ => philox.words_of(&mut k, &firsts),
+                    _ => philox.words_of(&mut k, &c0s),
                 };
                 let got = run_philox_ptx(k, words.last().expect("a block"));
                 let want: Vec<u64> = want.iter().map(|&w| u64::from(w)).collect();
@@ -1468,8 +1422,6 @@ mod tests {
         Plain,
         /// Round keys held ([`PhiloxRow::scheduled`]), as every draw below.
         Scheduled,
-        /// The first product stepped from an earlier counter's ([`FirstProduct::plus`]).
-        Stepped,
         /// Column words first ([`PhiloxRow::column`]).
         Columns,
         /// Two blocks round by round ([`PhiloxRow::words_of`]).
@@ -1479,10 +1431,9 @@ mod tests {
     }
 
     impl Draw {
-        const ALL: [Draw; 6] = [
+        const ALL: [Draw; 5] = [
             Draw::Plain,
             Draw::Scheduled,
-            Draw::Stepped,
             Draw::Columns,
             Draw::Grouped,
             Draw::GroupedColumns,

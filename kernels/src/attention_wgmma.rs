@@ -54,10 +54,11 @@
 //! `1 / (1 - p)` scale joins the final normalisation. A Philox block covers four columns of one
 //! row, and a thread holds two columns of each of two rows whose other two columns its quad
 //! neighbour (`t ^ 1`) holds: each of the two draws the block of one of the rows and they swap
-//! halves by shuffle, so every word drawn is used.
+//! halves by shuffle, so every word drawn is used. What a block's rounds take from its columns
+//! alone, each warp draws once a key tile into a table in shared memory, a lane a block.
 
 use crate::attention::{
-    philox_key, reciprocal_or_zero, window_start, AttentionConfig, FirstProduct, KeyRule, PhiloxRow,
+    philox_key, reciprocal_or_zero, window_start, AttentionConfig, KeyRule, PhiloxRow,
 };
 use crate::attention_tc::RowState;
 use crate::hopper::{
@@ -74,7 +75,7 @@ use crate::{GeneratedKernel, Image, KernelPath, Launch, TensorMapSpec};
 /// Keys per tile.
 const BKV: u32 = 128;
 /// Philox blocks a consumer thread draws round by round (see [`PhiloxRow::words_of`]).
-const DRAW_GROUP: usize = 1;
+const DRAW_GROUP: usize = 4;
 /// Elements of one 128-byte swizzle row: the head dimension is copied in blocks of this many.
 const COLS: u32 = SWIZZLE_BYTES / 2;
 /// The fewest registers the producer works in.
@@ -2301,8 +2302,7 @@ impl Dropping {
         k.comment("dropout: one Philox block per quad pair, row and 4 columns, halves swapped");
         let block0 = k.op2("shr.u32", RegClass::B32, key0, &2u32);
         let mine = k.add_u32(&block0, &self.lane);
-        let first = FirstProduct::of(k, &mine);
-        let column = self.philox.column(k, &first);
+        let column = self.philox.column(k, &mine);
         // Every lane has read the last tile's table before any overwrites it.
         k.emit("bar.warp.sync -1");
         k.st_shared_words(self.store, &column);
