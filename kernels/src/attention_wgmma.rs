@@ -2287,6 +2287,7 @@ struct Dropping {
     philox: PhiloxRow,
     /// Odd `t`: this thread draws for its second row, and holds columns 2 and 3 of each block.
     odd: Reg,
+    /// The thread's lane: the key tile's block whose column words it draws.
     lane: Reg,
     /// The shared address of this lane's entry in its warp's table.
     store: Reg,
