@@ -1218,10 +1218,7 @@ impl PhiloxRow {
     /// `c[0]`, which is the column's alone. A row's block then takes 15 wide products
     /// ([`PhiloxRow::words_of_columns`]).
     pub(crate) fn column(&self, k: &mut Kernel, c0: &Reg) -> [Reg; 4] {
-        let (hi0, lo0) = mul_wide(k, c0, PHILOX_M0);
-        let n2 = k.op2("xor.b32", RegClass::B32, &hi0, &self.stream_key);
-        let (hi1, lo1) = mul_wide(k, &n2, PHILOX_M1);
-        let c0 = k.op2("xor.b32", RegClass::B32, &hi1, &self.second[0]);
+        let [c0, lo1, lo0] = self.column_rounds(k, c0);
         let k0 = self.key_word(k, 2, 0);
         let c1 = k.op2("xor.b32", RegClass::B32, &lo1, &k0);
         let (hi2, lo2) = mul_wide(k, &c0, PHILOX_M0);
@@ -1261,17 +1258,27 @@ impl PhiloxRow {
 
     /// Counter `(c0, row, plane, stream)` after rounds 0 and 1.
     fn second_round(&self, k: &mut Kernel, c0: &Reg) -> [Reg; 4] {
-        let (hi0, lo0) = mul_wide(k, c0, PHILOX_M0);
-        let n2 = k.op2("xor.b32", RegClass::B32, &hi0, &self.stream_key);
-        let [x0, x2] = self.second;
-        let (hi1, lo1) = mul_wide(k, &n2, PHILOX_M1);
+        let [n0, n1, lo0] = self.column_rounds(k, c0);
         // Round 1's new c[3] is the row's `lo`, which round 2 takes folded into `third` with
         // its key1.
         [
-            k.op2("xor.b32", RegClass::B32, &hi1, &x0),
-            lo1,
-            k.op2("xor.b32", RegClass::B32, &lo0, &x2),
+            n0,
+            n1,
+            k.op2("xor.b32", RegClass::B32, &lo0, &self.second[1]),
             self.third,
+        ]
+    }
+
+    /// What rounds 0 and 1 make of `c0` alone: round 1's new `c[0]` and `c[1]`, and round 0's
+    /// `lo(c0 M0)`, which round 1's new `c[2]` xors with the row's.
+    fn column_rounds(&self, k: &mut Kernel, c0: &Reg) -> [Reg; 3] {
+        let (hi0, lo0) = mul_wide(k, c0, PHILOX_M0);
+        let n2 = k.op2("xor.b32", RegClass::B32, &hi0, &self.stream_key);
+        let (hi1, lo1) = mul_wide(k, &n2, PHILOX_M1);
+        [
+            k.op2("xor.b32", RegClass::B32, &hi1, &self.second[0]),
+            lo1,
+            lo0,
         ]
     }
 }

@@ -2315,8 +2315,7 @@ impl Dropping {
                 .map(|&chunk| {
                     // Chunk `chunk`'s block is entry `t / 2 + 2 chunk`.
                     let at = k.add_u32(&self.read, &(2 * chunk * COLUMN_BYTES));
-                    let w = k.ld_shared_words(at);
-                    [w[0], w[1], w[2], w[3]]
+                    k.ld_shared_words(at)
                 })
                 .collect();
             let words = self.philox.words_of_columns(k, &columns);

@@ -663,8 +663,8 @@ impl Kernel {
     }
 
     /// The 16 bytes at shared address `addr` as four b32 words.
-    pub fn ld_shared_words(&mut self, addr: Reg) -> Vec<Reg> {
-        let w: Vec<Reg> = (0..4).map(|_| self.reg(RegClass::B32)).collect();
+    pub fn ld_shared_words(&mut self, addr: Reg) -> [Reg; 4] {
+        let w: [Reg; 4] = std::array::from_fn(|_| self.reg(RegClass::B32));
         self.emit(format!(
             "ld.shared.v4.b32 {{{}, {}, {}, {}}}, [{addr}]",
             w[0], w[1], w[2], w[3]
