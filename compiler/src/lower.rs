@@ -12,7 +12,6 @@
 
 use std::collections::BTreeMap;
 
-use kiln_ir::artifact::ParamType;
 use kiln_ir::kernel::{
     Activation, AttentionSpec, DecodeAttentionSpec, EmbeddingSpec, GemmSpec, NormSpec,
 };
@@ -172,13 +171,7 @@ impl NodeLaunches {
         extent: u64,
     ) {
         // The CPU kernels take no scratch (a Hopper kernel's partials and counters).
-        let params: Vec<&str> = like
-            .signature
-            .iter()
-            .filter(|(_, ty)| !matches!(ty, ParamType::U32 | ParamType::F32))
-            .map(|(p, _)| p.as_str())
-            .filter(|p| !matches!(*p, "partials" | "counters"))
-            .collect();
+        let params: Vec<&str> = like.operand_params().collect();
         self.cpu(kernel, bind, &params, extent);
     }
 
@@ -1654,7 +1647,7 @@ fn bind_stream_scratch(
     n: &mut NodeLaunches,
     bind: &mut Vec<(&str, Operand)>,
 ) {
-    if kernel.signature.iter().any(|(p, _)| p == "partials") {
+    if !kernel.scratch.is_empty() {
         bind_scratch(n, bind, kiln_kernels::attention_wgmma::scratch(cfg));
     }
 }

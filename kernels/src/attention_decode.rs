@@ -263,7 +263,7 @@ impl Params {
             .map(|_| ["k_new", "v_new", "mask"].map(|p| k.param_ptr(p)));
         let combine = extras
             .combine
-            .then(|| ["counters", "out"].map(|p| k.param_ptr(p)));
+            .then(|| [k.param_scratch("counters"), k.param_ptr("out")]);
         let table = cfg.paging.map(|p| (k.param_ptr("table"), p));
         Params {
             q,

@@ -779,8 +779,8 @@ impl Params {
         });
         let table = cfg.paging.map(|p| (k.param_ptr("table"), p));
         let split = (cfg.shape.grid == Grid::Stream).then(|| StreamSplit {
-            partials: k.param_ptr("partials"),
-            counters: k.param_ptr("counters"),
+            partials: k.param_scratch("partials"),
+            counters: k.param_scratch("counters"),
             flags: k.shared("attention_split_flags", consumers(cfg) * 4),
         });
         k.dynamic_shared_aligned(TILES, 1024);
@@ -2705,6 +2705,10 @@ mod tests {
         assert_eq!(kernel.launch.grid, [GRID, 1, 1]);
         let params: Vec<&str> = kernel.signature.iter().map(|(p, _)| p.as_str()).collect();
         assert_eq!(params, ["q", "k", "v", "out", "partials", "counters"]);
+        // The partials and counters are the kernel's scratch, not operands of the node.
+        assert_eq!(kernel.scratch, ["partials", "counters"]);
+        let operands: Vec<&str> = kernel.operand_params().collect();
+        assert_eq!(operands, ["q", "k", "v", "out"]);
         assert_eq!(scratch(&d128), (131 * 2 * 2 * 68 * 128 * 4, 131 * 2 * 4));
         let ptx = kernel.module();
         assert_eq!(ptx.matches("atom.acq_rel.gpu.global.add.u32").count(), 1);
@@ -2755,8 +2759,10 @@ mod tests {
             assert!(!stream.fits(near), "{near:?}");
             assert_ne!(Shape::of(near).grid, Grid::Stream);
             assert_eq!(scratch(near), (0, 0));
-            let params = attention_wgmma(near, "n".into()).signature;
-            assert!(params
+            let kernel = attention_wgmma(near, "n".into());
+            assert!(kernel.scratch.is_empty());
+            assert!(kernel
+                .signature
                 .iter()
                 .all(|(p, _)| p != "partials" && p != "counters"));
         }

@@ -597,8 +597,8 @@ impl Params {
         let copied = copies_residual(cfg, tiling);
         let epilogue = EpiloguePtrs::declare_with(k, cfg, out_map, copied);
         let split = (tiling.splits > 1).then(|| Split {
-            partials: k.param_ptr("partials"),
-            counters: k.param_ptr("counters"),
+            partials: k.param_scratch("partials"),
+            counters: k.param_scratch("counters"),
             flags: k.shared("split_last", 4 * CONSUMERS as u32),
             splits: tiling.splits,
         });
@@ -2133,6 +2133,15 @@ mod tests {
                 );
             }
         }
+        // A split product's partials and counters are its scratch, not the node's operands;
+        // an unsplit one has none.
+        let split = gemm_wgmma(&product(32, 2048, 8192, false), "s".into());
+        assert_eq!(split.scratch, ["partials", "counters"]);
+        assert!(split
+            .operand_params()
+            .all(|p| !split.scratch.iter().any(|s| s == p)));
+        let whole = gemm_wgmma(&product(4096, 2048, 8192, false), "w".into());
+        assert!(whole.scratch.is_empty());
     }
 
     #[test]

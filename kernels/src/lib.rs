@@ -68,6 +68,9 @@ pub struct GeneratedKernel {
     pub ptx: String,
     /// Parameters in order: name and how it is passed.
     pub signature: Vec<(String, ParamType)>,
+    /// The parameters of [`Self::signature`] that point at the kernel's own working memory
+    /// ([`ptx::Kernel::param_scratch`]).
+    pub scratch: Vec<String>,
     /// How to launch it.
     pub launch: Launch,
     /// Which hardware path it runs on.
@@ -84,12 +87,24 @@ impl GeneratedKernel {
         GeneratedKernel {
             name: kernel.name().to_string(),
             signature: kernel.params().to_vec(),
+            scratch: kernel.scratch_params().to_vec(),
             cluster: kernel.cluster_blocks(),
             ptx: kernel.finish(),
             launch,
             path: KernelPath::Other,
             image: Image::Sm90,
         }
+    }
+
+    /// The names of the pointer parameters the node's operands bind, in order: every one but
+    /// the scalars and the kernel's scratch.
+    pub fn operand_params(&self) -> impl Iterator<Item = &str> {
+        self.signature
+            .iter()
+            .filter(|(p, ty)| {
+                !matches!(ty, ParamType::U32 | ParamType::F32) && !self.scratch.contains(p)
+            })
+            .map(|(p, _)| p.as_str())
     }
 
     /// The same kernel, built into `image`.

@@ -188,6 +188,7 @@ impl Elem {
 pub struct Kernel {
     name: String,
     params: Vec<(String, ParamType)>,
+    scratch: Vec<String>,
     counts: [u32; 5],
     shared: Vec<String>,
     preamble: Vec<String>,
@@ -204,6 +205,7 @@ impl Kernel {
         Kernel {
             name: name.to_string(),
             params: Vec::new(),
+            scratch: Vec::new(),
             counts: [0; 5],
             shared: Vec::new(),
             preamble: Vec::new(),
@@ -223,6 +225,11 @@ impl Kernel {
     /// The kernel's parameters, in order.
     pub fn params(&self) -> &[(String, ParamType)] {
         &self.params
+    }
+
+    /// The parameters that point at the kernel's own working memory ([`Self::param_scratch`]).
+    pub fn scratch_params(&self) -> &[String] {
+        &self.scratch
     }
 
     /// A fresh register of `class`.
@@ -312,6 +319,14 @@ impl Kernel {
         let generic = self.reg(RegClass::B64);
         self.emit(format!("cvta.param.u64 {generic}, {param}"));
         generic
+    }
+
+    /// A pointer parameter to the kernel's own working memory (a split's partial sums, its
+    /// arrival counters), loaded as [`Self::param_ptr`] does: bound by the lowering to scratch it
+    /// sizes from the kernel's configuration, never to one of the node's operands.
+    pub fn param_scratch(&mut self, name: &str) -> Reg {
+        self.scratch.push(name.to_string());
+        self.param_ptr(name)
     }
 
     /// A pointer parameter, loaded and converted to a global address.

@@ -132,6 +132,11 @@ struct Segment<'a> {
     steps: std::ops::Range<usize>,
 }
 
+/// The error of a stream through a copy ring that load did not allocate.
+fn no_ring() -> RuntimeError {
+    RuntimeError::Device("no copy ring was allocated at load".into())
+}
+
 impl CopyRing {
     /// A ring of two buffers of `half` bytes (the logits chunks' graphs captured later).
     fn new(
@@ -1439,8 +1444,7 @@ impl CudaExecutor {
     ) -> Result<usize, RuntimeError> {
         let mut at = 0usize;
         for (i, ((graph, inputs, _), (slot, bytes))) in chunks.iter().zip(logits).enumerate() {
-            let ring = self.ring.as_ref().expect("chunk_logits found the ring");
-            let k = ring.take(&self.stream, i)?;
+            let k = self.ring()?.take(&self.stream, i)?;
             self.upload_inputs(graph, inputs)?;
             let seq = slot.shape[1];
             let row = slot.bytes() as usize / seq;
@@ -1456,11 +1460,16 @@ impl CudaExecutor {
                     copied = written;
                 }
             }
-            let ring = self.ring.as_ref().expect("chunk_logits found the ring");
-            ring.release(k)?;
+            self.ring()?.release(k)?;
             at += bytes;
         }
         Ok(at)
+    }
+
+    /// The copy ring that logits chunks and batch groups go through: their callers checked
+    /// that there is one, large enough, before the first launch.
+    fn ring(&self) -> Result<&CopyRing, RuntimeError> {
+        self.ring.as_ref().ok_or_else(no_ring)
     }
 
     /// Copies `bytes` of ring buffer `k` to `staging[at..]` on the copy stream, once the replay
@@ -1471,10 +1480,8 @@ impl CudaExecutor {
         at: usize,
         bytes: std::ops::Range<usize>,
     ) -> Result<(), RuntimeError> {
-        let ring = self
-            .ring
-            .as_ref()
-            .expect("chunks and groups run with the ring");
+        // The fields apart: the ring is read while the staging buffer is written.
+        let ring = self.ring.as_ref().ok_or_else(no_ring)?;
         let staging = self.staging.as_mut_slice().map_err(dev)?;
         let buffer = ring.buffer(&self.stream, k);
         ring.ready[k].record(&self.stream).map_err(dev)?;

@@ -261,9 +261,8 @@ impl CudaExecutor {
                 grouping.part
             )));
         }
-        let no_ring = || RuntimeError::Device("batch groups need the copy ring".into());
         for (g, copies) in groups.into_iter().enumerate() {
-            let ring = self.ring.as_ref().ok_or_else(no_ring)?;
+            let ring = self.ring()?;
             let k = ring.take(&self.stream, g)?;
             let buffer = ring.buffer(&self.stream, k);
             self.launch(&grouping.part, &group_inputs(&inputs, g, grouping.count))?;
@@ -284,7 +283,7 @@ impl CudaExecutor {
                 .map_err(dev)?;
                 self.copy_out(k, at, within)?;
             }
-            self.ring.as_ref().ok_or_else(no_ring)?.release(k)?;
+            self.ring()?.release(k)?;
         }
         Ok(())
     }
