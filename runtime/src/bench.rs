@@ -106,6 +106,9 @@ pub struct BenchReport {
     /// Device bytes of the ring that copies logits chunks and batch groups to the host while
     /// the next computes (CUDA only; 0 where neither needs it).
     pub copy_ring_bytes: Option<u64>,
+    /// Graph files whose graphs launch their kernels plainly rather than as programmatic
+    /// dependents (CUDA only: load timed them faster, or `KILN_PDL=0`).
+    pub plain_launches: Vec<String>,
 }
 
 /// Runs the benchmark on `exec`.
@@ -159,6 +162,10 @@ pub fn bench(
         Executor::Cuda(c) => Some(c.copy_ring_bytes()),
         _ => None,
     };
+    let plain_launches = match exec {
+        Executor::Cuda(c) => c.plain_launches().iter().cloned().collect(),
+        _ => Vec::new(),
+    };
     let batch_groups = match exec {
         Executor::Cuda(c) => c.batch_groups(),
         _ => Default::default(),
@@ -175,6 +182,7 @@ pub fn bench(
         last_logits_chunk: exec.last_logits_chunk(),
         batch_groups,
         copy_ring_bytes,
+        plain_launches,
         per_bucket: latencies
             .into_iter()
             .map(|(k, v)| (k, Latency::of(v)))

@@ -562,6 +562,10 @@ fn print_bench(r: &BenchReport, out: &mut dyn Write) -> Result<()> {
     for (whole, part) in &r.batch_groups {
         writeln!(out, "{whole} runs as groups of {part}")?;
     }
+    if !r.plain_launches.is_empty() {
+        let graphs = r.plain_launches.join(", ");
+        writeln!(out, "graphs launching plainly: {graphs}")?;
+    }
     if let Some(bytes) = r.copy_ring_bytes.filter(|&b| b > 0) {
         writeln!(out, "copy ring {}", mib(Some(bytes)))?;
     }

@@ -12,7 +12,7 @@
 //! cudarc loads libcuda dynamically, so this builds (and the rest of the runtime runs) on machines
 //! without a CUDA toolkit or driver; [`CudaExecutor::load`] says why it cannot run there.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -31,6 +31,7 @@ use kiln_ir::artifact::{
 use kiln_ir::{DType, Data, Tensor};
 
 use crate::executor::Work;
+use crate::forward::{fastest, time_interleaved};
 use crate::groups::{outputs_bytes, Grouping};
 use crate::{Artifact, RuntimeError};
 use launch::ArgValue;
@@ -69,6 +70,9 @@ pub struct CudaExecutor {
     stream: Arc<CudaStream>,
     memory: CudaSlice<u8>,
     graphs: BTreeMap<String, CudaGraph>,
+    /// The graph files whose graphs launch their steps plain, which load timed faster than
+    /// dependent launches ([`Loaded::capture_faster`]); every other graph launches dependent.
+    plain: BTreeSet<String>,
     plans: BTreeMap<String, ExecPlan>,
     arena: u64,
     cache: u64,
@@ -205,10 +209,26 @@ struct LoadedKernel {
 /// The loaded kernels by entry name, and how steps launch them.
 struct Kernels {
     by_name: BTreeMap<String, LoadedKernel>,
-    /// Each step launches as a programmatic dependent of the step before it (`launch.rs`), unless
-    /// `KILN_PDL=0` asks for plain launches (for measuring what it saves).
-    dependent_launch: bool,
+    /// Whether each step launches as a programmatic dependent of the step before it
+    /// (`launch.rs`): `Some` where `KILN_PDL` fixes it (`0` plain, else dependent); `None` where
+    /// load captures each bucket's graph both ways and keeps the faster
+    /// ([`Loaded::capture_faster`]).
+    dependent_launch: Option<bool>,
 }
+
+impl Kernels {
+    /// How steps launch outside a timed capture (eager runs, the sampler's step): as
+    /// `KILN_PDL` fixes it, else as dependents.
+    fn dependent(&self) -> bool {
+        self.dependent_launch.unwrap_or(true)
+    }
+}
+
+/// A bucket's graph of plain launches is kept only where it replays this much faster than its
+/// graph of dependent launches: more than the spread of the fastest of `time_interleaved`'s
+/// rounds, less than what plain launches saved where they won (1-3% on BERT-base's batch and
+/// Llama-3.2-1B's prompt, H100).
+const PLAIN_GAIN: f64 = 0.01;
 
 /// The buckets a CUDA executor for `work` runs, each plan checked against the kernel table:
 /// generation takes only the KV-cached steps; a forward request the prefill buckets and the
@@ -427,11 +447,11 @@ impl Gpu {
             .transpose()?;
         let functions = Kernels {
             by_name: load_kernels(&m.kernel_table, &module, hopper.as_ref())?,
-            dependent_launch: std::env::var("KILN_PDL").map_or(true, |v| v != "0"),
+            dependent_launch: std::env::var("KILN_PDL").ok().map(|v| v != "0"),
         };
         tracing::info!(
             seconds = start.elapsed().as_secs_f64(),
-            dependent_launch = functions.dependent_launch,
+            dependent_launch = ?functions.dependent_launch,
             "kernels loaded"
         );
         Ok(functions)
@@ -488,7 +508,9 @@ struct Loaded<'a> {
 
 impl Loaded<'_> {
     /// Every bucket's graph, by graph file, each run once eagerly first; and each logits
-    /// chunk's segment graphs into both of `ring`'s buffers.
+    /// chunk's segment graphs into both of `ring`'s buffers, launched as the chunk's graph
+    /// launches. Also returns the graph files whose graphs launch plain
+    /// ([`Self::capture_faster`]).
     fn capture_all(
         &self,
         memory: &mut CudaSlice<u8>,
@@ -496,15 +518,18 @@ impl Loaded<'_> {
         buckets: &[(&BucketEntry, ExecPlan)],
         mut ring: Option<&mut CopyRing>,
         counts: &mut DriverCounts,
-    ) -> Result<BTreeMap<String, CudaGraph>, RuntimeError> {
-        let mut graphs = BTreeMap::new();
+    ) -> Result<(BTreeMap<String, CudaGraph>, BTreeSet<String>), RuntimeError> {
+        let (mut graphs, mut plain) = (BTreeMap::new(), BTreeSet::new());
         for (entry, plan) in buckets {
             let _range = nvtx::range!("kiln capture {}", bucket_name(&entry.graph));
-            let graph = self.warm_and_capture(memory, (entry, plan), counts)?;
+            let (graph, dependent) = self.warm_and_capture(memory, (entry, plan), counts)?;
             let logits = plan.outputs.iter().find(|s| s.name == LOGITS);
             if let (Some(ring), Some(slot)) = (ring.as_deref_mut(), logits) {
                 if m.logits_chunks.contains(entry) {
-                    let mut into = |k| self.capture_segments(ring, (entry, plan), slot, k, counts);
+                    let mut into = |k| {
+                        let segment = (slot, k, dependent);
+                        self.capture_segments(ring, (entry, plan), segment, counts)
+                    };
                     let pair = [into(0)?, into(1)?];
                     ring.graphs.insert(entry.graph.clone(), pair);
                 }
@@ -512,24 +537,28 @@ impl Loaded<'_> {
             tracing::info!(
                 seconds = self.start.elapsed().as_secs_f64(),
                 bucket = %entry.graph,
+                dependent,
                 "graph captured"
             );
+            if !dependent {
+                plain.insert(entry.graph.clone());
+            }
             graphs.insert(entry.graph.clone(), graph);
         }
-        Ok(graphs)
+        Ok((graphs, plain))
     }
 
-    /// Runs a bucket's steps once eagerly, then captures them as a graph. The eager run checks
-    /// every launch before capture, so that a failing kernel is reported as itself rather than
-    /// as a failed capture. Its inputs are zeros (token 0, masked, position 0): the arena holds
-    /// another bucket's values, and ids or positions read from those would address outside
-    /// their tables.
+    /// Runs a bucket's steps once eagerly, then captures them as a graph
+    /// ([`Self::capture_faster`]). The eager run checks every launch before capture, so that a
+    /// failing kernel is reported as itself rather than as a failed capture. Its inputs are
+    /// zeros (token 0, masked, position 0): the arena holds another bucket's values, and ids or
+    /// positions read from those would address outside their tables.
     fn warm_and_capture(
         &self,
         memory: &mut CudaSlice<u8>,
         (entry, plan): (&BucketEntry, &ExecPlan),
         counts: &mut DriverCounts,
-    ) -> Result<CudaGraph, RuntimeError> {
+    ) -> Result<(CudaGraph, bool), RuntimeError> {
         for slot in &plan.inputs {
             let at = (self.arena + slot.offset) as usize;
             self.stream
@@ -537,35 +566,63 @@ impl Loaded<'_> {
                 .map_err(dev)?;
         }
         let (stream, functions, addresses) = (self.stream, self.functions, self.addresses);
+        let dependent = functions.dependent();
+        let graph = &entry.graph;
         launch_steps(
             stream,
             functions,
             &plan.steps,
             addresses,
-            &entry.graph,
+            graph,
+            dependent,
             None,
         )?;
-        stream
-            .synchronize()
-            .map_err(|e| RuntimeError::Device(format!("{}: a kernel failed: {e}", entry.graph)))?;
-        capture(
-            stream,
-            functions,
-            &plan.steps,
-            addresses,
-            &entry.graph,
-            counts,
-        )
+        synchronized(stream, graph)?;
+        self.capture_faster(&plan.steps, &entry.graph, counts)
+    }
+
+    /// `steps` (of bucket `graph`) captured as a graph of dependent launches and as one of
+    /// plain launches, the two replayed in turn ([`time_interleaved`]) and the plain one kept
+    /// where it is faster by [`PLAIN_GAIN`] (dependent launches start each kernel's prologue
+    /// under its predecessor's tail, which pays on short kernels; on long ones plain launches
+    /// have measured faster); one way only where `KILN_PDL` fixes it. Returns the graph and
+    /// whether it launches dependent.
+    fn capture_faster(
+        &self,
+        steps: &[Step],
+        graph: &str,
+        counts: &mut DriverCounts,
+    ) -> Result<(CudaGraph, bool), RuntimeError> {
+        let (stream, functions, addresses) = (self.stream, self.functions, self.addresses);
+        let mut capture_as = |dependent| {
+            capture(
+                stream, functions, steps, addresses, graph, dependent, counts,
+            )
+        };
+        if let Some(dependent) = functions.dependent_launch {
+            return Ok((capture_as(dependent)?, dependent));
+        }
+        let ways = [capture_as(true)?, capture_as(false)?];
+        let times = time_interleaved(ways.len(), |i| {
+            ways[i].launch().map_err(dev)?;
+            synchronized(stream, graph)
+        })?;
+        let plain = fastest([(None, times[0]), (Some(()), times[1])], PLAIN_GAIN).is_some();
+        let [dependent, plain_graph] = ways;
+        Ok(if plain {
+            (plain_graph, false)
+        } else {
+            (dependent, true)
+        })
     }
 
     /// A logits chunk's graphs writing its logits `slot` into the ring's buffer `k`, one a
-    /// segment ([`ExecPlan::logits_segments`]).
+    /// segment ([`ExecPlan::logits_segments`]), launched `dependent` or plain.
     fn capture_segments(
         &self,
         ring: &CopyRing,
         (entry, plan): (&BucketEntry, &ExecPlan),
-        slot: &TensorSlot,
-        k: usize,
+        (slot, k, dependent): (&TensorSlot, usize, bool),
         counts: &mut DriverCounts,
     ) -> Result<Vec<CudaGraph>, RuntimeError> {
         let moved = ring.moved_to(self.stream, self.addresses, slot, k);
@@ -579,6 +636,7 @@ impl Loaded<'_> {
                     steps,
                     &moved,
                     &entry.graph,
+                    dependent,
                     counts,
                 )
             })
@@ -906,7 +964,8 @@ impl CudaExecutor {
             arena: m.memory.base(Region::Arena),
             start,
         };
-        let graphs = loaded.capture_all(&mut memory, m, &buckets, ring.as_mut(), &mut counts)?;
+        let (graphs, plain) =
+            loaded.capture_all(&mut memory, m, &buckets, ring.as_mut(), &mut counts)?;
         let staging = gpu.staging(staging_bytes, &mut counts, start)?;
         let mut exec = CudaExecutor {
             staging,
@@ -928,6 +987,7 @@ impl CudaExecutor {
             stream: gpu.stream,
             memory,
             graphs,
+            plain,
             plans: buckets
                 .into_iter()
                 .map(|(e, p)| (e.graph.clone(), p))
@@ -981,6 +1041,12 @@ impl CudaExecutor {
     /// the largest ([`crate::forward::chunk_sizes`]).
     pub fn last_logits_chunk(&self) -> Option<usize> {
         self.last_chunk
+    }
+
+    /// The graph files whose captured graphs launch their steps plain rather than as
+    /// programmatic dependents (load timed them faster, or `KILN_PDL=0` asked for it).
+    pub fn plain_launches(&self) -> &BTreeSet<String> {
+        &self.plain
     }
 
     /// Whether the bucket whose graph file is `graph` has a captured graph.
@@ -1134,6 +1200,7 @@ impl CudaExecutor {
             step,
             &self.addresses,
             graph,
+            self.functions.dependent(),
             profile,
         )?;
         self.read_tokens(graph)
@@ -1297,6 +1364,7 @@ impl CudaExecutor {
                 steps,
                 moved.as_ref().unwrap_or(&self.addresses),
                 graph,
+                self.functions.dependent(),
                 Some(&mut self.profile),
             )?;
         } else {
@@ -1389,10 +1457,9 @@ impl CudaExecutor {
     /// Waits for the replay stream and the copy ring's stream, so that nothing is still landing
     /// in the staging buffer, whether what was streamed (`what`) failed or not.
     fn settle(&self, what: &str) -> Result<(), RuntimeError> {
-        let failed = |e| RuntimeError::Device(format!("{what}: a kernel failed: {e}"));
-        let replays = self.stream.synchronize().map_err(failed);
+        let replays = synchronized(&self.stream, what);
         let copies = match &self.ring {
-            Some(ring) => ring.copies.synchronize().map_err(failed),
+            Some(ring) => synchronized(&ring.copies, what),
             None => Ok(()),
         };
         replays.and(copies)
@@ -1603,27 +1670,35 @@ fn zero_rows_from(t: &mut Tensor, row: usize) {
     }
 }
 
-/// Captures the launches of `steps` (of `graph`'s plan) on `stream` as a CUDA graph,
-/// instantiated and uploaded, counted.
+/// Captures the launches of `steps` (of `graph`'s plan) on `stream`, `dependent` or plain
+/// ([`launch::launch`]), as a CUDA graph, instantiated and uploaded, counted.
 fn capture(
     stream: &Arc<CudaStream>,
     functions: &Kernels,
     steps: &[Step],
     addresses: &Addresses,
     graph: &str,
+    dependent: bool,
     counts: &mut DriverCounts,
 ) -> Result<CudaGraph, RuntimeError> {
     counts.captured();
     stream
         .begin_capture(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         .map_err(dev)?;
-    launch_steps(stream, functions, steps, addresses, graph, None)?;
+    launch_steps(stream, functions, steps, addresses, graph, dependent, None)?;
     let captured = stream
         .end_capture(CUgraphInstantiate_flags(0))
         .map_err(dev)?
         .ok_or_else(|| RuntimeError::Device(format!("{graph}: empty capture")))?;
     captured.upload().map_err(dev)?;
     Ok(captured)
+}
+
+/// Waits for `stream`; a failure names `what` ran (a kernel's failure shows at the next wait).
+fn synchronized(stream: &CudaStream, what: &str) -> Result<(), RuntimeError> {
+    stream
+        .synchronize()
+        .map_err(|e| RuntimeError::Device(format!("{what}: a kernel failed: {e}")))
 }
 
 /// Copies `slots` of the arena (at device address `arena`) to the page-locked staging buffer,
@@ -1755,15 +1830,17 @@ impl Addresses {
     }
 }
 
-/// Launches `plan`'s steps on `stream` (captured when the stream is capturing); with a
-/// `profile`, waits after each launch, names the step that failed, and adds each step's wall time
-/// (launch to completion) to its kernel's entry.
+/// Launches `plan`'s steps on `stream` (captured when the stream is capturing), each a
+/// programmatic dependent of the one before where `dependent` says so ([`launch::launch`]);
+/// with a `profile`, waits after each launch, names the step that failed, and adds each step's
+/// wall time (launch to completion) to its kernel's entry.
 fn launch_steps(
     stream: &Arc<CudaStream>,
     functions: &Kernels,
     steps: &[Step],
     addresses: &Addresses,
     graph: &str,
+    dependent: bool,
     mut profile: Option<&mut BTreeMap<String, (u64, f64)>>,
 ) -> Result<(), RuntimeError> {
     for step in steps {
@@ -1805,16 +1882,8 @@ fn launch_steps(
         // whose regions the compiler sized for these kernels' shapes (a logits slot `moved` to
         // a ring buffer lies in it whole: the buffers hold the widest logits slot); format 9
         // kernels wait for their predecessor before reading (`launch::launch`).
-        unsafe {
-            launch::launch(
-                stream,
-                &kernel.function,
-                cfg,
-                &mut values,
-                functions.dependent_launch,
-            )
-        }
-        .map_err(driver)?;
+        unsafe { launch::launch(stream, &kernel.function, cfg, &mut values, dependent) }
+            .map_err(driver)?;
         if let Some(profile) = profile.as_deref_mut() {
             stream.synchronize().map_err(driver)?;
             let e = profile.entry(step.kernel.clone()).or_default();
