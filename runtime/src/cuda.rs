@@ -210,9 +210,9 @@ struct LoadedKernel {
 struct Kernels {
     by_name: BTreeMap<String, LoadedKernel>,
     /// Whether each step launches as a programmatic dependent of the step before it
-    /// (`launch.rs`): `Some` where `KILN_PDL` fixes it (`0` plain, else dependent); `None` where
-    /// load captures each bucket's graph both ways and keeps the faster
-    /// ([`Loaded::capture_faster`]).
+    /// (`launch.rs`): `Some` where `KILN_PDL` fixes it (`0` plain, else dependent) or
+    /// `KILN_EAGER` (dependent); `None` where load captures each bucket's graph both ways and
+    /// keeps the faster ([`Loaded::capture_faster`]).
     dependent_launch: Option<bool>,
 }
 
@@ -447,7 +447,11 @@ impl Gpu {
             .transpose()?;
         let functions = Kernels {
             by_name: load_kernels(&m.kernel_table, &module, hopper.as_ref())?,
-            dependent_launch: std::env::var("KILN_PDL").ok().map(|v| v != "0"),
+            dependent_launch: std::env::var("KILN_PDL")
+                .ok()
+                .map(|v| v != "0")
+                // Eager runs launch step by step and replay no graph: nothing to time.
+                .or(std::env::var_os("KILN_EAGER").map(|_| true)),
         };
         tracing::info!(
             seconds = start.elapsed().as_secs_f64(),
