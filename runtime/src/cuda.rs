@@ -582,7 +582,7 @@ impl Loaded<'_> {
             None,
         )?;
         synchronized(stream, graph)?;
-        self.capture_faster(&plan.steps, &entry.graph, counts)
+        self.capture_faster(&plan.steps, graph, counts)
     }
 
     /// `steps` (of bucket `graph`) captured as a graph of dependent launches and as one of
