@@ -1,6 +1,7 @@
 //! The CUDA executor: one device allocation for the whole memory plan, the weights uploaded once,
 //! the kernel module loaded once (the cubin when it matches the GPU, else the PTX), and one CUDA
-//! graph per bucket captured at load, largest first. A request copies its inputs into their arena
+//! graph per bucket captured at load, largest first (the faster of two ways to launch its
+//! steps, `Loaded::capture_faster`). A request copies its inputs into their arena
 //! slots, replays its bucket's graph, and copies the outputs back: nothing is compiled, captured
 //! or allocated after load, and the counters (`counts.rs`: every module load, PTX JIT, capture
 //! and allocation, counted where the executor asks the driver for it) measure it.
