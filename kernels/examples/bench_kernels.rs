@@ -448,21 +448,48 @@ fn gemms(
 /// One tensor a benchmark case binds: shape, dtype name, and the scale of its uniform values.
 type Buffer = (Vec<usize>, &'static str, f64);
 
-/// Writes the cases `scripts/bench-kernels.py` runs against PyTorch: the GEMMs of [`gemms`] and
-/// attention bf16 at head dims 128 and 64 over 4096 tokens (batch 4, 16 heads), causal or not, and
-/// with dropout 0.1.
+/// Writes the cases `scripts/bench-kernels.py` runs against PyTorch (`cases.json` and each
+/// kernel's module): with `only`, those products in every tiling; else the square GEMMs, the
+/// models' products, norms and attention ([`square_gemm_cases`] to [`window_attention_cases`]).
 fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
     std::fs::create_dir_all(dir).unwrap();
-    let mut cases = Vec::new();
-    // A case: its kernel, the tensors it takes, its u32 parameters, its peer and its FLOPs.
-    let mut add = |case: String,
-                   kernel: GeneratedKernel,
-                   buffers: Vec<(&str, Buffer)>,
-                   scalars: &[(&str, u32)],
-                   peer: serde_json::Value,
-                   flops: f64| {
+    let mut cases = Cases {
+        dir,
+        cases: Vec::new(),
+    };
+    if !only.is_empty() {
+        let shapes: Vec<_> = only.iter().map(|&(m, n, k)| (m, n, k, "")).collect();
+        product_cases(&mut cases, &shapes);
+        return finish(dir, &cases.cases);
+    }
+    square_gemm_cases(&mut cases);
+    product_cases(&mut cases, MODEL_PRODUCTS);
+    norm_cases(&mut cases);
+    attention_cases(&mut cases);
+    model_attention_cases(&mut cases);
+    window_attention_cases(&mut cases);
+    finish(dir, &cases.cases);
+}
+
+/// The cases written so far, each kernel's module already in `dir`.
+struct Cases<'d> {
+    dir: &'d std::path::Path,
+    cases: Vec<serde_json::Value>,
+}
+
+impl Cases<'_> {
+    /// A case: its kernel, the tensors it takes, its u32 parameters, its peer and its FLOPs.
+    fn add(
+        &mut self,
+        case: String,
+        kernel: GeneratedKernel,
+        buffers: Vec<(&str, Buffer)>,
+        scalars: &[(&str, u32)],
+        peer: serde_json::Value,
+        flops: f64,
+    ) {
         let module = format!("{}.ptx", kernel.name);
-        std::fs::write(dir.join(&module), kernel.module()).unwrap();
+        std::fs::write(self.dir.join(&module), kernel.module()).unwrap();
         let buffers: serde_json::Map<String, serde_json::Value> = buffers
             .into_iter()
             .map(|(n, b)| (n.to_string(), serde_json::json!(b)))
@@ -471,13 +498,17 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
             .iter()
             .map(|&(n, v)| (n.to_string(), serde_json::json!(v)))
             .collect();
-        cases.push(serde_json::json!({
+        self.cases.push(serde_json::json!({
             "case": case, "kernel": kernel, "module": module, "buffers": buffers,
             "scalars": scalars, "peer": peer, "flops": flops,
         }));
-    };
+    }
+}
+
+/// bf16 GEMMs of 4096^3 and 8192^3, and 4096^3 with bias + GELU(tanh), as lowering picks them.
+fn square_gemm_cases(cases: &mut Cases) {
     let squares = [(4096usize, false), (8192, false), (4096, true)];
-    for (s, bias_gelu) in squares.into_iter().filter(|_| only.is_empty()) {
+    for (s, bias_gelu) in squares {
         let cfg = GemmConfig {
             bias: bias_gelu,
             activation: bias_gelu.then_some(Activation::GeluTanh),
@@ -497,7 +528,7 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
             "gemm bf16 {s}^3{}",
             if bias_gelu { " bias+gelu" } else { "" }
         );
-        add(
+        cases.add(
             name,
             gemm(&cfg),
             buffers,
@@ -506,54 +537,57 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
             2.0 * (s as f64).powi(3),
         );
     }
-    // Products of the models' prefills (GPT-2 small at 16 and 1024 tokens, Llama-3.2-1B at 512
-    // (a server's prompt chunks), 1024 and 4096, Llama-3.1-8B's QKV at 1024, BERT-base at 128 x
-    // 128), of Llama-3.2-1B's decode step at 64 sequences, and the square ones in every tiling of
-    // the Hopper kernel (and the split one it picks, and the GEMV where lowering takes it),
-    // BERT's with their epilogues too: the one picked should be the fastest.
-    let shapes: Vec<(usize, usize, usize, &str)> = if only.is_empty() {
-        vec![
-            (64, 2048, 8192, ""),
-            (64, 2048, 2048, ""),
-            (64, 3072, 2048, ""),
-            (64, 16384, 2048, "swiglu"),
-            (32, 2048, 8192, ""),
-            (32, 2048, 2048, ""),
-            (16, 2048, 8192, ""),
-            (1024, 2048, 8192, ""),
-            (1024, 3072, 2048, ""),
-            (1024, 2048, 2048, ""),
-            (1024, 768, 3072, ""),
-            (1024, 768, 768, ""),
-            (1024, 2304, 768, ""),
-            (1024, 16384, 2048, "swiglu"),
-            (1024, 128256, 2048, ""),
-            (1024, 6144, 4096, ""),
-            (16, 3072, 768, ""),
-            (512, 2048, 8192, ""),
-            (512, 3072, 2048, ""),
-            (512, 2048, 2048, ""),
-            (512, 16384, 2048, "swiglu"),
-            (4096, 3072, 2048, ""),
-            (4096, 2048, 2048, ""),
-            (4096, 16384, 2048, "swiglu"),
-            (4096, 128256, 2048, ""),
-            (4096, 4096, 4096, ""),
-            (8192, 8192, 8192, ""),
-            // BERT-base at 128 x 128 tokens: QKV, O, FFN up, FFN down.
-            (16384, 2304, 768, ""),
-            (16384, 768, 768, ""),
-            (16384, 3072, 768, ""),
-            (16384, 768, 3072, ""),
-            (16384, 2304, 768, "bias"),
-            (16384, 768, 768, "bias_residual"),
-            (16384, 3072, 768, "bias_gelu_erf"),
-            (16384, 768, 3072, "bias_residual"),
-        ]
-    } else {
-        only.iter().map(|&(m, n, k)| (m, n, k, "")).collect()
-    };
-    for (m, n, k, epilogue) in shapes {
+}
+
+/// Products of the models' prefills (GPT-2 small at 16 and 1024 tokens, Llama-3.2-1B at 512
+/// (a server's prompt chunks), 1024 and 4096, Llama-3.1-8B's QKV at 1024, BERT-base at 128 x
+/// 128), of Llama-3.2-1B's decode step at 64 sequences, and the square ones in every tiling of
+/// the Hopper kernel (and the split one it picks, and the GEMV where lowering takes it),
+/// BERT's with their epilogues too: the one picked should be the fastest.
+const MODEL_PRODUCTS: &[(usize, usize, usize, &str)] = &[
+    (64, 2048, 8192, ""),
+    (64, 2048, 2048, ""),
+    (64, 3072, 2048, ""),
+    (64, 16384, 2048, "swiglu"),
+    (32, 2048, 8192, ""),
+    (32, 2048, 2048, ""),
+    (16, 2048, 8192, ""),
+    (1024, 2048, 8192, ""),
+    (1024, 3072, 2048, ""),
+    (1024, 2048, 2048, ""),
+    (1024, 768, 3072, ""),
+    (1024, 768, 768, ""),
+    (1024, 2304, 768, ""),
+    (1024, 16384, 2048, "swiglu"),
+    (1024, 128256, 2048, ""),
+    (1024, 6144, 4096, ""),
+    (16, 3072, 768, ""),
+    (512, 2048, 8192, ""),
+    (512, 3072, 2048, ""),
+    (512, 2048, 2048, ""),
+    (512, 16384, 2048, "swiglu"),
+    (4096, 3072, 2048, ""),
+    (4096, 2048, 2048, ""),
+    (4096, 16384, 2048, "swiglu"),
+    (4096, 128256, 2048, ""),
+    (4096, 4096, 4096, ""),
+    (8192, 8192, 8192, ""),
+    // BERT-base at 128 x 128 tokens: QKV, O, FFN up, FFN down.
+    (16384, 2304, 768, ""),
+    (16384, 768, 768, ""),
+    (16384, 3072, 768, ""),
+    (16384, 768, 3072, ""),
+    (16384, 2304, 768, "bias"),
+    (16384, 768, 768, "bias_residual"),
+    (16384, 3072, 768, "bias_gelu_erf"),
+    (16384, 768, 3072, "bias_residual"),
+];
+
+/// Each product `(m, n, k, epilogue)` of `shapes` (epilogue `""`, `bias`, `bias_residual`,
+/// `bias_gelu_erf` or `swiglu`) in every Hopper tiling that fits it ([`tilings_of`]), and as
+/// lowering's other path where it picks one.
+fn product_cases(cases: &mut Cases, shapes: &[(usize, usize, usize, &str)]) {
+    for &(m, n, k, epilogue) in shapes {
         let swiglu = epilogue == "swiglu";
         let cfg = GemmConfig {
             bias: !epilogue.is_empty() && !swiglu,
@@ -563,35 +597,7 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
             ..GemmConfig::plain(m as u32, n as u32, k as u32, Elem::BF16)
         };
         let chosen = tiling(&cfg);
-        let mut tilings: Vec<Tiling> = TILINGS
-            .iter()
-            .map(|&(t, _)| t)
-            .filter(|&t| fits(&cfg, t))
-            .collect();
-        // Products of few row tiles (a decode step's, a server prompt chunk's of 512 rows): K
-        // split in parts, in several tilings.
-        let splits = [
-            (64, 2),
-            (64, 3),
-            (64, 4),
-            (64, 5),
-            (64, 7),
-            (64, 8),
-            (128, 2),
-            (128, 3),
-            (128, 4),
-            (128, 8),
-            (128, 16),
-        ];
-        for (width, parts) in splits.into_iter().filter(|_| m <= 512) {
-            let t = Tiling::together(width).split(parts);
-            if splits_fit(&cfg, t) && t != chosen {
-                tilings.push(t);
-            }
-        }
-        if chosen.splits > 1 {
-            tilings.push(chosen);
-        }
+        let tilings = tilings_of(&cfg, chosen);
         let lowered = gemm(&cfg);
         for t in tilings.into_iter().map(Some).chain([None]) {
             let mut buffers = vec![
@@ -641,15 +647,50 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
                 Some(t) => gemm_wgmma_tiled(&cfg, t, kernel_name),
                 None => lowered.clone(),
             };
-            add(name, kernel, buffers, &[], peer, 2.0 * (m * n * k) as f64);
+            cases.add(name, kernel, buffers, &[], peer, 2.0 * (m * n * k) as f64);
         }
     }
-    if !only.is_empty() {
-        return finish(dir, &cases);
+}
+
+/// The Hopper tilings a product is timed in: every one that fits it, K split in parts in
+/// several for products of few row tiles, and `chosen` (what lowering picks) when it splits.
+fn tilings_of(cfg: &GemmConfig, chosen: Tiling) -> Vec<Tiling> {
+    let mut tilings: Vec<Tiling> = TILINGS
+        .iter()
+        .map(|&(t, _)| t)
+        .filter(|&t| fits(cfg, t))
+        .collect();
+    // Products of few row tiles (a decode step's, a server prompt chunk's of 512 rows): K
+    // split in parts, in several tilings.
+    let splits = [
+        (64, 2),
+        (64, 3),
+        (64, 4),
+        (64, 5),
+        (64, 7),
+        (64, 8),
+        (128, 2),
+        (128, 3),
+        (128, 4),
+        (128, 8),
+        (128, 16),
+    ];
+    for (width, parts) in splits.into_iter().filter(|_| cfg.m <= 512) {
+        let t = Tiling::together(width).split(parts);
+        if splits_fit(cfg, t) && t != chosen {
+            tilings.push(t);
+        }
     }
-    // The models' norms (BERT-base's LayerNorm at 128 x 128 tokens, GPT-2's at 1024,
-    // Llama-3.2-1B's RMSNorm at 4096 tokens and in its prefill's chunks of 1024, an 8B-class
-    // RMSNorm), a warp or a block to a row.
+    if chosen.splits > 1 {
+        tilings.push(chosen);
+    }
+    tilings
+}
+
+/// The models' norms (BERT-base's LayerNorm at 128 x 128 tokens, GPT-2's at 1024,
+/// Llama-3.2-1B's RMSNorm at 4096 tokens and in its prefill's chunks of 1024, an 8B-class
+/// RMSNorm), a warp or a block to a row.
+fn norm_cases(cases: &mut Cases) {
     for (kind, rows, cols) in [
         (NormKind::LayerNorm, 16384usize, 768usize),
         (NormKind::LayerNorm, 1024, 768),
@@ -689,9 +730,14 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
             let name = format!("{what} bf16 {rows}x{cols} {form}{mark}");
             // Forms and row counts share modules by name: the text depends on neither's rows.
             let scalars = [("rows", rows as u32)];
-            add(name, norm_with(&cfg, threads), buffers, &scalars, peer, 0.0);
+            cases.add(name, norm_with(&cfg, threads), buffers, &scalars, peer, 0.0);
         }
     }
+}
+
+/// Attention bf16 at head dims 128 and 64 over 4096 tokens (batch 4, 16 heads), causal or not,
+/// and with dropout 0.1 at 128, as lowering picks it.
+fn attention_cases(cases: &mut Cases) {
     for (d, causal, dropout) in [
         (128u32, true, None),
         (128, false, None),
@@ -731,15 +777,18 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
                 ""
             }
         );
-        add(name, attention(&cfg), buffers, &[], peer, flops);
+        cases.add(name, attention(&cfg), buffers, &[], peer, flops);
     }
-    // Attention of the models' prefills in every shape that fits (consumers, Q buffers, K and V
-    // stages, one item a block, a persistent or a stream grid):
-    // BERT-base at 128 x 128 tokens (all keys), GPT-2 at 1024 tokens and Llama-3.2-1B at 4096
-    // (causal, GQA 4:1); the benchmark shapes above (4 x 16 heads, 4096 tokens, dropout
-    // 0.1 at head dim 128), whose blocks of 32 key tiles start and finish 2048 items on 132 SMs;
-    // BERT-base at 32 x 512 tokens (1536 items of four key tiles); and 2048 items of 8 and 16
-    // key tiles at head dim 128, between the persistent grid's items and the stream grid's.
+}
+
+/// Attention of the models' prefills in every shape that fits (consumers, Q buffers, K and V
+/// stages, one item a block, a persistent or a stream grid):
+/// BERT-base at 128 x 128 tokens (all keys), GPT-2 at 1024 tokens and Llama-3.2-1B at 4096
+/// (causal, GQA 4:1); the benchmark shapes above (4 x 16 heads, 4096 tokens, dropout
+/// 0.1 at head dim 128), whose blocks of 32 key tiles start and finish 2048 items on 132 SMs;
+/// BERT-base at 32 x 512 tokens (1536 items of four key tiles); and 2048 items of 8 and 16
+/// key tiles at head dim 128, between the persistent grid's items and the stream grid's.
+fn model_attention_cases(cases: &mut Cases) {
     for (b, h, kv, s, d, causal, dropout) in [
         (128u32, 12u32, 12u32, 128u32, 64u32, false, false),
         (1, 12, 12, 1024, 64, true, false),
@@ -786,11 +835,14 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
                 form.replace(' ', "_")
             );
             let kernel = attention_wgmma_shaped(&cfg, shape, kernel_name);
-            add(name, kernel, buffers, &[], peer, flops);
+            cases.add(name, kernel, buffers, &[], peer, flops);
         }
     }
-    // Mistral-7B's sliding window (4096 keys) over 8192 tokens (32 / 8 heads, d 128): the
-    // Hopper kernel, and the mma kernel it replaces there; the peers take the window as a mask.
+}
+
+/// Mistral-7B's sliding window (4096 keys) over 8192 tokens (32 / 8 heads, d 128): the
+/// Hopper kernel, and the mma kernel it replaces there; the peers take the window as a mask.
+fn window_attention_cases(cases: &mut Cases) {
     let (h, kv, s, d, w) = (32u32, 8u32, 8192u32, 128u32, 4096u32);
     let mut cfg = AttentionConfig::plain([1, h, kv, s, s, d], Elem::BF16);
     cfg.scale = 1.0 / (d as f32).sqrt();
@@ -808,9 +860,8 @@ fn emit_cases(dir: &std::path::Path, only: &[(usize, usize, usize)]) {
             "gqa": true, "window": w,
         });
         let name = format!("attention bf16 h{h}/{kv} s{s} d{d} causal window {w} {form}");
-        add(name, kernel, buffers, &[], peer, flops);
+        cases.add(name, kernel, buffers, &[], peer, flops);
     }
-    finish(dir, &cases);
 }
 
 /// A stream grid's scratch (`partials`, `counters` zero before the launch), if any.
