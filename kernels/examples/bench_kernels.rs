@@ -766,8 +766,7 @@ fn attention_cases(cases: &mut Cases) {
             "kind": "sdpa", "causal": causal, "dropout": dropout.unwrap_or(0.0),
             "scale": cfg.scale,
         });
-        let flops = 4.0 * f64::from(b * h) * f64::from(sq).powi(2) * f64::from(d)
-            / if causal { 2.0 } else { 1.0 };
+        let flops = attention_flops([b, h, sq, d], causal);
         let name = format!(
             "attention bf16 d{d} s{sq}{}{}",
             if causal { " causal" } else { "" },
@@ -819,8 +818,7 @@ fn model_attention_cases(cases: &mut Cases) {
                 "kind": "sdpa", "causal": causal, "dropout": p, "scale": cfg.scale,
                 "gqa": h != kv,
             });
-            let flops = 4.0 * f64::from(b * h) * f64::from(s).powi(2) * f64::from(d)
-                / if causal { 2.0 } else { 1.0 };
+            let flops = attention_flops([b, h, s, d], causal);
             let form = shape.to_string();
             let mark = if shape == picked { " (picked)" } else { "" };
             let rule = match (causal, dropout) {
@@ -870,6 +868,12 @@ fn stream_buffers(buffers: &mut Vec<(&'static str, Buffer)>, (partials, counters
         buffers.push(("partials", (vec![partials as usize / 4], "f32", 0.0)));
         buffers.push(("counters", (vec![counters as usize / 4], "i32", 0.0)));
     }
+}
+
+/// The FLOPs of attention over `b` sequences of `s` tokens, `h` heads of `d`: two products of
+/// every query with every key it sees (half of them, causal).
+fn attention_flops([b, h, s, d]: [u32; 4], causal: bool) -> f64 {
+    4.0 * f64::from(b * h) * f64::from(s).powi(2) * f64::from(d) / if causal { 2.0 } else { 1.0 }
 }
 
 /// The bf16 tensors of an attention over `b` sequences of `s` tokens, `h` query and `kv` K/V

@@ -433,11 +433,13 @@ impl Gpu {
         Ok(memory)
     }
 
-    /// The kernels of `m`'s table from `images`' modules ([`load_kernels`]).
+    /// The kernels of `m`'s table from `images`' modules ([`load_kernels`]); `eager` where the
+    /// executor launches step by step and replays no graph, so that no launch way is timed.
     fn kernels(
         &self,
         m: &Manifest,
         images: Images,
+        eager: bool,
         counts: &mut DriverCounts,
         start: Instant,
     ) -> Result<Kernels, RuntimeError> {
@@ -451,8 +453,7 @@ impl Gpu {
             dependent_launch: std::env::var("KILN_PDL")
                 .ok()
                 .map(|v| v != "0")
-                // Eager runs launch step by step and replay no graph: nothing to time.
-                .or(std::env::var_os("KILN_EAGER").map(|_| true)),
+                .or(eager.then_some(true)),
         };
         tracing::info!(
             seconds = start.elapsed().as_secs_f64(),
@@ -953,7 +954,8 @@ impl CudaExecutor {
         check_free_memory(&gpu.ctx, m.memory.total_bytes(), &gpu.device)?;
         let mut counts = DriverCounts::default();
         let mut memory = gpu.allocate(art, region, &mut counts, start)?;
-        let functions = gpu.kernels(m, images, &mut counts, start)?;
+        let eager = std::env::var_os("KILN_EAGER").is_some();
+        let functions = gpu.kernels(m, images, eager, &mut counts, start)?;
         let addresses = Addresses {
             base: memory.device_ptr(&gpu.stream).0,
             plan: m.memory.clone(),
@@ -976,7 +978,7 @@ impl CudaExecutor {
             staging,
             functions,
             addresses,
-            eager: std::env::var_os("KILN_EAGER").is_some(),
+            eager,
             profile: BTreeMap::new(),
             arena: m.memory.base(Region::Arena),
             cache: m.memory.base(Region::Cache),
